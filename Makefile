@@ -1,0 +1,21 @@
+# Set-up and everyday commands. `make test` and `make train` work on a fresh machine with only
+# Python, pip and the package registries.
+PYTHON ?= python3
+NPROC ?= 2
+CONFIG ?= configs/default.yaml
+
+.PHONY: install test train clean
+
+# torch==2.13.0 is the CPU build verified on our machines; an importable torch is kept as is.
+install:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install --quiet torch==2.13.0
+	@$(PYTHON) -m pip install --quiet -e ".[dev]"
+
+test: install
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q tests
+
+train: install
+	OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) train.py $(CONFIG) $(ARGS)
+
+clean:
+	rm -rf runs/ .cache/ build/ *.egg-info
