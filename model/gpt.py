@@ -1,0 +1,234 @@
+"""GPT-2++: a decoder-only transformer with RMSNorm, SwiGLU and rotary position embeddings.
+
+The "GPT-2++" of Distributed Lion §5.2 and Lion Cub App. F.2: GPT-2 shapes with the LLaMA-era
+changes (gated linear unit MLP, RMSNorm), no biases, no dropout. Parameter names are chosen so
+that `param_roles` can find the layers the papers single out (token embedding, output head,
+attention, MLP, norms): Lion Cub §5 synchronises the momenta of the embedding and the head.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    """Maximum sequence length (context window)."""
+    vocab_size: int = 50304
+    """Vocabulary size; GPT-2's 50257 padded up to a multiple of 64 for fast matmuls."""
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    mlp_hidden: int = 0
+    """SwiGLU hidden width; 0 = the multiple of 64 nearest to 8/3 * n_embd (same FLOPs as a 4x MLP)."""
+    pos_emb: str = "rope"
+    """"rope" (rotary, default) or "learned" (GPT-2's absolute position table)."""
+    rope_base: float = 10000.0
+    tie_embeddings: bool = True
+    """Share the token embedding and the output head weight (GPT-2, nanoGPT)."""
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.n_embd % self.n_head:
+            problems.append(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        elif (self.n_embd // self.n_head) % 2 and self.pos_emb == "rope":
+            problems.append(f"head size {self.n_embd // self.n_head} must be even for rotary embeddings")
+        if self.pos_emb not in ("rope", "learned"):
+            problems.append(f"pos_emb={self.pos_emb!r}; use 'rope' or 'learned'")
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name}={getattr(self, name)} must be positive")
+        if problems:
+            raise ValueError("invalid GPTConfig: " + "; ".join(problems))
+        if self.mlp_hidden <= 0:
+            self.mlp_hidden = 64 * max(1, round(8 * self.n_embd / 3 / 64))
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+
+
+def rotary_tables(head_dim: int, length: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)  # (T, hd/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, nh, T, hd); rotate the two halves of each head (GPT-NeoX layout)
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.proj.residual_scale = True
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hd)
+        if rope is not None:
+            cos, sin = rope[0][:T], rope[1][:T]
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 2 * cfg.mlp_hidden, bias=False)  # gate and value in one matmul
+        self.proj = nn.Linear(cfg.mlp_hidden, cfg.n_embd, bias=False)
+        self.proj.residual_scale = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, value = self.fc(x).chunk(2, dim=-1)
+        return self.proj(F.silu(gate) * value)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.norm2 = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope)
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+            norm_f=RMSNorm(config.n_embd, config.norm_eps),
+        ))
+        if config.pos_emb == "learned":
+            self.transformer["wpe"] = nn.Embedding(config.block_size, config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+        if config.pos_emb == "rope":
+            cos, sin = rotary_tables(config.head_dim, config.block_size, config.rope_base)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # GPT-2 init; residual projections scaled by 1/sqrt(2 * n_layer) (GPT-2 paper §2.3)
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                std = residual_std if getattr(module, "residual_scale", False) else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        x = self.transformer.wte(idx)  # (B, T, C)
+        rope = None
+        if self.config.pos_emb == "learned":
+            x = x + self.transformer.wpe(torch.arange(T, device=idx.device))
+        else:
+            rope = (self.rope_cos, self.rope_sin)
+        for block in self.transformer.h:
+            x = block(x, rope)
+        x = self.transformer.norm_f(x)
+        if targets is None:
+            return self.lm_head(x[:, [-1], :]), None  # (B, 1, V): only the last position is needed
+        logits = self.lm_head(x)  # (B, T, V)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Unique parameters (a tied weight counts once). non_embedding drops the token and
+        position tables, and the head when it is a separate matrix (the Kaplan et al. convention)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.transformer.wte.weight.numel()
+            if "wpe" in self.transformer:
+                n -= self.transformer.wpe.weight.numel()
+            if not self.config.tie_embeddings:
+                n -= self.lm_head.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token (forward + backward): 6 * N_matmul + attention scores
+        (PaLM appendix B; nanoGPT's estimate_mfu)."""
+        cfg = self.config
+        T = seq_len or cfg.block_size
+        n_matmul = self.num_params(non_embedding=True) + self.lm_head.weight.numel()
+        return 6.0 * n_matmul + 12.0 * cfg.n_layer * cfg.n_embd * T
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None) -> torch.Tensor:
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.config.block_size:])
+            logits = logits[:, -1, :] / max(temperature, 1e-6)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                logits[logits < kth] = -float("inf")
+            idx = torch.cat((idx, torch.multinomial(F.softmax(logits, dim=-1), 1)), dim=1)
+        return idx
+
+
+def estimate_mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: achieved training FLOP/s over the device's peak."""
+    return flops_per_token * tokens_per_s / peak_flops
+
+
+ROLES = ("embedding", "head", "attn", "mlp", "norm")
+
+
+def param_roles(model: nn.Module) -> dict[str, str]:
+    """Map each parameter name to the role the papers single out: embedding, head, attn, mlp,
+    norm (1-D scalars). A tied embedding/head weight appears once, as "embedding"."""
+    roles = {}
+    for name, p in model.named_parameters():  # named_parameters yields a shared weight once
+        if name.startswith("transformer.wte.") or name.startswith("transformer.wpe."):
+            role = "embedding"
+        elif name.startswith("lm_head."):
+            role = "head"
+        elif p.ndim < 2:
+            role = "norm"
+        elif ".attn." in name:
+            role = "attn"
+        elif ".mlp." in name:
+            role = "mlp"
+        else:
+            raise ValueError(f"parameter {name} has no role; extend model.param_roles")
+        roles[name] = role
+    return roles
