@@ -1,0 +1,1 @@
+"""Benchmarks that drive the public APIs: comm microbenchmarks (bench.comm), step-time breakdown."""

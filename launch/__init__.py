@@ -1,0 +1,1 @@
+"""Launch helpers: the one-machine bandwidth simulator (launch.netsim) and cluster scripts (launch/slurm)."""
