@@ -1,0 +1,71 @@
+"""Process-group setup: gloo on CPU, NCCL on CUDA; a one-rank group when run without torchrun,
+so every code path (including update-sync optimizers) runs the same way at P = 1."""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistInfo:
+    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
+    if "RANK" not in os.environ:  # plain `python train.py`: a one-rank group on loopback
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        dev, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        dev, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        kwargs = dict(backend=backend, rank=rank, world_size=world,
+                      timeout=datetime.timedelta(seconds=timeout_s))
+        if backend == "nccl":
+            kwargs["device_id"] = dev
+        dist.init_process_group(**kwargs)
+    return DistInfo(rank, world, local_rank, dev, backend)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_agree(flag: bool, device: torch.device) -> bool:
+    """True on every rank if `flag` is True on any rank (a tiny control allreduce)."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def mean_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).tolist()
