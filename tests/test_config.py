@@ -1,0 +1,82 @@
+import glob
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.config import ConfigError, describe, load_config, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted(glob.glob(str(ROOT / "configs" / "**" / "*.yaml"), recursive=True))
+
+
+def test_configs_exist():
+    assert len(CONFIGS) > 40 and any(p.endswith("default.yaml") for p in CONFIGS)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(Path(p).relative_to(ROOT)))
+def test_every_shipped_config_loads_and_validates(path):
+    cfg = load_config(path)
+    # every shipped config is also legal at the world sizes our docs run it with
+    for world in (1, 2, 4, 8):
+        assert validate(cfg, world_size=world, raise_error=False) == [], (path, world)
+
+
+def test_extends_chain_and_overrides():
+    cfg = load_config(ROOT / "configs/gpt2_774m/lioncub_4bit_synchead.yaml", ["train.max_steps=7", "comm.bits=8"])
+    assert cfg.model.preset == "gpt2-774m" and cfg.model.tie_embeddings is False
+    assert cfg.comm.mode == "pbit" and cfg.comm.bits == 8 and cfg.comm.momentum_sync.every == 10
+    assert cfg.optim.lr == 6e-5 and cfg.train.max_steps == 7
+    assert cfg.train.out_dir == "runs/gpt2_774m/lioncub_4bit_synchead"
+
+
+def test_unknown_keys_name_the_closest_valid_key_and_all_problems_at_once():
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs/default.yaml", ["train.max_stpes=3", "optim.lr=fast", "comm.mode=carrier",
+                                                    "optimm.name=lion"])
+    msg = str(e.value)
+    assert "4 config problem(s)" in msg
+    assert "train.max_stpes: unknown key; did you mean train.max_steps?" in msg
+    assert "optim.lr: expected float, got 'fast'" in msg
+    assert "comm.mode: 'carrier' is not one of fp32, bf16, ps, onebit, pbit, hierarchical" in msg
+    assert "optimm: unknown section; did you mean optim?" in msg
+
+
+def test_bad_combinations():
+    with pytest.raises(ConfigError, match="needs optim.name=lion, got optim.name=adamw"):
+        load_config(None, ["optim.name=adamw", "comm.mode=onebit"])
+    with pytest.raises(ConfigError, match="data.seq_len: 4096 exceeds the model's block size 256"):
+        load_config(None, ["data.seq_len=4096"])
+    with pytest.raises(ConfigError, match="momentum sync applies to ps/onebit/pbit/hierarchical"):
+        load_config(None, ["comm.momentum_sync.every=10"])
+
+
+def test_world_size_dependent_checks():
+    cfg = load_config(ROOT / "configs/gpt2_774m/lioncub_4bit.yaml")
+    assert validate(cfg, world_size=15, raise_error=False) == []
+    problems = validate(cfg, world_size=16, raise_error=False)
+    assert len(problems) == 1 and "at most 15 ranks" in problems[0] and "comm.bits=8" in problems[0]
+    l1 = load_config(ROOT / "configs/gpt2_774m/lioncub_8bit_l1.yaml")
+    assert validate(l1, world_size=127, raise_error=False) == []  # L = 255 // 254 = 1
+    assert "no quantization level for 128 ranks" in validate(l1, world_size=128, raise_error=False)[0]
+    set_levels = load_config(None, ["comm.mode=pbit", "comm.bits=8", "comm.quantizer=l1", "comm.levels=16"])
+    assert "overflow 8-bit lanes" in validate(set_levels, world_size=8, raise_error=False)[0]
+
+
+def test_help_text_covers_every_field():
+    text = describe()
+    for line in text.splitlines():
+        if line.startswith("  "):
+            assert line.split(":", 1)[1].strip(), f"field without help: {line}"
+    assert "comm:" in text and "mode: What crosses the network" in text
+
+
+def test_cli_reports_config_errors_without_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "train.py", "configs/default.yaml", "train.max_step=3"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "did you mean train.max_steps" in proc.stderr and "Traceback" not in proc.stderr
+    missing = subprocess.run([sys.executable, "train.py", str(tmp_path / "nope.yaml")], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "config file not found" in missing.stderr
