@@ -1,0 +1,171 @@
+"""Memory-mapped token shards -> (x, y) batches, each rank its own slice of every global batch.
+
+The train split is read as one token stream: every epoch visits all train shards in an order
+permuted by (seed, epoch), shard after shard, and wraps into the next epoch. One global batch is
+the next world_size * batch_size * block_size + 1 tokens of that stream; rank r takes tokens
+[r*B*T, (r+1)*B*T + 1) of it (x = first B*T, y = the same shifted by one), and the stream then
+advances by world_size*B*T (modded-nanogpt's distributed loader, but batches may span shard and
+epoch boundaries, so small shards lose nothing). The position (epoch, shard, position) is the
+same on every rank, so any rank's `state_dict()` restores all of them exactly.
+
+`val_batches` reads the val shards in index order with the same rank slicing, without wrapping.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data.shards import list_shards, open_shard
+
+
+def split_shards(data_dir: str | os.PathLike, split: str) -> list[Path]:
+    """The `split` shard paths of a prepared dir; clear errors for a missing dir or no shards."""
+    d = Path(data_dir)
+    if not d.exists():
+        raise FileNotFoundError(f"data dir {d} does not exist; prepare one with `python -m data.prepare "
+                                f"text --input FILES --out {d}` or use data.dataset=builtin")
+    if not d.is_dir():
+        raise NotADirectoryError(f"data dir {d} is not a directory (expected a folder of *.bin shards)")
+    paths = list_shards(d, split)
+    if not paths:
+        found = sorted(p.name for p in d.iterdir())[:8]
+        raise FileNotFoundError(f"data dir {d} has no {split}_XXXXXX.bin shards (found: {found or 'nothing'}); "
+                                f"prepare it with `python -m data.prepare ... --out {d}`")
+    return paths
+
+
+def _check_geometry(batch_size: int, block_size: int, rank: int, world_size: int) -> None:
+    if batch_size < 1 or block_size < 1:
+        raise ValueError(f"batch_size and block_size must be >= 1, got {batch_size} and {block_size}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank} world_size={world_size}")
+
+
+class _Stream:
+    """Concatenation of shards in an order that may change per epoch; positions are
+    (epoch, index into that epoch's order, offset in that shard), kept with offset < shard length."""
+
+    def __init__(self, arrays: list[np.ndarray], seed: int | None):
+        self.arrays, self.seed = arrays, seed
+        self._order_cache: tuple[int, np.ndarray] | None = None
+
+    def order(self, epoch: int) -> np.ndarray:
+        if self.seed is None:
+            return np.arange(len(self.arrays))
+        if self._order_cache is None or self._order_cache[0] != epoch:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.arrays))
+            self._order_cache = (epoch, perm)
+        return self._order_cache[1]
+
+    def _len(self, epoch: int, shard: int) -> int:
+        return len(self.arrays[self.order(epoch)[shard]])
+
+    def normalize(self, pos: tuple[int, int, int]) -> tuple[int, int, int]:
+        epoch, shard, off = pos
+        while off >= self._len(epoch, shard):  # also skips empty shards; total > 0 is checked
+            off -= self._len(epoch, shard)
+            shard += 1
+            if shard == len(self.arrays):
+                epoch, shard = epoch + 1, 0
+        return epoch, shard, off
+
+    def advance(self, pos: tuple[int, int, int], n: int) -> tuple[int, int, int]:
+        epoch, shard, off = pos
+        return self.normalize((epoch, shard, off + n))
+
+    def read(self, pos: tuple[int, int, int], n: int) -> np.ndarray:
+        out = np.empty(n, dtype=np.int64)
+        filled = 0
+        epoch, shard, off = self.normalize(pos)
+        while filled < n:
+            arr = self.arrays[self.order(epoch)[shard]]
+            take = min(n - filled, len(arr) - off)
+            out[filled:filled + take] = arr[off:off + take]
+            filled += take
+            epoch, shard, off = self.advance((epoch, shard, off), take)
+        return out
+
+
+def _to_xy(buf: np.ndarray, batch_size: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.from_numpy(buf)
+    return t[:-1].view(batch_size, block_size), t[1:].view(batch_size, block_size)
+
+
+class ShardLoader:
+    """Train batches for one rank; deterministic given (data, seed, geometry), exactly resumable."""
+
+    def __init__(self, data_dir: str | os.PathLike, split: str, batch_size: int, block_size: int,
+                 rank: int, world_size: int, seed: int):
+        _check_geometry(batch_size, block_size, rank, world_size)
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0 (it seeds the per-epoch shard order), got {seed}")
+        self.paths = split_shards(data_dir, split)
+        self.split, self.batch_size, self.block_size = split, batch_size, block_size
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        arrays = [open_shard(p) for p in self.paths]
+        self.lengths = [len(a) for a in arrays]
+        need = world_size * batch_size * block_size + 1
+        if sum(self.lengths) < need:
+            raise ValueError(f"{split} split of {data_dir} holds {sum(self.lengths)} tokens, fewer than one "
+                             f"global batch ({world_size} ranks x {batch_size} x {block_size} + 1 = {need}); "
+                             f"use a smaller batch_size/block_size or more data")
+        self._stream = _Stream(arrays, seed)
+        self._pos = (0, 0, 0)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) int64 (batch_size, block_size): this rank's slice of the next global batch."""
+        local = self.batch_size * self.block_size
+        start = self._stream.advance(self._pos, self.rank * local)
+        buf = self._stream.read(start, local + 1)
+        self._pos = self._stream.advance(self._pos, self.world_size * local)
+        return _to_xy(buf, self.batch_size, self.block_size)
+
+    def state_dict(self) -> dict:
+        epoch, shard, position = self._stream.normalize(self._pos)
+        return {"epoch": epoch, "shard": shard, "position": position, "seed": self.seed,
+                "split": self.split, "shards": [p.name for p in self.paths], "shard_tokens": list(self.lengths)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a position saved by `state_dict()` (any rank's; world size may differ)."""
+        mine = {"seed": self.seed, "split": self.split, "shards": [p.name for p in self.paths],
+                "shard_tokens": list(self.lengths)}
+        for key, value in mine.items():
+            if key in state and state[key] != value:
+                raise ValueError(f"loader state does not match this data: {key} was {state[key]!r}, now "
+                                 f"{value!r}; resume with the same data dir and seed")
+        epoch, shard, position = int(state["epoch"]), int(state["shard"]), int(state["position"])
+        if not (epoch >= 0 and 0 <= shard < len(self.paths) and 0 <= position < self.lengths[self._stream.order(epoch)[shard]]):
+            raise ValueError(f"loader state (epoch={epoch}, shard={shard}, position={position}) is out of range "
+                             f"for {len(self.paths)} {self.split} shards")
+        self._pos = (epoch, shard, position)
+
+
+def val_batches(data_dir: str | os.PathLike, batch_size: int, block_size: int, rank: int,
+                world_size: int, n_batches: int | None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The first `n_batches` global batches of the val shards (index order, no wrap), this rank's
+    slice of each. `n_batches=None` yields every full global batch the val split holds; asking for
+    more than that raises ValueError (checked here, before the first batch)."""
+    _check_geometry(batch_size, block_size, rank, world_size)
+    arrays = [open_shard(p) for p in split_shards(data_dir, "val")]
+    total = sum(len(a) for a in arrays)
+    local = batch_size * block_size
+    available = max(0, (total - 1) // (world_size * local))
+    if n_batches is None:
+        n_batches = available
+    if n_batches < 0 or n_batches > available or available == 0:
+        raise ValueError(f"val split of {data_dir} holds {total} tokens = {available} global batches of "
+                         f"{world_size} ranks x {batch_size} x {block_size} (+1), asked for {n_batches}; "
+                         f"evaluate on at most {available} batches (or pass n_batches=None), use a smaller "
+                         f"batch, or prepare more val data")
+    stream = _Stream(arrays, seed=None)
+
+    def gen() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for i in range(n_batches):
+            start = stream.normalize((0, 0, (i * world_size + rank) * local))
+            yield _to_xy(stream.read(start, local + 1), batch_size, block_size)
+
+    return gen()
