@@ -1,0 +1,86 @@
+"""Lion (Chen et al., "Symbolic Discovery of Optimization Algorithms") with foreach kernels.
+
+Per step, for every parameter with a gradient (DESIGN.md "optim/"):
+    p *= 1 - lr * wd                       (decoupled weight decay)
+    p -= lr * sign(b1 * m + (1 - b1) * g)  (the update direction c, Lion Cub Alg. 1 line 3)
+    m  = b2 * m + (1 - b2) * g
+lr and weight_decay are read from each param group at every step, so schedulers (and the
+trainer's group["lr"] = schedule_lr * group["lr_mult"]) take effect immediately.
+
+The three kernels below are shared with the update-sync optimizer (optim/lioncub.py) so that at
+world size 1 it reproduces this class bit for bit.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+
+
+def lion_direction(exp_avgs: list[torch.Tensor], grads: list[torch.Tensor], beta1: float,
+                   out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """c = b1 * m + (1 - b1) * g, into `out` when given (same shapes), else into new tensors."""
+    if out is None:
+        out = torch._foreach_mul(exp_avgs, beta1)
+    else:
+        torch._foreach_copy_(out, exp_avgs)
+        torch._foreach_mul_(out, beta1)
+    torch._foreach_add_(out, grads, alpha=1.0 - beta1)
+    return out
+
+
+def apply_update_(params: list[torch.Tensor], updates: list[torch.Tensor], lr: float, weight_decay: float) -> None:
+    """p *= 1 - lr*wd; p -= lr * update (the update is sign(c), or a mean of votes for D-Lion Avg)."""
+    if weight_decay != 0.0:
+        torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+    torch._foreach_add_(params, updates, alpha=-lr)
+
+
+def momentum_update_(exp_avgs: list[torch.Tensor], grads: list[torch.Tensor], beta2: float) -> None:
+    """m = b2 * m + (1 - b2) * g with the local gradient."""
+    torch._foreach_mul_(exp_avgs, beta2)
+    torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta2)
+
+
+class Lion(torch.optim.Optimizer):
+    """Single-process (or gradient-synchronised) Lion; `sync_kind = "gradient"`."""
+
+    sync_kind = "gradient"
+
+    def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
+                 weight_decay: float = 0.0) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"Lion: lr={lr}; need lr >= 0")
+        if not (0.0 <= betas[0] <= 1.0 and 0.0 <= betas[1] <= 1.0):
+            raise ValueError(f"Lion: betas={betas}; both must lie in [0, 1] (the papers use (0.9, 0.99))")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"Lion: weight_decay={weight_decay}; need >= 0")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
+        self.diagnose_next_step = False
+        self.last_diagnostics: dict[str, float] = {}  # momenta are identical across ranks by construction
+        self.last_histograms: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            grads = [p.grad for p in params]
+            exp_avgs = []
+            for p in params:
+                state = self.state[p]
+                if "exp_avg" not in state:
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                exp_avgs.append(state["exp_avg"])
+            beta1, beta2 = group["betas"]
+            updates = lion_direction(exp_avgs, grads, beta1)
+            torch._foreach_sign_(updates)
+            apply_update_(params, updates, float(group["lr"]), float(group["weight_decay"]))
+            momentum_update_(exp_avgs, grads, beta2)
+        self.diagnose_next_step = False
+        return loss
