@@ -1,0 +1,323 @@
+"""Single-process tests of optim/: Lp quantizer vs eq. (1), levels rule, Lion vs a naive loop,
+the registry's errors, world-size-1 update sync == Lion, zero-update masking, state round trips."""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+import optim
+from optim.quantize import levels_for, lp_quantize
+
+P_VALUES = [0.0, 0.5, 1.0, 2.0, math.inf, 3.0]
+
+
+# ---- lp_quantize ---------------------------------------------------------------------------
+def _eq1_reference(x: torch.Tensor, levels: int, p: float, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Direct transcription of Lion Cub eq. (1) in float64; returns (q, the value before rounding)."""
+    a = x.double().abs()
+    if math.isinf(p):
+        m = a.max()
+    elif p == 0:
+        nz = a[a > 0]
+        m = torch.exp(torch.log(nz).mean()) if nz.numel() else torch.tensor(0.0, dtype=torch.float64)
+    else:
+        m = (a ** p).mean() ** (1.0 / p)
+    if m == 0:
+        return torch.zeros_like(x, dtype=torch.int64), torch.zeros_like(x, dtype=torch.float64)
+    y = levels / (clip * m) * x.double()
+    return torch.clamp(torch.round(y), -levels, levels).long(), y
+
+
+@pytest.mark.parametrize("p", P_VALUES)
+def test_lp_quantize_matches_eq1_on_laplace(p):
+    lap = torch.distributions.Laplace(0.0, 1e-3)
+    for levels, clip, n in [(1, 2.0, 5000), (7, 2.0, 4096), (15, 1.0, 3000), (127, 2.0, 2048)]:
+        torch.manual_seed(int(levels * 10 + clip))
+        x = lap.sample((n,)).float()
+        x[::17] = 0.0  # exact zeros must not move M_0 (geometric mean of the nonzero entries)
+        q = lp_quantize(x, levels, p, clip=clip)
+        ref, y = _eq1_reference(x, levels, p, clip)
+        assert q.dtype == torch.int8 and q.shape == x.shape
+        diff = q.long() != ref
+        # fp32 vs fp64 scale may only disagree where y sits on a rounding boundary (k + 1/2)
+        near_half = (y.abs() - y.abs().floor() - 0.5).abs() < 1e-4
+        assert not (diff & ~near_half).any(), (p, levels, clip, int(diff.sum()))
+        assert (q.long() - ref).abs().max() <= 1
+        assert int(q.abs().max()) <= levels
+        # the levels are actually used (not all zeros): a transcription bug would show here. Q_inf
+        # rounds most Laplace values to 0 (Lion Cub §4.1), so there only the top level is checked
+        if math.isinf(p):
+            assert int(q.abs().max()) == round(levels / clip)
+        else:
+            assert (q != 0).float().mean() > (0.2 if levels > 1 else 0.02), (p, levels)
+
+
+def test_lp_quantize_zero_input_and_classic_qinf():
+    assert torch.equal(lp_quantize(torch.zeros(10), 5, 1.0), torch.zeros(10, dtype=torch.int8))
+    assert torch.equal(lp_quantize(torch.zeros(10), 5, 0.0), torch.zeros(10, dtype=torch.int8))
+    x = torch.tensor([-4.0, -1.0, 0.0, 0.5, 2.0])
+    # Q_inf with clip 1 (Lion Cub §2): max |x| maps to the top level
+    assert lp_quantize(x, 3, math.inf, clip=1.0).tolist() == [-3, -1, 0, 0, 2]  # 0.375 -> 0, 1.5 -> 2 (half even)
+    # L1 with clip 2: M_1 = 7.5/5 = 1.5, scale = 3 / 3 = 1 -> round(x) clamped to 3
+    assert lp_quantize(x, 3, 1.0).tolist() == [-3, -1, 0, 0, 2]
+    assert lp_quantize(torch.tensor([3.0, -6.0, 0.0]), 2, 0.0, clip=1.0).tolist() == [1, -2, 0]  # M_0 = sqrt(18)
+
+
+def test_lp_quantize_stochastic_is_unbiased_and_seeded():
+    x = torch.linspace(-1, 1, 257)
+    levels, p = 4, 2.0
+    m = x.pow(2).mean().sqrt()
+    y = (levels / (2.0 * m) * x).clamp(-levels, levels)
+    gen = torch.Generator().manual_seed(3)
+    draws = torch.stack([lp_quantize(x, levels, p, rounding="stochastic", generator=gen) for _ in range(2000)])
+    assert ((draws.float() - y.floor()).ge(0) & (draws.float() - y.floor()).le(1)).all()  # floor or ceil only
+    assert (draws.float().mean(0) - y).abs().max() < 0.06  # 2000 draws: std of the mean <= 0.011
+    g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    assert torch.equal(lp_quantize(x, 4, 1.0, rounding="stochastic", generator=g1),
+                       lp_quantize(x, 4, 1.0, rounding="stochastic", generator=g2))
+
+
+def test_lp_quantize_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="levels=0"):
+        lp_quantize(torch.ones(3), 0, 1.0)
+    with pytest.raises(ValueError, match="p=-1"):
+        lp_quantize(torch.ones(3), 3, -1.0)
+    with pytest.raises(ValueError, match="rounding='up'"):
+        lp_quantize(torch.ones(3), 3, 1.0, rounding="up")
+
+
+def test_levels_rule():
+    # largest L with P * 2L <= 2**bits - 1
+    for bits in (1, 2, 4, 8, 16):
+        for P in range(1, 40):
+            if P > 2 ** bits - 1:
+                with pytest.raises(ValueError, match=f"comm.bits={bits}"):
+                    levels_for(bits, P)
+                continue
+            L = levels_for(bits, P)
+            assert L == min(127, max(l for l in range(0, 200) if P * 2 * l <= 2 ** bits - 1)), (bits, P)
+    assert levels_for(4, 8) == 0   # Lion Cub 4-bit with 8 workers: signs only
+    assert levels_for(8, 8) == 15
+    with pytest.raises(ValueError, match="comm.bits=8"):
+        levels_for(4, 16)
+    with pytest.raises(ValueError, match="bits=3"):
+        levels_for(3, 2)
+
+
+# ---- Lion ------------------------------------------------------------------------------------
+def _mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+
+
+def _groups(model, lr=0.01, wd=0.1):
+    weights = [p for p in model.parameters() if p.ndim >= 2]
+    others = [p for p in model.parameters() if p.ndim < 2]
+    return [{"params": weights, "names": [], "role": "mlp", "lr": lr, "weight_decay": wd, "lr_mult": 1.0},
+            {"params": others, "names": [], "role": "norm", "lr": lr * 3, "weight_decay": 0.0, "lr_mult": 3.0}]
+
+
+def _batch(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g)
+
+
+def test_lion_matches_naive_reference_with_changing_lr():
+    model, ref = _mlp(), _mlp()
+    opt = optim.build_optimizer("lion", _groups(model), betas=(0.9, 0.95), eps=1e-8, comm_mode="fp32",
+                                comm_options={})
+    assert isinstance(opt, optim.Lion) and opt.sync_kind == "gradient"
+    ref_groups = _groups(ref)
+    moms = {id(p): torch.zeros_like(p) for p in ref.parameters()}
+    for step in range(8):
+        scale = 1.0 - step / 10  # a schedule: the optimizer must read lr every step
+        for g, rg in zip(opt.param_groups, ref_groups):
+            g["lr"] = rg["lr"] = 0.01 * g["lr_mult"] * scale
+        x, y = _batch(step)
+        for m in (model, ref):
+            m.zero_grad()
+            ((m(x) - y) ** 2).mean().backward()
+        opt.step()
+        with torch.no_grad():
+            for rg in ref_groups:
+                for p in rg["params"]:
+                    m = moms[id(p)]
+                    c = 0.9 * m + 0.1 * p.grad
+                    p.mul_(1 - rg["lr"] * rg["weight_decay"])
+                    p.sub_(rg["lr"] * torch.sign(c))
+                    m.copy_(0.95 * m + 0.05 * p.grad)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+            torch.testing.assert_close(opt.state[p]["exp_avg"], moms[id(q)], rtol=1e-5, atol=1e-7)
+    assert opt.last_diagnostics == {}
+
+
+def test_lion_skips_params_without_grad_and_state_round_trip():
+    model = _mlp()
+    opt = optim.Lion(_groups(model), betas=(0.9, 0.99))
+    frozen = model[2].bias
+    before = frozen.detach().clone()
+    for step in range(3):
+        x, y = _batch(step)
+        model.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        frozen.grad = None
+        opt.step()
+    assert torch.equal(frozen, before) and frozen not in opt.state
+    # round trip: continue from a saved state == continue directly
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    twin = _mlp(5)
+    twin.load_state_dict(saved_model)
+    twin_opt = optim.Lion(_groups(twin), betas=(0.9, 0.99))
+    twin_opt.load_state_dict(saved_opt)
+    for step in range(3, 6):
+        x, y = _batch(step)
+        for m, o in ((model, opt), (twin, twin_opt)):
+            m.zero_grad()
+            ((m(x) - y) ** 2).mean().backward()
+            o.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+
+
+# ---- registry ---------------------------------------------------------------------------------
+def test_build_optimizer_registry_and_errors():
+    model = _mlp()
+    kw = dict(betas=(0.9, 0.99), eps=1e-8, comm_options={})
+    with pytest.raises(ValueError, match=r"optim.name='sgd'.*\['adamw', 'lion'\]"):
+        optim.build_optimizer("sgd", _groups(model), comm_mode="fp32", **kw)
+    with pytest.raises(ValueError, match=r"comm.mode='2bit'.*'onebit'"):
+        optim.build_optimizer("lion", _groups(model), comm_mode="2bit", **kw)
+    with pytest.raises(ValueError, match="needs optim.name=lion"):
+        optim.build_optimizer("adamw", _groups(model), comm_mode="onebit", **kw)
+    with pytest.raises(ValueError, match=r"unknown comm options \['bitz'\]"):
+        optim.build_optimizer("lion", _groups(model), comm_mode="pbit", betas=(0.9, 0.99), eps=1e-8,
+                              comm_options={"bitz": 4})
+    with pytest.raises(ValueError, match="momentum_sync"):
+        optim.build_optimizer("lion", _groups(model), comm_mode="fp32", betas=(0.9, 0.99), eps=1e-8,
+                              comm_options={"momentum_sync": {"every": 10, "layers": ["head"]}})
+    with pytest.raises(ValueError, match=r"selects no parameter.*\['mlp', 'norm'\]"):
+        optim.build_optimizer("lion", _groups(model), comm_mode="onebit", betas=(0.9, 0.99), eps=1e-8,
+                              comm_options={"momentum_sync": {"every": 10, "layers": ["head"]}})
+    with pytest.raises(ValueError, match="layers"):
+        optim.build_optimizer("lion", _groups(model), comm_mode="onebit", betas=(0.9, 0.99), eps=1e-8,
+                              comm_options={"momentum_sync": {"every": 10, "layers": ["lm_head"]}})
+    with pytest.raises(ValueError, match="comm.quantizer='l3'"):
+        optim.build_optimizer("lion", _groups(model), comm_mode="pbit", betas=(0.9, 0.99), eps=1e-8,
+                              comm_options={"quantizer": "l3"})
+    with pytest.raises(ValueError, match="comm.tie_break='random'"):
+        optim.build_optimizer("lion", _groups(model), comm_mode="onebit", betas=(0.9, 0.99), eps=1e-8,
+                              comm_options={"tie_break": "random"})
+    with pytest.raises(ValueError, match="comm.levels=3"):  # 1 rank, 2 bits: P * 2L <= 3 -> L <= 1
+        optim.build_optimizer("lion", _groups(model), comm_mode="pbit", betas=(0.9, 0.99), eps=1e-8,
+                              comm_options={"bits": 2, "levels": 3})
+    adamw = optim.build_optimizer("adamw", _groups(model), comm_mode="bf16", **kw)
+    assert isinstance(adamw, torch.optim.AdamW) and adamw.sync_kind == "gradient"
+    assert adamw.defaults["foreach"] is True and not adamw.defaults["fused"]
+    assert adamw.param_groups[1]["lr_mult"] == 3.0 and hasattr(adamw, "diag_stats")
+    x, y = _batch(0)
+    adamw.diagnose_next_step = True
+    ((model(x) - y) ** 2).mean().backward()
+    adamw.step()
+    assert adamw.last_diagnostics == {} and adamw.diagnose_next_step is False
+    lion = optim.build_optimizer("lion", _groups(model), comm_mode="pbit", betas=(0.9, 0.99), eps=1e-8,
+                                 comm_options={"bits": 8, "quantizer": "l1", "levels": None, "p": None,
+                                               "momentum_sync": None})
+    assert lion.sync_kind == "update" and lion.levels == 127
+
+
+# ---- update sync at world size 1 (no process group: comm/ treats it as one rank) ----------------
+EXACT_SIGN_MODES = [("onebit", {"tie_break": "alternate"}), ("onebit", {"tie_break": "minus"}),
+                    ("ps", {"ps_aggregate": "vote"}), ("ps", {"ps_aggregate": "avg", "ps_topology": "tree"}),
+                    ("pbit", {"bits": 8, "quantizer": "sign"}), ("pbit", {"bits": 1}),
+                    ("pbit", {"bits": 16, "quantizer": "sign"}), ("hierarchical", {})]
+
+
+class _EmbNet(torch.nn.Module):
+    """Token embedding with rows 12..15 never used (the padded-vocabulary case of Lion Cub App. B.1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, idx):
+        return self.head(torch.tanh(self.emb(idx)))
+
+    def groups(self, lr=0.02):
+        return [{"params": [self.emb.weight], "names": ["emb.weight"], "role": "embedding", "lr": lr,
+                 "weight_decay": 0.5, "lr_mult": 1.0},
+                {"params": [self.head.weight, self.head.bias], "names": ["head.weight", "head.bias"],
+                 "role": "head", "lr": lr, "weight_decay": 0.0, "lr_mult": 1.0}]
+
+
+def _emb_batch(step):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, 12, (256,), generator=g)  # every used token appears in every batch
+    return x, (3 * x + 1) % 12
+
+
+@pytest.mark.parametrize("mode,opts", EXACT_SIGN_MODES)
+def test_world1_update_sync_equals_lion_and_masking(mode, opts):
+    nets = [_EmbNet() for _ in range(3)]
+    lion = optim.build_optimizer("lion", nets[0].groups(), betas=(0.9, 0.99), eps=1e-8, comm_mode="fp32",
+                                 comm_options={})
+    masked = optim.build_optimizer("lion", nets[1].groups(), betas=(0.9, 0.99), eps=1e-8, comm_mode=mode,
+                                   comm_options={**opts, "mask_zero_updates": True})
+    unmasked = optim.build_optimizer("lion", nets[2].groups(), betas=(0.9, 0.99), eps=1e-8, comm_mode=mode,
+                                     comm_options={**opts, "mask_zero_updates": False})
+    for step in range(6):
+        x, y = _emb_batch(step)
+        for net, opt in zip(nets, (lion, masked, unmasked)):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+        for p, q in zip(nets[0].parameters(), nets[1].parameters()):
+            assert torch.equal(p, q), (mode, opts, step)
+        # unmasked: identical except (possibly) the never-seen rows, which do not touch the loss
+        assert torch.equal(nets[0].emb.weight[:12], nets[2].emb.weight[:12])
+        assert torch.equal(nets[0].head.weight, nets[2].head.weight)
+    # without the mask, a 1-bit vote moves the never-seen rows (tie break of 0); pbit with L >= 1
+    # sends exact zeros and needs no mask
+    unused_a, unused_c = nets[0].emb.weight[12:], nets[2].emb.weight[12:]
+    sends_zero = mode == "pbit" and opts.get("quantizer") == "sign"
+    assert torch.equal(unused_a, unused_c) == sends_zero, (mode, opts)
+
+
+def test_distributed_lion_state_round_trip_with_stochastic_rounding():
+    def make():
+        net = _EmbNet()
+        opt = optim.build_optimizer("lion", net.groups(), betas=(0.9, 0.99), eps=1e-8, comm_mode="pbit",
+                                    comm_options={"bits": 4, "quantizer": "l1", "rounding": "stochastic"})
+        return net, opt
+
+    def run(net, opt, steps):
+        for step in steps:
+            x, y = _emb_batch(step)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+
+    net, opt = make()
+    run(net, opt, range(3))
+    saved_net, saved_opt = copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict())
+    assert saved_opt["distributed_lion"]["step"] == 3
+    run(net, opt, range(3, 7))
+    twin, twin_opt = make()
+    twin.load_state_dict(saved_net)
+    twin_opt.load_state_dict(saved_opt)
+    run(twin, twin_opt, range(3, 7))
+    for p, q in zip(net.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    # the RNG is part of the state: a fresh generator would round differently
+    fresh, fresh_opt = make()
+    fresh.load_state_dict(saved_net)
+    sd = copy.deepcopy(saved_opt)
+    sd["distributed_lion"]["rng_state"] = torch.Generator().manual_seed(123).get_state()
+    fresh_opt.load_state_dict(sd)
+    run(fresh, fresh_opt, range(3, 7))
+    assert any(not torch.equal(p, q) for p, q in zip(net.parameters(), fresh.parameters()))
