@@ -427,8 +427,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.source == "text":
             # local builders need no hub; keep `datasets` off the network unless the env says otherwise
-            if _env_offline() is None:
-                configure_hub_access("offline")
+            if _env_offline() is None and "datasets" not in sys.modules:
+                for var in OFFLINE_VARS:
+                    os.environ[var] = "1"
             if args.val_shards:
                 val["val_fraction"] = None
             manifest = prepare_text(args.out, args.input, field=args.field, txt_split=args.txt_split,
