@@ -6,7 +6,7 @@ Usage:
     python -m data.prepare fineweb --sample sample-10BT --out data/fineweb10B --num-proc 16
 
 Sources:
-- openwebtext: HF `openwebtext`, 'text' field, train split; val = a held-out fraction of the
+- openwebtext: HF `Skylion007/openwebtext` (formerly `openwebtext`), 'text' field, train split; val = a held-out fraction of the
   documents (nanoGPT: 0.0005 with seed 2357).
 - fineweb: HF `HuggingFaceFW/fineweb` config `--sample` (sample-10BT, sample-100BT, ...), 'text'
   field; val = the first shard of the token stream (modded-nanogpt's fineweb_val_000000.bin).
@@ -43,6 +43,8 @@ from data.tokenizer import EOT_ID, get_encoding, tokenizer_info
 
 OWT_VAL_FRACTION = 0.0005  # nanoGPT data/openwebtext/prepare.py
 OWT_SEED = 2357
+OWT_HUB_ID = "Skylion007/openwebtext"  # the hub's canonical id of the old `openwebtext` alias
+FINEWEB_HUB_ID = "HuggingFaceFW/fineweb"
 DEFAULT_SHARD_TOKENS = 100_000_000  # modded-nanogpt: 10**8 tokens (200 MB) per shard
 FINEWEB_SAMPLES = ("sample-10BT", "sample-100BT", "sample-350BT")
 LOCAL_EXTS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -122,13 +124,18 @@ def configure_hub_access(mode: str) -> bool:
 
 
 def load_hub(path: str, name: str | None, *, offline: bool, num_proc: int | None,
-             cache_dir: str | None, subcommand: str) -> Any:
+             cache_dir: str | None, subcommand: str, revision: str | None = None) -> Any:
     """`datasets.load_dataset(path, name, split="train")`; offline misses become one clear error."""
     import datasets
 
     try:
-        return datasets.load_dataset(path, name=name, split="train", num_proc=num_proc, cache_dir=cache_dir)
+        return datasets.load_dataset(path, name=name, split="train", revision=revision,
+                                     num_proc=num_proc if num_proc and num_proc > 1 else None, cache_dir=cache_dir)
     except Exception as e:  # what a miss raises differs between datasets versions
+        if "scripts are no longer supported" in str(e):
+            raise PrepareError(f"{path} is a script-based hub dataset, which datasets {datasets.__version__} "
+                               f"no longer runs; read the hub's parquet conversion instead: add "
+                               f"`--revision refs/convert/parquet`") from e
         if not offline:
             raise
         target = f"{path}" + (f" ({name})" if name else "")
@@ -260,6 +267,13 @@ def write_shards(out_dir: Path, splits: dict[str, Any], shard_tokens: int, val_s
     return out
 
 
+def check_out(out: str | os.PathLike, overwrite: bool) -> None:
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise PrepareError(f"--out {out} exists and is not empty; pass --overwrite to replace it or pick "
+                           f"another directory")
+
+
 def prepare(ds: Any, out: str | os.PathLike, *, source: dict, field: str = "text",
             val_fraction: float | None = None, val_shards: int = 0, seed: int = OWT_SEED,
             shard_tokens: int = DEFAULT_SHARD_TOKENS, num_proc: int | None = None,
@@ -275,9 +289,7 @@ def prepare(ds: Any, out: str | os.PathLike, *, source: dict, field: str = "text
         raise PrepareError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     if val_shards < 0:
         raise PrepareError(f"--val-shards must be >= 0, got {val_shards}")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise PrepareError(f"--out {out} exists and is not empty; pass --overwrite to replace it or pick "
-                           f"another directory")
+    check_out(out, overwrite)
     if max_docs is not None:
         ds = ds.select(range(min(max_docs, len(ds))))
     if len(ds) == 0:
@@ -331,26 +343,29 @@ def prepare(ds: Any, out: str | os.PathLike, *, source: dict, field: str = "text
 
 def prepare_openwebtext(out: str | os.PathLike, *, dataset: Any = None, val_fraction: float = OWT_VAL_FRACTION,
                         seed: int = OWT_SEED, hub: str = "auto", cache_dir: str | None = None,
-                        **kw: Any) -> dict:
+                        hub_id: str = OWT_HUB_ID, revision: str | None = None, **kw: Any) -> dict:
     """OpenWebText as nanoGPT prepared it. `dataset`: an already loaded Dataset of the same schema
-    (a 'text' column; tests pass local files), else the hub's `openwebtext` train split."""
-    source = {"name": "openwebtext", "hub_id": "openwebtext", "split": "train"}
+    (a 'text' column; tests pass local files), else the hub's OpenWebText train split."""
+    source = {"name": "openwebtext", "hub_id": hub_id, "revision": revision, "split": "train"}
     if dataset is None:
+        check_out(out, kw.get("overwrite", False))
         offline = configure_hub_access(hub)
-        dataset = load_hub("openwebtext", None, offline=offline, num_proc=kw.get("num_proc"),
+        dataset = load_hub(hub_id, None, offline=offline, num_proc=kw.get("num_proc"), revision=revision,
                            cache_dir=cache_dir, subcommand="openwebtext")
     return prepare(dataset, out, source=source, field="text", val_fraction=val_fraction, seed=seed, **kw)
 
 
 def prepare_fineweb(out: str | os.PathLike, *, sample: str = "sample-10BT", dataset: Any = None,
                     val_shards: int = 1, val_fraction: float | None = None, hub: str = "auto",
-                    cache_dir: str | None = None, **kw: Any) -> dict:
+                    cache_dir: str | None = None, hub_id: str = FINEWEB_HUB_ID, revision: str | None = None,
+                    **kw: Any) -> dict:
     """FineWeb sample `sample`; val = first `val_shards` shards of tokens (modded-nanogpt) unless
     val_fraction is given. `dataset`: an already loaded Dataset with a 'text' column."""
-    source = {"name": "fineweb", "hub_id": "HuggingFaceFW/fineweb", "config": sample, "split": "train"}
+    source = {"name": "fineweb", "hub_id": hub_id, "revision": revision, "config": sample, "split": "train"}
     if dataset is None:
+        check_out(out, kw.get("overwrite", False))
         offline = configure_hub_access(hub)
-        dataset = load_hub("HuggingFaceFW/fineweb", sample, offline=offline, num_proc=kw.get("num_proc"),
+        dataset = load_hub(hub_id, sample, offline=offline, num_proc=kw.get("num_proc"), revision=revision,
                            cache_dir=cache_dir, subcommand=f"fineweb --sample {sample}")
     if val_fraction is not None:
         val_shards = 0
@@ -362,6 +377,7 @@ def prepare_text(out: str | os.PathLike, inputs: Sequence[str | os.PathLike], *,
                  txt_split: str = "document", val_fraction: float | None = 0.05, val_shards: int = 0,
                  cache_dir: str | None = None, **kw: Any) -> dict:
     """Local .txt/.jsonl/.json/.parquet files or folders -> shards."""
+    check_out(out, kw.get("overwrite", False))
     files = collect_files(inputs)
     ds = load_local(files, field=field, txt_split=txt_split, cache_dir=cache_dir, num_proc=kw.get("num_proc"))
     source = {"name": "text", "files": [str(f) for f in files][:1000], "n_files": len(files),
@@ -394,22 +410,25 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--cache-dir", default=None, help="HF datasets cache (default: HF_DATASETS_CACHE)")
         sp.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
 
-    def hub_flags(sp: argparse.ArgumentParser) -> None:
+    def hub_flags(sp: argparse.ArgumentParser, hub_id: str) -> None:
+        sp.add_argument("--hub-id", default=hub_id, help=f"hub dataset repo (default {hub_id})")
+        sp.add_argument("--revision", default=None,
+                        help="hub revision, e.g. refs/convert/parquet for a script-based repo")
         g = sp.add_mutually_exclusive_group()
         g.add_argument("--online", dest="hub", action="store_const", const="online",
-                       help="use the hub without probing it first")
+                       help="use the hub even if HF_*_OFFLINE is set; fail at once if a 3 s probe cannot reach it")
         g.add_argument("--offline", dest="hub", action="store_const", const="offline",
-                       help="only the local HF cache")
+                       help="only the local HF cache (no network)")
         sp.set_defaults(hub="auto")
 
     owt = sub.add_parser("openwebtext", help="HF openwebtext (nanoGPT's split)")
     common(owt, OWT_VAL_FRACTION, 0)
-    hub_flags(owt)
+    hub_flags(owt, OWT_HUB_ID)
     fw = sub.add_parser("fineweb", help="HF HuggingFaceFW/fineweb sample")
     fw.add_argument("--sample", default="sample-10BT",
                     help=f"FineWeb config name (default sample-10BT; also {', '.join(FINEWEB_SAMPLES[1:])}, ...)")
     common(fw, None, 1)
-    hub_flags(fw)
+    hub_flags(fw, FINEWEB_HUB_ID)
     tx = sub.add_parser("text", help="local .txt/.jsonl/.json/.parquet files or folders")
     tx.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files or folders")
     tx.add_argument("--field", default="text", help="text field of .jsonl/.json/.parquet records (default text)")
@@ -439,9 +458,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise PrepareError("openwebtext holds out --val-fraction documents (nanoGPT); --val-shards "
                                    "is for fineweb/text")
             manifest = prepare_openwebtext(args.out, val_fraction=args.val_fraction, seed=args.seed,
-                                           hub=args.hub, **kw)
+                                           hub=args.hub, hub_id=args.hub_id, revision=args.revision, **kw)
         else:
             manifest = prepare_fineweb(args.out, sample=args.sample, hub=args.hub, seed=args.seed,
+                                       hub_id=args.hub_id, revision=args.revision,
                                        val_shards=args.val_shards, val_fraction=args.val_fraction, **kw)
     except PrepareError as e:
         print(f"data.prepare: error: {e}", file=sys.stderr)

@@ -130,7 +130,7 @@ def test_openwebtext_path_holds_out_nanogpt_fraction(tmp_path: Path) -> None:
     assert len(val) == 1 and len(train) == 71 and sorted(train + val) == sorted(docs)
     nanogpt = ds.train_test_split(test_size=0.0005, seed=2357, shuffle=True)  # nanoGPT's recipe
     assert val == nanogpt["test"]["text"] and train == nanogpt["train"]["text"]
-    assert m["source"]["hub_id"] == "openwebtext" and "seed 2357" in m["source"]["val"]
+    assert m["source"]["hub_id"] == "Skylion007/openwebtext" and "seed 2357" in m["source"]["val"]
 
 
 def test_fineweb_path_first_shard_is_val(tmp_path: Path) -> None:
@@ -155,7 +155,7 @@ def test_hub_without_network_fails_fast_with_instructions(tmp_path: Path) -> Non
     env = {"HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_CACHE": str(tmp_path / "hf" / "ds"), "HF_HUB_OFFLINE": "1"}
     proc, secs = run_cli(["openwebtext", "--out", str(tmp_path / "owt")], env)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "openwebtext is not in the local HF cache" in proc.stderr and "data.prepare text --input" in proc.stderr
+    assert "Skylion007/openwebtext is not in the local HF cache" in proc.stderr and "data.prepare text --input" in proc.stderr
     assert secs < 15 and "Retrying" not in proc.stderr
     # --online with an unreachable endpoint: the probe fails at once instead of datasets' retries
     env.update(HF_HUB_OFFLINE="0", HF_ENDPOINT="http://127.0.0.1:9")
