@@ -144,11 +144,19 @@ class ShardLoader:
         self._pos = (epoch, shard, position)
 
 
+def val_batch_count(data_dir: str | os.PathLike, batch_size: int, block_size: int, world_size: int) -> int:
+    """How many full global batches (world_size x batch_size x block_size, +1) the val split holds."""
+    _check_geometry(batch_size, block_size, 0, world_size)
+    total = sum(len(open_shard(p)) for p in split_shards(data_dir, "val"))
+    return max(0, (total - 1) // (world_size * batch_size * block_size))
+
+
 def val_batches(data_dir: str | os.PathLike, batch_size: int, block_size: int, rank: int,
                 world_size: int, n_batches: int | None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The first `n_batches` global batches of the val shards (index order, no wrap), this rank's
     slice of each. `n_batches=None` yields every full global batch the val split holds; asking for
-    more than that raises ValueError (checked here, before the first batch)."""
+    more than that raises ValueError (checked here, before the first batch; `val_batch_count`
+    says how many there are)."""
     _check_geometry(batch_size, block_size, rank, world_size)
     arrays = [open_shard(p) for p in split_shards(data_dir, "val")]
     total = sum(len(a) for a in arrays)

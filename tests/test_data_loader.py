@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from data import resolve_dataset
-from data.loader import ShardLoader, val_batches
+from data.loader import ShardLoader, val_batch_count, val_batches
 from data.shards import HEADER_BYTES, MAGIC, open_shard, read_header, shard_name, write_shard
 
 SHARD_LENS = [300, 1, 517, 0, 250]  # uneven, one 1-token and one empty shard
@@ -127,7 +127,8 @@ def test_val_batches_deterministic_disjoint_and_bounded(tmp_path: Path) -> None:
     make_shards(tmp_path, lens=[100, 130], split="val")
     B, T, W = 2, 10, 2  # 40 tokens per global batch: (230 - 1) // 40 = 5 batches
     per_rank = [list(val_batches(tmp_path, B, T, r, W, None)) for r in range(W)]
-    assert [len(p) for p in per_rank] == [5, 5]
+    assert [len(p) for p in per_rank] == [5, 5] and val_batch_count(tmp_path, B, T, W) == 5
+    assert val_batch_count(tmp_path, B, T, 1) == 11 and val_batch_count(tmp_path, 23, 10, 1) == 0
     seq = list(val_batches(tmp_path, B * W, T, 0, 1, None))
     assert len(seq) == 5
     for k in range(5):
