@@ -28,6 +28,7 @@ def test_extends_chain_and_overrides():
     assert cfg.model.preset == "gpt2-774m" and cfg.model.tie_embeddings is False
     assert cfg.comm.mode == "pbit" and cfg.comm.bits == 8 and cfg.comm.momentum_sync.every == 10
     assert cfg.optim.lr == 6e-5 and cfg.train.max_steps == 7
+    assert load_config(None, ["optim.lr=3e-4"]).optim.lr == 3e-4  # YAML 1.1 would read a string
     assert cfg.train.out_dir == "runs/gpt2_774m/lioncub_4bit_synchead"
 
 

@@ -148,6 +148,9 @@ class TrainConfig:
     """How many checkpoints to keep (oldest deleted first)."""
     out_dir: str = "runs/default"
     """Run directory: config.yaml, metrics.jsonl, ckpt/."""
+    stop_after: int = 0
+    """Stop with a checkpoint after this many steps in this invocation (e.g. a time-limited slurm job
+    that is requeued and resumes with train.resume=auto); 0 = run to max_steps."""
     resume: str = "never"
     """never (refuse an existing run dir), auto (continue from its latest checkpoint if any), or
     overwrite (delete the existing run dir first)."""
@@ -318,6 +321,11 @@ def _build(cls, data: dict, prefix: str, problems: list[str]):
                 continue
             kwargs[key] = _build(tp, value, where + ".", problems)
             continue
+        if isinstance(value, str) and float in typing.get_args(tp) + (tp,):
+            try:  # YAML 1.1 reads 3e-4 (no dot) as a string; accept what float() accepts
+                value = float(value)
+            except ValueError:
+                pass
         if not _type_ok(value, tp):
             tname = getattr(tp, "__name__", str(tp)).replace("NoneType", "null")
             problems.append(f"{where}: expected {tname}, got {value!r} ({type(value).__name__})")
@@ -380,6 +388,7 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
                          ("train.keep_ckpts", t.keep_ckpts, 1), ("model.block_size", m.block_size, 0),
                          ("train.eval_every", t.eval_every, 0), ("train.ckpt_every", t.ckpt_every, 0),
                          ("optim.warmup_steps", o.warmup_steps, 0), ("diag.every", dg.every, 0),
+                         ("train.stop_after", t.stop_after, 0),
                          ("comm.node_size", c.node_size, 0)]:
         if val < lo:
             p.append(f"{key}: {val} must be >= {lo}")

@@ -6,8 +6,8 @@ buffer in one collective, update-sync optimizers communicate inside `step()`. No
 """
 from __future__ import annotations
 
+import hashlib
 import json
-import math
 import shutil
 import signal
 import sys
@@ -64,8 +64,7 @@ class Trainer:
                               rounding=c.rounding, tie_break=c.tie_break, ps_aggregate=c.ps_aggregate,
                               ps_topology=c.ps_topology, node_size=c.node_size,
                               mask_zero_updates=c.mask_zero_updates,
-                              momentum_sync=vars(c.momentum_sync) if c.momentum_sync.every else None,
-                              seed=cfg.train.seed))
+                              momentum_sync=vars(c.momentum_sync) if c.momentum_sync.every else None))
         self.gradient_sync = c.mode in GRADIENT_SYNC_MODES
         self.wire_dtype = torch.bfloat16 if c.mode == "bf16" else torch.float32
         self.stats = comm.default_stats()
@@ -228,6 +227,15 @@ class Trainer:
             n += 1
         return mean_over_ranks([total / max(n, 1)], self.device)[0]
 
+    def param_digests(self) -> list[str]:
+        """sha256 of this rank's parameters, gathered from every rank (the invariant: all equal)."""
+        h = hashlib.sha256()
+        for _, p in sorted(self.model.named_parameters()):
+            h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        out = [None] * self.info.world_size
+        dist.all_gather_object(out, h.hexdigest())
+        return out
+
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
         rank_state = {"optimizer": self.optimizer.state_dict(), "loader": self.loader.state_dict(),
@@ -282,15 +290,25 @@ class Trainer:
                 last_eval = self._eval_and_log()
             if t.ckpt_every and self.step % t.ckpt_every == 0 and self.step < t.max_steps:
                 self.save()
-            if all_agree(self._stop_signal is not None, self.device):
+            stop_after = t.stop_after and self.step - steps_at_start >= t.stop_after
+            if all_agree(self._stop_signal is not None, self.device) or stop_after:
+                if window:
+                    self._log_window(window, start, steps_at_start)
                 path = self.save()
-                self.logger.console(f"stopping on signal at step {self.step}; checkpoint {path}")
+                why = "train.stop_after" if stop_after else f"signal {self._stop_signal}"
+                self.logger.console(f"stopping ({why}) at step {self.step}; checkpoint {path}; "
+                                    f"continue with train.resume=auto")
                 return {"step": self.step, "stopped": True}
         if window:
             self._log_window(window, start, steps_at_start)
         last_eval = self._eval_and_log()
+        digests = self.param_digests()
+        self.logger.log({"step": self.step, "param_sha256": digests, "params_identical": len(set(digests)) == 1})
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"parameters differ across ranks after step {self.step}: {digests}")
         path = self.save()
-        self.logger.console(f"done: {self.step} steps, val loss {last_eval:.4f}, checkpoint {path}")
+        self.logger.console(f"done: {self.step} steps, val loss {last_eval:.4f}, parameters bit-identical on "
+                            f"{self.info.world_size} rank(s), checkpoint {path}")
         return {"step": self.step, "val_loss": last_eval, "stopped": False}
 
     def _eval_and_log(self) -> float:

@@ -1,0 +1,118 @@
+"""End-to-end trainer tests: torchrun on gloo, the debug model, the built-in corpus."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist import ROOT, torchrun
+
+TINY = ["model.preset=debug", "data.batch_size=4", "data.seq_len=64", "train.eval_steps=2",
+        "train.log_every=1", "log.wandb=disabled", "optim.warmup_steps=0"]
+
+
+def records(run: Path, key: str) -> list[dict]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if key in r]
+
+
+def train(nproc: int, out: Path, *overrides: str, timeout: float = 240):
+    args = ["configs/default.yaml", *TINY, f"train.out_dir={out}", *overrides]
+    if nproc == 1:
+        proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        return proc
+    return torchrun(nproc, ROOT / "train.py", *args, timeout=timeout)
+
+
+@pytest.mark.parametrize("optim,mode", [("adamw", "fp32"), ("adamw", "bf16"), ("lion", "fp32"), ("lion", "bf16")])
+def test_two_ranks_loss_falls_and_params_identical(tmp_path, optim, mode):
+    train(2, tmp_path / "run", f"optim.name={optim}", f"comm.mode={mode}", "optim.lr=3e-3", "train.max_steps=20")
+    steps = records(tmp_path / "run", "train_loss")
+    assert [r["step"] for r in steps] == list(range(1, 21))
+    losses = [r["train_loss"] for r in steps]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 1.0, losses
+    final = records(tmp_path / "run", "params_identical")[-1]
+    assert final["params_identical"] and len(final["param_sha256"]) == 2
+    # gradient sync moves the flat fp32 gradient (bf16 halves it): ring-free gloo counts payload bytes
+    n_params = sum(p.numel() for p in __import__("model").GPT(__import__("model").get_preset("debug")).parameters())
+    assert steps[-1]["comm_bytes"] >= n_params * (4 if mode == "fp32" else 2)
+    assert steps[-1]["comm_ms"] > 0 and steps[-1]["step_ms"] > steps[-1]["comm_ms"]
+    assert (tmp_path / "run" / "config.yaml").is_file() and (tmp_path / "run" / "ckpt" / "latest").is_file()
+    assert records(tmp_path / "run", "val_loss")
+
+
+def test_loss_parity_two_ranks_vs_one_rank_double_batch(tmp_path):
+    common = ["optim.name=adamw", "optim.lr=3e-3", "comm.mode=fp32", "train.max_steps=8"]
+    train(2, tmp_path / "p2", "data.batch_size=4", *common)
+    train(1, tmp_path / "p1", "data.batch_size=8", *common)
+    l2 = [r["train_loss"] for r in records(tmp_path / "p2", "train_loss")]
+    l1 = [r["train_loss"] for r in records(tmp_path / "p1", "train_loss")]
+    assert len(l1) == len(l2) == 8
+    assert max(abs(a - b) for a, b in zip(l1, l2)) < 2e-4, list(zip(l1, l2))
+    assert l1[-1] < l1[0] - 0.5  # they also learned, so the match is not trivial
+
+
+def _params(run: Path) -> dict:
+    ckpt = run / "ckpt" / (run / "ckpt" / "latest").read_text().strip()
+    return torch.load(ckpt / "model.pt", map_location="cpu")
+
+
+def test_resume_is_bit_exact(tmp_path):
+    # update-sync with stochastic rounding: the per-rank momenta and RNG must round-trip too
+    mode = ["optim.name=lion", "comm.mode=pbit", "comm.bits=8", "comm.quantizer=l1", "comm.rounding=stochastic",
+            "train.max_steps=8"]
+    train(2, tmp_path / "straight", *mode)
+    train(2, tmp_path / "split", *mode, "train.stop_after=4")
+    first = records(tmp_path / "split", "train_loss")
+    assert first[-1]["step"] == 4 and not records(tmp_path / "split", "val_loss")
+    train(2, tmp_path / "split", *mode, "train.resume=auto")
+    a = records(tmp_path / "straight", "train_loss")
+    b = records(tmp_path / "split", "train_loss")
+    assert [r["step"] for r in b] == list(range(1, 9))
+    assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]
+    pa, pb = _params(tmp_path / "straight"), _params(tmp_path / "split")
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+def test_existing_run_dir_is_not_overwritten(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("precious")
+    proc = subprocess.run([sys.executable, "train.py", "configs/default.yaml", *TINY, f"train.out_dir={run}",
+                           "train.max_steps=2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "already exists" in proc.stderr and "train.resume=auto" in proc.stderr
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
+    train(1, run, "train.max_steps=2", "train.resume=overwrite")
+    assert not (run / "notes.txt").exists() and records(run, "train_loss")
+
+
+def test_sigterm_saves_a_loadable_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "train.py", "configs/default.yaml", *TINY, f"train.out_dir={run}",
+                             "train.max_steps=100000"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (run / "metrics.jsonl").exists():
+            time.sleep(0.2)
+        while time.time() < deadline and len(records(run, "train_loss")) < 3:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "stopping (signal" in out
+    ckpt = run / "ckpt" / (run / "ckpt" / "latest").read_text().strip()
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert 3 <= meta["step"] < 100000
+    state = torch.load(ckpt / "rank_00000.pt", map_location="cpu", weights_only=False)
+    assert state["step"] == meta["step"] and "optimizer" in state and "loader" in state
+    assert set(torch.load(ckpt / "model.pt", map_location="cpu")) >= {"transformer.wte.weight"}
