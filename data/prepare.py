@@ -280,11 +280,11 @@ def prepare(ds: Any, out: str | os.PathLike, *, source: dict, field: str = "text
             max_docs: int | None = None, overwrite: bool = False) -> dict:
     """Tokenize `ds` (a datasets.Dataset with a `field` text column), split it into train/val
     (a held-out document fraction via train_test_split(seed), or the first `val_shards` shards
-    of the token stream) and write shards + manifest.json into `out`. Returns the manifest."""
+    of the token stream; neither: no val) and write shards + manifest.json into `out`. Returns the manifest."""
     t0 = time.perf_counter()
     out = Path(out)
-    if (val_fraction is None) == (val_shards == 0):
-        raise ValueError("give exactly one of val_fraction and val_shards (> 0)")
+    if val_fraction and val_shards:
+        raise PrepareError(f"give --val-fraction ({val_fraction}) or --val-shards ({val_shards}), not both")
     if val_fraction is not None and not 0 <= val_fraction < 1:
         raise PrepareError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     if val_shards < 0:
@@ -296,7 +296,8 @@ def prepare(ds: Any, out: str | os.PathLike, *, source: dict, field: str = "text
         raise PrepareError("the input holds no documents")
     tok = tokenize(ds, field, num_proc)
     n_empty = len(tok)
-    tok = tok.filter(lambda n: n > 0, input_columns="n", batched=False)  # so val never holds an empty doc
+    # drop empty documents so a held-out val doc always has tokens
+    tok = tok.filter(lambda ns: [n > 0 for n in ns], input_columns="n", batched=True, batch_size=65536)
     n_empty -= len(tok)
     if len(tok) == 0:
         raise PrepareError(f"all {len(ds)} input documents are empty")
