@@ -138,7 +138,8 @@ class ShardLoader:
                 raise ValueError(f"loader state does not match this data: {key} was {state[key]!r}, now "
                                  f"{value!r}; resume with the same data dir and seed")
         epoch, shard, position = int(state["epoch"]), int(state["shard"]), int(state["position"])
-        if not (epoch >= 0 and 0 <= shard < len(self.paths) and 0 <= position < self.lengths[self._stream.order(epoch)[shard]]):
+        in_range = epoch >= 0 and 0 <= shard < len(self.paths)
+        if not (in_range and 0 <= position < self.lengths[self._stream.order(epoch)[shard]]):
             raise ValueError(f"loader state (epoch={epoch}, shard={shard}, position={position}) is out of range "
                              f"for {len(self.paths)} {self.split} shards")
         self._pos = (epoch, shard, position)
