@@ -92,6 +92,11 @@ class DistributedLion(torch.optim.Optimizer):
 
     Param groups may carry "role" (embedding/head/attn/mlp/norm; used by momentum_sync and the
     per-layer diagnostics) and "names"; lr and weight_decay are read from the group every step.
+    Steps are counted from 1 (the t of the tie break). momentum_sync {every, layers, start, stop}
+    mean-allreduces (fp32, one flat buffer, default CommStats) the momenta of the selected roles
+    after the momentum update of every step t with t % every == 0 and start <= t < stop (stop
+    null: no end). Stochastic rounding draws from a per-rank generator seeded from
+    torch.initial_seed() and the rank; it is saved in state_dict() with the step counter.
     """
 
     sync_kind = "update"
@@ -271,7 +276,7 @@ class DistributedLion(torch.optim.Optimizer):
             out = comm.ps_vote(c, tb, aggregate=self.ps_aggregate, topology=self.ps_topology, group=self.group)
             return out.to(c.dtype)
         # pbit (Lion Cub App. F.1): quantize per tensor, one integer SUM allreduce, sign of the sum
-        with comm.default_stats().timed_pack():
+        with comm.default_stats().timed_pack(device=c.device if c.is_cuda else None):
             q = self._quantize(c, tb)
         total = comm.int_allreduce(q, self.levels, self.bits, group=self.group)
         return torch.sign(total).to(c.dtype)

@@ -104,7 +104,7 @@ def modes(P: int) -> list[tuple[str, dict, bool]]:
     return out
 
 
-def check_modes(rank: int, P: int, steps: int = 25) -> None:
+def check_modes(rank: int, P: int, steps: int = 16) -> None:
     lr, mult = 0.01, 0.5  # the trainer's schedule: group["lr"] changes between steps
     for mode, opts, exact in modes(P):
         model = TinyNet()
