@@ -80,10 +80,10 @@ def _check_momentum_sync(ms: dict | None) -> dict | None:
     bad = [x for x in layers if x not in LAYER_SELECTORS]
     if bad or not layers:
         raise ValueError(f"comm.momentum_sync.layers={layers!r}; choose from {list(LAYER_SELECTORS)}")
-    start, stop = ms.get("start", 0) or 0, ms.get("stop")
-    if not isinstance(start, int) or start < 0 or (stop is not None and (not isinstance(stop, int) or stop <= start)):
-        raise ValueError(f"comm.momentum_sync start={start!r} stop={stop!r}; need ints with 0 <= start < stop "
-                         "(stop null = never stop)")
+    start, stop = ms.get("start", 0) or 0, ms.get("stop") or None  # stop 0 / null: never stops
+    if not isinstance(start, int) or start < 0 or (stop is not None and (not isinstance(stop, int) or stop < start)):
+        raise ValueError(f"comm.momentum_sync start={start!r} stop={stop!r}; need ints with 0 <= start <= stop "
+                         "(stop 0 or null = never stop)")
     return {"every": every, "layers": list(layers), "start": start, "stop": stop}
 
 
@@ -94,8 +94,8 @@ class DistributedLion(torch.optim.Optimizer):
     per-layer diagnostics) and "names"; lr and weight_decay are read from the group every step.
     Steps are counted from 1 (the t of the tie break). momentum_sync {every, layers, start, stop}
     mean-allreduces (fp32, one flat buffer, default CommStats) the momenta of the selected roles
-    after the momentum update of every step t with t % every == 0 and start <= t < stop (stop
-    null: no end). Stochastic rounding draws from a per-rank generator seeded from
+    after the momentum update of every step t with t % every == 0 and start <= t <= stop (stop
+    0 or null: no end). Stochastic rounding draws from a per-rank generator seeded from
     torch.initial_seed() and the rank; it is saved in state_dict() with the step counter.
     """
 
@@ -313,7 +313,7 @@ class DistributedLion(torch.optim.Optimizer):
     # ---- momentum sync (Lion Cub §5) ------------------------------------------------------
     def _momentum_sync_due(self, t: int) -> bool:
         ms = self.momentum_sync
-        if ms is None or t < ms["start"] or (ms["stop"] is not None and t >= ms["stop"]):
+        if ms is None or t < ms["start"] or (ms["stop"] is not None and t > ms["stop"]):
             return False
         return t % ms["every"] == 0
 

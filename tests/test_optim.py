@@ -223,6 +223,12 @@ def test_build_optimizer_registry_and_errors():
     ((model(x) - y) ** 2).mean().backward()
     adamw.step()
     assert adamw.last_diagnostics == {} and adamw.diagnose_next_step is False
+    # the trainer's MomentumSyncConfig convention: stop 0 = never stops
+    synced = optim.build_optimizer("lion", _groups(model), comm_mode="onebit", betas=(0.9, 0.99), eps=1e-8,
+                                   comm_options={"momentum_sync": {"every": 5, "layers": ["mlp"], "start": 0,
+                                                                   "stop": 0}})
+    assert synced.momentum_sync["stop"] is None and synced._momentum_sync_due(10**6)
+    assert not synced._momentum_sync_due(10**6 + 1)
     lion = optim.build_optimizer("lion", _groups(model), comm_mode="pbit", betas=(0.9, 0.99), eps=1e-8,
                                  comm_options={"bits": 8, "quantizer": "l1", "levels": None, "p": None,
                                                "momentum_sync": None})

@@ -162,7 +162,7 @@ def check_momentum_sync(rank: int, P: int) -> None:
     if P < 2:
         return
     model = TinyNet()
-    sync = {"every": 2, "layers": ["mlp", "norm"], "start": 3, "stop": 9}
+    sync = {"every": 2, "layers": ["mlp", "norm"], "start": 3, "stop": 8}  # stop inclusive
     opt = build(model, "onebit", {"momentum_sync": sync})
     selected = {"mlp", "norm"}
     stats = comm.default_stats()
@@ -172,7 +172,7 @@ def check_momentum_sync(rank: int, P: int) -> None:
         stats.begin_step()
         train_step(model, opt, rank, step)
         sent[step] = stats.step_summary()["bytes_sent"]
-        due = step >= 3 and step < 9 and step % 2 == 0
+        due = 3 <= step <= 8 and step % 2 == 0
         for g in opt.param_groups:
             for p in g["params"]:
                 same = identical_across_ranks(opt.state[p]["exp_avg"])
@@ -182,7 +182,7 @@ def check_momentum_sync(rank: int, P: int) -> None:
                     assert not same, f"step {step}: unsynced role {g['role']} has identical momenta"
     # a sync step sends exactly one extra fp32 buffer of the selected momenta
     assert sent[4] - sent[5] == 4 * n_selected, (sent, n_selected)
-    assert sent[5] == sent[3] == sent[9], sent
+    assert sent[5] == sent[3] == sent[9] == sent[10], sent
 
 
 def set_grads(model, grads):
