@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import comm
 import data
-from data.loader import ShardLoader, val_batches
+from data.loader import ShardLoader, val_batch_count, val_batches
 from model import GPT, get_preset, param_roles
 from optim import build_optimizer
 
@@ -60,7 +60,8 @@ class Trainer:
         o, c = cfg.optim, cfg.comm
         self.optimizer = build_optimizer(
             o.name, self.param_groups, betas=tuple(o.betas), eps=o.eps, comm_mode=c.mode,
-            comm_options=dict(bits=c.bits, quantizer=c.quantizer, p=c.p, levels=c.levels, clip=c.clip,
+            comm_options=dict(bits=c.bits, quantizer=c.quantizer, p=c.p,
+                              levels=None if c.levels < 0 else c.levels, clip=c.clip,
                               rounding=c.rounding, tie_break=c.tie_break, ps_aggregate=c.ps_aggregate,
                               ps_topology=c.ps_topology, node_size=c.node_size,
                               mask_zero_updates=c.mask_zero_updates,
@@ -78,6 +79,12 @@ class Trainer:
         d = cfg.data
         self.loader = ShardLoader(self.data_dir, "train", d.batch_size, d.seq_len, info.rank, info.world_size,
                                   cfg.train.seed)
+        available = val_batch_count(self.data_dir, d.batch_size, d.seq_len, info.world_size)
+        if available < 1:
+            raise RunDirError(f"the val split of {self.data_dir} holds less than one global batch of "
+                              f"{info.world_size} x {d.batch_size} x {d.seq_len} tokens; lower data.batch_size "
+                              f"or data.seq_len, or prepare more val data")
+        self.eval_steps = min(cfg.train.eval_steps, available)  # never reuse val tokens within one eval
         self.tokens_per_step = d.batch_size * d.seq_len * d.grad_accum * info.world_size
         self.flops_per_token = self.model.flops_per_token(d.seq_len)
         self.peak_flops = self._peak_flops()
@@ -216,7 +223,7 @@ class Trainer:
         self.model.eval()
         total, n = 0.0, 0
         for x, y in val_batches(self.data_dir, self.cfg.data.batch_size, self.cfg.data.seq_len, self.info.rank,
-                                self.info.world_size, self.cfg.train.eval_steps):
+                                self.info.world_size, self.eval_steps):
             x, y = x.to(self.device), y.to(self.device)
             if self.autocast is not None:
                 with self.autocast:
@@ -354,7 +361,9 @@ class Trainer:
             f"{self.flops_per_token / 1e6:.1f} MFLOP/token",
             f"optim {c.optim.name} lr {c.optim.lr} | comm {c.comm.mode}"
             + (f" {c.comm.bits}-bit {c.comm.quantizer}" if c.comm.mode == "pbit" else "")
-            + f" | data {self.data_dir} | {self.tokens_per_step:,} tokens/step | {c.train.max_steps} steps",
+            + f" | data {self.data_dir} | {self.tokens_per_step:,} tokens/step | {c.train.max_steps} steps"
+            + f" | eval {self.eval_steps} batches" + (f" (val split holds {self.eval_steps}, asked "
+                                                      f"{c.train.eval_steps})" if self.eval_steps < c.train.eval_steps else ""),
         ])
 
 
