@@ -126,7 +126,7 @@ class DistributedLion(torch.optim.Optimizer):
         self.rank, self.world_size = _world(group)
         self.comm_mode = comm_mode
         self.tie_break = tie_break
-        self.ps_aggregate, self.ps_topology, self.node_size = ps_aggregate, ps_topology, node_size
+        self.ps_aggregate, self.ps_topology, self.node_size = ps_aggregate, ps_topology, node_size or None
         self.mask_zero_updates = bool(mask_zero_updates)
         self.momentum_sync = _check_momentum_sync(momentum_sync)
         self.bits, self.quantizer, self.clip, self.rounding = bits, quantizer, float(clip), rounding
@@ -136,7 +136,7 @@ class DistributedLion(torch.optim.Optimizer):
             if quantizer == "lp" and (p is None or not float(p) >= 0):
                 raise ValueError(f"comm.quantizer=lp needs comm.p >= 0 (got p={p!r})")
             auto = levels_for(bits, self.world_size)  # also validates bits against the world size
-            if levels is None or levels == "auto":
+            if levels is None or levels == "auto" or levels == -1:  # -1: the trainer's "auto"
                 self.levels = auto
             else:
                 if not isinstance(levels, int) or levels < 0 or levels > MAX_LEVELS \
@@ -146,7 +146,7 @@ class DistributedLion(torch.optim.Optimizer):
                 self.levels = levels
             if not self.clip > 0:
                 raise ValueError(f"comm.clip={clip}; need > 0 (Lion Cub uses 2)")
-        elif comm_mode == "hierarchical" and node_size is not None:
+        elif comm_mode == "hierarchical" and node_size:  # 0 / None: LOCAL_WORLD_SIZE, resolved by comm/
             if not isinstance(node_size, int) or node_size < 1 or self.world_size % node_size:
                 raise ValueError(f"comm.node_size={node_size!r} must divide the world size {self.world_size}")
 

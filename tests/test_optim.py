@@ -233,6 +233,13 @@ def test_build_optimizer_registry_and_errors():
                                  comm_options={"bits": 8, "quantizer": "l1", "levels": None, "p": None,
                                                "momentum_sync": None})
     assert lion.sync_kind == "update" and lion.levels == 127
+    # the trainer's CommConfig defaults: levels -1 = auto, node_size 0 = LOCAL_WORLD_SIZE
+    auto = optim.build_optimizer("lion", _groups(model), comm_mode="pbit", betas=(0.9, 0.99), eps=1e-8,
+                                 comm_options={"bits": 4, "quantizer": "l1", "levels": -1, "node_size": 0})
+    assert auto.levels == 7
+    hier = optim.build_optimizer("lion", _groups(model), comm_mode="hierarchical", betas=(0.9, 0.99), eps=1e-8,
+                                 comm_options={"node_size": 0})
+    assert hier.node_size is None
 
 
 # ---- update sync at world size 1 (no process group: comm/ treats it as one rank) ----------------
