@@ -116,3 +116,20 @@ def test_sigterm_saves_a_loadable_checkpoint(tmp_path):
     state = torch.load(ckpt / "rank_00000.pt", map_location="cpu", weights_only=False)
     assert state["step"] == meta["step"] and "optimizer" in state and "loader" in state
     assert set(torch.load(ckpt / "model.pt", map_location="cpu")) >= {"transformer.wte.weight"}
+
+
+def test_wandb_online_without_key_falls_back_to_offline_and_stays_off_the_network(tmp_path):
+    run = tmp_path / "run"
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    # any attempt to reach a server would go to a closed local port and fail the run or hang it
+    env.update(HOME=str(home), WANDB_BASE_URL="http://127.0.0.1:9", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "train.py", "configs/default.yaml", *TINY, f"train.out_dir={run}",
+                           "train.max_steps=2", "log.wandb=online"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "logging offline instead" in proc.stderr
+    offline = list((run / "wandb").glob("offline-run-*/*.wandb"))
+    assert len(offline) == 1 and offline[0].stat().st_size > 0
+    assert records(run, "train_loss")[-1]["step"] == 2
