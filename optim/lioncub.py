@@ -157,9 +157,9 @@ class DistributedLion(torch.optim.Optimizer):
             for p_ in g["params"]:
                 entries.append((gi, role, p_))
         order = {r: i for i, r in enumerate(_ROLE_ORDER)}
-        entries.sort(key=lambda e: order.get(e[1], len(order)))
+        entries.sort(key=lambda e: (order.get(e[1], len(order)), e[1]))  # stable: group order within a role
         self._entries = entries
-        self.roles_present = sorted({e[1] for e in entries}, key=lambda r: order.get(r, len(order)))
+        self.roles_present = sorted({e[1] for e in entries}, key=lambda r: (order.get(r, len(order)), r))
         if self.momentum_sync is not None:
             wanted = self.momentum_sync["layers"]
             if "all" not in wanted and not any(e[1] in wanted for e in entries):
@@ -184,7 +184,7 @@ class DistributedLion(torch.optim.Optimizer):
         total = sum(p.numel() for p in params)
         device = params[0].device
         c_flat = torch.empty(total, dtype=dtype, device=device)
-        off, views, segments, role_ranges = 0, [], [], {}
+        off, segments, role_ranges = 0, [], {}
         for gi, role, p in self._entries:
             n = p.numel()
             segments.append((off, n))
