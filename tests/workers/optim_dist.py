@@ -266,6 +266,7 @@ def check_state_round_trip(rank: int, P: int) -> None:
         train_step(model, opt, rank, step)
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     assert P == 1 or not identical_across_ranks(opt.state[model.emb.weight]["exp_avg"])  # per-rank state
+    assert P == 1 or not identical_across_ranks(opt._gen.get_state())  # stochastic rounding: a stream per rank
     for step in range(3, 7):
         train_step(model, opt, rank, step)
     twin = TinyNet()
