@@ -31,6 +31,7 @@ topology across commands and rates. Needs root and iproute2 (`ip netns`, `tc`).
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import re
@@ -52,6 +53,9 @@ TIMEOUT_RC = 124                     # exit code reported for a rank killed by t
 
 _UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 _BYTE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "m": 1024 ** 2, "mb": 1024 ** 2}
+
+
+_SEQ = itertools.count()
 
 
 class NetsimUnavailable(RuntimeError):
@@ -186,7 +190,7 @@ class Netsim:
         self.rate_bps = parse_rate(rate)
         self.burst = burst
         self.verbose = verbose
-        tag = tag or f"{int(time.time() * 1000) % 10**6}"
+        tag = tag or f"{next(_SEQ)}t{int(time.time()) % 10**6}"     # unique within this process
         if not re.fullmatch(r"[A-Za-z0-9]{1,12}", tag):
             raise ValueError(f"tag must be 1-12 letters/digits, got {tag!r}")
         self.prefix = f"{NS_PREFIX}{os.getpid()}_{tag}_"
