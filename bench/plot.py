@@ -1,0 +1,147 @@
+"""Plots from several runs' metrics.jsonl: validation loss against step and against wall-clock
+(Lion Cub Fig. 8), and the Lion Cub diagnostics over training (sign match / flip, Fig. 4; vote tie
+rate, Table 3; per-layer momentum spread across workers, Fig. 6 / Fig. 17).
+
+    python -m bench.plot bench/out/quality/runs/* --out docs/results
+    python -m bench.plot runs/a runs/b --labels "Lion,Lion Cub 4-bit" --out plots/
+
+Each positional argument is a run directory (holding metrics.jsonl) or a metrics.jsonl file; the
+label defaults to the directory name. Wall-clock is the trainer's train_time_s (seconds inside
+timed train steps: evaluation, checkpoints and diagnostics excluded). Writes val_loss.png,
+diagnostics.png and momentum_spread.png (the last two only when a run has diag/* records).
+Each plotting function returns the series it drew, {panel: {label: (xs, ys)}}, so tests can check
+the content and not just that a file appeared.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from bench.variants import read_jsonl
+
+Series = dict[str, dict[str, tuple[list[float], list[float]]]]
+ROLES = ("embedding", "head", "attn", "mlp", "norm")
+
+
+def load_runs(paths: Sequence[str | Path], labels: Sequence[str] | None = None) -> dict[str, list[dict]]:
+    """{label: records} for run directories or metrics.jsonl files (clear error if one is missing)."""
+    if labels is not None and len(labels) != len(paths):
+        raise ValueError(f"got {len(labels)} labels for {len(paths)} runs; give one label per run")
+    runs: dict[str, list[dict]] = {}
+    for i, p in enumerate(paths):
+        p = Path(p)
+        f = p / "metrics.jsonl" if p.is_dir() else p
+        if not f.is_file():
+            raise FileNotFoundError(f"{f} does not exist: pass run directories holding metrics.jsonl")
+        label = labels[i] if labels is not None else (p.name if p.is_dir() else p.parent.name)
+        runs[label] = read_jsonl(f)
+    return runs
+
+
+def _xy(records: list[dict], x: str, y: str) -> tuple[list[float], list[float]]:
+    pts = sorted((r[x], r[y]) for r in records if x in r and y in r)
+    return [a for a, _ in pts], [b for _, b in pts]
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _draw(path: Path, panels: Series, titles: dict[str, str], ylog: set[str] = frozenset(),
+          xlabels: dict[str, str] | None = None, ncols: int = 2) -> None:
+    plt = _plt()
+    names = list(panels)
+    nrows = (len(names) + ncols - 1) // ncols
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.6 * nrows), squeeze=False)
+    for ax, name in zip(axes.flat, names):
+        for label, (xs, ys) in panels[name].items():
+            ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=label)
+        ax.set_title(titles.get(name, name), fontsize=10)
+        ax.set_xlabel((xlabels or {}).get(name, "step"))
+        if name in ylog:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def plot_loss(runs: dict[str, list[dict]], path: str | Path) -> Series:
+    """Val loss vs step and vs wall-clock (train_time_s of the eval record), one line per run."""
+    panels: Series = {"val_vs_step": {}, "val_vs_time": {}}
+    for label, recs in runs.items():
+        vals = [r for r in recs if "val_loss" in r]
+        panels["val_vs_step"][label] = _xy(vals, "step", "val_loss")
+        panels["val_vs_time"][label] = _xy(vals, "train_time_s", "val_loss")
+    _draw(Path(path), panels, {"val_vs_step": "validation loss vs step",
+                               "val_vs_time": "validation loss vs wall-clock (Fig. 8)"},
+          xlabels={"val_vs_time": "train time (s)"})
+    return panels
+
+
+def plot_diagnostics(runs: dict[str, list[dict]], path: str | Path) -> Series:
+    """Sign match, sign flip and tie rate (overall) over steps, one line per run with diagnostics."""
+    keys = {"sign_match": "sign match vs exact Lion", "sign_flip": "sign flip vs exact Lion",
+            "tie_rate": "vote tie rate"}
+    panels: Series = {k: {} for k in keys}
+    for label, recs in runs.items():
+        for k in keys:
+            xs, ys = _xy(recs, "step", f"diag/{k}")
+            if xs:
+                panels[k][label] = (xs, ys)
+    _draw(Path(path), panels, keys)
+    return panels
+
+
+def plot_momentum_spread(runs: dict[str, list[dict]], path: str | Path) -> Series:
+    """Per-layer momentum spread across workers over steps (Fig. 6): one panel per run, one line per role."""
+    panels: Series = {}
+    for label, recs in runs.items():
+        lines = {}
+        for role in ROLES:
+            xs, ys = _xy(recs, "step", f"diag/momentum_spread/{role}")
+            if xs:
+                lines[role] = (xs, ys)
+        if lines:
+            panels[label] = lines
+    _draw(Path(path), panels, {k: f"{k}: momentum spread (max std over ranks)" for k in panels}, ylog=set(panels))
+    return panels
+
+
+def has_diagnostics(runs: dict[str, list[dict]]) -> bool:
+    return any("diag/sign_match" in r for recs in runs.values() for r in recs)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.plot", description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", help="run directories (with metrics.jsonl) or metrics.jsonl files")
+    ap.add_argument("--labels", default=None, help="comma-separated labels, one per run")
+    ap.add_argument("--out", default="bench/out/plots")
+    ap.add_argument("--prefix", default="", help="prefix for the PNG names")
+    args = ap.parse_args(argv)
+    runs = load_runs(args.runs, args.labels.split(",") if args.labels else None)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / f"{args.prefix}val_loss.png"]
+    plot_loss(runs, written[0])
+    if has_diagnostics(runs):
+        written += [out / f"{args.prefix}diagnostics.png", out / f"{args.prefix}momentum_spread.png"]
+        plot_diagnostics(runs, written[1])
+        plot_momentum_spread(runs, written[2])
+    for p in written:
+        print(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

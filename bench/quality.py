@@ -1,0 +1,135 @@
+"""Lion Cub quality experiment (issue 5 "Report in your note"): same model, data, steps and seed for
+every variant on P ranks; final validation loss and the Lion Cub diagnostics averaged over the run.
+
+    python -m bench.quality                                   # 6 variants, 4 ranks, tiny untied GPT
+    python -m bench.quality --variants lion_fp32,lioncub_8bit_l1 --steps 60 --out bench/out/quality
+
+Columns: final val loss; mean over diagnostic steps of sign match / sign flip against exact Lion
+sign(mean_i c_i) (Lion Cub Fig. 4) and of the vote tie rate (Table 3); the momentum spread across
+workers (max over elements of the std across ranks, Fig. 6) for embedding and head vs the largest
+of the other layers (attn, mlp, norm), averaged over diagnostic steps. Gradient-sync variants
+(lion_fp32) have one shared momentum and exact signs: their diagnostic columns are empty.
+Writes quality.csv, quality.md and the per-run dirs under --out/runs; plot them with bench.plot.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from bench.variants import ROOT, config_path, read_jsonl, train_records
+
+DEFAULT_VARIANTS = ["lion_fp32", "dlion_mavo", "lioncub_1bit", "lioncub_1bit_plus", "lioncub_4bit", "lioncub_8bit_l1"]
+DEFAULT_OVERRIDES = ["model.preset=tiny", "model.tie_embeddings=false", "data.batch_size=4", "data.seq_len=128",
+                     "optim.lr=1e-3", "optim.warmup_steps=10"]
+OTHER_ROLES = ("attn", "mlp", "norm")
+COLUMNS = ["variant", "final_val_loss", "final_train_loss", "train_time_s", "sign_match", "sign_flip", "tie_rate",
+           "spread_embedding", "spread_head", "spread_other", "spread_ratio", "n_diag"]
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def summarize_quality(records: list[dict]) -> dict:
+    """One row from a run's metrics.jsonl records (pure; tested on synthetic records)."""
+    vals = sorted((r for r in records if "val_loss" in r), key=lambda r: r["step"])
+    trains = train_records(records)
+    diags = [r for r in records if "diag/sign_match" in r]
+    out: dict = {"final_val_loss": vals[-1]["val_loss"] if vals else None,
+                 "final_train_loss": trains[-1]["train_loss"] if trains else None,
+                 "train_time_s": trains[-1].get("train_time_s") if trains else None, "n_diag": len(diags)}
+    for key, name in (("diag/sign_match", "sign_match"), ("diag/sign_flip", "sign_flip"),
+                      ("diag/tie_rate", "tie_rate")):
+        out[name] = _mean([r[key] for r in diags if key in r])
+    for role in ("embedding", "head"):
+        out[f"spread_{role}"] = _mean([r[f"diag/momentum_spread/{role}"] for r in diags
+                                       if f"diag/momentum_spread/{role}" in r])
+    others = [max(r[f"diag/momentum_spread/{k}"] for k in OTHER_ROLES if f"diag/momentum_spread/{k}" in r)
+              for r in diags if any(f"diag/momentum_spread/{k}" in r for k in OTHER_ROLES)]
+    out["spread_other"] = _mean(others)
+    io = [x for x in (out["spread_embedding"], out["spread_head"]) if x is not None]
+    out["spread_ratio"] = max(io) / out["spread_other"] if io and out["spread_other"] else None
+    return out
+
+
+def _f(x: object, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def quality_markdown(rows: list[dict]) -> str:
+    lines = ["| variant | final val loss | sign match % | sign flip % | tie rate % | spread emb | spread head | "
+             "spread other (max) | (emb, head) / other | train time (s) |", "|---|" + "---:|" * 9]
+    for r in rows:
+        if r.get("status", "ok") != "ok":
+            lines.append(f"| {r['variant']} | {r['status']} |" + " |" * 8)
+            continue
+        pct = lambda x: _f(None if x is None else 100 * x, ".1f")  # noqa: E731
+        lines.append(f"| {r['variant']} | {_f(r['final_val_loss'], '.4f')} | {pct(r['sign_match'])} | "
+                     f"{pct(r['sign_flip'])} | {pct(r['tie_rate'])} | {_f(r['spread_embedding'], '.2e')} | "
+                     f"{_f(r['spread_head'], '.2e')} | {_f(r['spread_other'], '.2e')} | "
+                     f"{_f(r['spread_ratio'], '.1f')}x | {_f(r['train_time_s'], '.0f')} |")
+    return "\n".join(lines)
+
+
+def run_variant(args: argparse.Namespace, variant: str) -> int:
+    run_dir = Path(args.out) / "runs" / variant
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           str(ROOT / "train.py"), str(config_path(variant, args.config_dir)), *args.overrides,
+           f"train.max_steps={args.steps}", f"train.eval_every={args.eval_every}", "train.eval_steps=8",
+           f"train.log_every={args.log_every}", f"diag.every={args.diag_every}", f"train.seed={args.seed}",
+           "train.resume=overwrite", "log.wandb=disabled", f"train.out_dir={run_dir}"]
+    if "lioncub_4bit" in variant or "lioncub_8bit" in variant:
+        # the trainer hands comm.levels=-1 ("auto") to optim, which wants None/"auto": spell it out
+        cmd.append("comm.levels=0" if "4bit" in variant else f"comm.levels={(2 ** 8 - 1) // (2 * args.nproc)}")
+    print("== " + " ".join(cmd), flush=True)
+    log = Path(args.out) / "logs" / f"{variant}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
+    env.pop("RANK", None)
+    with open(log, "w") as f:
+        return subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--log-every", type=int, default=5)
+    ap.add_argument("--diag-every", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--config-dir", default="configs/cpu_30m")
+    ap.add_argument("--overrides", default=" ".join(DEFAULT_OVERRIDES), help="default: %(default)s")
+    ap.add_argument("--out", default="bench/out/quality")
+    ap.add_argument("--report-only", action="store_true")
+    args = ap.parse_args(argv)
+    args.variants = [v for v in args.variants.split(",") if v]
+    args.overrides = args.overrides.split()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for v in args.variants:
+        rc = 0 if args.report_only else run_variant(args, v)
+        metrics = out / "runs" / v / "metrics.jsonl"
+        if rc != 0 or not metrics.exists():
+            rows.append({"variant": v, "status": f"failed rc={rc} (see {out}/logs/{v}.log)"})
+            continue
+        rows.append({"variant": v, "status": "ok", **summarize_quality(read_jsonl(metrics))})
+    with open(out / "quality.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["status", *COLUMNS], extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    md = quality_markdown(rows)
+    (out / "quality.md").write_text(md + "\n")
+    print(md)
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,433 @@
+"""Step-time breakdown of every optimizer / comm mode under real bandwidth limits (Lion Cub Fig. 7, Table 4).
+
+For each link rate and variant: run the trainer on `--nproc` ranks, one network namespace each
+(launch.netsim: tbf rate limits on both ends of every veth), `--warmup + --steps` steps with one
+log record per step; drop the warm-up records and report the median step time, its split into
+compute (data + forward/backward), communication (collectives + quantize/pack, as the trainer's
+comm.CommStats books it) and other (optimizer arithmetic, clipping), the comm share, the bytes per
+step, the peak memory per rank and the speedup over lion_fp32. Each rate is calibrated once
+(comm.cost_model.calibrate: fp32 allreduce sweep under the same netsim links) and every variant's
+collective time is compared with the alpha-beta prediction of Lion Cub Table 1.
+
+    python -m bench.step_breakdown                                    # 8 variants x 3 rates, 4 ranks
+    python -m bench.step_breakdown --rates 1gbit --variants lion_fp32,lioncub_4bit --steps 5
+    python -m bench.step_breakdown --report-only --out bench/out/step_breakdown   # re-tabulate
+
+Output in --out: results.csv, results.md (Table 4 style + per-rate detail), breakdown.png (Fig. 7
+style stacked bars per rate), calibration.json, meta.json, runs/<rate>/<variant>/ (the trainer's
+run dirs) and logs/. Needs root and iproute2 (network namespaces); `--launcher torchrun` runs the
+same measurement over loopback without netsim (rate must then be 'unlimited').
+
+Peak memory: on CPU the trainer logs none, so every rank runs under a small wrapper
+(`--rank-wrap`) that waits for train.py and records its ru_maxrss (max resident set size); on
+CUDA the trainer's peak_mem_gib (max allocated) is reported as well.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from bench.variants import (BASELINE, DEFAULT_VARIANTS, ROOT, config_path, load_run_config, median, pbit_levels,
+                            predict_step_comm_s, read_jsonl, train_records)
+
+DEFAULT_RATES = ["unlimited", "1gbit", "100mbit"]
+# A model/batch that 4 ranks run on a 2-core CPU in seconds per step, still dominated (>= 70 %) by
+# the fp32 gradient allreduce at the slow rates: the tiny preset with an untied head has 13.6M
+# parameters, 94 % of them in the embedding and head (like cpu-30m's 78 %), and 64 tokens per rank.
+DEFAULT_OVERRIDES = ["model.preset=tiny", "model.tie_embeddings=false", "data.batch_size=1", "data.seq_len=64"]
+CALIB_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
+
+COLUMNS = ["rate", "variant", "status", "steps", "step_ms", "compute_ms", "comm_ms", "coll_ms", "pack_ms",
+           "other_ms", "comm_share", "comm_bytes", "peak_rss_mib", "peak_mem_gib", "speedup", "comm_reduction",
+           "pred_comm_ms", "coll_over_pred", "comm_over_pred", "alpha_us", "beta_ns_per_bit", "n_params"]
+
+
+# ------------------------------------------------------------------------------------------------
+# per-rank helpers (run inside the namespaces)
+# ------------------------------------------------------------------------------------------------
+
+def rank_wrap(rss_path: Path, cmd: Sequence[str]) -> int:
+    """Run `cmd`, then write its max RSS (MiB) and exit code to rss_path; return its exit code."""
+    proc = subprocess.Popen(list(cmd))
+    try:
+        rc = proc.wait()
+    except BaseException:
+        proc.terminate()
+        raise
+    # Linux reports ru_maxrss in KiB; RUSAGE_CHILDREN covers the one child waited for above
+    rss_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    rss_path.parent.mkdir(parents=True, exist_ok=True)
+    rss_path.write_text(json.dumps({"rank": int(os.environ.get("RANK", "0")), "max_rss_mib": rss_mib, "rc": rc}))
+    return rc
+
+
+def calibrate_worker(out_path: Path) -> None:
+    """Fit alpha/beta on the live group (comm.cost_model.calibrate); rank 0 writes the JSON."""
+    import torch.distributed as dist
+
+    from comm import cost_model
+
+    dist.init_process_group("gloo")
+    try:
+        alpha, beta = cost_model.calibrate(sizes=CALIB_SIZES, repeats=3, verbose=True)
+        if dist.get_rank() == 0:
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            out_path.write_text(json.dumps({"alpha_s": alpha, "beta_s_per_bit": beta,
+                                            "world": dist.get_world_size(), "sizes_bytes": list(CALIB_SIZES)}))
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------
+# summarising one run (pure: tested on synthetic records)
+# ------------------------------------------------------------------------------------------------
+
+def summarize_run(records: list[dict], warmup: int) -> dict:
+    """Medians over the train records after the first `warmup` steps.
+
+    compute = data + forward/backward, comm = collectives + quantize/pack, other = the optimizer's
+    remaining time (the trainer's opt_ms); medians are taken per component, so the three parts sum
+    to about (not exactly) the median step time."""
+    recs = [r for r in train_records(records) if r["step"] > warmup]
+    if not recs:
+        steps = [r["step"] for r in train_records(records)]
+        raise ValueError(f"no train records after {warmup} warm-up steps (steps logged: {steps}); "
+                         f"run more steps or lower --warmup")
+    step = median(r["step_ms"] for r in recs)
+    comm = median(r["comm_ms"] for r in recs)
+    out = {"steps": len(recs), "step_ms": step,
+           "compute_ms": median(r.get("data_ms", 0.0) + r["fwdbwd_ms"] for r in recs),
+           "comm_ms": comm, "coll_ms": median(r.get("coll_ms", r["comm_ms"]) for r in recs),
+           "pack_ms": median(r.get("pack_ms", 0.0) for r in recs),
+           "other_ms": median(r.get("opt_ms", 0.0) for r in recs),
+           "comm_share": comm / step if step > 0 else float("nan"),
+           "comm_bytes": median(r["comm_bytes"] for r in recs)}
+    mem = [r["peak_mem_gib"] for r in recs if "peak_mem_gib" in r]
+    out["peak_mem_gib"] = max(mem) if mem else None
+    return out
+
+
+def add_relative(rows: list[dict], baseline: str = BASELINE) -> list[dict]:
+    """speedup = baseline step / step and comm_reduction = baseline comm / comm, per rate."""
+    base = {r["rate"]: r for r in rows if r["variant"] == baseline and r.get("status") == "ok"}
+    for r in rows:
+        b = base.get(r["rate"])
+        ok = b is not None and r.get("status") == "ok"
+        r["speedup"] = b["step_ms"] / r["step_ms"] if ok and r["step_ms"] > 0 else None
+        r["comm_reduction"] = b["comm_ms"] / r["comm_ms"] if ok and r["comm_ms"] > 0 else None
+    return rows
+
+
+def add_prediction(row: dict, pred_s: float, alpha: float, beta: float) -> dict:
+    row["pred_comm_ms"] = 1e3 * pred_s
+    row["coll_over_pred"] = row["coll_ms"] / row["pred_comm_ms"] if pred_s > 0 else None
+    row["comm_over_pred"] = row["comm_ms"] / row["pred_comm_ms"] if pred_s > 0 else None
+    row["alpha_us"], row["beta_ns_per_bit"] = 1e6 * alpha, 1e9 * beta
+    return row
+
+
+def _f(x: object, fmt: str = ".2f") -> str:
+    if x is None or (isinstance(x, float) and x != x):
+        return "-"
+    return format(x, fmt) if isinstance(x, (int, float)) else str(x)
+
+
+def table4_markdown(rows: list[dict], rates: list[str], variants: list[str]) -> str:
+    """Lion Cub Table 4: per variant, 1-step time (s) and comm share (%) at each rate."""
+    by = {(r["rate"], r["variant"]): r for r in rows}
+    head = "| Optimizer | " + " | ".join(f"{rt} 1step (s) | {rt} Comm. (%)" for rt in rates) + " |"
+    sep = "|---|" + "---:|---:|" * len(rates)
+    lines = [head, sep]
+    for v in variants:
+        cells = []
+        for rt in rates:
+            r = by.get((rt, v))
+            if r is None or r.get("status") != "ok":
+                cells += [r["status"] if r else "-", "-"]
+            else:
+                cells += [_f(r["step_ms"] / 1e3, ".3f"), _f(100 * r["comm_share"], ".1f")]
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def detail_markdown(rows: list[dict], rate: str, variants: list[str]) -> str:
+    by = {r["variant"]: r for r in rows if r["rate"] == rate}
+    lines = [f"| variant | step (ms) | compute | comm (coll + pack) | other | comm % | bytes/step/rank | "
+             f"peak RSS/rank (MiB) | speedup | comm ÷ | model comm (ms) | coll / model |",
+             "|---|" + "---:|" * 11]
+    for v in variants:
+        r = by.get(v)
+        if r is None:
+            continue
+        if r.get("status") != "ok":
+            lines.append(f"| {v} | {r.get('status')} |" + " |" * 10)
+            continue
+        lines.append(
+            f"| {v} | {_f(r['step_ms'], '.0f')} | {_f(r['compute_ms'], '.0f')} | {_f(r['comm_ms'], '.0f')} "
+            f"({_f(r['coll_ms'], '.0f')} + {_f(r['pack_ms'], '.0f')}) | {_f(r['other_ms'], '.0f')} | "
+            f"{_f(100 * r['comm_share'], '.1f')} | {_f(r['comm_bytes'] / 1e6, '.2f')} MB | "
+            f"{_f(r.get('peak_rss_mib'), '.0f')} | {_f(r.get('speedup'), '.2f')}x | "
+            f"{_f(r.get('comm_reduction'), '.1f')}x | {_f(r.get('pred_comm_ms'), '.0f')} | "
+            f"{_f(r.get('coll_over_pred'), '.2f')} |")
+    return "\n".join(lines)
+
+
+def plot_breakdown(path: Path, rows: list[dict], rates: list[str], variants: list[str]) -> None:
+    """Fig. 7 style: one panel per rate, a stacked bar (compute / comm / other) per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(rates), figsize=(4.2 * len(rates), 4.2), squeeze=False)
+    parts = [("compute_ms", "compute", "#4c72b0"), ("comm_ms", "comm (coll + pack)", "#dd8452"),
+             ("other_ms", "other (optimizer)", "#8c8c8c")]
+    by = {(r["rate"], r["variant"]): r for r in rows if r.get("status") == "ok"}
+    for ax, rate in zip(axes[0], rates):
+        names = [v for v in variants if (rate, v) in by]
+        bottom = [0.0] * len(names)
+        for key, label, color in parts:
+            vals = [by[(rate, v)][key] / 1e3 for v in names]
+            ax.bar(range(len(names)), vals, bottom=bottom, color=color, label=label)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=8)
+        ax.set_title(f"link {rate}")
+        ax.set_ylabel("seconds per step (median)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def write_reports(out: Path, rows: list[dict], rates: list[str], variants: list[str], meta: dict) -> None:
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k) for k in COLUMNS})
+    md = [f"# Step-time breakdown ({meta.get('machine', '')})", "",
+          f"{meta.get('nproc')} ranks, overrides `{' '.join(meta.get('overrides', []))}`, "
+          f"{meta.get('steps')} measured steps after {meta.get('warmup')} warm-up; medians.", "",
+          "## Table 4 style", "", table4_markdown(rows, rates, variants), ""]
+    for rate in rates:
+        md += [f"## {rate}", "", detail_markdown(rows, rate, variants), ""]
+    (out / "results.md").write_text("\n".join(md))
+    if any(r.get("status") == "ok" for r in rows):
+        plot_breakdown(out / "breakdown.png", rows, rates, variants)
+
+
+# ------------------------------------------------------------------------------------------------
+# driver
+# ------------------------------------------------------------------------------------------------
+
+def _env() -> dict[str, str]:
+    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": str(ROOT),
+            "WANDB_MODE": "disabled", "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1"}
+
+
+def variant_overrides(cfg_file: Path, nproc: int) -> list[str]:
+    """comm.levels spelled out for pbit variants (the largest legal L, or 0 for sign votes).
+
+    Work-around: the trainer passes comm.levels=-1 ("automatic" in trainer/config.py) to
+    optim.build_optimizer, which accepts only None/"auto" and rejects -1; an explicit value is what
+    "automatic" means anyway, so the measurement is unchanged."""
+    from trainer.config import load_config
+
+    c = load_config(str(cfg_file)).comm
+    if c.mode != "pbit" or c.levels >= 0:
+        return []
+    return [f"comm.levels={0 if c.quantizer == 'sign' else pbit_levels(c.bits, nproc)}"]
+
+
+def run_one(args: argparse.Namespace, rate: str, variant: str, net: object | None) -> dict:
+    out = Path(args.out)
+    run_dir = out / "runs" / rate / variant
+    rss_dir = out / "rss" / rate / variant
+    log_dir = out / "logs" / rate / variant
+    for d in (run_dir, rss_dir):
+        if d.exists():
+            import shutil
+
+            shutil.rmtree(d)
+    cfg_file = config_path(variant, args.config_dir)
+    overrides = [*args.overrides, *variant_overrides(cfg_file, args.nproc),
+                 f"train.max_steps={args.warmup + args.steps}", "train.log_every=1", "train.eval_every=0",
+                 "train.eval_steps=1", "diag.every=0", "log.wandb=disabled", f"train.out_dir={run_dir}"]
+    train_cmd = [sys.executable, str(ROOT / "train.py"), str(cfg_file), *overrides]
+    cmd = [sys.executable, "-m", "bench.step_breakdown", "--rank-wrap", str(rss_dir / "rank{RANK}.json"), "--",
+           *train_cmd]
+    print(f"== {rate} {variant}: {' '.join(train_cmd)}", flush=True)
+    t0 = time.perf_counter()
+    if net is not None:
+        codes = net.run(cmd, timeout=args.timeout, env=_env(), cwd=str(ROOT), log_dir=str(log_dir),
+                        stream=None if args.verbose else open(os.devnull, "w"))
+    else:
+        codes = [_torchrun(args.nproc, cmd, args.timeout, log_dir)]
+    row: dict = {"rate": rate, "variant": variant}
+    if any(codes):
+        row["status"] = f"failed rc={codes}"
+        print(f"   FAILED {codes}; logs in {log_dir}", flush=True)
+        return row
+    row.update(summarize_run(read_jsonl(run_dir / "metrics.jsonl"), args.warmup))
+    rss = [json.loads(p.read_text())["max_rss_mib"] for p in sorted(rss_dir.glob("rank*.json"))]
+    row["peak_rss_mib"] = max(rss) if rss else None
+    row["status"] = "ok"
+    row["wall_s"] = time.perf_counter() - t0
+    print(f"   step {row['step_ms']:.0f} ms, comm {row['comm_ms']:.0f} ms ({100 * row['comm_share']:.0f} %), "
+          f"{row['wall_s']:.0f} s wall", flush=True)
+    return row
+
+
+def _torchrun(nproc: int, cmd: list[str], timeout: float, log_dir: Path) -> int:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    full = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "--no-python", *cmd]
+    env = {**os.environ, **_env()}
+    env.pop("RANK", None)
+    with open(log_dir / "torchrun.log", "w") as f:
+        return subprocess.run(full, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+
+
+def calibrate_rate(args: argparse.Namespace, rate: str, net: object | None) -> tuple[float, float]:
+    path = Path(args.out) / "calibration" / f"{rate}.json"
+    cmd = [sys.executable, "-m", "bench.step_breakdown", "--calibrate-worker", str(path)]
+    print(f"== calibrating alpha/beta at {rate}", flush=True)
+    codes = (net.run(cmd, timeout=args.timeout, env=_env(), cwd=str(ROOT),
+                     log_dir=str(Path(args.out) / "logs" / rate / "calibration"))
+             if net is not None else [_torchrun(args.nproc, cmd, args.timeout, Path(args.out) / "logs" / rate / "calibration")])
+    if any(codes):
+        raise RuntimeError(f"calibration at {rate} failed (exit codes {codes}); see {args.out}/logs/{rate}/calibration")
+    c = json.loads(path.read_text())
+    return c["alpha_s"], c["beta_s_per_bit"]
+
+
+def collect_rows(args: argparse.Namespace, calib: dict[str, tuple[float, float]]) -> list[dict]:
+    """Rebuild rows from the run directories (so --report-only re-tabulates without rerunning)."""
+    out = Path(args.out)
+    rows = []
+    for rate in args.rates:
+        for v in args.variants:
+            run_dir = out / "runs" / rate / v
+            row: dict = {"rate": rate, "variant": v}
+            metrics = run_dir / "metrics.jsonl"
+            status_file = out / "status" / rate / f"{v}.txt"
+            if status_file.exists() and status_file.read_text().strip() != "ok":
+                row["status"] = status_file.read_text().strip()
+                rows.append(row)
+                continue
+            if not metrics.exists():
+                continue
+            try:
+                row.update(summarize_run(read_jsonl(metrics), args.warmup))
+            except ValueError as e:
+                row["status"] = f"incomplete: {e}"
+                rows.append(row)
+                continue
+            row["status"] = "ok"
+            rss = [json.loads(p.read_text())["max_rss_mib"] for p in sorted((out / "rss" / rate / v).glob("rank*.json"))]
+            row["peak_rss_mib"] = max(rss) if rss else None
+            cfg = load_run_config(run_dir)
+            from bench.variants import num_params
+
+            row["n_params"] = num_params(cfg["model"])
+            if rate in calib:
+                a, b = calib[rate]
+                add_prediction(row, predict_step_comm_s(cfg, args.nproc, a, b), a, b)
+            rows.append(row)
+    return add_relative(rows)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.step_breakdown", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma list of presets in --config-dir")
+    ap.add_argument("--rates", default=",".join(DEFAULT_RATES), help="comma list: unlimited, 1gbit, 100mbit, ...")
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10, help="measured steps per run")
+    ap.add_argument("--warmup", type=int, default=3, help="steps run first and discarded")
+    ap.add_argument("--config-dir", default="configs/cpu_30m")
+    ap.add_argument("--overrides", default=" ".join(DEFAULT_OVERRIDES),
+                    help="space-separated section.key=value overrides for every run (default: %(default)s)")
+    ap.add_argument("--out", default="bench/out/step_breakdown")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run before its ranks are killed")
+    ap.add_argument("--launcher", choices=["netsim", "torchrun"], default="netsim",
+                    help="netsim (namespaces + tbf, needs root) or torchrun over loopback (unlimited only)")
+    ap.add_argument("--no-calibrate", action="store_true", help="skip the alpha/beta fit (no model column)")
+    ap.add_argument("--report-only", action="store_true", help="only re-tabulate existing runs in --out")
+    ap.add_argument("--verbose", action="store_true", help="echo rank output (it always goes to --out/logs)")
+    ap.add_argument("--rank-wrap", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--calibrate-worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("cmd", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.variants = [v for v in args.variants.split(",") if v]
+    args.rates = [r for r in args.rates.split(",") if r]
+    args.overrides = args.overrides.split()
+    if args.steps < 1 or args.warmup < 0:
+        ap.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    if args.launcher == "torchrun" and any(r != "unlimited" for r in args.rates):
+        ap.error(f"--launcher torchrun cannot limit bandwidth; rates {args.rates} need --launcher netsim")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.rank_wrap:
+        cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+        return rank_wrap(Path(args.rank_wrap.replace("{RANK}", os.environ.get("RANK", "0"))), cmd)
+    if args.calibrate_worker:
+        calibrate_worker(Path(args.calibrate_worker))
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for v in args.variants:
+        config_path(v, args.config_dir)  # fail before any run on a typo
+    calib_file = out / "calibration.json"
+    calib: dict[str, tuple[float, float]] = {}
+    if calib_file.exists():
+        calib = {k: tuple(v) for k, v in json.loads(calib_file.read_text()).items()}
+    if not args.report_only:
+        net = None
+        if args.launcher == "netsim":
+            from launch.netsim import Netsim
+
+            net = Netsim(args.nproc, None).up()
+        try:
+            for rate in args.rates:
+                if net is not None:
+                    net.set_rate(rate)
+                if not args.no_calibrate:
+                    calib[rate] = calibrate_rate(args, rate, net)
+                    calib_file.write_text(json.dumps(calib, indent=1))
+                for v in args.variants:
+                    row = run_one(args, rate, v, net)
+                    st = out / "status" / rate / f"{v}.txt"
+                    st.parent.mkdir(parents=True, exist_ok=True)
+                    st.write_text(row["status"])
+        finally:
+            if net is not None:
+                net.down()
+    rows = collect_rows(args, calib)
+    meta = {"machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or ''}".strip(", "),
+            "nproc": args.nproc, "overrides": args.overrides, "config_dir": args.config_dir, "steps": args.steps,
+            "warmup": args.warmup, "rates": args.rates, "variants": args.variants, "launcher": args.launcher,
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "calibration": {k: {"alpha_us": 1e6 * a, "beta_ns_per_bit": 1e9 * b,
+                                "gbit_s": (1 / b / 1e9) if b else None} for k, (a, b) in calib.items()}}
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    write_reports(out, rows, args.rates, args.variants, meta)
+    print((out / "results.md").read_text())
+    return 0 if all(r.get("status") == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

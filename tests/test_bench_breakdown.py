@@ -1,0 +1,144 @@
+"""bench.step_breakdown / bench.variants / bench.quality: the table and summary arithmetic on
+synthetic records, the cost-model mapping against a direct transcription of Lion Cub Table 1, and
+a 2-rank smoke run of the real driver through launch.netsim (skipped without root / ip netns)."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench import quality, step_breakdown as sb, variants
+from launch import netsim
+
+try:
+    netsim.check_available(need_tc=False)
+    NETSIM_SKIP = None
+except netsim.NetsimUnavailable as e:
+    NETSIM_SKIP = f"netsim unavailable here: {e}"
+
+
+def _rec(step, step_ms, data, fwd, coll, pack, opt, nbytes=1000, **kw):
+    return {"step": step, "train_loss": 5.0, "lr": 1e-3, "step_ms": step_ms, "data_ms": data, "fwdbwd_ms": fwd,
+            "coll_ms": coll, "pack_ms": pack, "comm_ms": coll + pack, "opt_ms": opt, "comm_bytes": nbytes, **kw}
+
+
+def test_summarize_run_drops_warmup_and_takes_medians():
+    recs = [_rec(1, 9000, 1, 5000, 3000, 0, 999),            # warm-up outlier, must be dropped
+            _rec(2, 100, 1, 19, 60, 10, 10),
+            _rec(3, 120, 1, 29, 70, 10, 10),
+            _rec(4, 110, 1, 24, 50, 20, 15),
+            {"step": 4, "val_loss": 4.0}]
+    s = sb.summarize_run(recs, warmup=1)
+    assert s["steps"] == 3
+    assert s["step_ms"] == 110
+    assert s["compute_ms"] == 25          # median of 20, 30, 25 (data + fwd/bwd)
+    assert s["comm_ms"] == 70             # median of 70, 80, 70
+    assert s["coll_ms"] == 60 and s["pack_ms"] == 10 and s["other_ms"] == 10
+    assert s["comm_share"] == pytest.approx(70 / 110)
+    with pytest.raises(ValueError, match="warm-up"):
+        sb.summarize_run(recs, warmup=4)
+
+
+def test_speedup_and_comm_reduction_per_rate():
+    rows = [{"rate": "1gbit", "variant": "lion_fp32", "status": "ok", "step_ms": 900.0, "comm_ms": 700.0},
+            {"rate": "1gbit", "variant": "lioncub_4bit", "status": "ok", "step_ms": 300.0, "comm_ms": 70.0},
+            {"rate": "100mbit", "variant": "lioncub_4bit", "status": "ok", "step_ms": 500.0, "comm_ms": 100.0},
+            {"rate": "1gbit", "variant": "dlion_mavo", "status": "failed rc=[1, 0]"}]
+    for r in rows[:3]:
+        r["comm_share"] = r["comm_ms"] / r["step_ms"]
+    sb.add_relative(rows)
+    assert rows[0]["speedup"] == 1.0
+    assert rows[1]["speedup"] == pytest.approx(3.0) and rows[1]["comm_reduction"] == pytest.approx(10.0)
+    assert rows[2]["speedup"] is None     # no baseline at that rate: no made-up number
+    assert rows[3]["speedup"] is None
+    md = sb.table4_markdown(rows, ["1gbit", "100mbit"], ["lion_fp32", "lioncub_4bit", "dlion_mavo"])
+    line = next(ln for ln in md.splitlines() if ln.startswith("| lioncub_4bit"))
+    assert line == "| lioncub_4bit | 0.300 | 23.3 | 0.500 | 20.0 |"
+    assert "failed" in next(ln for ln in md.splitlines() if ln.startswith("| dlion_mavo"))
+
+
+def test_prediction_matches_table1_transcription():
+    model = {"preset": "tiny", "tie_embeddings": False, "pos_emb": "rope", "block_size": 0}
+    from model import get_preset
+
+    pc = get_preset("tiny", tie_embeddings=False)
+    roles = variants.role_params(model)
+    n = variants.num_params(model)
+    assert roles["head"] == pc.vocab_size * pc.n_embd and sum(roles.values()) == n
+    P, a, b = 4, 50e-6, 1e-9
+    ms_off = {"every": 0, "layers": ["head"], "start": 0, "stop": 0}
+    cases = {  # comm section -> Lion Cub Table 1 written out by hand
+        "fp32": ({"mode": "fp32"}, 2 * (P - 1) * a + 2 * (P - 1) / P * n * 32 * b),
+        "bf16": ({"mode": "bf16"}, 2 * (P - 1) * a + 2 * (P - 1) / P * n * 16 * b),
+        "onebit": ({"mode": "onebit"}, (P - 1 + 2) * a + (1 + (P - 1) / P) * n * b),
+        "pbit4": ({"mode": "pbit", "bits": 4}, 2 * 2 * a + 2 * (P - 1) / P * n * 4 * b),
+        "ps": ({"mode": "ps", "ps_topology": "naive", "ps_aggregate": "vote"}, 2 * (P - 1) * a + 2 * P * n * b),
+    }
+    for name, (c, want) in cases.items():
+        got = variants.predict_step_comm_s({"model": model, "comm": {**c, "momentum_sync": ms_off}}, P, a, b)
+        assert got == pytest.approx(want, rel=1e-12), name
+    sync = {"mode": "pbit", "bits": 4, "momentum_sync": {"every": 10, "layers": ["head"], "start": 0, "stop": 0}}
+    cfg = {"model": model, "comm": sync}
+    extra = variants.predict_step_comm_s(cfg, P, a, b, sync_step=True) - variants.predict_step_comm_s(cfg, P, a, b)
+    assert extra == pytest.approx(2 * (P - 1) * a + 2 * (P - 1) / P * roles["head"] * 32 * b)
+    row = sb.add_prediction({"coll_ms": 30.0, "comm_ms": 45.0}, 0.020, a, b)
+    assert row["pred_comm_ms"] == pytest.approx(20.0) and row["coll_over_pred"] == pytest.approx(1.5)
+    assert row["comm_over_pred"] == pytest.approx(2.25)
+
+
+def test_variant_configs_and_levels():
+    assert sb.variant_overrides(variants.config_path("lioncub_4bit"), 4) == ["comm.levels=0"]
+    assert sb.variant_overrides(variants.config_path("lioncub_8bit_l1"), 4) == ["comm.levels=31"]
+    assert sb.variant_overrides(variants.config_path("lioncub_8bit_l1"), 8) == ["comm.levels=15"]
+    assert sb.variant_overrides(variants.config_path("lion_fp32"), 4) == []
+    for v in variants.DEFAULT_VARIANTS + quality.DEFAULT_VARIANTS:
+        assert variants.config_path(v).is_file()
+    with pytest.raises(ValueError, match="lioncub_4bit"):
+        variants.config_path("lioncub_3bit")
+
+
+def test_quality_summary_on_synthetic_records():
+    def diag(step, match, flip, tie, emb, head, attn, mlp):
+        return {"step": step, "diag/sign_match": match, "diag/sign_flip": flip, "diag/tie_rate": tie,
+                "diag/momentum_spread/embedding": emb, "diag/momentum_spread/head": head,
+                "diag/momentum_spread/attn": attn, "diag/momentum_spread/mlp": mlp,
+                "diag/momentum_spread/norm": 1e-9}
+    recs = [_rec(10, 1, 0, 1, 0, 0, 0, train_time_s=3.0), diag(10, 0.9, 0.02, 0.1, 1e-2, 3e-2, 1e-4, 2e-4),
+            {"step": 10, "val_loss": 6.0}, _rec(20, 1, 0, 1, 0, 0, 0, train_time_s=6.5),
+            diag(20, 0.7, 0.04, 0.3, 3e-2, 1e-2, 4e-4, 2e-4), {"step": 20, "val_loss": 5.5}]
+    s = quality.summarize_quality(recs)
+    assert s["final_val_loss"] == 5.5 and s["train_time_s"] == 6.5 and s["n_diag"] == 2
+    assert s["sign_match"] == pytest.approx(0.8) and s["sign_flip"] == pytest.approx(0.03)
+    assert s["tie_rate"] == pytest.approx(0.2)
+    assert s["spread_embedding"] == pytest.approx(2e-2) and s["spread_head"] == pytest.approx(2e-2)
+    assert s["spread_other"] == pytest.approx(3e-4)                 # mean of per-step max(attn, mlp, norm)
+    assert s["spread_ratio"] == pytest.approx(2e-2 / 3e-4)
+    gradient_sync = quality.summarize_quality([r for r in recs if not any(k.startswith("diag/") for k in r)])
+    assert gradient_sync["sign_match"] is None and gradient_sync["spread_ratio"] is None
+    assert "| x | 5.5000 | - |" in quality.quality_markdown([{"variant": "x", "status": "ok", **gradient_sync}])
+
+
+@pytest.mark.skipif(NETSIM_SKIP is not None, reason=NETSIM_SKIP or "")
+def test_smoke_two_ranks_through_netsim(tmp_path: Path):
+    out = tmp_path / "sb"
+    rc = sb.main(["--variants", "lioncub_1bit", "--rates", "unlimited", "--nproc", "2", "--steps", "2",
+                  "--warmup", "1", "--no-calibrate", "--out", str(out), "--timeout", "240",
+                  "--overrides", "model.preset=debug data.batch_size=1 data.seq_len=32"])
+    assert rc == 0
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert len(rows) == 1 and rows[0]["status"] == "ok" and rows[0]["steps"] == "2"
+    r = rows[0]
+    assert float(r["step_ms"]) > 0 and float(r["comm_ms"]) > 0
+    n = variants.num_params({"preset": "debug"})
+    # 1-bit vote: each rank hands its packed signs (n/8 bytes, padded to 8*P) to the collectives,
+    # once for the all-to-all and once for the all-gather of its chunk: about n/8 .. 2n/8 bytes
+    assert n / 8 * 0.9 <= float(r["comm_bytes"]) <= 2 * n / 8 * 1.1
+    assert r["speedup"] == ""             # no lion_fp32 row at this rate: no speedup invented
+    rss = [json.loads(p.read_text()) for p in (out / "rss" / "unlimited" / "lioncub_1bit").glob("rank*.json")]
+    assert sorted(x["rank"] for x in rss) == [0, 1] and all(100 < x["max_rss_mib"] < 8000 for x in rss)
+    assert (out / "breakdown.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| lioncub_1bit |" in (out / "results.md").read_text()
+    assert not math.isnan(float(r["comm_share"]))
