@@ -132,7 +132,8 @@ def test_smoke_two_ranks_through_netsim(tmp_path: Path):
     assert len(rows) == 1 and rows[0]["status"] == "ok" and rows[0]["steps"] == "2"
     r = rows[0]
     assert float(r["step_ms"]) > 0 and float(r["comm_ms"]) > 0
-    n = variants.num_params({"preset": "debug"})
+    n = variants.num_params(variants.load_run_config(out / "runs" / "unlimited" / "lioncub_1bit")["model"])
+    assert n == int(r["n_params"])
     # 1-bit vote: each rank hands its packed signs (n/8 bytes, padded to 8*P) to the collectives,
     # once for the all-to-all and once for the all-gather of its chunk: about n/8 .. 2n/8 bytes
     assert n / 8 * 0.9 <= float(r["comm_bytes"]) <= 2 * n / 8 * 1.1
