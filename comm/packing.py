@@ -1,0 +1,169 @@
+"""Bit packing for the wire: 1-bit signs and 1/2/4/8-bit integer lanes in uint8 bytes.
+
+Layout (DESIGN.md "comm/"): bit i of byte j holds b[8j+i] (little-endian within a byte); for
+`bits`-wide lanes, lane i of byte j holds v[j*(8/bits)+i] in bits [i*bits, (i+1)*bits). A SUM
+allreduce of packed bytes is exact while every lane sum stays < 2**bits (Lion Cub App. F.1).
+
+Lion Cub App. E found packing/unpacking can eat the bandwidth gain, so every path here is a few
+whole-tensor torch ops (CPU and CUDA alike), never a Python loop over elements:
+- packing 8 one-byte flags into one byte is a single int64 multiply: viewing 8 bytes as one
+  little-endian word w = sum_k f_k 2^(8k), the product w * 0x0102040810204080 puts f_k at bit
+  56 + k and no cross term reaches bits 56..63, so (w * M) >> 56 is the packed byte;
+- unpacking is a table lookup: a 256-entry table of 8/bits lanes per byte, gathered with
+  index_select (one pass over the output).
+The 16-bit lanes used by `int_allreduce(bits=16)` live in `pack_words16` / `unpack_words16`.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+if sys.byteorder != "little":  # the word views below assume little-endian memory
+    raise ImportError(f"comm.packing needs a little-endian machine, found {sys.byteorder!r}")
+
+LANE_BITS = (1, 2, 4, 8)
+_MAGIC_1BIT = 0x0102040810204080
+_LUTS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _lut(bits: int, device: torch.device, signs: bool = False) -> torch.Tensor:
+    """Table mapping a packed byte to its 8/bits lanes, one lane per byte, as one word per row.
+    With signs=True (bits=1) the lanes are int8 -1/+1 instead of 0/1."""
+    key = (bits, device, signs)
+    if key not in _LUTS:
+        per = 8 // bits
+        byte = torch.arange(256, dtype=torch.int64).unsqueeze(1)
+        lanes = (byte >> (torch.arange(per) * bits)) & ((1 << bits) - 1)
+        lanes = (2 * lanes - 1).to(torch.int8) if signs else lanes.to(torch.uint8)
+        word = {1: torch.int64, 2: torch.int32, 4: torch.int16}[bits]
+        _LUTS[key] = lanes.contiguous().view(word).view(256).to(device)
+    return _LUTS[key]
+
+
+def _padded_u8(v: torch.Tensor, multiple: int) -> torch.Tensor:
+    """v (uint8/bool, 1-D) as a contiguous uint8 buffer, zero-padded to a multiple of `multiple`,
+    whose storage offset allows viewing it as `multiple`-byte words."""
+    v = v.reshape(-1)
+    if v.dtype == torch.bool:
+        v = v.view(torch.uint8)
+    n = v.numel()
+    m = _ceil_div(n, multiple) * multiple
+    if m == n and v.is_contiguous() and v.storage_offset() % multiple == 0:
+        return v
+    out = torch.zeros(m, dtype=torch.uint8, device=v.device)
+    out[:n] = v
+    return out
+
+
+def _pack_flags(u8: torch.Tensor) -> torch.Tensor:
+    """u8: 0/1 bytes, length a multiple of 8, word aligned -> packed bytes (see module doc)."""
+    words = u8.view(torch.int64)
+    return ((words * _MAGIC_1BIT) >> 56).to(torch.uint8)
+
+
+def pack_bits(b: torch.Tensor) -> torch.Tensor:
+    """Pack a bool tensor of n flags into uint8[ceil(n/8)]; bit i of byte j = b[8j+i]."""
+    if b.dtype != torch.bool:
+        raise TypeError(f"pack_bits expects a bool tensor, got {b.dtype}; pass e.g. `x > 0`")
+    return _pack_flags(_padded_u8(b, 8))
+
+
+def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of pack_bits: uint8[>= ceil(n/8)] -> bool[n]."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"unpack_bits expects uint8 bytes, got {packed.dtype}")
+    if n < 0 or packed.numel() * 8 < n:
+        raise ValueError(f"unpack_bits: {packed.numel()} bytes cannot hold n={n} bits")
+    nbytes = _ceil_div(n, 8)
+    flat = packed.reshape(-1)[:nbytes]
+    out = torch.index_select(_lut(1, flat.device), 0, flat.to(torch.int32))
+    return out.view(torch.uint8)[:n].view(torch.bool)
+
+
+def unpack_signs(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Packed bits -> int8[n] with bit 1 -> +1 and bit 0 -> -1 (one table lookup, no bool pass)."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"unpack_signs expects uint8 bytes, got {packed.dtype}")
+    if n < 0 or packed.numel() * 8 < n:
+        raise ValueError(f"unpack_signs: {packed.numel()} bytes cannot hold n={n} bits")
+    flat = packed.reshape(-1)[:_ceil_div(n, 8)]
+    out = torch.index_select(_lut(1, flat.device, signs=True), 0, flat.to(torch.int32))
+    return out.view(torch.int8)[:n]
+
+
+def pack_lanes(v: torch.Tensor, bits: int, check: bool = True) -> torch.Tensor:
+    """Pack uint8 values v[n] (each < 2**bits) into uint8[ceil(n*bits/8)] lanes of `bits` bits.
+
+    Lane i of byte j holds v[j*(8/bits)+i]; bits in {1, 2, 4, 8}. Values out of range raise
+    (a silently truncated lane would corrupt an exact sum); check=False skips that pass for
+    callers that have already validated v (and may then return v itself for bits=8)."""
+    if bits not in LANE_BITS:
+        raise ValueError(f"pack_lanes: bits must be one of {LANE_BITS}, got {bits}; "
+                         f"16-bit lanes use pack_words16")
+    if v.dtype != torch.uint8:
+        raise TypeError(f"pack_lanes expects uint8 values, got {v.dtype}")
+    v = v.reshape(-1)
+    if check and v.numel() and bits < 8:
+        vmax = int(v.max())
+        if vmax >= (1 << bits):
+            raise ValueError(f"pack_lanes: value {vmax} does not fit a {bits}-bit lane "
+                             f"(max {(1 << bits) - 1})")
+    if bits == 8:
+        return v.clone() if check else v
+    if bits == 1:
+        return _pack_flags(_padded_u8(v, 8))
+    if bits == 4:  # two bytes v0 + 256 v1 as one int16 -> v0 | v1 << 4
+        w = _padded_u8(v, 2).view(torch.int16)
+        return (w | (w >> 4)).to(torch.uint8)
+    # bits == 2: four bytes as one int32 (top byte < 4, so the word stays positive)
+    w = _padded_u8(v, 4).view(torch.int32)
+    return (w | (w >> 6) | (w >> 12) | (w >> 18)).to(torch.uint8)
+
+
+def unpack_lanes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of pack_lanes: uint8 bytes -> uint8[n] lane values."""
+    if bits not in LANE_BITS:
+        raise ValueError(f"unpack_lanes: bits must be one of {LANE_BITS}, got {bits}")
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"unpack_lanes expects uint8 bytes, got {packed.dtype}")
+    per = 8 // bits
+    if n < 0 or packed.numel() * per < n:
+        raise ValueError(f"unpack_lanes: {packed.numel()} bytes cannot hold n={n} {bits}-bit lanes")
+    flat = packed.reshape(-1)[:_ceil_div(n, per)]
+    if bits == 8:
+        return flat.clone()
+    out = torch.index_select(_lut(bits, flat.device), 0, flat.to(torch.int32))
+    return out.view(torch.uint8)[:n]
+
+
+def pack_words16(v: torch.Tensor) -> torch.Tensor:
+    """Pack int32 values v[n] in [0, 2**16) into int32 words of two 16-bit lanes (low lane first).
+
+    Neither gloo nor NCCL reduces int16, so `int_allreduce(bits=16)` carries its 16-bit lanes in
+    int32 words: still 2 bytes per element. A lane sum < 2**16 never carries into the next lane;
+    the high lane may set the int32 sign bit, and the SUM relies on two's-complement wraparound
+    of the carrier word (checked by tests/test_comm.py at the largest legal levels)."""
+    v = v.reshape(-1).to(torch.int32)
+    if v.numel():
+        lo, hi = torch.aminmax(v)
+        if int(lo) < 0 or int(hi) >= 1 << 16:
+            raise ValueError(f"pack_words16: values must be in [0, 65535], got [{int(lo)}, {int(hi)}]")
+    n = v.numel()
+    if n % 2:
+        v = torch.cat([v, v.new_zeros(1)])
+    pairs = v.view(-1, 2)
+    return pairs[:, 0] | (pairs[:, 1] << 16)
+
+
+def unpack_words16(words: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of pack_words16: int32 words -> int32[n] lane values in [0, 2**16)."""
+    if words.dtype != torch.int32 or words.numel() * 2 < n:
+        raise ValueError(f"unpack_words16: need int32 words holding {n} lanes, got "
+                         f"{words.numel()} {words.dtype}")
+    lanes = torch.stack([words & 0xFFFF, (words >> 16) & 0xFFFF], dim=1)
+    return lanes.view(-1)[:n]

@@ -1,0 +1,146 @@
+"""Majority votes over 1-bit signs: the 1-bit compressed allreduce and its hierarchical form.
+
+Tie break (Lion Cub App. B.1, DESIGN.md): tb(x, step) = +1 for x > 0, -1 for x < 0, and for
+x == 0 +1 when `step` is odd, -1 when even. As a flag (1 = "+1"): x >= 0 on odd steps, x > 0 on
+even steps. The majority of P signs is tb(2 * count_plus - P, step) in exact integer arithmetic
+(papers/README.md: the research code's threshold is off by one for odd P; we never divide).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ._groups import device_of, node_groups, resolve_node_size, world
+from .packing import _lut, _pack_flags, unpack_signs
+from .stats import CallTimer, CommStats, default_stats
+
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor; keep older torch working
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _ceil_to(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def tb_flags(x: torch.Tensor, step: int, length: int | None = None) -> torch.Tensor:
+    """1/0 flags (uint8) of tb(x, step) for a 1-D x, zero-padded to `length`."""
+    x = x.reshape(-1)
+    n = x.numel()
+    length = n if length is None else length
+    flags = torch.empty(length, dtype=torch.bool, device=x.device)
+    if step % 2:
+        torch.ge(x, 0, out=flags[:n])
+    else:
+        torch.gt(x, 0, out=flags[:n])
+    flags[n:] = False
+    return flags.view(torch.uint8)
+
+
+def _local_majority(recv: torch.Tensor, P: int, step: int) -> torch.Tensor:
+    """recv: uint8[P * c] packed chunks from P ranks (row r = rank r) -> packed tb(2*plus - P)."""
+    c = recv.numel() // P
+    flags = torch.index_select(_lut(1, recv.device), 0, recv.to(torch.int32))
+    flags = flags.view(torch.uint8).view(P, c * 8)
+    plus = flags.sum(dim=0, dtype=torch.int16 if P < 2 ** 14 else torch.int32)
+    diff = 2 * plus - P
+    won = diff >= 0 if step % 2 else diff > 0
+    return _pack_flags(won.view(torch.uint8))
+
+
+def sign_vote_1bit(x: torch.Tensor, step: int, group=None,
+                   stats: CommStats | None = None) -> torch.Tensor:
+    """Majority vote of the tie-broken signs of x over the group: int8[n] of +-1.
+
+    Result tb(sum_i tb(x_i, step), step), identical on every rank. Wire per rank: the packed
+    signs (ceil(n/8P)*P bytes) into the all-to-all, one packed chunk (ceil(n/8P) bytes) into the
+    all-gather. Any n >= 0; one rank votes alone with no communication."""
+    stats = default_stats() if stats is None else stats
+    P, _ = world(group)
+    n = x.numel()
+    with stats.call("sign_vote_1bit", device_of(x)) as timer:
+        if P == 1:
+            with timer.pack():
+                return (tb_flags(x, step).view(torch.int8) * 2 - 1)
+        xs = x.reshape(-1)
+        npad = _ceil_to(n, 8 * P)
+        with timer.pack():
+            flags = tb_flags(xs, step, npad)
+        packed = _vote_packed(flags, step, group, timer)
+        with timer.pack():
+            return unpack_signs(packed, n)
+
+
+def _vote_packed(flags: torch.Tensor, step: int, group, timer: CallTimer) -> torch.Tensor:
+    """Lion Cub §3 1-bit compressed allreduce of 0/1 sign flags (uint8, length a multiple of
+    8*P): pack, all-to-all of P chunks, local exact majority of my chunk, all-gather.
+    Returns the packed result (uint8[len/8]), identical on every rank of `group`."""
+    P, _ = world(group)
+    with timer.pack():
+        packed = _pack_flags(flags)
+    if P == 1:
+        return packed
+    recv = torch.empty_like(packed)
+    with timer.coll(sent=packed, recv=recv):
+        dist.all_to_all_single(recv, packed, group=group)
+    with timer.pack():
+        mine = _local_majority(recv, P, step)
+    out = torch.empty_like(packed)
+    with timer.coll(sent=mine, recv=out):
+        _all_gather_single(out, mine, group=group)
+    return out
+
+
+def hierarchical_sign_vote(x: torch.Tensor, step: int, node_size: int | None = None, group=None,
+                           stats: CommStats | None = None) -> torch.Tensor:
+    """Hierarchical 1-bit allreduce (BinSGDM §4): int8[n] of +-1, identical on every rank.
+
+    Ranks form contiguous nodes of `node_size` (default LOCAL_WORLD_SIZE, else one node); it
+    must divide the world size P. Contract, with S_k = sum of the raw x_i over the ranks i of
+    node k (exact for integer x, float32/64 otherwise):
+
+        result = tb( sum_k tb(S_k, step), step )
+
+    i.e. sign_vote_1bit applied to the node-level sums. Pass signs (int8 +-1) to get a vote of
+    node-level votes; pass raw values to get BinSGDM's "aggregate in full precision inside the
+    node, quantise once per node". node_size == 1 equals sign_vote_1bit(x); one node equals
+    tb(sum_i x_i). Steps (BinSGDM §4 i-iv): (i) intra-node reduce-scatter of x, so local rank l
+    holds shard l of S_k; (ii)-(iii) 1-bit vote of that shard among the ranks with local index l
+    on every node (all-to-all + all-gather of packed bits across nodes); (iv) intra-node
+    all-gather of the packed shard results."""
+    stats = default_stats() if stats is None else stats
+    P, _ = world(group)
+    m = resolve_node_size(node_size, P)
+    k = P // m
+    n = x.numel()
+    xs = x.reshape(-1)
+    with stats.call("hierarchical_sign_vote", device_of(x)) as timer:
+        intra, inter = node_groups(group, m) if P > 1 else (None, None)
+        npad = _ceil_to(n, 8 * P)
+        acc = torch.float64 if x.dtype == torch.float64 else (
+            torch.float32 if x.is_floating_point() else torch.int32)
+        if m > 1:
+            with timer.pack():
+                buf = torch.zeros(npad, dtype=acc, device=x.device)
+                buf[:n] = xs
+            shard = torch.empty(npad // m, dtype=acc, device=x.device)
+            with timer.coll(sent=buf, recv=shard):
+                _reduce_scatter_single(shard, buf, group=intra)
+            with timer.pack():
+                flags = tb_flags(shard, step)
+        else:
+            with timer.pack():
+                flags = tb_flags(xs, step, npad)
+        if k > 1:
+            mine = _vote_packed(flags, step, inter, timer)
+        else:
+            with timer.pack():
+                mine = _pack_flags(flags)
+        if m > 1:
+            out = torch.empty(npad // 8, dtype=torch.uint8, device=x.device)
+            with timer.coll(sent=mine, recv=out):
+                _all_gather_single(out, mine, group=intra)
+        else:
+            out = mine
+        with timer.pack():
+            return unpack_signs(out, n)

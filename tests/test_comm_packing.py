@@ -1,0 +1,127 @@
+"""Single-process tests of comm/: packing layout and round trips, 1-rank collectives (no
+process group), CommStats bookkeeping and the Table 1 cost formulas."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import comm
+from comm import cost_model
+from comm.packing import pack_words16, unpack_words16
+
+LENGTHS = [0, 1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 63, 64, 65, 1001]
+
+
+def reference_pack(v: torch.Tensor, bits: int) -> list[int]:
+    """Byte-by-byte packing written from the DESIGN.md layout with plain Python ints."""
+    per = 8 // bits
+    vals = [int(a) for a in v]
+    out = []
+    for j in range(math.ceil(len(vals) / per)):
+        byte = 0
+        for i in range(per):
+            if j * per + i < len(vals):
+                byte |= vals[j * per + i] << (i * bits)
+        out.append(byte)
+    return out
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", LENGTHS)
+def test_pack_lanes_layout_and_round_trip(bits: int, n: int) -> None:
+    g = torch.Generator().manual_seed(n * 10 + bits)
+    v = torch.randint(0, 1 << bits, (n,), generator=g, dtype=torch.uint8)
+    packed = comm.pack_lanes(v, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(n * bits / 8)
+    assert packed.tolist() == reference_pack(v, bits)
+    assert torch.equal(comm.unpack_lanes(packed, bits, n), v)
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_pack_bits_layout_and_round_trip(n: int) -> None:
+    b = torch.rand(n, generator=torch.Generator().manual_seed(n)) > 0.5
+    packed = comm.pack_bits(b)
+    assert packed.numel() == math.ceil(n / 8)
+    assert packed.tolist() == reference_pack(b.to(torch.uint8), 1)
+    assert torch.equal(comm.unpack_bits(packed, n), b)
+    assert torch.equal(comm.unpack_signs(packed, n), b.to(torch.int8) * 2 - 1)
+
+
+def test_pack_bits_known_bytes() -> None:
+    # bit i of byte j = b[8j+i]: flags at 0, 3 -> 0b00001001; at 9, 15 -> byte 1 = 0b10000010
+    b = torch.zeros(16, dtype=torch.bool)
+    b[[0, 3, 9, 15]] = True
+    assert comm.pack_bits(b).tolist() == [9, 130]
+
+
+def test_pack_unaligned_views() -> None:
+    # a slice with an odd storage offset must still pack correctly (word views need alignment)
+    base = torch.rand(41) > 0.5
+    for start in range(1, 9):
+        b = base[start:start + 32]
+        assert comm.pack_bits(b).tolist() == reference_pack(b.to(torch.uint8), 1)
+    v = torch.randint(0, 4, (41,), dtype=torch.uint8)[3:35]
+    assert comm.pack_lanes(v, 2).tolist() == reference_pack(v, 2)
+
+
+def test_pack_lanes_rejects_out_of_range() -> None:
+    with pytest.raises(ValueError, match="value 4 does not fit a 2-bit lane"):
+        comm.pack_lanes(torch.tensor([1, 4], dtype=torch.uint8), 2)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        comm.pack_lanes(torch.tensor([1], dtype=torch.uint8), 3)
+
+
+def test_words16_round_trip_and_sum() -> None:
+    v = torch.tensor([0, 65535, 1234, 40000, 7], dtype=torch.int32)
+    w = pack_words16(v)
+    assert w.numel() == 3 and torch.equal(unpack_words16(w, 5), v)
+    # the SUM of words is exact while every lane sum < 2**16, even when the high lane sets the
+    # int32 sign bit (the wire format of int_allreduce bits=16)
+    a = torch.tensor([30000, 30000], dtype=torch.int32)
+    b = torch.tensor([35535, 35535], dtype=torch.int32)
+    assert unpack_words16(pack_words16(a) + pack_words16(b), 2).tolist() == [65535, 65535]
+
+
+def test_single_rank_collectives_without_process_group() -> None:
+    x = torch.tensor([0.5, -1.0, 0.0, 0.0, 3.0])
+    assert comm.sign_vote_1bit(x, 1).tolist() == [1, -1, 1, 1, 1]
+    assert comm.sign_vote_1bit(x, 2).tolist() == [1, -1, -1, -1, 1]
+    assert comm.ps_vote(x, 2, "vote", "tree").tolist() == [1, -1, -1, -1, 1]
+    assert comm.ps_vote(x, 1, "avg", "naive").tolist() == [1.0, -1.0, 1.0, 1.0, 1.0]
+    assert comm.hierarchical_sign_vote(x, 2, node_size=1).tolist() == [1, -1, -1, -1, 1]
+    q = torch.tensor([3, -3, 0, 1], dtype=torch.int8)
+    assert comm.int_allreduce(q, 3, 4).tolist() == [3, -3, 0, 1]
+    with pytest.raises(ValueError, match=r"1 \* 2 \* 8 = 16 exceeds the 4-bit lane maximum"):
+        comm.int_allreduce(q, 8, 4)
+    assert torch.equal(comm.allreduce_mean(x), x)
+
+
+def test_commstats_bookkeeping() -> None:
+    s = comm.CommStats()
+    comm.sign_vote_1bit(torch.randn(100), 1, stats=s)
+    comm.int_allreduce(torch.ones(10, dtype=torch.int8), 1, 2, stats=s)
+    assert [c.name for c in s.calls] == ["sign_vote_1bit", "int_allreduce"]
+    assert s.step_summary()["calls"] == 2 and s.totals()["bytes_sent"] == 0  # one rank: no wire
+    assert s.step_summary()["pack_s"] > 0
+    s.begin_step()
+    assert s.step_summary()["calls"] == 0 and s.totals()["calls"] == 2
+    s.reset()
+    assert s.totals()["calls"] == 0 and s.calls == []
+
+
+def test_cost_model_table1_values() -> None:
+    P, N, a, b = 4, 1_000_000, 1e-5, 1e-9
+    # hand-evaluated Table 1 rows at P=4 (log2 P = 2)
+    assert cost_model.ps_naive(P, N, 32, a, b) == pytest.approx(6 * a + 8 * N * 32 * b)
+    assert cost_model.ps_efficient(P, N, 32, a, b) == pytest.approx(4 * a + 2.25 * N * 32 * b)
+    assert cost_model.direct_allreduce(P, N, None, a, b) == pytest.approx(4 * a + 1.5 * N * 3 * b)
+    assert cost_model.direct_allreduce(P, N, 4, a, b) == pytest.approx(4 * a + 1.5 * N * 4 * b)
+    assert cost_model.onebit_allreduce(P, N, 1, a, b) == pytest.approx(5 * a + 1.75 * N * b)
+    assert cost_model.ring_allreduce(P, N, 32, a, b) == pytest.approx(6 * a + 1.5 * N * 32 * b)
+    assert cost_model.predict("fp32", P, N, a, b) / cost_model.predict("sign_vote_1bit", P, N, a, b) \
+        == pytest.approx((6 * a + 48 * N * b) / (5 * a + 1.75 * N * b))
+    assert all(f(1, N, 32, a, b) == 0.0 for f in cost_model.TABLE1.values())
+    with pytest.raises(ValueError, match="unknown mode 'nope'"):
+        cost_model.predict("nope", P, N, a, b)

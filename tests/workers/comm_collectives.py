@@ -1,0 +1,338 @@
+"""Per-rank checks of every comm/ collective against references built from all_gather of the raw
+inputs, plus CommStats byte formulas. Launched by tests/test_comm.py at P = 1, 2, 3, 4.
+
+Asserts and exits non-zero on the first failure; rank 0 prints a summary line on success.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import comm
+from comm import cost_model
+
+dist.init_process_group("gloo")
+P, RANK = dist.get_world_size(), dist.get_rank()
+LARGE = 100_003
+LENGTHS = (0, 1, 7, 8 * P - 1, 8 * P + 1, LARGE)
+CHECKS = 0
+
+
+def gather(t: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(P)]
+    dist.all_gather(out, t.contiguous())
+    return out
+
+
+def tb(v: torch.Tensor, step: int) -> torch.Tensor:
+    """Reference tie-broken sign, written independently of comm/ (DESIGN.md)."""
+    zero_as = 1 if step % 2 else -1
+    return torch.where(v > 0, 1, torch.where(v < 0, -1, zero_as)).to(torch.int64)
+
+
+def check(cond: bool, msg: str) -> None:
+    global CHECKS
+    CHECKS += 1
+    assert cond, f"[rank {RANK}/{P}] {msg}"
+
+
+def same_on_all_ranks(res: torch.Tensor, what: str) -> None:
+    allres = gather(res)
+    for r, other in enumerate(allres):
+        check(torch.equal(other, allres[0]), f"{what}: rank {r} result differs from rank 0")
+
+
+def inputs(kind: str, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1000 + RANK)
+    if kind == "random":
+        return torch.randn(n, generator=g)
+    if kind == "zeros":
+        return torch.zeros(n)
+    if kind == "small_ints":  # many exact zeros and many exact ties in sums
+        return torch.randint(-1, 2, (n,), generator=g).float()
+    if kind == "ties":  # half the ranks +, half -, some zeros: exact ties at even P
+        x = torch.full((n,), 1.0 if RANK < P // 2 else -1.0)
+        x[::5] = 0.0
+        return x
+    raise ValueError(kind)
+
+
+KINDS = ("random", "zeros", "small_ints") + (("ties",) if P % 2 == 0 else ())
+
+
+def test_sign_vote() -> None:
+    for n in LENGTHS:
+        for kind in KINDS:
+            for step in (1, 2):
+                x = inputs(kind, n, seed=n + step)
+                X = torch.stack(gather(x)) if n else torch.zeros(P, 0)
+                ref = tb(sum(tb(X[i], step) for i in range(P)), step) if n else torch.zeros(0)
+                for name, fn in (("sign_vote_1bit", lambda: comm.sign_vote_1bit(x, step)),
+                                 ("ps_vote naive", lambda: comm.ps_vote(x, step, "vote", "naive")),
+                                 ("ps_vote tree", lambda: comm.ps_vote(x, step, "vote", "tree"))):
+                    res = fn()
+                    check(res.dtype == torch.int8 and res.shape == (n,),
+                          f"{name} n={n}: dtype/shape {res.dtype} {tuple(res.shape)}")
+                    check(torch.equal(res.to(torch.int64), ref.to(torch.int64)),
+                          f"{name} n={n} kind={kind} step={step}: "
+                          f"{int((res.to(torch.int64) != ref).sum())} mismatches")
+                    same_on_all_ranks(res, f"{name} n={n} {kind}")
+                # avg: mean of tie-broken votes, no tie break on the mean
+                cnt = sum((tb(X[i], step) > 0).to(torch.int64) for i in range(P)) if n else torch.zeros(0)
+                ref_avg = (2 * cnt - P).to(torch.float32) / P if n else torch.zeros(0)
+                for topo in ("naive", "tree"):
+                    res = comm.ps_vote(x, step, "avg", topo)
+                    check(res.dtype == torch.float32 and torch.equal(res, ref_avg),
+                          f"ps_vote avg {topo} n={n} kind={kind} step={step}")
+                    same_on_all_ranks(res, f"ps_vote avg {topo} n={n}")
+    # at even P the 'ties' kind must really produce ties, and both parities must resolve them
+    if P % 2 == 0:
+        x = inputs("ties", 64, seed=0)
+        check(torch.equal(comm.sign_vote_1bit(x, 1)[1:5], torch.ones(4, dtype=torch.int8)),
+              "tie at odd step must give +1")
+        check(torch.equal(comm.sign_vote_1bit(x, 2)[1:5], -torch.ones(4, dtype=torch.int8)),
+              "tie at even step must give -1")
+
+
+def test_hierarchical() -> None:
+    node_sizes = [m for m in range(1, P + 1) if P % m == 0]
+    for m in node_sizes:
+        k = P // m
+        for n in LENGTHS:
+            # random floats only where the float node sum is sign-exact (sums of <= 2 terms)
+            kinds = ("small_ints", "zeros") + (("random",) if m <= 2 else ()) + \
+                    (("ties",) if P % 2 == 0 else ())
+            for kind in kinds:
+                for step in (1, 2):
+                    x = inputs(kind, n, seed=7 * n + step)
+                    res = comm.hierarchical_sign_vote(x, step, node_size=m)
+                    if n:
+                        X = torch.stack(gather(x)).double()
+                        S = [X[j * m:(j + 1) * m].sum(0) for j in range(k)]
+                        ref = tb(sum(tb(s, step) for s in S), step)
+                    else:
+                        ref = torch.zeros(0, dtype=torch.int64)
+                    check(torch.equal(res.to(torch.int64), ref),
+                          f"hierarchical m={m} n={n} kind={kind} step={step}: "
+                          f"{int((res.to(torch.int64) != ref).sum())} mismatches")
+                    same_on_all_ranks(res, f"hierarchical m={m} n={n}")
+        # integer signs give the vote of node-level votes, and m=1 equals sign_vote_1bit
+        q = torch.randint(-1, 2, (999,), generator=torch.Generator().manual_seed(RANK)).to(torch.int8)
+        if m == 1:
+            check(torch.equal(comm.hierarchical_sign_vote(q, 3, node_size=1),
+                              comm.sign_vote_1bit(q, 3)), "hierarchical m=1 != sign_vote_1bit")
+    # default node size: LOCAL_WORLD_SIZE (torchrun sets it to P on one machine) -> one node
+    x = inputs("small_ints", 333, seed=5)
+    X = torch.stack(gather(x)).double()
+    check(os.environ.get("LOCAL_WORLD_SIZE") == str(P), "torchrun should set LOCAL_WORLD_SIZE")
+    check(torch.equal(comm.hierarchical_sign_vote(x, 2).to(torch.int64), tb(X.sum(0), 2)),
+          "hierarchical default node_size")
+    if P == 4:
+        try:
+            comm.hierarchical_sign_vote(x, 1, node_size=3)
+            check(False, "node_size=3 at P=4 must raise")
+        except ValueError as e:
+            check("node_size=3" in str(e) and "4" in str(e), f"message: {e}")
+
+
+def test_int_allreduce() -> None:
+    for bits in (1, 2, 4, 8, 16):
+        top = (1 << bits) - 1
+        L = top // (2 * P) if P <= top else -1
+        check(comm.max_levels(P, bits) == L, f"max_levels({P},{bits})={comm.max_levels(P, bits)} != {L}")
+        dtype = torch.int32 if bits == 16 else torch.int8
+        if L >= 0:
+            for n in LENGTHS:
+                g = torch.Generator().manual_seed(bits * 100 + n + RANK)
+                if L == 0:
+                    q = (torch.randint(0, 2, (n,), generator=g) * 2 - 1).to(dtype)
+                else:
+                    q = torch.randint(-L, L + 1, (n,), generator=g).to(dtype)
+                    if n >= 3:  # extreme lanes: every rank at +L / -L sums to the lane maximum
+                        q[0], q[1], q[2] = L, -L, 0
+                res = comm.int_allreduce(q, L, bits)
+                ref = torch.stack(gather(q.to(torch.int64))).sum(0) if n else torch.zeros(0, dtype=torch.int64)
+                check(res.dtype == torch.int32 and torch.equal(res.to(torch.int64), ref),
+                      f"int_allreduce bits={bits} L={L} n={n}: "
+                      f"{int((res.to(torch.int64) != ref).sum()) if n else 0} mismatches")
+                same_on_all_ranks(res, f"int_allreduce bits={bits}")
+            # all ranks at +L everywhere: every lane sums to P*2L, the largest legal value
+            q = torch.full((LARGE,), L if L else 1, dtype=dtype)
+            res = comm.int_allreduce(q, L, bits)
+            check(torch.equal(res, torch.full((LARGE,), P * (L if L else 1), dtype=torch.int32)),
+                  f"int_allreduce bits={bits} at lane maximum")
+        # one level more must raise, naming the numbers
+        bad = L + 1
+        try:
+            comm.int_allreduce(torch.zeros(8, dtype=dtype) + (1 if bad == 0 else 0), bad, bits)
+            check(False, f"int_allreduce bits={bits} levels={bad} P={P} must raise")
+        except ValueError as e:
+            check(str(P) in str(e) and str(bad) in str(e) and str(top) in str(e),
+                  f"overflow message lacks the numbers: {e}")
+    # levels=0 carries signs only: a zero must raise, not be silently counted
+    try:
+        comm.int_allreduce(torch.tensor([1, 0, -1], dtype=torch.int8), 0, 8)
+        check(False, "levels=0 with a zero must raise")
+    except ValueError:
+        check(True, "")
+    try:
+        comm.int_allreduce(torch.tensor([3], dtype=torch.int8), 2, 8)
+        check(False, "q out of [-L, L] must raise")
+    except ValueError as e:
+        check("[-2, 2]" in str(e), f"message: {e}")
+
+
+def test_allreduce_mean() -> None:
+    for n in LENGTHS:
+        for kind in ("random", "zeros"):
+            x = inputs(kind, n, seed=3 * n) * 3
+            X = torch.stack(gather(x)).double() if n else torch.zeros(P, 0, dtype=torch.float64)
+            ref = X.mean(0)
+            r32 = comm.allreduce_mean(x)
+            check(r32.dtype == torch.float32 and r32.shape == x.shape, "allreduce_mean dtype/shape")
+            check(torch.allclose(r32.double(), ref, rtol=1e-5, atol=1e-5),
+                  f"allreduce_mean fp32 n={n}: max err {(r32.double() - ref).abs().max() if n else 0}")
+            same_on_all_ranks(r32, f"allreduce_mean fp32 n={n}")
+            r16 = comm.allreduce_mean(x, wire_dtype=torch.bfloat16)
+            # bf16 has 8 significant bits: each input and each partial sum rounds by <= 2**-8
+            tol = (X.abs().sum(0) / P) * (P + 1) * 2.0 ** -8 + 1e-6
+            check(r16.dtype == torch.float32 and bool(((r16.double() - ref).abs() <= tol).all()),
+                  f"allreduce_mean bf16 n={n}")
+            same_on_all_ranks(r16, f"allreduce_mean bf16 n={n}")
+            if n == LARGE and kind == "random":
+                check(not torch.equal(r16, r32), "bf16 wire should round (else it was not used)")
+    xd = torch.randn(5, 3, dtype=torch.float64)
+    check(comm.allreduce_mean(xd).dtype == torch.float64, "allreduce_mean keeps x.dtype")
+
+
+def test_stats() -> None:
+    B = lambda n, d=8: -(-n // d)  # noqa: E731
+    for n in (1, 8 * P + 1, LARGE):
+        s = comm.CommStats()
+        x = torch.randn(n)
+        s.begin_step()
+        comm.sign_vote_1bit(x, 1, stats=s)
+        npad = B(n, 8 * P) * 8 * P
+        exp_sent = 0 if P == 1 else npad // 8 + npad // (8 * P)
+        exp_recv = 0 if P == 1 else 2 * (npad // 8)
+        rec = s.calls[-1]
+        check(rec.name == "sign_vote_1bit" and (rec.bytes_sent, rec.bytes_recv) == (exp_sent, exp_recv),
+              f"sign_vote_1bit bytes n={n}: {rec} expected {exp_sent}/{exp_recv}")
+        check(rec.pack_s > 0 and (rec.coll_s > 0) == (P > 1), f"sign_vote_1bit seconds {rec}")
+        for bits in (1, 4, 8, 16):
+            L = comm.max_levels(P, bits)
+            if L < 0:
+                continue
+            q = torch.zeros(n, dtype=torch.int32) + (1 if L == 0 else 0)
+            comm.int_allreduce(q, L, bits, stats=s)
+            wire = 4 * B(n, 2) if bits == 16 else B(n * bits)
+            rec = s.calls[-1]
+            check((rec.bytes_sent, rec.bytes_recv) == ((wire, wire) if P > 1 else (0, 0)),
+                  f"int_allreduce bits={bits} n={n}: {rec}, expected {wire}")
+        for wd, size in ((torch.float32, 4), (torch.bfloat16, 2)):
+            comm.allreduce_mean(x, wd, stats=s)
+            rec = s.calls[-1]
+            check((rec.bytes_sent, rec.bytes_recv) == ((n * size,) * 2 if P > 1 else (0, 0)),
+                  f"allreduce_mean {wd} bytes {rec}")
+        nb = max(1, P.bit_length())
+        for agg, back in (("vote", B(n)), ("avg", nb * B(n))):
+            comm.ps_vote(x, 2, agg, "naive", stats=s)
+            rec = s.calls[-1]
+            exp = ((P - 1) * back, (P - 1) * B(n)) if RANK == 0 else (B(n), back)
+            check((rec.bytes_sent, rec.bytes_recv) == (exp if P > 1 else (0, 0)),
+                  f"ps naive {agg} rank {RANK}: {rec}, expected {exp}")
+            comm.ps_vote(x, 2, agg, "tree", stats=s)
+            rec = s.calls[-1]
+            exp = tree_bytes(n, agg)
+            check((rec.bytes_sent, rec.bytes_recv) == exp, f"ps tree {agg}: {rec}, expected {exp}")
+        for m in [d for d in range(1, P + 1) if P % d == 0]:
+            k = P // m
+            comm.hierarchical_sign_vote(x, 1, node_size=m, stats=s)
+            rec = s.calls[-1]
+            sent = recv = 0
+            if m > 1:  # reduce-scatter of fp32 words, then all-gather of my packed shard
+                sent += npad * 4 + npad // (8 * m)
+                recv += npad * 4 // m + npad // 8
+            if k > 1:  # 1-bit vote of my shard across nodes
+                sent += npad // (8 * m) + npad // (8 * m * k)
+                recv += 2 * npad // (8 * m)
+            check((rec.bytes_sent, rec.bytes_recv) == (sent, recv),
+                  f"hierarchical m={m} n={n}: {rec}, expected {sent}/{recv}")
+        summ, tot = s.step_summary(), s.totals()
+        check(summ["calls"] == len(s.calls) and summ["bytes_sent"] == sum(c.bytes_sent for c in s.calls),
+              f"step_summary {summ}")
+        check(summ == tot, "one step: summary equals totals")
+        s.begin_step()
+        check(s.step_summary()["calls"] == 0 and s.totals()["calls"] == tot["calls"], "begin_step")
+        with s.timed_pack():
+            time.sleep(0.01)
+        check(s.step_summary()["pack_s"] >= 0.01 and s.step_summary()["calls"] == 0, "timed_pack")
+        s.reset()
+        check(s.totals()["calls"] == 0 and not s.calls, "reset")
+    # stats=None books into the process-wide default
+    before = comm.default_stats().totals()["calls"]
+    comm.sign_vote_1bit(torch.randn(10), 1)
+    check(comm.default_stats().totals()["calls"] == before + 1, "default_stats")
+
+
+def tree_bytes(n: int, agg: str) -> tuple[int, int]:
+    """Expected (sent, recv) of ps_vote tree at this rank, from descendants counted directly."""
+    if P == 1:
+        return 0, 0
+    B = -(-n // 8)
+
+    def size(r: int) -> int:  # descendants of r in heap order, by walking levels
+        total, lo, hi = 0, r, r
+        while lo < P:
+            total += min(hi, P - 1) - lo + 1
+            lo, hi = 2 * lo + 1, 2 * hi + 2
+        return total
+
+    def planes(s: int) -> int:
+        return math.ceil(math.log2(s + 1))
+
+    children = [c for c in (2 * RANK + 1, 2 * RANK + 2) if c < P]
+    back = B * (1 if agg == "vote" else planes(P))
+    recv = sum(B * planes(size(c)) for c in children) + (back if RANK else 0)
+    sent = (B * planes(size(RANK)) if RANK else 0) + back * len(children)
+    return sent, recv
+
+
+def test_cost_model_calibrate() -> None:
+    # the fit recovers known parameters from exact model times
+    sizes = (1 << 10, 1 << 16, 1 << 22)
+    for Pm in (2, 3, 8):
+        times = [cost_model.ring_allreduce(Pm, s // 4, 32, 3e-5, 1e-9) for s in sizes]
+        a, b = cost_model.fit_alpha_beta(Pm, sizes, times)
+        check(abs(a - 3e-5) < 1e-9 and abs(b - 1e-9) < 1e-13, f"fit_alpha_beta P={Pm}: {a} {b}")
+    alpha, beta = cost_model.calibrate(sizes=(1 << 12, 1 << 23), repeats=3)
+    if P == 1:
+        check((alpha, beta) == (0.0, 0.0), "calibrate at P=1")
+    else:
+        check(alpha >= 0 and beta > 0, f"calibrate: alpha={alpha} beta={beta}")
+        ab = torch.tensor([alpha, beta], dtype=torch.float64)
+        same_on_all_ranks(ab, "calibrate")
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    for fn in (test_sign_vote, test_hierarchical, test_int_allreduce, test_allreduce_mean,
+               test_stats, test_cost_model_calibrate):
+        t = time.time()
+        fn()
+        if RANK == 0:
+            print(f"{fn.__name__}: {time.time() - t:.1f}s", flush=True)
+    dist.barrier()
+    if RANK == 0:
+        print(f"comm_collectives P={P}: {CHECKS} checks passed in {time.time() - t0:.1f}s", flush=True)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    # skip interpreter finalisation: gloo worker threads occasionally abort there
+    # ("terminate called without an active exception", pytorch/pytorch#179291) after all
+    # checks have passed, which would fail the test for a reason outside comm/
+    os._exit(0)
