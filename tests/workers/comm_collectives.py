@@ -319,10 +319,42 @@ def test_cost_model_calibrate() -> None:
         same_on_all_ranks(ab, "calibrate")
 
 
+def test_subgroup() -> None:
+    """Collectives on a subgroup of ranks 1..P-1: group-relative ranks must map to the right
+    peers (ps_vote's P2P, hierarchical's node subgroups)."""
+    if P < 3:
+        return
+    members = list(range(1, P))
+    sub = dist.new_group(members)  # every rank of the world takes part in creating it
+    n, step = 1001, 3
+    x = inputs("small_ints", n, seed=11)
+    X = torch.stack(gather(x)).double()[members]
+    if RANK not in members:
+        return
+    Q = len(members)
+    ref = tb(sum(tb(X[i], step) for i in range(Q)), step)
+    for name, res in (("sign_vote_1bit", comm.sign_vote_1bit(x, step, group=sub)),
+                      ("ps naive", comm.ps_vote(x, step, "vote", "naive", group=sub)),
+                      ("ps tree", comm.ps_vote(x, step, "vote", "tree", group=sub)),
+                      ("hierarchical m=1", comm.hierarchical_sign_vote(x, step, 1, group=sub))):
+        check(torch.equal(res.to(torch.int64), ref), f"subgroup {name}")
+    res = comm.hierarchical_sign_vote(x, step, Q, group=sub)
+    check(torch.equal(res.to(torch.int64), tb(X.sum(0), step)), "subgroup hierarchical one node")
+    q = x.to(torch.int8)
+    check(torch.equal(comm.int_allreduce(q, 1, 8, group=sub).to(torch.int64),
+                      X.sum(0).to(torch.int64)), "subgroup int_allreduce")
+    if Q == 3:  # a node size that does not divide the subgroup's 3 ranks
+        try:
+            comm.hierarchical_sign_vote(x, step, 2, group=sub)
+            check(False, "node_size=2 over 3 ranks must raise")
+        except ValueError:
+            check(True, "")
+
+
 if __name__ == "__main__":
     t0 = time.time()
     for fn in (test_sign_vote, test_hierarchical, test_int_allreduce, test_allreduce_mean,
-               test_stats, test_cost_model_calibrate):
+               test_stats, test_subgroup, test_cost_model_calibrate):
         t = time.time()
         fn()
         if RANK == 0:
