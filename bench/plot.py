@@ -41,8 +41,9 @@ def load_runs(paths: Sequence[str | Path], labels: Sequence[str] | None = None) 
 
 
 def _xy(records: list[dict], x: str, y: str) -> tuple[list[float], list[float]]:
-    pts = sorted((r[x], r[y]) for r in records if x in r and y in r)
-    return [a for a, _ in pts], [b for _, b in pts]
+    pts = {r[x]: r[y] for r in records if x in r and y in r}  # a repeated x (re-logged eval) keeps the last
+    xs = sorted(pts)
+    return xs, [pts[a] for a in xs]
 
 
 def _plt():

@@ -136,6 +136,39 @@ def add_prediction(row: dict, pred_s: float, alpha: float, beta: float) -> dict:
     return row
 
 
+def check_targets(rows: list[dict], baseline: str = BASELINE, share: float = 0.70, speedup: float = 3.0,
+                  reduction: float = 10.0, model_ratio: float = 1.5) -> list[str]:
+    """The issue-6 performance targets, evaluated at every rate where the baseline's comm share >= 70 %:
+    the best Lion Cub variant's step >= 3x faster and its comm time >= 10x smaller than the baseline's,
+    and every variant's collective time within 1.5x (either way) of the cost model. One line per check."""
+    lines = []
+    ok = [r for r in rows if r.get("status") == "ok"]
+    rates = [r["rate"] for r in ok if r["variant"] == baseline and r["comm_share"] >= share]
+    if not rates:
+        shares = {r["rate"]: round(100 * r["comm_share"], 1) for r in ok if r["variant"] == baseline}
+        return [f"no rate where {baseline} spends >= {100 * share:.0f} % communicating (comm % by rate: {shares})"]
+    for rate in rates:
+        base = next(r for r in ok if r["rate"] == rate and r["variant"] == baseline)
+        cubs = [r for r in ok if r["rate"] == rate and r["variant"].startswith("lioncub") and r.get("speedup")]
+        lines.append(f"{rate}: {baseline} comm share {100 * base['comm_share']:.1f} % (>= {100 * share:.0f} %)")
+        if cubs:
+            best = max(cubs, key=lambda r: r["speedup"])
+            lines.append(f"{rate}: best Lion Cub {best['variant']}: step {base['step_ms']:.0f} -> {best['step_ms']:.0f} ms "
+                         f"= {best['speedup']:.2f}x ({'MET' if best['speedup'] >= speedup else 'NOT met'}, target "
+                         f">= {speedup:g}x); comm {base['comm_ms']:.0f} -> {best['comm_ms']:.0f} ms = "
+                         f"{best['comm_reduction']:.1f}x smaller ({'MET' if best['comm_reduction'] >= reduction else 'NOT met'}, "
+                         f"target >= {reduction:g}x)")
+        for r in ok:
+            q = r.get("coll_over_pred")
+            if r["rate"] != rate or q is None:
+                continue
+            within = 1 / model_ratio <= q <= model_ratio
+            lines.append(f"{rate}: {r['variant']}: collectives {r['coll_ms']:.0f} ms vs model {r['pred_comm_ms']:.0f} ms "
+                         f"= {q:.2f}x ({'within' if within else 'NOT within'} {model_ratio:g}x); with pack "
+                         f"{r['comm_over_pred']:.2f}x")
+    return lines
+
+
 def _f(x: object, fmt: str = ".2f") -> str:
     if x is None or (isinstance(x, float) and x != x):
         return "-"
@@ -221,6 +254,7 @@ def write_reports(out: Path, rows: list[dict], rates: list[str], variants: list[
           "## Table 4 style", "", table4_markdown(rows, rates, variants), ""]
     for rate in rates:
         md += [f"## {rate}", "", detail_markdown(rows, rate, variants), ""]
+    md += ["## Issue-6 targets", "", *[f"- {ln}" for ln in check_targets(rows)], ""]
     (out / "results.md").write_text("\n".join(md))
     if any(r.get("status") == "ok" for r in rows):
         plot_breakdown(out / "breakdown.png", rows, rates, variants)

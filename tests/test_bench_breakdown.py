@@ -143,3 +143,23 @@ def test_smoke_two_ranks_through_netsim(tmp_path: Path):
     assert (out / "breakdown.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| lioncub_1bit |" in (out / "results.md").read_text()
     assert not math.isnan(float(r["comm_share"]))
+
+
+def test_targets_are_checked_at_the_comm_bound_rate():
+    def row(rate, v, step, comm, coll, pred):
+        return {"rate": rate, "variant": v, "status": "ok", "step_ms": step, "comm_ms": comm, "coll_ms": coll,
+                "comm_share": comm / step, "pred_comm_ms": pred, "coll_over_pred": coll / pred,
+                "comm_over_pred": comm / pred}
+    rows = [row("1gbit", "lion_fp32", 1000.0, 600.0, 590.0, 500.0),          # 60 %: not the target regime
+            row("1gbit", "lioncub_4bit", 400.0, 50.0, 40.0, 30.0),
+            row("100mbit", "lion_fp32", 6000.0, 5500.0, 5400.0, 5000.0),     # 92 %
+            row("100mbit", "lioncub_1bit", 1900.0, 600.0, 300.0, 150.0),     # coll 2x the model: outside 1.5x
+            row("100mbit", "lioncub_4bit", 2100.0, 500.0, 450.0, 400.0)]
+    lines = sb.check_targets(sb.add_relative(rows))
+    assert not any(ln.startswith("1gbit") for ln in lines)
+    best = next(ln for ln in lines if "best Lion Cub" in ln)
+    assert "lioncub_1bit" in best and "3.16x (MET" in best and "9.2x smaller (NOT met" in best
+    assert any("lioncub_1bit: collectives 300 ms vs model 150 ms = 2.00x (NOT within" in ln for ln in lines)
+    assert any("lioncub_4bit: collectives 450 ms vs model 400 ms = 1.12x (within" in ln for ln in lines)
+    only_slow = sb.check_targets(sb.add_relative(rows[:2]))
+    assert len(only_slow) == 1 and "no rate" in only_slow[0] and "60.0" in only_slow[0]
