@@ -270,11 +270,11 @@ def _env() -> dict[str, str]:
 
 
 def variant_overrides(cfg_file: Path, nproc: int) -> list[str]:
-    """comm.levels spelled out for pbit variants (the largest legal L, or 0 for sign votes).
-
-    Work-around: the trainer passes comm.levels=-1 ("automatic" in trainer/config.py) to
-    optim.build_optimizer, which accepts only None/"auto" and rejects -1; an explicit value is what
-    "automatic" means anyway, so the measurement is unchanged."""
+    """comm.levels spelled out for pbit variants: 0 (the 0/1 sign encoding) for quantizer=sign, as
+    Lion Cub 4-bit sends only +1/-1 (Fig. 8 caption, DESIGN.md "L == 0 means signs only"), else the
+    largest legal L. Pinned here because "automatic" (-1) has meant different things in the trainer
+    and in optim (for sign votes, L=0 vs the largest L), and the benchmark must measure the paper's
+    variant whichever way that is resolved."""
     from trainer.config import load_config
 
     c = load_config(str(cfg_file)).comm
