@@ -113,6 +113,48 @@ def predict(mode: str, world: int, n: int, alpha: float, beta: float, bits: int,
     return float(cm.predict(_MODEL_MODE[mode], world, n, alpha, beta, bits=bits, node_size=node_size or 1))
 
 
+def _wire_call(mode: str, n: int, world: int, bits: int) -> Callable[[], None] | None:
+    """The bare collectives of `mode` on pre-made buffers of the same byte sizes (no packing), or
+    None where the pattern is not a plain collective (ps_vote, hierarchical).
+
+    Timing these separates what the network costs from what packing and rank skew cost: a rank
+    waiting in a collective for a peer that is still packing books that wait as collective time."""
+    import torch
+    import torch.distributed as dist
+
+    if mode in ("fp32", "bf16"):
+        buf = torch.zeros(n, dtype=torch.float32 if mode == "fp32" else torch.bfloat16)
+        return lambda: dist.all_reduce(buf)
+    if mode.startswith("int_allreduce_"):
+        buf = torch.zeros(-(-n * bits // 8), dtype=torch.uint8)
+        return lambda: dist.all_reduce(buf)
+    if mode == "sign_vote_1bit":
+        chunk = -(-n // (8 * world))
+        send, recv = torch.zeros(chunk * world, dtype=torch.uint8), torch.empty(chunk * world, dtype=torch.uint8)
+        mine = torch.zeros(chunk, dtype=torch.uint8)
+        return lambda: (dist.all_to_all_single(recv, send), dist.all_gather_into_tensor(recv, mine))
+    return None
+
+
+def _bench_wire(mode: str, n: int, repeats: int, bits: int) -> float | None:
+    """Median over repeats of the slowest rank's seconds for the bare collectives of `mode`."""
+    import torch.distributed as dist
+
+    call = _wire_call(mode, n, dist.get_world_size(), bits)
+    if call is None or dist.get_world_size() == 1:
+        return None
+    call()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, times)
+    return statistics.median(max(g[i] for g in gathered) for i in range(repeats))
+
+
 def _bench_one(mode: str, n: int, repeats: int, warmup: int, node_size: int | None) -> dict:
     import torch.distributed as dist
 
@@ -149,6 +191,7 @@ def _bench_one(mode: str, n: int, repeats: int, warmup: int, node_size: int | No
            "bytes_sent_rank0": gathered[0][0][3],
            "bytes_sent_rank1": gathered[1][0][3] if world > 1 else gathered[0][0][3],
            "collective_calls": gathered[0][0][5]}
+    row["wire_s"] = _bench_wire(mode, n, repeats, params["bits"])
     return row
 
 
@@ -180,10 +223,13 @@ def worker(args: argparse.Namespace) -> None:
                                          node_size if mode == "hierarchical" else None)
                 row["wall_over_model"] = row["wall_s"] / row["model_s"] if row["model_s"] > 0 else float("nan")
                 row["coll_over_model"] = row["coll_s"] / row["model_s"] if row["model_s"] > 0 else float("nan")
+                if row["wire_s"] is not None and row["model_s"] > 0:
+                    row["wire_over_model"] = row["wire_s"] / row["model_s"]
             rows.append(row)
             if rank == 0:
                 print(f"P={world} N={fmt_size(n)} {mode}: " + (
                     f"wall {row['wall_s'] * 1e3:.1f} ms (coll {row['coll_s'] * 1e3:.1f}, pack {row['pack_s'] * 1e3:.1f}), "
+                    f"wire {row['wire_s'] * 1e3 if row['wire_s'] is not None else float('nan'):.1f} ms, "
                     f"model {row['model_s'] * 1e3:.1f} ms, sent {row['bytes_sent_max']} B"
                     if row["status"] == "ok" else row["status"]), flush=True)
     if rank == 0:
@@ -238,7 +284,7 @@ def launch(args: argparse.Namespace, world: int, out: Path) -> None:
 
 
 COLUMNS = ["world", "rate", "n", "mode", "status", "bits", "levels", "node_size", "wall_s", "coll_s", "pack_s",
-           "wall_min_s", "model_s", "wall_over_model", "coll_over_model", "bytes_sent_max", "bytes_recv_max",
+           "wall_min_s", "wire_s", "model_s", "wall_over_model", "coll_over_model", "wire_over_model", "bytes_sent_max", "bytes_recv_max",
            "bytes_sent_rank0", "bytes_sent_rank1", "collective_calls", "speedup_vs_fp32"]
 
 
@@ -272,16 +318,19 @@ def write_reports(out: Path, rows: list[dict], calib: dict, meta: dict) -> None:
         lines.append(f"- P={p}: calibrated alpha = {c['alpha'] * 1e6:.1f} us, beta = {c['beta'] * 1e9:.3f} ns/bit "
                      f"({1 / c['beta'] / 1e6 if c['beta'] > 0 else float('inf'):.0f} Mbit/s)"
                      + (f", + modelled latency {c['latency_model_s'] * 1e6:.0f} us" if c["latency_model_s"] else ""))
-    lines += ["", "| P | N | mode | wall ms | coll ms | pack ms | model ms | wall/model | coll/model | "
-              "sent B (max rank) | recv B (max rank) | speedup vs fp32 |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "wall = one call end to end (slowest rank); coll / pack = its seconds in collectives / in "
+              "packing (CommStats); wire = the same collectives on ready buffers, no packing (simple patterns "
+              "only); model = comm.cost_model.predict with the calibrated alpha, beta.", "",
+              "| P | N | mode | wall ms | coll ms | pack ms | wire ms | model ms | wall/model | coll/model | "
+              "wire/model | sent B (max rank) | recv B (max rank) | speedup vs fp32 |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['world']} | {fmt_size(r['n'])} | {r['mode']} | {r['status']} |||||||||")
+            lines.append(f"| {r['world']} | {fmt_size(r['n'])} | {r['mode']} | {r['status']} |" + "|" * 10)
             continue
         lines.append(f"| {r['world']} | {fmt_size(r['n'])} | {r['mode']} | {ms(r['wall_s'])} | {ms(r['coll_s'])} | "
-                     f"{ms(r['pack_s'])} | {ms(r.get('model_s'))} | {ratio(r.get('wall_over_model'))} | "
-                     f"{ratio(r.get('coll_over_model'))} | {r['bytes_sent_max']} | {r['bytes_recv_max']} | "
+                     f"{ms(r['pack_s'])} | {ms(r.get('wire_s'))} | {ms(r.get('model_s'))} | {ratio(r.get('wall_over_model'))} | "
+                     f"{ratio(r.get('coll_over_model'))} | {ratio(r.get('wire_over_model'))} | {r['bytes_sent_max']} | {r['bytes_recv_max']} | "
                      f"{ratio(r.get('speedup_vs_fp32'))} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     plot(out / "time_vs_n.png", rows, meta["rate"])
