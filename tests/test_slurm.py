@@ -75,7 +75,7 @@ def test_sbatch_trains_tiny_model(cluster, tmp_path):
     assert re.search(rf"--rdzv_endpoint=[\d.]+:\d+ --rdzv_id={job_id}\b", cmd), cmd
     assert "train.resume=auto train.device=cpu" in cmd
     assert f"OMP_NUM_THREADS={max(1, cluster.cpus // 2)} " in log
-    assert "NCCL_DEBUG=WARN" in log and "NCCL_IB_DISABLE" not in log   # default profile ib
+    assert "NCCL_DEBUG=WARN" in log and "NCCL_IB_DISABLE=0" in log   # default profile ib
     assert "gloo world 2 on cpu" in log, _explain(cluster, out)
 
     run = tmp_path / "run"
@@ -179,16 +179,19 @@ def test_sbatch_profiles_and_rendezvous_dry_run(tmp_path):
     assert ib.returncode == 0, ib.stderr
     assert "--nnodes=2 --nproc_per_node=4" in ib.stdout and "--rdzv_endpoint=10.1.2.3:29500" in ib.stdout
     assert "OMP_NUM_THREADS=4 " in ib.stdout      # 16 CPUs of the node's task shared by 4 ranks
-    assert "NCCL_IB_DISABLE" not in ib.stdout and "NCCL_IB_HCA" not in ib.stdout
+    assert "NCCL_IB_DISABLE=0" in ib.stdout and "NCCL_IB_HCA" not in ib.stdout
     assert "train.device=cpu" not in ib.stdout and "train.max_steps=9" in ib.stdout
 
-    eth = _dry_run(tmp_path, GPUS="4", NET_PROFILE="ethernet", NCCL_SOCKET_IFNAME="eth1")
+    # the profile wins over NCCL_IB_* values exported by the submitting shell
+    eth = _dry_run(tmp_path, GPUS="4", NET_PROFILE="ethernet", NCCL_SOCKET_IFNAME="eth1", NCCL_IB_HCA="mlx5_1")
     assert eth.returncode == 0, eth.stderr
     assert "NCCL_IB_DISABLE=1" in eth.stdout and "NCCL_SOCKET_IFNAME=eth1" in eth.stdout
+    assert "NCCL_IB_HCA" not in eth.stdout
     assert "GLOO_SOCKET_IFNAME=eth1" in eth.stdout
 
-    one = _dry_run(tmp_path, GPUS="4", NET_PROFILE="ib-1nic", IB_HCA="mlx5_3")
-    assert one.returncode == 0 and "NCCL_IB_HCA==mlx5_3" in one.stdout, one.stdout + one.stderr
+    one = _dry_run(tmp_path, GPUS="4", NET_PROFILE="ib-1nic", IB_HCA="mlx5_3", NCCL_IB_DISABLE="1")
+    assert one.returncode == 0, one.stderr
+    assert "NCCL_IB_HCA==mlx5_3" in one.stdout and "NCCL_IB_DISABLE=0" in one.stdout, one.stdout
 
     bad = _dry_run(tmp_path, GPUS="4", NET_PROFILE="wifi")
     assert bad.returncode == 2 and "unknown NET_PROFILE 'wifi'" in bad.stderr and "ethernet" in bad.stderr
@@ -196,6 +199,16 @@ def test_sbatch_profiles_and_rendezvous_dry_run(tmp_path):
     # a multi-node job must not hand the other nodes a loopback rendezvous address
     loop = _dry_run(tmp_path, nodes="nodeA,nodeB", GPUS="4", HEAD_IP="127.0.1.1")
     assert loop.returncode == 2 and "loopback 127.0.1.1" in loop.stderr, loop.stderr
+
+    # GPUs per node: Slurm's count first, else what nvidia-smi lists, else a clear error
+    assert "--nproc_per_node=8" in _dry_run(tmp_path, SLURM_GPUS_ON_NODE="8").stdout
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: H100 (UUID: a)'\necho 'GPU 1: H100 (UUID: b)'\necho 'GPU 2: H100 (UUID: c)'\n")
+    smi.chmod(0o755)
+    assert "--nproc_per_node=3" in _dry_run(tmp_path).stdout
+    smi.write_text("#!/bin/sh\nexit 9\n")
+    none = _dry_run(tmp_path)
+    assert none.returncode == 2 and "no GPUs found" in none.stderr and "GPUS=cpu" in none.stderr, none.stderr
 
     cpu = _dry_run(tmp_path, GPUS="cpu", CPU_PROCS="3", SLURM_CPUS_PER_TASK="2")
     assert cpu.returncode == 0, cpu.stderr
