@@ -53,7 +53,10 @@ def _check_values(q: torch.Tensor, levels: int) -> None:
         return
     lo, hi = (int(v) for v in torch.aminmax(q))
     if levels == 0:
-        if lo < -1 or hi > 1 or bool((q == 0).any()):
+        # zeros: as uint8, -1 reads 255 and +1 reads 1, so no zero <=> the unsigned min is >= 1
+        has_zero = (int(torch.amin(q.view(torch.uint8))) == 0 if q.dtype == torch.int8
+                    else bool((q == 0).any()))
+        if lo < -1 or hi > 1 or has_zero:
             raise ValueError(f"int_allreduce: levels=0 carries signs only and needs q in "
                              f"{{-1, +1}}, got values in [{lo}, {hi}] (zeros included); use "
                              f"levels >= 1 to send 0")
@@ -100,8 +103,8 @@ def int_allreduce(q: torch.Tensor, levels: int, bits: int, group=None,
             else:
                 total = unpack_lanes(wire, bits, n).to(torch.int32)
             if levels == 0:
-                return 2 * total - P
-            return total - P * levels
+                return total.mul_(2).sub_(P)
+            return total.sub_(P * levels)
 
 
 def allreduce_mean(x: torch.Tensor, wire_dtype: torch.dtype = torch.float32, group=None,
@@ -121,7 +124,7 @@ def allreduce_mean(x: torch.Tensor, wire_dtype: torch.dtype = torch.float32, gro
             with timer.coll(sent=buf, recv=buf):
                 dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
         with timer.pack():
-            out = buf.to(x.dtype).view(x.shape)
+            out = buf.to(x.dtype).view(x.shape)  # buf itself when the wire dtype is x.dtype
             if P > 1:
-                out = out / P
+                out.div_(P)
             return out

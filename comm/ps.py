@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ._groups import device_of, global_rank, world
 from .packing import _lut, _pack_flags, unpack_signs
 from .stats import CallTimer, CommStats, default_stats
-from .vote import tb_flags
+from .vote import count_dtype, majority_flags, tb_flags
 
 AGGREGATES = ("vote", "avg")
 TOPOLOGIES = ("naive", "tree")
@@ -35,11 +35,14 @@ def _pack_planes(count: torch.Tensor, nb: int) -> torch.Tensor:
     return torch.cat([_pack_flags(((count >> b) & 1).to(torch.uint8)) for b in range(nb)])
 
 
-def _unpack_planes(buf: torch.Tensor, nb: int, npad: int) -> torch.Tensor:
+def _unpack_planes(buf: torch.Tensor, nb: int, npad: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of _pack_planes: counts[npad] in `dtype` (wide enough for 2**nb - 1)."""
     lut = _lut(1, buf.device)
     planes = torch.index_select(lut, 0, buf.to(torch.int32)).view(torch.uint8).view(nb, npad)
-    weights = (1 << torch.arange(nb, device=buf.device, dtype=torch.int32)).unsqueeze(1)
-    return (planes.to(torch.int32) * weights).sum(dim=0, dtype=torch.int32)
+    count = planes[0].to(dtype)
+    for b in range(1, nb):
+        count |= planes[b].to(dtype) << b
+    return count
 
 
 def _subtree_size(r: int, P: int) -> int:
@@ -80,17 +83,14 @@ def ps_vote(x: torch.Tensor, step: int, aggregate: str = "vote", topology: str =
             if aggregate == "vote":
                 if isinstance(count, tuple):  # packed majority bits from the server
                     return unpack_signs(count[0], n)
-                diff = 2 * count.to(torch.int32)[:n] - P
-                won = diff >= 0 if step % 2 else diff > 0
-                return won.to(torch.int8) * 2 - 1
-            return (2 * count.to(torch.int32)[:n] - P).to(torch.float32) / P
+                return majority_flags(count[:n], P, step).to(torch.int8) * 2 - 1
+            # (2c - P) / P, computed in float32 where every step is exact for P < 2**24
+            return (count[:n].to(torch.float32) * 2 - P) / P
 
 
 def _server_payload(count: torch.Tensor, P: int, aggregate: str, step: int) -> torch.Tensor:
     if aggregate == "vote":
-        diff = 2 * count - P
-        won = diff >= 0 if step % 2 else diff > 0
-        return _pack_flags(won.view(torch.uint8))
+        return _pack_flags(majority_flags(count, P, step).view(torch.uint8))
     return _pack_planes(count, count_bits(P))
 
 
@@ -98,7 +98,7 @@ def _decode_payload(buf: torch.Tensor, P: int, aggregate: str, npad: int):
     """Server payload -> ('packed majority',) for vote, or the counts for avg."""
     if aggregate == "vote":
         return (buf,)
-    return _unpack_planes(buf, count_bits(P), npad)
+    return _unpack_planes(buf, count_bits(P), npad, count_dtype(P))
 
 
 def _payload_bytes(P: int, aggregate: str, npad: int) -> int:
@@ -109,8 +109,6 @@ def _naive(flags, P, rank, aggregate, step, group, timer: CallTimer):
     npad = flags.numel()
     dev = flags.device
     if rank == 0:
-        with timer.pack():
-            mine = flags
         bufs = [torch.empty(npad // 8, dtype=torch.uint8, device=dev) for _ in range(P - 1)]
         with timer.coll(recv=bufs):
             _wait_all([dist.irecv(b, src=global_rank(group, r), group=group)
@@ -119,7 +117,7 @@ def _naive(flags, P, rank, aggregate, step, group, timer: CallTimer):
             lut = _lut(1, dev)
             recv = torch.cat(bufs)
             votes = torch.index_select(lut, 0, recv.to(torch.int32)).view(torch.uint8)
-            count = votes.view(P - 1, npad).sum(dim=0, dtype=torch.int32) + mine
+            count = votes.view(P - 1, npad).sum(dim=0, dtype=count_dtype(P)) + flags
             payload = _server_payload(count, P, aggregate, step)
         with timer.coll(sent=[payload] * (P - 1)):
             _wait_all([dist.isend(payload, dst=global_rank(group, r), group=group)
@@ -148,9 +146,9 @@ def _tree(flags, P, rank, aggregate, step, group, timer: CallTimer):
             _wait_all([dist.irecv(b, src=global_rank(group, c), group=group)
                        for c, b in zip(children, bufs)])
     with timer.pack():
-        count = flags.to(torch.int32)
+        count = flags.to(count_dtype(P))
         for c, b in zip(children, bufs):
-            count += _unpack_planes(b, count_bits(_subtree_size(c, P)), npad)
+            count += _unpack_planes(b, count_bits(_subtree_size(c, P)), npad, count_dtype(P))
     if rank != 0:
         with timer.pack():
             up = _pack_planes(count, count_bits(_subtree_size(rank, P)))

@@ -3,7 +3,8 @@
 Tie break (Lion Cub App. B.1, DESIGN.md): tb(x, step) = +1 for x > 0, -1 for x < 0, and for
 x == 0 +1 when `step` is odd, -1 when even. As a flag (1 = "+1"): x >= 0 on odd steps, x > 0 on
 even steps. The majority of P signs is tb(2 * count_plus - P, step) in exact integer arithmetic
-(papers/README.md: the research code's threshold is off by one for odd P; we never divide).
+(papers/README.md: the research code's threshold is off by one for odd P); `majority_flags`
+evaluates it as an equivalent integer threshold on the count.
 """
 from __future__ import annotations
 
@@ -37,15 +38,26 @@ def tb_flags(x: torch.Tensor, step: int, length: int | None = None) -> torch.Ten
     return flags.view(torch.uint8)
 
 
+def count_dtype(P: int) -> torch.dtype:
+    """Narrowest fast dtype for counts in [0, P] (torch's int16 kernels are slow on CPU)."""
+    return torch.uint8 if P <= 255 else torch.int32
+
+
+def majority_flags(plus: torch.Tensor, P: int, step: int) -> torch.Tensor:
+    """Flags (bool) of tb(2 * plus - P, step) for counts `plus` of "+" votes among P.
+
+    Exact threshold form, no subtraction in a narrow dtype: 2c - P > 0 or (2c - P == 0 and odd
+    step) <=> c >= ceil(P / 2) on odd steps; 2c - P > 0 <=> c >= floor(P / 2) + 1 on even steps."""
+    return plus >= ((P + 1) // 2 if step % 2 else P // 2 + 1)
+
+
 def _local_majority(recv: torch.Tensor, P: int, step: int) -> torch.Tensor:
     """recv: uint8[P * c] packed chunks from P ranks (row r = rank r) -> packed tb(2*plus - P)."""
     c = recv.numel() // P
     flags = torch.index_select(_lut(1, recv.device), 0, recv.to(torch.int32))
     flags = flags.view(torch.uint8).view(P, c * 8)
-    plus = flags.sum(dim=0, dtype=torch.int16 if P < 2 ** 14 else torch.int32)
-    diff = 2 * plus - P
-    won = diff >= 0 if step % 2 else diff > 0
-    return _pack_flags(won.view(torch.uint8))
+    plus = flags.sum(dim=0, dtype=count_dtype(P))
+    return _pack_flags(majority_flags(plus, P, step).view(torch.uint8))
 
 
 def sign_vote_1bit(x: torch.Tensor, step: int, group=None,

@@ -125,3 +125,14 @@ def test_cost_model_table1_values() -> None:
     assert all(f(1, N, 32, a, b) == 0.0 for f in cost_model.TABLE1.values())
     with pytest.raises(ValueError, match="unknown mode 'nope'"):
         cost_model.predict("nope", P, N, a, b)
+
+
+def test_majority_threshold_equals_sign_of_2c_minus_p() -> None:
+    from comm.vote import count_dtype, majority_flags
+    for P in list(range(1, 20)) + [254, 255, 256, 257, 1000]:
+        c = torch.arange(P + 1)
+        for step in (1, 2):
+            diff = 2 * c - P
+            ref = (diff > 0) | ((diff == 0) & (step % 2 == 1))
+            got = majority_flags(c.to(count_dtype(P)), P, step)
+            assert torch.equal(got, ref), (P, step)
