@@ -318,17 +318,17 @@ def write_reports(out: Path, rows: list[dict], calib: dict, meta: dict) -> None:
         lines.append(f"- P={p}: calibrated alpha = {c['alpha'] * 1e6:.1f} us, beta = {c['beta'] * 1e9:.3f} ns/bit "
                      f"({1 / c['beta'] / 1e6 if c['beta'] > 0 else float('inf'):.0f} Mbit/s)"
                      + (f", + modelled latency {c['latency_model_s'] * 1e6:.0f} us" if c["latency_model_s"] else ""))
-    lines += ["", "wall = one call end to end (slowest rank); coll / pack = its seconds in collectives / in "
+    lines += ["", "wall = one call end to end (slowest rank; median and min over repeats); coll / pack = its seconds in collectives / in "
               "packing (CommStats); wire = the same collectives on ready buffers, no packing (simple patterns "
               "only); model = comm.cost_model.predict with the calibrated alpha, beta.", "",
-              "| P | N | mode | wall ms | coll ms | pack ms | wire ms | model ms | wall/model | coll/model | "
+              "| P | N | mode | wall ms | wall min ms | coll ms | pack ms | wire ms | model ms | wall/model | coll/model | "
               "wire/model | sent B (max rank) | recv B (max rank) | speedup vs fp32 |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['world']} | {fmt_size(r['n'])} | {r['mode']} | {r['status']} |" + "|" * 10)
+            lines.append(f"| {r['world']} | {fmt_size(r['n'])} | {r['mode']} | {r['status']} |" + "|" * 11)
             continue
-        lines.append(f"| {r['world']} | {fmt_size(r['n'])} | {r['mode']} | {ms(r['wall_s'])} | {ms(r['coll_s'])} | "
+        lines.append(f"| {r['world']} | {fmt_size(r['n'])} | {r['mode']} | {ms(r['wall_s'])} | {ms(r['wall_min_s'])} | {ms(r['coll_s'])} | "
                      f"{ms(r['pack_s'])} | {ms(r.get('wire_s'))} | {ms(r.get('model_s'))} | {ratio(r.get('wall_over_model'))} | "
                      f"{ratio(r.get('coll_over_model'))} | {ratio(r.get('wire_over_model'))} | {r['bytes_sent_max']} | {r['bytes_recv_max']} | "
                      f"{ratio(r.get('speedup_vs_fp32'))} |")
