@@ -318,7 +318,7 @@ class Netsim:
                 node = rank // self.ranks_per_ns
                 p = subprocess.Popen(["ip", "netns", "exec", self.rank_ns[node], *cmd], cwd=cwd,
                                      env={**base, **self.rank_env(rank, master_port)},
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
                                      start_new_session=True, bufsize=1)
                 procs.append(p)
                 log = open(Path(log_dir) / f"rank{rank}.log", "w") if log_dir is not None else None
