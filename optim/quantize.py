@@ -33,6 +33,8 @@ def lp_mean(x: torch.Tensor, p: float) -> torch.Tensor:
         logs = torch.where(nonzero, a.clamp_min(torch.finfo(a.dtype).tiny).log(), a.new_zeros(()))
         count = nonzero.sum()
         return torch.where(count > 0, torch.exp(logs.sum() / count.clamp_min(1)), a.new_zeros(()))
+    if p == 1:  # L1, the paper's choice: a plain mean, no power to under- or overflow
+        return a.mean()
     # Factor out max|x| so |x|^p neither underflows (lm_head updates reach 1e-12, Lion Cub §4.1)
     # nor overflows; M_p(x) = max|x| * M_p(x / max|x|) exactly in real arithmetic.
     amax = a.max()
