@@ -66,6 +66,54 @@ def _pack_flags(u8: torch.Tensor) -> torch.Tensor:
     return ((words * _MAGIC_1BIT) >> 56).to(torch.uint8)
 
 
+def _block(t: torch.Tensor) -> int:
+    """Elements per block for the cache-blocked CPU loops (temporaries stay in L2 and are reused
+    instead of freshly allocated and page-faulted); one block on GPUs."""
+    return 1 << 18 if t.device.type == "cpu" else max(8, t.numel())
+
+
+def pack_positive(x: torch.Tensor, include_zero: bool, length: int | None = None) -> torch.Tensor:
+    """Packed flags of x > 0 (x >= 0 with include_zero), zero-padded to `length` bits (a multiple
+    of 8, default ceil(n/8)*8): the sign-to-bits step of the 1-bit collectives, fused blockwise."""
+    x = x.reshape(-1)
+    n = x.numel()
+    length = _ceil_div(n, 8) * 8 if length is None else length
+    if length % 8 or length < n:
+        raise ValueError(f"pack_positive: length={length} must be a multiple of 8 and >= n={n}")
+    out = torch.empty(length // 8, dtype=torch.uint8, device=x.device)
+    cmp = torch.ge if include_zero else torch.gt
+    B = _block(x)
+    flags = torch.empty(min(B, length), dtype=torch.bool, device=x.device)
+    words = torch.empty(min(B, length) // 8, dtype=torch.int64, device=x.device)
+    for s in range(0, length, B):
+        e = min(length, s + B)
+        f = flags[: e - s]
+        valid = max(0, min(e, n) - s)
+        if valid:
+            cmp(x[s:s + valid], 0, out=f[:valid])
+        if valid < e - s:
+            f[valid:].fill_(False)
+        w = words[: (e - s) // 8]
+        torch.mul(f.view(torch.uint8).view(torch.int64), _MAGIC_1BIT, out=w)
+        w >>= 56
+        out[s // 8:e // 8].copy_(w)
+    return out
+
+
+def _lookup(table: torch.Tensor, packed: torch.Tensor, out_words: torch.Tensor) -> None:
+    """out_words[j] = table[packed[j]], blockwise on CPU so the int32 index stays in cache."""
+    m = packed.numel()
+    B = _block(packed)
+    if m <= B:
+        torch.index_select(table, 0, packed.to(torch.int32), out=out_words)
+        return
+    idx = torch.empty(B, dtype=torch.int32, device=packed.device)
+    for s in range(0, m, B):
+        e = min(m, s + B)
+        idx[: e - s].copy_(packed[s:e])
+        torch.index_select(table, 0, idx[: e - s], out=out_words[s:e])
+
+
 def pack_bits(b: torch.Tensor) -> torch.Tensor:
     """Pack a bool tensor of n flags into uint8[ceil(n/8)]; bit i of byte j = b[8j+i]."""
     if b.dtype != torch.bool:
@@ -79,10 +127,10 @@ def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
         raise TypeError(f"unpack_bits expects uint8 bytes, got {packed.dtype}")
     if n < 0 or packed.numel() * 8 < n:
         raise ValueError(f"unpack_bits: {packed.numel()} bytes cannot hold n={n} bits")
-    nbytes = _ceil_div(n, 8)
-    flat = packed.reshape(-1)[:nbytes]
-    out = torch.index_select(_lut(1, flat.device), 0, flat.to(torch.int32))
-    return out.view(torch.uint8)[:n].view(torch.bool)
+    flat = packed.reshape(-1)[:_ceil_div(n, 8)]
+    out = torch.empty(flat.numel() * 8, dtype=torch.uint8, device=flat.device)
+    _lookup(_lut(1, flat.device), flat, out.view(torch.int64))
+    return out[:n].view(torch.bool)
 
 
 def unpack_signs(packed: torch.Tensor, n: int) -> torch.Tensor:
@@ -92,8 +140,9 @@ def unpack_signs(packed: torch.Tensor, n: int) -> torch.Tensor:
     if n < 0 or packed.numel() * 8 < n:
         raise ValueError(f"unpack_signs: {packed.numel()} bytes cannot hold n={n} bits")
     flat = packed.reshape(-1)[:_ceil_div(n, 8)]
-    out = torch.index_select(_lut(1, flat.device, signs=True), 0, flat.to(torch.int32))
-    return out.view(torch.int8)[:n]
+    out = torch.empty(flat.numel() * 8, dtype=torch.int8, device=flat.device)
+    _lookup(_lut(1, flat.device, signs=True), flat, out.view(torch.int64))
+    return out[:n]
 
 
 def pack_lanes(v: torch.Tensor, bits: int, check: bool = True) -> torch.Tensor:
@@ -117,12 +166,19 @@ def pack_lanes(v: torch.Tensor, bits: int, check: bool = True) -> torch.Tensor:
         return v.clone() if check else v
     if bits == 1:
         return _pack_flags(_padded_u8(v, 8))
-    if bits == 4:  # two bytes v0 + 256 v1 as one int16 -> v0 | v1 << 4
+    if bits == 4:  # two bytes v0 + 256 v1 as one int16 -> v0 | v1 << 4 in the low byte
         w = _padded_u8(v, 2).view(torch.int16)
-        return (w | (w >> 4)).to(torch.uint8)
-    # bits == 2: four bytes as one int32 (top byte < 4, so the word stays positive)
+        y = w >> 4
+        y |= w
+        return y.to(torch.uint8)
+    # bits == 2: four bytes as one int32 (top byte < 4, so the word stays positive); the low
+    # byte of w | w>>6 | w>>12 | w>>18 is v0 | v1 << 2 | v2 << 4 | v3 << 6
     w = _padded_u8(v, 4).view(torch.int32)
-    return (w | (w >> 6) | (w >> 12) | (w >> 18)).to(torch.uint8)
+    y = w >> 6
+    y |= w
+    y |= w >> 12
+    y |= w >> 18
+    return y.to(torch.uint8)
 
 
 def unpack_lanes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
@@ -137,8 +193,10 @@ def unpack_lanes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     flat = packed.reshape(-1)[:_ceil_div(n, per)]
     if bits == 8:
         return flat.clone()
-    out = torch.index_select(_lut(bits, flat.device), 0, flat.to(torch.int32))
-    return out.view(torch.uint8)[:n]
+    table = _lut(bits, flat.device)
+    out = torch.empty(flat.numel() * per, dtype=torch.uint8, device=flat.device)
+    _lookup(table, flat, out.view(table.dtype))
+    return out[:n]
 
 
 def pack_words16(v: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,8 @@ from typing import Callable
 
 import torch
 
-from .packing import _pack_flags, pack_bits, pack_lanes, unpack_bits, unpack_lanes, unpack_signs
-from .vote import tb_flags
+from .packing import pack_bits, pack_lanes, unpack_bits, unpack_lanes, unpack_signs
+from .vote import tb_packed
 
 
 def _median_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
@@ -44,14 +44,14 @@ def main() -> None:
     n = args.n
     x = torch.randn(n, device=dev)
     dst = torch.empty_like(x)
-    packed = _pack_flags(tb_flags(x, 1, -(-n // 8) * 8))
+    packed = tb_packed(x, 1)
     b = x > 0
     v4 = torch.randint(0, 16, (n,), dtype=torch.uint8, device=dev)
     p4 = pack_lanes(v4, 4)
     rows = {
         "copy float32 (clone)": lambda: x.clone(),
         "copy float32 (into buffer)": lambda: dst.copy_(x),
-        "pack signs (float32 -> tb -> bits)": lambda: _pack_flags(tb_flags(x, 1, -(-n // 8) * 8)),
+        "pack signs (float32 -> tb -> bits)": lambda: tb_packed(x, 1),
         "unpack signs (bits -> int8 +-1)": lambda: unpack_signs(packed, n),
         "pack_bits (bool -> bits)": lambda: pack_bits(b),
         "unpack_bits (bits -> bool)": lambda: unpack_bits(packed, n),

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ._groups import device_of, node_groups, resolve_node_size, world
-from .packing import _lut, _pack_flags, unpack_signs
+from .packing import _lut, _pack_flags, pack_positive, unpack_signs
 from .stats import CallTimer, CommStats, default_stats
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor; keep older torch working
@@ -36,6 +36,11 @@ def tb_flags(x: torch.Tensor, step: int, length: int | None = None) -> torch.Ten
         torch.gt(x, 0, out=flags[:n])
     flags[n:] = False
     return flags.view(torch.uint8)
+
+
+def tb_packed(x: torch.Tensor, step: int, length: int | None = None) -> torch.Tensor:
+    """tb(x, step) as packed bits (1 = +1), zero-padded to `length` bits."""
+    return pack_positive(x, include_zero=bool(step % 2), length=length)
 
 
 def count_dtype(P: int) -> torch.dtype:
@@ -74,22 +79,19 @@ def sign_vote_1bit(x: torch.Tensor, step: int, group=None,
         if P == 1:
             with timer.pack():
                 return (tb_flags(x, step).view(torch.int8) * 2 - 1)
-        xs = x.reshape(-1)
         npad = _ceil_to(n, 8 * P)
         with timer.pack():
-            flags = tb_flags(xs, step, npad)
-        packed = _vote_packed(flags, step, group, timer)
+            packed = tb_packed(x, step, npad)
+        packed = _vote_packed(packed, step, group, timer)
         with timer.pack():
             return unpack_signs(packed, n)
 
 
-def _vote_packed(flags: torch.Tensor, step: int, group, timer: CallTimer) -> torch.Tensor:
-    """Lion Cub §3 1-bit compressed allreduce of 0/1 sign flags (uint8, length a multiple of
-    8*P): pack, all-to-all of P chunks, local exact majority of my chunk, all-gather.
-    Returns the packed result (uint8[len/8]), identical on every rank of `group`."""
+def _vote_packed(packed: torch.Tensor, step: int, group, timer: CallTimer) -> torch.Tensor:
+    """Lion Cub §3 1-bit compressed allreduce of packed sign bits (uint8, length a multiple of
+    P): all-to-all of P chunks, local exact majority of my chunk, all-gather.
+    Returns the packed result, identical on every rank of `group`."""
     P, _ = world(group)
-    with timer.pack():
-        packed = _pack_flags(flags)
     if P == 1:
         return packed
     recv = torch.empty_like(packed)
@@ -139,15 +141,11 @@ def hierarchical_sign_vote(x: torch.Tensor, step: int, node_size: int | None = N
             with timer.coll(sent=buf, recv=shard):
                 _reduce_scatter_single(shard, buf, group=intra)
             with timer.pack():
-                flags = tb_flags(shard, step)
+                packed = tb_packed(shard, step)
         else:
             with timer.pack():
-                flags = tb_flags(xs, step, npad)
-        if k > 1:
-            mine = _vote_packed(flags, step, inter, timer)
-        else:
-            with timer.pack():
-                mine = _pack_flags(flags)
+                packed = tb_packed(xs, step, npad)
+        mine = _vote_packed(packed, step, inter, timer) if k > 1 else packed
         if m > 1:
             out = torch.empty(npad // 8, dtype=torch.uint8, device=x.device)
             with timer.coll(sent=mine, recv=out):

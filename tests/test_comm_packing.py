@@ -136,3 +136,22 @@ def test_majority_threshold_equals_sign_of_2c_minus_p() -> None:
             ref = (diff > 0) | ((diff == 0) & (step % 2 == 1))
             got = majority_flags(c.to(count_dtype(P)), P, step)
             assert torch.equal(got, ref), (P, step)
+
+
+def test_blocked_paths_match_simple_reference() -> None:
+    # lengths spanning several CPU cache blocks (2**18 elements) with ragged tails
+    from comm.packing import pack_positive
+    n = 3 * (1 << 18) + 13
+    x = torch.randint(-1, 2, (n,), generator=torch.Generator().manual_seed(0)).float()
+    for include_zero in (False, True):
+        flags = x >= 0 if include_zero else x > 0
+        ref = (torch.cat([flags, torch.zeros(-n % 8, dtype=torch.bool)]).view(-1, 8).to(torch.int64)
+               << torch.arange(8)).sum(1).to(torch.uint8)
+        packed = pack_positive(x, include_zero)
+        assert torch.equal(packed, ref)
+        padded = pack_positive(x, include_zero, length=n + (-n % 8) + 64)
+        assert torch.equal(padded[:ref.numel()], ref) and int(padded[ref.numel():].sum()) == 0
+        assert torch.equal(comm.unpack_bits(packed, n), flags)
+        assert torch.equal(comm.unpack_signs(packed, n), flags.to(torch.int8) * 2 - 1)
+    v = torch.randint(0, 4, (n,), dtype=torch.uint8)
+    assert torch.equal(comm.unpack_lanes(comm.pack_lanes(v, 2), 2, n), v)
