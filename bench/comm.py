@@ -394,7 +394,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rate-label", default="loopback", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    args.sizes = [parse_size(s) for s in str(args.sizes).split(",") if s]
+    try:
+        args.sizes = [parse_size(s) for s in str(args.sizes).split(",") if s]
+    except argparse.ArgumentTypeError as e:
+        ap.error(str(e))
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in args.modes if m not in MODES]
     if bad:

@@ -462,7 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         codes = run(args.nproc, cmd, args.rate, args.timeout, burst=args.burst, ranks_per_ns=args.ranks_per_ns,
                     master_port=args.master_port, log_dir=args.log_dir, latency_model=args.latency_model,
                     verbose=True)
-    except NetsimUnavailable as e:
+    except (NetsimUnavailable, ValueError) as e:
         print(f"netsim: {e}", file=sys.stderr)
         return 2
     except _Interrupted as e:
