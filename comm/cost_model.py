@@ -161,3 +161,20 @@ def calibrate(group=None, sizes: Sequence[int] = (1 << 10, 1 << 14, 1 << 18, 1 <
             model = ring_allreduce(P, max(1, size // 4), 32, alpha, beta)
             print(f"  {size:>10d} B  measured {t * 1e3:9.3f} ms  model {model * 1e3:9.3f} ms")
     return alpha, beta
+
+
+def main() -> None:
+    """torchrun --standalone --nproc_per_node=4 -m comm.cost_model: calibrate and print the fit
+    and the Table 1 predictions for N = 25M at the calibrated alpha, beta."""
+    dist.init_process_group("gloo")
+    P = dist.get_world_size()
+    alpha, beta = calibrate(verbose=True)
+    if dist.get_rank() == 0:
+        N = 25_000_000
+        for mode in ("fp32", "bf16", "int_allreduce", "sign_vote_1bit", "ps_naive", "ps_tree"):
+            print(f"  predict {mode:15s} N={N}: {predict(mode, P, N, alpha, beta) * 1e3:9.2f} ms")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ._groups import device_of, node_groups, resolve_node_size, world
-from .packing import _lut, _pack_flags, pack_positive, unpack_signs
+from .packing import _lookup, _lut, _pack_flags, pack_positive, unpack_signs
 from .stats import CallTimer, CommStats, default_stats
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor; keep older torch working
@@ -59,9 +59,9 @@ def majority_flags(plus: torch.Tensor, P: int, step: int) -> torch.Tensor:
 def _local_majority(recv: torch.Tensor, P: int, step: int) -> torch.Tensor:
     """recv: uint8[P * c] packed chunks from P ranks (row r = rank r) -> packed tb(2*plus - P)."""
     c = recv.numel() // P
-    flags = torch.index_select(_lut(1, recv.device), 0, recv.to(torch.int32))
-    flags = flags.view(torch.uint8).view(P, c * 8)
-    plus = flags.sum(dim=0, dtype=count_dtype(P))
+    flags = torch.empty(P * c * 8, dtype=torch.uint8, device=recv.device)
+    _lookup(_lut(1, recv.device), recv, flags.view(torch.int64))
+    plus = flags.view(P, c * 8).sum(dim=0, dtype=count_dtype(P))
     return _pack_flags(majority_flags(plus, P, step).view(torch.uint8))
 
 
