@@ -66,10 +66,15 @@ def _pack_flags(u8: torch.Tensor) -> torch.Tensor:
     return ((words * _MAGIC_1BIT) >> 56).to(torch.uint8)
 
 
+CPU_BLOCK = 1 << 18
+
+
 def _block(t: torch.Tensor) -> int:
-    """Elements per block for the cache-blocked CPU loops (temporaries stay in L2 and are reused
-    instead of freshly allocated and page-faulted); one block on GPUs."""
-    return 1 << 18 if t.device.type == "cpu" else max(8, t.numel())
+    """Elements per block (a multiple of 8) for the cache-blocked CPU loops: temporaries stay in
+    L2 and are reused instead of freshly allocated and page-faulted. One block on GPUs."""
+    if t.device.type == "cpu":
+        return CPU_BLOCK
+    return _ceil_div(max(8, t.numel()), 8) * 8
 
 
 def pack_positive(x: torch.Tensor, include_zero: bool, length: int | None = None) -> torch.Tensor:

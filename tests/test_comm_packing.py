@@ -155,3 +155,22 @@ def test_blocked_paths_match_simple_reference() -> None:
         assert torch.equal(comm.unpack_signs(packed, n), flags.to(torch.int8) * 2 - 1)
     v = torch.randint(0, 4, (n,), dtype=torch.uint8)
     assert torch.equal(comm.unpack_lanes(comm.pack_lanes(v, 2), 2, n), v)
+
+
+@pytest.mark.parametrize("block", ["small", "gpu_formula"])
+def test_block_boundaries(monkeypatch, block: str) -> None:
+    # block edges inside the data, inside the padding, and the one-block (GPU) layout
+    import comm.packing as pk
+    if block == "small":
+        monkeypatch.setattr(pk, "CPU_BLOCK", 24)
+    else:
+        monkeypatch.setattr(pk, "_block", lambda t: -(-max(8, t.numel()) // 8) * 8)
+    for n in (0, 1, 13, 24, 25, 100):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+        x[::3] = 0.0
+        for length in (-(-n // 8) * 8, -(-n // 8) * 8 + 40):
+            got = pk.pack_positive(x, True, length)
+            flags = torch.zeros(length, dtype=torch.bool)
+            flags[:n] = x >= 0
+            assert got.tolist() == reference_pack(flags.to(torch.uint8), 1), (n, length)
+            assert torch.equal(pk.unpack_signs(got, n), (x >= 0).to(torch.int8) * 2 - 1)
