@@ -13,6 +13,10 @@ the paper's log2(P)+1. `ring_allreduce` is the fp32 / bf16 gradient allreduce (b
 with the bandwidth-optimal 2 (P-1)/P N b beta and a ring's 2 (P-1) alpha. With P = 1 nothing
 moves and every cost is 0.
 
+`ps_naive_packed` / `ps_tree_packed` model our ps_vote implementations (1-bit payloads up,
+1-bit or count-plane payloads back, binary tree without pipelining); `predict` maps each comm/
+mode to its formula.
+
 `calibrate` fits alpha and beta on the live group from a message-size sweep of fp32 allreduce
 against ring_allreduce's formula (least squares on the medians).
 """
@@ -81,6 +85,47 @@ def hierarchical_onebit(P: int, N: int, b: float, alpha: float, beta: float,
     return t
 
 
+def _planes(c: int) -> int:
+    return max(1, int(c).bit_length())  # ceil(log2(c + 1)) bits hold a count in [0, c]
+
+
+def ps_naive_packed(P: int, N: int, alpha: float, beta: float, aggregate: str = "vote") -> float:
+    """Our ps_vote(topology="naive") on links limited at each rank: the server's ingress carries
+    P-1 one-bit payloads, then its egress P-1 result payloads (1 bit for vote, ceil(log2(P+1))
+    for avg). Table 1's 2PNb counts the server's own payload too."""
+    if P <= 1:
+        return 0.0
+    back = 1 if aggregate == "vote" else _planes(P)
+    return 2 * (P - 1) * alpha + (P - 1) * N * (1 + back) * beta
+
+
+def ps_tree_packed(P: int, N: int, alpha: float, beta: float, aggregate: str = "vote") -> float:
+    """Our ps_vote(topology="tree"): heap-ordered binary tree; a parent receives its children's
+    partial counts (ceil(log2(s+1)) planes for a subtree of s ranks) concurrently on its ingress
+    after the slower child finished, then the result flows down with each parent sending to its
+    children concurrently on its egress. Critical path in the alpha-beta model."""
+    if P <= 1:
+        return 0.0
+    back = 1 if aggregate == "vote" else _planes(P)
+
+    def size(r: int) -> int:
+        return 0 if r >= P else 1 + size(2 * r + 1) + size(2 * r + 2)
+
+    def up(r: int) -> float:  # time until r holds its subtree's count
+        kids = [c for c in (2 * r + 1, 2 * r + 2) if c < P]
+        if not kids:
+            return 0.0
+        return max(up(c) for c in kids) + alpha + sum(_planes(size(c)) for c in kids) * N * beta
+
+    def down(r: int) -> float:  # time from r holding the result until its whole subtree has it
+        kids = [c for c in (2 * r + 1, 2 * r + 2) if c < P]
+        if not kids:
+            return 0.0
+        return alpha + len(kids) * back * N * beta + max(down(c) for c in kids)
+
+    return up(0) + down(0)
+
+
 TABLE1: dict[str, Callable[..., float]] = {
     "ps_naive": ps_naive,
     "ps_efficient": ps_efficient,
@@ -91,11 +136,14 @@ TABLE1: dict[str, Callable[..., float]] = {
 
 
 def predict(mode: str, P: int, N: int, alpha: float, beta: float, bits: int | None = None,
-            node_size: int = 1) -> float:
-    """Predicted seconds for one call of a comm/ mode, mapping our collectives onto Table 1.
+            node_size: int = 1, aggregate: str = "vote") -> float:
+    """Predicted seconds for one call of a comm/ mode.
 
-    mode: fp32 | bf16 (allreduce_mean), int_allreduce (bits = lane width, default 4),
-    sign_vote_1bit, ps_naive / ps_tree (ps_vote vote, 1-bit payloads: b=1), hierarchical."""
+    mode: fp32 | bf16 (allreduce_mean: ring_allreduce), int_allreduce (direct_allreduce with
+    b = lane width `bits`, default 4), sign_vote_1bit (onebit_allreduce), ps_naive / ps_tree
+    (ps_vote with `aggregate`: the packed-payload models of our implementation above, since
+    Table 1's parameter-server rows assume b-bit words and a perfectly pipelined tree),
+    hierarchical (hierarchical_onebit with `node_size`)."""
     if mode == "fp32":
         return ring_allreduce(P, N, 32, alpha, beta)
     if mode == "bf16":
@@ -105,9 +153,9 @@ def predict(mode: str, P: int, N: int, alpha: float, beta: float, bits: int | No
     if mode == "sign_vote_1bit":
         return onebit_allreduce(P, N, 1, alpha, beta)
     if mode == "ps_naive":
-        return ps_naive(P, N, 1, alpha, beta)
+        return ps_naive_packed(P, N, alpha, beta, aggregate)
     if mode == "ps_tree":
-        return ps_efficient(P, N, 1, alpha, beta)
+        return ps_tree_packed(P, N, alpha, beta, aggregate)
     if mode == "hierarchical":
         return hierarchical_onebit(P, N, 32, alpha, beta, node_size)
     raise ValueError(f"predict: unknown mode {mode!r}; valid: fp32, bf16, int_allreduce, "

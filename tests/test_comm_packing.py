@@ -174,3 +174,17 @@ def test_block_boundaries(monkeypatch, block: str) -> None:
             flags[:n] = x >= 0
             assert got.tolist() == reference_pack(flags.to(torch.uint8), 1), (n, length)
             assert torch.equal(pk.unpack_signs(got, n), (x >= 0).to(torch.int8) * 2 - 1)
+
+
+def test_cost_model_ps_implementation_models() -> None:
+    N, a, b = 1_000_000, 1e-5, 1e-9
+    # naive at P=4: 3 one-bit payloads in, 3 back (vote) or 3 planes each (avg: ceil(log2 5) = 3)
+    assert cost_model.predict("ps_naive", 4, N, a, b) == pytest.approx(6 * a + 3 * N * 2 * b)
+    assert cost_model.predict("ps_naive", 4, N, a, b, aggregate="avg") == pytest.approx(6 * a + 3 * N * 4 * b)
+    # tree at P=4 (0 -> 1, 2; 1 -> 3): up = N (3 -> 1) + (2 + 1) N (1, 2 -> 0); down = 2N + N
+    assert cost_model.predict("ps_tree", 4, N, a, b) == pytest.approx(4 * a + 7 * N * b)
+    assert cost_model.predict("ps_tree", 2, N, a, b) == pytest.approx(2 * a + 2 * N * b)
+    # naive grows with P faster than the 1-bit allreduce (Lion Cub Fig. 2)
+    ratios = [cost_model.predict("ps_naive", P, N, 0, b) / cost_model.predict("sign_vote_1bit", P, N, 0, b)
+              for P in (2, 4, 8)]
+    assert ratios[0] < ratios[1] < ratios[2]
