@@ -10,7 +10,6 @@ parameters (the trainer's flat gradient buffer, or the optimizer's flat c_local,
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from pathlib import Path
 from typing import Any, Iterable
@@ -119,21 +118,16 @@ def predict_step_comm_s(cfg: dict, world: int, alpha: float, beta: float, *, syn
     """Predicted seconds of communication in one training step (Lion Cub Table 1 via comm.cost_model).
 
     One collective over all N parameters; with `sync_step`, plus the fp32 momentum allreduce of the
-    selected layers that a momentum-sync step adds (Lion Cub §5). ps with aggregate=avg returns
-    ceil(log2(P+1))-bit counts instead of 1-bit votes: b is set accordingly.
+    selected layers that a momentum-sync step adds (Lion Cub §5). ps modes use comm.cost_model's
+    models of our packed parameter server (1 bit up; 1 bit or ceil(log2(P+1)) bits back).
     """
     from comm import cost_model
 
     n = num_params(cfg["model"])
     c = cfg["comm"]
     mode, bits = comm_kind(c)
-    if mode.startswith("ps_") and c.get("ps_aggregate") == "avg":
-        b = math.ceil(math.log2(world + 1))
-        fn = cost_model.ps_naive if mode == "ps_naive" else cost_model.ps_efficient
-        t = fn(world, n, 1, alpha, beta) + fn(world, n, b, alpha, beta)
-        t /= 2  # gather sends 1 bit, the answer comes back with b bits: half of each 2-way formula
-    else:
-        t = cost_model.predict(mode, world, n, alpha, beta, bits=bits, node_size=c.get("node_size") or 1)
+    t = cost_model.predict(mode, world, n, alpha, beta, bits=bits, node_size=c.get("node_size") or 1,
+                           aggregate=c.get("ps_aggregate") or "vote")
     ms = c.get("momentum_sync") or {}
     if sync_step and ms.get("every"):
         roles = role_params(cfg["model"])

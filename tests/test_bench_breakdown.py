@@ -75,7 +75,10 @@ def test_prediction_matches_table1_transcription():
         "bf16": ({"mode": "bf16"}, 2 * (P - 1) * a + 2 * (P - 1) / P * n * 16 * b),
         "onebit": ({"mode": "onebit"}, (P - 1 + 2) * a + (1 + (P - 1) / P) * n * b),
         "pbit4": ({"mode": "pbit", "bits": 4}, 2 * 2 * a + 2 * (P - 1) / P * n * 4 * b),
-        "ps": ({"mode": "ps", "ps_topology": "naive", "ps_aggregate": "vote"}, 2 * (P - 1) * a + 2 * P * n * b),
+        # our packed parameter server: the server's link carries P-1 one-bit payloads in, P-1 out
+        "ps": ({"mode": "ps", "ps_topology": "naive", "ps_aggregate": "vote"}, 2 * (P - 1) * a + 2 * (P - 1) * n * b),
+        "ps_avg": ({"mode": "ps", "ps_topology": "naive", "ps_aggregate": "avg"},
+                   2 * (P - 1) * a + (P - 1) * n * (1 + 3) * b),  # ceil(log2(P+1)) = 3 bits back
     }
     for name, (c, want) in cases.items():
         got = variants.predict_step_comm_s({"model": model, "comm": {**c, "momentum_sync": ms_off}}, P, a, b)
