@@ -223,8 +223,9 @@ def plot_breakdown(path: Path, rows: list[dict], rates: list[str], variants: lis
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(rates), figsize=(4.2 * len(rates), 4.2), squeeze=False)
-    parts = [("compute_ms", "compute", "#4c72b0"), ("comm_ms", "comm (coll + pack)", "#dd8452"),
-             ("other_ms", "other (optimizer)", "#8c8c8c")]
+    # comm = collectives + quantize/pack (Lion Cub Fig. 7 counts both as "Comm"), drawn as two shades
+    parts = [("compute_ms", "compute (data + fwd/bwd)", "#4c72b0"), ("coll_ms", "comm: collectives", "#dd8452"),
+             ("pack_ms", "comm: quantize/pack", "#f2b880"), ("other_ms", "other (optimizer)", "#8c8c8c")]
     by = {(r["rate"], r["variant"]): r for r in rows if r.get("status") == "ok"}
     for ax, rate in zip(axes[0], rates):
         names = [v for v in variants if (rate, v) in by]
