@@ -27,7 +27,8 @@ DEFAULT_VARIANTS = ["lion_fp32", "dlion_mavo", "lioncub_1bit", "lioncub_1bit_plu
 DEFAULT_OVERRIDES = ["model.preset=tiny", "model.tie_embeddings=false", "data.batch_size=4", "data.seq_len=128",
                      "optim.lr=1e-3", "optim.warmup_steps=10"]
 OTHER_ROLES = ("attn", "mlp", "norm")
-COLUMNS = ["variant", "final_val_loss", "final_train_loss", "train_time_s", "sign_match", "sign_flip", "tie_rate",
+COLUMNS = ["variant", "final_val_loss", "final_train_loss", "train_time_s", "sign_match", "sign_match_head",
+           "sign_match_attn", "sign_match_mlp", "sign_flip", "tie_rate",
            "spread_embedding", "spread_head", "spread_other", "spread_ratio", "n_diag"]
 
 
@@ -46,6 +47,8 @@ def summarize_quality(records: list[dict]) -> dict:
     for key, name in (("diag/sign_match", "sign_match"), ("diag/sign_flip", "sign_flip"),
                       ("diag/tie_rate", "tie_rate")):
         out[name] = _mean([r[key] for r in diags if key in r])
+    for role in ("head", "attn", "mlp"):  # per layer type: the embedding's unused rows dominate the overall rate
+        out[f"sign_match_{role}"] = _mean([r[f"diag/sign_match/{role}"] for r in diags if f"diag/sign_match/{role}" in r])
     for role in ("embedding", "head"):
         out[f"spread_{role}"] = _mean([r[f"diag/momentum_spread/{role}"] for r in diags
                                        if f"diag/momentum_spread/{role}" in r])
@@ -62,14 +65,16 @@ def _f(x: object, fmt: str) -> str:
 
 
 def quality_markdown(rows: list[dict]) -> str:
-    lines = ["| variant | final val loss | sign match % | sign flip % | tie rate % | spread emb | spread head | "
-             "spread other (max) | (emb, head) / other | train time (s) |", "|---|" + "---:|" * 9]
+    lines = ["| variant | final val loss | sign match % | match head / attn / mlp % | sign flip % | tie rate % | "
+             "spread emb | spread head | spread other (max) | (emb, head) / other | train time (s) |",
+             "|---|" + "---:|" * 10]
     for r in rows:
         if r.get("status", "ok") != "ok":
-            lines.append(f"| {r['variant']} | {r['status']} |" + " |" * 8)
+            lines.append(f"| {r['variant']} | {r['status']} |" + " |" * 9)
             continue
         pct = lambda x: _f(None if x is None else 100 * x, ".1f")  # noqa: E731
-        lines.append(f"| {r['variant']} | {_f(r['final_val_loss'], '.4f')} | {pct(r['sign_match'])} | "
+        roles = " / ".join(pct(r.get(f"sign_match_{k}")) for k in ("head", "attn", "mlp"))
+        lines.append(f"| {r['variant']} | {_f(r['final_val_loss'], '.4f')} | {pct(r['sign_match'])} | {roles} | "
                      f"{pct(r['sign_flip'])} | {pct(r['tie_rate'])} | {_f(r['spread_embedding'], '.2e')} | "
                      f"{_f(r['spread_head'], '.2e')} | {_f(r['spread_other'], '.2e')} | "
                      f"{_f(r['spread_ratio'], '.1f')}x | {_f(r['train_time_s'], '.0f')} |")

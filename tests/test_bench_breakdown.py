@@ -105,7 +105,7 @@ def test_variant_configs_and_levels():
 
 def test_quality_summary_on_synthetic_records():
     def diag(step, match, flip, tie, emb, head, attn, mlp):
-        return {"step": step, "diag/sign_match": match, "diag/sign_flip": flip, "diag/tie_rate": tie,
+        return {"step": step, "diag/sign_match": match, "diag/sign_match/attn": match / 2, "diag/sign_flip": flip, "diag/tie_rate": tie,
                 "diag/momentum_spread/embedding": emb, "diag/momentum_spread/head": head,
                 "diag/momentum_spread/attn": attn, "diag/momentum_spread/mlp": mlp,
                 "diag/momentum_spread/norm": 1e-9}
@@ -116,12 +116,13 @@ def test_quality_summary_on_synthetic_records():
     assert s["final_val_loss"] == 5.5 and s["train_time_s"] == 6.5 and s["n_diag"] == 2
     assert s["sign_match"] == pytest.approx(0.8) and s["sign_flip"] == pytest.approx(0.03)
     assert s["tie_rate"] == pytest.approx(0.2)
+    assert s["sign_match_attn"] == pytest.approx(0.4) and s["sign_match_mlp"] is None
     assert s["spread_embedding"] == pytest.approx(2e-2) and s["spread_head"] == pytest.approx(2e-2)
     assert s["spread_other"] == pytest.approx(3e-4)                 # mean of per-step max(attn, mlp, norm)
     assert s["spread_ratio"] == pytest.approx(2e-2 / 3e-4)
     gradient_sync = quality.summarize_quality([r for r in recs if not any(k.startswith("diag/") for k in r)])
     assert gradient_sync["sign_match"] is None and gradient_sync["spread_ratio"] is None
-    assert "| x | 5.5000 | - |" in quality.quality_markdown([{"variant": "x", "status": "ok", **gradient_sync}])
+    assert "| x | 5.5000 | - | - / - / - |" in quality.quality_markdown([{"variant": "x", "status": "ok", **gradient_sync}])
 
 
 @pytest.mark.skipif(NETSIM_SKIP is not None, reason=NETSIM_SKIP or "")
