@@ -49,7 +49,7 @@ CALIB_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
 
 COLUMNS = ["rate", "variant", "status", "steps", "step_ms", "compute_ms", "comm_ms", "coll_ms", "pack_ms",
            "other_ms", "comm_share", "comm_bytes", "peak_rss_mib", "peak_mem_gib", "speedup", "comm_reduction",
-           "pred_comm_ms", "coll_over_pred", "comm_over_pred", "alpha_us", "beta_ns_per_bit", "n_params"]
+           "pred_comm_ms", "coll_over_pred", "comm_over_pred", "alpha_us", "beta_ns_per_bit", "n_params", "load1"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -369,6 +369,8 @@ def collect_rows(args: argparse.Namespace, calib: dict[str, tuple[float, float]]
                 rows.append(row)
                 continue
             row["status"] = "ok"
+            load_file = status_file.with_suffix(".load")
+            row["load1"] = float(load_file.read_text()) if load_file.exists() else None
             rss = [json.loads(p.read_text())["max_rss_mib"] for p in sorted((out / "rss" / rate / v).glob("rank*.json"))]
             row["peak_rss_mib"] = max(rss) if rss else None
             cfg = load_run_config(run_dir)
@@ -448,6 +450,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     st = out / "status" / rate / f"{v}.txt"
                     st.parent.mkdir(parents=True, exist_ok=True)
                     st.write_text(row["status"])
+                    # machine load while it ran (the 1-minute average at its end): CPU contention from
+                    # other jobs inflates compute/pack/optimizer times, not wire time
+                    st.with_suffix(".load").write_text(f"{os.getloadavg()[0]:.2f}")
         finally:
             if net is not None:
                 net.down()
