@@ -368,4 +368,8 @@ class Trainer:
 
 
 def run(cfg: Config, info: DistInfo) -> dict:
-    return Trainer(cfg, info).fit()
+    trainer = Trainer(cfg, info)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.logger.close()
