@@ -249,9 +249,12 @@ def write_reports(out: Path, rows: list[dict], rates: list[str], variants: list[
         w.writeheader()
         for r in rows:
             w.writerow({k: r.get(k) for k in COLUMNS})
+    loads = [r["load1"] for r in rows if r.get("load1") is not None]
     md = [f"# Step-time breakdown ({meta.get('machine', '')})", "",
           f"{meta.get('nproc')} ranks, overrides `{' '.join(meta.get('overrides', []))}`, "
           f"{meta.get('steps')} measured steps after {meta.get('warmup')} warm-up; medians.", "",
+          *([f"Machine load (1-minute average at the end of each run): {min(loads):.1f}-{max(loads):.1f} "
+             f"on {os.cpu_count()} CPUs.", ""] if loads else []),
           "## Table 4 style", "", table4_markdown(rows, rates, variants), ""]
     for rate in rates:
         md += [f"## {rate}", "", detail_markdown(rows, rate, variants), ""]
