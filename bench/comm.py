@@ -352,7 +352,8 @@ def plot(path: Path, rows: list[dict], rate: str) -> None:
             color = f"C{i}"
             ns = [q[0] for q in pts]
             ax.plot(ns, [q[1] for q in pts], "o", color=color, label=f"{mode}")
-            ax.plot(ns, [q[2] for q in pts], "-", color=color, alpha=0.6)
+            # a dash marks the model at each N, so a single-N run still shows it
+            ax.plot(ns, [q[2] for q in pts], "-", marker="_", markersize=18, color=color, alpha=0.6)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("N (elements)")
