@@ -18,7 +18,8 @@ moves and every cost is 0.
 mode to its formula.
 
 `calibrate` fits alpha and beta on the live group from a message-size sweep of fp32 allreduce
-against ring_allreduce's formula (least squares on the medians).
+(1 KB .. 32 MB by default, min over calls) against ring_allreduce's formula: beta from the slope
+of the large sizes, alpha from the latency-dominated small ones (fit_alpha_beta explains why).
 """
 from __future__ import annotations
 
@@ -162,65 +163,209 @@ def predict(mode: str, P: int, N: int, alpha: float, beta: float, bits: int | No
                      f"sign_vote_1bit, ps_naive, ps_tree, hierarchical")
 
 
-def fit_alpha_beta(P: int, sizes_bytes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
-    """Least-squares fit (relative error) of t = 2(P-1) alpha + 2(P-1)/P * 8*bytes * beta, the
-    ring allreduce; negative estimates (noise at tiny sizes) are clamped to 0."""
+# ------------------------------------------------------------------------------------------------
+# calibration: measure an fp32 allreduce size sweep, fit ring_allreduce's alpha and beta
+# ------------------------------------------------------------------------------------------------
+
+# 1 KB .. 32 MB. The top sizes must sit far above netsim's tbf bucket (128 KB at 1gbit,
+# launch/netsim.py default_burst): the bucket's contents leave at line rate, so a message not much
+# larger than the bucket measures faster than the link and would bias beta low. At 1gbit the whole
+# default sweep takes ~2 s at P=2 and ~3 s at P=4 (the 16 MB and 32 MB points dominate).
+DEFAULT_SIZES: tuple[int, ...] = (1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22,
+                                  1 << 24, 1 << 25)
+BIG_MESSAGE_BYTES = 4 << 20   # sizes above this get at most BIG_REPEATS timed calls (time bound)
+BIG_REPEATS = 3
+LARGE_FRACTION = 1 / 16       # bandwidth regime: sizes >= LARGE_FRACTION * the largest size
+LATENCY_SHARE = 0.5           # latency regime: sizes whose beta term is <= this share of the time
+STATS = ("min", "median")
+
+
+def _ring_features(P: int, size_bytes: float) -> tuple[float, float]:
+    """(alpha coefficient, beta coefficient) of ring_allreduce for one fp32 message of size_bytes."""
+    return 2.0 * (P - 1), 2.0 * (P - 1) / P * 8.0 * size_bytes
+
+
+def fit_alpha_beta(P: int, sizes_bytes: Sequence[int], seconds: Sequence[float], *,
+                   info: dict | None = None) -> tuple[float, float]:
+    """Fit (alpha [s], beta [s/bit]) of t = 2(P-1) alpha + 2(P-1)/P * 8*bytes * beta (ring_allreduce)
+    to one measured time per message size. beta is seconds per BIT (1gbit link: ~1e-9).
+
+    Two regimes, because neither end of a sweep measures both parameters well:
+    - beta is the slope of the large sizes (>= LARGE_FRACTION of the largest), ordinary least squares
+      in absolute time with a free intercept. The intercept absorbs the constant that a token-bucket
+      shaper subtracts (its bucket leaves at line rate, so every large message is ~bucket/rate
+      faster than bytes/rate) and any per-call overhead, so neither biases the slope; small sizes,
+      whose times are mostly CPU-load noise, have no say. With fewer than two distinct large sizes
+      the slope is not identified and a joint fit over all sizes with 1/sqrt(t) row weights (noise
+      variance growing with duration) gives beta, and alpha too when both come out non-negative.
+    - alpha is the median over the latency-dominated sizes (beta term <= LATENCY_SHARE of the
+      measured time; the smallest size when none is) of (t - beta term) / 2(P-1), clamped at 0.
+    Finally beta is raised, if needed, so that the model is never faster than the measurement of
+    the largest message: beta >= (t_L - 2(P-1) alpha) / (2(P-1)/P * 8 * bytes_L).
+    If even the large sizes show no positive slope, beta = t_L / (beta coefficient of L) (the whole
+    largest time as bandwidth) with alpha from the latency regime.
+
+    info, if a dict, receives how the fit went: method, large / latency sizes, guard_raised.
+    Returns (0.0, 0.0) for P <= 1."""
     if P <= 1:
         return 0.0, 0.0
-    A = torch.tensor([[2.0 * (P - 1), 2.0 * (P - 1) / P * 8 * s] for s in sizes_bytes],
-                     dtype=torch.float64)
-    t = torch.tensor(list(seconds), dtype=torch.float64).unsqueeze(1)
-    # relative residuals: sizes span decades, and absolute least squares would let the largest
-    # message decide alpha on its own
-    w = 1.0 / t.clamp_min(1e-9)
-    sol = torch.linalg.lstsq(A * w, t * w).solution.squeeze(1)
-    return max(float(sol[0]), 0.0), max(float(sol[1]), 0.0)
-
-
-def calibrate(group=None, sizes: Sequence[int] = (1 << 10, 1 << 14, 1 << 18, 1 << 21, 1 << 24),
-              repeats: int = 5, verbose: bool = False) -> tuple[float, float]:
-    """Measure (alpha [s], beta [s/bit]) on the live group: fp32 SUM allreduce of each byte size
-    in `sizes`, median of `repeats` timed calls after a warm-up, fitted by fit_alpha_beta.
-
-    Collective: every rank of the group must call it; all ranks return rank 0's fit. A world of
-    one rank returns (0.0, 0.0). verbose=True prints measured vs model per size on rank 0."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return 0.0, 0.0
-    P = dist.get_world_size(group)
-    medians = []
-    for size in sizes:
-        buf = torch.ones(max(1, size // 4), dtype=torch.float32)
-        dist.all_reduce(buf, group=group)  # warm-up: connection set-up and allocation
-        times = []
-        for _ in range(repeats):
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            dist.all_reduce(buf, group=group)
-            times.append(time.perf_counter() - t0)
-        medians.append(sorted(times)[len(times) // 2])
-    alpha, beta = fit_alpha_beta(P, [max(1, s // 4) * 4 for s in sizes], medians)
-    ab = torch.tensor([alpha, beta], dtype=torch.float64)
-    dist.broadcast(ab, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    alpha, beta = float(ab[0]), float(ab[1])
-    if verbose and dist.get_rank(group) == 0:
-        print(f"calibrate: P={P} alpha={alpha * 1e6:.1f} us beta={beta * 1e9:.4f} ns/bit "
-              f"({1 / beta / 1e9 if beta else float('inf'):.2f} Gbit/s)")
-        for size, t in zip(sizes, medians):
-            model = ring_allreduce(P, max(1, size // 4), 32, alpha, beta)
-            print(f"  {size:>10d} B  measured {t * 1e3:9.3f} ms  model {model * 1e3:9.3f} ms")
+    if len(sizes_bytes) != len(seconds):
+        raise ValueError(f"fit_alpha_beta: {len(sizes_bytes)} sizes but {len(seconds)} times; "
+                         f"pass one time per size")
+    pts = sorted((int(s), float(t)) for s, t in zip(sizes_bytes, seconds))
+    bad = [(s, t) for s, t in pts if s <= 0 or not (math.isfinite(t) and t > 0)]
+    if bad:
+        raise ValueError(f"fit_alpha_beta: sizes must be > 0 bytes and times finite and > 0 s, got "
+                         f"(bytes, s) = {bad}; drop failed measurements before fitting")
+    if len({s for s, _ in pts}) < 2:
+        raise ValueError(f"fit_alpha_beta: need at least two distinct message sizes, got "
+                         f"{sorted({s for s, _ in pts})}; sweep sizes from ~1 KB to well above the "
+                         f"link's burst (e.g. comm.cost_model.DEFAULT_SIZES)")
+    xa = 2.0 * (P - 1)
+    xb = torch.tensor([_ring_features(P, s)[1] for s, _ in pts], dtype=torch.float64)
+    t = torch.tensor([t for _, t in pts], dtype=torch.float64)
+    s_max = pts[-1][0]
+    large = [i for i, (s, _) in enumerate(pts) if s >= LARGE_FRACTION * s_max]
+    alpha: float | None = None
+    if len({pts[i][0] for i in large}) >= 2:
+        method = "slope of the large sizes"
+        xl, tl = xb[large], t[large]
+        dx = xl - xl.mean()
+        beta = float((dx * (tl - tl.mean())).sum() / (dx * dx).sum())
+    else:
+        method = "joint fit, 1/sqrt(t) weights"
+        A = torch.stack([torch.full_like(xb, xa), xb], dim=1)
+        w = t.rsqrt().unsqueeze(1)
+        sol = torch.linalg.lstsq(A * w, t.unsqueeze(1) * w).solution.squeeze(1)
+        beta = float(sol[1])
+        if float(sol[0]) >= 0 and beta > 0:
+            alpha = float(sol[0])
+    if not (math.isfinite(beta) and beta > 0):
+        method += "; no positive slope, beta from the largest size alone"
+        beta = float(t[-1] / xb[-1])
+    latency = [i for i in range(len(pts)) if beta * float(xb[i]) <= LATENCY_SHARE * float(t[i])]
+    if alpha is None:
+        use = latency or [0]
+        per_size = sorted(max(0.0, float(t[i]) - beta * float(xb[i])) / xa for i in use)
+        mid = len(per_size) // 2
+        alpha = per_size[mid] if len(per_size) % 2 else 0.5 * (per_size[mid - 1] + per_size[mid])
+        method += "; alpha from the latency sizes" if latency else "; alpha from the smallest size"
+    floor = (float(t[-1]) - xa * alpha) / float(xb[-1])
+    guard = floor > beta * (1 + 1e-9)  # not for rounding-level differences on exact data
+    beta = max(beta, floor)
+    if info is not None:
+        info.update(method=method, large_sizes=[pts[i][0] for i in large],
+                    latency_sizes=[pts[i][0] for i in latency], guard_raised=guard)
     return alpha, beta
 
 
-def main() -> None:
-    """torchrun --standalone --nproc_per_node=4 -m comm.cost_model: calibrate and print the fit
-    and the Table 1 predictions for N = 25M at the calibrated alpha, beta."""
+def _repeats_for(size: int, repeats: int) -> int:
+    return repeats if size <= BIG_MESSAGE_BYTES else min(repeats, BIG_REPEATS)
+
+
+def measure_allreduce_seconds(sizes: Sequence[int], repeats: int = 5, group=None,
+                              stat: str = "min") -> list[float]:
+    """Seconds of one fp32 SUM allreduce (dist.all_reduce) per byte size in `sizes` on the live
+    group: one warm-up call per size, then `repeats` timed calls (at most BIG_REPEATS above
+    BIG_MESSAGE_BYTES, to bound the sweep's time), each started right after a barrier.
+
+    A call's time is the maximum over ranks (the collective is done when its last rank is); the
+    per-size value is the minimum over calls (stat="min", default) or their median
+    (stat="median"). The minimum is the default because load from other processes only ever
+    adds time to a call: on a shared, loaded machine the fastest call is the closest to what the
+    link and the algorithm cost, while the median still carries the load of the moment.
+
+    Collective: every rank of the group calls it with the same arguments; all ranks return the
+    same list."""
+    if stat not in STATS:
+        raise ValueError(f"measure_allreduce_seconds: stat={stat!r}; valid: {', '.join(STATS)}")
+    if repeats < 1:
+        raise ValueError(f"measure_allreduce_seconds: repeats={repeats}; need at least 1 timed call")
+    if any(int(s) <= 0 for s in sizes):
+        raise ValueError(f"measure_allreduce_seconds: sizes must be positive byte counts, got {list(sizes)}")
+    times = torch.full((len(sizes), repeats), -1.0, dtype=torch.float64)
+    for k, size in enumerate(sizes):
+        buf = torch.ones(max(1, int(size) // 4), dtype=torch.float32)
+        dist.all_reduce(buf, group=group)  # warm-up: connection set-up and allocation
+        for r in range(_repeats_for(int(size), repeats)):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            dist.all_reduce(buf, group=group)
+            times[k, r] = time.perf_counter() - t0
+        del buf
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    out = []
+    for k, size in enumerate(sizes):
+        row = times[k, :_repeats_for(int(size), repeats)]
+        out.append(float(row.min()) if stat == "min" else float(row.median()))
+    return out
+
+
+def calibrate(group=None, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 5,
+              verbose: bool = False, *, stat: str = "min") -> tuple[float, float]:
+    """Measure (alpha [s], beta [s/bit]) on the live group: measure_allreduce_seconds(sizes,
+    repeats, stat) (fp32 SUM allreduce; min over calls by default), fitted by fit_alpha_beta
+    (beta from the large sizes, alpha from the small ones). The largest size should be far above
+    the link's burst/bucket (tbf: 128 KB at 1gbit); the default sweep goes to 32 MB.
+
+    Collective: every rank of the group must call it; all ranks return the same fit. A world of
+    one rank returns (0.0, 0.0). verbose=True prints measured vs model per size on rank 0."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return 0.0, 0.0
+    if len({int(s) for s in sizes}) < 2:
+        raise ValueError(f"calibrate: need at least two distinct sizes, got {list(sizes)}")
+    P = dist.get_world_size(group)
+    measured = measure_allreduce_seconds(sizes, repeats, group=group, stat=stat)
+    nbytes = [max(1, int(s) // 4) * 4 for s in sizes]
+    info: dict = {}
+    alpha, beta = fit_alpha_beta(P, nbytes, measured, info=info)
+    if verbose and dist.get_rank(group) == 0:
+        print(f"calibrate: P={P} alpha={alpha * 1e6:.1f} us beta={beta * 1e9:.4f} ns/bit "
+              f"({1 / beta / 1e9 if beta else float('inf'):.3f} Gbit/s) [{info['method']}"
+              f"{'; raised to the largest size' if info['guard_raised'] else ''}; {stat} over calls]")
+        print(f"  {'bytes':>10s} {'calls':>5s} {'measured ms':>12s} {'model ms':>10s} {'model/meas':>10s}  used for")
+        for size, n, t in zip(sizes, nbytes, measured):
+            model = ring_allreduce(P, n // 4, 32, alpha, beta)
+            use = ("beta " if n in info["large_sizes"] else "") + ("alpha" if n in info["latency_sizes"] else "")
+            print(f"  {size:>10d} {_repeats_for(int(size), repeats):>5d} {t * 1e3:12.3f} "
+                  f"{model * 1e3:10.3f} {model / t:10.3f}  {use}")
+    return alpha, beta
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Calibrate on the live group and print the fit, measured vs model per size, and the Table 1
+    predictions for N = 25M at the calibrated alpha, beta; --check-n N also times an fp32 allreduce
+    of N elements (min over --check-repeats calls) against the model.
+
+        torchrun --standalone --nproc_per_node=4 -m comm.cost_model
+        python -m launch.netsim --nproc 2 --rate 1gbit -- python -m comm.cost_model --check-n 25000000
+    """
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m comm.cost_model", description=main.__doc__)
+    ap.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="comma-separated bytes")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--stat", choices=STATS, default="min")
+    ap.add_argument("--check-n", type=int, default=0, help="also time an fp32 allreduce of N elements")
+    ap.add_argument("--check-repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     dist.init_process_group("gloo")
     P = dist.get_world_size()
-    alpha, beta = calibrate(verbose=True)
+    t0 = time.perf_counter()
+    alpha, beta = calibrate(sizes=sizes, repeats=args.repeats, verbose=True, stat=args.stat)
     if dist.get_rank() == 0:
+        print(f"  calibration took {time.perf_counter() - t0:.1f} s")
         N = 25_000_000
         for mode in ("fp32", "bf16", "int_allreduce", "sign_vote_1bit", "ps_naive", "ps_tree"):
             print(f"  predict {mode:15s} N={N}: {predict(mode, P, N, alpha, beta) * 1e3:9.2f} ms")
+    if args.check_n > 0:
+        (t,) = measure_allreduce_seconds([4 * args.check_n], args.check_repeats, stat=args.stat)
+        if dist.get_rank() == 0:
+            model = predict("fp32", P, args.check_n, alpha, beta)
+            print(f"  check fp32 allreduce N={args.check_n}: measured {t * 1e3:.2f} ms ({args.stat} of "
+                  f"{_repeats_for(4 * args.check_n, args.check_repeats)}), model {model * 1e3:.2f} ms, "
+                  f"model/measured {model / t:.3f}")
     dist.destroy_process_group()
 
 
