@@ -1,10 +1,15 @@
 """comm/ collectives under torchrun (gloo) at P = 1, 2, 3, 4: one launch per world size runs
 every check in tests/workers/comm_collectives.py (references from all_gather of raw inputs,
-identical results on every rank, lane-overflow rule, CommStats byte formulas)."""
+identical results on every rank, lane-overflow rule, CommStats byte formulas), and
+comm.cost_model.fit_alpha_beta on synthetic sweeps (token bucket, CPU-load noise)."""
 from __future__ import annotations
 
-import pytest
+import math
 
+import pytest
+import torch
+
+from comm import cost_model
 from tests.dist import torchrun
 
 
@@ -17,12 +22,6 @@ def test_comm_collectives(nproc: int) -> None:
 # ------------------------------------------------------------------------------------------------
 # comm.cost_model.fit_alpha_beta on synthetic sweeps (no process group needed)
 # ------------------------------------------------------------------------------------------------
-
-import math  # noqa: E402
-
-import torch  # noqa: E402
-
-from comm import cost_model  # noqa: E402
 
 ALPHA, BETA_1GBIT = 50e-6, 1e-9        # s per message, s per bit
 BUCKET = 128 * 1024                    # netsim's tbf bucket at 1gbit (launch.netsim.default_burst)
