@@ -201,7 +201,8 @@ class Trainer:
             for buf in self._flat_grads.values():
                 buf.copy_(comm.allreduce_mean(buf, wire_dtype=self.wire_dtype))
         if cfg.optim.grad_clip > 0:  # global norm after sync; local norm for update-sync optimizers
-            norm = torch.sqrt(sum(b.float().pow(2).sum() for b in self._flat_grads.values()))
+            norm = torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(b, dtype=torch.float32) for b in self._flat_grads.values()]))
             scale = torch.clamp(cfg.optim.grad_clip / (norm + 1e-6), max=1.0)
             for buf in self._flat_grads.values():
                 buf.mul_(scale.to(buf.dtype))
