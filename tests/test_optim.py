@@ -245,8 +245,8 @@ def test_build_optimizer_registry_and_errors():
 # ---- update sync at world size 1 (no process group: comm/ treats it as one rank) ----------------
 EXACT_SIGN_MODES = [("onebit", {"tie_break": "alternate"}), ("onebit", {"tie_break": "minus"}),
                     ("ps", {"ps_aggregate": "vote"}), ("ps", {"ps_aggregate": "avg", "ps_topology": "tree"}),
-                    ("pbit", {"bits": 8, "quantizer": "sign"}), ("pbit", {"bits": 1}),
-                    ("pbit", {"bits": 16, "quantizer": "sign"}), ("hierarchical", {})]
+                    ("pbit", {"bits": 8, "quantizer": "sign"}), ("pbit", {"bits": 1, "quantizer": "sign"}),
+                    ("pbit", {"bits": 16, "quantizer": "sign", "levels": 1}), ("hierarchical", {})]
 
 
 class _EmbNet(torch.nn.Module):
@@ -294,10 +294,10 @@ def test_world1_update_sync_equals_lion_and_masking(mode, opts):
         # unmasked: identical except (possibly) the never-seen rows, which do not touch the loss
         assert torch.equal(nets[0].emb.weight[:12], nets[2].emb.weight[:12])
         assert torch.equal(nets[0].head.weight, nets[2].head.weight)
-    # without the mask, a 1-bit vote moves the never-seen rows (tie break of 0); pbit with L >= 1
-    # sends exact zeros and needs no mask
+    # without the mask, a 1-bit vote (and pbit signs in 0/1 lanes, L = 0) moves the never-seen rows
+    # (tie break of 0); ternary signs (levels 1) send exact zeros and need no mask
     unused_a, unused_c = nets[0].emb.weight[12:], nets[2].emb.weight[12:]
-    sends_zero = mode == "pbit" and opts.get("quantizer") == "sign"
+    sends_zero = mode == "pbit" and opts.get("levels", 0) >= 1
     assert torch.equal(unused_a, unused_c) == sends_zero, (mode, opts)
 
 
@@ -334,3 +334,16 @@ def test_distributed_lion_state_round_trip_with_stochastic_rounding():
     fresh_opt.load_state_dict(sd)
     run(fresh, fresh_opt, range(3, 7))
     assert any(not torch.equal(p, q) for p, q in zip(net.parameters(), fresh.parameters()))
+
+
+def test_sign_quantizer_defaults_to_sign_lanes_and_no_level_is_an_error():
+    net = _EmbNet()
+    sign = optim.build_optimizer("lion", net.groups(), betas=(0.9, 0.99), eps=1e-8, comm_mode="pbit",
+                                 comm_options={"bits": 4, "quantizer": "sign"})
+    assert sign.levels == 0  # Lion Cub 4-bit: workers send only +1/-1 (0/1 lanes)
+    l1 = optim.build_optimizer("lion", net.groups(), betas=(0.9, 0.99), eps=1e-8, comm_mode="pbit",
+                               comm_options={"bits": 4, "quantizer": "l1"})
+    assert l1.levels == 7  # 15 // (2 * 1)
+    with pytest.raises(ValueError, match="leaves no quantization level"):
+        optim.build_optimizer("lion", net.groups(), betas=(0.9, 0.99), eps=1e-8, comm_mode="pbit",
+                              comm_options={"bits": 1, "quantizer": "l1"})

@@ -97,10 +97,11 @@ def modes(P: int) -> list[tuple[str, dict, bool]]:
            ("pbit", {"bits": 16, "quantizer": "l0"}, False),
            ("pbit", {"bits": 8, "quantizer": "lp", "p": 0.5, "levels": 2}, False),
            ("hierarchical", {"node_size": 2 if P % 2 == 0 else 1, "mask_zero_updates": True}, True)]
-    if P <= 3:  # 2-bit lanes: L = 1 at P = 1, signs only (0/1 sum <= 3) at P = 2, 3
-        out.append(("pbit", {"bits": 2, "quantizer": "l1", "mask_zero_updates": True}, False))
+    if P <= 3:  # 2-bit lanes: L1 with L = 1 at P = 1; signs only (0/1 sum <= 3) at P = 2, 3
+        out.append(("pbit", {"bits": 2, "quantizer": "l1" if P == 1 else "sign", "mask_zero_updates": True},
+                    False))
     if P == 1:  # 1-bit lanes hold one rank's 0/1 sign
-        out.append(("pbit", {"bits": 1, "mask_zero_updates": True}, True))
+        out.append(("pbit", {"bits": 1, "quantizer": "sign", "mask_zero_updates": True}, True))
     return out
 
 
