@@ -280,6 +280,10 @@ class Trainer:
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._on_signal)
         self.logger.console(self._banner())
+        if self.step >= t.max_steps:  # resumed a finished run: its final eval and checkpoint exist
+            self.logger.console(f"run {self.out_dir} is already complete at step {self.step} "
+                                f"(train.max_steps={t.max_steps}); raise train.max_steps to train further")
+            return {"step": self.step, "stopped": False, "already_complete": True}
         window: list[dict] = []
         start, steps_at_start = time.perf_counter(), self.step
         last_eval = None
