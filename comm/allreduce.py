@@ -108,23 +108,38 @@ def int_allreduce(q: torch.Tensor, levels: int, bits: int, group=None,
 
 
 def allreduce_mean(x: torch.Tensor, wire_dtype: torch.dtype = torch.float32, group=None,
-                   stats: CommStats | None = None) -> torch.Tensor:
+                   stats: CommStats | None = None, inplace: bool = False) -> torch.Tensor:
     """Mean of x over ranks, in x.dtype, identical on every rank: one SUM allreduce of a single
-    flat buffer in `wire_dtype` (float32 or bfloat16), divided by P after casting back."""
+    flat buffer in `wire_dtype` (float32 or bfloat16), divided by P after casting back.
+
+    inplace=True writes the mean into x (contiguous) and returns x: the trainer's flat gradient
+    buffer then needs no wire copy when the wire dtype is x.dtype, and no copy back either way."""
     if wire_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"allreduce_mean: wire_dtype must be torch.float32 or torch.bfloat16, "
                          f"got {wire_dtype}")
+    if inplace and not x.is_contiguous():
+        raise ValueError("allreduce_mean(inplace=True) needs a contiguous tensor; pass x.contiguous() "
+                         "or use inplace=False")
     stats = default_stats() if stats is None else stats
     P, _ = world(group)
     with stats.call(f"allreduce_mean[{str(wire_dtype).removeprefix('torch.')}]",
                     device_of(x)) as timer:
+        flat = x.view(-1) if inplace else None
         with timer.pack():
-            buf = x.reshape(-1).to(wire_dtype, copy=True)
+            if inplace and wire_dtype == x.dtype:
+                buf = flat
+            else:
+                buf = x.reshape(-1).to(wire_dtype, copy=True)
         if P > 1:
             with timer.coll(sent=buf, recv=buf):
                 dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
         with timer.pack():
-            out = buf.to(x.dtype).view(x.shape)  # buf itself when the wire dtype is x.dtype
+            if inplace:
+                if buf is not flat:
+                    flat.copy_(buf)
+                out = x
+            else:
+                out = buf.to(x.dtype).view(x.shape)  # buf itself when the wire dtype is x.dtype
             if P > 1:
                 out.div_(P)
             return out

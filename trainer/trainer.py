@@ -199,7 +199,7 @@ class Trainer:
         t1 = self.timer.now()
         if self.gradient_sync and self.info.world_size > 1:
             for buf in self._flat_grads.values():
-                buf.copy_(comm.allreduce_mean(buf, wire_dtype=self.wire_dtype))
+                comm.allreduce_mean(buf, wire_dtype=self.wire_dtype, inplace=True)
         if cfg.optim.grad_clip > 0:  # global norm after sync; local norm for update-sync optimizers
             norm = torch.linalg.vector_norm(torch.stack(
                 [torch.linalg.vector_norm(b, dtype=torch.float32) for b in self._flat_grads.values()]))

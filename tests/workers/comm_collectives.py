@@ -206,6 +206,11 @@ def test_allreduce_mean() -> None:
             same_on_all_ranks(r16, f"allreduce_mean bf16 n={n}")
             if n == LARGE and kind == "random":
                 check(not torch.equal(r16, r32), "bf16 wire should round (else it was not used)")
+            for wd, expect in ((torch.float32, r32), (torch.bfloat16, r16)):
+                y = x.clone()
+                out = comm.allreduce_mean(y, wire_dtype=wd, inplace=True)
+                check(out.data_ptr() == y.data_ptr() and torch.equal(y, expect),
+                      f"allreduce_mean inplace {wd} n={n} equals the copying result, written into x")
     xd = torch.randn(5, 3, dtype=torch.float64)
     check(comm.allreduce_mean(xd).dtype == torch.float64, "allreduce_mean keeps x.dtype")
 
