@@ -6,6 +6,7 @@ buffer in one collective, update-sync optimizers communicate inside `step()`. No
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
@@ -89,7 +90,7 @@ class Trainer:
         self.flops_per_token = self.model.flops_per_token(d.seq_len)
         self.peak_flops = self._peak_flops()
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
-                         if self.device.type == "cuda" and cfg.train.dtype == "bfloat16" else None)
+                         if self.device.type == "cuda" and cfg.train.dtype == "bfloat16" else contextlib.nullcontext())
         self.forward = torch.compile(self.model) if cfg.train.compile else self.model
         self.timer = Timer(self.device)
 
@@ -189,10 +190,7 @@ class Trainer:
             x, y = self.loader.next_batch()
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             data_s += time.perf_counter() - td
-            if self.autocast is not None:
-                with self.autocast:
-                    _, loss = self.forward(x, y)
-            else:
+            with self.autocast:
                 _, loss = self.forward(x, y)
             (loss / cfg.data.grad_accum).backward()
             loss_sum += loss.detach()
@@ -226,10 +224,7 @@ class Trainer:
         for x, y in val_batches(self.data_dir, self.cfg.data.batch_size, self.cfg.data.seq_len, self.info.rank,
                                 self.info.world_size, self.eval_steps):
             x, y = x.to(self.device), y.to(self.device)
-            if self.autocast is not None:
-                with self.autocast:
-                    _, loss = self.forward(x, y)
-            else:
+            with self.autocast:
                 _, loss = self.forward(x, y)
             total += loss.item()
             n += 1
