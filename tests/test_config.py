@@ -81,3 +81,13 @@ def test_cli_reports_config_errors_without_traceback(tmp_path):
     missing = subprocess.run([sys.executable, "train.py", str(tmp_path / "nope.yaml")], cwd=ROOT,
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "config file not found" in missing.stderr
+
+
+def test_review_gaps_are_config_errors():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["optim.name=lion", "comm.mode=pbit", "comm.quantizer=lp", "comm.p=-1", "comm.levels=200",
+                           "comm.bits=16", "comm.momentum_sync.every=5", "comm.momentum_sync.layers=[]",
+                           "comm.momentum_sync.start=10", "comm.momentum_sync.stop=5"])
+    msg = str(e.value)
+    for needle in ("start=10 is after stop=5", "layers: empty", "comm.p: -1.0 must be >= 0", "exceeds 127"):
+        assert needle in msg, (needle, msg)

@@ -84,11 +84,12 @@ def test_resume_is_bit_exact(tmp_path):
 def test_existing_run_dir_is_not_overwritten(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
+    (run / "config.yaml").write_text("model: {preset: debug}\n")  # an earlier run's directory
     (run / "notes.txt").write_text("precious")
     proc = subprocess.run([sys.executable, "train.py", "configs/default.yaml", *TINY, f"train.out_dir={run}",
                            "train.max_steps=2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "already exists" in proc.stderr and "train.resume=auto" in proc.stderr
-    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "notes.txt"]
     train(1, run, "train.max_steps=2", "train.resume=overwrite")
     assert not (run / "notes.txt").exists() and records(run, "train_loss")
 
@@ -133,3 +134,36 @@ def test_wandb_online_without_key_falls_back_to_offline_and_stays_off_the_networ
     offline = list((run / "wandb").glob("offline-run-*/*.wandb"))
     assert len(offline) == 1 and offline[0].stat().st_size > 0
     assert records(run, "train_loss")[-1]["step"] == 2
+
+
+def _run1(out: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "train.py", "configs/default.yaml", *TINY, f"train.out_dir={out}",
+                           *overrides], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_resume_guards(tmp_path):
+    run = tmp_path / "run"
+    # reaching max_steps through stop_after still ends with the final eval and the parameter check
+    assert _run1(run, "train.max_steps=4", "train.stop_after=2").returncode == 0
+    assert _run1(run, "train.max_steps=4", "train.stop_after=2", "train.resume=auto").returncode == 0
+    assert records(run, "val_loss")[-1]["step"] == 4 and records(run, "params_identical")[-1]["params_identical"]
+    done = _run1(run, "train.max_steps=4", "train.resume=auto")
+    assert done.returncode == 0 and "already complete" in done.stdout
+    # a resume that changes what the checkpoint was trained with is refused, and config.yaml is kept
+    before = (run / "config.yaml").read_text()
+    bad = _run1(run, "train.max_steps=6", "train.resume=auto", "optim.name=adamw")
+    assert bad.returncode == 2 and "optim.name: 'lion' -> 'adamw'" in bad.stderr and "Traceback" not in bad.stderr
+    assert (run / "config.yaml").read_text() == before
+    # a dangling `latest` pointer falls back to the newest complete checkpoint instead of restarting
+    (run / "ckpt" / "latest").write_text("step_999999")
+    more = _run1(run, "train.max_steps=6", "train.resume=auto")
+    assert more.returncode == 0 and "resumed from" in more.stdout and "at step 4" in more.stdout
+    assert [r["step"] for r in records(run, "train_loss")] == list(range(1, 7))
+    # overwrite refuses a directory that is not a run directory
+    other = tmp_path / "notarun"
+    other.mkdir()
+    (other / "data.txt").write_text("keep")
+    refused = _run1(other, "train.max_steps=2", "train.resume=overwrite")
+    assert refused.returncode == 2 and "does not look like a run directory" in refused.stderr
+    assert (other / "data.txt").read_text() == "keep"

@@ -54,25 +54,40 @@ def save_checkpoint(ckpt_root: Path, step: int, model_state: dict, rank_state: d
     _atomic_torch_save(rank_state, tmp / f"rank_{rank:05d}.pt")
     dist.barrier()
     if rank == 0:
-        if final.exists():  # a re-save of the same step (e.g. end of run right after a periodic save)
-            shutil.rmtree(final)
+        aside = None
+        if final.exists():  # a re-save of the same step: keep the old copy until the new one is in place
+            aside = ckpt_root / f".old_step_{step:06d}"
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
         os.replace(tmp, final)
         latest_tmp = ckpt_root / "latest.tmp"
         latest_tmp.write_text(final.name)
         os.replace(latest_tmp, ckpt_root / "latest")
-        steps = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
-        for old in steps[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+        for old in _step_dirs(ckpt_root)[:-keep]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
 
 
+def _step_dirs(ckpt_root: Path) -> list[Path]:
+    """step_* directories in step order (numeric: names past 999,999 steps still sort right)."""
+    dirs = [p for p in ckpt_root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(dirs, key=lambda p: int(p.name[5:]))
+
+
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    """The checkpoint `latest` names; if that pointer is missing or dangling (a save killed between
+    its renames), the newest complete step directory."""
     pointer = ckpt_root / "latest"
-    if not pointer.is_file():
-        return None
-    path = ckpt_root / pointer.read_text().strip()
-    return path if (path / "meta.json").is_file() else None
+    if pointer.is_file():
+        path = ckpt_root / pointer.read_text().strip()
+        if (path / "meta.json").is_file():
+            return path
+    complete = [p for p in _step_dirs(ckpt_root) if (p / "meta.json").is_file() and (p / "model.pt").is_file()]
+    return complete[-1] if complete else None
 
 
 def load_checkpoint(path: Path, rank: int, world_size: int) -> tuple[dict, dict, dict]:

@@ -432,6 +432,14 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
     ms = c.momentum_sync
     if ms.every < 0 or ms.start < 0 or ms.stop < 0:
         p.append("comm.momentum_sync: every, start and stop must be >= 0")
+    if ms.stop and ms.start > ms.stop:
+        p.append(f"comm.momentum_sync: start={ms.start} is after stop={ms.stop}; no sync would run")
+    if ms.every and not ms.layers:
+        p.append("comm.momentum_sync.layers: empty; select layers (e.g. [head]) or set every: 0")
+    if c.quantizer == "lp" and not c.p >= 0:
+        p.append(f"comm.p: {c.p} must be >= 0 for comm.quantizer=lp (0 = geometric mean, 1 = L1, ...)")
+    if c.levels > 127:
+        p.append(f"comm.levels: {c.levels} exceeds 127 (votes travel as int8); use -1 (automatic) or <= 127")
     bad = [x for x in ms.layers if x not in LAYER_SELECTORS]
     if bad:
         p.append(f"comm.momentum_sync.layers: {bad} not among {', '.join(LAYER_SELECTORS)}")

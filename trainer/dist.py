@@ -66,6 +66,6 @@ def all_agree(flag: bool, device: torch.device) -> bool:
 
 
 def mean_over_ranks(values: list[float], device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
+    t = torch.tensor(values, dtype=torch.float64, device=device)  # exact byte counts (NCCL has fp64)
     dist.all_reduce(t)
     return (t / dist.get_world_size()).tolist()

@@ -25,7 +25,7 @@ from model import GPT, get_preset, param_roles
 from optim import build_optimizer
 
 from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from .config import GRADIENT_SYNC_MODES, Config, validate
+from .config import GRADIENT_SYNC_MODES, Config, ConfigError, validate
 from .dist import DistInfo, all_agree, mean_over_ranks
 from .logger import RunLogger, Timer
 from .schedule import lr_at
@@ -58,15 +58,11 @@ class Trainer:
         self.model = GPT(self.model_config).to(self.device)
         self._flat_grads = self._attach_flat_grads()
         self.param_groups = self._param_groups()
-        o, c = cfg.optim, cfg.comm
-        self.optimizer = build_optimizer(
-            o.name, self.param_groups, betas=tuple(o.betas), eps=o.eps, comm_mode=c.mode,
-            comm_options=dict(bits=c.bits, quantizer=c.quantizer, p=c.p,
-                              levels=None if c.levels < 0 else c.levels, clip=c.clip,
-                              rounding=c.rounding, tie_break=c.tie_break, ps_aggregate=c.ps_aggregate,
-                              ps_topology=c.ps_topology, node_size=c.node_size,
-                              mask_zero_updates=c.mask_zero_updates,
-                              momentum_sync=vars(c.momentum_sync) if c.momentum_sync.every else None))
+        c = cfg.comm
+        try:
+            self.optimizer = self._build_optimizer()
+        except ValueError as e:  # an option combination validate() does not know about
+            raise ConfigError(f"optim/comm: {e}") from None
         self.gradient_sync = c.mode in GRADIENT_SYNC_MODES
         self.wire_dtype = torch.bfloat16 if c.mode == "bf16" else torch.float32
         self.stats = comm.default_stats()
@@ -98,31 +94,63 @@ class Trainer:
         self.train_time = 0.0  # seconds spent in timed train steps, for loss-vs-wall-clock plots
         if resume_from is not None:
             self._load(resume_from)
+        if info.is_main:  # only now: a config that fails while building leaves no run directory behind
+            (self.out_dir / "config.yaml").write_text(cfg.dump())
         self.logger = RunLogger(self.out_dir, info.is_main, cfg.log.wandb, cfg.log.project,
                                 cfg.log.run_name or self.out_dir.name, cfg.log.group, cfg.to_dict(),
                                 resume=resume_from is not None)
         self._stop_signal = None
 
     # ------------------------------------------------------------------ setup
+    # keys a resumed run may change; anything else must match the checkpoint's config
+    RESUMABLE_KEYS = ("train.max_steps", "train.stop_after", "train.resume", "train.eval_every",
+                      "train.eval_steps", "train.ckpt_every", "train.keep_ckpts", "train.log_every",
+                      "train.out_dir", "train.device", "data.cache_dir", "comm.timeout_s", "log.", "diag.")
+
     def _prepare_run_dir(self) -> Path | None:
+        """Refuse, replace or resume the run directory (rank 0 decides, every rank agrees)."""
         t = self.cfg.train
         problem, resume_path = "", None
         if self.info.is_main:
             exists = self.out_dir.exists() and any(self.out_dir.iterdir())
+            looks_like_run = any((self.out_dir / n).exists() for n in ("config.yaml", "metrics.jsonl", "ckpt"))
             if exists and t.resume == "never":
                 problem = (f"run directory {self.out_dir} already exists and is not empty; pass "
                            f"train.resume=auto to continue it, train.resume=overwrite to replace it, "
                            f"or choose another train.out_dir")
+            elif exists and t.resume == "overwrite" and not looks_like_run:
+                problem = (f"train.resume=overwrite refuses to delete {self.out_dir}: it holds no config.yaml, "
+                           f"metrics.jsonl or ckpt/, so it does not look like a run directory")
             elif exists and t.resume == "overwrite":
                 shutil.rmtree(self.out_dir)
+            elif t.resume == "auto":
+                problem = self._resume_problem()
             if not problem:
                 self.out_dir.mkdir(parents=True, exist_ok=True)
-                (self.out_dir / "config.yaml").write_text(self.cfg.dump())
         if all_agree(bool(problem), self.device):
             raise RunDirError(problem or f"rank 0 refused the run directory {self.out_dir}")
         if t.resume == "auto":
             resume_path = latest_checkpoint(self.ckpt_root)
         return resume_path
+
+    def _resume_problem(self) -> str:
+        """Why the latest checkpoint cannot be resumed with this config ("" if it can or none exists)."""
+        steps = list(self.ckpt_root.glob("step_*")) if self.ckpt_root.is_dir() else []
+        path = latest_checkpoint(self.ckpt_root)
+        if path is None:
+            return (f"{self.ckpt_root} holds step directories but no loadable checkpoint; inspect it, or pass "
+                    f"train.resume=overwrite to start over") if steps else ""
+        meta = json.loads((path / "meta.json").read_text())
+        if meta.get("world_size") != self.info.world_size:
+            return (f"checkpoint {path} was written by {meta.get('world_size')} ranks, this run has "
+                    f"{self.info.world_size}; per-rank optimizer state needs the same world size")
+        old, new = _flatten(meta.get("config", {})), _flatten(self.cfg.to_dict())
+        changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+                   if old.get(k) != new.get(k) and not k.startswith(self.RESUMABLE_KEYS)]
+        if changed:
+            return (f"train.resume=auto: this config differs from checkpoint {path} in keys a resumed run cannot "
+                    f"change: {'; '.join(changed)}. Restore them, or start a new run (another train.out_dir)")
+        return ""
 
     def _attach_flat_grads(self) -> dict[torch.dtype, torch.Tensor]:
         """Point every parameter's .grad at a slice of one flat buffer per dtype, so a gradient
@@ -160,6 +188,17 @@ class Trainer:
         seen = [id(p) for g in groups for p in g["params"]]
         assert len(seen) == len(set(seen)) == len(named), "every parameter must be in exactly one group"
         return groups
+
+    def _build_optimizer(self):
+        o, c = self.cfg.optim, self.cfg.comm
+        return build_optimizer(
+            o.name, self.param_groups, betas=tuple(o.betas), eps=o.eps, comm_mode=c.mode,
+            comm_options=dict(bits=c.bits, quantizer=c.quantizer, p=c.p,
+                              levels=None if c.levels < 0 else c.levels, clip=c.clip,
+                              rounding=c.rounding, tie_break=c.tie_break, ps_aggregate=c.ps_aggregate,
+                              ps_topology=c.ps_topology, node_size=c.node_size,
+                              mask_zero_updates=c.mask_zero_updates,
+                              momentum_sync=vars(c.momentum_sync) if c.momentum_sync.every else None))
 
     def _peak_flops(self) -> float | None:
         if self.device.type != "cuda":
@@ -295,13 +334,19 @@ class Trainer:
                 self.logger.log({"step": self.step, **r["diag"]}, histograms=hist)
             if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
                 last_eval = self._eval_and_log()
-            if t.ckpt_every and self.step % t.ckpt_every == 0 and self.step < t.max_steps:
-                self.save()
+            saved = bool(t.ckpt_every) and self.step % t.ckpt_every == 0 and self.step < t.max_steps
+            if saved:
+                path = self.save()
+            if self.step >= t.max_steps:
+                break  # the normal finish below: final eval, parameter check, checkpoint
             stop_after = t.stop_after and self.step - steps_at_start >= t.stop_after
-            if all_agree(self._stop_signal is not None, self.device) or stop_after:
+            # signals reach ranks at different moments: agree (a tiny collective) on log steps only
+            signalled = self.step % t.log_every == 0 and all_agree(self._stop_signal is not None, self.device)
+            if signalled or stop_after:
                 if window:
                     self._log_window(window, start, steps_at_start)
-                path = self.save()
+                if not saved:
+                    path = self.save()
                 why = "train.stop_after" if stop_after else f"signal {self._stop_signal}"
                 self.logger.console(f"stopping ({why}) at step {self.step}; checkpoint {path}; "
                                     f"continue with train.resume=auto")
@@ -373,3 +418,13 @@ def run(cfg: Config, info: DistInfo) -> dict:
         return trainer.fit()
     finally:
         trainer.logger.close()
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
