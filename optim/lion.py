@@ -8,7 +8,8 @@ lr and weight_decay are read from each param group at every step, so schedulers 
 trainer's group["lr"] = schedule_lr * group["lr_mult"]) take effect immediately.
 
 The three kernels below are shared with the update-sync optimizer (optim/lioncub.py) so that at
-world size 1 it reproduces this class bit for bit.
+world size 1 it reproduces this class bit for bit wherever c != 0; where c == 0 exactly, a 1-bit
+vote's tie break moves the element by +-lr (Lion's sign gives 0) unless mask_zero_updates is on.
 """
 from __future__ import annotations
 

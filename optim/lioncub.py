@@ -137,13 +137,9 @@ class DistributedLion(torch.optim.Optimizer):
                 raise ValueError(f"comm.quantizer=lp needs comm.p >= 0 (got p={p!r})")
             auto = levels_for(bits, self.world_size)  # also validates bits against the world size
             if levels is None or levels == "auto" or levels == -1:  # -1: the trainer's "auto"
-                # quantizer=sign sends signs only in 0/1 lanes (L = 0, P <= 2**bits - 1): Lion Cub's
-                # 4-bit mode, "workers only send 1/-1 values" (Fig. 8, App. F.1; DESIGN.md)
-                self.levels = 0 if quantizer == "sign" else auto
-                if quantizer != "sign" and auto == 0:
-                    raise ValueError(f"comm.quantizer={quantizer} with comm.bits={bits} and {self.world_size} ranks "
-                                     f"leaves no quantization level (P * 2L <= {2 ** bits - 1} needs L = 0); "
-                                     f"use more bits or comm.quantizer=sign")
+                # DESIGN.md: the largest L with P * 2L <= 2**bits - 1; L == 0 means signs only in 0/1
+                # lanes (Lion Cub 4-bit at 8 workers: "workers only send 1/-1 values")
+                self.levels = auto
             else:
                 if not isinstance(levels, int) or levels < 0 or levels > MAX_LEVELS \
                         or self.world_size * 2 * levels > 2 ** bits - 1:

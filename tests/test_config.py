@@ -60,7 +60,11 @@ def test_world_size_dependent_checks():
     assert len(problems) == 1 and "at most 15 ranks" in problems[0] and "comm.bits=8" in problems[0]
     l1 = load_config(ROOT / "configs/gpt2_774m/lioncub_8bit_l1.yaml")
     assert validate(l1, world_size=127, raise_error=False) == []  # L = 255 // 254 = 1
-    assert "no quantization level for 128 ranks" in validate(l1, world_size=128, raise_error=False)[0]
+    assert "no quantization level for comm.quantizer=l1 at 128 ranks" in validate(l1, world_size=128,
+                                                                                   raise_error=False)[0]
+    ternary = load_config(None, ["comm.mode=pbit", "comm.bits=4", "comm.quantizer=sign", "comm.levels=1"])
+    assert validate(ternary, world_size=7, raise_error=False) == []
+    assert "overflow 4-bit lanes" in validate(ternary, world_size=8, raise_error=False)[0]
     set_levels = load_config(None, ["comm.mode=pbit", "comm.bits=8", "comm.quantizer=l1", "comm.levels=16"])
     assert "overflow 8-bit lanes" in validate(set_levels, world_size=8, raise_error=False)[0]
 

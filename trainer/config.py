@@ -371,7 +371,7 @@ def pbit_levels(bits: int, world_size: int, levels: int = -1) -> int:
     """Lion Cub p-bit levels: the largest L with P * 2L <= 2**bits - 1 unless set (DESIGN.md)."""
     if levels >= 0:
         return levels
-    return (2 ** bits - 1) // (2 * world_size)
+    return min(127, (2 ** bits - 1) // (2 * world_size))  # votes travel as int8
 
 
 def validate(cfg: Config, world_size: int | None = None, raise_error: bool = True) -> list[str]:
@@ -424,9 +424,6 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
         p.append(f"comm.levels: {c.levels} must be -1 (automatic) or >= 0")
     if c.clip <= 0:
         p.append(f"comm.clip: {c.clip} must be > 0")
-    if c.quantizer == "sign" and c.levels > 0:
-        p.append(f"comm.levels: {c.levels} with comm.quantizer=sign; signs use no levels, set comm.levels=-1 "
-                 f"or pick a quantizer such as l1")
     if c.timeout_s <= 0:
         p.append(f"comm.timeout_s: {c.timeout_s} must be > 0")
     ms = c.momentum_sync
@@ -467,21 +464,19 @@ def _world_checks(cfg: Config, world: int) -> list[str]:
     c = cfg.comm
     if c.mode == "pbit":
         lanes = 2 ** c.bits - 1
-        if c.quantizer == "sign" or c.levels == 0:
-            if world > lanes:
-                better = next((b for b in (2, 4, 8, 16) if 2 ** b - 1 >= world), None)
-                p.append(f"comm.bits: {c.bits}-bit sign lanes hold at most {lanes} ranks, world size is {world}; "
-                         f"use comm.bits={better}" + (" (Lion Cub uses 8-bit with L1 beyond 15 ranks)" if c.bits == 4 else ""))
-        else:
-            levels = pbit_levels(c.bits, world, c.levels)
-            if levels < 1:
-                better = next((b for b in (2, 4, 8, 16) if (2 ** b - 1) // (2 * world) >= 1), None)
-                p.append(f"comm.bits: {c.bits}-bit lanes leave no quantization level for {world} ranks "
-                         f"(need P*2L <= {lanes}); use comm.bits={better} or comm.quantizer=sign")
-            elif world * 2 * levels > lanes:
-                p.append(f"comm.levels: {levels} levels x {world} ranks overflow {c.bits}-bit lanes "
-                         f"(P*2L = {world * 2 * levels} > {lanes}); use comm.levels={(lanes) // (2 * world)} "
-                         f"or more bits")
+        levels = pbit_levels(c.bits, world, c.levels)
+        if levels == 0 and world > lanes:
+            better = next((b for b in (2, 4, 8, 16) if 2 ** b - 1 >= world), None)
+            p.append(f"comm.bits: {c.bits}-bit sign lanes hold at most {lanes} ranks, world size is {world}; "
+                     f"use comm.bits={better}" + (" (Lion Cub uses 8-bit with L1 beyond 15 ranks)" if c.bits == 4 else ""))
+        elif levels == 0 and c.quantizer != "sign":
+            better = next((b for b in (2, 4, 8, 16) if (2 ** b - 1) // (2 * world) >= 1), None)
+            p.append(f"comm.bits: {c.bits}-bit lanes leave no quantization level for comm.quantizer={c.quantizer} "
+                     f"at {world} ranks (need P*2L <= {lanes}); use comm.bits={better} or comm.quantizer=sign")
+        elif world * 2 * levels > lanes:
+            p.append(f"comm.levels: {levels} levels x {world} ranks overflow {c.bits}-bit lanes "
+                     f"(P*2L = {world * 2 * levels} > {lanes}); use comm.levels={lanes // (2 * world)} "
+                     f"or more bits")
     if c.mode == "hierarchical" and c.node_size and world % c.node_size:
         p.append(f"comm.node_size: {c.node_size} does not divide the world size {world}")
     if cfg.comm.mode == "bf16" and world == 1:
