@@ -273,20 +273,6 @@ def _env() -> dict[str, str]:
             "WANDB_MODE": "disabled", "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1"}
 
 
-def variant_overrides(cfg_file: Path, nproc: int) -> list[str]:
-    """comm.levels spelled out for pbit variants: 0 (the 0/1 sign encoding) for quantizer=sign, as
-    Lion Cub 4-bit sends only +1/-1 (Fig. 8 caption, DESIGN.md "L == 0 means signs only"), else the
-    largest legal L. Pinned here because "automatic" (-1) has meant different things in the trainer
-    and in optim (for sign votes, L=0 vs the largest L), and the benchmark must measure the paper's
-    variant whichever way that is resolved."""
-    from trainer.config import load_config
-
-    c = load_config(str(cfg_file)).comm
-    if c.mode != "pbit" or c.levels >= 0:
-        return []
-    return [f"comm.levels={0 if c.quantizer == 'sign' else pbit_levels(c.bits, nproc)}"]
-
-
 def run_one(args: argparse.Namespace, rate: str, variant: str, net: object | None) -> dict:
     out = Path(args.out)
     run_dir = out / "runs" / rate / variant
@@ -298,7 +284,7 @@ def run_one(args: argparse.Namespace, rate: str, variant: str, net: object | Non
 
             shutil.rmtree(d)
     cfg_file = config_path(variant, args.config_dir)
-    overrides = [*args.overrides, *variant_overrides(cfg_file, args.nproc),
+    overrides = [*args.overrides,
                  f"train.max_steps={args.warmup + args.steps}", "train.log_every=1", "train.eval_every=0",
                  "train.eval_steps=1", "diag.every=0", "log.wandb=disabled", f"train.out_dir={run_dir}"]
     train_cmd = [sys.executable, str(ROOT / "train.py"), str(cfg_file), *overrides]

@@ -93,10 +93,12 @@ def test_prediction_matches_table1_transcription():
 
 
 def test_variant_configs_and_levels():
-    assert sb.variant_overrides(variants.config_path("lioncub_4bit"), 4) == ["comm.levels=0"]
-    assert sb.variant_overrides(variants.config_path("lioncub_8bit_l1"), 4) == ["comm.levels=31"]
-    assert sb.variant_overrides(variants.config_path("lioncub_8bit_l1"), 8) == ["comm.levels=15"]
-    assert sb.variant_overrides(variants.config_path("lion_fp32"), 4) == []
+    from trainer.config import load_config, pbit_levels
+
+    four = load_config(str(variants.config_path("lioncub_4bit"))).comm
+    assert (four.bits, four.quantizer, four.levels) == (4, "sign", 0)  # the paper's +-1 votes
+    eight = load_config(str(variants.config_path("lioncub_8bit_l1"))).comm
+    assert pbit_levels(eight.bits, 4, eight.levels) == 31 and pbit_levels(eight.bits, 8, eight.levels) == 15
     for v in variants.DEFAULT_VARIANTS + quality.DEFAULT_VARIANTS:
         assert variants.config_path(v).is_file()
     with pytest.raises(ValueError, match="lioncub_4bit"):
