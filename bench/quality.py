@@ -88,9 +88,6 @@ def run_variant(args: argparse.Namespace, variant: str) -> int:
            f"train.max_steps={args.steps}", f"train.eval_every={args.eval_every}", "train.eval_steps=8",
            f"train.log_every={args.log_every}", f"diag.every={args.diag_every}", f"train.seed={args.seed}",
            "train.resume=overwrite", "log.wandb=disabled", f"train.out_dir={run_dir}"]
-    if "lioncub_4bit" in variant or "lioncub_8bit" in variant:
-        # pin the paper's levels: 0/1 sign lanes for 4-bit (Fig. 8 caption), L = 255 // (2P) for 8-bit L1
-        cmd.append("comm.levels=0" if "4bit" in variant else f"comm.levels={(2 ** 8 - 1) // (2 * args.nproc)}")
     print("== " + " ".join(cmd), flush=True)
     log = Path(args.out) / "logs" / f"{variant}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
