@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from bench.variants import (BASELINE, DEFAULT_VARIANTS, ROOT, config_path, load_run_config, median, pbit_levels,
+from bench.variants import (BASELINE, DEFAULT_VARIANTS, ROOT, config_path, load_run_config, median,
                             predict_step_comm_s, read_jsonl, train_records)
 
 DEFAULT_RATES = ["unlimited", "1gbit", "100mbit"]

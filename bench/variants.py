@@ -93,11 +93,6 @@ def role_params(model_cfg: dict) -> dict[str, int]:
     return out
 
 
-def pbit_levels(bits: int, world: int) -> int:
-    """Largest L with P * 2L <= 2**bits - 1 (DESIGN.md levels rule); 0 means the 0/1 sign encoding."""
-    return (2 ** bits - 1) // (2 * world)
-
-
 def comm_kind(comm_cfg: dict) -> tuple[str, int | None]:
     """(cost_model.predict mode, lane bits) of one step's main collective for a resolved comm section."""
     mode = comm_cfg["mode"]

@@ -126,28 +126,26 @@ def pack_bits(b: torch.Tensor) -> torch.Tensor:
     return _pack_flags(_padded_u8(b, 8))
 
 
+def _unpack_1bit(packed: torch.Tensor, n: int, name: str, dtype: torch.dtype, signs: bool) -> torch.Tensor:
+    """One table lookup per byte: packed bits -> 8 values of `dtype` each (0/1, or -1/+1)."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"{name} expects uint8 bytes, got {packed.dtype}")
+    if n < 0 or packed.numel() * 8 < n:
+        raise ValueError(f"{name}: {packed.numel()} bytes cannot hold n={n} bits")
+    flat = packed.reshape(-1)[:_ceil_div(n, 8)]
+    out = torch.empty(flat.numel() * 8, dtype=dtype, device=flat.device)
+    _lookup(_lut(1, flat.device, signs=signs), flat, out.view(torch.int64))
+    return out[:n]
+
+
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of pack_bits: uint8[>= ceil(n/8)] -> bool[n]."""
-    if packed.dtype != torch.uint8:
-        raise TypeError(f"unpack_bits expects uint8 bytes, got {packed.dtype}")
-    if n < 0 or packed.numel() * 8 < n:
-        raise ValueError(f"unpack_bits: {packed.numel()} bytes cannot hold n={n} bits")
-    flat = packed.reshape(-1)[:_ceil_div(n, 8)]
-    out = torch.empty(flat.numel() * 8, dtype=torch.uint8, device=flat.device)
-    _lookup(_lut(1, flat.device), flat, out.view(torch.int64))
-    return out[:n].view(torch.bool)
+    return _unpack_1bit(packed, n, "unpack_bits", torch.uint8, signs=False).view(torch.bool)
 
 
 def unpack_signs(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Packed bits -> int8[n] with bit 1 -> +1 and bit 0 -> -1 (one table lookup, no bool pass)."""
-    if packed.dtype != torch.uint8:
-        raise TypeError(f"unpack_signs expects uint8 bytes, got {packed.dtype}")
-    if n < 0 or packed.numel() * 8 < n:
-        raise ValueError(f"unpack_signs: {packed.numel()} bytes cannot hold n={n} bits")
-    flat = packed.reshape(-1)[:_ceil_div(n, 8)]
-    out = torch.empty(flat.numel() * 8, dtype=torch.int8, device=flat.device)
-    _lookup(_lut(1, flat.device, signs=True), flat, out.view(torch.int64))
-    return out[:n]
+    return _unpack_1bit(packed, n, "unpack_signs", torch.int8, signs=True)
 
 
 def pack_lanes(v: torch.Tensor, bits: int, check: bool = True) -> torch.Tensor:

@@ -114,28 +114,25 @@ class CallTimer:
         self.device = device
 
     @contextlib.contextmanager
-    def pack(self) -> Iterator[None]:
+    def _timed(self, field: str) -> Iterator[None]:
         _sync(self.device)
         t0 = time.perf_counter()
         try:
             yield
         finally:
             _sync(self.device)
-            self.record.pack_s += time.perf_counter() - t0
+            setattr(self.record, field, getattr(self.record, field) + time.perf_counter() - t0)
 
-    @contextlib.contextmanager
+    def pack(self) -> contextlib.AbstractContextManager[None]:
+        """Time packing/unpacking/quantizing work as pack seconds."""
+        return self._timed("pack_s")
+
     def coll(self, sent: torch.Tensor | list | tuple | None = None,
-             recv: torch.Tensor | list | tuple | None = None) -> Iterator[None]:
+             recv: torch.Tensor | list | tuple | None = None) -> contextlib.AbstractContextManager[None]:
         """Time a torch.distributed call and count the bytes of the tensors handed to it."""
         self.record.bytes_sent += _nbytes(sent)
         self.record.bytes_recv += _nbytes(recv)
-        _sync(self.device)
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            _sync(self.device)
-            self.record.coll_s += time.perf_counter() - t0
+        return self._timed("coll_s")
 
 
 def _nbytes(t: torch.Tensor | list | tuple | None) -> int:

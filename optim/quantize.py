@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from comm import max_levels
+
 ROUNDINGS = ("nearest", "stochastic")
 LANE_BITS = (1, 2, 4, 8, 16)
 MAX_LEVELS = 127  # quantized votes travel as int8 (comm.int_allreduce takes int8[n])
@@ -89,4 +91,4 @@ def levels_for(bits: int, world_size: int) -> int:
         hint = f"comm.bits={wider[0]} (e.g. lioncub_8bit_l1 for up to 255 ranks) or " if wider else ""
         raise ValueError(f"comm.bits={bits} cannot hold the vote of {world_size} ranks: a {bits}-bit lane "
                          f"sums to at most {cap}, even for 0/1 signs. Use {hint}comm.mode=onebit.")
-    return min(cap // (2 * world_size), MAX_LEVELS)
+    return min(max_levels(world_size, bits), MAX_LEVELS)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from model import GPT, get_preset
 from tests.dist import ROOT, torchrun
 
 TINY = ["model.preset=debug", "data.batch_size=4", "data.seq_len=64", "train.eval_steps=2",
@@ -40,9 +41,9 @@ def test_two_ranks_loss_falls_and_params_identical(tmp_path, optim, mode):
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 1.0, losses
     final = records(tmp_path / "run", "params_identical")[-1]
     assert final["params_identical"] and len(final["param_sha256"]) == 2
-    # gradient sync moves the flat fp32 gradient (bf16 halves it): ring-free gloo counts payload bytes
-    n_params = sum(p.numel() for p in __import__("model").GPT(__import__("model").get_preset("debug")).parameters())
-    assert steps[-1]["comm_bytes"] >= n_params * (4 if mode == "fp32" else 2)
+    # gradient sync hands the flat gradient to one allreduce: 4 bytes per parameter in fp32, 2 in bf16
+    n_params = GPT(get_preset("debug")).num_params()
+    assert steps[-1]["comm_bytes"] == n_params * (4 if mode == "fp32" else 2)
     assert steps[-1]["comm_ms"] > 0 and steps[-1]["step_ms"] > steps[-1]["comm_ms"]
     assert (tmp_path / "run" / "config.yaml").is_file() and (tmp_path / "run" / "ckpt" / "latest").is_file()
     assert records(tmp_path / "run", "val_loss")

@@ -369,9 +369,12 @@ def _choice(problems, key, value, allowed):
 
 def pbit_levels(bits: int, world_size: int, levels: int = -1) -> int:
     """Lion Cub p-bit levels: the largest L with P * 2L <= 2**bits - 1 unless set (DESIGN.md)."""
+    from comm import max_levels
+    from optim.quantize import MAX_LEVELS
+
     if levels >= 0:
         return levels
-    return min(127, (2 ** bits - 1) // (2 * world_size))  # votes travel as int8
+    return max(0, min(max_levels(world_size, bits), MAX_LEVELS))  # -1 (not even signs fit) reads as 0
 
 
 def validate(cfg: Config, world_size: int | None = None, raise_error: bool = True) -> list[str]:
