@@ -1,19 +1,20 @@
-"""Communication microbenchmark: every comm/ collective, timed and compared with the alpha-beta model.
+"""Communication microbenchmark: every registered sync scheme, timed and compared with its model.
 
-For each world size P, size N and mode, the median over repeats of the time per call, split into
-seconds inside collectives and seconds packing/unpacking (from comm.CommStats), the wire bytes per
-rank, and the prediction of comm.cost_model (Lion Cub Table 1) with alpha/beta calibrated on the
-same live group. Writes results.csv, results.md, time_vs_n.png and meta.json into --out.
+For each world size P, size N and mode (a `comm.mode` of the optim.sync registry, with options),
+the median over repeats of the time per exchange, split into seconds inside collectives and
+seconds packing / quantizing (comm.CommStats), the wire bytes per rank (checked against the
+scheme's declared byte formula), and the scheme's alpha-beta prediction with alpha/beta
+calibrated on the same live group. Writes results.csv, results.md, time_vs_n.png and meta.json.
 
-    python -m bench.comm --nproc 2,4 --sizes 1M,5M,25M              # torchrun over loopback
+    python -m bench.comm --nproc 2,4 --sizes 1M,5M,25M              # every scheme, torchrun over loopback
     python -m bench.comm --nproc 4 --rate 1gbit --sizes 25M          # under launch.netsim, 1 Gbit/s links
-    python -m bench.comm --nproc 2,3,4 --rate 1gbit --sizes 25M --modes fp32,sign_vote_1bit,ps_vote_naive
+    python -m bench.comm --nproc 2,3,4 --rate 1gbit --sizes 25M --modes fp32,onebit,pbit:bits=8:quantizer=l1,ps:ps_topology=tree
 
 The driver launches itself (`--worker`) on every rank: with torchrun --standalone when --rate is
-not given, else one rank per network namespace through launch.netsim (needs root). Modes:
-fp32, bf16 (allreduce_mean wire dtype), int_allreduce_{1,4,8}b (largest legal levels for P; an
-illegal (P, bits) pair is reported, not hidden), sign_vote_1bit, ps_vote_naive, ps_vote_tree
-(vote aggregation), hierarchical (hierarchical_sign_vote with --node-size).
+not given, else one rank per network namespace through launch.netsim (needs root). Modes default
+to every registered scheme with its default options; `name:key=value:...` sets options (an
+illegal combination at P, e.g. 4-bit sign lanes at 16 ranks, is reported, not hidden);
+hierarchical takes --node-size.
 
 Timing conventions: a call ends when its slowest rank returns, so per repeat the wall, collective
 and pack seconds are the maximum over ranks; the table reports the median over repeats. Latency
@@ -38,9 +39,28 @@ from typing import Any, Callable, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 
-MODES = ["fp32", "bf16", "int_allreduce_1b", "int_allreduce_4b", "int_allreduce_8b", "sign_vote_1bit",
-         "ps_vote_naive", "ps_vote_tree", "hierarchical"]
 DEFAULT_SIZES = "1M,5M,10M,25M,50M"
+
+
+def default_modes() -> list[str]:
+    """Every registered sync scheme with its default options (optim.sync registry)."""
+    from optim import sync
+
+    return sync.names()
+
+
+def parse_mode(spec: str) -> tuple[str, dict]:
+    """'pbit:bits=8:quantizer=l1' -> ('pbit', {'bits': 8, 'quantizer': 'l1'}) (values parsed as YAML)."""
+    import yaml
+
+    name, *opts = spec.split(":")
+    options = {}
+    for kv in opts:
+        k, sep, v = kv.partition("=")
+        if not sep:
+            raise ValueError(f"mode option {kv!r} in {spec!r}: write key=value (e.g. pbit:bits=8)")
+        options[k] = yaml.safe_load(v)
+    return name, options
 
 
 def parse_size(s: str) -> int:
@@ -67,112 +87,51 @@ def fmt_size(n: int) -> str:
 # worker side (one process per rank)
 # ------------------------------------------------------------------------------------------------
 
-def _make_call(mode: str, n: int, world: int, rank: int, node_size: int | None) -> tuple[Callable[..., Any], dict]:
-    """Build the inputs of one mode once; return call(stats) and a dict of mode parameters."""
+def _make_call(spec: str, n: int, world: int, rank: int, node_size: int | None) -> tuple[Callable[[int], Any], dict]:
+    """Build the scheme's exchange once (optim.sync registry); return call(step), its options and stats."""
     import torch
 
     import comm
+    from optim import sync
 
+    name, given = parse_mode(spec)
+    scheme = sync.get(name)
+    if "node_size" in scheme.options.field_names() and "node_size" not in given and node_size:
+        given["node_size"] = node_size
+    opts = scheme.options(**given)
+    problems = opts.problems(world)
+    if problems:
+        raise ValueError("; ".join(problems))
+    stats = comm.CommStats()
+    exchange = scheme.build(opts, sync.ExchangeContext(world_size=world, rank=rank, stats=stats, seed=1000 + rank))
     g = torch.Generator().manual_seed(1000 + rank)
-    if mode in ("fp32", "bf16"):
-        x = torch.randn(n, generator=g)
-        wire = torch.float32 if mode == "fp32" else torch.bfloat16
-        return (lambda stats: comm.allreduce_mean(x, wire_dtype=wire, stats=stats)), {"bits": 32 if mode == "fp32" else 16}
-    if mode.startswith("int_allreduce_"):
-        bits = int(mode.removeprefix("int_allreduce_").removesuffix("b"))
-        # Largest legal L for (P, bits); when nothing fits (max_levels -1) call with the sign
-        # encoding anyway so that comm's own ValueError is what the report shows.
-        levels = max(0, comm.max_levels(world, bits))
-        if levels == 0:
-            q = (torch.randint(0, 2, (n,), generator=g, dtype=torch.int8) * 2 - 1)   # signs only
-        else:
-            q = torch.randint(-levels, levels + 1, (n,), generator=g, dtype=torch.int8)
-        return (lambda stats: comm.int_allreduce(q, levels, bits, stats=stats)), {"bits": bits, "levels": levels}
     x = torch.randn(n, generator=g)
-    if mode == "sign_vote_1bit":
-        return (lambda stats: comm.sign_vote_1bit(x, 1, stats=stats)), {"bits": 1}
-    if mode in ("ps_vote_naive", "ps_vote_tree"):
-        topo = mode.removeprefix("ps_vote_")
-        return (lambda stats: comm.ps_vote(x, 1, aggregate="vote", topology=topo, stats=stats)), {"bits": 1}
-    if mode == "hierarchical":
-        return (lambda stats: comm.hierarchical_sign_vote(x, 1, node_size=node_size, stats=stats)), \
-            {"bits": 1, "node_size": node_size}
-    raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
+    buf = torch.empty_like(x)
 
+    def call(step: int):
+        buf.copy_(x)  # gradient schemes reduce in place: every repeat starts from the same input
+        return exchange(buf, step)
 
-# bench mode -> comm.cost_model.predict mode (Lion Cub Table 1 rows; see comm/cost_model.py)
-_MODEL_MODE = {"fp32": "fp32", "bf16": "bf16", "int_allreduce_1b": "int_allreduce", "int_allreduce_4b": "int_allreduce",
-               "int_allreduce_8b": "int_allreduce", "sign_vote_1bit": "sign_vote_1bit", "ps_vote_naive": "ps_naive",
-               "ps_vote_tree": "ps_tree", "hierarchical": "hierarchical"}
-
-
-def predict(mode: str, world: int, n: int, alpha: float, beta: float, bits: int, node_size: int | None) -> float:
-    """comm.cost_model's prediction (seconds) for one call of `mode` (Lion Cub Table 1)."""
-    from comm import cost_model as cm
-
-    return float(cm.predict(_MODEL_MODE[mode], world, n, alpha, beta, bits=bits, node_size=node_size or 1))
-
-
-def _wire_call(mode: str, n: int, world: int, bits: int) -> Callable[[], None] | None:
-    """The bare collectives of `mode` on pre-made buffers of the same byte sizes (no packing), or
-    None where the pattern is not a plain collective (ps_vote, hierarchical).
-
-    Timing these separates what the network costs from what packing and rank skew cost: a rank
-    waiting in a collective for a peer that is still packing books that wait as collective time."""
-    import torch
-    import torch.distributed as dist
-
-    if mode in ("fp32", "bf16"):
-        buf = torch.zeros(n, dtype=torch.float32 if mode == "fp32" else torch.bfloat16)
-        return lambda: dist.all_reduce(buf)
-    if mode.startswith("int_allreduce_"):
-        buf = torch.zeros(-(-n * bits // 8), dtype=torch.uint8)
-        return lambda: dist.all_reduce(buf)
-    if mode == "sign_vote_1bit":
-        chunk = -(-n // (8 * world))
-        send, recv = torch.zeros(chunk * world, dtype=torch.uint8), torch.empty(chunk * world, dtype=torch.uint8)
-        mine = torch.zeros(chunk, dtype=torch.uint8)
-        return lambda: (dist.all_to_all_single(recv, send), dist.all_gather_into_tensor(recv, mine))
-    return None
-
-
-def _bench_wire(mode: str, n: int, repeats: int, bits: int) -> float | None:
-    """Median over repeats of the slowest rank's seconds for the bare collectives of `mode`."""
-    import torch.distributed as dist
-
-    call = _wire_call(mode, n, dist.get_world_size(), bits)
-    if call is None or dist.get_world_size() == 1:
-        return None
-    call()
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, times)
-    return statistics.median(max(g[i] for g in gathered) for i in range(repeats))
+    return call, {"scheme": scheme, "options": opts, "stats": stats}
 
 
 def _bench_one(mode: str, n: int, repeats: int, warmup: int, node_size: int | None) -> dict:
     import torch.distributed as dist
 
-    import comm
-
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         call, params = _make_call(mode, n, world, rank, node_size)
-        for _ in range(warmup):
-            call(comm.CommStats())
+        for i in range(warmup):
+            call(i + 1)
     except ValueError as e:                       # e.g. an illegal (P, bits) pair: report it, do not hide it
         return {"mode": mode, "n": n, "status": f"refused: {e}"}
+    stats = params["stats"]
     per_rep = []
-    for _ in range(repeats):
-        stats = comm.CommStats()
+    for i in range(repeats):
+        stats.reset()
         dist.barrier()
         t0 = time.perf_counter()
-        call(stats)
+        call(warmup + i + 1)
         wall = time.perf_counter() - t0
         tot = stats.totals()
         per_rep.append([wall, tot["coll_s"], tot["pack_s"], tot["bytes_sent"], tot["bytes_recv"], tot["calls"]])
@@ -180,8 +139,9 @@ def _bench_one(mode: str, n: int, repeats: int, warmup: int, node_size: int | No
     dist.all_gather_object(gathered, per_rep)
     # gathered[r][i] = rank r, repeat i. A call costs what its slowest rank spends.
     mx = [[max(gathered[r][i][k] for r in range(world)) for k in range(3)] for i in range(repeats)]
-    row = {"mode": mode, "n": n, "status": "ok", **{k: v for k, v in params.items() if k in ("levels", "node_size")},
-           "bits": params["bits"],
+    scheme, opts = params["scheme"], params["options"]
+    formula = [scheme.bytes_per_call(opts, world, n, rank=r) for r in range(world)]
+    row = {"mode": mode, "n": n, "status": "ok", "scheme": scheme.name,
            "wall_s": statistics.median(m[0] for m in mx),
            "coll_s": statistics.median(m[1] for m in mx),
            "pack_s": statistics.median(m[2] for m in mx),
@@ -190,8 +150,8 @@ def _bench_one(mode: str, n: int, repeats: int, warmup: int, node_size: int | No
            "bytes_recv_max": max(gathered[r][0][4] for r in range(world)),
            "bytes_sent_rank0": gathered[0][0][3],
            "bytes_sent_rank1": gathered[1][0][3] if world > 1 else gathered[0][0][3],
+           "bytes_match_formula": all((gathered[r][0][3], gathered[r][0][4]) == formula[r] for r in range(world)),
            "collective_calls": gathered[0][0][5]}
-    row["wire_s"] = _bench_wire(mode, n, repeats, params["bits"])
     return row
 
 
@@ -213,24 +173,19 @@ def worker(args: argparse.Namespace) -> None:
     rows = []
     for n in args.sizes:
         for mode in args.modes:
-            if mode == "hierarchical" and world % node_size:
-                rows.append({"mode": mode, "n": n, "status": f"skipped: node_size={node_size} does not divide P={world}"})
-                continue
             row = _bench_one(mode, n, args.repeats, args.warmup, node_size)
             row.update(world=world, rate=args.rate_label)
             if row["status"] == "ok":
-                row["model_s"] = predict(mode, world, n, alpha + latency_model, beta, row["bits"],
-                                         node_size if mode == "hierarchical" else None)
+                scheme, opts = _scheme(mode, node_size)
+                row["model_s"] = scheme.predict(opts, world, n, alpha + latency_model, beta)
                 row["wall_over_model"] = row["wall_s"] / row["model_s"] if row["model_s"] > 0 else float("nan")
                 row["coll_over_model"] = row["coll_s"] / row["model_s"] if row["model_s"] > 0 else float("nan")
-                if row["wire_s"] is not None and row["model_s"] > 0:
-                    row["wire_over_model"] = row["wire_s"] / row["model_s"]
             rows.append(row)
             if rank == 0:
                 print(f"P={world} N={fmt_size(n)} {mode}: " + (
                     f"wall {row['wall_s'] * 1e3:.1f} ms (coll {row['coll_s'] * 1e3:.1f}, pack {row['pack_s'] * 1e3:.1f}), "
-                    f"wire {row['wire_s'] * 1e3 if row['wire_s'] is not None else float('nan'):.1f} ms, "
-                    f"model {row['model_s'] * 1e3:.1f} ms, sent {row['bytes_sent_max']} B"
+                    f"model {row['model_s'] * 1e3:.1f} ms, sent {row['bytes_sent_max']} B, "
+                    f"bytes {'=' if row['bytes_match_formula'] else '!='} formula"
                     if row["status"] == "ok" else row["status"]), flush=True)
     if rank == 0:
         out = Path(args.out)
@@ -240,6 +195,16 @@ def worker(args: argparse.Namespace) -> None:
             "calibration": calib, "rows": rows}, indent=1))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _scheme(mode: str, node_size: int | None):
+    from optim import sync
+
+    name, given = parse_mode(mode)
+    scheme = sync.get(name)
+    if "node_size" in scheme.options.field_names() and "node_size" not in given and node_size:
+        given["node_size"] = node_size
+    return scheme, scheme.options(**given)
 
 
 def _calibrate(cm: Any) -> tuple[float, float, dict]:
@@ -283,9 +248,9 @@ def launch(args: argparse.Namespace, world: int, out: Path) -> None:
         raise SystemExit(f"bench.comm: P={world} run failed, exit codes {codes}; see the output above")
 
 
-COLUMNS = ["world", "rate", "n", "mode", "status", "bits", "levels", "node_size", "wall_s", "coll_s", "pack_s",
-           "wall_min_s", "wire_s", "model_s", "wall_over_model", "coll_over_model", "wire_over_model", "bytes_sent_max", "bytes_recv_max",
-           "bytes_sent_rank0", "bytes_sent_rank1", "collective_calls", "speedup_vs_fp32"]
+COLUMNS = ["world", "rate", "n", "mode", "status", "wall_s", "coll_s", "pack_s", "wall_min_s", "model_s",
+           "wall_over_model", "coll_over_model", "bytes_sent_max", "bytes_recv_max", "bytes_sent_rank0",
+           "bytes_sent_rank1", "bytes_match_formula", "collective_calls", "speedup_vs_fp32"]
 
 
 def collect(out: Path) -> tuple[list[dict], dict]:
@@ -299,7 +264,8 @@ def collect(out: Path) -> tuple[list[dict], dict]:
         base = fp32.get((r["world"], r["n"]))
         if r["status"] == "ok" and base:
             r["speedup_vs_fp32"] = base / r["wall_s"]
-    rows.sort(key=lambda r: (r["world"], r["n"], MODES.index(r["mode"])))
+    order = {m: i for i, m in enumerate(dict.fromkeys(r["mode"] for r in rows))}
+    rows.sort(key=lambda r: (r["world"], r["n"], order[r["mode"]]))
     return rows, calib
 
 
@@ -318,20 +284,21 @@ def write_reports(out: Path, rows: list[dict], calib: dict, meta: dict) -> None:
         lines.append(f"- P={p}: calibrated alpha = {c['alpha'] * 1e6:.1f} us, beta = {c['beta'] * 1e9:.3f} ns/bit "
                      f"({1 / c['beta'] / 1e6 if c['beta'] > 0 else float('inf'):.0f} Mbit/s)"
                      + (f", + modelled latency {c['latency_model_s'] * 1e6:.0f} us" if c["latency_model_s"] else ""))
-    lines += ["", "wall = one call end to end (slowest rank; median and min over repeats); coll / pack = its seconds in collectives / in "
-              "packing (CommStats); wire = the same collectives on ready buffers, no packing (simple patterns "
-              "only); model = comm.cost_model.predict with the calibrated alpha, beta.", "",
-              "| P | N | mode | wall ms | wall min ms | coll ms | pack ms | wire ms | model ms | wall/model | coll/model | "
-              "wire/model | sent B (max rank) | recv B (max rank) | speedup vs fp32 |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "wall = one exchange end to end (slowest rank; median and min over repeats); coll / pack = its seconds "
+              "in collectives / in packing and quantizing (CommStats); model = the scheme's own alpha-beta prediction "
+              "(optim.sync registry) with the calibrated alpha, beta; bytes = formula: CommStats' counts equal the "
+              "scheme's declared byte formula on every rank.", "",
+              "| P | N | mode | wall ms | wall min ms | coll ms | pack ms | model ms | wall/model | coll/model | "
+              "sent B (max rank) | recv B (max rank) | bytes = formula | speedup vs fp32 |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['world']} | {fmt_size(r['n'])} | {r['mode']} | {r['status']} |" + "|" * 11)
+            lines.append(f"| {r['world']} | {fmt_size(r['n'])} | {r['mode']} | {r['status']} |" + "|" * 10)
             continue
         lines.append(f"| {r['world']} | {fmt_size(r['n'])} | {r['mode']} | {ms(r['wall_s'])} | {ms(r['wall_min_s'])} | {ms(r['coll_s'])} | "
-                     f"{ms(r['pack_s'])} | {ms(r.get('wire_s'))} | {ms(r.get('model_s'))} | {ratio(r.get('wall_over_model'))} | "
-                     f"{ratio(r.get('coll_over_model'))} | {ratio(r.get('wire_over_model'))} | {r['bytes_sent_max']} | {r['bytes_recv_max']} | "
-                     f"{ratio(r.get('speedup_vs_fp32'))} |")
+                     f"{ms(r['pack_s'])} | {ms(r.get('model_s'))} | {ratio(r.get('wall_over_model'))} | "
+                     f"{ratio(r.get('coll_over_model'))} | {r['bytes_sent_max']} | {r['bytes_recv_max']} | "
+                     f"{'yes' if r.get('bytes_match_formula') else 'NO'} | {ratio(r.get('speedup_vs_fp32'))} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     plot(out / "time_vs_n.png", rows, meta["rate"])
 
@@ -344,7 +311,7 @@ def plot(path: Path, rows: list[dict], rate: str) -> None:
     worlds = sorted({r["world"] for r in rows})
     fig, axes = plt.subplots(1, len(worlds), figsize=(6 * len(worlds), 4.5), squeeze=False)
     for ax, p in zip(axes[0], worlds):
-        for i, mode in enumerate(MODES):
+        for i, mode in enumerate(dict.fromkeys(r["mode"] for r in rows)):
             pts = sorted((r["n"], r["wall_s"], r["model_s"]) for r in rows
                          if r["world"] == p and r["mode"] == mode and r["status"] == "ok")
             if not pts:
@@ -375,7 +342,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc", default="2,4", help="world sizes, comma separated (e.g. 2,3,4)")
     ap.add_argument("--sizes", default=DEFAULT_SIZES, help=f"elements per rank, e.g. {DEFAULT_SIZES}")
-    ap.add_argument("--modes", default=",".join(MODES), help="subset of: " + ", ".join(MODES))
+    ap.add_argument("--modes", default=None,
+                    help="comma-separated sync schemes, each name[:key=value...] (e.g. pbit:bits=8:quantizer=l1); "
+                         "default: every registered scheme with its default options")
     ap.add_argument("--rate", default=None,
                     help="run under launch.netsim with this per-link rate (e.g. 1gbit, 100mbit, unlimited); "
                          "omitted: torchrun over loopback")
@@ -399,10 +368,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.sizes = [parse_size(s) for s in str(args.sizes).split(",") if s]
     except argparse.ArgumentTypeError as e:
         ap.error(str(e))
-    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in args.modes if m not in MODES]
+    args.modes = [m.strip() for m in (args.modes or ",".join(default_modes())).split(",") if m.strip()]
+    try:
+        bad = [m for m in args.modes if parse_mode(m)[0] not in default_modes()]
+    except ValueError as e:
+        ap.error(str(e))
     if bad:
-        ap.error(f"unknown mode(s) {bad}; valid modes: {', '.join(MODES)}")
+        ap.error(f"unknown mode(s) {bad}; registered modes: {', '.join(default_modes())}")
     if (args.alpha is None) != (args.beta is None):
         ap.error("give both --alpha and --beta, or neither (then they are calibrated on the live group)")
     if args.repeats < 1:
@@ -416,7 +388,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             ap.error(f"world sizes must be >= 1, got {args.worlds}")
         if args.node_size is None and args.ranks_per_ns > 1:
             args.node_size = args.ranks_per_ns
-        if args.node_size is None and "hierarchical" in args.modes:
+        if args.node_size is None and any(parse_mode(m)[0] == "hierarchical" for m in args.modes):
             args.node_size = 2
     return args
 

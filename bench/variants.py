@@ -59,33 +59,30 @@ def load_run_config(run_dir: str | Path) -> dict:
     return yaml.safe_load(path.read_text())
 
 
-def num_params(model_cfg: dict) -> int:
-    """Parameter count of the model a resolved `model:` section describes (= elements communicated)."""
-    from model import GPT, get_preset
-
-    overrides: dict[str, Any] = {"pos_emb": model_cfg.get("pos_emb", "rope")}
-    if model_cfg.get("tie_embeddings") is not None:
-        overrides["tie_embeddings"] = model_cfg["tie_embeddings"]
-    if model_cfg.get("block_size"):
-        overrides["block_size"] = model_cfg["block_size"]
+def _meta_model(model_cfg: dict):
     import torch
 
+    from model import GPT, resolve_config
+
     with torch.device("meta"):  # shapes only: no memory, no init time
-        m = GPT(get_preset(model_cfg["preset"], **overrides))
-    return sum(p.numel() for p in m.parameters())
+        return GPT(resolve_config(model_cfg))
+
+
+def num_params(model_cfg: dict) -> int:
+    """Parameter count of the model a resolved `model:` section describes (= elements communicated)."""
+    return sum(p.numel() for p in _meta_model(model_cfg).parameters())
+
+
+def num_rows(model_cfg: dict) -> int:
+    """Parameter rows (dim 0 of >= 2-D tensors, 1 per 0-/1-D tensor): the flags of mask_zero_updates."""
+    return sum(p.shape[0] if p.ndim >= 2 else 1 for p in _meta_model(model_cfg).parameters())
 
 
 def role_params(model_cfg: dict) -> dict[str, int]:
     """Elements per parameter role (embedding/head/attn/mlp/norm), for momentum-sync traffic."""
-    import torch
+    from model import param_roles
 
-    from model import GPT, get_preset, param_roles
-
-    overrides: dict[str, Any] = {"pos_emb": model_cfg.get("pos_emb", "rope")}
-    if model_cfg.get("tie_embeddings") is not None:
-        overrides["tie_embeddings"] = model_cfg["tie_embeddings"]
-    with torch.device("meta"):
-        m = GPT(get_preset(model_cfg["preset"], **overrides))
+    m = _meta_model(model_cfg)
     named = dict(m.named_parameters())
     out: dict[str, int] = {}
     for name, role in param_roles(m).items():
@@ -93,37 +90,25 @@ def role_params(model_cfg: dict) -> dict[str, int]:
     return out
 
 
-def comm_kind(comm_cfg: dict) -> tuple[str, int | None]:
-    """(cost_model.predict mode, lane bits) of one step's main collective for a resolved comm section."""
-    mode = comm_cfg["mode"]
-    if mode in ("fp32", "bf16"):
-        return mode, None
-    if mode == "onebit":
-        return "sign_vote_1bit", None
-    if mode == "pbit":
-        return "int_allreduce", int(comm_cfg["bits"])
-    if mode == "ps":
-        return ("ps_naive" if comm_cfg.get("ps_topology", "naive") == "naive" else "ps_tree"), None
-    if mode == "hierarchical":
-        return "hierarchical", None
-    raise ValueError(f"comm.mode={mode!r} has no cost-model mapping; known: fp32, bf16, onebit, pbit, ps, hierarchical")
+def scheme_of(comm_cfg: dict):
+    """(sync scheme, its options) of a resolved `comm:` section (optim.sync registry)."""
+    from optim import sync
+
+    scheme = sync.get(comm_cfg["mode"])
+    opts = scheme.options(**{k: comm_cfg[k] for k in scheme.options.field_names() if k in comm_cfg})
+    return scheme, opts
 
 
 def predict_step_comm_s(cfg: dict, world: int, alpha: float, beta: float, *, sync_step: bool = False) -> float:
-    """Predicted seconds of communication in one training step (Lion Cub Table 1 via comm.cost_model).
-
-    One collective over all N parameters; with `sync_step`, plus the fp32 momentum allreduce of the
-    selected layers that a momentum-sync step adds (Lion Cub §5). ps modes use comm.cost_model's
-    models of our packed parameter server (1 bit up; 1 bit or ceil(log2(P+1)) bits back).
-    """
+    """Predicted seconds of communication in one training step: the scheme's own alpha-beta
+    prediction (optim.sync registry, Lion Cub Table 1 formulas via comm.cost_model) for all N
+    parameters; with `sync_step`, plus the fp32 momentum allreduce of the selected layers that a
+    momentum-sync step adds (Lion Cub §5)."""
     from comm import cost_model
 
-    n = num_params(cfg["model"])
-    c = cfg["comm"]
-    mode, bits = comm_kind(c)
-    t = cost_model.predict(mode, world, n, alpha, beta, bits=bits, node_size=c.get("node_size") or 1,
-                           aggregate=c.get("ps_aggregate") or "vote")
-    ms = c.get("momentum_sync") or {}
+    scheme, opts = scheme_of(cfg["comm"])
+    t = scheme.predict(opts, world, num_params(cfg["model"]), alpha, beta, rows=num_rows(cfg["model"]))
+    ms = cfg["comm"].get("momentum_sync") or {}
     if sync_step and ms.get("every"):
         roles = role_params(cfg["model"])
         layers = ms.get("layers") or []

@@ -1,19 +1,20 @@
 """comm/: packed 1-bit and p-bit collectives, parameter-server baselines, byte/time accounting,
-and the alpha-beta cost model (DESIGN.md "comm/"). Pure torch.distributed; imports nothing of ours.
+and the alpha-beta cost model. Pure torch.distributed; imports nothing of ours.
 
 Every collective takes `group=None` (the default group) and `stats: CommStats | None = None`
 (None books into `default_stats()`), and returns the same tensor on every rank.
 """
 from . import cost_model, packing
-from .allreduce import allreduce_mean, check_lanes, int_allreduce, max_levels
-from .packing import pack_bits, pack_lanes, unpack_bits, unpack_lanes, unpack_signs
+from ._groups import world
+from .allreduce import INT_BITS, allreduce_mean, check_lanes, int_allreduce, max_levels
+from .packing import ceil_div, pack_bits, pack_lanes, unpack_bits, unpack_lanes, unpack_signs
 from .ps import ps_vote
-from .stats import CallRecord, CommStats, default_stats
+from .stats import CallRecord, Clock, CommStats, default_stats
 from .vote import hierarchical_sign_vote, sign_vote_1bit
 
 __all__ = [
-    "allreduce_mean", "check_lanes", "int_allreduce", "max_levels",
-    "pack_bits", "pack_lanes", "unpack_bits", "unpack_lanes", "unpack_signs",
-    "ps_vote", "sign_vote_1bit", "hierarchical_sign_vote",
-    "CallRecord", "CommStats", "default_stats", "cost_model", "packing",
+    "allreduce_mean", "check_lanes", "int_allreduce", "max_levels", "INT_BITS",
+    "pack_bits", "pack_lanes", "unpack_bits", "unpack_lanes", "unpack_signs", "ceil_div",
+    "ps_vote", "sign_vote_1bit", "hierarchical_sign_vote", "world",
+    "CallRecord", "Clock", "CommStats", "default_stats", "cost_model", "packing",
 ]

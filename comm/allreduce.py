@@ -3,7 +3,7 @@
 int_allreduce is Lion Cub's "direct allreduce" (§3, Table 1; App. F.1 for p-bit quantized
 updates): shift q in [-L, L] to [0, 2L], pack into `bits`-wide lanes, SUM-allreduce the bytes.
 The sum of P lanes must stay below 2**bits or it carries into the neighbouring lane; the
-research code overflowed silently past 15 workers at 4 bits (papers/README.md), so here the
+research code overflowed silently past 15 workers at 4 bits, so here the
 rule P * 2L <= 2**bits - 1 is checked before anything is sent.
 """
 from __future__ import annotations
@@ -68,7 +68,7 @@ def int_allreduce(q: torch.Tensor, levels: int, bits: int, group=None,
                   stats: CommStats | None = None) -> torch.Tensor:
     """Exact sum over ranks of integer q[n] in [-levels, levels], as int32[n] on every rank.
 
-    q is int8 per DESIGN.md; other integer dtypes are accepted (bits=16 allows levels > 127).
+    q is int8 (the public contract); other integer dtypes are accepted (bits=16 allows levels > 127).
 
     Wire: uint8 bytes of `bits`-wide lanes for bits in {1, 2, 4, 8} (ceil(n*bits/8) bytes per
     rank), int32 words of two 16-bit lanes for bits=16 (2 bytes per element; neither gloo nor

@@ -1,21 +1,30 @@
 """Alpha-beta cost model of the aggregation schemes (Lion Cub Table 1, Fig. 2) and a calibration.
 
 Every formula returns seconds for P ranks, N elements, b bits per element on the wire, latency
-alpha (s per message) and inverse bandwidth beta (s per bit). Table 1 rows, as printed:
+alpha (s per message) and inverse bandwidth beta (s per bit). With P = 1 nothing moves and every
+cost is 0.
+
+One latency model per collective, whichever row uses it (gloo and NCCL run rings):
+    allreduce        2 (P-1) alpha   (reduce-scatter + all-gather)
+    reduce-scatter     (P-1) alpha
+    all-gather         (P-1) alpha
+    all-to-all         (P-1) alpha
+    point-to-point         1 alpha per message on the critical path
+Lion Cub Table 1 prints 2 log2(P) alpha for the direct allreduce and log2(P) alpha for the
+all-gather of the 1-bit allreduce (tree-style latency); here those rows use the ring latency of
+the collective our implementation calls, so that two rows calling the same collective agree.
+The bandwidth terms are Table 1's:
 
     parameter server, naive      2(P-1) alpha + 2 P N b beta
-    parameter server, efficient  2 log2(P) alpha + 3 (P-1)/P N b beta
-    direct allreduce             2 log2(P) alpha + 2 (P-1)/P N (log2(P)+1) beta
-    1-bit compressed allreduce   (P-1 + log2 P) alpha + (1 + (P-1)/P) N beta
+    parameter server, efficient  2 log2(P) alpha + 3 (P-1)/P N b beta   (tree gather/broadcast)
+    direct allreduce             2(P-1) alpha + 2 (P-1)/P N b beta      (b = lane width; None: log2(P)+1)
+    1-bit compressed allreduce   2(P-1) alpha + (1 + (P-1)/P) N beta    (all-to-all + all-gather)
+    ring allreduce               2(P-1) alpha + 2 (P-1)/P N b beta      (fp32: b = 32, bf16: 16)
 
-`direct_allreduce` takes b = the lane width actually used (int_allreduce's `bits`); b=None gives
-the paper's log2(P)+1. `ring_allreduce` is the fp32 / bf16 gradient allreduce (b = 32 / 16)
-with the bandwidth-optimal 2 (P-1)/P N b beta and a ring's 2 (P-1) alpha. With P = 1 nothing
-moves and every cost is 0.
-
-`ps_naive_packed` / `ps_tree_packed` model our ps_vote implementations (1-bit payloads up,
-1-bit or count-plane payloads back, binary tree without pipelining); `predict` maps each comm/
-mode to its formula.
+`ps_naive_packed` / `ps_tree_packed` model our comm.ps_vote implementations (packed payloads of
+`up` bit planes to the server and `back` planes to the workers, binary tree without
+pipelining). Which formula a communication mode uses, with which b, is declared by the mode's
+entry in the sync-scheme registry (optim.sync): this module knows collectives, not modes.
 
 `calibrate` fits alpha and beta on the live group from a message-size sweep of fp32 allreduce
 (1 KB .. 32 MB by default, min over calls) against ring_allreduce's formula: beta from the slope
@@ -35,6 +44,28 @@ def _log2(P: int) -> float:
     return math.log2(P) if P > 1 else 0.0
 
 
+# ---- primitive collectives (bits on the wire per rank) --------------------------------------------
+def allreduce_time(P: int, bits: float, alpha: float, beta: float) -> float:
+    """Ring allreduce of a `bits`-bit buffer: 2(P-1) alpha + 2 (P-1)/P bits beta."""
+    return 0.0 if P <= 1 else 2 * (P - 1) * alpha + 2 * (P - 1) / P * bits * beta
+
+
+def reduce_scatter_time(P: int, bits: float, alpha: float, beta: float) -> float:
+    """Ring reduce-scatter of a `bits`-bit input: (P-1) alpha + (P-1)/P bits beta."""
+    return 0.0 if P <= 1 else (P - 1) * alpha + (P - 1) / P * bits * beta
+
+
+def all_gather_time(P: int, bits: float, alpha: float, beta: float) -> float:
+    """Ring all-gather into a `bits`-bit output: (P-1) alpha + (P-1)/P bits beta."""
+    return 0.0 if P <= 1 else (P - 1) * alpha + (P - 1) / P * bits * beta
+
+
+def all_to_all_time(P: int, bits: float, alpha: float, beta: float) -> float:
+    """All-to-all of a `bits`-bit buffer (P chunks, one kept): (P-1) alpha + (P-1)/P bits beta."""
+    return 0.0 if P <= 1 else (P - 1) * alpha + (P - 1) / P * bits * beta
+
+
+# ---- Lion Cub Table 1 rows --------------------------------------------------------------------------
 def ps_naive(P: int, N: int, b: float, alpha: float, beta: float) -> float:
     """Parameter server, every worker to/from the server directly (Table 1 row 1)."""
     if P <= 1:
@@ -50,11 +81,10 @@ def ps_efficient(P: int, N: int, b: float, alpha: float, beta: float) -> float:
 
 
 def direct_allreduce(P: int, N: int, b: float | None, alpha: float, beta: float) -> float:
-    """SUM allreduce of b-bit packed lanes (Table 1 row 3; b=None: the paper's log2(P)+1)."""
-    if P <= 1:
-        return 0.0
+    """SUM allreduce of b-bit packed lanes (Table 1 row 3; b=None: the paper's log2(P)+1), with
+    the ring allreduce's latency (the same collective as the gradient allreduce)."""
     bits = _log2(P) + 1 if b is None else b
-    return 2 * _log2(P) * alpha + 2 * (P - 1) / P * N * bits * beta
+    return allreduce_time(P, N * bits, alpha, beta)
 
 
 def onebit_allreduce(P: int, N: int, b: float, alpha: float, beta: float) -> float:
@@ -62,14 +92,12 @@ def onebit_allreduce(P: int, N: int, b: float, alpha: float, beta: float) -> flo
     b is accepted for a uniform signature and ignored (the payload is 1 bit per element)."""
     if P <= 1:
         return 0.0
-    return (P - 1 + _log2(P)) * alpha + (1 + (P - 1) / P) * N * beta
+    return 2 * (P - 1) * alpha + (1 + (P - 1) / P) * N * beta
 
 
 def ring_allreduce(P: int, N: int, b: float, alpha: float, beta: float) -> float:
     """Bandwidth-optimal ring allreduce of N b-bit words (fp32: b=32, bf16: b=16)."""
-    if P <= 1:
-        return 0.0
-    return 2 * (P - 1) * alpha + 2 * (P - 1) / P * N * b * beta
+    return allreduce_time(P, N * b, alpha, beta)
 
 
 def hierarchical_onebit(P: int, N: int, b: float, alpha: float, beta: float,
@@ -79,44 +107,41 @@ def hierarchical_onebit(P: int, N: int, b: float, alpha: float, beta: float,
     if P <= 1:
         return 0.0
     m, k = node_size, P // node_size
-    t = onebit_allreduce(k, N / m, 1, alpha, beta)
-    if m > 1:
-        t += (m - 1) * alpha + (m - 1) / m * N * b * beta  # reduce-scatter
-        t += (m - 1) * alpha + (m - 1) / m * N * beta      # all-gather of packed bits
-    return t
+    return (reduce_scatter_time(m, N * b, alpha, beta) + onebit_allreduce(k, N / m, 1, alpha, beta)
+            + all_gather_time(m, N, alpha, beta))
+
+
+def ps_naive_packed(P: int, N: int, alpha: float, beta: float, up: int = 1, back: int = 1) -> float:
+    """Our ps_vote(topology="naive") on links limited at each rank: the server's ingress carries
+    P-1 payloads of `up` bits per element, then its egress P-1 result payloads of `back` bits
+    (tie-broken vote: 1 and 1; exact eq. 5 sign: 2 and 2; avg: 1 and ceil(log2(P+1))). Table 1's
+    2PNb counts the server's own payload too."""
+    if P <= 1:
+        return 0.0
+    return 2 * (P - 1) * alpha + (P - 1) * N * (up + back) * beta
 
 
 def _planes(c: int) -> int:
     return max(1, int(c).bit_length())  # ceil(log2(c + 1)) bits hold a count in [0, c]
 
 
-def ps_naive_packed(P: int, N: int, alpha: float, beta: float, aggregate: str = "vote") -> float:
-    """Our ps_vote(topology="naive") on links limited at each rank: the server's ingress carries
-    P-1 one-bit payloads, then its egress P-1 result payloads (1 bit for vote, ceil(log2(P+1))
-    for avg). Table 1's 2PNb counts the server's own payload too."""
-    if P <= 1:
-        return 0.0
-    back = 1 if aggregate == "vote" else _planes(P)
-    return 2 * (P - 1) * alpha + (P - 1) * N * (1 + back) * beta
-
-
-def ps_tree_packed(P: int, N: int, alpha: float, beta: float, aggregate: str = "vote") -> float:
+def ps_tree_packed(P: int, N: int, alpha: float, beta: float, unit: int = 1, back: int = 1) -> float:
     """Our ps_vote(topology="tree"): heap-ordered binary tree; a parent receives its children's
-    partial counts (ceil(log2(s+1)) planes for a subtree of s ranks) concurrently on its ingress
-    after the slower child finished, then the result flows down with each parent sending to its
-    children concurrently on its egress. Critical path in the alpha-beta model."""
+    partial sums (ceil(log2(unit*s+1)) planes for a subtree of s ranks, `unit` the largest value
+    one rank sends) concurrently on its ingress after the slower child finished, then the result
+    (`back` planes) flows down with each parent sending to its children concurrently on its
+    egress. Critical path in the alpha-beta model."""
     if P <= 1:
         return 0.0
-    back = 1 if aggregate == "vote" else _planes(P)
 
     def size(r: int) -> int:
         return 0 if r >= P else 1 + size(2 * r + 1) + size(2 * r + 2)
 
-    def up(r: int) -> float:  # time until r holds its subtree's count
+    def up(r: int) -> float:  # time until r holds its subtree's sum
         kids = [c for c in (2 * r + 1, 2 * r + 2) if c < P]
         if not kids:
             return 0.0
-        return max(up(c) for c in kids) + alpha + sum(_planes(size(c)) for c in kids) * N * beta
+        return max(up(c) for c in kids) + alpha + sum(_planes(unit * size(c)) for c in kids) * N * beta
 
     def down(r: int) -> float:  # time from r holding the result until its whole subtree has it
         kids = [c for c in (2 * r + 1, 2 * r + 2) if c < P]
@@ -134,33 +159,6 @@ TABLE1: dict[str, Callable[..., float]] = {
     "onebit_allreduce": onebit_allreduce,
     "ring_allreduce": ring_allreduce,
 }
-
-
-def predict(mode: str, P: int, N: int, alpha: float, beta: float, bits: int | None = None,
-            node_size: int = 1, aggregate: str = "vote") -> float:
-    """Predicted seconds for one call of a comm/ mode.
-
-    mode: fp32 | bf16 (allreduce_mean: ring_allreduce), int_allreduce (direct_allreduce with
-    b = lane width `bits`, default 4), sign_vote_1bit (onebit_allreduce), ps_naive / ps_tree
-    (ps_vote with `aggregate`: the packed-payload models of our implementation above, since
-    Table 1's parameter-server rows assume b-bit words and a perfectly pipelined tree),
-    hierarchical (hierarchical_onebit with `node_size`)."""
-    if mode == "fp32":
-        return ring_allreduce(P, N, 32, alpha, beta)
-    if mode == "bf16":
-        return ring_allreduce(P, N, 16, alpha, beta)
-    if mode == "int_allreduce":
-        return direct_allreduce(P, N, 4 if bits is None else bits, alpha, beta)
-    if mode == "sign_vote_1bit":
-        return onebit_allreduce(P, N, 1, alpha, beta)
-    if mode == "ps_naive":
-        return ps_naive_packed(P, N, alpha, beta, aggregate)
-    if mode == "ps_tree":
-        return ps_tree_packed(P, N, alpha, beta, aggregate)
-    if mode == "hierarchical":
-        return hierarchical_onebit(P, N, 32, alpha, beta, node_size)
-    raise ValueError(f"predict: unknown mode {mode!r}; valid: fp32, bf16, int_allreduce, "
-                     f"sign_vote_1bit, ps_naive, ps_tree, hierarchical")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -334,7 +332,7 @@ def calibrate(group=None, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 5
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Calibrate on the live group and print the fit, measured vs model per size, and the Table 1
-    predictions for N = 25M at the calibrated alpha, beta; --check-n N also times an fp32 allreduce
+    rows for N = 25M at the calibrated alpha, beta; --check-n N also times an fp32 allreduce
     of N elements (min over --check-repeats calls) against the model.
 
         torchrun --standalone --nproc_per_node=4 -m comm.cost_model
@@ -357,12 +355,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if dist.get_rank() == 0:
         print(f"  calibration took {time.perf_counter() - t0:.1f} s")
         N = 25_000_000
-        for mode in ("fp32", "bf16", "int_allreduce", "sign_vote_1bit", "ps_naive", "ps_tree"):
-            print(f"  predict {mode:15s} N={N}: {predict(mode, P, N, alpha, beta) * 1e3:9.2f} ms")
+        for name, f in TABLE1.items():
+            print(f"  {name:17s} N={N} b=32: {f(P, N, 32, alpha, beta) * 1e3:9.2f} ms")
     if args.check_n > 0:
         (t,) = measure_allreduce_seconds([4 * args.check_n], args.check_repeats, stat=args.stat)
         if dist.get_rank() == 0:
-            model = predict("fp32", P, args.check_n, alpha, beta)
+            model = ring_allreduce(P, args.check_n, 32, alpha, beta)
             print(f"  check fp32 allreduce N={args.check_n}: measured {t * 1e3:.2f} ms ({args.stat} of "
                   f"{_repeats_for(4 * args.check_n, args.check_repeats)}), model {model * 1e3:.2f} ms, "
                   f"model/measured {model / t:.3f}")

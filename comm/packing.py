@@ -1,6 +1,6 @@
 """Bit packing for the wire: 1-bit signs and 1/2/4/8-bit integer lanes in uint8 bytes.
 
-Layout (DESIGN.md "comm/"): bit i of byte j holds b[8j+i] (little-endian within a byte); for
+Layout (docs/architecture.md, "Wire formats"): bit i of byte j holds b[8j+i] (little-endian within a byte); for
 `bits`-wide lanes, lane i of byte j holds v[j*(8/bits)+i] in bits [i*bits, (i+1)*bits). A SUM
 allreduce of packed bytes is exact while every lane sum stays < 2**bits (Lion Cub App. F.1).
 
@@ -27,7 +27,8 @@ _MAGIC_1BIT = 0x0102040810204080
 _LUTS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
-def _ceil_div(a: int, b: int) -> int:
+def ceil_div(a: int, b: int) -> int:
+    """ceil(a / b) for non-negative ints, without floats (the project's one ceil-div)."""
     return -(-a // b)
 
 
@@ -52,7 +53,7 @@ def _padded_u8(v: torch.Tensor, multiple: int) -> torch.Tensor:
     if v.dtype == torch.bool:
         v = v.view(torch.uint8)
     n = v.numel()
-    m = _ceil_div(n, multiple) * multiple
+    m = ceil_div(n, multiple) * multiple
     if m == n and v.is_contiguous() and v.storage_offset() % multiple == 0:
         return v
     out = torch.zeros(m, dtype=torch.uint8, device=v.device)
@@ -74,7 +75,7 @@ def _block(t: torch.Tensor) -> int:
     L2 and are reused instead of freshly allocated and page-faulted. One block on GPUs."""
     if t.device.type == "cpu":
         return CPU_BLOCK
-    return _ceil_div(max(8, t.numel()), 8) * 8
+    return ceil_div(max(8, t.numel()), 8) * 8
 
 
 def pack_positive(x: torch.Tensor, include_zero: bool, length: int | None = None) -> torch.Tensor:
@@ -82,7 +83,7 @@ def pack_positive(x: torch.Tensor, include_zero: bool, length: int | None = None
     of 8, default ceil(n/8)*8): the sign-to-bits step of the 1-bit collectives, fused blockwise."""
     x = x.reshape(-1)
     n = x.numel()
-    length = _ceil_div(n, 8) * 8 if length is None else length
+    length = ceil_div(n, 8) * 8 if length is None else length
     if length % 8 or length < n:
         raise ValueError(f"pack_positive: length={length} must be a multiple of 8 and >= n={n}")
     out = torch.empty(length // 8, dtype=torch.uint8, device=x.device)
@@ -132,7 +133,7 @@ def _unpack_1bit(packed: torch.Tensor, n: int, name: str, dtype: torch.dtype, si
         raise TypeError(f"{name} expects uint8 bytes, got {packed.dtype}")
     if n < 0 or packed.numel() * 8 < n:
         raise ValueError(f"{name}: {packed.numel()} bytes cannot hold n={n} bits")
-    flat = packed.reshape(-1)[:_ceil_div(n, 8)]
+    flat = packed.reshape(-1)[:ceil_div(n, 8)]
     out = torch.empty(flat.numel() * 8, dtype=dtype, device=flat.device)
     _lookup(_lut(1, flat.device, signs=signs), flat, out.view(torch.int64))
     return out[:n]
@@ -193,7 +194,7 @@ def unpack_lanes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     per = 8 // bits
     if n < 0 or packed.numel() * per < n:
         raise ValueError(f"unpack_lanes: {packed.numel()} bytes cannot hold n={n} {bits}-bit lanes")
-    flat = packed.reshape(-1)[:_ceil_div(n, per)]
+    flat = packed.reshape(-1)[:ceil_div(n, per)]
     if bits == 8:
         return flat.clone()
     table = _lut(bits, flat.device)

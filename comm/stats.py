@@ -1,6 +1,6 @@
 """Byte and time accounting for every collective in comm/ (CommStats).
 
-Counting rule (DESIGN.md "comm/"): bytes are the payload of the tensors handed to collectives,
+Counting rule (docs/architecture.md, "Byte accounting"): bytes are the payload of the tensors handed to collectives,
 per rank: `bytes_sent` = size of the tensors this rank passes in (input / send buffers),
 `bytes_recv` = size of the tensors it gets filled (output / receive buffers). A rank that only
 receives in a rooted collective (broadcast, the non-root side of scatter) sends 0, and a world of
@@ -36,6 +36,19 @@ class CallRecord:
 def _sync(device: torch.device | None) -> None:
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class Clock:
+    """The project's one wall clock for timing phases (trainer sections, optimizer phases,
+    collectives). On CUDA `now()` synchronises the device first, so asynchronous kernels are
+    charged to the phase that launched them; on CPU it is a plain perf_counter read."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device if device is not None and device.type == "cuda" else None
+
+    def now(self) -> float:
+        _sync(self.device)
+        return time.perf_counter()
 
 
 def _zero() -> dict:
@@ -96,13 +109,12 @@ class CommStats:
         """Book the body's wall time as pack/quantize seconds (for callers outside comm/, e.g.
         the optimizer's quantizer). Pass `device` for CUDA work so the timer waits for it."""
         rec = CallRecord("pack")
-        _sync(device)
-        t0 = time.perf_counter()
+        clock = Clock(device)
+        t0 = clock.now()
         try:
             yield
         finally:
-            _sync(device)
-            rec.pack_s = time.perf_counter() - t0
+            rec.pack_s = clock.now() - t0
             self._add(rec, count_call=False)
 
 
@@ -111,17 +123,15 @@ class CallTimer:
 
     def __init__(self, record: CallRecord, device: torch.device | None) -> None:
         self.record = record
-        self.device = device
+        self.clock = Clock(device)
 
     @contextlib.contextmanager
     def _timed(self, field: str) -> Iterator[None]:
-        _sync(self.device)
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         try:
             yield
         finally:
-            _sync(self.device)
-            setattr(self.record, field, getattr(self.record, field) + time.perf_counter() - t0)
+            setattr(self.record, field, getattr(self.record, field) + self.clock.now() - t0)
 
     def pack(self) -> contextlib.AbstractContextManager[None]:
         """Time packing/unpacking/quantizing work as pack seconds."""

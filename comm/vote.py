@@ -1,9 +1,9 @@
 """Majority votes over 1-bit signs: the 1-bit compressed allreduce and its hierarchical form.
 
-Tie break (Lion Cub App. B.1, DESIGN.md): tb(x, step) = +1 for x > 0, -1 for x < 0, and for
+Tie break (Lion Cub App. B.1): tb(x, step) = +1 for x > 0, -1 for x < 0, and for
 x == 0 +1 when `step` is odd, -1 when even. As a flag (1 = "+1"): x >= 0 on odd steps, x > 0 on
 even steps. The majority of P signs is tb(2 * count_plus - P, step) in exact integer arithmetic
-(papers/README.md: the research code's threshold is off by one for odd P); `majority_flags`
+(a threshold written as count > P/2 is off by one for odd P, as in Lion Cub's public research code); `majority_flags`
 evaluates it as an equivalent integer threshold on the count.
 """
 from __future__ import annotations
@@ -12,16 +12,12 @@ import torch
 import torch.distributed as dist
 
 from ._groups import device_of, node_groups, resolve_node_size, world
-from .packing import _lookup, _lut, _pack_flags, pack_positive, unpack_signs
+from .packing import _lookup, _lut, _pack_flags, ceil_div, pack_positive, unpack_signs
 from .stats import CallTimer, CommStats, default_stats
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor; keep older torch working
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _ceil_to(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 def tb_flags(x: torch.Tensor, step: int, length: int | None = None) -> torch.Tensor:
@@ -79,7 +75,7 @@ def sign_vote_1bit(x: torch.Tensor, step: int, group=None,
         if P == 1:
             with timer.pack():
                 return (tb_flags(x, step).view(torch.int8) * 2 - 1)
-        npad = _ceil_to(n, 8 * P)
+        npad = ceil_div(n, 8 * P) * 8 * P
         with timer.pack():
             packed = tb_packed(x, step, npad)
         packed = _vote_packed(packed, step, group, timer)
@@ -130,7 +126,7 @@ def hierarchical_sign_vote(x: torch.Tensor, step: int, node_size: int | None = N
     xs = x.reshape(-1)
     with stats.call("hierarchical_sign_vote", device_of(x)) as timer:
         intra, inter = node_groups(group, m) if P > 1 else (None, None)
-        npad = _ceil_to(n, 8 * P)
+        npad = ceil_div(n, 8 * P) * 8 * P
         acc = torch.float64 if x.dtype == torch.float64 else (
             torch.float32 if x.is_floating_point() else torch.int32)
         if m > 1:

@@ -1,6 +1,6 @@
 """Bandwidth simulator: run N ranks on one machine, one network namespace each, behind real rate limits.
 
-Topology (DESIGN.md "Measuring communication on one machine"): a switch namespace holds a Linux
+Topology (docs/architecture.md, "Measuring communication on one machine"): a switch namespace holds a Linux
 bridge; every rank namespace is joined to it by a veth pair, and both ends of every pair get a
 token-bucket filter `tc qdisc ... root tbf rate R burst B latency 100ms`, so a rank's upload (its own
 end) and its download (the switch's end) are each limited to R, as on a switched Ethernet with one
@@ -47,8 +47,8 @@ from typing import IO, Sequence
 SUBNET = "10.213.0"                  # /24 used only inside namespaces we create
 NS_PREFIX = "lcnet"                  # every namespace we make is named lcnet<pid>_<tag>_...
 BRIDGE = "nsbr0"
-TBF_LATENCY = "100ms"                # max queueing delay tbf allows before dropping (DESIGN.md recipe)
-MIN_BURST_BYTES = 64 * 1024          # 64kb is enough at 100mbit (DESIGN.md)
+TBF_LATENCY = "100ms"                # max queueing delay tbf allows before dropping
+MIN_BURST_BYTES = 64 * 1024          # 64kb is enough at 100mbit
 TIMEOUT_RC = 124                     # exit code reported for a rank killed by the timeout
 
 _UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
@@ -97,7 +97,7 @@ def parse_bytes(size: str | int) -> int:
 def default_burst(rate_bps: float) -> int:
     """Bucket size for rate R: about 1 ms worth of bytes rounded up to a power-of-two KiB, >= 64 KiB.
 
-    This gives the DESIGN.md sizes (128kb at 1gbit, 64kb at 100mbit) and scales with the rate; a
+    This gives the sizes (128kb at 1gbit, 64kb at 100mbit) and scales with the rate; a
     bucket much smaller than 1 ms of traffic starves tbf at high rates (one timer tick per refill).
     """
     kib = max(1, math.ceil(rate_bps / 8 / 1000 / 1024))

@@ -232,3 +232,13 @@ def param_roles(model: nn.Module) -> dict[str, str]:
             raise ValueError(f"parameter {name} has no role; extend model.param_roles")
         roles[name] = role
     return roles
+
+
+def param_layers(model: nn.Module) -> dict[str, str]:
+    """Map each parameter name to its transformer block, "block.<i>", or "" outside the blocks
+    (embedding, head, final norm), for per-layer diagnostics (Lion Cub Fig. 6, 17)."""
+    out = {}
+    for name, _ in model.named_parameters():
+        parts = name.split(".")
+        out[name] = f"block.{parts[2]}" if parts[:2] == ["transformer", "h"] and len(parts) > 2 else ""
+    return out

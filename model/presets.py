@@ -28,3 +28,17 @@ def get_preset(name: str, **overrides) -> GPTConfig:
     fields["mlp_hidden"] = 0 if "n_embd" in overrides else fields["mlp_hidden"]
     fields.update(overrides)
     return GPTConfig(**fields)
+
+
+def resolve_config(section: dict, vocab_size: int | None = None) -> GPTConfig:
+    """The GPTConfig a run config's `model:` section describes: {preset, tie_embeddings (null =
+    the preset's), pos_emb, block_size (0 = the preset's)}; `vocab_size`, when given, replaces
+    the preset's, padded up to a multiple of 64 (GPT-2's 50257 -> 50304) for fast matmuls."""
+    overrides: dict = {"pos_emb": section.get("pos_emb", "rope")}
+    if section.get("tie_embeddings") is not None:
+        overrides["tie_embeddings"] = section["tie_embeddings"]
+    if section.get("block_size"):
+        overrides["block_size"] = section["block_size"]
+    if vocab_size:
+        overrides["vocab_size"] = -(-int(vocab_size) // 64) * 64
+    return get_preset(section["preset"], **overrides)

@@ -1,29 +1,39 @@
-"""Diagnostics of update-sync Lion against exact (global) Lion, computed on demand.
+"""Diagnostics of update-sync optimizers against exact (global) Lion, computed on demand.
 
-All keys are fractions in [0, 1] (not percent), overall and per role ("diag/<name>/<role>"):
-- diag/sign_match: sign(applied update) == sign(mean_i c_i), exact Lion's direction; both 0 counts
-  as a match (Lion Cub Fig. 4).
-- diag/sign_flip: the two signs are opposite; elements that either side maps to 0 are excluded
-  from the numerator (not a flip), the denominator is all elements (Fig. 4).
-- diag/tie_rate: fraction of elements whose sum over ranks of sign(c_i) is 0 (Table 3).
-- diag/vote_table/exact_<e>_vote_<v>, e, v in {pos, zero, neg}: the 3x3 table of exact Lion's sign
-  against the plain majority vote sign(sum_i sign(c_i)); the nine entries sum to 1.
-- diag/momentum_spread: max over elements of the std across ranks (population, ddof 0) of the
-  momentum, from allreduced means of m and m^2 in fp64 (Lion Cub Fig. 6, 17); identical momenta
-  give exactly 0.
-Histograms (Fig. 3): `c_local/<role>` holds up to 8192 evenly strided values of this rank's c_local
-(fp32, CPU), for wandb.Histogram. Collectives go to `stats` (the optimizer's diag_stats) so the
-trainer can book their bytes apart from the step's.
+All values are fractions in [0, 1] (not percent). Each metric is reported overall
+("diag/<metric>"), per role ("diag/<metric>/<role>": embedding, head, attn, mlp, norm; embedding
+and head apart whenever they are untied), per parameter tensor ("diag/<metric>/tensor/<name>") and
+per transformer block ("diag/<metric>/block/<i>"), so Lion Cub Fig. 6 / 17 can be drawn per layer.
+
+- sign_match: sign(applied update) == sign(mean_i c_i), exact Lion's direction; both 0 counts as
+  a match (Lion Cub Fig. 4).
+- sign_flip: the two signs are opposite (+1 vs -1). Denominator: ALL elements of the tensor /
+  role / model, including those either side maps to 0 (which are never counted as flips). Lion Cub
+  Fig. 4's "excludes elements mapped to 0" is about the numerator; dividing by all elements makes
+  sign_match + sign_flip + (elements where exactly one side is 0) = 1.
+- tie_rate: fraction of elements whose sum over ranks of sign(c_i) is 0 (Table 3).
+- vote_table/exact_<e>_vote_<v>, e, v in {neg, zero, pos} (overall only): the 3x3 table of exact
+  Lion's sign against the plain majority vote sign(sum_i sign(c_i)); the nine entries sum to 1.
+- momentum_spread: max over elements of the std across ranks (population, ddof 0) of the
+  momentum, from allreduced sums of m and m^2 in fp64 (Lion Cub Fig. 6, 17); identical momenta
+  give exactly 0. The optimizer base measures it after the step's momentum update and BEFORE a
+  momentum sync of the same step; on a sync step it also reports
+  "diag/momentum_spread_after_sync/..." (0 for the synced layers).
+Histograms (Fig. 3): `c_local/<role>` holds up to 8192 evenly strided values of this rank's
+c_local (fp32, CPU). Collectives are booked in the `stats` passed in (the optimizer's "diag"
+phase), apart from the step's communication.
 """
 from __future__ import annotations
 
 import math
+from typing import Any, Sequence
 
 import torch
 
 import comm
 
 HIST_SAMPLES = 8192
+NAMES = ("neg", "zero", "pos")
 
 
 def _sum_fp64(buf: torch.Tensor, world_size: int, group, stats: "comm.CommStats") -> torch.Tensor:
@@ -38,12 +48,30 @@ def _sum_fp64(buf: torch.Tensor, world_size: int, group, stats: "comm.CommStats"
     return buf
 
 
+def _block_key(layer: str) -> str | None:
+    """'block.3' -> 'block/3'; entries outside the transformer blocks have no block key."""
+    return "block/" + layer.split(".", 1)[1] if layer.startswith("block.") else None
+
+
+def _aggregate(per_entry: list[Any], entries: Sequence, combine) -> list[tuple[str, Any]]:
+    """(suffix, combined value) overall, per role, per block and per tensor."""
+    groups: dict[str, list] = {"": []}
+    for e, v in zip(entries, per_entry):
+        groups[""].append(v)
+        groups.setdefault("/" + e.role, []).append(v)
+        bk = _block_key(e.layer)
+        if bk:
+            groups.setdefault("/" + bk, []).append(v)
+    out = [(k, combine(vs)) for k, vs in groups.items() if vs]
+    out += [("/tensor/" + e.name, v) for e, v in zip(entries, per_entry)]
+    return out
+
+
 @torch.no_grad()
-def update_sync_diagnostics(c_flat: torch.Tensor, update: torch.Tensor, momenta: list[torch.Tensor],
-                            role_ranges: dict[str, tuple[int, int]], *, world_size: int, group=None,
-                            stats: "comm.CommStats | None" = None) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-    """Compare the applied `update` with exact Lion; `momenta` in the same order as the flat layout."""
-    out: dict[str, float] = {}
+def vote_diagnostics(c_flat: torch.Tensor, update: torch.Tensor, layout, *, world_size: int, group=None,
+                     stats: "comm.CommStats | None" = None) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """Compare the applied `update` (flat, role order) with exact Lion and the plain vote."""
+    stats = comm.CommStats() if stats is None else stats
     exact = torch.sign(comm.allreduce_mean(c_flat.to(torch.float32), wire_dtype=torch.float32, group=group,
                                            stats=stats)).to(torch.int8)
     applied = torch.sign(update).to(torch.int8)
@@ -51,37 +79,52 @@ def update_sync_diagnostics(c_flat: torch.Tensor, update: torch.Tensor, momenta:
     bits = 8 if 2 * world_size <= 255 else 16
     vote = torch.sign(comm.int_allreduce(torch.sign(c_flat).to(torch.int8), 1, bits, group=group,
                                          stats=stats)).to(torch.int8)
-    # one pass per role: code = 9 (exact + 1) + 3 (applied + 1) + (vote + 1) in 0..26, counted by
-    # bincount (uint8 bincount is ~10x faster than summing boolean masks)
+    # code = 9 (exact + 1) + 3 (applied + 1) + (vote + 1) in 0..26, counted per tensor by bincount
+    # (uint8 bincount is ~10x faster than summing boolean masks)
     code = (exact + 1).mul_(9).add_((applied + 1).mul_(3)).add_(vote + 1).view(torch.uint8)
-    hists_by_role = {role: torch.bincount(code[a:b], minlength=27).view(3, 3, 3).to(torch.float64)
-                     for role, (a, b) in role_ranges.items()}
-    names = ("neg", "zero", "pos")
-    for role, h in [("", sum(hists_by_role.values()))] + [("/" + r, h) for r, h in hists_by_role.items()]:
+    entries = layout.entries
+    hists = torch.stack([torch.bincount(code[e.offset:e.offset + e.numel], minlength=27)
+                         for e in entries]).to(torch.float64).view(-1, 3, 3, 3).cpu()
+    out: dict[str, float] = {}
+    for suffix, h in _aggregate(list(hists), entries, lambda hs: sum(hs)):
         total = float(h.sum()) or 1.0
-        out["diag/sign_match" + role] = float(h.diagonal(dim1=0, dim2=1).sum()) / total  # exact == applied
-        out["diag/sign_flip" + role] = float(h[0, 2].sum() + h[2, 0].sum()) / total       # opposite signs
-        out["diag/tie_rate" + role] = float(h[:, :, 1].sum()) / total                     # sum of signs == 0
-        if role == "":
+        out["diag/sign_match" + suffix] = float(h.diagonal(dim1=0, dim2=1).sum()) / total  # exact == applied
+        out["diag/sign_flip" + suffix] = float(h[0, 2].sum() + h[2, 0].sum()) / total       # opposite signs
+        out["diag/tie_rate" + suffix] = float(h[:, :, 1].sum()) / total                     # sum of signs == 0
+        if suffix == "":
             table = h.sum(dim=1)  # (exact, vote)
             for e in range(3):
                 for v in range(3):
-                    out[f"diag/vote_table/exact_{names[e]}_vote_{names[v]}"] = float(table[e, v]) / total
+                    out[f"diag/vote_table/exact_{NAMES[e]}_vote_{NAMES[v]}"] = float(table[e, v]) / total
+    histograms = {}
+    for role, (a, b) in layout.role_ranges.items():
+        seg = c_flat[a:b]
+        stride = max(1, -(-seg.numel() // HIST_SAMPLES))
+        histograms[f"c_local/{role}"] = seg[::stride].detach().to(torch.float32).cpu()
+    return out, histograms
 
-    n = c_flat.numel()
-    buf = torch.empty(2 * n, dtype=torch.float64, device=c_flat.device)
-    torch.cat([x.reshape(-1) for x in momenta], out=buf[:n])
+
+@torch.no_grad()
+def momentum_spread(momenta: list[tuple[Any, torch.Tensor]], *, world_size: int, group=None,
+                    stats: "comm.CommStats | None" = None, prefix: str = "diag/momentum_spread") -> dict[str, float]:
+    """Max over elements of the std across ranks of the momentum, overall, per role, per block and
+    per tensor. `momenta` are (layout entry, momentum tensor) pairs; every rank passes the same
+    entries in the same order (one fp64 SUM allreduce of [m, m^2])."""
+    stats = comm.CommStats() if stats is None else stats
+    if not momenta:
+        return {}
+    n = sum(m.numel() for _, m in momenta)
+    buf = torch.empty(2 * n, dtype=torch.float64, device=momenta[0][1].device)
+    torch.cat([m.reshape(-1) for _, m in momenta], out=buf[:n])
     torch.mul(buf[:n], buf[:n], out=buf[n:])
     moments = _sum_fp64(buf, world_size, group, stats).div_(world_size)
     mean, var = moments[:n], moments[n:]
     var.sub_(mean * mean).clamp_min_(0)  # E[m^2] - E[m]^2; the max of sqrt is sqrt of the max
-    out["diag/momentum_spread"] = math.sqrt(float(var.max())) if n else 0.0
-    for role, (a, b) in role_ranges.items():
-        out[f"diag/momentum_spread/{role}"] = math.sqrt(float(var[a:b].max())) if b > a else 0.0
-
-    hists = {}
-    for role, (a, b) in role_ranges.items():
-        seg = c_flat[a:b]
-        stride = max(1, -(-seg.numel() // HIST_SAMPLES))
-        hists[f"c_local/{role}"] = seg[::stride].detach().to(torch.float32).cpu()
-    return out, hists
+    maxima, off = [], 0
+    for _, m in momenta:
+        k = m.numel()
+        maxima.append(var[off:off + k].max() if k else var.new_zeros(()))
+        off += k
+    per_entry = torch.stack(maxima).cpu().tolist()
+    return {prefix + suffix: math.sqrt(v) for suffix, v in
+            _aggregate(per_entry, [e for e, _ in momenta], max)}

@@ -1,6 +1,6 @@
 """Lion (Chen et al., "Symbolic Discovery of Optimization Algorithms") with foreach kernels.
 
-Per step, for every parameter with a gradient (DESIGN.md "optim/"):
+Per step, for every trainable parameter:
     p *= 1 - lr * wd                       (decoupled weight decay)
     p -= lr * sign(b1 * m + (1 - b1) * g)  (the update direction c, Lion Cub Alg. 1 line 3)
     m  = b2 * m + (1 - b2) * g
@@ -10,12 +10,15 @@ trainer's group["lr"] = schedule_lr * group["lr_mult"]) take effect immediately.
 The three kernels below are shared with the update-sync optimizer (optim/lioncub.py) so that at
 world size 1 it reproduces this class bit for bit wherever c != 0; where c == 0 exactly, a 1-bit
 vote's tie break moves the element by +-lr (Lion's sign gives 0) unless mask_zero_updates is on.
+Gradient sync and clipping happen in the base (optim/base.py) before `_update`.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
+
+from .base import CommOptimizer
 
 
 def lion_direction(exp_avgs: list[torch.Tensor], grads: list[torch.Tensor], beta1: float,
@@ -43,34 +46,27 @@ def momentum_update_(exp_avgs: list[torch.Tensor], grads: list[torch.Tensor], be
     torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta2)
 
 
-class Lion(torch.optim.Optimizer):
-    """Single-process (or gradient-synchronised) Lion; `sync_kind = "gradient"`."""
-
-    sync_kind = "gradient"
+class Lion(CommOptimizer):
+    """Lion on one shared state (gradient sync, or one process): every rank averages its gradient
+    through the scheme (fp32 / bf16 allreduce), then takes the same step."""
 
     def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
-                 weight_decay: float = 0.0) -> None:
+                 weight_decay: float = 0.0, **comm_kwargs) -> None:
         if not lr >= 0.0:
             raise ValueError(f"Lion: lr={lr}; need lr >= 0")
         if not (0.0 <= betas[0] <= 1.0 and 0.0 <= betas[1] <= 1.0):
             raise ValueError(f"Lion: betas={betas}; both must lie in [0, 1] (the papers use (0.9, 0.99))")
         if not weight_decay >= 0.0:
             raise ValueError(f"Lion: weight_decay={weight_decay}; need >= 0")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
-        self.diagnose_next_step = False
-        self.last_diagnostics: dict[str, float] = {}  # momenta are identical across ranks by construction
-        self.last_histograms: dict[str, torch.Tensor] = {}
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), **comm_kwargs)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
+    def momentum_of(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        return self.state[p].get("exp_avg")
+
+    def _update(self, step: int) -> None:
+        for gi, ks in self.layout.per_group.items():
+            group = self.param_groups[gi]
+            params = self.layout.params(ks)
             grads = [p.grad for p in params]
             exp_avgs = []
             for p in params:
@@ -83,5 +79,3 @@ class Lion(torch.optim.Optimizer):
             torch._foreach_sign_(updates)
             apply_update_(params, updates, float(group["lr"]), float(group["weight_decay"]))
             momentum_update_(exp_avgs, grads, beta2)
-        self.diagnose_next_step = False
-        return loss

@@ -1,4 +1,4 @@
-"""Lp quantization of Lion update vectors and the level rule of the p-bit allreduce.
+"""Lp quantization of Lion update vectors (Lion Cub §4.2, eq. 1).
 
 Lion Cub §4.2, eq. (1):  Q_p(x)_i = clamp(round(L / (clip * M_p(x)) * x_i), -L, L),
 M_p(x) = (mean_j |x_j|^p)^(1/p), with L = 2^(n-1) - 1 levels and clip = 2 in the paper.
@@ -6,9 +6,8 @@ Limits of M_p: p = inf -> max|x| (the classic Q_inf of §2), p = 0 -> the geomet
 nonzero |x_j| (the limit of the power mean; zeros are left out because one zero would make the
 geometric mean 0 and zero out the whole tensor). M_p(x) = 0 (x == 0) -> all zeros.
 
-`levels_for` is the lane rule of the p-bit allreduce (Lion Cub §3, App. F.1): every rank sends
-q + L in [0, 2L] and the SUM over P ranks must fit a `bits`-wide lane, so P * 2L <= 2^bits - 1.
-L == 0 means "signs only": ranks send 0/1 for -1/+1 and P <= 2^bits - 1 must hold.
+The lane rule that picks L for the p-bit allreduce (P * 2L <= 2^bits - 1) is
+optim.sync.effective_levels.
 """
 from __future__ import annotations
 
@@ -16,10 +15,7 @@ import math
 
 import torch
 
-from comm import max_levels
-
 ROUNDINGS = ("nearest", "stochastic")
-LANE_BITS = (1, 2, 4, 8, 16)
 MAX_LEVELS = 127  # quantized votes travel as int8 (comm.int_allreduce takes int8[n])
 
 
@@ -73,22 +69,3 @@ def lp_quantize(x: torch.Tensor, levels: int, p: float, clip: float = 2.0, round
         u = torch.rand(y.shape, generator=generator, device=y.device, dtype=y.dtype)
         y = low + (u < (y - low)).to(y.dtype)
     return y.clamp_(-levels, levels).to(torch.int8)
-
-
-def levels_for(bits: int, world_size: int) -> int:
-    """Largest L with world_size * 2L <= 2**bits - 1 (capped at the int8 range, 127).
-
-    0 means the lane only fits the 0/1 sign encoding (Lion Cub 4-bit with 8 workers: "workers only
-    send 1/-1 values"). Raises ValueError when not even signs fit (world_size > 2**bits - 1).
-    """
-    if bits not in LANE_BITS:
-        raise ValueError(f"bits={bits!r}; the p-bit allreduce supports lane widths {LANE_BITS}")
-    if world_size < 1:
-        raise ValueError(f"world_size={world_size}; need >= 1")
-    cap = 2 ** bits - 1
-    if world_size > cap:
-        wider = [b for b in LANE_BITS if 2 ** b - 1 >= world_size]
-        hint = f"comm.bits={wider[0]} (e.g. lioncub_8bit_l1 for up to 255 ranks) or " if wider else ""
-        raise ValueError(f"comm.bits={bits} cannot hold the vote of {world_size} ranks: a {bits}-bit lane "
-                         f"sums to at most {cap}, even for 0/1 signs. Use {hint}comm.mode=onebit.")
-    return min(max_levels(world_size, bits), MAX_LEVELS)

@@ -15,7 +15,7 @@ LENGTHS = [0, 1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 63, 64, 65, 1001]
 
 
 def reference_pack(v: torch.Tensor, bits: int) -> list[int]:
-    """Byte-by-byte packing written from the DESIGN.md layout with plain Python ints."""
+    """Byte-by-byte packing written from the documented layout with plain Python ints."""
     per = 8 // bits
     vals = [int(a) for a in v]
     out = []

@@ -42,7 +42,7 @@ def test_parse_rate_and_burst() -> None:
     assert netsim.parse_rate("unlimited") is None
     with pytest.raises(ValueError, match="1gbit"):
         netsim.parse_rate("1GB/s")
-    # DESIGN.md: burst >= 128kb at 1gbit and 64kb at 100mbit, growing with the rate.
+    # the recipe: burst >= 128kb at 1gbit and 64kb at 100mbit, growing with the rate.
     assert netsim.default_burst(1e9) == 128 * 1024
     assert netsim.default_burst(1e8) == 64 * 1024
     assert netsim.default_burst(1e10) >= 1e10 / 8 * 1e-3

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import optim
-from optim.quantize import levels_for, lp_quantize
+from optim import sync
+from optim.quantize import lp_quantize
 
 P_VALUES = [0.0, 0.5, 1.0, 2.0, math.inf, 3.0]
 
@@ -90,21 +91,21 @@ def test_lp_quantize_rejects_bad_arguments():
 
 
 def test_levels_rule():
-    # largest L with P * 2L <= 2**bits - 1
+    # largest L with P * 2L <= 2**bits - 1 (capped at 127); where not even signs fit the options say so
     for bits in (1, 2, 4, 8, 16):
         for P in range(1, 40):
+            opts = sync.get("pbit").options(bits=bits, quantizer="sign")
             if P > 2 ** bits - 1:
-                with pytest.raises(ValueError, match=f"comm.bits={bits}"):
-                    levels_for(bits, P)
+                assert any(f"comm.bits: {bits}-bit sign lanes hold at most" in q for q in opts.problems(P))
                 continue
-            L = levels_for(bits, P)
+            assert opts.problems(P) == []
+            L = sync.effective_levels(bits, P)
             assert L == min(127, max(l for l in range(0, 200) if P * 2 * l <= 2 ** bits - 1)), (bits, P)
-    assert levels_for(4, 8) == 0   # Lion Cub 4-bit with 8 workers: signs only
-    assert levels_for(8, 8) == 15
-    with pytest.raises(ValueError, match="comm.bits=8"):
-        levels_for(4, 16)
-    with pytest.raises(ValueError, match="bits=3"):
-        levels_for(3, 2)
+    assert sync.effective_levels(4, 8) == 0   # Lion Cub 4-bit with 8 workers: signs only
+    assert sync.effective_levels(8, 8) == 15
+    assert sync.effective_levels(8, 8, levels=3) == 3  # set explicitly
+    assert "comm.bits=8" in sync.get("pbit").options(bits=4).problems(16)[0]
+    assert "comm.bits: 3 is not one of" in sync.get("pbit").options(bits=3).problems(2)[0]
 
 
 # ---- Lion ------------------------------------------------------------------------------------
@@ -129,7 +130,7 @@ def test_lion_matches_naive_reference_with_changing_lr():
     model, ref = _mlp(), _mlp()
     opt = optim.build_optimizer("lion", _groups(model), betas=(0.9, 0.95), eps=1e-8, comm_mode="fp32",
                                 comm_options={})
-    assert isinstance(opt, optim.Lion) and opt.sync_kind == "gradient"
+    assert isinstance(opt, optim.Lion) and opt.scheme.kind == sync.GRADIENT
     ref_groups = _groups(ref)
     moms = {id(p): torch.zeros_like(p) for p in ref.parameters()}
     for step in range(8):
@@ -140,7 +141,7 @@ def test_lion_matches_naive_reference_with_changing_lr():
         for m in (model, ref):
             m.zero_grad()
             ((m(x) - y) ** 2).mean().backward()
-        opt.step()
+        report = opt.step()
         with torch.no_grad():
             for rg in ref_groups:
                 for p in rg["params"]:
@@ -152,25 +153,30 @@ def test_lion_matches_naive_reference_with_changing_lr():
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
             torch.testing.assert_close(opt.state[p]["exp_avg"], moms[id(q)], rtol=1e-5, atol=1e-7)
-    assert opt.last_diagnostics == {}
+    assert report.diagnostics == {} and report.step == 8 and report.bytes_sent == 0  # one process: no wire
 
 
-def test_lion_skips_params_without_grad_and_state_round_trip():
+def test_lion_leaves_frozen_params_alone_and_state_round_trip():
     model = _mlp()
-    opt = optim.Lion(_groups(model), betas=(0.9, 0.99))
     frozen = model[2].bias
+    frozen.requires_grad_(False)  # frozen: not in the flat layout, never moved (not even weight decay)
+    opt = optim.Lion(_groups(model), betas=(0.9, 0.99))
     before = frozen.detach().clone()
+    unused = model[0].bias  # a trainable parameter without a gradient this step counts as g = 0
     for step in range(3):
         x, y = _batch(step)
-        model.zero_grad()
+        opt.zero_grad()
         ((model(x) - y) ** 2).mean().backward()
-        frozen.grad = None
+        if step == 2:
+            unused.grad = None
         opt.step()
     assert torch.equal(frozen, before) and frozen not in opt.state
+    assert unused.grad is not None and torch.equal(unused.grad, torch.zeros_like(unused))
     # round trip: continue from a saved state == continue directly
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     twin = _mlp(5)
     twin.load_state_dict(saved_model)
+    twin[2].bias.requires_grad_(False)
     twin_opt = optim.Lion(_groups(twin), betas=(0.9, 0.99))
     twin_opt.load_state_dict(saved_opt)
     for step in range(3, 6):
@@ -187,64 +193,48 @@ def test_lion_skips_params_without_grad_and_state_round_trip():
 def test_build_optimizer_registry_and_errors():
     model = _mlp()
     kw = dict(betas=(0.9, 0.99), eps=1e-8, comm_options={})
-    with pytest.raises(ValueError, match=r"optim.name='sgd'.*\['adamw', 'lion'\]"):
+    with pytest.raises(ValueError, match=r"optim.name='sgd'.*adamw, lion"):
         optim.build_optimizer("sgd", _groups(model), comm_mode="fp32", **kw)
-    with pytest.raises(ValueError, match=r"comm.mode='2bit'.*'onebit'"):
+    with pytest.raises(ValueError, match=r"comm.mode='2bit'.*onebit"):
         optim.build_optimizer("lion", _groups(model), comm_mode="2bit", **kw)
-    with pytest.raises(ValueError, match="needs optim.name=lion"):
+    with pytest.raises(ValueError, match="optim.name=adamw needs a gradient-sync scheme: one of fp32, bf16"):
         optim.build_optimizer("adamw", _groups(model), comm_mode="onebit", **kw)
     with pytest.raises(ValueError, match=r"unknown comm options \['bitz'\]"):
-        optim.build_optimizer("lion", _groups(model), comm_mode="pbit", betas=(0.9, 0.99), eps=1e-8,
-                              comm_options={"bitz": 4})
-    with pytest.raises(ValueError, match="momentum_sync"):
-        optim.build_optimizer("lion", _groups(model), comm_mode="fp32", betas=(0.9, 0.99), eps=1e-8,
-                              comm_options={"momentum_sync": {"every": 10, "layers": ["head"]}})
+        optim.build_optimizer("lion", _groups(model), comm_mode="pbit", comm_options={"bitz": 4})
+    with pytest.raises(ValueError, match="momentum_sync applies to update-sync modes"):
+        optim.build_optimizer("lion", _groups(model), comm_mode="fp32", momentum_sync={"every": 10, "layers": ["head"]})
     with pytest.raises(ValueError, match=r"selects no parameter.*\['mlp', 'norm'\]"):
-        optim.build_optimizer("lion", _groups(model), comm_mode="onebit", betas=(0.9, 0.99), eps=1e-8,
-                              comm_options={"momentum_sync": {"every": 10, "layers": ["head"]}})
-    with pytest.raises(ValueError, match="layers"):
-        optim.build_optimizer("lion", _groups(model), comm_mode="onebit", betas=(0.9, 0.99), eps=1e-8,
-                              comm_options={"momentum_sync": {"every": 10, "layers": ["lm_head"]}})
-    with pytest.raises(ValueError, match="comm.quantizer='l3'"):
-        optim.build_optimizer("lion", _groups(model), comm_mode="pbit", betas=(0.9, 0.99), eps=1e-8,
-                              comm_options={"quantizer": "l3"})
-    with pytest.raises(ValueError, match="comm.tie_break='random'"):
-        optim.build_optimizer("lion", _groups(model), comm_mode="onebit", betas=(0.9, 0.99), eps=1e-8,
-                              comm_options={"tie_break": "random"})
-    with pytest.raises(ValueError, match="comm.levels=3"):  # 1 rank, 2 bits: P * 2L <= 3 -> L <= 1
-        optim.build_optimizer("lion", _groups(model), comm_mode="pbit", betas=(0.9, 0.99), eps=1e-8,
-                              comm_options={"bits": 2, "levels": 3})
+        optim.build_optimizer("lion", _groups(model), comm_mode="onebit", momentum_sync={"every": 10, "layers": ["head"]})
+    with pytest.raises(ValueError, match="comm.quantizer: 'l3' is not one of"):
+        optim.build_optimizer("lion", _groups(model), comm_mode="pbit", comm_options={"quantizer": "l3"})
+    with pytest.raises(ValueError, match="comm.tie_break: 'random' is not one of"):
+        optim.build_optimizer("lion", _groups(model), comm_mode="onebit", comm_options={"tie_break": "random"})
+    with pytest.raises(ValueError, match="comm.levels: 3 levels x 1 ranks overflow 2-bit lanes"):
+        optim.build_optimizer("lion", _groups(model), comm_mode="pbit", comm_options={"bits": 2, "levels": 3})
     adamw = optim.build_optimizer("adamw", _groups(model), comm_mode="bf16", **kw)
-    assert isinstance(adamw, torch.optim.AdamW) and adamw.sync_kind == "gradient"
-    assert adamw.defaults["foreach"] is True and not adamw.defaults["fused"]
-    assert adamw.param_groups[1]["lr_mult"] == 3.0 and hasattr(adamw, "diag_stats")
+    assert isinstance(adamw, optim.AdamW) and adamw.scheme.kind == sync.GRADIENT
+    assert adamw.inner.defaults["foreach"] is True and not adamw.inner.defaults["fused"]
+    assert adamw.param_groups[1]["lr_mult"] == 3.0
     x, y = _batch(0)
-    adamw.diagnose_next_step = True
     ((model(x) - y) ** 2).mean().backward()
-    adamw.step()
-    assert adamw.last_diagnostics == {} and adamw.diagnose_next_step is False
+    report = adamw.step(diagnose=True)  # gradient sync: momenta identical by construction, no diagnostics
+    assert report.diagnostics == {} and report.histograms == {}
     # the trainer's MomentumSyncConfig convention: stop 0 = never stops
-    synced = optim.build_optimizer("lion", _groups(model), comm_mode="onebit", betas=(0.9, 0.99), eps=1e-8,
-                                   comm_options={"momentum_sync": {"every": 5, "layers": ["mlp"], "start": 0,
-                                                                   "stop": 0}})
-    assert synced.momentum_sync["stop"] is None and synced._momentum_sync_due(10**6)
-    assert not synced._momentum_sync_due(10**6 + 1)
-    lion = optim.build_optimizer("lion", _groups(model), comm_mode="pbit", betas=(0.9, 0.99), eps=1e-8,
-                                 comm_options={"bits": 8, "quantizer": "l1", "levels": None, "p": None,
-                                               "momentum_sync": None})
-    assert lion.sync_kind == "update" and lion.levels == 127
-    # the trainer's CommConfig defaults: levels -1 = auto, node_size 0 = LOCAL_WORLD_SIZE
-    auto = optim.build_optimizer("lion", _groups(model), comm_mode="pbit", betas=(0.9, 0.99), eps=1e-8,
-                                 comm_options={"bits": 4, "quantizer": "l1", "levels": -1, "node_size": 0})
-    assert auto.levels == 7
-    hier = optim.build_optimizer("lion", _groups(model), comm_mode="hierarchical", betas=(0.9, 0.99), eps=1e-8,
-                                 comm_options={"node_size": 0})
-    assert hier.node_size is None
+    synced = optim.build_optimizer("lion", _groups(model), comm_mode="onebit",
+                                   momentum_sync={"every": 5, "layers": ["mlp"], "start": 0, "stop": 0})
+    assert synced.momentum_sync.due(10**6) and not synced.momentum_sync.due(10**6 + 1)
+    lion = optim.build_optimizer("lion", _groups(model), comm_mode="pbit", comm_options={"bits": 8, "quantizer": "l1"})
+    assert lion.scheme.kind == sync.UPDATE and lion.exchange.levels == 127
+    # the trainer's defaults: levels -1 = auto
+    auto = optim.build_optimizer("lion", _groups(model), comm_mode="pbit",
+                                 comm_options={"bits": 4, "quantizer": "l1", "levels": -1})
+    assert auto.exchange.levels == 7
 
 
 # ---- update sync at world size 1 (no process group: comm/ treats it as one rank) ----------------
 EXACT_SIGN_MODES = [("onebit", {"tie_break": "alternate"}), ("onebit", {"tie_break": "minus"}),
-                    ("ps", {"ps_aggregate": "vote"}), ("ps", {"ps_aggregate": "avg", "ps_topology": "tree"}),
+                    ("ps", {"ps_aggregate": "vote"}), ("ps", {"ps_aggregate": "vote_tiebreak"}),
+                    ("ps", {"ps_aggregate": "avg", "ps_topology": "tree"}),
                     ("pbit", {"bits": 8, "quantizer": "sign"}), ("pbit", {"bits": 1, "quantizer": "sign"}),
                     ("pbit", {"bits": 16, "quantizer": "sign", "levels": 1}), ("hierarchical", {})]
 
@@ -297,7 +287,7 @@ def test_world1_update_sync_equals_lion_and_masking(mode, opts):
     # without the mask, a 1-bit vote (and pbit signs in 0/1 lanes, L = 0) moves the never-seen rows
     # (tie break of 0); ternary signs (levels 1) send exact zeros and need no mask
     unused_a, unused_c = nets[0].emb.weight[12:], nets[2].emb.weight[12:]
-    sends_zero = mode == "pbit" and unmasked.levels >= 1
+    sends_zero = unmasked.exchange.exact_zeros  # pbit with L >= 1, the exact parameter-server vote
     assert torch.equal(unused_a, unused_c) == sends_zero, (mode, opts)
 
 
@@ -318,7 +308,7 @@ def test_distributed_lion_state_round_trip_with_stochastic_rounding():
     net, opt = make()
     run(net, opt, range(3))
     saved_net, saved_opt = copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict())
-    assert saved_opt["distributed_lion"]["step"] == 3
+    assert saved_opt["comm"]["step"] == 3
     run(net, opt, range(3, 7))
     twin, twin_opt = make()
     twin.load_state_dict(saved_net)
@@ -330,7 +320,7 @@ def test_distributed_lion_state_round_trip_with_stochastic_rounding():
     fresh, fresh_opt = make()
     fresh.load_state_dict(saved_net)
     sd = copy.deepcopy(saved_opt)
-    sd["distributed_lion"]["rng_state"] = torch.Generator().manual_seed(123).get_state()
+    sd["comm"]["exchange"]["rng_state"] = torch.Generator().manual_seed(123).get_state()
     fresh_opt.load_state_dict(sd)
     run(fresh, fresh_opt, range(3, 7))
     assert any(not torch.equal(p, q) for p, q in zip(net.parameters(), fresh.parameters()))
@@ -341,9 +331,10 @@ def test_automatic_levels_follow_the_design_rule():
 
     def levels(**opts):
         return optim.build_optimizer("lion", net.groups(), betas=(0.9, 0.99), eps=1e-8, comm_mode="pbit",
-                                     comm_options=opts).levels
+                                     comm_options=opts).exchange.levels
 
     assert levels(bits=4, quantizer="sign") == 7  # largest L with 1 * 2L <= 15 (ternary signs)
     assert levels(bits=4, quantizer="sign", levels=0) == 0  # the paper's 4-bit: only +-1 in 0/1 lanes
     assert levels(bits=8, quantizer="l1") == 127  # capped by int8 votes
-    assert levels(bits=1, quantizer="l1") == 0  # no level fits: signs only (DESIGN.md)
+    with pytest.raises(ValueError, match="leave no quantization level for comm.quantizer=l1"):
+        levels(bits=1, quantizer="l1")  # no level fits: an error naming the fix, not a silent fallback to signs

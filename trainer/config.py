@@ -3,7 +3,12 @@
 Precedence: dataclass defaults < YAML file (and the files it `extends:`) < `section.key=value`
 overrides. Every field carries a docstring (the string under it); `describe()` prints them as
 help. `validate()` collects every problem into one ConfigError naming the key and the allowed
-values, so a user fixes a config in one round trip (STYLE.md: torchtitan, litgpt).
+values, so a user fixes a config in one round trip.
+
+The `comm` and `optim` sections are open: besides their common keys they take the options of the
+selected entry of a registry (`comm.mode` -> optim.sync, `optim.name` -> optim.registry), each a
+typed dataclass that validates itself, so a new mode or optimizer brings its keys with it and
+nothing here names a mode.
 """
 from __future__ import annotations
 
@@ -20,11 +25,13 @@ from typing import Any
 
 import yaml
 
-GRADIENT_SYNC_MODES = ("fp32", "bf16")
-UPDATE_SYNC_MODES = ("ps", "onebit", "pbit", "hierarchical")
-COMM_MODES = GRADIENT_SYNC_MODES + UPDATE_SYNC_MODES
-OPTIMIZER_NAMES = ("adamw", "lion")
-LAYER_SELECTORS = ("embedding", "head", "attn", "mlp", "norm", "all")
+from optim.options import at_least, choice
+
+from model import ROLES
+from optim import sync
+from optim.registry import compatibility_problem, get_optimizer, optimizer_names
+
+LAYER_SELECTORS = ROLES + ("all",)
 
 
 class ConfigError(ValueError):
@@ -61,7 +68,7 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     name: str = "lion"
-    """Optimizer: adamw or lion. With comm.mode ps/onebit/pbit/hierarchical, lion becomes
+    """Optimizer (optim.registry): adamw or lion, ... With an update-sync comm.mode, lion becomes
     distributed Lion / Lion Cub (each rank keeps its own momentum)."""
     lr: float = 3e-4
     """Peak (base) learning rate."""
@@ -86,6 +93,11 @@ class OptimConfig:
     """LR multiplier of the output head (Lion Cub App. F.3: 100)."""
     scalar_lr_mult: float = 1.0
     """LR multiplier of 1-D parameters: norms (Lion Cub App. F.3: 100)."""
+    options: Any = None
+    """(not a key) the selected optimizer's own options; their keys sit flat in this section."""
+
+    def __getattr__(self, name: str):
+        return _option(self, name)
 
 
 @dataclass
@@ -103,35 +115,29 @@ class MomentumSyncConfig:
 @dataclass
 class CommConfig:
     mode: str = "fp32"
-    """What crosses the network. Gradient sync: fp32, bf16 (mean-allreduce of the flat gradient).
-    Update sync (optim.name=lion only): ps (Distributed Lion parameter server), onebit (Lion Cub 1-bit
-    compressed allreduce), pbit (Lion Cub p-bit direct allreduce), hierarchical (BinSGDM §4 vote)."""
-    bits: int = 4
-    """pbit: lane width in bits on the wire: 1, 2, 4, 8 or 16."""
-    quantizer: str = "sign"
-    """pbit: how the local update is quantized: sign, l0, l1, l2, linf or lp (Lion Cub §4.2 eq. 1)."""
-    p: float = 1.0
-    """pbit with quantizer lp: the norm exponent p."""
-    levels: int = -1
-    """pbit: quantization levels L (values in [-L, L]); -1 = the largest L with P*2L <= 2**bits - 1."""
-    clip: float = 2.0
-    """pbit: clip ratio of eq. (1)."""
-    rounding: str = "nearest"
-    """pbit: nearest or stochastic rounding."""
-    tie_break: str = "alternate"
-    """onebit: how a zero vote sum becomes one bit: alternate (Lion Cub App. B.1), plus, minus."""
-    ps_aggregate: str = "vote"
-    """ps: vote (majority, Distributed Lion-MaVo) or avg (Distributed Lion-Avg)."""
-    ps_topology: str = "naive"
-    """ps: naive (gather at rank 0, send back) or tree."""
-    node_size: int = 0
-    """hierarchical: ranks per node; 0 = LOCAL_WORLD_SIZE from the launcher."""
-    mask_zero_updates: bool = False
-    """Do not move elements whose local update is exactly zero on every rank (Lion Cub App. B.1)."""
+    """What crosses the network (optim.sync registry). Gradient sync (every rank averages its gradient,
+    one shared optimizer state): fp32, bf16. Update sync (every rank keeps its own state, only the
+    aggregated update crosses): onebit (Lion Cub 1-bit compressed allreduce), pbit (Lion Cub p-bit
+    direct allreduce), ps (Distributed Lion parameter server), hierarchical (BinSGDM §4 vote), ...
+    Each mode's own keys are listed below it."""
     momentum_sync: MomentumSyncConfig = field(default_factory=MomentumSyncConfig)
-    """Selective momentum synchronisation (Lion Cub §5)."""
+    """Selective momentum synchronisation (Lion Cub §5); update-sync modes only."""
     timeout_s: float = 600.0
     """Collective timeout in seconds (process group); a hung peer fails the run after this."""
+    options: Any = None
+    """(not a key) the selected mode's options; their keys sit flat in this section."""
+
+    def __getattr__(self, name: str):
+        return _option(self, name)
+
+
+def _option(section, name: str):
+    """cfg.comm.bits reads the selected entry's option (AttributeError if it has none)."""
+    opts = section.__dict__.get("options")
+    if opts is not None and name in opts.field_names():
+        return getattr(opts, name)
+    raise AttributeError(f"{type(section).__name__} has no key {name!r}"
+                         + (f" (options of the selected entry: {opts.field_names()})" if opts is not None else ""))
 
 
 @dataclass
@@ -199,7 +205,19 @@ class Config:
     diag: DiagConfig = field(default_factory=DiagConfig)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Plain nested dict as in the YAML files: registry options flat in their section."""
+        out = {}
+        for sec in dataclasses.fields(self):
+            obj = getattr(self, sec.name)
+            d = {}
+            for f in dataclasses.fields(obj):
+                v = getattr(obj, f.name)
+                if f.name == "options":
+                    d.update(v.as_dict() if v is not None else {})
+                else:
+                    d[f.name] = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+            out[sec.name] = d
+        return out
 
     def dump(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -207,24 +225,51 @@ class Config:
 
 # ---------------------------------------------------------------- docstrings (help text)
 def field_docs(cls) -> dict[str, str]:
-    """The string literal under each field of a dataclass: its help text."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:] + [None]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    """The string literal under each field of a dataclass (and of its dataclass bases): its help."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass) or klass is object:
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):  # defined where no source is available
+            continue
+        body = tree.body[0].body
+        for node, nxt in zip(body, body[1:] + [None]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = " ".join(str(nxt.value.value).split())
     return docs
+
+
+# registry-backed sections: section -> (selector key, entries as (name, options class))
+def _registries() -> dict[str, tuple[str, list[tuple[str, type]]]]:
+    from optim.registry import optimizers
+
+    return {"comm": ("mode", [(s.name, s.options) for s in sync.schemes()]),
+            "optim": ("name", [(o.name, o.options) for o in optimizers()])}
 
 
 def describe() -> str:
     lines = []
+    regs = _registries()
     for sec in dataclasses.fields(Config):
         lines.append(f"{sec.name}:")
         cls = sec.default_factory().__class__
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
-            lines.append(f"  {f.name}: {docs.get(f.name, '')}")
+            if f.name != "options":
+                lines.append(f"  {f.name}: {docs.get(f.name, '')}")
+        if sec.name in regs:
+            selector, entries = regs[sec.name]
+            owners: dict[str, list[str]] = {}
+            helps: dict[str, str] = {}
+            for name, ocls in entries:
+                d = field_docs(ocls)
+                for key in ocls.field_names():
+                    owners.setdefault(key, []).append(name)
+                    helps.setdefault(key, d.get(key, ""))
+            for key, names in owners.items():
+                lines.append(f"  {key}: [{sec.name}.{selector}={'|'.join(names)}] {helps[key]}")
     return "\n".join(lines)
 
 
@@ -305,8 +350,12 @@ def _type_ok(value: Any, tp) -> bool:
 
 def _build(cls, data: dict, prefix: str, problems: list[str]):
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = [f.name for f in dataclasses.fields(cls) if f.name != "options"]
     kwargs = {}
+    regs = _registries()
+    section = prefix.rstrip(".")
+    if cls in (CommConfig, OptimConfig) and section in regs:
+        data, kwargs["options"] = _split_options(section, data, names, regs[section], problems)
     for key, value in data.items():
         where = f"{prefix}{key}"
         if key not in names:
@@ -336,6 +385,36 @@ def _build(cls, data: dict, prefix: str, problems: list[str]):
     return cls(**kwargs)
 
 
+def _split_options(section: str, data: dict, fixed: list[str], registry, problems: list[str]):
+    """Separate the selected registry entry's option keys from the section's common keys and
+    build the entry's options dataclass (typed, with the same checks as every other key)."""
+    selector, entries = registry
+    default = {"comm": CommConfig.mode, "optim": OptimConfig.name}[section]
+    chosen = data.get(selector, default)
+    classes = dict(entries)
+    if chosen not in classes:
+        return data, None  # the selector itself is reported by validate()
+    ocls = classes[chosen]
+    own = set(ocls.field_names())
+    rest, mine = {}, {}
+    for key, value in data.items():
+        if key in own:
+            mine[key] = value
+        elif key in fixed:
+            rest[key] = value
+        else:
+            owners = [n for n, c in entries if key in c.field_names()]
+            if owners:
+                problems.append(f"{section}.{key}: not an option of {section}.{selector}={chosen} (it belongs to "
+                                f"{', '.join(owners)}); remove it or change {section}.{selector}")
+            else:
+                valid = fixed + sorted(own)
+                close = difflib.get_close_matches(str(key), valid, n=1)
+                hint = f"; did you mean {section}.{close[0]}?" if close else f"; valid keys: {', '.join(valid)}"
+                problems.append(f"{section}.{key}: unknown key{hint}")
+    return rest, _build(ocls, mine, section + ".", problems)
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
     """Read YAML (following `extends:`), apply overrides, build and validate the Config."""
     raw = _read_yaml(Path(path)) if path else {}
@@ -351,6 +430,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         elif not isinstance(raw[key], dict):
             problems.append(f"{key}: expected a mapping of keys, got {raw[key]!r}")
             raw.pop(key)
+    for section in _registries():
+        raw.setdefault(section, {})  # so the selected entry's options are always built
     cfg = _build(Config, raw, "", problems)
     problems += validate(cfg, world_size=None, raise_error=False)
     if problems:
@@ -362,46 +443,29 @@ def _format(problems: list[str]) -> str:
     return f"{len(problems)} config problem(s):\n" + "\n".join(f"  - {p}" for p in problems)
 
 
-def _choice(problems, key, value, allowed):
-    if value not in allowed:
-        problems.append(f"{key}: {value!r} is not one of {', '.join(map(str, allowed))}")
-
-
-def pbit_levels(bits: int, world_size: int, levels: int = -1) -> int:
-    """Lion Cub p-bit levels: the largest L with P * 2L <= 2**bits - 1 unless set (DESIGN.md)."""
-    from comm import max_levels
-    from optim.quantize import MAX_LEVELS
-
-    if levels >= 0:
-        return levels
-    return max(0, min(max_levels(world_size, bits), MAX_LEVELS))  # -1 (not even signs fit) reads as 0
-
-
 def validate(cfg: Config, world_size: int | None = None, raise_error: bool = True) -> list[str]:
     """Check ranges and combinations. With world_size, also the checks that depend on it."""
     from model import PRESETS  # the trainer sees everything; config validation needs the presets
 
     p: list[str] = []
     m, d, o, c, t, lg, dg = cfg.model, cfg.data, cfg.optim, cfg.comm, cfg.train, cfg.log, cfg.diag
-    _choice(p, "model.preset", m.preset, list(PRESETS))
-    _choice(p, "model.pos_emb", m.pos_emb, ["rope", "learned"])
+    choice(p, "model.preset", m.preset, list(PRESETS))
+    choice(p, "model.pos_emb", m.pos_emb, ["rope", "learned"])
     for key, val, lo in [("data.batch_size", d.batch_size, 1), ("data.seq_len", d.seq_len, 1),
                          ("data.grad_accum", d.grad_accum, 1), ("train.max_steps", t.max_steps, 1),
                          ("train.eval_steps", t.eval_steps, 1), ("train.log_every", t.log_every, 1),
                          ("train.keep_ckpts", t.keep_ckpts, 1), ("model.block_size", m.block_size, 0),
                          ("train.eval_every", t.eval_every, 0), ("train.ckpt_every", t.ckpt_every, 0),
                          ("optim.warmup_steps", o.warmup_steps, 0), ("diag.every", dg.every, 0),
-                         ("train.stop_after", t.stop_after, 0),
-                         ("comm.node_size", c.node_size, 0)]:
-        if val < lo:
-            p.append(f"{key}: {val} must be >= {lo}")
+                         ("train.stop_after", t.stop_after, 0)]:
+        at_least(p, key, val, lo)
     if m.preset in PRESETS:
         block = m.block_size or PRESETS[m.preset].block_size
         if d.seq_len > block:
             p.append(f"data.seq_len: {d.seq_len} exceeds the model's block size {block}; "
                      f"lower data.seq_len or set model.block_size")
-    _choice(p, "optim.name", o.name, OPTIMIZER_NAMES)
-    _choice(p, "optim.schedule", o.schedule, ["cosine", "constant"])
+    choice(p, "optim.name", o.name, optimizer_names())
+    choice(p, "optim.schedule", o.schedule, ["cosine", "constant"])
     if not (o.lr > 0 and math.isfinite(o.lr)):
         p.append(f"optim.lr: {o.lr} must be a positive number")
     if len(o.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas):
@@ -409,24 +473,18 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
     for key, val in [("optim.weight_decay", o.weight_decay), ("optim.grad_clip", o.grad_clip),
                      ("optim.eps", o.eps), ("optim.embedding_lr_mult", o.embedding_lr_mult),
                      ("optim.head_lr_mult", o.head_lr_mult), ("optim.scalar_lr_mult", o.scalar_lr_mult)]:
-        if val < 0:
-            p.append(f"{key}: {val} must be >= 0")
+        at_least(p, key, val, 0)
     if not 0 <= o.min_lr_ratio <= 1:
         p.append(f"optim.min_lr_ratio: {o.min_lr_ratio} must be in [0, 1]")
-    _choice(p, "comm.mode", c.mode, COMM_MODES)
-    if c.mode in UPDATE_SYNC_MODES and o.name != "lion":
-        p.append(f"comm.mode: {c.mode} is an update-sync mode (each rank keeps its own momentum) and needs "
-                 f"optim.name=lion, got optim.name={o.name}; use comm.mode=fp32 or bf16 with {o.name}")
-    _choice(p, "comm.bits", c.bits, [1, 2, 4, 8, 16])
-    _choice(p, "comm.quantizer", c.quantizer, ["sign", "l0", "l1", "l2", "linf", "lp"])
-    _choice(p, "comm.rounding", c.rounding, ["nearest", "stochastic"])
-    _choice(p, "comm.tie_break", c.tie_break, ["alternate", "plus", "minus"])
-    _choice(p, "comm.ps_aggregate", c.ps_aggregate, ["vote", "avg"])
-    _choice(p, "comm.ps_topology", c.ps_topology, ["naive", "tree"])
-    if c.levels < -1:
-        p.append(f"comm.levels: {c.levels} must be -1 (automatic) or >= 0")
-    if c.clip <= 0:
-        p.append(f"comm.clip: {c.clip} must be > 0")
+    choice(p, "comm.mode", c.mode, sync.names())
+    known = c.mode in sync.names() and o.name in optimizer_names()
+    if known:
+        problem = compatibility_problem(o.name, c.mode)
+        if problem:
+            p.append(problem)
+    for opts in (c.options, o.options):  # the selected entries' own checks (world-size ones too)
+        if opts is not None:
+            p += opts.problems(world_size)
     if c.timeout_s <= 0:
         p.append(f"comm.timeout_s: {c.timeout_s} must be > 0")
     ms = c.momentum_sync
@@ -436,52 +494,22 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
         p.append(f"comm.momentum_sync: start={ms.start} is after stop={ms.stop}; no sync would run")
     if ms.every and not ms.layers:
         p.append("comm.momentum_sync.layers: empty; select layers (e.g. [head]) or set every: 0")
-    if c.quantizer == "lp" and not c.p >= 0:
-        p.append(f"comm.p: {c.p} must be >= 0 for comm.quantizer=lp (0 = geometric mean, 1 = L1, ...)")
-    if c.levels > 127:
-        p.append(f"comm.levels: {c.levels} exceeds 127 (votes travel as int8); use -1 (automatic) or <= 127")
     bad = [x for x in ms.layers if x not in LAYER_SELECTORS]
     if bad:
         p.append(f"comm.momentum_sync.layers: {bad} not among {', '.join(LAYER_SELECTORS)}")
-    if ms.every and c.mode not in UPDATE_SYNC_MODES:
-        p.append(f"comm.momentum_sync.every: {ms.every} but comm.mode={c.mode} already shares one momentum "
-                 f"(gradient sync); momentum sync applies to ps/onebit/pbit/hierarchical")
+    if ms.every and c.mode in sync.names() and sync.get(c.mode).kind != sync.UPDATE:
+        update_modes = [s.name for s in sync.schemes() if s.kind == sync.UPDATE]
+        p.append(f"comm.momentum_sync.every: {ms.every} but comm.mode={c.mode} already shares one state "
+                 f"(gradient sync); momentum sync applies to update-sync modes: {', '.join(update_modes)}")
     if ms.every and "head" in ms.layers and m.tie_embeddings is not False and len(ms.layers) == 1:
         p.append("comm.momentum_sync.layers: [head] but the model ties embedding and head (the shared weight "
                  "is the 'embedding' layer); set model.tie_embeddings=false or select embedding")
-    _choice(p, "train.resume", t.resume, ["never", "auto", "overwrite"])
-    _choice(p, "train.device", t.device, ["auto", "cpu", "cuda"])
-    _choice(p, "train.dtype", t.dtype, ["bfloat16", "float32"])
-    _choice(p, "log.wandb", lg.wandb, ["online", "offline", "disabled"])
+    choice(p, "train.resume", t.resume, ["never", "auto", "overwrite"])
+    choice(p, "train.device", t.device, ["auto", "cpu", "cuda"])
+    choice(p, "train.dtype", t.dtype, ["bfloat16", "float32"])
+    choice(p, "log.wandb", lg.wandb, ["online", "offline", "disabled"])
     if not t.out_dir:
         p.append("train.out_dir: empty; name a run directory")
-    if world_size is not None:
-        p += _world_checks(cfg, world_size)
     if p and raise_error:
         raise ConfigError(_format(p))
-    return p
-
-
-def _world_checks(cfg: Config, world: int) -> list[str]:
-    p = []
-    c = cfg.comm
-    if c.mode == "pbit":
-        lanes = 2 ** c.bits - 1
-        levels = pbit_levels(c.bits, world, c.levels)
-        if levels == 0 and world > lanes:
-            better = next((b for b in (2, 4, 8, 16) if 2 ** b - 1 >= world), None)
-            p.append(f"comm.bits: {c.bits}-bit sign lanes hold at most {lanes} ranks, world size is {world}; "
-                     f"use comm.bits={better}" + (" (Lion Cub uses 8-bit with L1 beyond 15 ranks)" if c.bits == 4 else ""))
-        elif levels == 0 and c.quantizer != "sign":
-            better = next((b for b in (2, 4, 8, 16) if (2 ** b - 1) // (2 * world) >= 1), None)
-            p.append(f"comm.bits: {c.bits}-bit lanes leave no quantization level for comm.quantizer={c.quantizer} "
-                     f"at {world} ranks (need P*2L <= {lanes}); use comm.bits={better} or comm.quantizer=sign")
-        elif world * 2 * levels > lanes:
-            p.append(f"comm.levels: {levels} levels x {world} ranks overflow {c.bits}-bit lanes "
-                     f"(P*2L = {world * 2 * levels} > {lanes}); use comm.levels={lanes // (2 * world)} "
-                     f"or more bits")
-    if c.mode == "hierarchical" and c.node_size and world % c.node_size:
-        p.append(f"comm.node_size: {c.node_size} does not divide the world size {world}")
-    if cfg.comm.mode == "bf16" and world == 1:
-        pass  # legal: the cast still happens, useful for parity checks
     return p

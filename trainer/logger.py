@@ -22,7 +22,7 @@ def _fmt_time(seconds: float) -> str:
 
 class RunLogger:
     def __init__(self, out_dir: Path, enabled: bool, wandb_mode: str, project: str, run_name: str,
-                 group: str, config: dict, resume: bool) -> None:
+                 group: str, config: dict, resume: bool, run_id: str | None = None) -> None:
         self.enabled = enabled
         self.wandb = None
         self.file = None
@@ -30,10 +30,19 @@ class RunLogger:
             return
         self.file = open(out_dir / "metrics.jsonl", "a" if resume else "w", buffering=1)
         if wandb_mode != "disabled":
-            self.wandb = self._init_wandb(out_dir, wandb_mode, project, run_name, group, config)
+            self.wandb = self._init_wandb(out_dir, wandb_mode, project, run_name, group, config,
+                                          run_id or run_name.replace("/", "_"))
 
     @staticmethod
-    def _init_wandb(out_dir, mode, project, run_name, group, config):
+    def drop_after(out_dir: Path, step: int) -> None:
+        """Drop records of steps after `step` (what an interrupted run logged after its checkpoint)."""
+        log = out_dir / "metrics.jsonl"
+        if log.exists():
+            keep = [ln for ln in log.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
+            log.write_text("".join(ln + "\n" for ln in keep))
+
+    @staticmethod
+    def _init_wandb(out_dir, mode, project, run_name, group, config, run_id):
         os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
         os.environ.setdefault("WANDB_SILENT", "true")
         if mode == "online" and not (os.environ.get("WANDB_API_KEY") or Path.home().joinpath(".netrc").exists()):
@@ -44,7 +53,7 @@ class RunLogger:
         import wandb  # imported late so the environment above is in force
 
         return wandb.init(project=project, name=run_name, group=group or None, config=config, dir=str(out_dir),
-                          mode=mode, resume="allow", id=run_name.replace("/", "_"))
+                          mode=mode, resume="allow", id=run_id)
 
     def log(self, record: dict, histograms: dict | None = None) -> None:
         if not self.enabled:
@@ -77,15 +86,64 @@ class RunLogger:
             self.wandb.finish()
 
 
-class Timer:
-    """Wall-clock sections; on CUDA it synchronises so kernels are attributed to the right section."""
+# Dense bf16 peak FLOP/s for the MFU estimate (vendor datasheets).
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "A10": 125e12, "L4": 121e12, "V100": 125e12}
+WINDOW_KEYS = ("loss", "step_s", "data_s", "fwdbwd_s", "comm_s", "coll_s", "pack_s", "opt_s", "bytes_sent",
+               "bytes_recv")
 
-    def __init__(self, device) -> None:
-        self.cuda = device.type == "cuda"
 
-    def now(self) -> float:
-        if self.cuda:
-            import torch
+def peak_flops(device) -> float | None:
+    if device.type != "cuda":
+        return None
+    import torch
 
-            torch.cuda.synchronize()
-        return time.perf_counter()
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def window_record(trainer, window: list[dict]) -> dict:
+    """The metrics.jsonl train record of a window of steps: rank means of every timing and byte
+    count (ranks wait for each other in collectives, so means are representative)."""
+    from .dist import mean_over_ranks
+
+    n = len(window)
+    local = [sum(r[k] for r in window) / n for k in WINDOW_KEYS]
+    m = dict(zip(WINDOW_KEYS, mean_over_ranks(local, trainer.device)))
+    rec = {"step": trainer.step, "train_loss": m["loss"], "lr": window[-1]["lr"],
+           "step_ms": 1e3 * m["step_s"], "comm_ms": 1e3 * m["comm_s"], "comm_bytes": int(m["bytes_sent"]),
+           "comm_bytes_recv": int(m["bytes_recv"]), "data_ms": 1e3 * m["data_s"],
+           "fwdbwd_ms": 1e3 * m["fwdbwd_s"], "coll_ms": 1e3 * m["coll_s"], "pack_ms": 1e3 * m["pack_s"],
+           "opt_ms": 1e3 * m["opt_s"], "tokens_per_s": trainer.tokens_per_step / max(m["step_s"], 1e-9),
+           "train_time_s": trainer.train_time}
+    if trainer.device.type == "cuda":
+        import torch
+
+        rec["peak_mem_gib"] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
+        peak = peak_flops(trainer.device)
+        if peak:
+            flops = trainer.model.flops_per_token(trainer.cfg.data.seq_len)
+            rec["mfu"] = flops * rec["tokens_per_s"] / (peak * trainer.info.world_size)
+    return rec
+
+
+def banner(trainer) -> str:
+    """The run log's opening lines: code and library versions, the machine, model, optimizer, data."""
+    import platform
+
+    import numpy
+    import torch
+
+    c, info = trainer.cfg, trainer.info
+    m = trainer.model
+    return "\n".join([
+        f"run {trainer.out_dir} | python {platform.python_version()} torch {torch.__version__} "
+        f"numpy {numpy.__version__} | {platform.node()} {platform.machine()} | {info.backend} "
+        f"world {info.world_size} on {trainer.device}",
+        f"model {c.model.preset}: {m.num_params() / 1e6:.2f}M params "
+        f"({m.num_params(non_embedding=True) / 1e6:.2f}M non-embedding), "
+        f"{m.flops_per_token(c.data.seq_len) / 1e6:.1f} MFLOP/token",
+        f"optim {c.optim.name} lr {c.optim.lr} | {trainer.optimizer.describe()}",
+        f"data {trainer.data_dir} | {trainer.tokens_per_step:,} tokens/step | {c.train.max_steps} steps"
+        f" | eval {trainer.eval_steps} batches" + (f" (val split holds {trainer.eval_steps}, asked "
+                                                  f"{c.train.eval_steps})" if trainer.eval_steps < c.train.eval_steps else ""),
+    ])

@@ -30,7 +30,7 @@ def gather(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def tb(v: torch.Tensor, step: int) -> torch.Tensor:
-    """Reference tie-broken sign, written independently of comm/ (DESIGN.md)."""
+    """Reference tie-broken sign, written independently of comm/ (Lion Cub App. B.1)."""
     zero_as = 1 if step % 2 else -1
     return torch.where(v > 0, 1, torch.where(v < 0, -1, zero_as)).to(torch.int64)
 

@@ -73,13 +73,13 @@ def build(model, mode: str, opts: dict):
                                  comm_options=opts)
 
 
-def train_step(model, opt, rank, step, shared=False) -> float:
+def train_step(model, opt, rank, step, shared=False, diagnose=False):
+    """One step; returns (loss, the optimizer's StepReport)."""
     x, y = batch(rank, step, shared)
     opt.zero_grad(set_to_none=True)
     loss = F.cross_entropy(model(x), y)
     loss.backward()
-    opt.step()
-    return float(loss.detach())
+    return float(loss.detach()), opt.step(diagnose=diagnose)
 
 
 def modes(P: int) -> list[tuple[str, dict, bool]]:
@@ -87,8 +87,10 @@ def modes(P: int) -> list[tuple[str, dict, bool]]:
     out = [("onebit", {"tie_break": "alternate", "mask_zero_updates": True}, True),
            ("onebit", {"tie_break": "plus"}, True),
            ("onebit", {"tie_break": "minus", "mask_zero_updates": True}, True),
-           ("ps", {"ps_aggregate": "vote", "ps_topology": "naive", "mask_zero_updates": True}, True),
+           ("ps", {"ps_aggregate": "vote", "ps_topology": "naive"}, True),
            ("ps", {"ps_aggregate": "vote", "ps_topology": "tree"}, True),
+           ("ps", {"ps_aggregate": "vote_tiebreak", "ps_topology": "naive", "mask_zero_updates": True}, True),
+           ("ps", {"ps_aggregate": "vote_tiebreak", "ps_topology": "tree"}, True),
            ("ps", {"ps_aggregate": "avg", "ps_topology": "naive", "mask_zero_updates": True}, True),
            ("pbit", {"bits": 8, "quantizer": "sign"}, True),
            ("pbit", {"bits": 4, "quantizer": "l1", "mask_zero_updates": True}, False),
@@ -110,7 +112,7 @@ def check_modes(rank: int, P: int, steps: int = 16) -> None:
     for mode, opts, exact in modes(P):
         model = TinyNet()
         opt = build(model, mode, opts)
-        masked = opts.get("mask_zero_updates", False) or (mode == "pbit" and opt.levels >= 1)
+        masked = opts.get("mask_zero_updates", False) or opt.exchange.exact_zeros
         ref = ref_opt = None
         if P == 1 and exact:
             ref = TinyNet()
@@ -122,7 +124,7 @@ def check_modes(rank: int, P: int, steps: int = 16) -> None:
             sched = lr * (1.0 if step < steps // 2 else mult)
             for g in opt.param_groups:
                 g["lr"] = sched * g["lr_mult"]
-            losses.append(train_step(model, opt, rank, step))
+            losses.append(train_step(model, opt, rank, step)[0])
             if masked:  # Lion Cub App. B.1: only weight decay touches never-seen rows
                 unused0.mul_(1.0 - sched * 0.5)
             assert identical_across_ranks(flat_params(model)), f"{mode} {opts}: ranks differ after step {step}"
@@ -141,7 +143,7 @@ def check_modes(rank: int, P: int, steps: int = 16) -> None:
         unused = model.emb.weight[USED:].detach()
         if masked:
             assert torch.equal(unused, unused0), f"{mode} {opts}: masked never-seen rows moved"
-        elif mode in ("onebit", "ps", "hierarchical"):
+        elif mode in ("onebit", "ps", "hierarchical"):  # tie-broken votes (the exact ps vote is `masked`)
             assert not torch.equal(unused, unused0), f"{mode} {opts}: unmasked rows were expected to move (tie break)"
         if rank == 0:
             print(f"P={P} {mode:12s} {str(opts):80s} loss {first:.3f} -> {last:.3f}", flush=True)
@@ -164,16 +166,25 @@ def check_momentum_sync(rank: int, P: int) -> None:
         return
     model = TinyNet()
     sync = {"every": 2, "layers": ["mlp", "norm"], "start": 3, "stop": 8}  # stop inclusive
-    opt = build(model, "onebit", {"momentum_sync": sync})
+    opt = optim.build_optimizer("lion", model.groups(), betas=(0.9, 0.99), comm_mode="onebit", momentum_sync=sync)
     selected = {"mlp", "norm"}
-    stats = comm.default_stats()
     n_selected = sum(p.numel() for g in opt.param_groups if g["role"] in selected for p in g["params"])
     sent = {}
     for step in range(1, 12):  # the optimizer's step counter starts at 1
-        stats.begin_step()
-        train_step(model, opt, rank, step)
-        sent[step] = stats.step_summary()["bytes_sent"]
         due = 3 <= step <= 8 and step % 2 == 0
+        _, report = train_step(model, opt, rank, step, diagnose=step in (4, 5))
+        sent[step] = report.bytes_sent
+        assert report.phases["momentum_sync"]["bytes_sent"] == (4 * n_selected if due else 0)
+        if step in (4, 5):  # spread is measured before the sync; after it only on sync steps
+            d = report.diagnostics
+            assert d["diag/momentum_spread/mlp"] > 0 and d["diag/momentum_spread/tensor/fc.weight"] > 0, d
+            assert d["diag/momentum_spread/embedding"] > 0
+            if due:
+                assert d["diag/momentum_spread_after_sync/mlp"] == 0.0
+                assert d["diag/momentum_spread_after_sync/norm"] == 0.0
+                assert d["diag/momentum_spread_after_sync/embedding"] == d["diag/momentum_spread/embedding"]
+            else:
+                assert not any(k.startswith("diag/momentum_spread_after_sync") for k in d)
         for g in opt.param_groups:
             for p in g["params"]:
                 same = identical_across_ranks(opt.state[p]["exp_avg"])
@@ -201,22 +212,18 @@ def check_diagnostics(rank: int, P: int) -> None:
                        ("hierarchical", {})]:
         model = TinyNet()
         opt = build(model, mode, opts)
-        stats = comm.default_stats()
         for step in range(3):
             set_grads(model, base)
-            opt.diagnose_next_step = step == 1
-            stats.begin_step()
-            diag_before = opt.diag_stats.totals()["bytes_sent"]
-            opt.step()
-            sent = stats.step_summary()["bytes_sent"]
+            report = opt.step(diagnose=step == 1)
+            sent = report.bytes_sent
             if step == 0:
                 plain_sent = sent
             elif step == 1:
-                d = opt.last_diagnostics
-                assert sent == plain_sent, "diagnostic traffic leaked into the default CommStats"
-                assert P == 1 or opt.diag_stats.totals()["bytes_sent"] > diag_before
-                assert opt.diagnose_next_step is False and d["diag/seconds"] > 0
-                for role in ("", "/embedding", "/mlp", "/head", "/norm"):
+                d = report.diagnostics
+                assert sent == plain_sent, "diagnostic traffic leaked into the step's bytes"
+                assert P == 1 or report.phases["diag"]["bytes_sent"] > 0
+                assert report.diag_seconds > 0
+                for role in ("", "/embedding", "/mlp", "/head", "/norm", "/tensor/fc.weight", "/tensor/head.bias"):
                     assert d["diag/sign_match" + role] == 1.0, (mode, role, d)
                     assert d["diag/sign_flip" + role] == 0.0, (mode, role, d)
                     assert d["diag/tie_rate" + role] == 0.0, (mode, role, d)
@@ -224,12 +231,13 @@ def check_diagnostics(rank: int, P: int) -> None:
                 table = {k: v for k, v in d.items() if k.startswith("diag/vote_table/")}
                 assert len(table) == 9 and abs(sum(table.values()) - 1.0) < 1e-12
                 assert table["diag/vote_table/exact_pos_vote_pos"] + table["diag/vote_table/exact_neg_vote_neg"] == 1.0
-                assert set(opt.last_histograms) == {f"c_local/{r}" for r in ("embedding", "mlp", "head", "norm")}
-                assert opt.last_histograms["c_local/embedding"].numel() == model.emb.weight.numel()
+                assert set(report.histograms) == {f"c_local/{r}" for r in ("embedding", "mlp", "head", "norm")}
+                assert report.histograms["c_local/embedding"].numel() == model.emb.weight.numel()
     # (2) opposite gradients on half the ranks, on a known subset of elements (even P only)
     if P % 2:
         return
     flip = [torch.rand(s, generator=gen) < 0.3 for s in shapes]
+    names_by_index = ["emb.weight", "fc.weight", "fc.bias", "head.weight", "head.bias"]  # model.parameters() order
     n_flip = sum(int(f.sum()) for f in flip)
     total = sum(f.numel() for f in flip)
     sign = -1.0 if rank >= P // 2 else 1.0
@@ -238,9 +246,7 @@ def check_diagnostics(rank: int, P: int) -> None:
         model = TinyNet()
         opt = build(model, mode, opts)
         set_grads(model, grads)
-        opt.diagnose_next_step = True
-        opt.step()
-        d = opt.last_diagnostics
+        d = opt.step(diagnose=True).diagnostics
         frac = n_flip / total
         # flipped elements: sum of signs 0 (tie), exact Lion mean 0; the 1-bit vote breaks the tie
         # to +-1 (no match, no flip); the p-bit sum is exactly 0 (a match)
@@ -253,6 +259,8 @@ def check_diagnostics(rank: int, P: int) -> None:
             k_flip = sum(int(flip[i].sum()) for i in ps)
             k_all = sum(flip[i].numel() for i in ps)
             assert abs(d[f"diag/tie_rate/{role}"] - k_flip / k_all) < 1e-12
+            for i in ps:  # per tensor too
+                assert abs(d[f"diag/tie_rate/tensor/{names_by_index[i]}"] - int(flip[i].sum()) / flip[i].numel()) < 1e-12
             # m_i = (1 - b2) g_i = +-a on the flipped elements: the std across ranks is |a|
             params = list(model.parameters())
             want = max(float(opt.state[params[i]]["exp_avg"][flip[i]].abs().max()) for i in ps if flip[i].any())
@@ -267,7 +275,7 @@ def check_state_round_trip(rank: int, P: int) -> None:
         train_step(model, opt, rank, step)
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     assert P == 1 or not identical_across_ranks(opt.state[model.emb.weight]["exp_avg"])  # per-rank state
-    assert P == 1 or not identical_across_ranks(opt._gen.get_state())  # stochastic rounding: a stream per rank
+    assert P == 1 or not identical_across_ranks(opt.exchange.gen.get_state())  # stochastic rounding: a stream per rank
     for step in range(3, 7):
         train_step(model, opt, rank, step)
     twin = TinyNet()

@@ -1,0 +1,389 @@
+"""The optimizer base that owns communication (in the style of modded-nanogpt's distributed
+optimizers: the collective happens inside `step()`; there is no DDP wrapper).
+
+A `CommOptimizer` holds:
+- the flat layout (Lion Cub App. D.2): every trainable parameter's gradient is a view of ONE flat
+  buffer per dtype (in the model's parameter order), so a gradient-sync exchange is a single
+  collective and backward accumulates in place; and a role-ordered layout (`FlatLayout`) in
+  which every role (embedding, head, attn, mlp, norm) is one contiguous slice, with views by
+  parameter and by role, for update-sync vectors (Lion Cub's c_local), momentum sync and
+  diagnostics;
+- the sync scheme chosen by `comm.mode` (optim.sync): for a GRADIENT scheme, `step()` exchanges
+  the flat gradient before the update; for an UPDATE scheme the subclass's `_update` calls
+  `self.exchange` on its own vector;
+- gradient clipping (global norm after a gradient exchange; each rank's local norm for update
+  sync, where no gradient crosses the network);
+- hooks after the update: diagnostics (on request, measured BEFORE a momentum sync of the same
+  step) and momentum synchronisation of selected roles on a schedule (Lion Cub §5).
+
+`step(diagnose=False)` returns a `StepReport`: seconds and bytes by phase (grad_sync,
+update_sync, momentum_sync, diag), the diagnostics and histograms. Nothing is communicated
+through attributes set from outside or a process-wide stats object.
+
+Subclasses implement `_update(step) -> dict | None` (the local math and, for update sync, the
+exchange) and, where per-rank state exists, `momentum_of(param)` and `_diagnostics(out)`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+import comm
+from comm import Clock, CommStats
+
+from . import sync
+from .diagnostics import momentum_spread
+
+PHASES = ("grad_sync", "update_sync", "momentum_sync", "diag")
+COMM_PHASES = ("grad_sync", "update_sync", "momentum_sync")  # what the step's comm time and bytes count
+
+
+@dataclass
+class StepReport:
+    """What one optimizer step did, for the trainer's log. Byte and second sums exclude the
+    diagnostics (their own phase, reported apart)."""
+
+    step: int
+    seconds: float = 0.0
+    """Wall time of step(), diagnostics excluded."""
+    phases: dict[str, dict] = field(default_factory=dict)
+    """phase -> {bytes_sent, bytes_recv, coll_s, pack_s, calls} (comm.CommStats.step_summary)."""
+    diagnostics: dict[str, float] = field(default_factory=dict)
+    histograms: dict[str, torch.Tensor] = field(default_factory=dict)
+    diag_seconds: float = 0.0
+    loss: Any = None
+
+    def total(self, key: str) -> float:
+        return sum(self.phases.get(p, {}).get(key, 0) for p in COMM_PHASES)
+
+    @property
+    def coll_s(self) -> float:
+        return self.total("coll_s")
+
+    @property
+    def pack_s(self) -> float:
+        return self.total("pack_s")
+
+    @property
+    def comm_s(self) -> float:
+        return self.coll_s + self.pack_s
+
+    @property
+    def bytes_sent(self) -> int:
+        return int(self.total("bytes_sent"))
+
+    @property
+    def bytes_recv(self) -> int:
+        return int(self.total("bytes_recv"))
+
+
+@dataclass
+class Entry:
+    """One trainable parameter in the role-ordered layout."""
+
+    group: int
+    role: str
+    name: str
+    layer: str
+    param: torch.nn.Parameter
+    offset: int
+    numel: int
+
+    @property
+    def rows(self) -> int:
+        return self.param.shape[0] if self.param.ndim >= 2 else 1
+
+
+class FlatLayout:
+    """Trainable parameters ordered by role (roles in order of first appearance among the
+    groups, group order within a role), so every role is one contiguous slice of a flat vector."""
+
+    def __init__(self, param_groups: list[dict]) -> None:
+        order: dict[str, int] = {}
+        raw = []
+        for gi, g in enumerate(param_groups):
+            role = g.get("role", "all")
+            order.setdefault(role, len(order))
+            names = g.get("names") or [f"group{gi}.{k}" for k in range(len(g["params"]))]
+            layers = g.get("layers") or [""] * len(g["params"])
+            for p, name, layer in zip(g["params"], names, layers):
+                if p.requires_grad:
+                    raw.append((gi, role, name, layer, p))
+        raw.sort(key=lambda e: order[e[1]])  # stable: group order within a role
+        self.entries: list[Entry] = []
+        off = 0
+        for gi, role, name, layer, p in raw:
+            self.entries.append(Entry(gi, role, name, layer, p, off, p.numel()))
+            off += p.numel()
+        self.numel = off
+        self.role_ranges: dict[str, tuple[int, int]] = {}
+        for e in self.entries:
+            a, _ = self.role_ranges.get(e.role, (e.offset, e.offset))
+            self.role_ranges[e.role] = (a, e.offset + e.numel)
+        self.per_group: dict[int, list[int]] = {}
+        for k, e in enumerate(self.entries):
+            self.per_group.setdefault(e.group, []).append(k)
+        dtypes = {e.param.dtype for e in self.entries}
+        self.dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        self.device = self.entries[0].param.device if self.entries else torch.device("cpu")
+
+    @property
+    def roles(self) -> list[str]:
+        return list(self.role_ranges)
+
+    @property
+    def segments(self) -> list[tuple[int, int]]:
+        return [(e.offset, e.numel) for e in self.entries]
+
+    def views(self, flat: torch.Tensor, idx: Iterable[int]) -> list[torch.Tensor]:
+        """Views of `flat` shaped like the parameters of entries `idx`."""
+        return [flat[self.entries[k].offset:self.entries[k].offset + self.entries[k].numel]
+                .view_as(self.entries[k].param) for k in idx]
+
+    def params(self, idx: Iterable[int]) -> list[torch.nn.Parameter]:
+        return [self.entries[k].param for k in idx]
+
+    def new_flat(self) -> torch.Tensor:
+        return torch.empty(self.numel, dtype=self.dtype, device=self.device)
+
+
+def attach_flat_grads(params: list[torch.nn.Parameter]) -> dict[torch.dtype, torch.Tensor]:
+    """Point every parameter's .grad at a slice of one zeroed flat buffer per dtype (in the given
+    order), so backward accumulates in place and a gradient exchange is one collective."""
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    buffers = {}
+    for dtype, ps in by_dtype.items():
+        flat = torch.zeros(sum(p.numel() for p in ps), dtype=dtype, device=ps[0].device)
+        off = 0
+        for p in ps:
+            p.grad = flat[off:off + p.numel()].view_as(p)
+            off += p.numel()
+        buffers[dtype] = flat
+    return buffers
+
+
+@dataclass
+class MomentumSync:
+    """Lion Cub §5: mean-allreduce (fp32, one flat buffer) the momenta of the selected roles after
+    the momentum update of every step t with t % every == 0 and start <= t (<= stop unless 0)."""
+
+    every: int = 0
+    layers: list = field(default_factory=lambda: ["all"])
+    start: int = 0
+    stop: int = 0
+
+    def due(self, t: int) -> bool:
+        if self.every <= 0 or t < self.start or (self.stop and t > self.stop):
+            return False
+        return t % self.every == 0
+
+    def selects(self, role: str) -> bool:
+        return "all" in self.layers or role in self.layers
+
+
+class CommOptimizer(torch.optim.Optimizer):
+    """Base of every optimizer of the project; see the module docstring."""
+
+    def __init__(self, param_groups: Iterable, defaults: dict, *, scheme: str | sync.SyncScheme = "fp32",
+                 scheme_options: sync.SchemeOptions | dict | None = None, group=None, grad_clip: float = 0.0,
+                 momentum_sync: MomentumSync | dict | None = None,
+                 param_order: list[torch.nn.Parameter] | None = None) -> None:
+        super().__init__(param_groups, defaults)
+        self.scheme = sync.get(scheme) if isinstance(scheme, str) else scheme
+        if scheme_options is None or isinstance(scheme_options, dict):
+            scheme_options = self.scheme.options(**(scheme_options or {}))
+        self.scheme_options = scheme_options
+        self.group = group
+        self.world_size, self.rank = comm.world(group)
+        self.layout = FlatLayout(self.param_groups)
+        if not self.layout.entries:
+            raise ValueError("the optimizer got no trainable parameter")
+        self.stats = {phase: CommStats() for phase in PHASES}
+        problems = self.scheme_options.problems(self.world_size)
+        if problems:
+            raise ValueError("; ".join(problems))
+        trainable = {id(e.param) for e in self.layout.entries}
+        order = [p for p in (param_order or []) if id(p) in trainable]
+        if len(order) != len(trainable):  # no (complete) model order given: role order
+            order = [e.param for e in self.layout.entries]
+        self.grad_buffers = attach_flat_grads(order)
+        self._grad_views = {id(p): p.grad for p in order}
+        if not grad_clip >= 0:
+            raise ValueError(f"optim.grad_clip={grad_clip}; need >= 0 (0 disables clipping)")
+        self.grad_clip = float(grad_clip)
+        if isinstance(momentum_sync, dict):
+            momentum_sync = MomentumSync(**momentum_sync)
+        self.momentum_sync = momentum_sync if momentum_sync is not None and momentum_sync.every > 0 else None
+        if self.momentum_sync is not None:
+            if self.scheme.kind != sync.UPDATE:
+                raise ValueError(f"comm.momentum_sync applies to update-sync modes; with comm.mode={self.scheme.name} "
+                                 "every rank already holds the same state. Set comm.momentum_sync.every=0.")
+            if not any(self.momentum_sync.selects(r) for r in self.layout.roles):
+                raise ValueError(f"comm.momentum_sync.layers={self.momentum_sync.layers} selects no parameter; roles "
+                                 f"present: {self.layout.roles} (a head tied to the embedding has role 'embedding')")
+        device = self.layout.device
+        self.clock = Clock(device)
+        # independent random stream per rank, reproducible from the run's seed
+        seed = (torch.initial_seed() * 1_000_003 + 7919 * (self.rank + 1)) % (2 ** 63 - 1)
+        phase = "grad_sync" if self.scheme.kind == sync.GRADIENT else "update_sync"
+        self.exchange = self.scheme.build(self.scheme_options, sync.ExchangeContext(
+            world_size=self.world_size, rank=self.rank, group=group, stats=self.stats[phase],
+            segments=self.layout.segments, rows=[e.rows for e in self.layout.entries], device=device, seed=seed))
+        self._step = 0
+
+    # ---- what subclasses implement ------------------------------------------------------------
+    def _update(self, step: int) -> dict | None:  # pragma: no cover - interface
+        """Apply one update to the parameters (after gradient sync and clipping); return what
+        `_diagnostics` needs, or None."""
+        raise NotImplementedError
+
+    def momentum_of(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        """The momentum tensor that momentum sync and the spread diagnostic use (None: none)."""
+        return None
+
+    def _diagnostics(self, out: dict | None) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        """Scheme-specific diagnostics of this step (update sync); default none."""
+        return {}, {}
+
+    # ---- the step -------------------------------------------------------------------------------
+    @property
+    def steps_done(self) -> int:
+        return self._step
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero the flat gradient buffers (the .grad views stay; set_to_none is ignored)."""
+        for buf in self.grad_buffers.values():
+            buf.zero_()
+
+    def _adopt_grads(self) -> None:
+        """A .grad replaced from outside (assigned, or set to None) is copied back into its view."""
+        for e in self.layout.entries:
+            view = self._grad_views[id(e.param)]
+            g = e.param.grad
+            if g is view:
+                continue
+            if g is None:
+                view.zero_()  # no gradient this step counts as 0: the flat collective is the same on every rank
+            else:
+                view.copy_(g)
+            e.param.grad = view
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None, *, diagnose: bool = False) -> StepReport:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t0 = self.clock.now()
+        for s in self.stats.values():
+            s.begin_step()
+        self._adopt_grads()
+        self._step += 1
+        t = self._step
+        if self.scheme.kind == sync.GRADIENT:
+            for buf in self.grad_buffers.values():
+                self.exchange(buf, t)
+        if self.grad_clip > 0:
+            self._clip_()
+        out = self._update(t)
+        report = StepReport(step=t, loss=loss)
+        due = self.momentum_sync is not None and self.momentum_sync.due(t)
+        if diagnose:
+            report.diag_seconds += self._run_diagnostics(report, out, after_sync=False)
+        if due:
+            self._sync_momenta()
+            if diagnose:
+                report.diag_seconds += self._run_diagnostics(report, None, after_sync=True)
+        report.seconds = self.clock.now() - t0 - report.diag_seconds
+        report.phases = {phase: s.step_summary() for phase, s in self.stats.items()}
+        return report
+
+    def _clip_(self) -> None:
+        bufs = list(self.grad_buffers.values())
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b, dtype=torch.float32) for b in bufs]))
+        scale = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
+        for b in bufs:
+            b.mul_(scale.to(b.dtype))
+
+    # ---- hooks: diagnostics and momentum sync ---------------------------------------------------------
+    def _momenta(self, select: Callable[[str], bool] = lambda role: True) -> list[tuple[Entry, torch.Tensor]]:
+        out = []
+        for e in self.layout.entries:
+            if select(e.role):
+                m = self.momentum_of(e.param)
+                if m is not None:
+                    out.append((e, m))
+        return out
+
+    def _run_diagnostics(self, report: StepReport, out: dict | None, after_sync: bool) -> float:
+        stats = self.stats["diag"]
+        t0 = self.clock.now()
+        if not after_sync:
+            d, h = self._diagnostics(out)
+            report.diagnostics.update(d)
+            report.histograms.update(h)
+        if self.scheme.kind == sync.UPDATE:
+            moms = self._momenta()
+            if moms:
+                prefix = "diag/momentum_spread_after_sync" if after_sync else "diag/momentum_spread"
+                report.diagnostics.update(momentum_spread(moms, world_size=self.world_size, group=self.group,
+                                                          stats=stats, prefix=prefix))
+        return self.clock.now() - t0
+
+    def _sync_momenta(self) -> None:
+        moms = [m for _, m in self._momenta(self.momentum_sync.selects)]
+        if not moms:
+            return
+        flat = torch.cat([m.reshape(-1).to(torch.float32) for m in moms])
+        flat = comm.allreduce_mean(flat, wire_dtype=torch.float32, group=self.group,
+                                   stats=self.stats["momentum_sync"])
+        torch._foreach_copy_(moms, [v.view_as(m) for v, m in zip(flat.split([m.numel() for m in moms]), moms)])
+
+    # ---- state --------------------------------------------------------------------------------------------
+    def _comm_state(self) -> dict:
+        return {"step": self._step, "exchange": self.exchange.state_dict(), "rank": self.rank,
+                "world_size": self.world_size, "scheme": self.scheme.name}
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd["comm"] = self._comm_state()
+        return sd
+
+    def _load_comm_state(self, extra: dict | None) -> None:
+        if extra is None:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: no 'comm' entry (step counter, exchange "
+                             "state); was this saved by a different optimizer?")
+        if extra["world_size"] != self.world_size:
+            raise ValueError(f"optimizer state was saved with {extra['world_size']} ranks, now {self.world_size}; "
+                             "resume with the same world size")
+        self._step = int(extra["step"])
+        self.exchange.load_state_dict(extra["exchange"])
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("comm", None)
+        super().load_state_dict(state_dict)
+        self._load_comm_state(extra)
+
+    def describe(self) -> str:
+        """One line for the run banner: optimizer, scheme and its options."""
+        opts = ", ".join(f"{k}={v}" for k, v in self.scheme_options.as_dict().items())
+        return f"{type(self).__name__} | comm {self.scheme.name} ({self.scheme.kind} sync{'; ' + opts if opts else ''})"
+
+
+def digest(tensors: Iterable[torch.Tensor]) -> str:
+    """sha256 of the raw bytes of `tensors` in order (bit-identity checks across ranks)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+__all__ = ["COMM_PHASES", "CommOptimizer", "Entry", "FlatLayout", "MomentumSync", "PHASES", "StepReport",
+           "attach_flat_grads", "dataclasses", "digest"]

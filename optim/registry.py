@@ -1,0 +1,145 @@
+"""The registry of optimizers (`optim.name`): how a name becomes an optimizer on a sync scheme.
+
+An entry declares its extra options (a dataclass of `optim.*` keys beyond the common ones),
+which sync schemes it can run on, and its build function. `build_optimizer` is the one place the
+trainer and the benchmarks turn (optim.name, comm.mode, options) into an optimizer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import sync
+from .adamw import AdamW
+from .base import CommOptimizer, MomentumSync
+from .lion import Lion
+from .lioncub import DistributedLion
+from .options import Options
+
+
+@dataclass
+class OptimOptions(Options):
+    """Options of an optimizer beyond the common optim.* keys; keys live in the `optim` section."""
+
+    section = "optim"
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str
+    options: type[OptimOptions]
+    build: Callable[..., CommOptimizer]
+    accepts: Callable[[sync.SyncScheme], bool]
+    needs: str
+    """What kind of scheme it runs on, for error messages."""
+    state: str
+    """Optimizer state per parameter (README table)."""
+    help: str
+
+
+_OPTIMIZERS: dict[str, OptimizerSpec] = {}
+
+
+def register_optimizer(spec: OptimizerSpec, *, replace: bool = False) -> OptimizerSpec:
+    if spec.name in _OPTIMIZERS and not replace:
+        raise ValueError(f"optimizer {spec.name!r} is already registered; pass replace=True to override it")
+    _OPTIMIZERS[spec.name] = spec
+    return spec
+
+
+def get_optimizer(name: str) -> OptimizerSpec:
+    if name not in _OPTIMIZERS:
+        raise ValueError(f"optim.name={name!r} is unknown; valid names: {', '.join(_OPTIMIZERS)}")
+    return _OPTIMIZERS[name]
+
+
+def optimizer_names() -> list[str]:
+    return list(_OPTIMIZERS)
+
+
+def optimizers() -> list[OptimizerSpec]:
+    return list(_OPTIMIZERS.values())
+
+
+def compatibility_problem(name: str, mode: str) -> str | None:
+    """Why optimizer `name` cannot run on scheme `mode` (None if it can)."""
+    spec, scheme = get_optimizer(name), sync.get(mode)
+    if spec.accepts(scheme):
+        return None
+    fits = [s.name for s in sync.schemes() if spec.accepts(s)]
+    users = [o.name for o in optimizers() if o.accepts(scheme)]
+    return (f"comm.mode: {mode} is a {scheme.kind}-sync scheme returning a {scheme.result}, and optim.name={name} "
+            f"needs {spec.needs}: one of {', '.join(fits)}"
+            + (f"; {mode} works with optim.name={' or '.join(users)}" if users else ""))
+
+
+def _gradient_mean(s: sync.SyncScheme) -> bool:
+    return s.kind == sync.GRADIENT and s.result == sync.MEAN
+
+
+@dataclass
+class NoOptions(OptimOptions):
+    """No options beyond the common optim.* keys."""
+
+
+def _build_lion(groups, *, betas, eps, options, **comm_kwargs):
+    scheme = comm_kwargs["scheme"]
+    cls = Lion if scheme.kind == sync.GRADIENT else DistributedLion
+    return cls(groups, betas=betas, **comm_kwargs)
+
+
+def _build_adamw(groups, *, betas, eps, options, **comm_kwargs):
+    return AdamW(groups, betas=betas, eps=eps, **comm_kwargs)
+
+
+register_optimizer(OptimizerSpec(
+    name="adamw", options=NoOptions, build=_build_adamw, accepts=_gradient_mean,
+    needs="a gradient-sync scheme", state="m, v (fp32)",
+    help="AdamW (torch's kernel) on the mean gradient"))
+register_optimizer(OptimizerSpec(
+    name="lion", options=NoOptions, build=_build_lion,
+    accepts=lambda s: _gradient_mean(s) or (s.kind == sync.UPDATE and s.result == sync.SIGN),
+    needs="a gradient-sync scheme (global Lion) or an update-sync sign aggregate (Distributed Lion / Lion Cub)",
+    state="m (fp32; per rank with update sync)",
+    help="Lion; with an update-sync scheme, Distributed Lion / Lion Cub (per-rank momentum)"))
+
+
+def build_optimizer(name: str, param_groups: list[dict], *, betas: tuple[float, float] = (0.9, 0.99),
+                    eps: float = 1e-8, comm_mode: str = "fp32", comm_options: dict | sync.SchemeOptions | None = None,
+                    optim_options: dict | OptimOptions | None = None, momentum_sync: dict | MomentumSync | None = None,
+                    grad_clip: float = 0.0, group=None,
+                    param_order: list[torch.nn.Parameter] | None = None) -> CommOptimizer:
+    """Build optimizer `name` for `param_groups` (dicts with params, names, role, lr, weight_decay,
+    lr_mult; optionally layers) on sync scheme `comm_mode`. Raises ValueError naming the bad value
+    and the valid ones. `param_order` (the model's parameter order) fixes the flat gradient layout."""
+    spec = get_optimizer(name)
+    scheme = sync.get(comm_mode)
+    problem = compatibility_problem(name, comm_mode)
+    if problem:
+        raise ValueError(problem)
+    scheme_options = _options(scheme.options, comm_options, "comm")
+    options = _options(spec.options, optim_options, "optim")
+    for g in param_groups:
+        for key in ("params", "lr", "weight_decay"):
+            if key not in g:
+                raise ValueError(f"param group {g.get('role', '?')!r} lacks {key!r}; every group needs "
+                                 "params, names, role, lr, weight_decay, lr_mult")
+    return spec.build(param_groups, betas=tuple(betas), eps=eps, options=options, scheme=scheme,
+                      scheme_options=scheme_options, group=group, grad_clip=grad_clip, momentum_sync=momentum_sync,
+                      param_order=param_order)
+
+
+def _options(cls, given, section: str):
+    if isinstance(given, cls):
+        return given
+    given = dict(given or {})
+    unknown = sorted(set(given) - set(cls.field_names()))
+    if unknown:
+        raise ValueError(f"unknown {section} options {unknown}; valid keys: {cls.field_names()}")
+    opts = cls(**given)
+    problems = opts.problems(None)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return opts

@@ -1,0 +1,166 @@
+"""The registry of synchronisation schemes: what crosses the network in one training step.
+
+A scheme is one named `comm.mode`. Its entry declares, in one place:
+- `kind`: GRADIENT (every rank averages its gradient, then steps one shared optimizer state) or
+  UPDATE (every rank keeps its own state; only the aggregated update crosses the network);
+- `result`: what the exchange returns: MEAN (an estimate of the mean of the inputs over ranks)
+  or SIGN (an aggregated sign in {-1, 0, +1}, or a mean of votes), so an optimizer can say which
+  schemes it can use;
+- `options`: a typed dataclass (optim.options.Options) that validates itself at a world size;
+- `build(options, ctx) -> Exchange`: the function that performs the exchange, built once per
+  optimizer (it may hold state: error feedback, a random generator);
+- `wire_bytes(options, P, n, rank, rows)`: the exact payload bytes (sent, received) of one
+  exchange of n elements on `rank`, as comm.CommStats counts them;
+- `predict(options, P, n, alpha, beta, rows)`: its alpha-beta time (comm.cost_model formulas);
+- `wire`: one line for the README's table of what crosses the network.
+
+Everything that lists modes (the config's allowed `comm.mode` values, `--help-config`, the
+benchmarks, the README table via `python -m optim.sync`) iterates over this registry. Adding a
+mode: write one module with its options, exchange, byte formula and prediction, and `register`
+it (docs/architecture.md, "How to add a communication mode").
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from comm import CommStats
+
+from ..options import Options
+
+GRADIENT = "gradient"
+UPDATE = "update"
+MEAN = "mean"
+SIGN = "sign"
+
+
+@dataclass
+class SchemeOptions(Options):
+    """Options of a sync scheme; keys live in the config's `comm` section."""
+
+
+@dataclass
+class ExchangeContext:
+    """What an exchange may need to know about the flat vector it aggregates and the group."""
+
+    world_size: int
+    rank: int
+    group: Any = None
+    stats: CommStats = dataclasses.field(default_factory=CommStats)
+    segments: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    """(offset, numel) of every parameter tensor in the flat vector (role order); empty = one segment."""
+    rows: list[int] = dataclasses.field(default_factory=list)
+    """Rows of every segment (dim 0 of a >= 2-D parameter; 1 for 0-/1-D), parallel to segments."""
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
+    seed: int = 0
+    """Seed for per-rank random streams (stochastic rounding, stochastic compressors)."""
+
+    def segments_for(self, n: int) -> list[tuple[int, int]]:
+        return self.segments or [(0, n)]
+
+    def rows_for(self, n: int) -> list[int]:
+        return self.rows or [1]
+
+
+class Exchange:
+    """One built exchange. Call it with the flat vector of this step; it returns the aggregate
+    (identical on every rank). Stateful exchanges save and restore their state."""
+
+    def __call__(self, x: torch.Tensor, step: int) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} holds no state but the checkpoint has {sorted(state)}")
+
+
+@dataclass(frozen=True)
+class SyncScheme:
+    name: str
+    kind: str
+    result: str
+    options: type[SchemeOptions]
+    build: Callable[[SchemeOptions, ExchangeContext], Exchange]
+    wire_bytes: Callable[..., tuple[int, int]]
+    predict: Callable[..., float]
+    wire: str
+    help: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in (GRADIENT, UPDATE):
+            raise ValueError(f"scheme {self.name}: kind must be {GRADIENT!r} or {UPDATE!r}, got {self.kind!r}")
+        if self.result not in (MEAN, SIGN):
+            raise ValueError(f"scheme {self.name}: result must be {MEAN!r} or {SIGN!r}, got {self.result!r}")
+        if not (dataclasses.is_dataclass(self.options) and issubclass(self.options, SchemeOptions)):
+            raise TypeError(f"scheme {self.name}: options must be a SchemeOptions dataclass")
+
+    def default_options(self) -> SchemeOptions:
+        return self.options()
+
+    def bytes_per_call(self, options: SchemeOptions, P: int, n: int, rank: int = 0, rows: int = 1) -> tuple[int, int]:
+        """(sent, received) payload bytes of one exchange of n elements on `rank` (0 at P = 1)."""
+        if P <= 1:
+            return 0, 0
+        return self.wire_bytes(options, P, n, rank, rows)
+
+
+_REGISTRY: dict[str, SyncScheme] = {}
+
+
+def register(scheme: SyncScheme, *, replace: bool = False) -> SyncScheme:
+    """Add a scheme. Option names shared with other schemes must mean the same thing: the same
+    type and default, since they share one flat config key."""
+    if scheme.name in _REGISTRY and not replace:
+        raise ValueError(f"sync scheme {scheme.name!r} is already registered; pass replace=True to override it")
+    for other in _REGISTRY.values():
+        if other.name == scheme.name:
+            continue
+        mine = {f.name: f for f in dataclasses.fields(scheme.options)}
+        for f in dataclasses.fields(other.options):
+            g = mine.get(f.name)
+            if g is not None and (str(g.type) != str(f.type) or _default(g) != _default(f)):
+                raise ValueError(f"sync scheme {scheme.name!r}: option {f.name!r} clashes with scheme "
+                                 f"{other.name!r} (type or default differs); rename it")
+    _REGISTRY[scheme.name] = scheme
+    return scheme
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return dataclasses.MISSING
+
+
+def get(name: str) -> SyncScheme:
+    if name not in _REGISTRY:
+        raise ValueError(f"comm.mode={name!r} is unknown; registered modes: {', '.join(names())}")
+    return _REGISTRY[name]
+
+
+def names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def schemes() -> list[SyncScheme]:
+    return list(_REGISTRY.values())
+
+
+def option_owners() -> dict[str, list[str]]:
+    """Option key -> the schemes that declare it (for 'this key belongs to mode X' errors)."""
+    out: dict[str, list[str]] = {}
+    for s in _REGISTRY.values():
+        for name in s.options.field_names():
+            out.setdefault(name, []).append(s.name)
+    return out
