@@ -1,0 +1,220 @@
+"""Dion's update (Ahn & Xu 2025) as pure tensor functions: one power iteration with error
+feedback for each m x n weight, centralized (Dion Alg. 1) and data-parallel (Dion Alg. 2).
+
+Owns the rank rule (dion_rank), the seeded right factor (init_dion_q), the step over a list of
+matrices (dion_step_), the exact wire volume (dion_wire_elements / dion_wire_bytes), the batched
+mean-allreduce callback over comm.allreduce_mean (make_reduce_mean) and the rank-r diagnostics.
+
+Per matrix X (m, n) = (fan_out, fan_in) of an nn.Linear weight, with state M (m, n), Q (n, r),
+on every data-parallel rank i with its own gradient G_i and momentum M_i and the shared Q:
+    B_i = M_i + G_i
+    P   = Orthonormalize( mean_i B_i Q )        mean-allreduce #1 (all P of the step, one call)
+    R   = mean_i B_i^T P                        mean-allreduce #2 (all R of the step, one call)
+    M_i = B_i - (1 - mu) P R^T                  error feedback: only the applied part decays
+    Q   = ColumnNormalize(R)
+    X   = (1 - lr*wd) X - lr * sqrt(m/n) * P Q^T
+With one rank this is Alg. 1. Alg. 2 equals Alg. 1 run on the mean gradient (Dion Thm. 2.1):
+mean_i B_i Q = (mean_i B_i) Q and mean_i B_i^T P = (mean_i B_i)^T P by linearity, so by induction
+mean_i M_i is the centralized momentum and P, R, Q, X are the centralized ones. In floating point
+the two sides differ by the rounding of those products (and by the wire dtype's rounding); the
+identity mean_i M_i = mean_i B_i - (1 - mu) P R^T holds for whatever P, R were used, and P, R, Q,
+X are bit-identical on every rank because every rank computes them from the same reduced bits.
+
+Scale sqrt(m/n) = sqrt(fan_out/fan_in) (Dion §2.1; microsoft/dion's sqrt(X.size(0)/X.size(1))).
+Q starts as a random orthonormal frame from a seed, so every rank draws the same Q without a
+broadcast (microsoft/dion draws a Gaussian Q and broadcasts it). Computation is in float32 (float64 for float64 state).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+import comm
+from .orthogonal import ORTHO_METHODS, _compute_dtype, dion_scale, orthonormalize_columns
+
+ReduceMean = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+DEFAULT_RANK_FRACTION = 0.25  # Dion §3 main results: r = d/4 (also d/8, d/16)
+
+
+def dion_rank(m: int, n: int, *, rank_fraction: float = DEFAULT_RANK_FRACTION, rank: int | None = None) -> int:
+    """Rank r of Dion's factors for an (m, n) matrix: `rank` when given (1 <= rank <= min(m, n)),
+    else ceil(rank_fraction * min(m, n)) with rank_fraction in (0, 1] (at least 1)."""
+    if isinstance(m, bool) or isinstance(n, bool) or not (isinstance(m, int) and isinstance(n, int)) \
+            or m < 1 or n < 1:
+        raise ValueError(f"dion_rank: shape ({m}, {n}) is not a non-empty matrix")
+    if rank is not None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"dion rank={rank!r}; need an int >= 1, or leave rank unset and use rank_fraction")
+        if rank > min(m, n):
+            raise ValueError(f"dion rank={rank} exceeds min(m, n)={min(m, n)} of the ({m}, {n}) matrix; "
+                             f"use rank <= {min(m, n)} or a rank_fraction in (0, 1]")
+        return rank
+    if isinstance(rank_fraction, bool) or not isinstance(rank_fraction, (int, float)) \
+            or not 0.0 < rank_fraction <= 1.0:
+        raise ValueError(f"dion rank_fraction={rank_fraction!r}; need 0 < rank_fraction <= 1 "
+                         f"(the paper uses 1/4, 1/8, 1/16)")
+    return max(1, math.ceil(rank_fraction * min(m, n)))
+
+
+def init_dion_q(n: int, r: int, *, seed: int, dtype: torch.dtype = torch.float32,
+                device: torch.device | str | None = None) -> torch.Tensor:
+    """Initial right factor Q (n, r): a random orthonormal frame (the QR factor of a Gaussian
+    matrix) drawn on the CPU in float64 from `seed`, so every rank (and every device type) gets
+    the same bits; give each matrix its own seed. Only span and conditioning matter
+    (Orthonormalize(B Q D) = Orthonormalize(B Q) for a positive diagonal D): an orthonormal frame
+    keeps B Q as well conditioned as B, where a square Gaussian Q at full rank can be nearly
+    singular; its unit columns match the state after every step."""
+    if not 1 <= r <= n:
+        raise ValueError(f"init_dion_q: r={r} must lie in [1, n={n}]")
+    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    q = orthonormalize_columns(torch.randn(n, r, generator=gen, dtype=torch.float64))
+    return q.to(dtype=dtype, device=device)
+
+
+def dion_wire_elements(shapes: Iterable[tuple[int, int, int]]) -> int:
+    """Elements one rank hands to the two mean-allreduces of one step, for matrices (m, n, r):
+    P is m x r and R is n x r, so sum of (m + n) * r (Dion §2.2: "(m + n) r per step")."""
+    total = 0
+    for m, n, r in shapes:
+        if not 1 <= r <= min(m, n):
+            raise ValueError(f"dion_wire_elements: rank {r} is not in [1, min(m, n)] for ({m}, {n})")
+        total += (m + n) * r
+    return total
+
+
+def dion_wire_bytes(shapes: Iterable[tuple[int, int, int]], wire_dtype: torch.dtype = torch.float32) -> int:
+    """Bytes one rank hands to collectives per step: dion_wire_elements * the wire itemsize (what
+    comm.CommStats books as bytes_sent). Cheaper than a gradient allreduce only where
+    (m + n) r < m n; microsoft/dion allreduces the gradient instead for the others."""
+    return dion_wire_elements(shapes) * torch.empty((), dtype=wire_dtype).element_size()
+
+
+def make_reduce_mean(group=None, wire_dtype: torch.dtype = torch.float32,
+                     stats: comm.CommStats | None = None) -> ReduceMean:
+    """The data-parallel mean for dion_step_: packs all tensors of one call into one flat buffer
+    and makes ONE comm.allreduce_mean on it (SUM in `wire_dtype`, float32 or bfloat16, divided by
+    the world size after casting back). Results are identical on every rank."""
+    def reduce_mean(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        if not tensors:
+            return []
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        comm.allreduce_mean(flat, wire_dtype=wire_dtype, group=group, stats=stats, inplace=True)
+        return [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+    return reduce_mean
+
+
+@dataclass
+class DionFactors:
+    """What one matrix's step used: P (m, r) orthonormal columns and R (n, r) = mean_i B_i^T P,
+    both identical on every rank, in the compute dtype. With diagnostics, `residual_norm` is
+    ||B_i - P R^T||_F (the part of this rank's B that was not applied and stays in M_i beyond
+    the decayed mu P R^T) and `rel_error` = residual_norm / ||B_i||_F, the relative error of the
+    rank-r approximation (0-dim float64 tensors, this rank's B_i; None without diagnostics)."""
+    P: torch.Tensor
+    R: torch.Tensor
+    residual_norm: torch.Tensor | None = None
+    rel_error: torch.Tensor | None = None
+
+
+def _per_matrix(value, k: int, name: str) -> list[float]:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return [float(value)] * k
+    values = [float(v) for v in value]
+    if len(values) != k:
+        raise ValueError(f"dion_step_: {name} has {len(values)} entries for {k} matrices; give one "
+                         "number or one per matrix")
+    return values
+
+
+def dion_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], momenta: Sequence[torch.Tensor],
+               qs: Sequence[torch.Tensor], *, lr: float | Sequence[float], mu: float = 0.95,
+               weight_decay: float | Sequence[float] = 0.0, scale: float | Sequence[float] | None = None,
+               reduce_mean: ReduceMean | None = None, ortho: str = "qr", eps: float = 1e-8,
+               diagnostics: bool = False) -> list[DionFactors]:
+    """One Dion step for every matrix of the lists, in place: params X (m, n), momenta M (m, n) and
+    right factors Q (n, r) are updated; grads G (m, n) are read. Returns one DionFactors each.
+
+    reduce_mean(list) -> list of the means over data-parallel ranks (same shapes). It is called
+    exactly twice per call, once with every matrix's P and once with every R, so a caller steps
+    all matrices with two collectives (make_reduce_mean packs each call into one allreduce; its
+    wire_dtype=torch.bfloat16 exchanges P and R in bf16). None: one process, or gradients already
+    averaged (then momenta are identical and nothing needs reducing).
+    lr, weight_decay, scale: one number or one per matrix; scale None is dion_scale(m, n) =
+    sqrt(fan_out/fan_in). mu: momentum decay (Dion's 0.95). ortho: "qr" | "cholesky_qr" (see
+    orthonormalize_columns). eps: added to R's column norms in the update's ColumnNormalize
+    (microsoft/dion's 1e-8), so an all-zero B moves X by weight decay only.
+    """
+    k = len(params)
+    if not (len(grads) == len(momenta) == len(qs) == k):
+        raise ValueError(f"dion_step_: {k} params, {len(grads)} grads, {len(momenta)} momenta, {len(qs)} Q's; "
+                         "need one of each per matrix")
+    if not 0.0 <= mu < 1.0:
+        raise ValueError(f"dion_step_: mu={mu}; need 0 <= mu < 1 (the paper uses 0.95)")
+    if ortho not in ORTHO_METHODS:
+        raise ValueError(f"dion_step_: ortho={ortho!r}; valid methods: {list(ORTHO_METHODS)}")
+    lrs = _per_matrix(lr, k, "lr")
+    wds = _per_matrix(weight_decay, k, "weight_decay")
+    scales = [dion_scale(*X.shape) for X in params] if scale is None else _per_matrix(scale, k, "scale")
+    for i, (X, G, M, Q) in enumerate(zip(params, grads, momenta, qs)):
+        if X.ndim != 2 or G.shape != X.shape or M.shape != X.shape:
+            raise ValueError(f"dion_step_: matrix {i}: param {tuple(X.shape)}, grad {tuple(G.shape)}, momentum "
+                             f"{tuple(M.shape)}; need three equal 2-D shapes")
+        if Q.ndim != 2 or Q.size(0) != X.size(1) or not 1 <= Q.size(1) <= min(X.shape):
+            raise ValueError(f"dion_step_: matrix {i}: Q has shape {tuple(Q.shape)} for a {tuple(X.shape)} param; "
+                             f"need ({X.size(1)}, r) with 1 <= r <= {min(X.shape)} (see dion_rank, init_dion_q)")
+
+    # B_i = M_i + G_i, kept in the momentum buffer; P_i = B_i Q (local)
+    Bs, P_local = [], []
+    for G, M, Q in zip(grads, momenta, qs):
+        M.add_(G.to(M.dtype))
+        B = M.to(_compute_dtype(M.dtype))  # M itself for float32 / float64 state
+        Bs.append(B)
+        P_local.append(B @ Q.to(B.dtype))
+    P_mean = reduce_mean(P_local) if reduce_mean is not None else P_local
+    Ps, R_local = [], []
+    for B, Pm in zip(Bs, P_mean):
+        P = orthonormalize_columns(Pm.to(B.dtype), ortho)
+        Ps.append(P)
+        R_local.append(B.mT @ P)
+    R_mean = reduce_mean(R_local) if reduce_mean is not None else R_local
+
+    out = []
+    for i, (X, M, Q) in enumerate(zip(params, momenta, qs)):
+        B, P, R = Bs[i], Ps[i], R_mean[i].to(Bs[i].dtype)
+        factors = DionFactors(P, R)
+        if diagnostics:
+            # ||B_i - P R^T||^2 = ||B_i||^2 - 2 <B_i^T P, R> + ||R||^2 since P^T P = I; float64
+            # scalars limit the cancellation when the residual is small
+            b2 = B.double().square().sum()
+            sq = b2 - 2.0 * (R_local[i].double() * R.double()).sum() + R.double().square().sum()
+            factors.residual_norm = sq.clamp_min(0.0).sqrt()
+            factors.rel_error = factors.residual_norm / b2.sqrt().clamp_min(torch.finfo(torch.float64).tiny)
+        # error feedback (Alg. 1 line 7): M_i = B_i - (1 - mu) P R^T
+        M.addmm_(P.to(M.dtype), R.mT.to(M.dtype), alpha=-(1.0 - mu))
+        norms = torch.linalg.vector_norm(R, dim=0, keepdim=True)
+        Q_update = R / (norms + eps)
+        # the state keeps the old column where R's column is exactly 0 (B = 0 on every rank): a
+        # zero Q column would give a zero column of B Q next step, which QR fills with an
+        # arbitrary unit vector instead of the warm start; the update uses 0 there
+        Q.copy_(torch.where(norms > 0, R / norms.clamp_min(torch.finfo(R.dtype).tiny), Q.to(R.dtype)))
+        # X = (1 - lr*wd) X - lr * scale * P Q^T  (Alg. 1 line 9 with decoupled weight decay)
+        X.addmm_(P.to(X.dtype), Q_update.mT.to(X.dtype), beta=1.0 - lrs[i] * wds[i], alpha=-lrs[i] * scales[i])
+        out.append(factors)
+    return out
+
+
+def low_rank_residual(B: torch.Tensor, P: torch.Tensor, R: torch.Tensor) -> tuple[float, float]:
+    """(||B - P R^T||_F, ||B - P R^T||_F / ||B||_F) formed explicitly in float64: the norm of the
+    error-feedback residual and the relative error of the rank-r approximation. An m x n
+    temporary; dion_step_(diagnostics=True) gets the same numbers without one."""
+    B64 = B.double()
+    res = torch.linalg.matrix_norm(B64 - P.double() @ R.double().mT).item()
+    nb = torch.linalg.matrix_norm(B64).item()
+    return res, (res / nb if nb > 0 else 0.0)
+
+
+__all__ = ["DEFAULT_RANK_FRACTION", "DionFactors", "ReduceMean", "dion_rank", "dion_scale", "dion_step_",
+           "dion_wire_bytes", "dion_wire_elements", "init_dion_q", "low_rank_residual", "make_reduce_mean"]

@@ -1,0 +1,259 @@
+"""optim.dion_math: Dion Alg. 1 on one process against independent float64 recomputations and the
+SVD, the rank rule and its errors, the wire formula; Alg. 2 at P = 2 and 4 through
+tests/workers/dion_dist.py.
+
+Rounding bounds used below (Higham, "Accuracy and Stability of Numerical Algorithms", §3.1):
+a float sum or inner product of k terms, in any order and with or without FMA, is off by at most
+gamma_k * (the same sum of absolute values), gamma_k = k u / (1 - k u), u the unit roundoff.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from optim.dion_math import (DionFactors, dion_rank, dion_scale, dion_step_, dion_wire_bytes, dion_wire_elements,
+                             init_dion_q, low_rank_residual, make_reduce_mean)
+from tests.dist import torchrun
+
+U32 = torch.finfo(torch.float32).eps / 2
+
+
+def gamma(k: int, u: float = U32) -> float:
+    return k * u / (1 - k * u)
+
+
+def random_state(m, n, r, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(m, n, generator=g).to(dtype)
+    M = (0.3 * torch.randn(m, n, generator=g)).to(dtype)
+    G = torch.randn(m, n, generator=g).to(dtype)
+    return X, M, G, init_dion_q(n, r, seed=seed + 1, dtype=dtype)
+
+
+# ---- (c) one step at r < min(m, n) against a float64 recomputation ------------------------------
+@pytest.mark.parametrize("m,n", [(48, 32), (32, 48)])
+def test_step_matches_float64_recomputation(m, n):
+    r = dion_rank(m, n)  # ceil(32 / 4) = 8
+    assert r == 8
+    mu, lr, wd, eps = 0.95, 0.02, 0.1, 1e-8
+    X, M, G, Q = random_state(m, n, r, seed=m)
+    X0, M0, Q0 = X.clone(), M.clone(), Q.clone()
+    B = M0 + G                           # the float32 buffer the step builds (same rounding)
+    f, = dion_step_([X], [G], [M], [Q], lr=lr, mu=mu, weight_decay=wd, diagnostics=True)
+    P, R = f.P.double(), f.R.double()
+    B64, X64 = B.double(), X0.double()
+
+    # P: orthonormal columns spanning B Q_old (Householder QR: orthogonality O(m r u))
+    assert (P.mT @ P - torch.eye(r, dtype=torch.float64)).abs().max() <= 10 * m * r * U32
+    A = B64 @ Q0.double()
+    kappa = torch.linalg.cond(A).item()
+    assert (A - P @ (P.mT @ A)).norm() <= 10 * m * r * U32 * kappa * A.norm()
+    # R = B^T P, an inner product of length m per entry
+    assert ((R - B64.mT @ P).abs() <= gamma(m) * (B64.abs().mT @ P.abs())).all()
+    # error feedback, exactly B - (1 - mu) P R^T up to the rounding of that line: B + alpha P R^T
+    # is an inner product of length r + 1 (addmm) after B = M + G was rounded once
+    M_ref = B64 - (1 - mu) * P @ R.mT
+    bound = (U32 + gamma(r + 1)) * (B64.abs() + (1 - mu) * P.abs() @ R.abs().mT)
+    assert ((M.double() - M_ref).abs() <= bound).all()
+    # Q = ColumnNormalize(R): unit columns along R
+    # (a norm of n squares: gamma_n / 2 relative, then a sqrt and a division)
+    assert torch.allclose(Q.double(), R / R.norm(dim=0), rtol=0, atol=gamma(n) / 2 + 3 * U32)
+    # X = (1 - lr wd) X - lr sqrt(m/n) P (R / (|R| + eps))^T
+    Qu = R / (R.norm(dim=0) + eps)
+    step = lr * math.sqrt(m / n)
+    X_ref = (1 - lr * wd) * X64 - step * P @ Qu.mT
+    bound = (U32 + gamma(r + 1)) * ((1 - lr * wd) * X64.abs() + step * P.abs() @ Qu.abs().mT) \
+        + step * (gamma(n) / 2 + 4 * U32) * P.abs() @ Qu.abs().mT  # Qu's rounding: norm, + eps, division
+    assert ((X.double() - X_ref).abs() <= bound).all()
+
+    # diagnostics: the cheap ||B||^2 - 2<R, R> + ||R||^2 vs the explicit float64 residual; it
+    # differs by the orthogonality error eta of P and the rounding of R (derived, first order)
+    res, rel = low_rank_residual(B, f.P, f.R)
+    eta = torch.linalg.matrix_norm(P.mT @ P - torch.eye(r, dtype=torch.float64), ord=2).item()
+    sq_err = eta * R.norm().item() ** 2 + 2 * gamma(m) * (B64.abs().mT @ P.abs()).norm().item() * R.norm().item()
+    assert abs(f.residual_norm.item() - res) <= sq_err / res + 1e-12 * res
+    assert abs(f.rel_error.item() - rel) <= (sq_err / res + 1e-12 * res) / B64.norm().item()
+    assert 0 < rel < 1
+    # the rank-r residual can be no smaller than the best rank-r one (Eckart-Young)
+    s = torch.linalg.svdvals(B64)
+    assert res >= s[r:].square().sum().sqrt().item() * (1 - 1e-6)
+
+
+def test_cholesky_qr_step_equals_qr_step():
+    m, n = 40, 24
+    r = dion_rank(m, n, rank_fraction=0.5)
+    runs = []
+    for method in ("qr", "cholesky_qr"):
+        X, M, G, Q = random_state(m, n, r, seed=5)
+        f, = dion_step_([X], [G], [M], [Q], lr=0.02, mu=0.95, ortho=method)
+        runs.append((X, M, Q, f.P))
+    (X1, M1, Q1, P1), (X2, M2, Q2, P2) = runs
+    # both give the QR factor with diag(R) >= 0; they differ by the QR perturbation bound
+    # sqrt(2) kappa(B Q) * O(m r u) of each method's backward error (Sun 1991)
+    _, _, G, Q0 = random_state(m, n, r, seed=5)
+    _, M0, _, _ = random_state(m, n, r, seed=5)
+    kappa = torch.linalg.cond(((M0 + G) @ Q0).double()).item()
+    tol = math.sqrt(2) * kappa * 20 * m * r * U32
+    assert (P1 - P2).abs().max().item() <= tol
+    assert (X1 - X2).abs().max().item() <= 0.02 * math.sqrt(m / n) * 4 * tol * r
+    assert (Q1 - Q2).abs().max().item() <= 4 * tol * r * math.sqrt(m)
+
+
+# ---- (b) full rank: plain momentum, and the polar factor once the power iteration converged -----
+@pytest.mark.parametrize("m,n", [(10, 6), (6, 10), (8, 8)])
+def test_full_rank_error_feedback_is_plain_momentum(m, n):
+    """At r = min(m, n), P spans the column space of B, so P R^T = P P^T B = B and the error
+    feedback gives M = mu B exactly in real arithmetic; in float32 up to the span error of the
+    QR, O(m r u kappa(B Q)), and the rounding of the update line."""
+    r = dion_rank(m, n, rank_fraction=1.0)
+    assert r == min(m, n)
+    mu = 0.9
+    X, M, G, Q = random_state(m, n, r, seed=11 * m + n)
+    B = (M + G).double()
+    kappa = torch.linalg.cond(B @ Q.double()).item()
+    f, = dion_step_([X], [G], [M], [Q], lr=0.01, mu=mu)
+    # QR backward error O(m r u) ||A||_F tilts span P away from span A = col B by at most
+    # 10 m r u sqrt(r) kappa(A) (constant 10 for Householder's small constants)
+    span_err = 10 * m * r * math.sqrt(r) * U32 * kappa * B.norm().item()
+    r_err = gamma(m) * (B.abs().mT @ f.P.double().abs()).norm().item()  # R = B^T P rounded
+    line = (U32 + gamma(r + 1)) * (B.norm().item() + (1 - mu) * math.sqrt(r) * f.R.double().norm().item())
+    assert (M.double() - mu * B).norm().item() <= (1 - mu) * (span_err + r_err) + line
+    assert low_rank_residual(B, f.P, f.R)[0] <= span_err + r_err
+
+
+@pytest.mark.parametrize("m,n", [(10, 6), (6, 10)])
+def test_full_rank_converges_to_polar_factor(m, n):
+    """Constant gradient G = U diag(s) V^T with s_j = rho^j (rho = 0.6), full rank, float64.
+    With M = mu B (above) B_t is a positive multiple of G, and P_{t+1} = QR(B_{t+1} B_t^T P_t D)
+    with D > 0 diagonal: orthogonal iteration on G G^T. Hence for the leading-j subspaces
+    (Golub & Van Loan, Thm. 8.2.2) tan theta_j(t) <= rho^(2(t-1)) tan theta_j(1), with
+    theta_j(1) measured after the first step from the random Q_0. From the angles:
+      |p_j - s u_j| <= sqrt(2) sqrt(sin^2 theta_(j-1) + sin^2 theta_j)          (p_j in S_j, p_j _|_ S_(j-1))
+      |q_j - s v_j| <= 2 s_1 / s_j * |p_j - s u_j|                              (q_j = B^T p_j / |B^T p_j|)
+      ||P Q^T - U V^T||_F <= sum_j |p_j - s u_j| (1 + 2 s_1 / s_j)
+    which the test checks at every step, and that it has fallen below 1e-6 by step 30."""
+    rho, mu, k = 0.6, 0.95, min(m, n)
+    g = torch.Generator().manual_seed(m * 100 + n)
+    U, _ = torch.linalg.qr(torch.randn(m, k, generator=g, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(n, k, generator=g, dtype=torch.float64))
+    s = rho ** torch.arange(k, dtype=torch.float64)
+    G = U @ torch.diag(s) @ V.mT
+    polar = U @ V.mT
+    X = torch.zeros(m, n, dtype=torch.float64)
+    M = torch.zeros_like(X)
+    Q = init_dion_q(n, k, seed=3, dtype=torch.float64)
+
+    def tan_angles(P):
+        # tan of the largest principal angle between span P[:, :j] and span U[:, :j]:
+        # ||(P_j - U_j C) C^-1||_2 with C = U_j^T P_j (no cancellation, unlike via cosines)
+        out = []
+        for j in range(1, k + 1):
+            C = U[:, :j].mT @ P[:, :j]
+            out.append(torch.linalg.matrix_norm((P[:, :j] - U[:, :j] @ C) @ torch.linalg.inv(C), ord=2).item())
+        return out
+
+    tan1 = None
+    for t in range(1, 31):
+        f, = dion_step_([X], [G], [M], [Q], lr=0.0, mu=mu, eps=0.0)
+        tans = tan_angles(f.P)
+        if tan1 is None:
+            tan1 = tans
+        predicted = [rho ** (2 * (t - 1)) * x for x in tan1]
+        assert all(a <= b * (1 + 1e-9) + 1e-12 for a, b in zip(tans, predicted)), (t, tans, predicted)
+        sins = [0.0] + [min(1.0, x) for x in predicted]
+        bound = sum(math.sqrt(2) * math.sqrt(sins[j] ** 2 + sins[j + 1] ** 2) * (1 + 2 * s[0].item() / s[j].item())
+                    for j in range(k))
+        err = torch.linalg.matrix_norm(f.P @ Q.mT - polar).item()  # Q is the new, unit-column Q
+        assert err <= bound + 1e-10, (t, err, bound)
+    assert bound < 1e-6 and err < 1e-6
+
+
+# ---- zero gradients, API errors ------------------------------------------------------------------
+def test_zero_gradient_moves_by_weight_decay_only_and_recovers():
+    m, n, r = 12, 20, 3
+    X = torch.randn(m, n)
+    M = torch.zeros(m, n)
+    Q = init_dion_q(n, r, seed=9)
+    X0, Q0 = X.clone(), Q.clone()
+    dion_step_([X], [torch.zeros(m, n)], [M], [Q], lr=0.1, mu=0.9, weight_decay=0.5)
+    assert torch.equal(M, torch.zeros(m, n))
+    assert torch.equal(Q, Q0)  # a zero R keeps the old Q, so B Q does not lose directions
+    assert torch.allclose(X, 0.95 * X0, rtol=0, atol=1e-6)
+    G = torch.randn(m, n)
+    f, = dion_step_([X], [G], [M], [Q], lr=0.1, mu=0.9)
+    q, rr = torch.linalg.qr(G @ Q0)  # B = G: the first nonzero step starts from the kept Q
+    assert torch.allclose(f.P, q * torch.sign(torch.diagonal(rr)), atol=1e-5)
+    assert torch.allclose(Q.norm(dim=0), torch.ones(r), atol=1e-6)
+
+
+def test_rank_rule_and_errors():
+    assert dion_rank(768, 3072) == 192                        # d / 4
+    assert dion_rank(768, 768, rank_fraction=1 / 16) == 48    # d / 16
+    assert dion_rank(3, 5, rank_fraction=0.1) == 1            # at least 1
+    assert dion_rank(64, 192, rank=64) == 64
+    with pytest.raises(ValueError, match=r"rank=65 exceeds min\(m, n\)=64"):
+        dion_rank(64, 192, rank=65)
+    with pytest.raises(ValueError, match="rank=0"):
+        dion_rank(64, 192, rank=0)
+    for bad in (0.0, -0.25, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="rank_fraction"):
+            dion_rank(64, 192, rank_fraction=bad)
+    X, M, G, Q = random_state(8, 6, 2, seed=1)
+    with pytest.raises(ValueError, match=r"Q has shape \(6, 7\)"):
+        dion_step_([X], [G], [M], [torch.randn(6, 7)], lr=0.1)
+    with pytest.raises(ValueError, match="lr has 2 entries for 1 matrices"):
+        dion_step_([X], [G], [M], [Q], lr=[0.1, 0.2])
+    with pytest.raises(ValueError, match="mu=1.0"):
+        dion_step_([X], [G], [M], [Q], lr=0.1, mu=1.0)
+    with pytest.raises(ValueError, match="ortho='svd'"):
+        dion_step_([X], [G], [M], [Q], lr=0.1, ortho="svd")
+    with pytest.raises(ValueError, match=r"rank 9 is not in \[1, min\(m, n\)\]"):
+        dion_wire_elements([(8, 6, 9)])
+
+
+def test_init_q_seeded_and_scale_independent():
+    a = init_dion_q(50, 5, seed=42)
+    assert torch.equal(a, init_dion_q(50, 5, seed=42))
+    assert not torch.equal(a, init_dion_q(50, 5, seed=43))
+    assert torch.allclose(a.norm(dim=0), torch.ones(5), atol=1e-6)
+    # the step does not depend on the scale of Q's columns (QR of B Q D, D > 0 diagonal)
+    X1, M1, G, Q1 = random_state(30, 50, 5, seed=2)
+    X2, M2, _, _ = random_state(30, 50, 5, seed=2)
+    Q2 = Q1 * torch.tensor([1.0, 3.0, 0.5, 10.0, 2.0])
+    dion_step_([X1], [G], [M1], [Q1], lr=0.05)
+    dion_step_([X2], [G], [M2], [Q2], lr=0.05)
+    assert torch.allclose(X1, X2, atol=1e-5) and torch.allclose(Q1, Q2, atol=1e-5)
+
+
+def test_many_matrices_two_reduce_calls_and_wire_formula():
+    shapes = [(24, 40), (48, 16), (16, 16)]
+    ranks = [dion_rank(m, n) for m, n in shapes]
+    states = [random_state(m, n, r, seed=i) for i, ((m, n), r) in enumerate(zip(shapes, ranks))]
+    seen = []
+
+    def reduce_mean(ts):
+        seen.append([tuple(t.shape) for t in ts])
+        return make_reduce_mean()(ts)  # one process: a copy, no collective
+
+    Xs, Ms, Gs, Qs = (list(x) for x in zip(*states))
+    out = dion_step_(Xs, Gs, Ms, Qs, lr=[0.01, 0.02, 0.03], weight_decay=0.1, reduce_mean=reduce_mean)
+    assert all(isinstance(f, DionFactors) for f in out)
+    assert seen == [[(m, r) for (m, n), r in zip(shapes, ranks)], [(n, r) for (m, n), r in zip(shapes, ranks)]]
+    elements = sum(math.prod(s) for call in seen for s in call)
+    assert dion_wire_elements([(m, n, r) for (m, n), r in zip(shapes, ranks)]) == elements
+    assert dion_wire_bytes([(m, n, r) for (m, n), r in zip(shapes, ranks)], torch.bfloat16) == 2 * elements
+    # an identity reduce_mean gives bit for bit the single-process step
+    states2 = [random_state(m, n, r, seed=i) for i, ((m, n), r) in enumerate(zip(shapes, ranks))]
+    Xs2, Ms2, Gs2, Qs2 = (list(x) for x in zip(*states2))
+    dion_step_(Xs2, Gs2, Ms2, Qs2, lr=[0.01, 0.02, 0.03], weight_decay=0.1)
+    assert all(torch.equal(a, b) for a, b in zip(Xs + Ms + Qs, Xs2 + Ms2 + Qs2))
+    assert dion_scale(48, 16) == math.sqrt(3)
+
+
+# ---- (d) Dion Alg. 2 over gloo -------------------------------------------------------------------
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_distributed_equals_centralized_on_mean_gradient(nproc):
+    proc = torchrun(nproc, "dion_dist.py", timeout=240)
+    assert "dion_dist OK" in proc.stdout
