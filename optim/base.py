@@ -25,7 +25,6 @@ exchange) and, where per-rank state exists, `momentum_of(param)` and `_diagnosti
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -212,7 +211,7 @@ class CommOptimizer(torch.optim.Optimizer):
         order = [p for p in (param_order or []) if id(p) in trainable]
         if len(order) != len(trainable):  # no (complete) model order given: role order
             order = [e.param for e in self.layout.entries]
-        self.grad_buffers = attach_flat_grads(order)
+        self.grad_buffers = attach_flat_grads(self._grad_order(order))
         self._grad_views = {id(p): p.grad for p in order}
         if not grad_clip >= 0:
             raise ValueError(f"optim.grad_clip={grad_clip}; need >= 0 (0 disables clipping)")
@@ -246,6 +245,18 @@ class CommOptimizer(torch.optim.Optimizer):
     def momentum_of(self, p: torch.nn.Parameter) -> torch.Tensor | None:
         """The momentum tensor that momentum sync and the spread diagnostic use (None: none)."""
         return None
+
+    def _grad_order(self, order: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+        """The order of the flat gradient buffer (default: the model's). A subclass that exchanges
+        only some gradients may put them first so they form one contiguous slice."""
+        return order
+
+    def _exchange_gradients(self, step: int) -> None:
+        """Before clipping and the update: a GRADIENT scheme averages every flat gradient buffer
+        (one collective each). Subclasses that exchange only part of the gradient override this."""
+        if self.scheme.kind == sync.GRADIENT:
+            for buf in self.grad_buffers.values():
+                self.exchange(buf, step)
 
     def _diagnostics(self, out: dict | None) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         """Scheme-specific diagnostics of this step (update sync); default none."""
@@ -286,9 +297,7 @@ class CommOptimizer(torch.optim.Optimizer):
         self._adopt_grads()
         self._step += 1
         t = self._step
-        if self.scheme.kind == sync.GRADIENT:
-            for buf in self.grad_buffers.values():
-                self.exchange(buf, t)
+        self._exchange_gradients(t)
         if self.grad_clip > 0:
             self._clip_()
         out = self._update(t)
@@ -386,4 +395,4 @@ def digest(tensors: Iterable[torch.Tensor]) -> str:
 
 
 __all__ = ["COMM_PHASES", "CommOptimizer", "Entry", "FlatLayout", "MomentumSync", "PHASES", "StepReport",
-           "attach_flat_grads", "dataclasses", "digest"]
+           "attach_flat_grads", "digest"]
