@@ -70,15 +70,22 @@ def test_prediction_matches_table1_transcription():
     assert roles["head"] == pc.vocab_size * pc.n_embd and sum(roles.values()) == n
     P, a, b = 4, 50e-6, 1e-9
     ms_off = {"every": 0, "layers": ["head"], "start": 0, "stop": 0}
-    cases = {  # comm section -> Lion Cub Table 1 written out by hand
+    cases = {  # comm section -> Lion Cub Table 1 bandwidth terms with ring latency per collective, by hand
         "fp32": ({"mode": "fp32"}, 2 * (P - 1) * a + 2 * (P - 1) / P * n * 32 * b),
         "bf16": ({"mode": "bf16"}, 2 * (P - 1) * a + 2 * (P - 1) / P * n * 16 * b),
-        "onebit": ({"mode": "onebit"}, (P - 1 + 2) * a + (1 + (P - 1) / P) * n * b),
-        "pbit4": ({"mode": "pbit", "bits": 4}, 2 * 2 * a + 2 * (P - 1) / P * n * 4 * b),
-        # our packed parameter server: the server's link carries P-1 one-bit payloads in, P-1 out
-        "ps": ({"mode": "ps", "ps_topology": "naive", "ps_aggregate": "vote"}, 2 * (P - 1) * a + 2 * (P - 1) * n * b),
+        "onebit": ({"mode": "onebit"}, 2 * (P - 1) * a + (1 + (P - 1) / P) * n * b),
+        "pbit4": ({"mode": "pbit", "bits": 4}, 2 * (P - 1) * a + 2 * (P - 1) / P * n * 4 * b),
+        # our packed parameter server: the server's link carries P-1 payloads in, P-1 out
+        "ps_tiebreak": ({"mode": "ps", "ps_topology": "naive", "ps_aggregate": "vote_tiebreak"},
+                        2 * (P - 1) * a + 2 * (P - 1) * n * b),
+        "ps_exact": ({"mode": "ps", "ps_topology": "naive", "ps_aggregate": "vote"},
+                     2 * (P - 1) * a + (P - 1) * n * (2 + 2) * b),  # ternary signs: 2 bits each way
         "ps_avg": ({"mode": "ps", "ps_topology": "naive", "ps_aggregate": "avg"},
                    2 * (P - 1) * a + (P - 1) * n * (1 + 3) * b),  # ceil(log2(P+1)) = 3 bits back
+        # mask_zero_updates adds one fp32 allreduce of a flag per parameter row
+        "onebit_mask": ({"mode": "onebit", "mask_zero_updates": True},
+                        4 * (P - 1) * a + (1 + (P - 1) / P) * n * b
+                        + 2 * (P - 1) / P * variants.num_rows(model) * 32 * b),
     }
     for name, (c, want) in cases.items():
         got = variants.predict_step_comm_s({"model": model, "comm": {**c, "momentum_sync": ms_off}}, P, a, b)
@@ -93,12 +100,13 @@ def test_prediction_matches_table1_transcription():
 
 
 def test_variant_configs_and_levels():
-    from trainer.config import load_config, pbit_levels
+    from optim.sync import effective_levels
+    from trainer.config import load_config
 
     four = load_config(str(variants.config_path("lioncub_4bit"))).comm
     assert (four.bits, four.quantizer, four.levels) == (4, "sign", 0)  # the paper's +-1 votes
     eight = load_config(str(variants.config_path("lioncub_8bit_l1"))).comm
-    assert pbit_levels(eight.bits, 4, eight.levels) == 31 and pbit_levels(eight.bits, 8, eight.levels) == 15
+    assert effective_levels(eight.bits, 4, eight.levels) == 31 and effective_levels(eight.bits, 8, eight.levels) == 15
     for v in variants.DEFAULT_VARIANTS + quality.DEFAULT_VARIANTS:
         assert variants.config_path(v).is_file()
     with pytest.raises(ValueError, match="lioncub_4bit"):

@@ -89,7 +89,7 @@ def test_fit_alpha_beta_loopback_under_load() -> None:
          + (5e-3 * float(torch.rand(1, generator=g)) if s < (1 << 20) else 0.0) for s in sizes]
     alpha, beta = cost_model.fit_alpha_beta(P, sizes, t)
     assert abs(beta / beta_true - 1) < 0.05 and alpha >= 0, (alpha, beta)
-    model = cost_model.predict("fp32", P, 25_000_000, alpha, beta)
+    model = cost_model.ring_allreduce(P, 25_000_000, 32, alpha, beta)
     assert 0.9 < model / cost_model.ring_allreduce(P, 25_000_000, 32, 100e-6, beta_true) < 1.1
 
 

@@ -116,15 +116,20 @@ def test_cost_model_table1_values() -> None:
     # hand-evaluated Table 1 rows at P=4 (log2 P = 2)
     assert cost_model.ps_naive(P, N, 32, a, b) == pytest.approx(6 * a + 8 * N * 32 * b)
     assert cost_model.ps_efficient(P, N, 32, a, b) == pytest.approx(4 * a + 2.25 * N * 32 * b)
-    assert cost_model.direct_allreduce(P, N, None, a, b) == pytest.approx(4 * a + 1.5 * N * 3 * b)
-    assert cost_model.direct_allreduce(P, N, 4, a, b) == pytest.approx(4 * a + 1.5 * N * 4 * b)
-    assert cost_model.onebit_allreduce(P, N, 1, a, b) == pytest.approx(5 * a + 1.75 * N * b)
+    # one latency model per collective: the direct allreduce is an allreduce like the ring (2(P-1) alpha),
+    # the 1-bit allreduce an all-to-all plus an all-gather ((P-1) alpha each); Table 1's bandwidth terms
+    assert cost_model.direct_allreduce(P, N, None, a, b) == pytest.approx(6 * a + 1.5 * N * 3 * b)
+    assert cost_model.direct_allreduce(P, N, 4, a, b) == pytest.approx(6 * a + 1.5 * N * 4 * b)
+    assert cost_model.onebit_allreduce(P, N, 1, a, b) == pytest.approx(6 * a + 1.75 * N * b)
     assert cost_model.ring_allreduce(P, N, 32, a, b) == pytest.approx(6 * a + 1.5 * N * 32 * b)
-    assert cost_model.predict("fp32", P, N, a, b) / cost_model.predict("sign_vote_1bit", P, N, a, b) \
-        == pytest.approx((6 * a + 48 * N * b) / (5 * a + 1.75 * N * b))
+    assert cost_model.allreduce_time(P, 8.0, a, b) == cost_model.ring_allreduce(P, 1, 8, a, b)
+    assert (cost_model.all_to_all_time(P, 100, a, b) + cost_model.all_gather_time(P, 100, a, b)
+            == pytest.approx(cost_model.allreduce_time(P, 100, a, b)))
     assert all(f(1, N, 32, a, b) == 0.0 for f in cost_model.TABLE1.values())
-    with pytest.raises(ValueError, match="unknown mode 'nope'"):
-        cost_model.predict("nope", P, N, a, b)
+    # hierarchical = reduce-scatter + 1-bit across nodes + all-gather, the same primitives
+    assert cost_model.hierarchical_onebit(P, N, 32, a, b, node_size=2) == pytest.approx(
+        cost_model.reduce_scatter_time(2, N * 32, a, b) + cost_model.onebit_allreduce(2, N / 2, 1, a, b)
+        + cost_model.all_gather_time(2, N, a, b))
 
 
 def test_majority_threshold_equals_sign_of_2c_minus_p() -> None:
@@ -178,13 +183,16 @@ def test_block_boundaries(monkeypatch, block: str) -> None:
 
 def test_cost_model_ps_implementation_models() -> None:
     N, a, b = 1_000_000, 1e-5, 1e-9
-    # naive at P=4: 3 one-bit payloads in, 3 back (vote) or 3 planes each (avg: ceil(log2 5) = 3)
-    assert cost_model.predict("ps_naive", 4, N, a, b) == pytest.approx(6 * a + 3 * N * 2 * b)
-    assert cost_model.predict("ps_naive", 4, N, a, b, aggregate="avg") == pytest.approx(6 * a + 3 * N * 4 * b)
+    # naive at P=4: 3 one-bit payloads in, 3 back (vote) or 3 planes back (avg: ceil(log2 5) = 3)
+    assert cost_model.ps_naive_packed(4, N, a, b) == pytest.approx(6 * a + 3 * N * 2 * b)
+    assert cost_model.ps_naive_packed(4, N, a, b, up=1, back=3) == pytest.approx(6 * a + 3 * N * 4 * b)
+    assert cost_model.ps_naive_packed(4, N, a, b, up=2, back=2) == pytest.approx(6 * a + 3 * N * 4 * b)  # eq. 5 exact
     # tree at P=4 (0 -> 1, 2; 1 -> 3): up = N (3 -> 1) + (2 + 1) N (1, 2 -> 0); down = 2N + N
-    assert cost_model.predict("ps_tree", 4, N, a, b) == pytest.approx(4 * a + 7 * N * b)
-    assert cost_model.predict("ps_tree", 2, N, a, b) == pytest.approx(2 * a + 2 * N * b)
+    assert cost_model.ps_tree_packed(4, N, a, b) == pytest.approx(4 * a + 7 * N * b)
+    assert cost_model.ps_tree_packed(2, N, a, b) == pytest.approx(2 * a + 2 * N * b)
+    # ternary values (unit 2): 3 -> 1 sends ceil(log2 3) = 2 planes, 1 and 2 -> 0 send 3 and 2; down 2 planes
+    assert cost_model.ps_tree_packed(4, N, a, b, unit=2, back=2) == pytest.approx(4 * a + (2 + 5 + 4 + 2) * N * b)
     # naive grows with P faster than the 1-bit allreduce (Lion Cub Fig. 2)
-    ratios = [cost_model.predict("ps_naive", P, N, 0, b) / cost_model.predict("sign_vote_1bit", P, N, 0, b)
+    ratios = [cost_model.ps_naive_packed(P, N, 0, b) / cost_model.onebit_allreduce(P, N, 1, 0, b)
               for P in (2, 4, 8)]
     assert ratios[0] < ratios[1] < ratios[2]

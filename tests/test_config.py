@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from optim import optimizer_names, sync
 from trainer.config import ConfigError, describe, load_config, validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,17 +41,23 @@ def test_unknown_keys_name_the_closest_valid_key_and_all_problems_at_once():
     assert "4 config problem(s)" in msg
     assert "train.max_stpes: unknown key; did you mean train.max_steps?" in msg
     assert "optim.lr: expected float, got 'fast'" in msg
-    assert "comm.mode: 'carrier' is not one of fp32, bf16, ps, onebit, pbit, hierarchical" in msg
+    assert f"comm.mode: 'carrier' is not one of {', '.join(sync.names())}" in msg
     assert "optimm: unknown section; did you mean optim?" in msg
 
 
 def test_bad_combinations():
-    with pytest.raises(ConfigError, match="needs optim.name=lion, got optim.name=adamw"):
+    with pytest.raises(ConfigError, match="optim.name=adamw needs a gradient-sync scheme: one of fp32, bf16; "
+                                          "onebit works with optim.name=lion"):
         load_config(None, ["optim.name=adamw", "comm.mode=onebit"])
     with pytest.raises(ConfigError, match="data.seq_len: 4096 exceeds the model's block size 256"):
         load_config(None, ["data.seq_len=4096"])
-    with pytest.raises(ConfigError, match="momentum sync applies to ps/onebit/pbit/hierarchical"):
+    with pytest.raises(ConfigError, match="momentum sync applies to update-sync modes: onebit, ps, hierarchical, pbit"):
         load_config(None, ["comm.momentum_sync.every=10"])
+    # a key of another mode is named as such, not silently ignored
+    with pytest.raises(ConfigError, match=r"comm.bits: not an option of comm.mode=onebit \(it belongs to pbit\)"):
+        load_config(None, ["comm.mode=onebit", "comm.bits=8"])
+    with pytest.raises(ConfigError, match="comm.tie_brake: unknown key; did you mean comm.tie_break"):
+        load_config(None, ["comm.mode=onebit", "comm.tie_brake=plus"])
 
 
 def test_world_size_dependent_checks():
@@ -75,6 +82,13 @@ def test_help_text_covers_every_field():
         if line.startswith("  "):
             assert line.split(":", 1)[1].strip(), f"field without help: {line}"
     assert "comm:" in text and "mode: What crosses the network" in text
+    # every registered scheme's and optimizer's options are listed, under the values that select them
+    for scheme in sync.schemes():
+        for key in scheme.options.field_names():
+            line = next(ln for ln in text.splitlines() if ln.startswith(f"  {key}: [comm.mode="))
+            assert scheme.name in line.split("]")[0], (key, scheme.name, line)
+    assert "ps_aggregate: [comm.mode=ps]" in text and "bits: [comm.mode=pbit]" in text
+    assert all(name in text for name in optimizer_names())
 
 
 def test_cli_reports_config_errors_without_traceback(tmp_path):

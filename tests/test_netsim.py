@@ -149,17 +149,18 @@ def test_bench_comm_under_netsim(tmp_path) -> None:
     n = 250_000
     out = tmp_path / "bench"
     rc = bench_comm.main(["--nproc", "2", "--rate", "100mbit", "--sizes", str(n), "--repeats", "1",
-                          "--modes", "fp32,int_allreduce_4b,sign_vote_1bit", "--alpha", "0", "--beta", "1e-8",
+                          "--modes", "fp32,pbit:bits=4:levels=0,onebit", "--alpha", "0", "--beta", "1e-8",
                           "--out", str(out), "--timeout", "120"])
     assert rc == 0
     rows = {r["mode"]: r for r in __import__("csv").DictReader(open(out / "results.csv"))}
-    assert set(rows) == {"fp32", "int_allreduce_4b", "sign_vote_1bit"}
+    assert set(rows) == {"fp32", "pbit:bits=4:levels=0", "onebit"}
     assert int(rows["fp32"]["bytes_sent_max"]) == 4 * n
-    assert int(rows["int_allreduce_4b"]["bytes_sent_max"]) == n // 2
+    assert int(rows["pbit:bits=4:levels=0"]["bytes_sent_max"]) == n // 2
     # all-to-all of ceil(n/8P)*P bytes plus the all-gather of one chunk (n = 250000 divides evenly)
-    assert int(rows["sign_vote_1bit"]["bytes_sent_max"]) == n // 8 + n // 16
+    assert int(rows["onebit"]["bytes_sent_max"]) == n // 8 + n // 16
+    assert all(r["bytes_match_formula"] == "True" for r in rows.values()), rows
     ideal = n * 4 * 8 / 100e6                    # ring allreduce at P=2 sends N*4 bytes per rank
     assert 0.8 * ideal <= float(rows["fp32"]["coll_s"]) <= 4 * ideal + 0.05, rows["fp32"]
     assert float(rows["fp32"]["model_s"]) == pytest.approx(2 * 0.5 * n * 32 * 1e-8)   # given alpha, beta
     assert (out / "time_vs_n.png").stat().st_size > 1000
-    assert "sign_vote_1bit" in (out / "results.md").read_text()
+    assert "onebit" in (out / "results.md").read_text()

@@ -168,3 +168,40 @@ def test_resume_guards(tmp_path):
     refused = _run1(other, "train.max_steps=2", "train.resume=overwrite")
     assert refused.returncode == 2 and "does not look like a run directory" in refused.stderr
     assert (other / "data.txt").read_text() == "keep"
+
+
+def test_per_layer_diagnostics_and_presync_spread(tmp_path):
+    run = tmp_path / "run"
+    train(2, run, "optim.name=lion", "comm.mode=onebit", "model.tie_embeddings=false", "train.max_steps=4",
+          "diag.every=2", "comm.momentum_sync.every=2", "comm.momentum_sync.layers=[head]")
+    diags = records(run, "diag/sign_match")
+    assert [r["step"] for r in diags] == [2, 4]
+    d = diags[-1]
+    # embedding and head apart (untied), per transformer block, per parameter tensor
+    for metric in ("sign_match", "sign_flip", "tie_rate", "momentum_spread"):
+        for key in ("embedding", "head", "block/0", "block/1", "tensor/transformer.h.1.mlp.fc.weight",
+                    "tensor/lm_head.weight", "tensor/transformer.wte.weight"):
+            assert f"diag/{metric}/{key}" in d, (metric, key)
+    # step 4 synced the head: its spread is reported before the sync (> 0) and after it (exactly 0)
+    assert d["diag/momentum_spread/head"] > 0 and d["diag/momentum_spread_after_sync/head"] == 0.0
+    assert d["diag/momentum_spread_after_sync/embedding"] == d["diag/momentum_spread/embedding"] > 0
+    blocks = [d[f"diag/momentum_spread/block/{i}"] for i in (0, 1)]
+    tensors = [v for k, v in d.items() if k.startswith("diag/momentum_spread/tensor/transformer.h.0.")]
+    assert blocks[0] == max(tensors)  # a block's spread is the max over its tensors
+
+
+def test_wandb_run_id_is_unique_per_run_directory_and_renewed_on_overwrite(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "HOME": str(tmp_path)}
+    ids = {}
+    for name, extra in (("a", []), ("b", []), ("b2", ["train.resume=overwrite"]), ("b3", ["train.resume=auto",
+                                                                                          "train.max_steps=3"])):
+        run = tmp_path / name[0]
+        proc = subprocess.run([sys.executable, "train.py", "configs/default.yaml", *TINY, f"train.out_dir={run}",
+                               "train.max_steps=2", "log.wandb=offline", *extra], cwd=ROOT, capture_output=True,
+                              text=True, timeout=180, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        ids[name] = (run / "run_id").read_text().strip()
+        assert any(p.name.endswith(ids[name]) for p in (run / "wandb").glob("offline-run-*")), name
+    assert ids["a"] != ids["b"]          # two directories, two runs (same directory name stem differs)
+    assert ids["b2"] != ids["b"]         # a replaced directory is a new run
+    assert ids["b3"] == ids["b2"]        # a resumed run continues the same wandb run

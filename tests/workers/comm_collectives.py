@@ -90,6 +90,15 @@ def test_sign_vote() -> None:
                     check(res.dtype == torch.float32 and torch.equal(res, ref_avg),
                           f"ps_vote avg {topo} n={n} kind={kind} step={step}")
                     same_on_all_ranks(res, f"ps_vote avg {topo} n={n}")
+                # sign: Distributed Lion eq. 5 exactly, sign of the sum of ternary signs, 0 on a tie
+                ref_sign = torch.sign(sum(torch.sign(X[i]) for i in range(P))) if n else torch.zeros(0)
+                for topo in ("naive", "tree"):
+                    res = comm.ps_vote(x, step, "sign", topo)
+                    check(res.dtype == torch.int8 and torch.equal(res.to(torch.int64), ref_sign.to(torch.int64)),
+                          f"ps_vote sign {topo} n={n} kind={kind} step={step}")
+                    same_on_all_ranks(res, f"ps_vote sign {topo} n={n}")
+                    if kind == "zeros":  # every worker's exact zero stays 0 (no tie break)
+                        check(not res.any(), f"ps_vote sign {topo}: zeros must stay zeros")
     # at even P the 'ties' kind must really produce ties, and both parities must resolve them
     if P % 2 == 0:
         x = inputs("ties", 64, seed=0)
@@ -245,10 +254,10 @@ def test_stats() -> None:
             check((rec.bytes_sent, rec.bytes_recv) == ((n * size,) * 2 if P > 1 else (0, 0)),
                   f"allreduce_mean {wd} bytes {rec}")
         nb = max(1, P.bit_length())
-        for agg, back in (("vote", B(n)), ("avg", nb * B(n))):
+        for agg, up, back in (("vote", B(n), B(n)), ("avg", B(n), nb * B(n)), ("sign", 2 * B(n), 2 * B(n))):
             comm.ps_vote(x, 2, agg, "naive", stats=s)
             rec = s.calls[-1]
-            exp = ((P - 1) * back, (P - 1) * B(n)) if RANK == 0 else (B(n), back)
+            exp = ((P - 1) * back, (P - 1) * up) if RANK == 0 else (up, back)
             check((rec.bytes_sent, rec.bytes_recv) == (exp if P > 1 else (0, 0)),
                   f"ps naive {agg} rank {RANK}: {rec}, expected {exp}")
             comm.ps_vote(x, 2, agg, "tree", stats=s)
@@ -302,9 +311,10 @@ def tree_bytes(n: int, agg: str) -> tuple[int, int]:
         return math.ceil(math.log2(s + 1))
 
     children = [c for c in (2 * RANK + 1, 2 * RANK + 2) if c < P]
-    back = B * (1 if agg == "vote" else planes(P))
-    recv = sum(B * planes(size(c)) for c in children) + (back if RANK else 0)
-    sent = (B * planes(size(RANK)) if RANK else 0) + back * len(children)
+    unit = 2 if agg == "sign" else 1  # a ternary sign sends sign + 1 in [0, 2]
+    back = B * {"vote": 1, "avg": planes(P), "sign": 2}[agg]
+    recv = sum(B * planes(unit * size(c)) for c in children) + (back if RANK else 0)
+    sent = (B * planes(unit * size(RANK)) if RANK else 0) + back * len(children)
     return sent, recv
 
 

@@ -1,0 +1,83 @@
+"""The sync-scheme registry: a scheme defined outside the project trains end to end; every
+registered scheme is complete (options validate, byte formula, cost prediction) and shows up in
+the config's help, the benchmarks and the README's table."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import GPT, get_preset
+from optim import sync
+from tests.dist import ROOT, torchrun
+
+
+def test_a_scheme_defined_in_a_test_file_trains_via_config(tmp_path):
+    run = tmp_path / "toy"
+    torchrun(2, "toy_scheme.py", str(run), timeout=300)
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "train_loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    assert steps[-1]["train_loss"] < steps[0]["train_loss"] - 0.5, [r["train_loss"] for r in steps]
+    # bytes per step are the declared formula: 4 bytes per parameter (fp32 signs), every step
+    n = GPT(get_preset("debug")).num_params()
+    assert {r["comm_bytes"] for r in steps} == {4 * n}
+    final = [r for r in recs if "params_identical" in r][-1]
+    assert final["params_identical"] and len(final["param_sha256"]) == 2
+    assert "toy_signmean" in (run / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize("name", sync.names())
+def test_every_scheme_is_complete(name):
+    scheme = sync.get(name)
+    opts = scheme.default_options()
+    assert opts.problems(4) == [] or name == "hierarchical"  # node_size 0 = LOCAL_WORLD_SIZE
+    assert scheme.wire and scheme.help
+    n, a, b = 1_000_003, 1e-5, 1e-9
+    for P in (2, 4, 8):
+        sent, recv = scheme.bytes_per_call(opts, P, n, rank=1)
+        assert 0 < sent and 0 < recv, (name, P)
+        assert scheme.predict(opts, P, n, a, b) > 0
+    assert scheme.bytes_per_call(opts, 1, n) == (0, 0)
+    assert scheme.predict(opts, 1, n, a, b) == 0.0
+    # an exchange at P = 1 returns the right shape and leaves a gradient scheme's mean exact
+    x = torch.randn(1000)
+    out = scheme.build(opts, sync.ExchangeContext(world_size=1, rank=0))(x.clone(), 1)
+    assert out.shape == x.shape
+    if scheme.kind == sync.GRADIENT:
+        assert torch.equal(out, x)
+    else:
+        assert set(out.unique().tolist()) <= {-1.0, 0.0, 1.0}
+
+
+def test_registry_drives_help_benchmarks_and_readme():
+    from bench import comm as bench_comm
+    from trainer.config import describe
+
+    assert bench_comm.default_modes() == sync.names()
+    text = describe()
+    assert all(n in text for n in sync.names())
+    table = sync.markdown_table()
+    assert all(f"| `{n}` |" in table for n in sync.names())
+    readme = (ROOT / "README.md").read_text()
+    assert table in readme, "README's mode table is stale: paste the output of `python -m optim.sync`"
+
+
+def test_register_rejects_duplicates_and_clashing_options():
+    from dataclasses import dataclass
+
+    with pytest.raises(ValueError, match="already registered"):
+        sync.register(sync.get("onebit"))
+
+    @dataclass
+    class Clash(sync.SchemeOptions):
+        bits: str = "four"  # pbit's bits is an int with default 4
+
+    bad = sync.SyncScheme(name="clash", kind=sync.UPDATE, result=sync.SIGN, options=Clash,
+                          build=lambda o, c: None, wire_bytes=lambda *a: (0, 0), predict=lambda *a, **k: 0.0,
+                          wire="-", help="-")
+    with pytest.raises(ValueError, match="option 'bits' clashes with scheme 'pbit'"):
+        sync.register(bad)
+    assert "clash" not in sync.names()
