@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Sequence
 
 from bench.variants import read_jsonl
+from model import ROLES
 
 Series = dict[str, dict[str, tuple[list[float], list[float]]]]
-ROLES = ("embedding", "head", "attn", "mlp", "norm")
 
 
 def load_runs(paths: Sequence[str | Path], labels: Sequence[str] | None = None) -> dict[str, list[dict]]:

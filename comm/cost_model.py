@@ -39,6 +39,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ._groups import world
+
 
 def _log2(P: int) -> float:
     return math.log2(P) if P > 1 else 0.0
@@ -308,11 +310,11 @@ def calibrate(group=None, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 5
 
     Collective: every rank of the group must call it; all ranks return the same fit. A world of
     one rank returns (0.0, 0.0). verbose=True prints measured vs model per size on rank 0."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+    if world(group)[0] == 1:
         return 0.0, 0.0
     if len({int(s) for s in sizes}) < 2:
         raise ValueError(f"calibrate: need at least two distinct sizes, got {list(sizes)}")
-    P = dist.get_world_size(group)
+    P = world(group)[0]
     measured = measure_allreduce_seconds(sizes, repeats, group=group, stat=stat)
     nbytes = [max(1, int(s) // 4) * 4 for s in sizes]
     info: dict = {}

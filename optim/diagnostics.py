@@ -99,7 +99,7 @@ def vote_diagnostics(c_flat: torch.Tensor, update: torch.Tensor, layout, *, worl
     histograms = {}
     for role, (a, b) in layout.role_ranges.items():
         seg = c_flat[a:b]
-        stride = max(1, -(-seg.numel() // HIST_SAMPLES))
+        stride = max(1, comm.ceil_div(seg.numel(), HIST_SAMPLES))
         histograms[f"c_local/{role}"] = seg[::stride].detach().to(torch.float32).cpu()
     return out, histograms
 

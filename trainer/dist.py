@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import comm
+
 
 @dataclass
 class DistInfo:
@@ -68,4 +70,4 @@ def all_agree(flag: bool, device: torch.device) -> bool:
 def mean_over_ranks(values: list[float], device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)  # exact byte counts (NCCL has fp64)
     dist.all_reduce(t)
-    return (t / dist.get_world_size()).tolist()
+    return (t / comm.world(None)[0]).tolist()
