@@ -1,5 +1,6 @@
-"""comm/: packed 1-bit and p-bit collectives, parameter-server baselines, byte/time accounting,
-and the alpha-beta cost model. Pure torch.distributed; imports nothing of ours.
+"""comm/: packed 1-bit and p-bit collectives, parameter-server baselines, the error-feedback
+compressed allreduce, byte/time accounting, and the alpha-beta cost model. Pure
+torch.distributed; imports nothing of ours.
 
 Every collective takes `group=None` (the default group) and `stats: CommStats | None = None`
 (None books into `default_stats()`), and returns the same tensor on every rank.
@@ -7,6 +8,8 @@ Every collective takes `group=None` (the default group) and `stats: CommStats | 
 from . import cost_model, packing
 from ._groups import world
 from .allreduce import INT_BITS, allreduce_mean, check_lanes, int_allreduce, max_levels
+from .compressed import (COMPRESSORS, Compressor, as_compressor, compressed_bytes, ef_buffer_sizes,
+                         ef_compressed_allreduce)
 from .packing import ceil_div, pack_bits, pack_lanes, unpack_bits, unpack_lanes, unpack_signs
 from .ps import ps_vote
 from .stats import CallRecord, Clock, CommStats, default_stats
@@ -17,4 +20,6 @@ __all__ = [
     "pack_bits", "pack_lanes", "unpack_bits", "unpack_lanes", "unpack_signs", "ceil_div",
     "ps_vote", "sign_vote_1bit", "hierarchical_sign_vote", "world",
     "CallRecord", "Clock", "CommStats", "default_stats", "cost_model", "packing",
+    "ef_compressed_allreduce", "ef_buffer_sizes", "compressed_bytes", "Compressor",
+    "as_compressor", "COMPRESSORS",
 ]
