@@ -14,12 +14,14 @@ each ending (" " + ending), and the model's log-probability of the ending's toke
 context is summed. Three accuracies:
 - acc: the ending with the largest summed log-likelihood;
 - acc_norm: the largest log-likelihood per UTF-8 byte of the ending (lm-evaluation-harness's
-  acc_norm, which divides by the continuation's length in characters: the same for ASCII text);
+  acc_norm divides by the ending's length in characters: the same for ASCII text);
 - acc_per_token: the largest mean log-likelihood per ending token (what llm.c reports as acc_norm).
 Items are JSON lines with `ctx`, `endings` (a list) and `label` (the index of the right ending),
 or HellaSwag's own `ctx_a` / `ctx_b` instead of `ctx` (ctx = ctx_a + " " + ctx_b.capitalize(), as
 the dataset defines it). HellaSwag's validation set is hellaswag_val.jsonl (10,042 items) in the
-data/ folder of the authors' GitHub repository rowanz/hellaswag; nothing is downloaded here.
+data/ folder of the authors' GitHub repository rowanz/hellaswag; nothing is downloaded here. The
+context is used as given (llm.c's setup); lm-evaluation-harness's hellaswag task also prefixes the
+activity label and strips "[title]"-style artifacts, so its numbers differ slightly.
 
 The trainer calls `load_mc_file` once and `multiple_choice(model, items, encode, device, rank=,
 world_size=)` at eval steps; each rank scores items[rank::world_size] and returns counts to sum.
@@ -147,7 +149,7 @@ def multiple_choice(model: GPT, items: list[MCItem], encode: Callable[[str], lis
             conts = [" " + e for e in item.endings]
             scores = ending_logprobs(model, encode(item.ctx), [encode(c) for c in conts], device, batch_size)
             ll = [s for s, _ in scores]
-            per_byte = [s / len(c.encode("utf-8")) for (s, _), c in zip(scores, conts)]
+            per_byte = [s / len(e.encode("utf-8")) for (s, _), e in zip(scores, item.endings)]
             per_tok = [s / max(k, 1) for s, k in scores]
             n += 1
             correct += int(max(range(len(ll)), key=ll.__getitem__) == item.label)

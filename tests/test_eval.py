@@ -60,7 +60,7 @@ class BigramStub(nn.Module):
 
 
 def hand_accuracy(items: list[ev.MCItem]) -> dict:
-    """Score every ending by adding up ROWS by hand: sum, per byte of " " + ending, per word."""
+    """Score every ending by adding up ROWS by hand: sum, per byte of the ending, per word."""
     right = {"acc": 0, "acc_norm": 0, "acc_per_token": 0}
     for it in items:
         scores = []
@@ -68,7 +68,7 @@ def hand_accuracy(items: list[ev.MCItem]) -> dict:
             words = ending.split()
             prev = [it.ctx.split()[-1]] + words[:-1]
             ll = sum(ROWS[p][w] for p, w in zip(prev, words))
-            scores.append({"acc": ll, "acc_norm": ll / len((" " + ending).encode()), "acc_per_token": ll / len(words)})
+            scores.append({"acc": ll, "acc_norm": ll / len(ending.encode()), "acc_per_token": ll / len(words)})
         for key in right:
             best = max(range(len(scores)), key=lambda i: scores[i][key])
             right[key] += best == it.label
