@@ -203,10 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass")
     for sp in (v, m):
         sp.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+        sp.add_argument("--tokenizer", default=None, help="tokenizer name (default: the run dataset's / the export's)")
         sp.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     try:
-        model, codec, loaded = load(args.src, args.device)
+        model, codec, loaded = load(args.src, args.device, tokenizer=args.tokenizer)
         device = model.transformer.wte.weight.device
         if args.cmd == "val":
             seq_len = args.seq_len or model.config.block_size

@@ -58,14 +58,28 @@ def load_codec(loaded: Loaded) -> TextCodec:
         eot = tok.eos_token_id if tok.eos_token_id is not None else 0
         return TextCodec(str(loaded.weights), len(tok), eot, lambda s: tok.encode(s, add_special_tokens=False),
                          lambda ids: tok.decode(list(ids)))
+    codec = _tiktoken_codec(run_tokenizer(loaded.run_config))
+    check_vocab(codec.name, codec.n_vocab, loaded.model.config.vocab_size)
+    return codec
+
+
+def run_tokenizer(run_config: dict | None) -> str:
+    """The tokenizer a run's dataset was prepared with (manifest.json); GPT-2 for the built-in
+    corpus, and when the dataset is not on this machine."""
     from data import dataset_tokenizer
 
-    dataset = ((loaded.run_config or {}).get("data") or {}).get("dataset", "builtin")
-    try:
-        name = dataset_tokenizer(dataset)
-    except Exception:  # the dataset is on another machine: GPT-2, as the presets assume
-        name = "gpt2"
-    return _tiktoken_codec(name)
+    return dataset_tokenizer(((run_config or {}).get("data") or {}).get("dataset", "builtin"))
+
+
+def check_vocab(tokenizer: str, n_vocab: int, model_vocab: int) -> None:
+    """A run's model vocabulary is its tokenizer's padded to a multiple of 64; anything else means
+    the tokenizer guessed for it is not the one it was trained with."""
+    from model import pad_vocab
+
+    if pad_vocab(n_vocab) != model_vocab:
+        raise ValueError(f"the model's vocabulary ({model_vocab}) does not belong to tokenizer {tokenizer} "
+                         f"({n_vocab} ids, padded {pad_vocab(n_vocab)}); the run's dataset (and its manifest) "
+                         f"is not on this machine — pass the tokenizer it was prepared with (--tokenizer)")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -76,14 +90,17 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def load(src: str | Path, device: str = "auto", dtype: str | None = None) -> tuple[GPT, TextCodec, Loaded]:
-    """(model in eval mode on `device`, its tokenizer, where it came from)."""
+def load(src: str | Path, device: str = "auto", dtype: str | None = None,
+         tokenizer: str | None = None) -> tuple[GPT, TextCodec, Loaded]:
+    """(model in eval mode on `device`, its tokenizer, where it came from). `tokenizer` overrides
+    the one found for it (a data.tokenizer name)."""
     dev = resolve_device(device)
     loaded = load_model(src, device=dev)
     if dtype:
         loaded.model.to(dtype={"float32": torch.float32, "bfloat16": torch.bfloat16,
                                "float16": torch.float16}[dtype])
-    return loaded.model, load_codec(loaded), loaded
+    codec = _tiktoken_codec(tokenizer) if tokenizer else load_codec(loaded)
+    return loaded.model, codec, loaded
 
 
 def generate_ids(model: GPT, codec: TextCodec, prompt: str, *, max_new_tokens: int = 200,
@@ -118,13 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="compute precision (default: as stored)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer name (default: the run dataset's / the export's)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole context every token")
     p.add_argument("--no-stop", action="store_true", help="keep going past <|endoftext|>")
     args = p.parse_args(argv)
     if args.max_new_tokens < 0 or args.num_samples < 1:
         p.error("--max-new-tokens must be >= 0 and --num-samples >= 1")
     try:
-        model, codec, _ = load(args.src, args.device, args.dtype)
+        model, codec, _ = load(args.src, args.device, args.dtype, args.tokenizer)
     except (FileNotFoundError, ValueError) as e:
         print(f"sample: error: {e}", file=sys.stderr)
         return 2

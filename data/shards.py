@@ -130,10 +130,10 @@ def check_token_range(path: str | os.PathLike, tokens: np.ndarray, vocab_size: i
     if tokenizer_vocab is not None and top >= tokenizer_vocab:
         pos = int(np.argmax(tokens >= tokenizer_vocab))
         name = f"{tokenizer}, " if tokenizer else ""
+        fits = " although it fits the model's padded vocabulary" if vocab_size is not None else ""
         raise DataError(f"shard {path}: token id {int(tokens[pos])} at position {pos} is not a token of the "
-                        f"dataset's tokenizer ({name}ids 0..{tokenizer_vocab - 1} per manifest.json) although it "
-                        f"fits the model's padded vocabulary; the shard is corrupt or was written with another "
-                        f"tokenizer — {REPREPARE}")
+                        f"dataset's tokenizer ({name}ids 0..{tokenizer_vocab - 1} per manifest.json){fits}; the "
+                        f"shard is corrupt or was written with another tokenizer — {REPREPARE}")
     _checked.add(key)
 
 

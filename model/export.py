@@ -23,6 +23,7 @@ from pathlib import Path
 
 from .hf import DTYPES, HFFormatError, save_hf
 from .load import load_model
+from .presets import pad_vocab
 
 EXPORT_FILES = {"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
                 "tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json"}
@@ -55,16 +56,13 @@ def export(src: str | Path, out: str | Path, *, dtype: str | None = None, tokeni
     if loaded.kind == "hf":
         raise HFFormatError(f"{src} is already a Hugging Face directory; copy it instead")
     model = loaded.model
-    if tokenizer is None:
-        dataset = ((loaded.run_config or {}).get("data") or {}).get("dataset", "builtin")
-        try:
-            tokenizer = dataset_tokenizer(dataset)
-        except Exception:  # the dataset dir is on another machine: GPT-2, as the presets assume
-            tokenizer = "gpt2"
+    if tokenizer is None:  # the dataset's (GPT-2 when its manifest is not on this machine)
+        tokenizer = dataset_tokenizer(((loaded.run_config or {}).get("data") or {}).get("dataset", "builtin"))
     enc = get_encoding(tokenizer)
-    if enc.n_vocab > model.config.vocab_size:
-        raise HFFormatError(f"tokenizer {tokenizer} has {enc.n_vocab} ids but the model only {model.config.vocab_size}; "
-                            f"pass the --tokenizer the run was trained with")
+    if pad_vocab(enc.n_vocab) != model.config.vocab_size:  # the trainer sizes the model from its tokenizer
+        raise HFFormatError(f"the model's vocabulary ({model.config.vocab_size}) does not belong to tokenizer "
+                            f"{tokenizer} ({enc.n_vocab} ids, padded {pad_vocab(enc.n_vocab)}); pass the "
+                            f"--tokenizer the run's dataset was prepared with")
     eot = eot_id(enc)
     suppress = list(range(enc.n_vocab, model.config.vocab_size))
     tmp = out.with_name(f".{out.name}.export-tmp")

@@ -80,16 +80,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class KVCache:
     """Keys and values of the positions decoded so far, per layer: (B, n_head, max_len, head_dim)
     buffers filled left to right, so each new token costs one position of attention instead of a
-    forward pass over the whole context."""
+    forward pass over the whole context. A layer's buffers are allocated at its first use, in the
+    dtype its keys come in (e.g. bf16 under autocast)."""
 
-    def __init__(self, n_layer: int, batch_size: int, n_head: int, max_len: int, head_dim: int,
-                 device: torch.device | str, dtype: torch.dtype) -> None:
-        shape = (batch_size, n_head, max_len, head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+    def __init__(self, n_layer: int, batch_size: int, n_head: int, max_len: int, head_dim: int) -> None:
+        self.shape = (batch_size, n_head, max_len, head_dim)
+        self.k: list[torch.Tensor | None] = [None] * n_layer
+        self.v: list[torch.Tensor | None] = [None] * n_layer
         self.max_len = max_len
         self.length = 0
         """Positions filled; the next token sits at position `length`."""
+
+    def buffers(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k[layer] is None or self.k[layer].dtype != like.dtype:
+            self.k[layer] = torch.zeros(self.shape, device=like.device, dtype=like.dtype)
+            self.v[layer] = torch.zeros(self.shape, device=like.device, dtype=like.dtype)
+        return self.k[layer], self.v[layer]
 
     def reset(self) -> None:
         self.length = 0
@@ -104,9 +110,9 @@ class Attention(nn.Module):
         self.proj.residual_scale = True
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                kv: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
-        """`rope`: the (cos, sin) rows of x's positions. `kv`: (key buffer, value buffer, start) of
-        a KVCache layer when decoding incrementally; x then holds positions start..start+T-1."""
+                kv: tuple[KVCache, int] | None = None) -> torch.Tensor:
+        """`rope`: the (cos, sin) rows of x's positions. `kv`: (cache, layer index) when decoding
+        incrementally; x then holds positions cache.length .. cache.length + T - 1."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hd)
@@ -116,7 +122,9 @@ class Attention(nn.Module):
         if kv is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            k_buf, v_buf, start = kv
+            cache, layer = kv
+            start = cache.length
+            k_buf, v_buf = cache.buffers(layer, k)
             k_buf[:, :, start:start + T] = k
             v_buf[:, :, start:start + T] = v
             k, v = k_buf[:, :, :start + T], v_buf[:, :, :start + T]
@@ -219,14 +227,11 @@ class GPT(nn.Module):
             x = block(x, rope)
         return self.lm_head(self.transformer.norm_f(x))
 
-    def new_cache(self, batch_size: int, max_len: int | None = None, device: torch.device | str | None = None,
-                  dtype: torch.dtype | None = None) -> KVCache:
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """An empty KV cache for `batch_size` sequences of up to `max_len` (default block_size) positions."""
         cfg = self.config
-        max_len = min(max_len or cfg.block_size, cfg.block_size)
-        weight = self.transformer.wte.weight
-        return KVCache(cfg.n_layer, batch_size, cfg.n_head, max_len, cfg.head_dim,
-                       device or weight.device, dtype or weight.dtype)
+        return KVCache(cfg.n_layer, batch_size, cfg.n_head, min(max_len or cfg.block_size, cfg.block_size),
+                       cfg.head_dim)
 
     def forward_cached(self, idx: torch.Tensor, cache: KVCache, last_only: bool = True) -> torch.Tensor:
         """Run the new tokens idx (B, T) at positions cache.length.. and append their keys and
@@ -237,7 +242,7 @@ class GPT(nn.Module):
                              f"(reset it and re-run the last block_size tokens)")
         x, rope = self._embed(idx, start)
         for i, block in enumerate(self.transformer.h):
-            x = block(x, rope, (cache.k[i], cache.v[i], start))
+            x = block(x, rope, (cache, i))
         cache.length = start + T
         x = self.transformer.norm_f(x[:, [-1], :] if last_only else x)
         return self.lm_head(x)
@@ -273,7 +278,7 @@ class GPT(nn.Module):
         context is the last block_size tokens (a sliding window); with the KV cache that window is
         re-run from scratch on every such token, so both paths give the same tokens."""
         block = self.config.block_size
-        cache = self.new_cache(idx.size(0), device=idx.device) if use_cache else None
+        cache = self.new_cache(idx.size(0)) if use_cache else None
         done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
         for step in range(max_new_tokens):
             if cache is None:

@@ -29,14 +29,14 @@ def trained_like(cfg: GPTConfig, seed: int = 0) -> GPT:
     return model.eval()
 
 
-def make_run(run: Path, tie: bool, pos_emb: str = "rope", dataset: str = "builtin") -> Path:
+def make_run(run: Path, tie: bool, pos_emb: str = "rope", dataset: str = "builtin", vocab_size: int | None = None) -> Path:
     """A run dir as the trainer leaves it: config.yaml, ckpt/step_000010/{model.pt, meta.json}, latest."""
     section = {"preset": "debug", "tie_embeddings": tie, "pos_emb": pos_emb, "block_size": 0}
     config = {"model": section, "data": {"dataset": dataset}}
     ckpt = run / "ckpt" / "step_000010"
     ckpt.mkdir(parents=True)
     (run / "config.yaml").write_text(yaml.safe_dump(config))
-    torch.save(trained_like(resolve_config(section)).state_dict(), ckpt / "model.pt")
+    torch.save(trained_like(resolve_config(section, vocab_size)).state_dict(), ckpt / "model.pt")
     (ckpt / "meta.json").write_text(json.dumps({"step": 10, "world_size": 1, "config": config}))
     (run / "ckpt" / "latest").write_text("step_000010")
     return run
@@ -131,6 +131,15 @@ def test_learned_positions_are_refused_and_foreign_configs_too(tmp_path: Path, c
     with pytest.raises(HFFormatError, match="rope type 'llama3'"):
         config_from_hf({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
     assert config_from_hf(base).mlp_hidden == 128
+
+
+def test_a_model_whose_tokenizer_is_unknown_here_is_not_exported_with_gpt2(tmp_path: Path, capsys) -> None:
+    # trained on a 70,001-id tokenizer (vocab 70016) whose dataset is not on this machine
+    run = make_run(tmp_path / "run", tie=True, dataset=str(tmp_path / "elsewhere"), vocab_size=70001)
+    assert load_model(run).model.config.vocab_size == 70016
+    assert export_main([str(run), "--out", str(tmp_path / "hf")]) == 2
+    assert ("the model's vocabulary (70016) does not belong to tokenizer gpt2 (50257 ids, padded 50304)"
+            in capsys.readouterr().err) and not (tmp_path / "hf").exists()
 
 
 def test_export_refuses_to_overwrite_what_it_did_not_write(tmp_path: Path, capsys) -> None:

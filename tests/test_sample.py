@@ -56,6 +56,15 @@ def test_seeded_sampling_top_k_and_padded_vocab() -> None:
     assert (sample_next(logits, 0.0) == 50300).all()
 
 
+def test_cache_follows_autocast_dtype() -> None:
+    model = trained_like(get_preset("debug", block_size=64))
+    cache = model.new_cache(1)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model.forward_cached(torch.tensor([[1, 2, 3]]), cache)
+        model.forward_cached(logits.argmax(-1), cache)
+    assert cache.k[0].dtype == torch.bfloat16 and cache.length == 4
+
+
 def test_stop_token_ends_each_row() -> None:
     model = trained_like(get_preset("debug", block_size=64))
     first = model.generate(torch.tensor([[1, 2, 3]]), 1, temperature=0)[0, -1].item()
