@@ -4,6 +4,11 @@ The "GPT-2++" of Distributed Lion §5.2 and Lion Cub App. F.2: GPT-2 shapes with
 changes (gated linear unit MLP, RMSNorm), no biases, no dropout. Parameter names are chosen so
 that `param_roles` can find the layers the papers single out (token embedding, output head,
 attention, MLP, norms): Lion Cub §5 synchronises the momenta of the embedding and the head.
+
+Generation: `forward_cached` runs new tokens against a `KVCache` (one position of attention per
+token); `generate` samples with it (greedy at temperature 0) and gives the tokens of the plain
+forward pass. `logits` returns every position's logits for scoring; the training `forward` is
+unchanged. The layout is Llama's, so model/hf.py maps it exactly to LlamaForCausalLM.
 """
 from __future__ import annotations
 
