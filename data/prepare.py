@@ -814,7 +814,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"instead: the first N shards of the token stream are val (default {val_shards})")
         sp.add_argument("--seed", type=int, default=OWT_SEED, help=f"seed of the val split (default {OWT_SEED})")
         sp.add_argument("--num-proc", type=int, default=max(1, (os.cpu_count() or 2) // 2),
-                        help="tokenizer processes (datasets.map num_proc)")
+                        help="tokenizer processes (datasets.map num_proc), or threads with --stream")
         sp.add_argument("--max-docs", type=int, default=None, help="use only the first N documents (smoke runs)")
         sp.add_argument("--max-tokens", type=_count, default=None,
                         help="stop after N tokens, train + val (e.g. 20e9); default: all")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import sample
-from model import GPT, get_preset, sample_next
+from model import get_preset, sample_next
 from tests.test_export import make_run, trained_like
 
 
