@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.shards import SPLITS, ShardWriter, format_info, read_manifest, write_manifest
+from data.shards import SPLITS, DataError, ShardWriter, format_info, read_manifest, write_manifest
 from data.tokenizer import cache_root, get_encoding, tokenizer_info
 
 NAME = "builtin"
@@ -121,7 +121,7 @@ def prepare_builtin(cache_dir: str | os.PathLike | None = None) -> Path:
             os.rename(tmp, target)  # atomic; fails if another process renamed its copy first
         except OSError:
             if read_manifest(target) is None:
-                raise RuntimeError(f"{target} exists but holds no manifest.json (an interrupted or foreign "
+                raise DataError(f"{target} exists but holds no manifest.json (an interrupted or foreign "
                                    f"directory); delete it and retry") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

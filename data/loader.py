@@ -9,6 +9,10 @@ epoch boundaries, so small shards lose nothing). The position (epoch, shard, pos
 same on every rank, so any rank's `state_dict()` restores all of them exactly.
 
 `val_batches` reads the val shards in index order with the same rank slicing, without wrapping.
+
+Given the model's `vocab_size`, every shard's token ids are checked the first time it is read
+(one vectorised max; see data.shards.check_token_range): ids >= vocab_size, and ids the dataset's
+tokenizer (manifest.json) cannot produce, are a DataError naming the file, the value and its position.
 """
 from __future__ import annotations
 
@@ -19,23 +23,31 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.shards import list_shards, open_shard
+from data.shards import DataError, check_token_range, list_shards, open_shard, read_manifest
 
 
 def split_shards(data_dir: str | os.PathLike, split: str) -> list[Path]:
     """The `split` shard paths of a prepared dir; clear errors for a missing dir or no shards."""
     d = Path(data_dir)
     if not d.exists():
-        raise FileNotFoundError(f"data dir {d} does not exist; prepare one with `python -m data.prepare "
-                                f"text --input FILES --out {d}` or use data.dataset=builtin")
+        raise DataError(f"data dir {d} does not exist; prepare one with `python -m data.prepare "
+                        f"text --input FILES --out {d}` or use data.dataset=builtin")
     if not d.is_dir():
-        raise NotADirectoryError(f"data dir {d} is not a directory (expected a folder of *.bin shards)")
+        raise DataError(f"data dir {d} is not a directory (expected a folder of *.bin shards)")
     paths = list_shards(d, split)
     if not paths:
         found = sorted(p.name for p in d.iterdir())[:8]
-        raise FileNotFoundError(f"data dir {d} has no {split}_XXXXXX.bin shards (found: {found or 'nothing'}); "
-                                f"prepare it with `python -m data.prepare ... --out {d}`")
+        raise DataError(f"data dir {d} has no {split}_XXXXXX.bin (or llm.c NAME_{split}_XXXXXX.bin) shards "
+                        f"(found: {found or 'nothing'}); prepare it with `python -m data.prepare ... --out {d}`")
     return paths
+
+
+def tokenizer_vocab(data_dir: str | os.PathLike) -> tuple[int | None, str | None]:
+    """(vocabulary size, name) of the tokenizer that wrote a dataset, from its manifest; (None, None)
+    without one (e.g. llm.c shards)."""
+    manifest = read_manifest(data_dir)
+    tok = (manifest or {}).get("tokenizer") or {}
+    return (int(tok["n_vocab"]) if "n_vocab" in tok else None), tok.get("name")
 
 
 def _check_geometry(batch_size: int, block_size: int, rank: int, world_size: int) -> None:
@@ -49,9 +61,11 @@ class _Stream:
     """Concatenation of shards in an order that may change per epoch; positions are
     (epoch, index into that epoch's order, offset in that shard), kept with offset < shard length."""
 
-    def __init__(self, arrays: list[np.ndarray], seed: int | None):
+    def __init__(self, arrays: list[np.ndarray], seed: int | None, check=None):
         self.arrays, self.seed = arrays, seed
         self._order_cache: tuple[int, np.ndarray] | None = None
+        self._check = check  # check(index): range-check shard `index` (once, on first read)
+        self._unchecked = set(range(len(arrays))) if check else set()
 
     def order(self, epoch: int) -> np.ndarray:
         if self.seed is None:
@@ -82,7 +96,11 @@ class _Stream:
         filled = 0
         epoch, shard, off = self.normalize(pos)
         while filled < n:
-            arr = self.arrays[self.order(epoch)[shard]]
+            index = self.order(epoch)[shard]
+            if index in self._unchecked:
+                self._check(index)
+                self._unchecked.discard(index)
+            arr = self.arrays[index]
             take = min(n - filled, len(arr) - off)
             out[filled:filled + take] = arr[off:off + take]
             filled += take
@@ -95,11 +113,23 @@ def _to_xy(buf: np.ndarray, batch_size: int, block_size: int) -> tuple[torch.Ten
     return t[:-1].view(batch_size, block_size), t[1:].view(batch_size, block_size)
 
 
+def _range_checker(paths: list[Path], arrays: list[np.ndarray], data_dir, vocab_size: int | None):
+    tok_vocab, tok_name = tokenizer_vocab(data_dir)
+    if vocab_size is None and tok_vocab is None:
+        return None
+
+    def check(index: int) -> None:
+        check_token_range(paths[index], arrays[index], vocab_size, tok_vocab, tok_name)
+
+    return check
+
+
 class ShardLoader:
-    """Train batches for one rank; deterministic given (data, seed, geometry), exactly resumable."""
+    """Train batches for one rank; deterministic given (data, seed, geometry), exactly resumable.
+    `vocab_size`: the model's; each shard's ids are range-checked when it is first read."""
 
     def __init__(self, data_dir: str | os.PathLike, split: str, batch_size: int, block_size: int,
-                 rank: int, world_size: int, seed: int):
+                 rank: int, world_size: int, seed: int, vocab_size: int | None = None):
         _check_geometry(batch_size, block_size, rank, world_size)
         if seed < 0:
             raise ValueError(f"seed must be >= 0 (it seeds the per-epoch shard order), got {seed}")
@@ -110,11 +140,18 @@ class ShardLoader:
         self.lengths = [len(a) for a in arrays]
         need = world_size * batch_size * block_size + 1
         if sum(self.lengths) < need:
-            raise ValueError(f"{split} split of {data_dir} holds {sum(self.lengths)} tokens, fewer than one "
+            raise DataError(f"{split} split of {data_dir} holds {sum(self.lengths)} tokens, fewer than one "
                              f"global batch ({world_size} ranks x {batch_size} x {block_size} + 1 = {need}); "
                              f"use a smaller batch_size/block_size or more data")
-        self._stream = _Stream(arrays, seed)
+        self._check = _range_checker(self.paths, arrays, data_dir, vocab_size)
+        self._stream = _Stream(arrays, seed, self._check)
         self._pos = (0, 0, 0)
+
+    def check_all(self) -> None:
+        """Range-check every shard now instead of on first read (reads all the data once)."""
+        if self._check:
+            for i in range(len(self.paths)):
+                self._check(i)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) int64 (batch_size, block_size): this rank's slice of the next global batch."""
@@ -135,13 +172,13 @@ class ShardLoader:
                 "shard_tokens": list(self.lengths)}
         for key, value in mine.items():
             if key in state and state[key] != value:
-                raise ValueError(f"loader state does not match this data: {key} was {state[key]!r}, now "
-                                 f"{value!r}; resume with the same data dir and seed")
+                raise DataError(f"loader state does not match this data: {key} was {state[key]!r}, now "
+                                f"{value!r}; resume with the same data dir and seed")
         epoch, shard, position = int(state["epoch"]), int(state["shard"]), int(state["position"])
         in_range = epoch >= 0 and 0 <= shard < len(self.paths)
         if not (in_range and 0 <= position < self.lengths[self._stream.order(epoch)[shard]]):
-            raise ValueError(f"loader state (epoch={epoch}, shard={shard}, position={position}) is out of range "
-                             f"for {len(self.paths)} {self.split} shards")
+            raise DataError(f"loader state (epoch={epoch}, shard={shard}, position={position}) is out of range "
+                            f"for {len(self.paths)} {self.split} shards")
         self._pos = (epoch, shard, position)
 
 
@@ -153,24 +190,26 @@ def val_batch_count(data_dir: str | os.PathLike, batch_size: int, block_size: in
 
 
 def val_batches(data_dir: str | os.PathLike, batch_size: int, block_size: int, rank: int,
-                world_size: int, n_batches: int | None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                world_size: int, n_batches: int | None,
+                vocab_size: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The first `n_batches` global batches of the val shards (index order, no wrap), this rank's
     slice of each. `n_batches=None` yields every full global batch the val split holds; asking for
-    more than that raises ValueError (checked here, before the first batch; `val_batch_count`
-    says how many there are)."""
+    more than that raises DataError (checked here, before the first batch; `val_batch_count`
+    says how many there are). `vocab_size`: the model's, to range-check the ids read."""
     _check_geometry(batch_size, block_size, rank, world_size)
-    arrays = [open_shard(p) for p in split_shards(data_dir, "val")]
+    paths = split_shards(data_dir, "val")
+    arrays = [open_shard(p) for p in paths]
     total = sum(len(a) for a in arrays)
     local = batch_size * block_size
     available = max(0, (total - 1) // (world_size * local))
     if n_batches is None:
         n_batches = available
     if n_batches < 0 or n_batches > available or available == 0:
-        raise ValueError(f"val split of {data_dir} holds {total} tokens = {available} global batches of "
+        raise DataError(f"val split of {data_dir} holds {total} tokens = {available} global batches of "
                          f"{world_size} ranks x {batch_size} x {block_size} (+1), asked for {n_batches}; "
                          f"evaluate on at most {available} batches (or pass n_batches=None), use a smaller "
                          f"batch, or prepare more val data")
-    stream = _Stream(arrays, seed=None)
+    stream = _Stream(arrays, seed=None, check=_range_checker(paths, arrays, data_dir, vocab_size))
 
     def gen() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for i in range(n_batches):

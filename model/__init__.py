@@ -1,6 +1,12 @@
-"""GPT-2++ model (model/gpt.py) and its size presets (model/presets.py)."""
-from .gpt import GPT, GPTConfig, ROLES, estimate_mfu, param_layers, param_roles
-from .presets import PRESETS, get_preset, resolve_config
+"""GPT-2++ model (model/gpt.py, with a KV cache for generation), its size presets and the config
+translation (model/presets.py), loading trained runs (model/load.py) and the Hugging Face Llama
+mapping (model/hf.py; `python -m model.export` writes an HF directory)."""
+from .gpt import (GPT, ROLES, GPTConfig, KVCache, estimate_mfu, model_from_state_dict, param_layers, param_roles,
+                  sample_next)
+from .hf import from_hf
+from .load import Loaded, load_model
+from .presets import PRESETS, get_preset, pad_vocab, resolve_config
 
-__all__ = ["GPT", "GPTConfig", "PRESETS", "ROLES", "estimate_mfu", "get_preset", "param_layers", "param_roles",
-           "resolve_config"]
+__all__ = ["GPT", "GPTConfig", "KVCache", "Loaded", "PRESETS", "ROLES", "estimate_mfu", "from_hf", "get_preset",
+           "load_model", "model_from_state_dict", "pad_vocab", "param_layers", "param_roles", "resolve_config",
+           "sample_next"]

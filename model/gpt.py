@@ -4,6 +4,11 @@ The "GPT-2++" of Distributed Lion §5.2 and Lion Cub App. F.2: GPT-2 shapes with
 changes (gated linear unit MLP, RMSNorm), no biases, no dropout. Parameter names are chosen so
 that `param_roles` can find the layers the papers single out (token embedding, output head,
 attention, MLP, norms): Lion Cub §5 synchronises the momenta of the embedding and the head.
+
+Generation: `forward_cached` runs new tokens against a `KVCache` (one position of attention per
+token); `generate` samples with it (greedy at temperature 0) and gives the tokens of the plain
+forward pass. `logits` returns every position's logits for scoring; the training `forward` is
+unchanged. The layout is Llama's, so model/hf.py maps it exactly to LlamaForCausalLM.
 """
 from __future__ import annotations
 
@@ -77,6 +82,30 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
+class KVCache:
+    """Keys and values of the positions decoded so far, per layer: (B, n_head, max_len, head_dim)
+    buffers filled left to right, so each new token costs one position of attention instead of a
+    forward pass over the whole context. A layer's buffers are allocated at its first use, in the
+    dtype its keys come in (e.g. bf16 under autocast)."""
+
+    def __init__(self, n_layer: int, batch_size: int, n_head: int, max_len: int, head_dim: int) -> None:
+        self.shape = (batch_size, n_head, max_len, head_dim)
+        self.k: list[torch.Tensor | None] = [None] * n_layer
+        self.v: list[torch.Tensor | None] = [None] * n_layer
+        self.max_len = max_len
+        self.length = 0
+        """Positions filled; the next token sits at position `length`."""
+
+    def buffers(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k[layer] is None or self.k[layer].dtype != like.dtype:
+            self.k[layer] = torch.zeros(self.shape, device=like.device, dtype=like.dtype)
+            self.v[layer] = torch.zeros(self.shape, device=like.device, dtype=like.dtype)
+        return self.k[layer], self.v[layer]
+
+    def reset(self) -> None:
+        self.length = 0
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -85,14 +114,33 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.proj.residual_scale = True
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                kv: tuple[KVCache, int] | None = None) -> torch.Tensor:
+        """`rope`: the (cos, sin) rows of x's positions. `kv`: (cache, layer index) when decoding
+        incrementally; x then holds positions cache.length .. cache.length + T - 1."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hd)
         if rope is not None:
-            cos, sin = rope[0][:T], rope[1][:T]
+            cos, sin = rope
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if kv is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            cache, layer = kv
+            start = cache.length
+            k_buf, v_buf = cache.buffers(layer, k)
+            k_buf[:, :, start:start + T] = k
+            v_buf[:, :, start:start + T] = v
+            k, v = k_buf[:, :, :start + T], v_buf[:, :, :start + T]
+            if T == 1:  # one new query sees every cached position
+                y = F.scaled_dot_product_attention(q, k, v)
+            elif start == 0:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:  # is_causal aligns the mask top-left; new query i sees keys 0..start+i
+                keep = torch.arange(start + T, device=x.device)[None, :] <= \
+                    torch.arange(start, start + T, device=x.device)[:, None]
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
         return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -116,8 +164,8 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope)
+    def forward(self, x: torch.Tensor, rope, kv=None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope, kv)
         return x + self.mlp(self.norm2(x))
 
 
@@ -153,16 +201,19 @@ class GPT(nn.Module):
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
 
+    def _embed(self, idx: torch.Tensor, start: int = 0):
+        """Token (+ learned position) embeddings of positions start..start+T-1, and their RoPE rows."""
+        T = idx.size(1)
+        x = self.transformer.wte(idx)  # (B, T, C)
+        if self.config.pos_emb == "learned":
+            return x + self.transformer.wpe(torch.arange(start, start + T, device=idx.device)), None
+        return x, (self.rope_cos[start:start + T], self.rope_sin[start:start + T])
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        x = self.transformer.wte(idx)  # (B, T, C)
-        rope = None
-        if self.config.pos_emb == "learned":
-            x = x + self.transformer.wpe(torch.arange(T, device=idx.device))
-        else:
-            rope = (self.rope_cos, self.rope_sin)
+        x, rope = self._embed(idx)
         for block in self.transformer.h:
             x = block(x, rope)
         x = self.transformer.norm_f(x)
@@ -171,6 +222,35 @@ class GPT(nn.Module):
         logits = self.lm_head(x)  # (B, T, V)
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss
+
+    def logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits at every position, (B, T, V) (scoring: evaluation, log-likelihoods)."""
+        if idx.size(1) > self.config.block_size:
+            raise ValueError(f"sequence length {idx.size(1)} exceeds block_size {self.config.block_size}")
+        x, rope = self._embed(idx)
+        for block in self.transformer.h:
+            x = block(x, rope)
+        return self.lm_head(self.transformer.norm_f(x))
+
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
+        """An empty KV cache for `batch_size` sequences of up to `max_len` (default block_size) positions."""
+        cfg = self.config
+        return KVCache(cfg.n_layer, batch_size, cfg.n_head, min(max_len or cfg.block_size, cfg.block_size),
+                       cfg.head_dim)
+
+    def forward_cached(self, idx: torch.Tensor, cache: KVCache, last_only: bool = True) -> torch.Tensor:
+        """Run the new tokens idx (B, T) at positions cache.length.. and append their keys and
+        values to `cache`. Returns the logits of the last position (B, 1, V), or of all T positions."""
+        start, T = cache.length, idx.size(1)
+        if start + T > cache.max_len:
+            raise ValueError(f"KV cache holds {cache.max_len} positions; {start} used + {T} new do not fit "
+                             f"(reset it and re-run the last block_size tokens)")
+        x, rope = self._embed(idx, start)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, rope, (cache, i))
+        cache.length = start + T
+        x = self.transformer.norm_f(x[:, [-1], :] if last_only else x)
+        return self.lm_head(x)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Unique parameters (a tied weight counts once). non_embedding drops the token and
@@ -194,15 +274,67 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None) -> torch.Tensor:
-        for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.config.block_size:])
-            logits = logits[:, -1, :] / max(temperature, 1e-6)
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                logits[logits < kth] = -float("inf")
-            idx = torch.cat((idx, torch.multinomial(F.softmax(logits, dim=-1), 1)), dim=1)
+                 top_k: int | None = None, *, use_cache: bool = True, generator: torch.Generator | None = None,
+                 stop_token: int | None = None, vocab_limit: int | None = None) -> torch.Tensor:
+        """Append up to `max_new_tokens` sampled tokens to idx (B, T). temperature 0 = greedy
+        (argmax); top_k keeps the k most likely tokens; `generator` seeds the sampling; sampling stops
+        once every row has produced `stop_token`; ids >= `vocab_limit` (the padded part of the
+        vocabulary, which no tokenizer can decode) are never sampled. Past block_size tokens the
+        context is the last block_size tokens (a sliding window); with the KV cache that window is
+        re-run from scratch on every such token, so both paths give the same tokens."""
+        block = self.config.block_size
+        cache = self.new_cache(idx.size(0)) if use_cache else None
+        done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
+        for step in range(max_new_tokens):
+            if cache is None:
+                logits = self(idx[:, -block:])[0]
+            elif step > 0 and cache.length < block:
+                logits = self.forward_cached(idx[:, -1:], cache)
+            else:  # first step, or the window is full: (re)fill the cache with the last block tokens
+                cache.reset()
+                logits = self.forward_cached(idx[:, -block:], cache)
+            nxt = sample_next(logits[:, -1, :], temperature, top_k, generator, vocab_limit)
+            if stop_token is not None:
+                nxt = torch.where(done, torch.full_like(nxt, stop_token), nxt)
+                done |= nxt == stop_token
+            idx = torch.cat((idx, nxt[:, None]), dim=1)
+            if stop_token is not None and bool(done.all()):
+                break
         return idx
+
+
+def model_from_state_dict(config: GPTConfig, state: dict[str, torch.Tensor], device: torch.device | str = "cpu",
+                          dtype: torch.dtype | None = None) -> GPT:
+    """A GPT of `config` holding exactly the tensors of `state` (strict names and shapes), built
+    without a random initialisation; parameters keep their stored dtype unless `dtype` is given."""
+    with torch.device("meta"):
+        model = GPT(config)
+    model = model.to_empty(device=device)
+    if config.pos_emb == "rope":  # non-persistent buffers are in no state dict: rebuild them
+        cos, sin = rotary_tables(config.head_dim, config.block_size, config.rope_base)
+        model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    state = {k: v.to(device=device, dtype=dtype or v.dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_embeddings:  # assign=True gives the head its own Parameter object: share it again
+        model.lm_head.weight = model.transformer.wte.weight
+    return model
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                generator: torch.Generator | None = None, vocab_limit: int | None = None) -> torch.Tensor:
+    """One token id per row of logits (B, V): argmax for temperature <= 0, else a draw from
+    softmax(logits / temperature) restricted to the top_k largest."""
+    logits = logits.float()
+    if vocab_limit is not None and vocab_limit < logits.size(-1):
+        logits = logits.clone()
+        logits[:, vocab_limit:] = -float("inf")
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None and top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)[:, 0]
 
 
 def estimate_mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float) -> float:

@@ -1,5 +1,10 @@
-"""Model size presets: the GPT-2 sizes of Lion Cub App. F.2 and small CPU models for tests."""
+"""Model size presets (the GPT-2 sizes of Lion Cub App. F.2 and small CPU models for tests) and
+`resolve_config`, the one translation of a config's `model:` section into a GPTConfig."""
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 from .gpt import GPTConfig
 
@@ -30,15 +35,36 @@ def get_preset(name: str, **overrides) -> GPTConfig:
     return GPTConfig(**fields)
 
 
-def resolve_config(section: dict, vocab_size: int | None = None) -> GPTConfig:
-    """The GPTConfig a run config's `model:` section describes: {preset, tie_embeddings (null =
-    the preset's), pos_emb, block_size (0 = the preset's)}; `vocab_size`, when given, replaces
-    the preset's, padded up to a multiple of 64 (GPT-2's 50257 -> 50304) for fast matmuls."""
-    overrides: dict = {"pos_emb": section.get("pos_emb", "rope")}
+VOCAB_MULTIPLE = 64
+"""Vocabulary sizes are padded up to a multiple of 64 (GPT-2's 50257 -> 50304) for fast matmuls."""
+SECTION_KEYS = ("preset", "tie_embeddings", "pos_emb", "block_size")
+
+
+def pad_vocab(n: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    """`n` rounded up to a multiple of `multiple` (50257 -> 50304)."""
+    if n < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {n}")
+    return -(-n // multiple) * multiple
+
+
+def resolve_config(section: Mapping[str, Any] | Any, vocab_size: int | None = None) -> GPTConfig:
+    """The GPTConfig a config's `model:` section describes: {preset, tie_embeddings (None = the
+    preset's), pos_emb (default rope), block_size (0 = the preset's)}, as a dict or the trainer's
+    dataclass. `vocab_size` (e.g. a dataset's tokenizer vocabulary) replaces the preset's, padded
+    up to a multiple of 64; None keeps the preset's (GPT-2, 50304)."""
+    if dataclasses.is_dataclass(section) and not isinstance(section, type):
+        section = dataclasses.asdict(section)
+    section = dict(section)
+    unknown = sorted(set(section) - set(SECTION_KEYS))
+    if unknown:
+        raise ValueError(f"model section has unknown key(s) {unknown}; known: {list(SECTION_KEYS)}")
+    if "preset" not in section:
+        raise ValueError(f"model section has no preset; valid presets: {', '.join(PRESETS)}")
+    overrides: dict[str, Any] = {"pos_emb": section.get("pos_emb") or "rope"}
     if section.get("tie_embeddings") is not None:
-        overrides["tie_embeddings"] = section["tie_embeddings"]
+        overrides["tie_embeddings"] = bool(section["tie_embeddings"])
     if section.get("block_size"):
-        overrides["block_size"] = section["block_size"]
-    if vocab_size:
-        overrides["vocab_size"] = -(-int(vocab_size) // 64) * 64
+        overrides["block_size"] = int(section["block_size"])
+    if vocab_size is not None:
+        overrides["vocab_size"] = pad_vocab(int(vocab_size))
     return get_preset(section["preset"], **overrides)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from data import resolve_dataset
+from data import DataError, resolve_dataset
 from data.loader import ShardLoader, val_batch_count, val_batches
 from data.shards import HEADER_BYTES, open_shard, read_header, shard_name, write_shard
 
@@ -168,18 +168,18 @@ def test_bad_shards_are_refused_with_file_and_expected_values(tmp_path: Path) ->
 
 
 def test_missing_empty_and_too_small_data(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match=r"does not exist.*data\.prepare"):
+    with pytest.raises(DataError, match=r"does not exist.*data\.prepare"):
         ShardLoader(tmp_path / "nope", "train", 2, 8, 0, 1, seed=0)
-    with pytest.raises(FileNotFoundError, match=r"does not exist"):
+    with pytest.raises(DataError, match=r"does not exist"):
         resolve_dataset(str(tmp_path / "nope"))
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "notes.txt").write_text("x")
-    with pytest.raises(FileNotFoundError, match=r"no train_XXXXXX\.bin shards \(found: \['notes\.txt'\]\)"):
+    with pytest.raises(DataError, match=r"no train_XXXXXX\.bin \(or llm.c NAME_train_XXXXXX.bin\) shards \(found: \['notes\.txt'\]\)"):
         resolve_dataset(str(tmp_path / "empty"))
     make_shards(tmp_path / "small", lens=[30])
     with pytest.raises(ValueError, match=r"holds 30 tokens, fewer than one global batch \(2 ranks x 2 x 8 \+ 1 = 33\)"):
         ShardLoader(tmp_path / "small", "train", 2, 8, 1, 2, seed=0)
-    with pytest.raises(FileNotFoundError, match="no val_XXXXXX.bin"):
+    with pytest.raises(DataError, match="no val_XXXXXX.bin"):
         val_batches(tmp_path / "small", 1, 8, 0, 1, None)
     with pytest.raises(ValueError, match="rank=2 world_size=2"):
         ShardLoader(tmp_path / "small", "train", 1, 8, 2, 2, seed=0)

@@ -1,0 +1,230 @@
+"""Evaluate a trained model (run dir, checkpoint dir or Hugging Face export).
+
+    python -m eval val runs/default --data builtin                    # validation loss / perplexity
+    python -m eval val exports/m --data data/fineweb10B --batches 50 --seq-len 1024
+    python -m eval mc runs/default --file hellaswag_val.jsonl         # multiple-choice accuracy
+
+`val` reads a prepared dataset's val split with the training loader's val iterator
+(data.loader.val_batches; token ids range-checked against the model's vocabulary) and reports the
+mean next-token cross-entropy and its exponential, the perplexity.
+
+`mc` scores multiple-choice items by completion log-likelihood, the way HellaSwag is evaluated
+(Zellers et al., 2019; lm-evaluation-harness, llm.c): for each item the context is followed by
+each ending (" " + ending), and the model's log-probability of the ending's tokens given the
+context is summed. Three accuracies:
+- acc: the ending with the largest summed log-likelihood;
+- acc_norm: the largest log-likelihood per UTF-8 byte of the ending (lm-evaluation-harness's
+  acc_norm divides by the ending's length in characters: the same for ASCII text);
+- acc_per_token: the largest mean log-likelihood per ending token (what llm.c reports as acc_norm).
+Items are JSON lines with `ctx`, `endings` (a list) and `label` (the index of the right ending),
+or HellaSwag's own `ctx_a` / `ctx_b` instead of `ctx` (ctx = ctx_a + " " + ctx_b.capitalize(), as
+the dataset defines it). HellaSwag's validation set is hellaswag_val.jsonl (10,042 items) in the
+data/ folder of the authors' GitHub repository rowanz/hellaswag; nothing is downloaded here. The
+context is used as given (llm.c's setup); lm-evaluation-harness's hellaswag task also prefixes the
+activity label and strips "[title]"-style artifacts, so its numbers differ slightly.
+
+The trainer calls `load_mc_file` once and `multiple_choice(model, items, encode, device, rank=,
+world_size=)` at eval steps; each rank scores items[rank::world_size] and returns counts to sum.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from model import GPT
+
+
+class MCFormatError(ValueError):
+    """A multiple-choice file that does not have the expected fields (names the line and field)."""
+
+
+@dataclass
+class MCItem:
+    ctx: str
+    endings: list[str]
+    label: int
+
+
+def _item_from(obj: Any, where: str) -> MCItem:
+    if not isinstance(obj, dict):
+        raise MCFormatError(f"{where}: expected a JSON object with ctx (or ctx_a/ctx_b), endings and label, "
+                            f"got {type(obj).__name__}")
+    if "ctx" in obj:
+        ctx = obj["ctx"]
+    elif "ctx_a" in obj:  # HellaSwag's own definition of ctx
+        ctx_b = obj.get("ctx_b") or ""
+        ctx = obj["ctx_a"] + (" " + ctx_b.capitalize() if ctx_b else "")
+    else:
+        raise MCFormatError(f"{where}: missing field 'ctx' (or HellaSwag's 'ctx_a'/'ctx_b'); fields present: "
+                            f"{sorted(obj)}")
+    if not isinstance(ctx, str):
+        raise MCFormatError(f"{where}: field 'ctx' must be a string, got {type(ctx).__name__}")
+    for field in ("endings", "label"):
+        if field not in obj:
+            raise MCFormatError(f"{where}: missing field {field!r}; fields present: {sorted(obj)}")
+    endings = obj["endings"]
+    if not isinstance(endings, list) or len(endings) < 2 or not all(isinstance(e, str) and e for e in endings):
+        raise MCFormatError(f"{where}: field 'endings' must be a list of at least 2 non-empty strings, "
+                            f"got {endings!r:.200}")
+    label = obj["label"]
+    if isinstance(label, str) and label.strip().isdigit():
+        label = int(label)
+    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(endings):
+        raise MCFormatError(f"{where}: field 'label' must be an index into endings (0..{len(endings) - 1}), "
+                            f"got {obj['label']!r}")
+    return MCItem(ctx, endings, label)
+
+
+def load_mc_file(path: str | os.PathLike, limit: int | None = None) -> list[MCItem]:
+    """The items of a HellaSwag-format JSONL file (first `limit` if given), validated: MCFormatError
+    naming the line and the missing or malformed field otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"multiple-choice file {path} does not exist; HellaSwag's validation set is "
+                                f"data/hellaswag_val.jsonl in the GitHub repository rowanz/hellaswag")
+    items = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                raise MCFormatError(f"{path}:{lineno}: not valid JSON ({e})") from None
+            items.append(_item_from(obj, f"{path}:{lineno}"))
+            if limit is not None and len(items) >= limit:
+                break
+    if not items:
+        raise MCFormatError(f"{path} holds no items (expected one JSON object per line)")
+    return items
+
+
+@torch.no_grad()
+def ending_logprobs(model: GPT, ctx: list[int], endings: list[list[int]], device: torch.device | str,
+                    batch_size: int = 16) -> list[tuple[float, int]]:
+    """(sum of log p(ending tokens | ctx), number of ending tokens) for each ending. A sequence
+    longer than the model's context keeps its last block_size tokens."""
+    block = model.config.block_size
+    seqs, spans = [], []
+    for end in endings:
+        seq = (ctx + end)[-block:]
+        n_end = min(len(end), len(seq) - 1)  # the first kept token has no prediction
+        seqs.append(seq)
+        spans.append((len(seq) - n_end, len(seq)))
+    out = []
+    for b in range(0, len(seqs), batch_size):
+        chunk = seqs[b:b + batch_size]
+        T = max(len(s) for s in chunk)
+        x = torch.zeros(len(chunk), T, dtype=torch.long)
+        for i, s in enumerate(chunk):
+            x[i, :len(s)] = torch.tensor(s)
+        logp = F.log_softmax(model.logits(x.to(device)).float(), dim=-1)
+        for i, s in enumerate(chunk):
+            a, e = spans[b + i]
+            targets = torch.tensor(s[a:e], device=logp.device)
+            out.append((float(logp[i, a - 1:e - 1].gather(1, targets[:, None]).sum()), e - a))
+    return out
+
+
+def multiple_choice(model: GPT, items: list[MCItem], encode: Callable[[str], list[int]],
+                    device: torch.device | str = "cpu", batch_size: int = 16, rank: int = 0,
+                    world_size: int = 1) -> dict:
+    """Accuracy of `model` on items[rank::world_size] by completion log-likelihood. Returns
+    {"n", "correct", "correct_norm", "correct_per_token"} (sum them over ranks) and the rates
+    "acc", "acc_norm" (per UTF-8 byte), "acc_per_token" of this rank's share."""
+    was_training = model.training
+    model.eval()
+    n = correct = correct_norm = correct_tok = 0
+    try:
+        for item in items[rank::world_size]:
+            conts = [" " + e for e in item.endings]
+            scores = ending_logprobs(model, encode(item.ctx), [encode(c) for c in conts], device, batch_size)
+            ll = [s for s, _ in scores]
+            per_byte = [s / len(e.encode("utf-8")) for (s, _), e in zip(scores, item.endings)]
+            per_tok = [s / max(k, 1) for s, k in scores]
+            n += 1
+            correct += int(max(range(len(ll)), key=ll.__getitem__) == item.label)
+            correct_norm += int(max(range(len(ll)), key=per_byte.__getitem__) == item.label)
+            correct_tok += int(max(range(len(ll)), key=per_tok.__getitem__) == item.label)
+    finally:
+        model.train(was_training)
+    rate = (lambda k: k / n) if n else (lambda k: float("nan"))
+    return {"n": n, "correct": correct, "correct_norm": correct_norm, "correct_per_token": correct_tok,
+            "acc": rate(correct), "acc_norm": rate(correct_norm), "acc_per_token": rate(correct_tok)}
+
+
+@torch.no_grad()
+def val_loss(model: GPT, data_dir: str | os.PathLike, batch_size: int, seq_len: int,
+             n_batches: int | None = None, device: torch.device | str = "cpu") -> dict:
+    """Mean next-token cross-entropy over the first `n_batches` (None: all) val batches of a
+    prepared dataset, and its perplexity."""
+    from data.loader import val_batches
+
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        for x, y in val_batches(data_dir, batch_size, seq_len, 0, 1, n_batches, vocab_size=model.config.vocab_size):
+            _, loss = model(x.to(device), y.to(device))
+            total += float(loss)
+            count += 1
+    finally:
+        model.train(was_training)
+    loss = total / count
+    return {"loss": loss, "ppl": math.exp(loss), "batches": count, "tokens": count * batch_size * seq_len}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from data import DataError, resolve_dataset
+    from sample import load
+
+    p = argparse.ArgumentParser(prog="python -m eval", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("val", help="validation loss and perplexity on a prepared dataset")
+    v.add_argument("src", metavar="RUN_DIR_OR_EXPORT")
+    v.add_argument("--data", required=True, help="data.prepare output dir, or builtin")
+    v.add_argument("--batch-size", type=int, default=8)
+    v.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: the model's block size)")
+    v.add_argument("--batches", type=int, default=0, help="evaluate the first N batches (default: all)")
+    m = sub.add_parser("mc", help="multiple-choice accuracy (HellaSwag format) by completion log-likelihood")
+    m.add_argument("src", metavar="RUN_DIR_OR_EXPORT")
+    m.add_argument("--file", required=True, help="JSONL with ctx (or ctx_a/ctx_b), endings, label")
+    m.add_argument("--limit", type=int, default=None, help="only the first N items")
+    m.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass")
+    for sp in (v, m):
+        sp.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+        sp.add_argument("--tokenizer", default=None, help="tokenizer name (default: the run dataset's / the export's)")
+        sp.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    try:
+        model, codec, loaded = load(args.src, args.device, tokenizer=args.tokenizer)
+        device = model.transformer.wte.weight.device
+        if args.cmd == "val":
+            seq_len = args.seq_len or model.config.block_size
+            res = val_loss(model, resolve_dataset(args.data), args.batch_size, seq_len, args.batches or None, device)
+            text = (f"val loss {res['loss']:.4f} | ppl {res['ppl']:.2f} | {res['batches']} batches x "
+                    f"{args.batch_size} x {seq_len} = {res['tokens']:,} tokens")
+        else:
+            items = load_mc_file(args.file, args.limit)
+            res = multiple_choice(model, items, codec.encode, device, args.batch_size)
+            text = (f"{res['n']} items | acc {res['acc']:.4f} | acc_norm {res['acc_norm']:.4f} (per byte) | "
+                    f"acc_per_token {res['acc_per_token']:.4f}")
+    except (FileNotFoundError, DataError, ValueError) as e:
+        print(f"eval: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"source": str(loaded.weights), **res}) if args.json else text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

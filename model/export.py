@@ -1,0 +1,101 @@
+"""Export a trained run as a Hugging Face LlamaForCausalLM directory.
+
+    python -m model.export RUN_DIR_OR_CKPT --out DIR [--dtype float32|bfloat16|float16] [--tokenizer NAME]
+
+RUN_DIR_OR_CKPT is a run directory (train.out_dir: config.yaml + the checkpoint ckpt/latest
+names) or one checkpoint directory (RUN/ckpt/step_NNNNNN). DIR receives config.json,
+generation_config.json, model.safetensors (sharded past 4 GiB) and the tokenizer files, so that
+
+    AutoModelForCausalLM.from_pretrained(DIR); AutoTokenizer.from_pretrained(DIR)
+
+work offline, and `lm_eval --model hf --model_args pretrained=DIR` evaluates it. The tokenizer
+is the one the run's dataset was prepared with (its manifest.json; GPT-2 for the built-in corpus
+or when the dataset is not on this machine), or --tokenizer. The weight mapping is model/hf.py's.
+Ids past the tokenizer's vocabulary (the padding up to a multiple of 64) are listed in
+generation_config.json's suppress_tokens, so `generate` never emits an undecodable id.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from .hf import DTYPES, HFFormatError, save_hf
+from .load import load_model
+from .presets import pad_vocab
+
+EXPORT_FILES = {"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                "tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json"}
+
+
+def _is_our_export(d: Path) -> bool:
+    return (d / "config.json").is_file() and all(
+        p.name in EXPORT_FILES or (p.name.startswith("model-") and p.name.endswith(".safetensors"))
+        for p in d.iterdir())
+
+
+def export(src: str | Path, out: str | Path, *, dtype: str | None = None, tokenizer: str | None = None,
+           overwrite: bool = False) -> dict:
+    """Export run/checkpoint `src` to the HF directory `out`; returns a summary dict."""
+    # The CLI joins the model and its tokenizer: the one place model/ reaches into data/ (lazily).
+    from data import dataset_tokenizer
+    from data.hf_tokenizer import write_hf_tokenizer
+    from data.tokenizer import eot_id, get_encoding
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not overwrite:
+            raise FileExistsError(f"--out {out} exists and is not empty; pass --overwrite to replace an earlier "
+                                  f"export, or pick another directory")
+        if not out.is_dir() or not _is_our_export(out):
+            raise FileExistsError(f"--overwrite refuses to replace {out}: it is not a directory written by "
+                                  f"model.export (config.json, safetensors and tokenizer files only); nothing "
+                                  f"was deleted")
+    loaded = load_model(src)
+    if loaded.kind == "hf":
+        raise HFFormatError(f"{src} is already a Hugging Face directory; copy it instead")
+    model = loaded.model
+    if tokenizer is None:  # the dataset's (GPT-2 when its manifest is not on this machine)
+        tokenizer = dataset_tokenizer(((loaded.run_config or {}).get("data") or {}).get("dataset", "builtin"))
+    enc = get_encoding(tokenizer)
+    if pad_vocab(enc.n_vocab) != model.config.vocab_size:  # the trainer sizes the model from its tokenizer
+        raise HFFormatError(f"the model's vocabulary ({model.config.vocab_size}) does not belong to tokenizer "
+                            f"{tokenizer} ({enc.n_vocab} ids, padded {pad_vocab(enc.n_vocab)}); pass the "
+                            f"--tokenizer the run's dataset was prepared with")
+    eot = eot_id(enc)
+    suppress = list(range(enc.n_vocab, model.config.vocab_size))
+    tmp = out.with_name(f".{out.name}.export-tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_hf(model, tmp, bos_token_id=eot, eos_token_id=eot, dtype=dtype,
+            generation={"suppress_tokens": suppress} if suppress else None)
+    write_hf_tokenizer(tmp, tokenizer, model_max_length=model.config.block_size)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return {"source": str(loaded.weights), "step": loaded.step, "out": str(out), "tokenizer": tokenizer,
+            "params": model.num_params(), "vocab_size": model.config.vocab_size, "tokenizer_vocab": enc.n_vocab}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m model.export", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("src", metavar="RUN_DIR_OR_CKPT", help="run dir (train.out_dir) or RUN/ckpt/step_NNNNNN")
+    p.add_argument("--out", required=True, help="output directory (Hugging Face format)")
+    p.add_argument("--dtype", choices=list(DTYPES), default=None, help="stored precision (default: as trained)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer name (default: the run dataset's, else gpt2)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
+    args = p.parse_args(argv)
+    try:
+        info = export(args.src, args.out, dtype=args.dtype, tokenizer=args.tokenizer, overwrite=args.overwrite)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"model.export: error: {e}", file=sys.stderr)
+        return 2
+    step = f" (step {info['step']})" if info["step"] is not None else ""
+    print(f"exported {info['source']}{step} -> {info['out']}: LlamaForCausalLM, {info['params'] / 1e6:.2f}M params, "
+          f"vocab {info['vocab_size']} ({info['tokenizer']} tokenizer, {info['tokenizer_vocab']} ids)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
