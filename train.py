@@ -37,6 +37,7 @@ def main(argv: list[str]) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 2
 
+    from data import DataError
     from trainer.dist import init_distributed, shutdown
     from trainer.trainer import RunDirError, run
 
@@ -51,6 +52,9 @@ def main(argv: list[str]) -> int:
     except (ConfigError, RunDirError) as e:
         if info.is_main:
             print(f"error: {e}", file=sys.stderr)
+        return 2
+    except DataError as e:  # raised by the rank that read the data: print there
+        print(f"error (rank {info.rank}): {e}", file=sys.stderr)
         return 2
     finally:
         shutdown()

@@ -81,3 +81,12 @@ def test_register_rejects_duplicates_and_clashing_options():
     with pytest.raises(ValueError, match="option 'bits' clashes with scheme 'pbit'"):
         sync.register(bad)
     assert "clash" not in sync.names()
+
+
+def test_sign_flip_denominator_is_stated_in_code_and_metrics_docs():
+    import optim.diagnostics as diag
+
+    assert "Denominator: ALL elements" in diag.__doc__
+    readme = (ROOT / "README.md").read_text()
+    row = next(ln for ln in readme.splitlines() if ln.startswith("| `diag/sign_flip` |"))
+    assert "Denominator: all elements" in row

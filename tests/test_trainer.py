@@ -205,3 +205,50 @@ def test_wandb_run_id_is_unique_per_run_directory_and_renewed_on_overwrite(tmp_p
     assert ids["a"] != ids["b"]          # two directories, two runs (same directory name stem differs)
     assert ids["b2"] != ids["b"]         # a replaced directory is a new run
     assert ids["b3"] == ids["b2"]        # a resumed run continues the same wandb run
+
+
+def test_model_vocabulary_follows_a_uint32_dataset(tmp_path, monkeypatch):
+    from tests.test_data_formats import DOCS, big_vocab_encoding
+    import data.prepare as dp
+    import data.tokenizer as tk
+
+    enc = big_vocab_encoding()
+    real = tk.get_encoding
+    monkeypatch.setattr(tk, "get_encoding", lambda name="gpt2": enc if name == "big70k" else real(name))
+    monkeypatch.setattr(dp, "get_encoding", tk.get_encoding)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS * 20))
+    dp.prepare_text(tmp_path / "ds", [tmp_path / "docs.jsonl"], tokenizer="big70k", val_fraction=0, val_shards=1,
+                    shard_tokens=512, num_proc=1, cache_dir=str(tmp_path / "hf"))
+    run = tmp_path / "run"
+    train(1, run, f"data.dataset={tmp_path / 'ds'}", "data.batch_size=2", "data.seq_len=32", "train.max_steps=3")
+    assert torch.load(run / "ckpt" / "step_000003" / "model.pt")["transformer.wte.weight"].shape[0] == 70016
+    assert records(run, "val_loss")
+
+
+def test_multiple_choice_eval_at_eval_steps(tmp_path):
+    run = tmp_path / "run"
+    fixture = ROOT / "tests" / "fixtures" / "hellaswag_mini.jsonl"
+    train(2, run, "train.max_steps=4", "train.eval_every=2", f"train.mc_eval_file={fixture}")
+    evals = records(run, "mc_acc")
+    assert [r["step"] for r in evals] == [2, 4]
+    n_items = sum(1 for line in fixture.read_text().splitlines() if line.strip())
+    assert all(r["mc_items"] == n_items and 0 <= r["mc_acc"] <= 1 and 0 <= r["mc_acc_norm"] <= 1 for r in evals)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"ctx": "a", "label": 0}\n')
+    proc = _run1(tmp_path / "run2", "train.max_steps=2", f"train.mc_eval_file={bad}")
+    assert proc.returncode == 2 and "train.mc_eval_file" in proc.stderr and "endings" in proc.stderr
+    assert not (tmp_path / "run2").exists()  # the run directory is made only after config and data pass
+
+
+def test_wandb_payload_groups_panels():
+    from trainer.logger import wandb_payload
+
+    rec = {"step": 3, "train_loss": 2.5, "data_ms": 1.0, "fwdbwd_ms": 10.0, "coll_ms": 4.0, "pack_ms": 2.0,
+           "opt_ms": 3.0, "comm_bytes": 1000, "diag/sign_match": 0.9, "diag/momentum_spread/block/0": 0.1,
+           "diag/sign_flip/tensor/lm_head.weight": 0.01, "params_identical": True}
+    p = wandb_payload(rec)
+    assert p["loss/train"] == 2.5 and p["comm/bytes_sent"] == 1000 and "step" not in p
+    assert [p[f"step_time_stacked_ms/{n}"] for n in ("1_data", "2_+fwd_bwd", "3_+collectives", "4_+pack",
+                                                     "5_+optimizer")] == [1.0, 11.0, 15.0, 17.0, 20.0]
+    assert p["diag/sign_match"] == 0.9 and p["diag_momentum_spread/block.0"] == 0.1
+    assert p["diag_sign_flip/tensor.lm_head.weight"] == 0.01 and "params_identical" not in p

@@ -170,6 +170,11 @@ class TrainConfig:
     """Autocast dtype on CUDA (bfloat16 or float32); CPU always runs float32."""
     compile: bool = False
     """torch.compile the model."""
+    mc_eval_file: str = ""
+    """HellaSwag-format JSONL (ctx, endings, label) scored by completion log-likelihood at every
+    evaluation (acc, acc_norm per byte, acc per token); empty = off. See README "Evaluation"."""
+    mc_eval_items: int = 0
+    """Score only the first N items of mc_eval_file; 0 = all."""
 
 
 @dataclass
@@ -457,7 +462,7 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
                          ("train.keep_ckpts", t.keep_ckpts, 1), ("model.block_size", m.block_size, 0),
                          ("train.eval_every", t.eval_every, 0), ("train.ckpt_every", t.ckpt_every, 0),
                          ("optim.warmup_steps", o.warmup_steps, 0), ("diag.every", dg.every, 0),
-                         ("train.stop_after", t.stop_after, 0)]:
+                         ("train.stop_after", t.stop_after, 0), ("train.mc_eval_items", t.mc_eval_items, 0)]:
         at_least(p, key, val, lo)
     if m.preset in PRESETS:
         block = m.block_size or PRESETS[m.preset].block_size

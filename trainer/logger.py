@@ -20,6 +20,42 @@ def _fmt_time(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
+# metrics.jsonl key -> wandb key; wandb makes one panel section per prefix before the first "/"
+WANDB_KEYS = {
+    "train_loss": "loss/train", "val_loss": "loss/val", "lr": "loss/lr",
+    "mc_acc": "eval/mc_acc", "mc_acc_norm": "eval/mc_acc_norm", "mc_acc_per_token": "eval/mc_acc_per_token",
+    "step_ms": "step_time_ms/total", "data_ms": "step_time_ms/data", "fwdbwd_ms": "step_time_ms/fwd_bwd",
+    "coll_ms": "step_time_ms/collectives", "pack_ms": "step_time_ms/pack", "opt_ms": "step_time_ms/optimizer",
+    "comm_ms": "comm/ms", "comm_bytes": "comm/bytes_sent", "comm_bytes_recv": "comm/bytes_recv",
+    "tokens_per_s": "throughput/tokens_per_s", "mfu": "throughput/mfu", "peak_mem_gib": "memory/peak_gib",
+    "train_time_s": "throughput/train_time_s",
+}
+# the step-time breakdown as a stacked chart: each line is the running sum of the parts before it
+STACK = (("data_ms", "1_data"), ("fwdbwd_ms", "2_+fwd_bwd"), ("coll_ms", "3_+collectives"),
+         ("pack_ms", "4_+pack"), ("opt_ms", "5_+optimizer"))
+
+
+def wandb_payload(record: dict) -> dict:
+    """The wandb view of a metrics.jsonl record: panels grouped by section (loss, eval,
+    step_time_ms, step_time_stacked_ms, comm, throughput, memory, diag, and one section per
+    diagnostic with its per-role / per-block / per-tensor charts: diag_sign_match, ...)."""
+    out = {}
+    for k, v in record.items():
+        if k == "step" or isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        if k.startswith("diag/"):
+            _, metric, *rest = k.split("/")
+            out[f"diag_{metric}/{'.'.join(rest)}" if rest and metric != "vote_table" else k] = v
+        else:
+            out[WANDB_KEYS.get(k, k)] = v
+    if all(k in record for k, _ in STACK):
+        total = 0.0
+        for k, name in STACK:
+            total += record[k]
+            out[f"step_time_stacked_ms/{name}"] = total
+    return out
+
+
 class RunLogger:
     def __init__(self, out_dir: Path, enabled: bool, wandb_mode: str, project: str, run_name: str,
                  group: str, config: dict, resume: bool, run_id: str | None = None) -> None:
@@ -61,11 +97,12 @@ class RunLogger:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self.file.write(json.dumps(clean) + "\n")
         if self.wandb is not None:
-            payload = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+            payload = wandb_payload(record)
             if histograms:
                 import wandb
 
-                payload.update({k: wandb.Histogram(v.float().cpu().numpy()) for k, v in histograms.items()})
+                payload.update({f"c_local/{k.split('/', 1)[-1]}": wandb.Histogram(v.float().cpu().numpy())
+                                for k, v in histograms.items()})
             self.wandb.log(payload, step=record["step"])
 
     def console(self, msg: str) -> None:
@@ -144,6 +181,8 @@ def banner(trainer) -> str:
         f"{m.flops_per_token(c.data.seq_len) / 1e6:.1f} MFLOP/token",
         f"optim {c.optim.name} lr {c.optim.lr} | {trainer.optimizer.describe()}",
         f"data {trainer.data_dir} | {trainer.tokens_per_step:,} tokens/step | {c.train.max_steps} steps"
-        f" | eval {trainer.eval_steps} batches" + (f" (val split holds {trainer.eval_steps}, asked "
-                                                  f"{c.train.eval_steps})" if trainer.eval_steps < c.train.eval_steps else ""),
+        f" | eval {trainer.evaluator.steps} batches" + (
+            f" (val split holds {trainer.evaluator.steps}, asked {c.train.eval_steps})"
+            if trainer.evaluator.steps < c.train.eval_steps else "")
+        + (f" + {len(trainer.evaluator.mc_items)} multiple-choice items" if trainer.evaluator.mc_items else ""),
     ])

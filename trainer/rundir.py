@@ -26,7 +26,8 @@ from .dist import DistInfo, all_agree
 # keys a resumed run may change; anything else must match the checkpoint's config
 RESUMABLE_KEYS = ("train.max_steps", "train.stop_after", "train.resume", "train.eval_every",
                   "train.eval_steps", "train.ckpt_every", "train.keep_ckpts", "train.log_every",
-                  "train.out_dir", "train.device", "data.cache_dir", "comm.timeout_s", "log.", "diag.")
+                  "train.out_dir", "train.device", "train.mc_eval", "data.cache_dir", "comm.timeout_s", "log.",
+                  "diag.")
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "ckpt")
 
 

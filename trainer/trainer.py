@@ -17,14 +17,15 @@ import torch.distributed as dist
 
 import data
 from comm import Clock
-from data.loader import ShardLoader, val_batch_count, val_batches
+from data.loader import ShardLoader
 from model import GPT, resolve_config
 from optim import build_optimizer
 from optim.base import digest
 
 from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import Config, ConfigError, validate
-from .dist import DistInfo, all_agree, mean_over_ranks
+from .dist import DistInfo, all_agree
+from .evaluation import Evaluator
 from .logger import RunLogger, banner, window_record
 from .param_groups import param_groups
 from .rundir import RunDirError, prepare_run_dir, run_id
@@ -39,10 +40,15 @@ class Trainer:
         self.cfg, self.info, self.device = cfg, info, info.device
         self.out_dir = Path(cfg.train.out_dir)
         self.ckpt_root = self.out_dir / "ckpt"
-        resume_from = prepare_run_dir(self.out_dir, cfg.train.resume, cfg.to_dict(), info)
-
+        # everything that can fail on bad config or data is built before the run directory is touched
+        self.data_dir = data.resolve_dataset(cfg.data.dataset, cfg.data.cache_dir or None) if info.is_main else None
+        if info.world_size > 1:  # rank 0 prepares the built-in corpus once; the others wait for it
+            box = [str(self.data_dir) if self.data_dir else None]
+            dist.broadcast_object_list(box, src=0)
+            self.data_dir = Path(box[0])
         torch.manual_seed(cfg.train.seed)  # same init on every rank
-        self.model_config = resolve_config(vars(cfg.model))
+        # the model's vocabulary follows the dataset's tokenizer (GPT-2 for the built-in corpus)
+        self.model_config = resolve_config(vars(cfg.model), vocab_size=data.dataset_vocab_size(self.data_dir))
         self.model = GPT(self.model_config).to(self.device)
         o, c = cfg.optim, cfg.comm
         try:
@@ -53,27 +59,18 @@ class Trainer:
         except ValueError as e:  # an option combination validate() does not know about
             raise ConfigError(f"optim/comm: {e}") from None
 
-        self.data_dir = data.resolve_dataset(cfg.data.dataset, cfg.data.cache_dir or None) if info.is_main else None
-        if info.world_size > 1:  # rank 0 prepares the built-in corpus once; the others wait for it
-            box = [str(self.data_dir) if self.data_dir else None]
-            dist.broadcast_object_list(box, src=0)
-            self.data_dir = Path(box[0])
         d = cfg.data
         self.loader = ShardLoader(self.data_dir, "train", d.batch_size, d.seq_len, info.rank, info.world_size,
-                                  cfg.train.seed)
-        available = val_batch_count(self.data_dir, d.batch_size, d.seq_len, info.world_size)
-        if available < 1:
-            raise RunDirError(f"the val split of {self.data_dir} holds less than one global batch of "
-                              f"{info.world_size} x {d.batch_size} x {d.seq_len} tokens; lower data.batch_size "
-                              f"or data.seq_len, or prepare more val data")
-        self.eval_steps = min(cfg.train.eval_steps, available)  # never reuse val tokens within one eval
+                                  cfg.train.seed, vocab_size=self.model_config.vocab_size)
         self.tokens_per_step = d.batch_size * d.seq_len * d.grad_accum * info.world_size
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                          if self.device.type == "cuda" and cfg.train.dtype == "bfloat16" else contextlib.nullcontext())
+        self.evaluator = Evaluator(cfg, info, self.data_dir, self.model_config.vocab_size, self.autocast)
         self.forward = torch.compile(self.model) if cfg.train.compile else self.model
         self.clock = Clock(self.device)
 
         self.step, self.train_time = 0, 0.0  # train_time: seconds in timed steps (loss vs wall-clock)
+        resume_from = prepare_run_dir(self.out_dir, cfg.train.resume, cfg.to_dict(), info)
         if resume_from is not None:
             self._load(resume_from)
         if info.is_main:  # only now: a config that fails while building leaves no run directory behind
@@ -115,18 +112,6 @@ class Trainer:
                 "fwdbwd_s": t1 - t0 - data_s, "comm_s": report.comm_s, "coll_s": report.coll_s,
                 "pack_s": report.pack_s, "opt_s": max(0.0, report.seconds - report.comm_s),
                 "bytes_sent": report.bytes_sent, "bytes_recv": report.bytes_recv, "report": report}
-
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        self.model.eval()
-        total, n = 0.0, 0
-        for x, y in val_batches(self.data_dir, self.cfg.data.batch_size, self.cfg.data.seq_len, self.info.rank,
-                                self.info.world_size, self.eval_steps):
-            with self.autocast:
-                _, loss = self.forward(x.to(self.device), y.to(self.device))
-            total += loss.item()
-            n += 1
-        return mean_over_ranks([total / max(n, 1)], self.device)[0]
 
     def param_digests(self) -> list[str]:
         """sha256 of this rank's parameters, gathered from every rank (the invariant: all equal)."""
@@ -213,9 +198,12 @@ class Trainer:
         return {"step": self.step, "val_loss": last_eval, "stopped": False}
 
     def _eval_and_log(self) -> float:
-        val = self.evaluate()
-        self.logger.log({"step": self.step, "val_loss": val, "train_time_s": self.train_time})
-        self.logger.console(f"step {self.step:>6} | val loss {val:.4f}")
+        val = self.evaluator.val_loss(self.model, self.forward)
+        mc = self.evaluator.multiple_choice(self.model)
+        self.logger.log({"step": self.step, "val_loss": val, **mc, "train_time_s": self.train_time})
+        self.logger.console(f"step {self.step:>6} | val loss {val:.4f}"
+                            + (f" | mc acc {mc['mc_acc']:.4f} acc_norm {mc['mc_acc_norm']:.4f} ({mc['mc_items']} items)"
+                               if mc else ""))
         return val
 
     def _log_window(self, window: list[dict], start: float, steps_at_start: int) -> None:
