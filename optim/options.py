@@ -23,6 +23,10 @@ class Options:
         """Every problem with these values (and, given `world_size`, at that many ranks)."""
         return []
 
+    def run_problems(self, max_steps: int) -> list[str]:
+        """Problems of these values given the run's length (e.g. a warm-up longer than the run)."""
+        return []
+
     def key(self, name: str) -> str:
         return f"{self.section}.{name}"
 

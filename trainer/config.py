@@ -489,7 +489,7 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
             p.append(problem)
     for opts in (c.options, o.options):  # the selected entries' own checks (world-size ones too)
         if opts is not None:
-            p += opts.problems(world_size)
+            p += opts.problems(world_size) + opts.run_problems(t.max_steps)
     if c.timeout_s <= 0:
         p.append(f"comm.timeout_s: {c.timeout_s} must be > 0")
     ms = c.momentum_sync
