@@ -17,8 +17,9 @@ from .lion import Lion
 from .lioncub import DistributedLion
 from .quantize import lp_quantize
 from .registry import (OptimizerSpec, OptimOptions, build_optimizer, compatibility_problem, get_optimizer,
-                       optimizer_names, optimizers, register_optimizer)
+                       optimizer_names, optimizers, optimizers_table, register_optimizer)
+from . import dion, muon  # noqa: F401,E402  (registers optim.name=muon and optim.name=dion)
 
 __all__ = ["AdamW", "CommOptimizer", "DistributedLion", "FlatLayout", "Lion", "MomentumSync", "OptimOptions",
            "OptimizerSpec", "StepReport", "build_optimizer", "compatibility_problem", "get_optimizer", "lp_quantize",
-           "optimizer_names", "optimizers", "register_optimizer", "sync"]
+           "optimizer_names", "optimizers", "optimizers_table", "register_optimizer", "sync"]

@@ -106,6 +106,17 @@ register_optimizer(OptimizerSpec(
     help="Lion; with an update-sync scheme, Distributed Lion / Lion Cub (per-rank momentum)"))
 
 
+def optimizers_table() -> str:
+    """The README's table of optimizers: one row per registered optimizer (`python -m optim`)."""
+    rows = ["| `optim.name` | runs on `comm.mode` | optimizer state per parameter | options (`optim.*`) |",
+            "|---|---|---|---|"]
+    for spec in optimizers():
+        modes = ", ".join(f"`{s.name}`" for s in sync.schemes() if spec.accepts(s))
+        keys = ", ".join(f"`{k}`" for k in spec.options.field_names()) or "-"
+        rows.append(f"| `{spec.name}` | {modes} | {spec.state} | {keys} |")
+    return "\n".join(rows)
+
+
 def build_optimizer(name: str, param_groups: list[dict], *, betas: tuple[float, float] = (0.9, 0.99),
                     eps: float = 1e-8, comm_mode: str = "fp32", comm_options: dict | sync.SchemeOptions | None = None,
                     optim_options: dict | OptimOptions | None = None, momentum_sync: dict | MomentumSync | None = None,

@@ -62,7 +62,10 @@ def test_registry_drives_help_benchmarks_and_readme():
     table = sync.markdown_table()
     assert all(f"| `{n}` |" in table for n in sync.names())
     readme = (ROOT / "README.md").read_text()
-    assert table in readme, "README's mode table is stale: paste the output of `python -m optim.sync`"
+    assert table in readme, "README's mode table is stale: paste the output of `python -m optim`"
+    from optim import optimizers_table
+
+    assert optimizers_table() in readme, "README's optimizer table is stale: paste the output of `python -m optim`"
 
 
 def test_register_rejects_duplicates_and_clashing_options():

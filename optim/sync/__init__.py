@@ -5,7 +5,7 @@
     exchange = scheme.build(opts, sync.ExchangeContext(world_size=P, rank=r))
     update = exchange(c_local, step)
 
-`python -m optim.sync` prints the README's table of modes from the registry.
+`python -m optim` prints the README's tables of modes from the registry.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ A scheme is one named `comm.mode`. Its entry declares, in one place:
 - `wire`: one line for the README's table of what crosses the network.
 
 Everything that lists modes (the config's allowed `comm.mode` values, `--help-config`, the
-benchmarks, the README table via `python -m optim.sync`) iterates over this registry. Adding a
+benchmarks, the README tables via `python -m optim`) iterates over this registry. Adding a
 mode: write one module with its options, exchange, byte formula and prediction, and `register`
 it (docs/architecture.md, "How to add a communication mode").
 """

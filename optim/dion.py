@@ -1,0 +1,264 @@
+"""Dion (Ahn & Xu 2025) for data-parallel training on the communication-owning base: Dion Alg. 1
+(one rank) and Alg. 2 (P ranks) over the flat layout, registered as optim.name=dion.
+
+What crosses the network in one step (comm.mode fp32 or bf16 picks the wire dtype of all of it):
+  grad_sync    ONE mean-allreduce of the gradients of the non-matrix parameters (embedding, head,
+               1-D; trained by AdamW or Lion, optim.scalar_opt) and of the matrices that are not
+               worth factorising (below), which `_grad_order` places first in the flat gradient
+               buffer so they are one contiguous slice; plus, with optim.grad_clip > 0, one fp32
+               scalar (the clipping norm, see `_clip_`);
+  update_sync  TWO mean-allreduces through the same scheme: every low-rank matrix's P (m x r) in
+               one flat buffer, then every R (n x r) in another (Dion Alg. 2; dion_math.dion_step_
+               calls reduce_mean exactly twice).
+The gradients of the low-rank matrices never cross the network: every rank keeps its own
+momentum M_i (Dion Alg. 2's hatted, unsynchronised state), and P, R, Q and the parameters come out
+bit-identical on every rank because each is computed from the same reduced bits.
+
+Which matrices are factorised. A matrix (m, n) at rank r sends (m + n) r elements per step; where
+(m + n) r >= m n (full rank, r >= m n / (m + n), or tiny matrices) that is no cheaper than its
+gradient. There we do what the Dion paper and microsoft/dion do: its gradient joins the
+grad_sync allreduce (m n elements) and Dion runs on the mean gradient with no factor exchange,
+which by Dion Thm. 2.1 is the same algorithm (Alg. 1 on the mean gradient = Alg. 2); its momentum
+is then identical on every rank. Both parts are in `wire_bytes_per_step`.
+
+State per matrix: M (param dtype, per rank), Q (n x r, float32 - float64 for float64 params -,
+identical on all ranks, drawn from a seed derived from the parameter's name by
+dion_math.init_dion_q, so no broadcast is needed); the inner AdamW state or the Lion momenta of the
+other parameters; the step counter. Learning rates as in Muon (optim/muon.py): optim.matrix_lr for
+the matrices, following the schedule of optim.lr, which stays the AdamW/Lion rate.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import comm
+
+from . import sync
+from .diagnostics import _aggregate, _sum_fp64
+from .dion_math import DEFAULT_RANK_FRACTION, dion_rank, dion_step_, init_dion_q
+from .muon import MatrixOptimizer, MatrixOptions, _gradient_mean, is_matrix
+from .options import choice
+from .orthogonal import ORTHO_METHODS
+from .registry import OptimizerSpec, register_optimizer
+
+
+@dataclass
+class DionOptions(MatrixOptions):
+    """Dion's options (optim.name=dion)."""
+
+    mu: float = 0.95
+    """Momentum decay mu of the error feedback M <- B - (1 - mu) P R^T (Dion Alg. 1; the paper and microsoft/dion:
+    0.95)."""
+    rank_fraction: float = DEFAULT_RANK_FRACTION
+    """Rank r of each matrix's factors as a fraction of min(fan_out, fan_in), rounded up: in (0, 1]; the paper's
+    main results use 1/4 (also 1/8, 1/16). Ignored when optim.rank > 0."""
+    rank: int = 0
+    """Absolute rank r of every matrix's factors (must not exceed any matrix's min(fan_out, fan_in)); 0 = use
+    optim.rank_fraction."""
+    ortho: str = "qr"
+    """Column orthonormalisation of P: qr (Householder, any P) or cholesky_qr (CholeskyQR2, cheaper on GPUs,
+    falls back to qr when P is ill-conditioned)."""
+
+    def problems(self, world_size: int | None = None) -> list[str]:
+        p = super().problems(world_size)
+        if not (isinstance(self.mu, (int, float)) and 0.0 <= self.mu < 1.0):
+            p.append(f"{self.key('mu')}: {self.mu} must lie in [0, 1) (the Dion paper uses 0.95)")
+        rf = self.rank_fraction
+        if isinstance(rf, bool) or not isinstance(rf, (int, float)) or not 0.0 < rf <= 1.0:
+            p.append(f"{self.key('rank_fraction')}: {rf!r} must lie in (0, 1] (the Dion paper uses 1/4, 1/8, 1/16; "
+                     f"or set {self.key('rank')} to an absolute rank)")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            p.append(f"{self.key('rank')}: {self.rank!r} must be an int >= 1, or 0 to use {self.key('rank_fraction')}")
+        choice(p, self.key("ortho"), self.ortho, ORTHO_METHODS)
+        return p
+
+
+def matrix_seed(name: str) -> int:
+    """Seed of a matrix's initial Q: from its name only, so every rank (and every resume) draws the
+    same Q without communicating."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") % (2 ** 63 - 1)
+
+
+class Dion(MatrixOptimizer):
+    """Dion Alg. 2 on the hidden matrices (see the module docstring), AdamW or Lion on the rest."""
+
+    options_class = DionOptions
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """The arguments of MatrixOptimizer (options: DionOptions or a dict of its fields)."""
+        super().__init__(*args, **kwargs)
+        # the P and R exchanges: the same scheme, booked in update_sync
+        self.factor_exchange = self.scheme.build(self.scheme_options, sync.ExchangeContext(
+            world_size=self.world_size, rank=self.rank, group=self.group, stats=self.stats["update_sync"],
+            device=self.layout.device))
+
+    # ---- layout: which gradients cross the network ------------------------------------------------
+    def _grad_order(self, order: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+        """Called by the base constructor: decide each matrix's rank and whether it is factorised,
+        then order the flat gradient as [non-matrix, full-gradient matrices | low-rank matrices]
+        (model order within each), so the synced part of every dtype's buffer is one leading slice."""
+        entries = self.layout.entries
+        o = self.options
+        self.ranks: dict[int, int] = {}
+        too_big = []
+        for k, e in enumerate(entries):
+            if not is_matrix(e):
+                continue
+            m, n = e.param.shape
+            if o.rank > min(m, n):
+                too_big.append(f"{e.name} {tuple(e.param.shape)}")
+                continue
+            self.ranks[k] = dion_rank(m, n, rank_fraction=o.rank_fraction, rank=o.rank or None)
+        if too_big:
+            smallest = min(min(e.param.shape) for e in entries if is_matrix(e))
+            which = ", ".join(too_big[:3]) + (f" and {len(too_big) - 3} more" if len(too_big) > 3 else "")
+            raise ValueError(f"optim.rank={o.rank} exceeds min(fan_out, fan_in) of {which}; set optim.rank <= "
+                             f"{smallest} (the smallest matrix side), or optim.rank=0 to use optim.rank_fraction "
+                             "in (0, 1]")
+        # factorise only where the factors are smaller than the gradient: (m + n) r < m n
+        self.lowrank_idx = [k for k, r in self.ranks.items()
+                            if sum(entries[k].param.shape) * r < entries[k].numel]
+        self.fullgrad_idx = [k for k in self.ranks if k not in set(self.lowrank_idx)]
+        local = {id(entries[k].param) for k in self.lowrank_idx}
+        synced = [p for p in order if id(p) not in local]
+        self._synced_numel: dict[torch.dtype, int] = {}
+        for p in synced:
+            self._synced_numel[p.dtype] = self._synced_numel.get(p.dtype, 0) + p.numel()
+        return synced + [p for p in order if id(p) in local]
+
+    def _exchange_gradients(self, step: int) -> None:
+        """Mean of the leading synced slice of every flat gradient buffer (one collective each)."""
+        for dtype, buf in self.grad_buffers.items():
+            n = self._synced_numel.get(dtype, 0)
+            if n:
+                self.exchange(buf[:n], step)  # a contiguous view: reduced in place
+
+    def _clip_(self) -> None:
+        """Clipping with local matrix gradients. The base's rule (each rank's norm over all its flat
+        buffers) would scale the synced gradients by a different factor on every rank and break the
+        bit-identity of the AdamW/Lion parameters. Here the norm is
+            sqrt(||mean synced gradient||^2 + mean_i ||G_i||^2)   (G_i: rank i's low-rank matrix grads)
+        from one fp32 allreduce of a scalar (booked in grad_sync), identical on every rank, and every
+        gradient is scaled by the same factor, so Alg. 2 still equals Alg. 1 on the clipped mean
+        gradient. By Jensen, mean_i ||G_i||^2 >= ||mean_i G_i||^2: the norm is an upper bound of the
+        norm of the mean gradient (it adds the spread of the matrix gradients across ranks), so this
+        clips at least as often as clipping the mean gradient would."""
+        synced_sq = torch.zeros((), dtype=torch.float32, device=self.layout.device)
+        local_sq = torch.zeros((), dtype=torch.float32, device=self.layout.device)
+        for dtype, buf in self.grad_buffers.items():
+            n = self._synced_numel.get(dtype, 0)
+            synced_sq += torch.linalg.vector_norm(buf[:n], dtype=torch.float32).square()
+            local_sq += torch.linalg.vector_norm(buf[n:], dtype=torch.float32).square()
+        if self.world_size > 1 and self.lowrank_idx:
+            local_sq = comm.allreduce_mean(local_sq.reshape(1), wire_dtype=torch.float32, group=self.group,
+                                           stats=self.stats["grad_sync"])[0]
+        norm = (synced_sq + local_sq).sqrt()
+        scale = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
+        for buf in self.grad_buffers.values():
+            buf.mul_(scale.to(buf.dtype))
+
+    # ---- the matrix update -------------------------------------------------------------------------
+    def _reduce_mean(self, step: int):
+        def reduce_mean(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            flat = self.factor_exchange(flat, step)
+            return [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+        return reduce_mean
+
+    def _state_of(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        e = self.layout.entries[k]
+        state = self.state[e.param]
+        if "momentum" not in state:
+            state["momentum"] = torch.zeros_like(e.param, memory_format=torch.preserve_format)
+            dtype = torch.float64 if e.param.dtype == torch.float64 else torch.float32
+            state["Q"] = init_dion_q(e.param.shape[1], self.ranks[k], seed=matrix_seed(e.name), dtype=dtype,
+                                     device=e.param.device)
+        return state["momentum"], state["Q"]
+
+    def _matrix_update(self, step: int) -> dict | None:
+        o, entries = self.options, self.layout.entries
+        diag: dict | None = {"entries": [], "res_sq": [], "b_sq": []} if self._diagnose else None
+        # full-gradient matrices first (their gradients are already the mean: no reduce), then the
+        # low-rank ones with their two batched exchanges
+        for idx, reduce_mean in ((self.fullgrad_idx, None), (self.lowrank_idx, self._reduce_mean(step))):
+            if not idx:
+                continue
+            params = [entries[k].param for k in idx]
+            grads = [p.grad for p in params]
+            moms, qs = zip(*(self._state_of(k) for k in idx))
+            groups = [self.param_groups[entries[k].group] for k in idx]
+            if diag is not None:  # ||B_i||^2 with B_i = M_i + G_i rounded as dion_step_ forms it
+                diag["b_sq"] += [torch.linalg.vector_norm(m + g, dtype=torch.float64).square()
+                                 for m, g in zip(moms, grads)]
+            factors = dion_step_(params, grads, list(moms), list(qs), lr=[self.matrix_lr(g) for g in groups], mu=o.mu,
+                                 weight_decay=[float(g["weight_decay"]) for g in groups], reduce_mean=reduce_mean,
+                                 ortho=o.ortho, diagnostics=diag is not None)
+            if diag is not None:
+                diag["entries"] += [entries[k] for k in idx]
+                diag["res_sq"] += [f.residual_norm.square() for f in factors]
+        return diag
+
+    def _diagnostics(self, out: dict | None) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        """Per matrix tensor, role, block and overall, averaged over ranks (one fp64 allreduce in the
+        diag phase): diag/dion_rel_error = sqrt(mean_i ||B_i - P R^T||^2 / mean_i ||B_i||^2), the
+        relative error of the rank-r approximation of B (for a role, its matrices' squares summed
+        first), and diag/dion_residual = sqrt(mean_i ||B_i - P R^T||^2), the norm of the part of B
+        that was not applied and stays in the momentum beyond the decayed mu P R^T (error feedback).
+        Both come from dion_step_'s cheap ||B||^2 - 2 <B^T P, R> + ||R||^2, which cancels near full
+        rank: its resolution is about sqrt(max(m, n) u) relative (~1e-3 in fp32), not 0."""
+        if not out or not out["entries"]:
+            return {}, {}
+        buf = torch.stack([torch.stack(out["res_sq"]), torch.stack(out["b_sq"])], dim=1).to(torch.float64)
+        buf = _sum_fp64(buf.reshape(-1).contiguous(), self.world_size, self.group, self.stats["diag"])
+        pairs = list(buf.div_(self.world_size).view(-1, 2).cpu())
+        d: dict[str, float] = {}
+        for suffix, (res, b) in _aggregate(pairs, out["entries"], lambda vs: sum(vs)):
+            res, b = float(res), float(b)
+            d["diag/dion_rel_error" + suffix] = math.sqrt(res / b) if b > 0 else 0.0
+            d["diag/dion_residual" + suffix] = math.sqrt(res)
+        return d, {}
+
+    # ---- bytes per step -----------------------------------------------------------------------------
+    def factor_shapes(self) -> list[tuple[int, int, int]]:
+        """(m, n, r) of every low-rank matrix, in exchange order (dion_math.dion_wire_elements)."""
+        return [(*self.layout.entries[k].param.shape, self.ranks[k]) for k in self.lowrank_idx]
+
+    def _exchanged(self) -> list[tuple[str, int]]:
+        out = [("grad_sync", n) for n in self._synced_numel.values() if n]
+        if self.lowrank_idx:
+            shapes = self.factor_shapes()
+            out += [("update_sync", sum(m * r for m, _, r in shapes)),   # every P, one call
+                    ("update_sync", sum(n * r for _, n, r in shapes))]   # every R, one call
+        return out
+
+    def _extra_calls(self) -> list[tuple[str, int, int]]:
+        return [("grad_sync", 1, 32)] if self.grad_clip > 0 and self.lowrank_idx else []
+
+    # ---- state ---------------------------------------------------------------------------------------
+    def _comm_state(self) -> dict:
+        return {**super()._comm_state(), "factor_exchange": self.factor_exchange.state_dict()}
+
+    def _load_comm_state(self, extra: dict | None) -> None:
+        super()._load_comm_state(extra)
+        self.factor_exchange.load_state_dict(extra.get("factor_exchange", {}))
+
+
+def _build_dion(groups, *, betas, eps, options, **comm_kwargs) -> Dion:
+    return Dion(groups, betas=betas, eps=eps, options=options, **comm_kwargs)
+
+
+register_optimizer(OptimizerSpec(
+    name="dion", options=DionOptions, build=_build_dion, accepts=_gradient_mean,
+    needs="a mean-allreduce scheme for its P and R factors and the non-matrix gradients (comm.mode picks their "
+          "wire dtype)",
+    state="matrices: momentum M (param dtype, per rank) + Q (n x r fp32); others: AdamW m, v or Lion m",
+    help="Dion (low-rank orthonormal updates, error feedback; Dion Alg. 2) on the hidden matrices, AdamW or Lion "
+         "on the rest; only P, R and the non-matrix gradients cross the network"))
+
+
+__all__ = ["Dion", "DionOptions", "matrix_seed"]
