@@ -311,9 +311,11 @@ class Column:
     header: str
     spec: str = ".4f"          # format of numbers; ignored for strings
     align: str = "right"
+    md: bool = True            # False: CSV only (raw numbers already shown formatted in another column)
 
 
 def markdown_table(rows: Sequence[dict], columns: Sequence[Column]) -> str:
+    columns = [c for c in columns if c.md]
     head = "| " + " | ".join(c.header for c in columns) + " |"
     rule = "|" + "|".join("---:" if c.align == "right" else "---" for c in columns) + "|"
     body = ["| " + " | ".join(fmt(r.get(c.key), c.spec) for c in columns) + " |" for r in rows]

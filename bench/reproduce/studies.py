@@ -130,8 +130,8 @@ def table2_summary(results: list[RunResult], scale: Scale) -> Summary:
             Column("delta_vs_fp32", "Δ vs 32 bit", "+.4f"), Column("rank", "rank", "d"),
             Column("train_loss_mean", "train loss (last 10 %)", ".4f"),
             Column("sign_match_pct", "sign match %", ".1f"), Column("sign_flip_pct", "sign flip %", ".1f"),
-            Column("status", "status", align="left"), Column("arm", "arm id", align="left"),
-            Column("val_loss_mean", "val loss mean"), Column("val_loss_std", "val loss std")]
+            Column("status", "status", align="left"), Column("arm", "arm id", align="left", md=False),
+            Column("val_loss_mean", "val loss mean", md=False), Column("val_loss_std", "val loss std", md=False)]
     notes = ["Δ and rank: mean final validation loss against 32-bit Lion, lower is better; the paper has no L2 "
              "column. Sign match / flip (Lion Cub Fig. 4): applied update vs exact Lion sign(mean_i c_i), mean over "
              "diagnostic steps in the second half of training (update-sync arms only).",
