@@ -259,7 +259,8 @@ def test_quick_training_studies_end_to_end(tmp_path):
     assert t2["fp32"]["sign_match_pct"] == ""  # gradient sync: no diagnostics
     # fig5: the head-sync arm really syncs (more bytes per logged window than the no-sync arm)
     def bytes_of(run):
-        return [r["comm_bytes"] for r in map(json.loads, open(work / "runs" / run / "metrics.jsonl")) if "comm_bytes" in r]
+        recs = map(json.loads, open(work / "runs" / run / "metrics.jsonl"))
+        return [r["comm_bytes"] for r in recs if "comm_bytes" in r]
     assert min(bytes_of("b0.95_sync_head_every_2_p2_s1337")) > max(bytes_of("b0.95_none_p2_s1337"))
     # compressors: the optimizers that have not landed are pending rows, not failures
     comp = {r["optimizer"]: r["status"] for r in csv.DictReader(open(out / "compressors.csv"))}

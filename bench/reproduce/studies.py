@@ -63,21 +63,23 @@ def _train_tail(r: RunResult) -> float | None:
 
 
 def _loss_panels(results: Sequence[RunResult], path: Path, panel_key: str | None, line_key: str,
-                 title: str, key: str = "val_loss") -> None:
-    """One panel per value of `panel_key` (or one panel), one line per `line_key` (mean over seeds)."""
+                 title: str, keys: Sequence[str] = ("val_loss",)) -> None:
+    """A column per value of `panel_key` (or one), a row per metric in `keys`, one line per `line_key`
+    value (mean over seeds)."""
     plt = pyplot()
     panels = group_runs(results, panel_key) if panel_key else {(): list(results)}
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8), squeeze=False)
-    for ax, (pk, group) in zip(axes[0], panels.items()):
-        for (lk,), runs in group_runs(group, line_key).items():
-            xs, ys = mean_curve(runs, key)
-            if xs:
-                ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=str(lk))
-        ax.set_title(f"{title}" + (f" ({panel_key} = {pk[0]})" if panel_key else ""), fontsize=10)
-        ax.set_xlabel("step")
-        ax.set_ylabel(key.replace("_", " ") + " (mean over seeds)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    fig, axes = plt.subplots(len(keys), len(panels), figsize=(5.5 * len(panels), 3.8 * len(keys)), squeeze=False)
+    for row, key in zip(axes, keys):
+        for ax, (pk, group) in zip(row, panels.items()):
+            for (lk,), runs in group_runs(group, line_key).items():
+                xs, ys = mean_curve(runs, key)
+                if xs:
+                    ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=str(lk))
+            ax.set_title(f"{title}" + (f" ({panel_key} = {pk[0]})" if panel_key else ""), fontsize=10)
+            ax.set_xlabel("step")
+            ax.set_ylabel(key.replace("_", " ") + " (mean over seeds)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
@@ -193,7 +195,8 @@ def fig10_summary(results: list[RunResult], scale: Scale) -> Summary:
                "tie_rate_pct": _pct(mean_std(r.window_mean("diag/tie_rate") for r in group if r.ok)[0])}
         rows.append(row)
     cols = [Column("beta2", "beta2", ".2f"), Column("arm", "tie handling", align="left"),
-            Column("val_loss_mean", "final val loss"), Column("val_loss_std", "± std"), Column("val_loss_n", "seeds", "d"),
+            Column("val_loss_mean", "final val loss"), Column("val_loss_std", "± std"),
+            Column("val_loss_n", "seeds", "d"),
             Column("best_val_mean", "best val loss"), Column("drift_mean", "final − best (drift)", "+.4f"),
             Column("train_loss_mean", "train loss (last 10 %)"), Column("tie_rate_pct", "tie rate %", ".1f"),
             Column("status", "status", align="left")]
@@ -207,7 +210,7 @@ def fig10_summary(results: list[RunResult], scale: Scale) -> Summary:
 
 
 def fig10_plot(results: list[RunResult], path: Path) -> None:
-    _loss_panels(results, path, "beta2", "arm", "Lion Cub Fig. 10: 1-bit tie break", key="train_loss")
+    _loss_panels(results, path, "beta2", "arm", "Lion Cub Fig. 10: 1-bit tie break", keys=("train_loss", "val_loss"))
 
 
 register(Study(
@@ -241,8 +244,8 @@ def table3_summary(results: list[RunResult], scale: Scale) -> Summary:
     rows = []
     for (p,), group in group_runs(results, "ranks").items():
         row = {"ranks": p, "status": status_of(group), "n": sum(r.ok for r in group)}
-        for key, name in (("diag/tie_rate", "tie"), ("diag/tie_rate/attn", "tie_attn"), ("diag/tie_rate/mlp", "tie_mlp"),
-                          ("diag/tie_rate/embedding", "tie_emb")):
+        for key, name in (("diag/tie_rate", "tie"), ("diag/tie_rate/attn", "tie_attn"),
+                          ("diag/tie_rate/mlp", "tie_mlp"), ("diag/tie_rate/embedding", "tie_emb")):
             m, s, _ = mean_std(r.window_mean(key) for r in group if r.ok)
             row[f"{name}_pct"], row[f"{name}_std"] = _pct(m), _pct(s)
         for e, _ in SIGNS:
@@ -279,7 +282,8 @@ def table3_plot(results: list[RunResult], path: Path) -> None:
     for ax, key in zip(axes, ("attn", "mlp")):
         for p, v in paper.items():
             ax.axhline(v, ls=":", color="gray")
-            ax.text(0, v, f" paper P={p}", fontsize=7, va="bottom", color="gray")
+            ax.text(0.01, v, f"paper, {p} workers", fontsize=7, va="bottom", color="gray",
+                    transform=ax.get_yaxis_transform())  # x in axes coordinates: inside the panel
         ax.set_title(f"Lion Cub Table 3: vote tie rate ({key})", fontsize=10)
         ax.set_xlabel("step")
         ax.set_ylabel("% of elements, sum of votes = 0")
@@ -331,7 +335,8 @@ def fig5_summary(results: list[RunResult], scale: Scale) -> Summary:
                    None)
         r["delta_vs_sync"] = None if None in (ref, r["val_loss_mean"]) else r["val_loss_mean"] - ref
     cols = [Column("beta2", "beta2", ".2f"), Column("arm", "arm", align="left"),
-            Column("val_loss_mean", "final val loss"), Column("val_loss_std", "± std"), Column("val_loss_n", "seeds", "d"),
+            Column("val_loss_mean", "final val loss"), Column("val_loss_std", "± std"),
+            Column("val_loss_n", "seeds", "d"),
             Column("delta_vs_sync", "Δ vs sync head", "+.4f"), Column("train_loss_mean", "train loss (last 10 %)"),
             Column("status", "status", align="left")]
     notes = ["none: 1-bit Lion Cub, per-rank momenta never synchronized; sync_head: the head's momentum "
@@ -517,7 +522,8 @@ def compressors_summary(results: list[RunResult], scale: Scale) -> Summary:
                      "bytes_per_step": m, "train_time_s": mean_std(r.final("train_time_s") for r in group if r.ok)[0]})
     cols = [Column("optimizer", "optimizer", align="left"), Column("val_loss_mean", "final val loss"),
             Column("val_loss_std", "± std"), Column("val_loss_n", "seeds", "d"),
-            Column("bytes_per_step", "bytes sent / rank / step", ",.0f"), Column("train_time_s", "train time (s)", ".0f"),
+            Column("bytes_per_step", "bytes sent / rank / step", ",.0f"),
+            Column("train_time_s", "train time (s)", ".0f"),
             Column("status", "status", align="left")]
     notes = ["Rows for 1-bit Adam, BinSGDM and LoCo run once optim.name=onebit_adam / binsgdm / loco and their "
              "presets configs/variants/<name>.yaml exist; until then they are listed as pending."]

@@ -24,9 +24,9 @@ Outputs name the sampler used.
 
 Known answer (tests): with s = 0 all clients send the same message, every quantizer with L >= 2
 sends a nonzero descent direction, and after 400 steps the loss is below 10 % of its start (measured:
-at most 7 % for the mean aggregation, 2 % for vote); with L = 1 (2 bits)
-the L_inf quantizer sends y = x / (2 max|x|) in [-1/2, 1/2], which rounds (half to even) to 0 for
-every element, so the model never moves.
+at most 7 % for the mean aggregation, 2 % for vote); with L = 1 (2 bits) the L_inf quantizer sends
+y = x / (2 max|x|) in [-1/2, 1/2], which rounds (half to even) to 0 for every element, so the model
+never moves.
 """
 from __future__ import annotations
 
@@ -397,8 +397,8 @@ class ToyStudy(Study):
         wall, load_after = time.perf_counter() - t0, loadavg()
         rows = summarize(results, grid)
         qcols = [q for q in ["fp32", "sign", *grid.quantizers] if any(q in r for r in rows)]
-        columns = ["aggregator", "alpha", "bits", "levels"] + [k for q in qcols
-                                                              for k in (f"{q}_mean", f"{q}_std", f"{q}_n", f"{q}_diverged")]
+        columns = ["aggregator", "alpha", "bits", "levels"]
+        columns += [f"{q}_{k}" for q in qcols for k in ("mean", "std", "n", "diverged")]
         paths = [out / "toy.csv", out / "toy.md", out / "toy_runs.jsonl", out / "toy_meta.json", out / "toy.png"]
         with open(paths[0], "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
@@ -419,8 +419,8 @@ class ToyStudy(Study):
         plot(results, grid, paths[4], plot_bits)
         table_cols = [Column("aggregator", "aggregation", align="left"), Column("alpha", "alpha", ".1f"),
                       Column("bits", "bits", "d"), Column("levels", "L", "d")]
-        table_cols += [Column(q, {"fp32": "fp32 (no quant.)", "sign": "1-bit vote"}.get(q, q.upper().replace("INF", "inf")))
-                       for q in qcols]
+        names = {"fp32": "fp32 (no quant.)", "sign": "1-bit vote"}
+        table_cols += [Column(q, names.get(q, q.upper().replace("INF", "inf"))) for q in qcols]
         zero_cols = [Column("aggregator", "aggregation", align="left"), Column("quantizer", "quantizer", align="left"),
                      Column("bits", "bits", "d"), Column("ratio", "final / initial loss", ".4f"),
                      Column("expected", "known answer", align="left"), Column("meets", "meets", align="left")]
@@ -431,7 +431,8 @@ class ToyStudy(Study):
               f"{grid.seeds}; 'div k/n': k of n seeds diverged (loss > 1000 x initial or non-finite).", "",
               markdown_table(rows, table_cols), "",
               f"Zero noise (known answer, seed 0, {ZERO_NOISE_STEPS} steps): every client sends the same message; "
-              "with L >= 2 the largest element always survives rounding, so each step is a descent direction.", "", markdown_table(zero, zero_cols), "",
+              "with L >= 2 the largest element always survives rounding, so each step is a descent direction.", "",
+              markdown_table(zero, zero_cols), "",
               f"Setting: teacher-student tanh MLP {s.d_in} -> {s.hidden} -> 1 without biases, {s.samples} samples, "
               f"C = {s.clients} clients, {s.steps} steps, noise s = {s.noise} x rms(initial gradient) x "
               f"{noise_sampler()}(alpha, beta = 0); quantization per tensor with optim.quantize.lp_quantize "
