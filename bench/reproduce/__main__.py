@@ -1,0 +1,75 @@
+"""Command line of the reproduction suite: `python -m bench.reproduce <study> [options]`."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from . import STUDIES, Options, StudyUnavailable
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected comma-separated integers, e.g. 1337,1338,1339")
+
+
+def _floats(s: str) -> list[float]:
+    try:
+        return [float(x) for x in s.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected comma-separated numbers, e.g. 2,1.5,1,0.5")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.reproduce",
+                                 description="Reproduce Lion Cub's findings with this tool's own training.")
+    ap.add_argument("study", nargs="?", help="study name (see --list)")
+    ap.add_argument("--list", action="store_true", help="list the registered studies and exit")
+    ap.add_argument("--quick", action="store_true",
+                    help="minutes: debug model, a handful of steps, 2 ranks (what the tests run); results go to "
+                         "bench/out/reproduce/quick/results unless --out is given")
+    ap.add_argument("--seeds", type=_ints, default=None, help="comma-separated seeds (default: the study's)")
+    ap.add_argument("--out", type=Path, default=None, help="results directory (default docs/results/reproduction)")
+    ap.add_argument("--work", type=Path, default=None,
+                    help="run directories and logs (default bench/out/reproduce/<study>)")
+    ap.add_argument("--steps", type=int, default=None, help="override the study's number of steps")
+    ap.add_argument("--nproc", type=int, default=None, help="override the world size (table3: run only this one)")
+    ap.add_argument("--restart", action="store_true", help="rerun every run from scratch (no reuse, no resume)")
+    ap.add_argument("--report-only", action="store_true", help="launch nothing; summarize the finished runs")
+    ap.add_argument("--alphas", type=_floats, default=None, help="toy only: noise tail indices (default 2,1.5,1,0.5)")
+    ap.add_argument("--bits", type=_ints, default=None, help="toy only: bit widths (default 2,4,8)")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    if args.list or not args.study:
+        for name, s in STUDIES.items():
+            extra = f"  [needs optim.name={','.join(s.requires)}]" if s.requires else ""
+            print(f"{name:12s} {s.title}{extra}")
+        return 0 if args.list else 2
+    if args.study not in STUDIES:
+        print(f"error: unknown study {args.study!r}; known: {', '.join(STUDIES)}", file=sys.stderr)
+        return 2
+    opts = Options(quick=args.quick, seeds=args.seeds, out=args.out, work=args.work, steps=args.steps,
+                   nproc=args.nproc, restart=args.restart, report_only=args.report_only, argv=argv,
+                   extra={"alphas": args.alphas, "bits": args.bits})
+    try:
+        paths = STUDIES[args.study].execute(opts)
+    except StudyUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for p in paths:
+        print(f"wrote {p}")
+    md = next((p for p in paths if p.suffix == ".md"), None)
+    if md:
+        print(md.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,530 @@
+"""The reproduction framework: a study is a list of training runs of the tool's own entry point,
+each in its own run directory, summarized into a table, a plot and raw files.
+
+A `Run` is one `train.py CONFIG key=value ...` invocation (variant preset + overrides + seed +
+world size) under `python -m torch.distributed.run --standalone --nproc_per_node=P` (plain
+`python train.py` for P = 1). Runs are restartable: a run whose metrics.jsonl holds the final
+`params_identical` record and whose recorded spec matches is reused; an unfinished one with a
+checkpoint is resumed (train.resume=auto), anything else restarted (train.resume=overwrite).
+Results are read back only from RUN_DIR/metrics.jsonl and RUN_DIR/config.yaml.
+
+Every study writes into its results directory (docs/results/reproduction/ for full runs):
+  <study>.csv          the summary table (one row per arm; mean and spread over seeds)
+  <study>.md           the same table in markdown, with the paper's numbers, the command and machine
+  <study>.png          the plot (matplotlib, Agg)
+  <study>_runs.jsonl   one record per run: spec, status, wall time, load before/after, curves
+  <study>_meta.json    machine (platform, CPUs, torch), command line, scale, load range
+`Study` objects live in a registry (`register`, `STUDIES`) so new rows or studies (Dion's
+error-feedback ablation, 1-bit Adam / BinSGDM / LoCo vs Lion Cub) plug in when their optimizers
+land: a `Run` names the optim.name values it `requires`, and runs whose optimizer this build lacks
+are reported as pending instead of failing.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_WORK = Path("bench/out/reproduce")
+DEFAULT_RESULTS = Path("docs/results/reproduction")
+QUICK_RESULTS = Path("bench/out/reproduce/quick/results")
+SPEC_FILE = "reproduce_spec.json"  # written next to the trainer's files, after the run
+LOAD_FILE = "reproduce_load.json"  # load average and wall time of the launch that produced the run
+TRAINER_FILES = ("config.yaml", "metrics.jsonl", "ckpt")
+
+
+# ---------------------------------------------------------------------------------------------
+# runs
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run: `train.py config overrides...` on `nproc` ranks with `seed`."""
+    name: str                                  # run directory name, unique inside a study
+    config: str                                # YAML path relative to the repository root
+    overrides: tuple[str, ...] = ()            # this run's own section.key=value overrides
+    seed: int = 1337
+    nproc: int = 4
+    labels: tuple[tuple[str, Any], ...] = ()   # the factors a summary groups by, e.g. (("arm", "1bit"),)
+    requires: tuple[str, ...] = ()             # optim.name values this run needs (pending without)
+
+    def label(self, key: str, default: Any = None) -> Any:
+        return dict(self.labels).get(key, default)
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Sizes shared by a study's runs: the quick (test) or full (benchmark) setting."""
+    quick: bool
+    steps: int
+    overrides: tuple[str, ...]   # model / data / optim settings before each run's own overrides
+    eval_every: int = 0          # 0 = only at the end
+    eval_steps: int = 4
+    log_every: int = 1
+    diag_every: int = 0
+    ckpt_every: int = 0          # > 0 lets an interrupted full run resume instead of restarting
+    nproc: int = 4
+
+
+QUICK_OVERRIDES = ("model.preset=debug", "data.batch_size=2", "data.seq_len=32", "optim.lr=1e-3",
+                   "optim.warmup_steps=2")
+# the README's quality setting (tiny GPT-2++, built-in corpus), a little more data per step
+FULL_OVERRIDES = ("model.preset=tiny", "data.batch_size=4", "data.seq_len=128", "optim.lr=1e-3",
+                  "optim.warmup_steps=20")
+
+
+def quick_scale(steps: int = 6, **kw: Any) -> Scale:
+    kw = {"eval_steps": 2, "log_every": 2, "nproc": 2, **kw}
+    return Scale(quick=True, steps=steps, overrides=QUICK_OVERRIDES, **kw)
+
+
+def full_scale(steps: int, **kw: Any) -> Scale:
+    kw = {"eval_every": max(1, steps // 10), "eval_steps": 8, "log_every": 5, "nproc": 4,
+          "ckpt_every": max(1, steps // 4), **kw}
+    return Scale(quick=False, steps=steps, overrides=FULL_OVERRIDES, **kw)
+
+
+def trainer_overrides(run: Run, scale: Scale) -> list[str]:
+    """Every override of the run except train.out_dir / train.resume (those depend on the state)."""
+    return [*scale.overrides, *run.overrides, f"train.max_steps={scale.steps}",
+            f"train.eval_every={scale.eval_every}", f"train.eval_steps={scale.eval_steps}",
+            f"train.log_every={scale.log_every}", f"diag.every={scale.diag_every}",
+            f"train.ckpt_every={scale.ckpt_every}", f"train.seed={run.seed}", "log.wandb=disabled"]
+
+
+def command(run: Run, scale: Scale, run_dir: Path, resume: str) -> list[str]:
+    """The public entry point: torchrun --standalone (P > 1) or plain python (P = 1) on train.py."""
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={run.nproc}"]
+                if run.nproc > 1 else [sys.executable])
+    return [*launcher, "train.py", run.config, *trainer_overrides(run, scale),
+            f"train.out_dir={run_dir}", f"train.resume={resume}"]
+
+
+def run_spec(run: Run, scale: Scale) -> dict:
+    """What identifies a run's result: a stored run is reused only when this matches exactly."""
+    return {"config": run.config, "overrides": trainer_overrides(run, scale), "nproc": run.nproc}
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """All records of a JSONL file (blank and torn last lines skipped)."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
+                continue
+    return out
+
+
+def is_finished(run_dir: Path) -> bool:
+    """The trainer's last act is the params_identical record (then the final checkpoint)."""
+    f = run_dir / "metrics.jsonl"
+    return f.is_file() and any("params_identical" in r for r in read_jsonl(f))
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    ckpt = run_dir / "ckpt"
+    return ckpt.is_dir() and any(ckpt.glob("step_*"))
+
+
+def stored_spec(run_dir: Path) -> dict | None:
+    f = run_dir / SPEC_FILE
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def optimizer_available(name: str) -> bool:
+    """Whether this build's config accepts optim.name=`name` (through the public load_config)."""
+    from trainer.config import ConfigError, load_config
+
+    try:
+        load_config(None, [f"optim.name={name}"])
+        return True
+    except ConfigError as e:
+        return "optim.name" not in str(e)
+
+
+def machine() -> dict:
+    """The machine the numbers come from (no host name)."""
+    import torch
+
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    return {"platform": platform.platform(), "machine": platform.machine(), "processor": platform.processor(),
+            "cpu_count": os.cpu_count(), "cpus_usable": usable, "python": platform.python_version(),
+            "torch": torch.__version__, "cuda": torch.cuda.is_available()}
+
+
+def loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+@dataclass
+class RunResult:
+    run: Run
+    status: str                      # ok, reused, pending: ..., failed ...
+    run_dir: Path
+    records: list[dict] = field(default_factory=list)
+    config: dict | None = None
+    wall_s: float | None = None
+    load_before: list[float] | None = None
+    load_after: list[float] | None = None
+    how: str = ""                    # fresh, resumed, reused
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("ok", "reused")
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of `key`, the last record winning for a repeated step."""
+        pts = {r["step"]: r[key] for r in self.records if key in r and "step" in r}
+        xs = sorted(pts)
+        return xs, [pts[x] for x in xs]
+
+    def final(self, key: str) -> float | None:
+        _, ys = self.series(key)
+        return ys[-1] if ys else None
+
+    def window_mean(self, key: str, start_frac: float = 0.5) -> float | None:
+        """Mean of `key` over records with step > start_frac * last step (e.g. late diagnostics)."""
+        xs, ys = self.series(key)
+        if not xs:
+            return None
+        cut = start_frac * xs[-1]
+        vals = [y for x, y in zip(xs, ys) if x > cut] or ys[-1:]
+        return sum(vals) / len(vals)
+
+
+def _launch(run: Run, scale: Scale, run_dir: Path, resume: str, log: Path) -> int:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled",
+           "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    env.pop("RANK", None)  # a launcher around us must not make train.py think it is a rank
+    cmd = command(run, scale, run_dir, resume)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as f:
+        f.write(f"== {shlex.join(cmd)}\n")
+        f.flush()
+        return subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+
+
+def ensure_run(run: Run, scale: Scale, work: Path, *, restart: bool = False, report_only: bool = False,
+               available: Callable[[str], bool] = optimizer_available, echo: Callable[[str], None] = print
+               ) -> RunResult:
+    """Reuse, resume or (re)start one run; return what its run directory holds afterwards."""
+    run_dir = (work / "runs" / run.name).resolve()
+    missing = [n for n in run.requires if not available(n)]
+    if missing:
+        return RunResult(run, f"pending: optim.name={','.join(missing)} not in this build", run_dir)
+    if not (ROOT / run.config).is_file():
+        return RunResult(run, f"pending: {run.config} does not exist", run_dir)
+    spec = run_spec(run, scale)
+    same = stored_spec(run_dir) == spec
+    res = RunResult(run, "failed", run_dir)
+    if same and is_finished(run_dir) and not restart:
+        res.status, res.how = "reused", "reused"
+    elif report_only:
+        res.status = "failed: not run (--report-only)"
+        return res
+    else:
+        resume = "auto" if same and has_checkpoint(run_dir) and not restart else "overwrite"
+        if run_dir.is_dir() and not any((run_dir / n).exists() for n in TRAINER_FILES):
+            for n in (SPEC_FILE, LOAD_FILE):  # a launch that died before the trainer wrote anything
+                (run_dir / n).unlink(missing_ok=True)
+        if resume == "overwrite" and not (run_dir.is_dir() and any(run_dir.iterdir())):
+            resume = "never"  # nothing to replace
+        log = work / "logs" / f"{run.name}.log"
+        echo(f"[{run.name}] {'resuming' if resume == 'auto' else 'starting'} ({run.nproc} rank(s), log {log})")
+        res.load_before = loadavg()
+        t0 = time.perf_counter()
+        rc = _launch(run, scale, run_dir, resume, log)
+        if rc != 0 and resume == "auto":  # a checkpoint this build cannot load: start over once
+            echo(f"[{run.name}] resume failed (rc={rc}); restarting from scratch")
+            rc = _launch(run, scale, run_dir, "overwrite", log)
+        res.wall_s = round(time.perf_counter() - t0, 2)
+        res.load_after = loadavg()
+        res.how = "resumed" if resume == "auto" else "fresh"
+        res.status = "ok" if rc == 0 and is_finished(run_dir) else f"failed rc={rc} (see {log})"
+        if (run_dir / "config.yaml").is_file():  # the trainer made it a run dir: record spec and load with it
+            (run_dir / SPEC_FILE).write_text(json.dumps(spec, indent=1) + "\n")
+            (run_dir / LOAD_FILE).write_text(json.dumps(
+                {"load_before": res.load_before, "load_after": res.load_after, "wall_s": res.wall_s}) + "\n")
+    if (run_dir / "metrics.jsonl").is_file():
+        res.records = read_jsonl(run_dir / "metrics.jsonl")
+    if (run_dir / "config.yaml").is_file():
+        import yaml
+
+        res.config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    if res.how == "reused" and (run_dir / LOAD_FILE).is_file():
+        stored = json.loads((run_dir / LOAD_FILE).read_text())
+        res.load_before, res.load_after, res.wall_s = stored["load_before"], stored["load_after"], stored["wall_s"]
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# statistics and tables
+
+
+def mean_std(xs: Iterable[float | None]) -> tuple[float | None, float | None, int]:
+    """(mean, sample std (None for one value), n) over the finite values given."""
+    v = [float(x) for x in xs if x is not None and math.isfinite(float(x))]
+    if not v:
+        return None, None, 0
+    return statistics.fmean(v), (statistics.stdev(v) if len(v) > 1 else None), len(v)
+
+
+def fmt(x: Any, spec: str = ".4f") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if isinstance(x, float) and math.isinf(x):
+        return "inf"
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return format(x, spec)
+    return str(x)
+
+
+def fmt_ms(mean: float | None, std: float | None, spec: str = ".4f") -> str:
+    """'m ± s' (or 'm' for one seed, '-' for none)."""
+    if mean is None:
+        return "-"
+    return fmt(mean, spec) + (f" ± {fmt(std, spec)}" if std is not None else "")
+
+
+@dataclass(frozen=True)
+class Column:
+    key: str
+    header: str
+    spec: str = ".4f"          # format of numbers; ignored for strings
+    align: str = "right"
+    md: bool = True            # False: CSV only (raw numbers already shown formatted in another column)
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[Column]) -> str:
+    columns = [c for c in columns if c.md]
+    head = "| " + " | ".join(c.header for c in columns) + " |"
+    rule = "|" + "|".join("---:" if c.align == "right" else "---" for c in columns) + "|"
+    body = ["| " + " | ".join(fmt(r.get(c.key), c.spec) for c in columns) + " |" for r in rows]
+    return "\n".join([head, rule, *body])
+
+
+def group_runs(results: Sequence[RunResult], *keys: str) -> dict[tuple, list[RunResult]]:
+    """Results grouped by the values of label `keys`, in first-seen order."""
+    out: dict[tuple, list[RunResult]] = {}
+    for r in results:
+        out.setdefault(tuple(r.run.label(k) for k in keys), []).append(r)
+    return out
+
+
+def seed_stats(group: Sequence[RunResult], value: Callable[[RunResult], float | None], prefix: str) -> dict:
+    """{prefix_mean, prefix_std, prefix_n} of value(run) over a group's finished runs (one per seed)."""
+    m, s, n = mean_std(value(r) for r in group if r.ok)
+    return {f"{prefix}_mean": m, f"{prefix}_std": s, f"{prefix}_n": n}
+
+
+def status_of(group: Sequence[RunResult]) -> str:
+    bad = [r.status for r in group if not r.ok]
+    return "ok" if not bad else "; ".join(sorted(set(bad)))
+
+
+# ---------------------------------------------------------------------------------------------
+# studies
+
+
+@dataclass
+class Options:
+    """Command-line options shared by every study."""
+    quick: bool = False
+    seeds: list[int] | None = None
+    out: Path | None = None          # results directory
+    work: Path | None = None         # run directories and logs
+    steps: int | None = None
+    nproc: int | None = None
+    restart: bool = False
+    report_only: bool = False
+    argv: list[str] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)   # study-specific (--alphas, --bits for the toy)
+
+    def results_dir(self) -> Path:
+        d = self.out or (QUICK_RESULTS if self.quick else DEFAULT_RESULTS)
+        return d if d.is_absolute() else ROOT / d
+
+    def work_dir(self, study: str) -> Path:
+        d = self.work or (DEFAULT_WORK / ("quick" if self.quick else "") / study)
+        return d if d.is_absolute() else ROOT / d
+
+
+@dataclass
+class Summary:
+    rows: list[dict]
+    columns: list[Column]
+    notes: list[str] = field(default_factory=list)   # markdown lines under the table
+    extra_tables: list[tuple[str, str]] = field(default_factory=list)   # (title, markdown table)
+
+
+class StudyUnavailable(RuntimeError):
+    """The study cannot run in this build (its optimizer is missing); the message says what is needed."""
+
+
+@dataclass
+class Study:
+    """A registered study. Training studies fill `build`, `summarize`, `plot`; others override `execute`."""
+    name: str
+    title: str
+    paper: str                      # what the paper reports, quoted with table/figure (markdown)
+    quick: Scale | None = None
+    full: Scale | None = None
+    seeds: list[int] = field(default_factory=lambda: [1337])
+    quick_seeds: list[int] = field(default_factory=lambda: [1337])
+    build: Callable[[Scale, list[int], Options], list[Run]] | None = None
+    summarize: Callable[[list[RunResult], Scale], Summary] | None = None
+    plot: Callable[[list[RunResult], Path], None] | None = None
+    requires: tuple[str, ...] = ()  # optim.name values the whole study needs
+    planned: str = ""               # for a study not written yet: what to add when it can run
+
+    def scale(self, opts: Options) -> Scale:
+        s = self.quick if opts.quick else self.full
+        if s is None:
+            raise StudyUnavailable(f"study {self.name} has no {'quick' if opts.quick else 'full'} setting")
+        if opts.steps:
+            s = replace(s, steps=opts.steps, eval_every=0 if s.quick else max(1, opts.steps // 10),
+                        ckpt_every=0 if s.quick else max(1, opts.steps // 4))
+        if opts.nproc:
+            s = replace(s, nproc=opts.nproc)
+        return s
+
+    def check_available(self, available: Callable[[str], bool] = optimizer_available) -> None:
+        missing = [n for n in self.requires if not available(n)]
+        if missing:
+            raise StudyUnavailable(f"study {self.name} needs optim.name={', '.join(missing)}, which this build does "
+                                   f"not have. {self.planned}".strip())
+        if self.planned:
+            raise StudyUnavailable(f"study {self.name} is registered but not written yet: {self.planned}")
+
+    def execute(self, opts: Options, echo: Callable[[str], None] = print) -> list[Path]:
+        """Run (or reuse) every run, then write the table, plot and raw files; returns the paths."""
+        self.check_available()
+        assert self.build and self.summarize and self.plot, f"study {self.name} lacks build/summarize/plot"
+        scale = self.scale(opts)
+        seeds = opts.seeds or (self.quick_seeds if opts.quick else self.seeds)
+        runs = self.build(scale, seeds, opts)
+        names = [r.name for r in runs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"study {self.name}: duplicate run names {sorted(n for n in names if names.count(n) > 1)}")
+        work = opts.work_dir(self.name)
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        results = [ensure_run(r, scale, work, restart=opts.restart, report_only=opts.report_only, echo=echo)
+                   for r in runs]
+        summary = self.summarize(results, scale)
+        out = opts.results_dir()
+        out.mkdir(parents=True, exist_ok=True)
+        paths = write_results(self, summary, results, scale, out, opts, started)
+        png = out / f"{self.name}.png"
+        self.plot(results, png)
+        paths.append(png)
+        failed = [r for r in results if r.status.startswith("failed")]
+        if failed:
+            echo(f"{len(failed)} run(s) failed: " + "; ".join(f"{r.run.name}: {r.status}" for r in failed))
+        return paths
+
+
+def run_record(r: RunResult, scale: Scale) -> dict:
+    """One line of <study>_runs.jsonl: the spec, status, machine load and the curves."""
+    return {"name": r.run.name, "labels": dict(r.run.labels), "config": r.run.config,
+            "overrides": trainer_overrides(r.run, scale), "seed": r.run.seed, "nproc": r.run.nproc,
+            "status": r.status, "how": r.how, "wall_s": r.wall_s, "load_before": r.load_before,
+            "load_after": r.load_after, "run_dir": os.path.relpath(r.run_dir, ROOT),
+            "final_val_loss": r.final("val_loss"), "final_train_loss": r.final("train_loss"),
+            "train_time_s": r.final("train_time_s"),
+            "val_loss": [list(p) for p in zip(*r.series("val_loss"))],
+            "train_loss": [list(p) for p in zip(*r.series("train_loss"))]}
+
+
+def load_range(results: Sequence[RunResult]) -> tuple[float, float] | None:
+    """(min, max) of the 1-minute load average seen before/after the runs launched now or stored."""
+    xs = [x[0] for r in results for x in (r.load_before, r.load_after) if x]
+    return (min(xs), max(xs)) if xs else None
+
+
+def write_results(study: Study, summary: Summary, results: Sequence[RunResult], scale: Scale, out: Path,
+                  opts: Options, started: str) -> list[Path]:
+    """<study>.csv, .md, _runs.jsonl and _meta.json into `out`."""
+    name = study.name
+    csv_path, md_path = out / f"{name}.csv", out / f"{name}.md"
+    runs_path, meta_path = out / f"{name}_runs.jsonl", out / f"{name}_meta.json"
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=[c.key for c in summary.columns], extrasaction="ignore")
+        w.writeheader()
+        w.writerows(summary.rows)
+    with open(runs_path, "w") as f:
+        for r in results:
+            f.write(json.dumps(run_record(r, scale)) + "\n")
+    mach, lr = machine(), load_range(results)
+    meta = {"study": name, "title": study.title, "command": "python -m bench.reproduce " + shlex.join(opts.argv),
+            "started": started, "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": mach,
+            "load_1min_range": lr, "scale": asdict(scale), "runs": len(results),
+            "ok": sum(r.ok for r in results), "pending": sum(r.status.startswith("pending") for r in results)}
+    meta_path.write_text(json.dumps(meta, indent=1) + "\n")
+    md = [f"# {study.title}", "", f"Paper: {study.paper}", "",
+          f"Command: `{meta['command']}`" + (" (quick mode: debug model, a handful of steps; not a result)"
+                                              if scale.quick else ""), "",
+          markdown_table(summary.rows, summary.columns), ""]
+    for title, table in summary.extra_tables:
+        md += [title, "", table, ""]
+    md += [*summary.notes, "" if summary.notes else "",
+           f"Setting: {scale.steps} steps, {' '.join(scale.overrides)}; eval every {scale.eval_every or scale.steps} "
+           f"steps on {scale.eval_steps} batches per rank; diagnostics every {scale.diag_every or '-'} steps.",
+           f"Machine: {mach['platform']}, {mach['cpus_usable']} usable CPUs of {mach['cpu_count']}, "
+           f"torch {mach['torch']}, python {mach['python']}; 1-minute load average "
+           + (f"{lr[0]:.2f}-{lr[1]:.2f}" if lr else "not recorded") + " around the runs.",
+           f"Raw: {runs_path.name} (per run: overrides, status, wall time, load, curves), {csv_path.name}, "
+           f"{meta_path.name}; run directories under {os.path.relpath(opts.work_dir(name), ROOT)}/runs."]
+    md_path.write_text("\n".join(md) + "\n")
+    return [csv_path, md_path, runs_path, meta_path]
+
+
+# ---------------------------------------------------------------------------------------------
+# plotting
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def mean_curve(group: Sequence[RunResult], key: str) -> tuple[list[int], list[float]]:
+    """Mean over seeds of `key` at the steps every finished run of the group logged."""
+    series = [dict(zip(*r.series(key))) for r in group if r.ok]
+    series = [s for s in series if s]
+    if not series:
+        return [], []
+    steps = sorted(set.intersection(*(set(s) for s in series)))
+    return steps, [statistics.fmean(s[x] for s in series) for x in steps]
+
+
+STUDIES: dict[str, Study] = {}
+
+
+def register(study: Study) -> Study:
+    if study.name in STUDIES:
+        raise ValueError(f"study {study.name!r} is already registered")
+    STUDIES[study.name] = study
+    return study

@@ -1,0 +1,550 @@
+"""The training studies of the reproduction suite (Lion Cub Table 2, Fig. 10, Table 3, Fig. 5,
+Fig. 6 / 17) and the registered hooks for studies whose optimizers have not landed yet.
+
+Each study lists its runs (variant preset under configs/variants/ + overrides + seed + world size),
+summarizes them from metrics.jsonl into one table row per arm (mean ± sample std over seeds) and
+draws one PNG. The paper's numbers quoted in `paper` strings are Lion Cub's (GPT 730M on
+OpenWebText / FineWeb, thousands of steps); ours come from a tiny GPT-2++ on the built-in corpus,
+so orderings and qualitative effects are comparable, absolute losses are not.
+"""
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Sequence
+
+from .framework import (Column, Options, Run, RunResult, Scale, Study, Summary, full_scale, group_runs, mean_curve,
+                        mean_std, pyplot, quick_scale, register, seed_stats, status_of)
+
+FULL_SEEDS = [1337, 1338, 1339]
+QUICK_SEEDS = [1337]
+
+
+def run_name(arm: str, nproc: int, seed: int, beta2: float | None = None) -> str:
+    """Run directory names shared by studies: two studies run with the same --work reuse each other's
+    identical runs (same name and spec), e.g. table3 at P = 4 reuses table2's 1-bit runs and fig6_17
+    reuses fig5's no-sync runs."""
+    return (f"b{beta2}_" if beta2 is not None else "") + f"{arm}_p{nproc}_s{seed}"
+
+
+def variant(name: str) -> str:
+    return f"configs/variants/{name}.yaml"
+
+
+def betas(beta2: float) -> str:
+    return f"optim.betas=[0.9,{beta2}]"
+
+
+def _pct(x: float | None) -> float | None:
+    return None if x is None else 100.0 * x
+
+
+def _ranks(values: dict[str, float | None], lower_is_better: bool = True) -> dict[str, int | None]:
+    """1-based rank of each finite value (ties share the better rank)."""
+    have = sorted((v, k) for k, v in values.items() if v is not None)
+    out: dict[str, int | None] = {k: None for k in values}
+    for k in out:
+        if values[k] is not None:
+            out[k] = 1 + sum(1 for v, _ in have if (v < values[k] if lower_is_better else v > values[k]))
+    return out
+
+
+def _val(r: RunResult) -> float | None:
+    return r.final("val_loss")
+
+
+def _train_tail(r: RunResult) -> float | None:
+    """Mean train loss over the last 10 % of logged steps (less noisy than one record)."""
+    xs, ys = r.series("train_loss")
+    if not ys:
+        return None
+    k = max(1, len(ys) // 10)
+    return statistics.fmean(ys[-k:])
+
+
+def _loss_panels(results: Sequence[RunResult], path: Path, panel_key: str | None, line_key: str,
+                 title: str, keys: Sequence[str] = ("val_loss",)) -> None:
+    """A column per value of `panel_key` (or one), a row per metric in `keys`, one line per `line_key`
+    value (mean over seeds)."""
+    plt = pyplot()
+    panels = group_runs(results, panel_key) if panel_key else {(): list(results)}
+    fig, axes = plt.subplots(len(keys), len(panels), figsize=(5.5 * len(panels), 3.8 * len(keys)), squeeze=False)
+    for row, key in zip(axes, keys):
+        for ax, (pk, group) in zip(row, panels.items()):
+            for (lk,), runs in group_runs(group, line_key).items():
+                xs, ys = mean_curve(runs, key)
+                if xs:
+                    ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=str(lk))
+            ax.set_title(f"{title}" + (f" ({panel_key} = {pk[0]})" if panel_key else ""), fontsize=10)
+            ax.set_xlabel("step")
+            ax.set_ylabel(key.replace("_", " ") + " (mean over seeds)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Table 2: which 8-bit quantizer
+
+TABLE2_ARMS = [  # (arm, label, preset, overrides, paper val loss (Lion Cub Table 2, FineWeb))
+    ("fp32", "32 bit (Lion)", "lion_fp32", (), 2.94),
+    ("1bit", "1 bit", "lioncub_1bit", (), 3.22),
+    ("8bit_l0", "8 bit (L0)", "lioncub_8bit_l1", ("comm.quantizer=l0",), 3.07),
+    ("8bit_l1", "8 bit (L1)", "lioncub_8bit_l1", ("comm.quantizer=l1",), 2.97),
+    ("8bit_l2", "8 bit (L2)", "lioncub_8bit_l1", ("comm.quantizer=l2",), None),
+    ("8bit_linf", "8 bit (Linf)", "lioncub_8bit_l1", ("comm.quantizer=linf",), 4.64),
+]
+
+
+TABLE2_QUICK = ("fp32", "1bit", "8bit_l1")  # --quick: one arm per code path (L0 / L2 / Linf are L1's with another p)
+
+
+def table2_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
+    return [Run(run_name(arm, scale.nproc, seed), variant(preset), ov, seed, scale.nproc,
+                (("arm", arm), ("label", label), ("paper", paper)))
+            for arm, label, preset, ov, paper in TABLE2_ARMS if not scale.quick or arm in TABLE2_QUICK
+            for seed in seeds]
+
+
+def table2_summary(results: list[RunResult], scale: Scale) -> Summary:
+    rows = []
+    for (arm, label, paper), group in group_runs(results, "arm", "label", "paper").items():
+        row = {"arm": arm, "label": label, "paper_val_loss": paper, "status": status_of(group),
+               **seed_stats(group, _val, "val_loss"), **seed_stats(group, _train_tail, "train_loss"),
+               "sign_match_pct": _pct(mean_std(r.window_mean("diag/sign_match") for r in group if r.ok)[0]),
+               "sign_flip_pct": _pct(mean_std(r.window_mean("diag/sign_flip") for r in group if r.ok)[0])}
+        rows.append(row)
+    fp32 = next((r["val_loss_mean"] for r in rows if r["arm"] == "fp32"), None)
+    paper_fp32 = next(p for a, _, _, _, p in TABLE2_ARMS if a == "fp32")
+    ours = _ranks({r["arm"]: r["val_loss_mean"] for r in rows})
+    theirs = _ranks({r["arm"]: r["paper_val_loss"] for r in rows})
+    for r in rows:
+        r["val_loss"] = f"{r['val_loss_mean']:.4f}" + (f" ± {r['val_loss_std']:.4f}" if r["val_loss_std"] is not None
+                                                       else "") if r["val_loss_mean"] is not None else "-"
+        r["delta_vs_fp32"] = (r["val_loss_mean"] - fp32) if None not in (r["val_loss_mean"], fp32) else None
+        r["paper_delta"] = (r["paper_val_loss"] - paper_fp32) if r["paper_val_loss"] is not None else None
+        r["rank"], r["paper_rank"] = ours[r["arm"]], theirs[r["arm"]]
+    cols = [Column("label", "arm", align="left"), Column("paper_val_loss", "paper val loss", ".2f"),
+            Column("paper_delta", "paper Δ vs 32 bit", "+.2f"), Column("paper_rank", "paper rank", "d"),
+            Column("val_loss", "val loss (mean ± std)"), Column("val_loss_n", "seeds", "d"),
+            Column("delta_vs_fp32", "Δ vs 32 bit", "+.4f"), Column("rank", "rank", "d"),
+            Column("train_loss_mean", "train loss (last 10 %)", ".4f"),
+            Column("sign_match_pct", "sign match %", ".1f"), Column("sign_flip_pct", "sign flip %", ".1f"),
+            Column("status", "status", align="left"), Column("arm", "arm id", align="left", md=False),
+            Column("val_loss_mean", "val loss mean", md=False), Column("val_loss_std", "val loss std", md=False)]
+    notes = ["Δ and rank: mean final validation loss against 32-bit Lion, lower is better; the paper has no L2 "
+             "column. Sign match / flip (Lion Cub Fig. 4): applied update vs exact Lion sign(mean_i c_i), mean over "
+             "diagnostic steps in the second half of training (update-sync arms only).",
+             f"8-bit lanes at P = {scale.nproc}: L = 255 // (2P) = {255 // (2 * scale.nproc)} levels "
+             "(the paper's 8 workers: 15)."]
+    return Summary(rows, cols, notes)
+
+
+def table2_plot(results: list[RunResult], path: Path) -> None:
+    _loss_panels(results, path, None, "label", "Lion Cub Table 2: final quantizer")
+
+
+register(Study(
+    "table2", "Lion Cub Table 2: validation loss by quantizer (32 bit, 1 bit, 8 bit L0 / L1 / L2 / Linf)",
+    "Lion Cub Table 2 (GPT on FineWeb): validation loss 32 bit 2.94, 1 bit 3.22, 8 bit (L0) 3.07, "
+    "8 bit (Linf) 4.64, 8 bit (L1) 2.97: L1 matches 32-bit Lion, Linf converges poorly (§4.2).",
+    quick=quick_scale(6, diag_every=2), full=full_scale(300, diag_every=10), seeds=FULL_SEEDS, quick_seeds=QUICK_SEEDS,
+    build=table2_runs, summarize=table2_summary, plot=table2_plot))
+
+
+# ---------------------------------------------------------------------------------------------
+# Fig. 10: 1-bit tie break
+
+
+def exact_zero_bits(nproc: int) -> int:
+    """Narrowest lane of the p-bit allreduce that sums P sign votes (P <= 2^bits - 1)."""
+    return next(b for b in (2, 4, 8, 16) if 2 ** b - 1 >= nproc)
+
+
+def fig10_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
+    beta2s = [0.99] if scale.quick else [0.95, 0.99]
+    bits = exact_zero_bits(scale.nproc)
+    arms = [("plus", "lioncub_1bit", ("comm.tie_break=plus",)),
+            ("minus", "lioncub_1bit", ("comm.tie_break=minus",)),
+            ("alternate", "lioncub_1bit", ("comm.tie_break=alternate",)),
+            # exact zeros on a tie (Lion Cub App. B.1 "2-bit allreduce"): sum of 0/1 sign votes, sign(2k - P)
+            (f"exact_zero_{bits}bit", "lioncub_4bit", (f"comm.bits={bits}", "comm.quantizer=sign", "comm.levels=0"))]
+    if scale.quick:  # one fixed-sign arm and the exact-zero one (alternate runs in table2's quick 1-bit arm)
+        arms = [a for a in arms if a[0] in ("plus",) or a[0].startswith("exact_zero")]
+    return [Run(run_name(arm, scale.nproc, seed, b2), variant(preset), (*ov, betas(b2)), seed, scale.nproc,
+                (("beta2", b2), ("arm", arm)))
+            for b2 in beta2s for arm, preset, ov in arms for seed in seeds]
+
+
+def fig10_summary(results: list[RunResult], scale: Scale) -> Summary:
+    rows = []
+    for (b2, arm), group in group_runs(results, "beta2", "arm").items():
+        def best(r: RunResult) -> float | None:
+            _, ys = r.series("val_loss")
+            return min(ys) if ys else None
+
+        def drift(r: RunResult) -> float | None:
+            v, b = _val(r), best(r)
+            return None if None in (v, b) else v - b
+
+        row = {"beta2": b2, "arm": arm, "status": status_of(group), **seed_stats(group, _val, "val_loss"),
+               **seed_stats(group, best, "best_val"), **seed_stats(group, drift, "drift"),
+               **seed_stats(group, _train_tail, "train_loss"),
+               "tie_rate_pct": _pct(mean_std(r.window_mean("diag/tie_rate") for r in group if r.ok)[0])}
+        rows.append(row)
+    cols = [Column("beta2", "beta2", ".2f"), Column("arm", "tie handling", align="left"),
+            Column("val_loss_mean", "final val loss"), Column("val_loss_std", "± std"),
+            Column("val_loss_n", "seeds", "d"),
+            Column("best_val_mean", "best val loss"), Column("drift_mean", "final − best (drift)", "+.4f"),
+            Column("train_loss_mean", "train loss (last 10 %)"), Column("tie_rate_pct", "tie rate %", ".1f"),
+            Column("status", "status", align="left")]
+    notes = ["plus / minus: a tied vote always becomes +1 / -1 (the naive 1-bit allreduce); alternate: +1 on odd, "
+             "-1 on even steps (Lion Cub App. B.1); exact_zero: the p-bit allreduce of 0/1 sign votes, whose sum "
+             "gives an exact 0 update on a tie (the paper's 2-bit reference). drift = final − best validation loss: "
+             "positive when the loss climbs back up late in training.",
+             "The model keeps the preset's tied embedding/head (no comm.mask_zero_updates), so unused vocabulary rows "
+             "have c = 0 on every rank and tie on every step, the case App. B.1 describes."]
+    return Summary(rows, cols, notes)
+
+
+def fig10_plot(results: list[RunResult], path: Path) -> None:
+    _loss_panels(results, path, "beta2", "arm", "Lion Cub Fig. 10: 1-bit tie break", keys=("train_loss", "val_loss"))
+
+
+register(Study(
+    "fig10", "Lion Cub Fig. 10: 1-bit allreduce tie handling (plus / minus / alternate / exact zero)",
+    "Lion Cub Fig. 10 and App. B.1: the naive 1-bit allreduce (a tie always sent as one sign) accumulates error "
+    "and the loss diverges; converting ties to +1 / -1 on alternating iterations keeps training stable "
+    "\"regardless of the beta2 value\", with minimal difference to a 2-bit allreduce that transmits exact zeros.",
+    quick=quick_scale(6, diag_every=3), full=full_scale(1000, diag_every=50), seeds=FULL_SEEDS,
+    quick_seeds=QUICK_SEEDS, build=fig10_runs, summarize=fig10_summary, plot=fig10_plot))
+
+
+# ---------------------------------------------------------------------------------------------
+# Table 3: tie rate and vote table vs workers
+
+SIGNS = [("pos", "+1"), ("neg", "-1"), ("zero", "0")]  # the paper's row / column order
+TABLE3_PAPER = {  # Lion Cub Table 3 (GPT 730M, iteration 3000), percent, (4 workers, 8 workers)
+    ("pos", "pos"): (29.15, 32.08), ("pos", "neg"): (2.26, 4.34), ("pos", "zero"): (18.59, 13.54),
+    ("neg", "pos"): (2.26, 4.34), ("neg", "neg"): (29.14, 32.13), ("neg", "zero"): (18.59, 13.56),
+    ("zero", "pos"): (0.0, 0.0), ("zero", "neg"): (0.0, 0.0), ("zero", "zero"): (0.0, 0.0),
+}
+
+
+def table3_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
+    worlds = [opts.nproc] if opts.nproc else ([2] if scale.quick else [2, 4, 8])
+    # the same runs as table2's "1bit" arm (same name and spec): a shared --work reuses them
+    return [Run(run_name("1bit", p, seed), variant("lioncub_1bit"), (), seed, p, (("ranks", p),))
+            for p in worlds for seed in seeds]
+
+
+def table3_summary(results: list[RunResult], scale: Scale) -> Summary:
+    rows = []
+    for (p,), group in group_runs(results, "ranks").items():
+        row = {"ranks": p, "status": status_of(group), "n": sum(r.ok for r in group)}
+        for key, name in (("diag/tie_rate", "tie"), ("diag/tie_rate/attn", "tie_attn"),
+                          ("diag/tie_rate/mlp", "tie_mlp"), ("diag/tie_rate/embedding", "tie_emb")):
+            m, s, _ = mean_std(r.window_mean(key) for r in group if r.ok)
+            row[f"{name}_pct"], row[f"{name}_std"] = _pct(m), _pct(s)
+        for e, _ in SIGNS:
+            for v, _ in SIGNS:
+                row[f"{e}_{v}"] = _pct(mean_std(r.window_mean(f"diag/vote_table/exact_{e}_vote_{v}")
+                                                for r in group if r.ok)[0])
+        rows.append(row)
+    cols = [Column("ranks", "ranks", "d"), Column("tie_pct", "tie rate %", ".2f"), Column("tie_std", "± std", ".2f"),
+            Column("tie_attn_pct", "tie attn %", ".2f"), Column("tie_mlp_pct", "tie mlp %", ".2f"),
+            Column("tie_emb_pct", "tie embedding %", ".2f")]
+    cols += [Column(f"{e}_{v}", f"exact {el} / vote {vl} %", ".2f") for e, el in SIGNS for v, vl in SIGNS]
+    cols += [Column("n", "seeds", "d"), Column("status", "status", align="left")]
+    paper = ["| sign(exact Lion) | vote +1 | vote -1 | vote 0 |", "|---|---:|---:|---:|"]
+    for e, el in SIGNS:
+        paper.append(f"| {el} | " + " | ".join(f"{TABLE3_PAPER[(e, v)][0]:.2f} / {TABLE3_PAPER[(e, v)][1]:.2f}"
+                                               for v, _ in SIGNS) + " |")
+    notes = ["Entries: percent of all parameters with exact-Lion sign e = sign(mean_i c_i) and plain majority vote "
+             "v = sign(sum_i sign(c_i)) (the nine sum to 100), averaged over diagnostic steps in the second half of "
+             "training; tie rate = vote 0. Exact-zero rows come from parameters with c = 0 on every rank (unused "
+             "vocabulary rows of the embedding), which the paper's table does not have: compare the attn / mlp tie "
+             "rates with the paper's ties (4 workers 37.2 %, 8 workers 27.1 %)."]
+    return Summary(rows, cols, notes, extra_tables=[("Paper (Lion Cub Table 3, 4 / 8 workers, %):", "\n".join(paper))])
+
+
+def table3_plot(results: list[RunResult], path: Path) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for (p,), group in group_runs(results, "ranks").items():
+        for ax, key in zip(axes, ("diag/tie_rate/attn", "diag/tie_rate/mlp")):
+            xs, ys = mean_curve(group, key)
+            if xs:
+                ax.plot(xs, [100 * y for y in ys], marker=".", label=f"P = {p}")
+    paper = {4: 37.18, 8: 27.10}
+    for ax, key in zip(axes, ("attn", "mlp")):
+        for p, v in paper.items():
+            ax.axhline(v, ls=":", color="gray")
+            ax.text(0.01, v, f"paper, {p} workers", fontsize=7, va="bottom", color="gray",
+                    transform=ax.get_yaxis_transform())  # x in axes coordinates: inside the panel
+        ax.set_title(f"Lion Cub Table 3: vote tie rate ({key})", fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_ylabel("% of elements, sum of votes = 0")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+register(Study(
+    "table3", "Lion Cub Table 3: vote ties and the exact-vs-majority sign table at 2, 4 and 8 ranks",
+    "Lion Cub Table 3 (GPT 730M, iteration 3000, 4 / 8 workers): ties (vote 0) 18.59 % + 18.59 % = 37.2 % of "
+    "updates at 4 workers, 13.54 % + 13.56 % = 27.1 % at 8; opposite signs 2.26 % + 2.26 % (4) and 4.34 % + 4.34 % "
+    "(8); exact Lion is never 0.",
+    quick=quick_scale(6, diag_every=2), full=full_scale(300, diag_every=10), seeds=FULL_SEEDS,
+    quick_seeds=QUICK_SEEDS, build=table3_runs, summarize=table3_summary, plot=table3_plot))
+
+
+# ---------------------------------------------------------------------------------------------
+# Fig. 5: beta2 x momentum sync
+
+
+UNTIED = "model.tie_embeddings=false"  # the head has its own momentum to sync (and to measure)
+
+
+def fig5_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
+    every = 2 if scale.quick else 10  # the quick run must contain a sync step
+    arms = [("none", "lioncub_1bit", ()),
+            (f"sync_head_every_{every}", "lioncub_1bit",
+             (f"comm.momentum_sync.every={every}", "comm.momentum_sync.layers=[head]")),
+            ("l1_8bit", "lioncub_8bit_l1", ())]
+    # --quick: "none" at both beta2 (what fig6_17 reuses) and the head sync at 0.95; the 8-bit L1 path runs
+    # in table2's quick mode
+    keep = (lambda b2, arm: arm == "none" or (b2 == 0.95 and arm.startswith("sync"))) if scale.quick else \
+        (lambda b2, arm: True)
+    return [Run(run_name(arm, scale.nproc, seed, b2), variant(preset), (UNTIED, *ov, betas(b2)), seed, scale.nproc,
+                (("beta2", b2), ("arm", arm)))
+            for b2 in (0.95, 0.99) for arm, preset, ov in arms if keep(b2, arm) for seed in seeds]
+
+
+def fig5_summary(results: list[RunResult], scale: Scale) -> Summary:
+    rows = []
+    for (b2, arm), group in group_runs(results, "beta2", "arm").items():
+        rows.append({"beta2": b2, "arm": arm, "status": status_of(group), **seed_stats(group, _val, "val_loss"),
+                     **seed_stats(group, _train_tail, "train_loss")})
+    for r in rows:
+        ref = next((x["val_loss_mean"] for x in rows if x["beta2"] == r["beta2"] and x["arm"].startswith("sync_head")),
+                   None)
+        r["delta_vs_sync"] = None if None in (ref, r["val_loss_mean"]) else r["val_loss_mean"] - ref
+    cols = [Column("beta2", "beta2", ".2f"), Column("arm", "arm", align="left"),
+            Column("val_loss_mean", "final val loss"), Column("val_loss_std", "± std"),
+            Column("val_loss_n", "seeds", "d"),
+            Column("delta_vs_sync", "Δ vs sync head", "+.4f"), Column("train_loss_mean", "train loss (last 10 %)"),
+            Column("status", "status", align="left")]
+    notes = ["none: 1-bit Lion Cub, per-rank momenta never synchronized; sync_head: the head's momentum "
+             "mean-allreduced every k steps (Lion Cub §5); l1_8bit: 8-bit L1 votes, no sync. Untied embedding and "
+             "head in every arm. The paper expects at beta2 = 0.95: none worse than sync, l1_8bit close to sync; "
+             "at 0.99: all close."]
+    return Summary(rows, cols, notes)
+
+
+def fig5_plot(results: list[RunResult], path: Path) -> None:
+    _loss_panels(results, path, "beta2", "arm", "Lion Cub Fig. 5: momentum sync")
+
+
+register(Study(
+    "fig5", "Lion Cub Fig. 5: beta2 x (no momentum sync, head sync every k, 8-bit L1)",
+    "Lion Cub Fig. 5 / §5 (8 workers): with beta2 = 0.99 all sync strategies converge alike (no sync needed); "
+    "with beta2 = 0.95 convergence deteriorates without sync, syncing only the input and final layers is as good "
+    "as syncing all, and L1 quantization without any sync is comparable to synchronized momentum (no numbers given).",
+    # diagnostics on, as in fig6_17, so that fig6_17 can reuse the "none" runs (same spec)
+    quick=quick_scale(6, diag_every=2), full=full_scale(300, diag_every=10), seeds=FULL_SEEDS, quick_seeds=QUICK_SEEDS,
+    build=fig5_runs, summarize=fig5_summary, plot=fig5_plot))
+
+
+# ---------------------------------------------------------------------------------------------
+# Fig. 6 / 17: per-layer momentum spread across workers
+
+TENSOR_PREFIX = "diag/momentum_spread/tensor/"
+BLOCK_PREFIX = "diag/momentum_spread/block/"
+ROLES = ("embedding", "head", "attn", "mlp", "norm")
+IO_ROLES = ("embedding", "head")
+
+
+def fig6_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
+    # fig5's "none" arm exactly (name and spec): a shared --work reuses those runs
+    return [Run(run_name("none", scale.nproc, seed, b2), variant("lioncub_1bit"), (UNTIED, betas(b2)), seed,
+                scale.nproc, (("beta2", b2),))
+            for b2 in (0.95, 0.99) for seed in seeds]
+
+
+def spread_layers(results: Sequence[RunResult]) -> tuple[str, list[str]]:
+    """('tensor', per-tensor keys) when the trainer logs them, else ('role', per-role keys)."""
+    keys: dict[str, None] = {}
+    for r in results:
+        for rec in r.records:
+            for k in rec:
+                if k.startswith(TENSOR_PREFIX):
+                    keys.setdefault(k)
+    if keys:
+        return "tensor", list(keys)
+    return "role", [f"diag/momentum_spread/{x}" for x in ROLES]
+
+
+def _role_of(key: str, roles: dict[str, str]) -> str:
+    if key.startswith(TENSOR_PREFIX):
+        return roles.get(key[len(TENSOR_PREFIX):], "?")
+    if key.startswith(BLOCK_PREFIX):
+        return "block"
+    return key.rsplit("/", 1)[-1]
+
+
+def _param_roles(results: Sequence[RunResult]) -> dict[str, str]:
+    """Parameter name -> role for the model of the first finished run (from its config.yaml)."""
+    cfg = next((r.config for r in results if r.ok and r.config), None)
+    if not cfg:
+        return {}
+    import torch
+
+    from model import GPT, get_preset, param_roles
+
+    m = cfg["model"]
+    kw = {"pos_emb": m.get("pos_emb", "rope")}
+    if m.get("tie_embeddings") is not None:
+        kw["tie_embeddings"] = m["tie_embeddings"]
+    if m.get("block_size"):
+        kw["block_size"] = m["block_size"]
+    with torch.device("meta"):
+        return dict(param_roles(GPT(get_preset(m["preset"], **kw))))
+
+
+def fig6_summary(results: list[RunResult], scale: Scale) -> Summary:
+    gran, keys = spread_layers(results)
+    blocks = sorted({k for r in results for rec in r.records for k in rec if k.startswith(BLOCK_PREFIX)},
+                    key=lambda k: int(k.rsplit("/", 1)[-1]) if k.rsplit("/", 1)[-1].isdigit() else 0)
+    roles = _param_roles(results) if gran == "tensor" else {}
+    by_b2 = group_runs(results, "beta2")
+    rows = []
+    for key in [*keys, *blocks]:
+        name = key[len(TENSOR_PREFIX):] if key.startswith(TENSOR_PREFIX) else key.rsplit("/", 1)[-1]
+        row = {"layer": name, "granularity": "block" if key in blocks else gran, "role": _role_of(key, roles)}
+        for (b2,), group in by_b2.items():
+            m, s, n = mean_std(r.window_mean(key, 0.0) for r in group if r.ok)
+            row[f"spread_{b2}"], row[f"spread_{b2}_std"], row[f"n_{b2}"] = m, s, n
+        rows.append(row)
+    # ratio to the median of the non-(embedding, head) layers of the same granularity, per beta2
+    for (b2,), _ in by_b2.items():
+        for g in {r["granularity"] for r in rows}:
+            others = [r[f"spread_{b2}"] for r in rows if r["granularity"] == g and r["role"] not in IO_ROLES
+                      and r[f"spread_{b2}"] is not None]
+            med = statistics.median(others) if others else None
+            for r in rows:
+                if r["granularity"] == g:
+                    r[f"ratio_{b2}"] = (r[f"spread_{b2}"] / med) if med and r[f"spread_{b2}"] is not None else None
+    cols = [Column("layer", "layer", align="left"), Column("granularity", "granularity", align="left"),
+            Column("role", "role", align="left")]
+    for (b2,), _ in by_b2.items():
+        cols += [Column(f"spread_{b2}", f"spread β2={b2}", ".3e"), Column(f"spread_{b2}_std", "± std", ".1e"),
+                 Column(f"ratio_{b2}", f"÷ median other (β2={b2})", ".1f")]
+    notes = [f"Spread = max over a layer's elements of the std across ranks of the momentum (Lion Cub Fig. 6), "
+             f"mean over all diagnostic steps, then mean ± std over seeds. Granularity here: **{gran}**"
+             + (" (per-role keys diag/momentum_spread/<role>: this trainer logs no per-tensor keys yet, so each role "
+                "is the max over its tensors)" if gran == "role" else " (per-tensor keys, measured before any "
+                                                                     "momentum sync of the step)") + ".",
+             "÷ median other: the layer's spread over the median of the layers that are neither embedding nor head "
+             "(the paper: embedding and output layer about 100x the others)."]
+    return Summary(rows, cols, notes)
+
+
+def fig6_plot(results: list[RunResult], path: Path) -> None:
+    plt = pyplot()
+    gran, keys = spread_layers(results)
+    fig, (a6, a17) = plt.subplots(1, 2, figsize=(12, 4.2))
+    by_b2 = group_runs(results, "beta2")
+    for (b2,), group in by_b2.items():  # Fig. 6: one value per layer
+        ys = [mean_std(r.window_mean(k, 0.0) for r in group if r.ok)[0] for k in keys]
+        a6.plot(range(len(keys)), [y if y is not None else float("nan") for y in ys], marker="o", label=f"β2 = {b2}")
+    a6.set_xticks(range(len(keys)))
+    a6.set_xticklabels([k.rsplit("/", 1)[-1] if gran == "role" else k[len(TENSOR_PREFIX):] for k in keys],
+                       rotation=60, ha="right", fontsize=6 if gran == "tensor" else 8)
+    a6.set_yscale("log")
+    a6.set_title(f"Fig. 6: momentum spread across workers per {gran}", fontsize=10)
+    styles = {0: "-", 1: "--", 2: ":"}
+    for i, ((b2,), group) in enumerate(by_b2.items()):  # Fig. 17: spread over training, per role
+        for j, role in enumerate(ROLES):
+            xs, ys = mean_curve(group, f"diag/momentum_spread/{role}")
+            if xs:
+                a17.plot(xs, ys, ls=styles.get(i, "-"), color=f"C{j}", label=f"{role}, β2 = {b2}")
+    a17.set_yscale("log")
+    a17.set_xlabel("step")
+    a17.set_title("Fig. 17: spread over training per role (line style = β2)", fontsize=10)
+    for ax in (a6, a17):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+register(Study(
+    "fig6_17", "Lion Cub Fig. 6 / 17: per-layer momentum spread across workers at two beta2 values",
+    "Lion Cub Fig. 6 (GPT 730M, OpenWebText): the max std across workers of the momentum is nearly 100x larger for "
+    "the input embedding and the output layer than for the other layers. Fig. 17: the spread is smaller for larger "
+    "beta2 and stays about constant through training.",
+    quick=quick_scale(6, diag_every=2), full=full_scale(300, diag_every=10), seeds=FULL_SEEDS,
+    quick_seeds=QUICK_SEEDS, build=fig6_runs, summarize=fig6_summary, plot=fig6_plot))
+
+
+# ---------------------------------------------------------------------------------------------
+# Hooks for optimizers that have not landed (rows become runnable when optim.name=<name> exists
+# and configs/variants/<name>.yaml is added; until then they are reported as pending).
+
+PENDING_OPTIMIZERS = ("onebit_adam", "binsgdm", "loco")
+
+
+def compressors_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
+    now = ["adamw_fp32"] if scale.quick else ["adamw_fp32", "lion_fp32", "lioncub_1bit", "lioncub_8bit_l1"]
+    runs = [Run(run_name(v, scale.nproc, seed), variant(v), (), seed, scale.nproc, (("optimizer", v),))
+            for v in now for seed in seeds]
+    runs += [Run(run_name(v, scale.nproc, seed), variant(v), (), seed, scale.nproc, (("optimizer", v),), requires=(v,))
+             for v in PENDING_OPTIMIZERS for seed in seeds]
+    return runs
+
+
+def _bytes_per_step(r: RunResult) -> float | None:
+    _, ys = r.series("comm_bytes")
+    return statistics.median(ys) if ys else None
+
+
+def compressors_summary(results: list[RunResult], scale: Scale) -> Summary:
+    rows = []
+    for (opt,), group in group_runs(results, "optimizer").items():
+        m, _, _ = mean_std(_bytes_per_step(r) for r in group if r.ok)
+        rows.append({"optimizer": opt, "status": status_of(group), **seed_stats(group, _val, "val_loss"),
+                     "bytes_per_step": m, "train_time_s": mean_std(r.final("train_time_s") for r in group if r.ok)[0]})
+    cols = [Column("optimizer", "optimizer", align="left"), Column("val_loss_mean", "final val loss"),
+            Column("val_loss_std", "± std"), Column("val_loss_n", "seeds", "d"),
+            Column("bytes_per_step", "bytes sent / rank / step", ",.0f"),
+            Column("train_time_s", "train time (s)", ".0f"),
+            Column("status", "status", align="left")]
+    notes = ["Rows for 1-bit Adam, BinSGDM and LoCo run once optim.name=onebit_adam / binsgdm / loco and their "
+             "presets configs/variants/<name>.yaml exist; until then they are listed as pending."]
+    return Summary(rows, cols, notes)
+
+
+def compressors_plot(results: list[RunResult], path: Path) -> None:
+    _loss_panels(results, path, None, "optimizer", "Lion Cub Fig. 20: Lion Cub vs compressed Adam variants")
+
+
+register(Study(
+    "compressors", "Lion Cub Fig. 20: Lion Cub vs AdamW and compressed optimizers (1-bit Adam, BinSGDM, LoCo)",
+    "Lion Cub Fig. 20 (GPT 735M, 8 GPUs): under restricted bandwidth 1-bit Adam beats Adam in total time but Lion Cub "
+    "is fastest; on FineWeb, with the hyperparameters that make Adam converge, 1-bit Adam and 0/1 Adam diverge.",
+    quick=quick_scale(6), full=full_scale(300), seeds=FULL_SEEDS, quick_seeds=QUICK_SEEDS,
+    build=compressors_runs, summarize=compressors_summary, plot=compressors_plot))
+
+register(Study(
+    "dion_ef", "Dion error-feedback ablation (Dion Alg. 1: error feedback on / off at low rank)",
+    "Dion (Ahn & Xu) Alg. 1 keeps the part of the momentum the rank-r approximation drops (error feedback); its "
+    "ablation finds error feedback matters most at low rank.",
+    requires=("dion",),
+    planned="When optim.name=dion lands, give this study build/summarize/plot: runs of configs/variants/dion.yaml at "
+            "two or three rank fractions x error feedback on/off (3 seeds), reporting final val loss per cell."))

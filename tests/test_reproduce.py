@@ -1,0 +1,273 @@
+"""bench.reproduce: the App. C.1 toy's known answers, the run reuse / resume rules, the per-tensor
+fallback of Fig. 6, the pending-optimizer hooks, and every study's --quick mode end to end."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bench.reproduce import STUDIES, StudyUnavailable, framework, studies, toy
+from bench.reproduce.__main__ import main
+from bench.reproduce.framework import Options, Run, RunResult, ensure_run, quick_scale
+from optim.quantize import lp_quantize
+
+
+# ---------------------------------------------------------------------------------------------
+# App. C.1 toy
+
+
+def test_toy_zero_noise_known_answer():
+    """s = 0: every quantizer with L >= 2 converges below the stated bound; 2-bit L_inf never moves."""
+    grid = toy.ToyGrid(quantizers=["l0", "l1", "l2", "linf"], bits=[2, 8], seeds=[0])
+    rows = toy.zero_noise_check(toy.ToySetup(), grid)
+    assert len(rows) == 2 * (1 + 2 * 4) + 1  # fp32 per aggregator, sign for vote, 4 quantizers x 2 widths
+    for r in rows:
+        if r["quantizer"] == "linf" and r["bits"] == 2:
+            # hand computation: y = L x / (clip max|x|) = x / (2 max|x|) in [-1/2, 1/2] rounds half-to-even to 0
+            assert r["final"] == r["initial"], r
+        else:
+            assert r["ratio"] < toy.ZERO_NOISE_BOUND, r
+        assert r["meets"], r
+
+
+def test_toy_degenerate_case_by_hand():
+    """The premise of the 2-bit L_inf known answer, on the project's quantizer directly."""
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    assert torch.count_nonzero(lp_quantize(x, 1, math.inf, clip=2.0)) == 0
+    # and L = 2 keeps the largest element: round(2 * max / (2 * max)) = 1
+    q = lp_quantize(x, 2, math.inf, clip=2.0)
+    assert q[x.abs().argmax()] == torch.sign(x[x.abs().argmax()])
+
+
+def test_toy_noise_sampler_matches_stable_law():
+    """alpha = 2 at scale 1 is N(0, 2); alpha = 1 is a standard Cauchy (median |x| = 1)."""
+    g = toy.sample_noise(2.0, (200_000,), seed=1).numpy()
+    assert abs(g.std() - math.sqrt(2)) < 0.02
+    c = toy.sample_noise(1.0, (200_000,), seed=2).numpy()
+    assert abs(np.median(np.abs(c)) - 1.0) < 0.02
+    with pytest.raises(ValueError, match="alpha"):
+        toy.sample_noise(2.5, (3,), seed=0)
+
+
+def test_toy_vote_sums_quantized_votes():
+    """vote with identical clients: one client's quantized vote decides, scaled by C (no noise)."""
+    setup = toy.ToySetup(steps=1, clients=3)
+    prob = toy.Problem(setup, 0)
+    r = toy.run_one(prob, torch.zeros(1, 3, prob.n), "vote", "l1", 8, setup)  # 3 clients, zero noise samples
+    _, g = prob.loss_grad(prob.theta0)
+    c = (1 - setup.betas[0]) * g  # zero momentum at step 0
+    q = torch.cat([lp_quantize(c[a:b], 127, 1.0) for a, b in prob.segments()])
+    theta = prob.theta0 - setup.lr_vote * torch.sign(3 * q.to(torch.float32))
+    assert r.loss[-1] == pytest.approx(prob.loss_grad(theta)[0], rel=1e-6)
+
+
+def test_toy_quick_writes_table_and_plot(tmp_path):
+    assert main(["toy", "--quick", "--out", str(tmp_path)]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "toy.csv")))
+    grid = toy.QUICK_GRID
+    assert len(rows) == len(grid.aggregators) * len(grid.alphas) * len(grid.bits)
+    for q in ["fp32", *grid.quantizers]:
+        assert {f"{q}_mean", f"{q}_std", f"{q}_n", f"{q}_diverged"} <= set(rows[0])
+    vote = [r for r in rows if r["aggregator"] == "vote"]
+    assert all(r["sign_mean"] for r in vote)  # the 1-bit reference exists for vote only
+    md = (tmp_path / "toy.md").read_text()
+    assert "| aggregation | alpha | bits | L |" in md and "Zero noise" in md
+    assert (tmp_path / "toy.png").stat().st_size > 10_000
+    runs = [json.loads(x) for x in open(tmp_path / "toy_runs.jsonl")]
+    per_noise = (1 + len(grid.quantizers) * len(grid.bits)) + (2 + len(grid.quantizers) * len(grid.bits))
+    assert sum(1 for r in runs if not r.get("zero_noise")) == per_noise * len(grid.alphas) * len(grid.seeds)
+    assert all(r["meets"] for r in runs if r.get("zero_noise"))
+
+
+# ---------------------------------------------------------------------------------------------
+# run reuse / resume / restart (no training: the launch is faked)
+
+
+def _fake_launch(calls: list, finish: bool = True):
+    def launch(run, scale, run_dir, resume, log):
+        calls.append(resume)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text("model: {preset: debug}\n")
+        recs = [{"step": scale.steps, "val_loss": 1.0}]
+        if finish:
+            recs.append({"step": scale.steps, "params_identical": True})
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        return 0 if finish else 1
+    return launch
+
+
+def test_ensure_run_reuses_resumes_and_restarts(tmp_path, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(framework, "_launch", _fake_launch(calls))
+    scale = quick_scale(4)
+    run = Run("r", "configs/variants/lion_fp32.yaml", ("optim.lr=1e-3",), 1, 2)
+    quiet = lambda s: None  # noqa: E731
+
+    first = ensure_run(run, scale, tmp_path, echo=quiet)
+    assert (first.status, first.how, calls) == ("ok", "fresh", ["never"])
+    again = ensure_run(run, scale, tmp_path, echo=quiet)
+    assert (again.status, again.how, calls) == ("reused", "reused", ["never"])  # nothing launched
+    assert again.final("val_loss") == 1.0 and again.config == {"model": {"preset": "debug"}}
+
+    changed = Run("r", run.config, ("optim.lr=2e-3",), 1, 2)  # another spec under the same name
+    ensure_run(changed, scale, tmp_path, echo=quiet)
+    assert calls[-1] == "overwrite"
+
+    # unfinished with a checkpoint and the same spec: resume
+    run_dir = tmp_path / "runs" / "r"
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 2, "train_loss": 3.0}) + "\n")
+    (run_dir / "ckpt" / "step_000002").mkdir(parents=True)
+    ensure_run(changed, scale, tmp_path, echo=quiet)
+    assert calls[-1] == "auto"
+    ensure_run(changed, scale, tmp_path, restart=True, echo=quiet)
+    assert calls[-1] == "overwrite"
+
+
+def test_ensure_run_reports_failures_and_pending(tmp_path, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(framework, "_launch", _fake_launch(calls, finish=False))
+    quiet = lambda s: None  # noqa: E731
+    bad = ensure_run(Run("x", "configs/variants/lion_fp32.yaml"), quick_scale(), tmp_path, echo=quiet)
+    assert bad.status.startswith("failed rc=1") and not bad.ok
+    pending = ensure_run(Run("y", "configs/variants/dion.yaml", requires=("dion",)), quick_scale(), tmp_path,
+                         echo=quiet, available=lambda n: n != "dion")
+    assert pending.status.startswith("pending: optim.name=dion")
+    no_preset = ensure_run(Run("z", "configs/variants/nope.yaml", requires=("lion",)), quick_scale(), tmp_path,
+                           echo=quiet)
+    assert no_preset.status == "pending: configs/variants/nope.yaml does not exist"
+    assert calls == ["never"]
+
+
+def test_optimizer_hooks():
+    assert framework.optimizer_available("lion") and not framework.optimizer_available("dion")
+    with pytest.raises(StudyUnavailable, match="optim.name=dion"):
+        STUDIES["dion_ef"].execute(Options(quick=True))
+    runs = studies.compressors_runs(quick_scale(), [1], Options(quick=True))
+    assert {r.label("optimizer") for r in runs if r.requires} == set(studies.PENDING_OPTIMIZERS)
+
+
+def test_shared_run_names_and_specs():
+    """table3 reuses table2's 1-bit runs and fig6_17 reuses fig5's no-sync runs under a shared --work."""
+    o = Options(quick=True)
+    for a, b, pick in [("table2", "table3", lambda r: r.label("arm") == "1bit"),
+                       ("fig5", "fig6_17", lambda r: r.label("arm") == "none")]:
+        sa, sb = STUDIES[a], STUDIES[b]
+        ra = {r.name: framework.run_spec(r, sa.scale(o)) for r in sa.build(sa.scale(o), [1], o) if pick(r)}
+        rb = {r.name: framework.run_spec(r, sb.scale(o)) for r in sb.build(sb.scale(o), [1], o)}
+        assert ra and ra == rb
+
+
+# ---------------------------------------------------------------------------------------------
+# Fig. 6: per-tensor keys when logged, per-role otherwise
+
+
+def _fake_result(records: list[dict], beta2: float) -> RunResult:
+    run = Run(f"b{beta2}", "configs/variants/lioncub_1bit.yaml", labels=(("beta2", beta2),))
+    cfg = {"model": {"preset": "debug", "tie_embeddings": False, "pos_emb": "rope", "block_size": 0}}
+    return RunResult(run, "ok", Path("."), records=records, config=cfg)
+
+
+def test_fig6_prefers_per_tensor_keys():
+    def recs(scale):
+        out = []
+        for step in (2, 4):
+            r = {"step": step, "diag/momentum_spread/embedding": 9.0, "diag/momentum_spread/head": 9.0,
+                 "diag/momentum_spread/attn": 1.0, "diag/momentum_spread/mlp": 1.0, "diag/momentum_spread/norm": 1.0}
+            r[studies.TENSOR_PREFIX + "transformer.wte.weight"] = 100.0 * scale * step
+            r[studies.TENSOR_PREFIX + "lm_head.weight"] = 50.0 * scale
+            r[studies.TENSOR_PREFIX + "transformer.h.0.attn.qkv.weight"] = 1.0 * scale
+            r[studies.TENSOR_PREFIX + "transformer.h.0.mlp.fc.weight"] = 3.0 * scale
+            r[studies.BLOCK_PREFIX + "0"] = 3.0 * scale
+            out.append(r)
+        return out
+    res = [_fake_result(recs(1.0), 0.95), _fake_result(recs(0.5), 0.99)]
+    summ = studies.fig6_summary(res, quick_scale())
+    rows = {r["layer"]: r for r in summ.rows}
+    assert rows["transformer.wte.weight"]["granularity"] == "tensor"
+    assert rows["transformer.wte.weight"]["role"] == "embedding" and rows["lm_head.weight"]["role"] == "head"
+    assert rows["transformer.wte.weight"]["spread_0.95"] == pytest.approx(300.0)  # mean of 200 and 400
+    assert rows["transformer.wte.weight"]["ratio_0.95"] == pytest.approx(300.0 / 2.0)  # median(1, 3) = 2
+    assert rows["0"]["granularity"] == "block"
+    assert "**tensor**" in summ.notes[0]
+
+
+def test_fig6_falls_back_to_roles():
+    rec = {"step": 2, "diag/momentum_spread/embedding": 8.0, "diag/momentum_spread/head": 4.0,
+           "diag/momentum_spread/attn": 1.0, "diag/momentum_spread/mlp": 2.0, "diag/momentum_spread/norm": 0.5}
+    summ = studies.fig6_summary([_fake_result([rec], 0.95)], quick_scale())
+    rows = {r["layer"]: r for r in summ.rows}
+    assert set(rows) == set(studies.ROLES) and all(r["granularity"] == "role" for r in rows.values())
+    assert rows["embedding"]["ratio_0.95"] == pytest.approx(8.0)  # median(1, 2, 0.5) = 1
+    assert "**role**" in summ.notes[0] and "no per-tensor keys" in summ.notes[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# every training study's --quick mode, end to end (torchrun, 2 ranks, debug model)
+
+EXPECTED_COLUMNS = {
+    "table2": {"label", "paper_val_loss", "val_loss_mean", "val_loss_std", "val_loss_n", "delta_vs_fp32", "rank",
+               "sign_match_pct", "sign_flip_pct", "status"},
+    "table3": {"ranks", "tie_pct", "tie_attn_pct", "tie_mlp_pct", "pos_pos", "pos_neg", "pos_zero", "neg_pos",
+               "neg_neg", "neg_zero", "zero_pos", "zero_neg", "zero_zero", "n", "status"},
+    "fig10": {"beta2", "arm", "val_loss_mean", "best_val_mean", "drift_mean", "tie_rate_pct", "status"},
+    "fig5": {"beta2", "arm", "val_loss_mean", "val_loss_std", "delta_vs_sync", "status"},
+    "fig6_17": {"layer", "granularity", "role", "spread_0.95", "spread_0.99", "ratio_0.95", "ratio_0.99"},
+    "compressors": {"optimizer", "val_loss_mean", "bytes_per_step", "status"},
+}
+
+
+@pytest.mark.slow
+def test_quick_training_studies_end_to_end(tmp_path):
+    out, work = tmp_path / "results", tmp_path / "work"
+    for name in ["table2", "table3", "fig10", "fig5", "fig6_17", "compressors"]:
+        assert main([name, "--quick", "--out", str(out), "--work", str(work)]) == 0, name
+        rows = list(csv.DictReader(open(out / f"{name}.csv")))
+        assert rows and EXPECTED_COLUMNS[name] <= set(rows[0]), (name, rows[:1])
+        assert (out / f"{name}.png").stat().st_size > 5_000
+        md = (out / f"{name}.md").read_text()
+        assert md.startswith("# Lion Cub") and "|---" in md and "Machine:" in md
+        meta = json.loads((out / f"{name}_meta.json").read_text())
+        assert meta["machine"]["cpu_count"] and meta["scale"]["quick"] is True
+        runs = [json.loads(x) for x in open(out / f"{name}_runs.jsonl")]
+        for r in runs:
+            if not r["status"].startswith("pending"):
+                assert r["status"] in ("ok", "reused") and r["final_val_loss"] is not None, r
+                assert r["load_before"] and r["wall_s"] > 0
+        if name in ("table3", "fig6_17"):  # reused from table2 / fig5 through the shared --work
+            assert {r["how"] for r in runs} == {"reused"}
+
+    # numbers recomputed from the raw metrics: table3's vote table is the mean of the late diag records
+    t3 = list(csv.DictReader(open(out / "table3.csv")))[0]
+    cells = [float(t3[f"{e}_{v}"]) for e in ("pos", "neg", "zero") for v in ("pos", "neg", "zero")]
+    assert sum(cells) == pytest.approx(100.0, abs=1e-6)
+    recs = [json.loads(x) for x in open(work / "runs" / "1bit_p2_s1337" / "metrics.jsonl")]
+    diag = [r for r in recs if "diag/tie_rate" in r]
+    last = max(r["step"] for r in diag)
+    late = [r["diag/tie_rate"] for r in diag if r["step"] > last / 2]
+    assert float(t3["tie_pct"]) == pytest.approx(100 * statistics.fmean(late))
+    assert float(t3["tie_pct"]) == pytest.approx(float(t3["pos_zero"]) + float(t3["neg_zero"]) + float(t3["zero_zero"]))
+
+    # table2: 8-bit L1 matches exact Lion's sign more often than the 1-bit vote (Lion Cub Fig. 4)
+    t2 = {r["arm"]: r for r in csv.DictReader(open(out / "table2.csv"))}
+    assert float(t2["8bit_l1"]["sign_match_pct"]) > float(t2["1bit"]["sign_match_pct"])
+    assert t2["fp32"]["sign_match_pct"] == ""  # gradient sync: no diagnostics
+    # fig5: the head-sync arm really syncs (more bytes per logged window than the no-sync arm)
+    def bytes_of(run):
+        recs = map(json.loads, open(work / "runs" / run / "metrics.jsonl"))
+        return [r["comm_bytes"] for r in recs if "comm_bytes" in r]
+    assert min(bytes_of("b0.95_sync_head_every_2_p2_s1337")) > max(bytes_of("b0.95_none_p2_s1337"))
+    # compressors: the optimizers that have not landed are pending rows, not failures
+    comp = {r["optimizer"]: r["status"] for r in csv.DictReader(open(out / "compressors.csv"))}
+    assert comp["adamw_fp32"] == "ok" and all(comp[o].startswith("pending") for o in studies.PENDING_OPTIMIZERS)
+
+    # a second invocation launches nothing and writes the same table
+    before = (out / "fig10.csv").read_text()
+    assert main(["fig10", "--quick", "--out", str(out), "--work", str(work)]) == 0
+    assert (out / "fig10.csv").read_text() == before
+    assert {json.loads(x)["how"] for x in open(out / "fig10_runs.jsonl")} == {"reused"}
