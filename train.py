@@ -12,12 +12,29 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 os.environ.setdefault("LIONCUB_CACHE", str(ROOT / ".cache"))
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
+
+
+# Other ranks wait this long before printing an error every rank finds (a config error), so rank 0
+# prints it first and the launcher's teardown cannot swallow the only copy (torchrun kills the
+# survivors when one rank exits: a rank that exited silently first used to leave no message).
+SECOND_REPORT_S = 3.0
+
+
+def report(e: BaseException, rank: int, shared: bool) -> None:
+    """Print an error under torchrun so the user always sees it: an error every rank finds
+    (`shared`) from rank 0 at once and from the others after a pause; an error only this rank
+    found (data, checkpoint files, divergence) from this rank, naming it."""
+    if shared and rank != 0:
+        time.sleep(SECOND_REPORT_S)
+    where = "" if shared else f" (rank {rank})"
+    print(f"error{where}: {e}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str]) -> int:
@@ -29,33 +46,38 @@ def main(argv: list[str]) -> int:
     if argv[0] == "--help-config":
         print(describe())
         return 0
-    is_main = os.environ.get("RANK", "0") == "0"
+    rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = load_config(argv[0], argv[1:])
     except ConfigError as e:
-        if is_main:
-            print(f"error: {e}", file=sys.stderr)
+        report(e, rank, shared=True)
         return 2
 
     from data import DataError
+    from trainer.checkpoint import CheckpointError
     from trainer.dist import init_distributed, shutdown
-    from trainer.trainer import RunDirError, run
+    from trainer.trainer import DivergenceError, RunDirError, run
 
     try:
         info = init_distributed(cfg.train.device, cfg.comm.timeout_s)
     except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
+        report(e, rank, shared=True)
         return 2
     try:
         run(cfg, info)
         return 0
-    except (ConfigError, RunDirError) as e:
-        if info.is_main:
-            print(f"error: {e}", file=sys.stderr)
+    except (ConfigError, RunDirError) as e:  # decided alike on every rank
+        report(e, info.rank, shared=True)
         return 2
-    except DataError as e:  # raised by the rank that read the data: print there
-        print(f"error (rank {info.rank}): {e}", file=sys.stderr)
+    except (DataError, CheckpointError) as e:  # found by the rank that read the file
+        report(e, info.rank, shared=False)
         return 2
+    except DivergenceError as e:
+        report(e, info.rank, shared=True)
+        return 3
+    except KeyboardInterrupt:
+        print(f"interrupted (rank {info.rank}): a second Ctrl-C; no checkpoint written", file=sys.stderr)
+        return 130
     finally:
         shutdown()
 

@@ -143,3 +143,17 @@ def allreduce_mean(x: torch.Tensor, wire_dtype: torch.dtype = torch.float32, gro
             if P > 1:
                 out.div_(P)
             return out
+
+
+def any_rank(flag: bool | torch.Tensor, group=None, stats: CommStats | None = None) -> bool:
+    """True on every rank if `flag` is true on any rank: one MAX-allreduce of one int32 (a control
+    message, e.g. the divergence guard's agreement). `flag` may be a 0-d bool tensor on the device,
+    so the only host sync is reading the agreed result."""
+    stats = default_stats() if stats is None else stats
+    P, _ = world(group)
+    t = (flag if isinstance(flag, torch.Tensor) else torch.tensor(bool(flag))).reshape(1).to(torch.int32)
+    with stats.call("any_rank", device_of(t)) as timer:
+        if P > 1:
+            with timer.coll(sent=t, recv=t):
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())

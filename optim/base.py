@@ -37,7 +37,7 @@ from comm import Clock, CommStats
 from . import sync
 from .diagnostics import momentum_spread
 
-PHASES = ("grad_sync", "update_sync", "momentum_sync", "diag")
+PHASES = ("grad_sync", "update_sync", "momentum_sync", "diag", "guard")
 COMM_PHASES = ("grad_sync", "update_sync", "momentum_sync")  # what the step's comm time and bytes count
 
 
@@ -55,6 +55,9 @@ class StepReport:
     histograms: dict[str, torch.Tensor] = field(default_factory=dict)
     diag_seconds: float = 0.0
     loss: Any = None
+    nonfinite: bool = False
+    """The divergence guard found a non-finite loss or gradient on some rank: nothing was exchanged
+    or updated, and no optimizer state changed."""
 
     def total(self, key: str) -> float:
         return sum(self.phases.get(p, {}).get(key, 0) for p in COMM_PHASES)
@@ -286,7 +289,11 @@ class CommOptimizer(torch.optim.Optimizer):
             e.param.grad = view
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None, *, diagnose: bool = False) -> StepReport:
+    def step(self, closure: Callable[[], float] | None = None, *, diagnose: bool = False,
+             loss_finite: bool | None = None) -> StepReport:
+        """One step. With `loss_finite` given (the divergence guard), every rank first checks its
+        loss and local gradient for NaN / inf and all ranks agree (one tiny collective, the "guard"
+        phase); if any rank found one, nothing is exchanged or updated and the report says so."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -295,6 +302,11 @@ class CommOptimizer(torch.optim.Optimizer):
         for s in self.stats.values():
             s.begin_step()
         self._adopt_grads()
+        if loss_finite is not None and self._any_rank_nonfinite(loss_finite):
+            report = StepReport(step=self._step, loss=loss, nonfinite=True)
+            report.seconds = self.clock.now() - t0
+            report.phases = {phase: s.step_summary() for phase, s in self.stats.items()}
+            return report
         self._step += 1
         t = self._step
         self._exchange_gradients(t)
@@ -312,6 +324,13 @@ class CommOptimizer(torch.optim.Optimizer):
         report.seconds = self.clock.now() - t0 - report.diag_seconds
         report.phases = {phase: s.step_summary() for phase, s in self.stats.items()}
         return report
+
+    def _any_rank_nonfinite(self, loss_finite: bool) -> bool:
+        bufs = list(self.grad_buffers.values())
+        local_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b, dtype=torch.float32)
+                                                           for b in bufs]))
+        bad = torch.logical_not(torch.isfinite(local_norm)) | (not loss_finite)
+        return comm.any_rank(bad, group=self.group, stats=self.stats["guard"])
 
     def _clip_(self) -> None:
         bufs = list(self.grad_buffers.values())
@@ -380,10 +399,44 @@ class CommOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         self._load_comm_state(extra)
 
+    def load_resharded(self, states: list[dict]) -> None:
+        """Load the optimizer states every rank of a run with another world size saved. Replicated
+        state (equal on every old rank: gradient sync, Dion's Q, step counters) is kept as is;
+        per-rank floating state (update sync: momenta) is averaged over the old ranks, which is
+        exactly one momentum synchronisation; the exchange remaps its own state
+        (Exchange.reshard_state) or refuses."""
+        if not states:
+            raise ValueError("load_resharded: no saved states")
+        comm_states = [s.get("comm") or {} for s in states]
+        merged = _average_states([{k: v for k, v in s.items() if k != "comm"} for s in states])
+        merged["comm"] = {**comm_states[0], "world_size": self.world_size, "rank": self.rank,
+                          "exchange": self.exchange.reshard_state([c.get("exchange") or {} for c in comm_states])}
+        self.load_state_dict(merged)
+
     def describe(self) -> str:
         """One line for the run banner: optimizer, scheme and its options."""
         opts = ", ".join(f"{k}={v}" for k, v in self.scheme_options.as_dict().items())
         return f"{type(self).__name__} | comm {self.scheme.name} ({self.scheme.kind} sync{'; ' + opts if opts else ''})"
+
+
+def _average_states(states: list[Any]) -> Any:
+    """Leafwise: floating tensors that differ across `states` -> their mean (an fp32 sum in rank
+    order, divided by the count, as a mean-allreduce does); anything equal everywhere, and every
+    non-floating leaf, -> the first state's."""
+    first = states[0]
+    if isinstance(first, torch.Tensor):
+        if first.is_floating_point() and not all(torch.equal(first, s) for s in states[1:]):
+            total = torch.zeros_like(first, dtype=torch.float32)
+            for s in states:
+                total += s.to(torch.float32)
+            return total.div_(len(states)).to(first.dtype)
+        return first
+    if isinstance(first, dict):
+        return {k: _average_states([s[k] for s in states]) if all(isinstance(s, dict) and k in s for s in states)
+                else v for k, v in first.items()}
+    if isinstance(first, list) and all(isinstance(s, list) and len(s) == len(first) for s in states):
+        return [_average_states([s[i] for s in states]) for i in range(len(first))]
+    return first
 
 
 def digest(tensors: Iterable[torch.Tensor]) -> str:

@@ -1,28 +1,52 @@
-"""Checkpoints: one directory per step, written atomically.
+"""Checkpoints: one directory per step, written atomically, verified on resume.
 
 Layout: ckpt/step_000100/{model.pt, rank_00000.pt, ..., meta.json}. The model is identical on all
 ranks and saved once; every rank saves its own optimizer state (update-sync optimizers keep a
 different momentum per rank), data-loader state and RNG states. Ranks write into a hidden temp
-directory; after a barrier rank 0 renames it into place and rewrites `latest` (temp + rename), so a
-save killed half-way never touches the last good checkpoint.
+directory; every file's sha256 is taken from the bytes written, and rank 0 writes meta.json LAST
+with every file's checksum. After a barrier rank 0 renames the directory into place and rewrites
+`latest` (temp + rename), so a save killed half-way never touches the last good checkpoint.
+
+Nothing non-finite is ever saved: before a save every rank checks its model and optimizer
+tensors, all ranks agree, and a non-finite value stops the save with a NonFiniteError. Rotation
+(`keep`) deletes the oldest step directories but never the new one, and never the newest
+checkpoint whose meta says it was verified finite.
+
+On resume (`find_resumable`) candidates are tried newest first: each rank checks meta.json and the
+checksums of the files it will read; all ranks agree; a corrupt or incomplete checkpoint is
+reported by name and the next older one is tried. Leftover temp directories of killed saves are
+removed at start (`clean_partial`). A full disk is reported as such (CheckpointError).
 """
 from __future__ import annotations
 
+import errno
+import hashlib
+import io
 import json
 import os
 import random
 import shutil
 from pathlib import Path
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+META = "meta.json"
+MODEL = "model.pt"
 
-def _atomic_torch_save(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or no intact one can be read; the message says which and why."""
+
+
+class NonFiniteError(CheckpointError):
+    """The state to save holds NaN or inf."""
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
 
 
 def rng_state() -> dict:
@@ -40,20 +64,134 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _tensors(obj: Any) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def nonfinite_keys(obj: Any, prefix: str = "") -> list[str]:
+    """Paths of floating tensors in a nested state holding NaN or inf (empty when all finite)."""
+    bad = []
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point() and obj.numel() and not bool(torch.isfinite(obj).all()):
+            bad.append(prefix or "<tensor>")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            bad += nonfinite_keys(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            bad += nonfinite_keys(v, f"{prefix}[{i}]")
+    return bad
+
+
+def _disk_error(path: Path, err: BaseException) -> CheckpointError:
+    try:
+        free = shutil.disk_usage(path if path.exists() else path.parent).free
+    except OSError:
+        free = -1
+    full = (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or (0 <= free < 1 << 20)
+    if full:
+        return CheckpointError(f"disk full while writing {path} ({free} bytes free on its file system); free space "
+                               f"or point train.out_dir at a larger disk. The previous checkpoint is intact.")
+    return CheckpointError(f"could not write {path}: {err}")
+
+
+def _write(obj: Any, path: Path) -> str:
+    """torch.save `obj` to `path` (fsynced) and return the sha256 of the bytes written."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getbuffer()
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:
+        raise _disk_error(path, e) from None
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _agree(flag: bool) -> bool:
+    """True on every rank if `flag` is True on any rank (no process group: the flag itself)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _gather(obj: Any, world_size: int) -> list:
+    if world_size == 1:
+        return [obj]
+    out = [None] * world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def step_dirs(ckpt_root: Path) -> list[Path]:
+    """step_* directories in step order (numeric: names past 999,999 steps still sort right)."""
+    if not ckpt_root.is_dir():
+        return []
+    dirs = [p for p in ckpt_root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(dirs, key=lambda p: int(p.name[5:]))
+
+
+def clean_partial(ckpt_root: Path) -> list[Path]:
+    """Remove the temp directories of saves that were killed (rank 0, at start); returns them."""
+    if not ckpt_root.is_dir():
+        return []
+    leftovers = [p for p in ckpt_root.iterdir() if p.name.startswith((".tmp_step_", ".old_step_"))
+                 or p.name == "latest.tmp"]
+    for p in leftovers:
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    return leftovers
+
+
 def save_checkpoint(ckpt_root: Path, step: int, model_state: dict, rank_state: dict, meta: dict,
-                    rank: int, keep: int) -> Path:
+                    rank: int, world_size: int, keep: int) -> Path:
+    """Write checkpoint `step` (collective over the default group); returns its directory."""
+    bad = nonfinite_keys(model_state, "model") if rank == 0 else []
+    bad += nonfinite_keys(rank_state, f"rank {rank}")
+    if _agree(bool(bad)):
+        raise NonFiniteError(f"refusing to save checkpoint step {step}: non-finite values in "
+                             f"{', '.join(bad[:5]) or 'another rank'}" + (" ..." if len(bad) > 5 else "")
+                             + "; the last good checkpoint is kept")
     final = ckpt_root / f"step_{step:06d}"
     tmp = ckpt_root / f".tmp_step_{step:06d}"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            raise _disk_error(tmp, e) from None
+    _barrier(world_size)
+    files = {}
     if rank == 0:
-        _atomic_torch_save(model_state, tmp / "model.pt")
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-    _atomic_torch_save(rank_state, tmp / f"rank_{rank:05d}.pt")
-    dist.barrier()
+        files[MODEL] = _write(model_state, tmp / MODEL)
+    files[rank_file(rank)] = _write(rank_state, tmp / rank_file(rank))
+    all_files = {k: v for d in _gather(files, world_size) for k, v in d.items()}
     if rank == 0:
+        meta = {**meta, "files": all_files, "finite": True}
+        try:
+            (tmp / META).write_text(json.dumps(meta, indent=2))  # last: its presence marks a complete save
+        except OSError as e:
+            raise _disk_error(tmp / META, e) from None
         aside = None
         if final.exists():  # a re-save of the same step: keep the old copy until the new one is in place
             aside = ckpt_root / f".old_step_{step:06d}"
@@ -65,36 +203,127 @@ def save_checkpoint(ckpt_root: Path, step: int, model_state: dict, rank_state: d
         os.replace(latest_tmp, ckpt_root / "latest")
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
-        for old in _step_dirs(ckpt_root)[:-keep]:
-            if old != final:
-                shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+        _rotate(ckpt_root, keep, final)
+    _barrier(world_size)
     return final
 
 
-def _step_dirs(ckpt_root: Path) -> list[Path]:
-    """step_* directories in step order (numeric: names past 999,999 steps still sort right)."""
-    dirs = [p for p in ckpt_root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
-    return sorted(dirs, key=lambda p: int(p.name[5:]))
+def _barrier(world_size: int) -> None:
+    if world_size > 1:
+        dist.barrier()
+
+
+def _verified_finite(path: Path) -> bool:
+    try:
+        return bool(json.loads((path / META).read_text()).get("finite"))
+    except (OSError, ValueError):
+        return False
+
+
+def _rotate(ckpt_root: Path, keep: int, new: Path) -> None:
+    """Keep the newest `keep` step directories, the new one, and the newest known-good one."""
+    dirs = step_dirs(ckpt_root)
+    good = [p for p in dirs if _verified_finite(p)]
+    protect = {new} | ({good[-1]} if good else set())
+    for old in dirs[:-keep]:
+        if old not in protect:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
     """The checkpoint `latest` names; if that pointer is missing or dangling (a save killed between
-    its renames), the newest complete step directory."""
+    its renames), the newest step directory with a meta.json. Not verified: see find_resumable."""
     pointer = ckpt_root / "latest"
     if pointer.is_file():
         path = ckpt_root / pointer.read_text().strip()
-        if (path / "meta.json").is_file():
+        if (path / META).is_file():
             return path
-    complete = [p for p in _step_dirs(ckpt_root) if (p / "meta.json").is_file() and (p / "model.pt").is_file()]
+    complete = [p for p in step_dirs(ckpt_root) if (p / META).is_file()]
     return complete[-1] if complete else None
 
 
-def load_checkpoint(path: Path, rank: int, world_size: int) -> tuple[dict, dict, dict]:
-    meta = json.loads((path / "meta.json").read_text())
-    if meta.get("world_size") != world_size:
-        raise RuntimeError(f"checkpoint {path} was written by {meta.get('world_size')} ranks, this run has "
-                           f"{world_size}; resume with the same world size (per-rank optimizer state)")
-    model_state = torch.load(path / "model.pt", map_location="cpu", weights_only=False)
-    rank_state = torch.load(path / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=False)
-    return model_state, rank_state, meta
+def candidates(ckpt_root: Path) -> list[Path]:
+    """Checkpoint directories to try on resume, newest first (`latest`'s target first)."""
+    dirs = list(reversed(step_dirs(ckpt_root)))
+    pointer = ckpt_root / "latest"
+    if pointer.is_file():
+        named = ckpt_root / pointer.read_text().strip()
+        if named in dirs:
+            dirs.remove(named)
+            dirs.insert(0, named)
+    return dirs
+
+
+def read_meta(path: Path) -> dict:
+    """meta.json of a checkpoint, or CheckpointError naming what is wrong with it."""
+    f = path / META
+    if not f.is_file():
+        raise CheckpointError(f"{f} is missing (the save did not complete)")
+    try:
+        meta = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{f} is unreadable or truncated ({e})") from None
+    if not isinstance(meta, dict) or "step" not in meta or "world_size" not in meta:
+        raise CheckpointError(f"{f} lacks step / world_size")
+    return meta
+
+
+def verify(path: Path, names: Iterable[str]) -> dict:
+    """meta.json, and the checksums of `names` against it; CheckpointError naming the first bad file."""
+    meta = read_meta(path)
+    sums = meta.get("files")
+    if not isinstance(sums, dict):
+        raise CheckpointError(f"{path / META} has no file checksums (written by an older version); "
+                              f"it cannot be verified")
+    for name in names:
+        f = path / name
+        if name not in sums:
+            raise CheckpointError(f"{f} is not listed in {path / META}")
+        if not f.is_file():
+            raise CheckpointError(f"{f} is missing")
+        got = sha256_file(f)
+        if got != sums[name]:
+            raise CheckpointError(f"{f} is corrupt: sha256 {got[:12]}... differs from the {sums[name][:12]}... "
+                                  f"recorded when it was written")
+    return meta
+
+
+def files_needed(meta: dict, rank: int, world_size: int) -> list[str]:
+    """The files a rank reads: the model, and its own rank file, or every rank file of the saved
+    run when the world size changed (their states are combined)."""
+    saved = int(meta["world_size"])
+    if saved == world_size:
+        return [MODEL, rank_file(rank)]
+    return [MODEL] + [rank_file(r) for r in range(saved)]
+
+
+def find_resumable(ckpt_root: Path, rank: int, world_size: int,
+                   report: Callable[[str], None] = print) -> tuple[Path, dict] | None:
+    """The newest checkpoint every rank can verify (collective), or None when there is none at all.
+    Each corrupt or incomplete one is reported by name (rank 0) and skipped; CheckpointError when
+    step directories exist but none is intact."""
+    tried = []
+    for path in candidates(ckpt_root):
+        problem = ""
+        meta: dict = {}
+        try:
+            meta = read_meta(path)
+            verify(path, files_needed(meta, rank, world_size))
+        except CheckpointError as e:
+            problem = str(e)
+        problems = _gather(problem, world_size)
+        bad = [p for p in problems if p]
+        if not bad:
+            for skipped in tried:
+                if rank == 0:
+                    report(f"skipped checkpoint {skipped}")
+            return path, meta
+        tried.append(f"{path.name}: {bad[0]}")
+    if tried:
+        raise CheckpointError(f"train.resume=auto found no intact checkpoint in {ckpt_root}: "
+                              + "; ".join(tried) + ". Restore a checkpoint, or pass train.resume=overwrite to start over")
+    return None
+
+
+def load_files(path: Path, names: list[str]) -> dict[str, Any]:
+    return {n: torch.load(path / n, map_location="cpu", weights_only=False) for n in names}

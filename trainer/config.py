@@ -170,6 +170,10 @@ class TrainConfig:
     """Autocast dtype on CUDA (bfloat16 or float32); CPU always runs float32."""
     compile: bool = False
     """torch.compile the model."""
+    on_nonfinite: str = "stop"
+    """What a non-finite loss or gradient on any rank does (checked every step, all ranks agree; no
+    update is applied): stop (exit non-zero naming the step), skip_step (go on without that update) or
+    rollback (reload the last good checkpoint and skip the offending step's batches)."""
     mc_eval_file: str = ""
     """HellaSwag-format JSONL (ctx, endings, label) scored by completion log-likelihood at every
     evaluation (acc, acc_norm per byte, acc per token); empty = off. See README "Evaluation"."""
@@ -510,6 +514,7 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
         p.append("comm.momentum_sync.layers: [head] but the model ties embedding and head (the shared weight "
                  "is the 'embedding' layer); set model.tie_embeddings=false or select embedding")
     choice(p, "train.resume", t.resume, ["never", "auto", "overwrite"])
+    choice(p, "train.on_nonfinite", t.on_nonfinite, ["stop", "skip_step", "rollback"])
     choice(p, "train.device", t.device, ["auto", "cpu", "cuda"])
     choice(p, "train.dtype", t.dtype, ["bfloat16", "float32"])
     choice(p, "log.wandb", lg.wandb, ["online", "offline", "disabled"])

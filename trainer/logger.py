@@ -58,24 +58,18 @@ def wandb_payload(record: dict) -> dict:
 
 class RunLogger:
     def __init__(self, out_dir: Path, enabled: bool, wandb_mode: str, project: str, run_name: str,
-                 group: str, config: dict, resume: bool, run_id: str | None = None) -> None:
+                 group: str, config: dict, run_id: str | None = None) -> None:
         self.enabled = enabled
         self.wandb = None
         self.file = None
         if not enabled:
             return
-        self.file = open(out_dir / "metrics.jsonl", "a" if resume else "w", buffering=1)
+        # appended, never truncated: a resumed run adds its records after an "event": "resume" record, so a
+        # step logged by the interrupted run after its last checkpoint appears again (readers keep the last)
+        self.file = open(out_dir / "metrics.jsonl", "a", buffering=1)
         if wandb_mode != "disabled":
             self.wandb = self._init_wandb(out_dir, wandb_mode, project, run_name, group, config,
                                           run_id or run_name.replace("/", "_"))
-
-    @staticmethod
-    def drop_after(out_dir: Path, step: int) -> None:
-        """Drop records of steps after `step` (what an interrupted run logged after its checkpoint)."""
-        log = out_dir / "metrics.jsonl"
-        if log.exists():
-            keep = [ln for ln in log.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
-            log.write_text("".join(ln + "\n" for ln in keep))
 
     @staticmethod
     def _init_wandb(out_dir, mode, project, run_name, group, config, run_id):

@@ -8,6 +8,7 @@ never knows which scheme runs. No DDP wrapper.
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import time
 from pathlib import Path
@@ -22,7 +23,8 @@ from model import GPT, resolve_config
 from optim import build_optimizer
 from optim.base import digest
 
-from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from . import state
+from .checkpoint import find_resumable
 from .config import Config, ConfigError, validate
 from .dist import DistInfo, all_agree
 from .evaluation import Evaluator
@@ -31,7 +33,12 @@ from .param_groups import param_groups
 from .rundir import RunDirError, prepare_run_dir, run_id
 from .schedule import lr_at
 
-__all__ = ["RunDirError", "Trainer", "run"]
+__all__ = ["DivergenceError", "RunDirError", "Trainer", "run"]
+MAX_ROLLBACKS = 5
+
+
+class DivergenceError(RuntimeError):
+    """The loss or a gradient turned non-finite and the policy says stop (or rollback is exhausted)."""
 
 
 class Trainer:
@@ -70,15 +77,34 @@ class Trainer:
         self.clock = Clock(self.device)
 
         self.step, self.train_time = 0, 0.0  # train_time: seconds in timed steps (loss vs wall-clock)
-        resume_from = prepare_run_dir(self.out_dir, cfg.train.resume, cfg.to_dict(), info)
-        if resume_from is not None:
-            self._load(resume_from)
-        if info.is_main:  # only now: a config that fails while building leaves no run directory behind
-            (self.out_dir / "config.yaml").write_text(cfg.dump())
-        self.logger = RunLogger(self.out_dir, info.is_main, cfg.log.wandb, cfg.log.project,
-                                cfg.log.run_name or self.out_dir.name, cfg.log.group, cfg.to_dict(),
-                                resume=resume_from is not None, run_id=run_id(self.out_dir))
-        self._stop_signal = None
+        self.skip_batches: set[int] = set()  # steps whose batches a rollback skips
+        self.rollbacks = 0
+        self.lock = prepare_run_dir(self.out_dir, cfg.train.resume, cfg.to_dict(), info)
+        try:
+            found = find_resumable(self.ckpt_root, info.rank, info.world_size, self._say) \
+                if cfg.train.resume == "auto" else None
+            if found is not None:
+                self._say(state.load(self, *found))
+            if info.is_main:  # only now: a config that fails while building leaves no run directory behind
+                (self.out_dir / "config.yaml").write_text(cfg.dump())
+            self.logger = RunLogger(self.out_dir, info.is_main, cfg.log.wandb, cfg.log.project,
+                                    cfg.log.run_name or self.out_dir.name, cfg.log.group, cfg.to_dict(),
+                                    run_id=run_id(self.out_dir))
+        except BaseException:
+            self.release()
+            raise
+        if found is not None:
+            self.logger.log({"step": self.step, "event": "resume", "checkpoint": str(found[0]),
+                             "world_size": info.world_size})
+        self._stop_signal, self._signals = None, 0
+
+    def _say(self, msg: str) -> None:
+        if self.info.is_main:
+            print(msg, flush=True)
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
     # ------------------------------------------------------------------ one step
     def set_lr(self) -> float:
@@ -96,6 +122,9 @@ class Trainer:
         t0 = self.clock.now()
         data_s, loss_sum = 0.0, torch.zeros((), device=self.device)
         self.optimizer.zero_grad()
+        if self.step + 1 in self.skip_batches:  # a rollback found this step's batches non-finite
+            for _ in range(accum):
+                self.loader.next_batch()
         for _ in range(accum):
             td = time.perf_counter()
             x, y = self.loader.next_batch()
@@ -106,9 +135,10 @@ class Trainer:
             (loss / accum).backward()
             loss_sum += loss.detach()
         t1 = self.clock.now()
-        report = self.optimizer.step(diagnose=diagnose)
+        loss_val = (loss_sum / accum).item()
+        report = self.optimizer.step(diagnose=diagnose, loss_finite=math.isfinite(loss_val))
         self.step += 1
-        return {"loss": (loss_sum / accum).item(), "lr": lr, "step_s": t1 - t0 + report.seconds, "data_s": data_s,
+        return {"loss": loss_val, "lr": lr, "step_s": t1 - t0 + report.seconds, "data_s": data_s,
                 "fwdbwd_s": t1 - t0 - data_s, "comm_s": report.comm_s, "coll_s": report.coll_s,
                 "pack_s": report.pack_s, "opt_s": max(0.0, report.seconds - report.comm_s),
                 "bytes_sent": report.bytes_sent, "bytes_recv": report.bytes_recv, "report": report}
@@ -119,33 +149,43 @@ class Trainer:
         dist.all_gather_object(out, digest(p for _, p in sorted(self.model.named_parameters())))
         return out
 
-    # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
-        rank_state = {"optimizer": self.optimizer.state_dict(), "loader": self.loader.state_dict(),
-                      "rng": rng_state(), "step": self.step, "train_time": self.train_time}
-        meta = {"step": self.step, "world_size": self.info.world_size, "config": self.cfg.to_dict(),
-                "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-        return save_checkpoint(self.ckpt_root, self.step, self.model.state_dict(), rank_state, meta,
-                               self.info.rank, self.cfg.train.keep_ckpts)
+        return state.save(self)
 
-    def _load(self, path: Path) -> None:
-        model_state, rank_state, _ = load_checkpoint(path, self.info.rank, self.info.world_size)
-        self.model.load_state_dict(model_state)
-        self.optimizer.load_state_dict(rank_state["optimizer"])
-        self.loader.load_state_dict(rank_state["loader"])
-        set_rng_state(rank_state["rng"])
-        self.step, self.train_time = rank_state["step"], rank_state.get("train_time", 0.0)
-        if self.info.is_main:
-            RunLogger.drop_after(self.out_dir, self.step)  # records the interrupted run wrote after it
-            print(f"resumed from {path} at step {self.step}", flush=True)
+    def _on_nonfinite(self, r: dict) -> None:
+        """train.on_nonfinite: stop (DivergenceError), skip_step (no update, go on), or rollback (reload
+        the last good checkpoint and skip the offending step's batches)."""
+        policy, bad = self.cfg.train.on_nonfinite, self.step
+        self.logger.log({"step": bad, "event": "nonfinite", "policy": policy, "train_loss": r["loss"]})
+        if policy == "skip_step":
+            self.logger.console(f"step {bad}: non-finite loss or gradient on some rank; no update applied "
+                                f"(train.on_nonfinite=skip_step)")
+            return
+        found = find_resumable(self.ckpt_root, self.info.rank, self.info.world_size, self._say) \
+            if policy == "rollback" and self.rollbacks < MAX_ROLLBACKS else None
+        if found is None:
+            why = ("no checkpoint to roll back to" if policy == "rollback" and self.rollbacks < MAX_ROLLBACKS else
+                   f"{MAX_ROLLBACKS} rollbacks already" if policy == "rollback" else "train.on_nonfinite=stop")
+            raise DivergenceError(f"non-finite loss or gradient at step {bad} on some rank (loss here: "
+                                  f"{r['loss']}); no update was applied and no checkpoint holds non-finite values "
+                                  f"({why}). Lower optim.lr or raise optim.warmup_steps, or set "
+                                  f"train.on_nonfinite=skip_step|rollback")
+        skip = self.skip_batches | {bad}
+        msg = state.load(self, *found)
+        self.skip_batches, self.rollbacks = skip, self.rollbacks + 1
+        self.logger.console(f"step {bad}: non-finite loss or gradient; rolled back: {msg}; the batches of step "
+                            f"{bad} will be skipped")
 
     # ------------------------------------------------------------------ loop
     def _on_signal(self, signum, _frame) -> None:
+        self._signals += 1
+        if signum == signal.SIGINT and self._signals > 1:  # a second Ctrl-C: leave at once
+            raise KeyboardInterrupt
         self._stop_signal = signum
 
     def fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         self.logger.console(banner(self))
         if self.step >= t.max_steps:  # resumed a finished run: its final eval and checkpoint exist
@@ -157,6 +197,9 @@ class Trainer:
         while self.step < t.max_steps:
             diagnose = bool(cfg.diag.every) and (self.step + 1) % cfg.diag.every == 0
             r = self.train_step(diagnose)
+            if r["report"].nonfinite:
+                self._on_nonfinite(r)
+                continue
             self.train_time += r["step_s"]
             window.append(r)
             if self.step % t.log_every == 0 or self.step == t.max_steps:
@@ -219,3 +262,4 @@ def run(cfg: Config, info: DistInfo) -> dict:
         return trainer.fit()
     finally:
         trainer.logger.close()
+        trainer.release()

@@ -128,6 +128,11 @@ class PBit(VoteExchange):
     def load_state_dict(self, state: dict) -> None:
         self.gen.set_state(state["rng_state"])
 
+    def reshard_state(self, states: list[dict]) -> dict:
+        """On another world size every rank keeps the fresh stream seeded from the run seed and its
+        new rank (stochastic rounding needs independent streams, not the old ones)."""
+        return {"rng_state": self.gen.get_state()}
+
 
 def _lane_bytes(bits: int, n: int) -> int:
     if bits == 16:  # two 16-bit lanes per int32 word (neither gloo nor NCCL reduces int16)

@@ -79,6 +79,15 @@ class Exchange:
         if state:
             raise ValueError(f"{type(self).__name__} holds no state but the checkpoint has {sorted(state)}")
 
+    def reshard_state(self, states: list[dict]) -> dict:
+        """This rank's state from the states every rank saved in a run with another world size
+        (len(states) ranks). Stateless exchanges need nothing; a stateful one must say how its
+        per-rank state maps, or refuse."""
+        if any(states):
+            raise ValueError(f"comm.mode exchange {type(self).__name__} keeps per-rank state that cannot be "
+                             f"remapped to another world size; resume with {len(states)} ranks")
+        return {}
+
 
 @dataclass(frozen=True)
 class SyncScheme:

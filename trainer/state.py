@@ -1,0 +1,45 @@
+"""Saving and restoring a Trainer's state through verified checkpoints (trainer/checkpoint.py),
+including a resume on another world size: the model and the replicated optimizer state load as
+they are, per-rank optimizer state (update-sync momenta) is averaged once over the saved ranks,
+which is exactly one momentum synchronisation, and the data loader's global position carries over,
+so no token is trained twice or skipped."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from .checkpoint import files_needed, load_files, rank_file, rng_state, save_checkpoint, set_rng_state, MODEL
+
+
+def save(trainer) -> Path:
+    rank_state = {"optimizer": trainer.optimizer.state_dict(), "loader": trainer.loader.state_dict(),
+                  "rng": rng_state(), "step": trainer.step, "train_time": trainer.train_time,
+                  "skip_batches": sorted(trainer.skip_batches)}
+    meta = {"step": trainer.step, "world_size": trainer.info.world_size, "config": trainer.cfg.to_dict(),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return save_checkpoint(trainer.ckpt_root, trainer.step, trainer.model.state_dict(), rank_state, meta,
+                           trainer.info.rank, trainer.info.world_size, trainer.cfg.train.keep_ckpts)
+
+
+def load(trainer, path: Path, meta: dict) -> str:
+    """Restore `trainer` from a verified checkpoint; returns the line to print."""
+    rank, world = trainer.info.rank, trainer.info.world_size
+    saved = int(meta["world_size"])
+    files = load_files(path, files_needed(meta, rank, world))
+    trainer.model.load_state_dict(files[MODEL])
+    if saved == world:
+        mine = files[rank_file(rank)]
+        trainer.optimizer.load_state_dict(mine["optimizer"])
+        note = ""
+    else:
+        states = [files[rank_file(r)] for r in range(saved)]
+        mine = states[min(rank, saved - 1)]
+        trainer.optimizer.load_resharded([s["optimizer"] for s in states])
+        note = (f" (written by {saved} ranks, resumed on {world}: per-rank optimizer state averaged once, i.e. one "
+                f"momentum synchronisation; data continues at the same global token position)")
+    trainer.loader.load_state_dict(mine["loader"])  # a global position: the same in every rank's file
+    if saved == world:
+        set_rng_state(mine["rng"])
+    trainer.step, trainer.train_time = int(mine["step"]), float(mine.get("train_time", 0.0))
+    trainer.skip_batches = set(mine.get("skip_batches", []))
+    return f"resumed from {path} at step {trainer.step}{note}"
