@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 import yaml
 

@@ -12,6 +12,9 @@
 #                    every rank still runs and still writes its own logs. Default: all ranks.
 #   OMP_NUM_THREADS  kept when set; otherwise cores / NPROC (at least 1), so the ranks do not
 #                    oversubscribe the cores (torchrun alone would force 1).
+#   MAX_RESTARTS     how often torchrun restarts all ranks after one fails (default 0); with
+#                    restarts, train.resume=auto is added (unless given) so every (re)start
+#                    continues from the newest intact checkpoint
 #   PYTHON           interpreter (default python3)
 #   DRY_RUN=1        print the command and exit without running it
 # The exact command is printed before it runs, so a run can be reproduced from its log.
@@ -49,8 +52,15 @@ if [[ -n "${LOG_RANK:-}" ]]; then
   log_args=(--tee 3 --local-ranks-filter "$LOG_RANK")
 fi
 
-cmd=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC"
-     "${log_args[@]}" "$ROOT/train.py" "$CONFIG" "$@")
+MAX_RESTARTS="${MAX_RESTARTS:-0}"
+[[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || die "MAX_RESTARTS must be a non-negative integer, got '$MAX_RESTARTS'"
+resume_args=()
+if (( MAX_RESTARTS > 0 )) && [[ " $* " != *" train.resume="* ]]; then
+  resume_args=(train.resume=auto)
+fi
+
+cmd=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" --max-restarts="$MAX_RESTARTS"
+     "${log_args[@]}" "$ROOT/train.py" "$CONFIG" "$@" "${resume_args[@]}")
 
 echo "+ OMP_NUM_THREADS=$OMP_NUM_THREADS $(printf '%q ' "${cmd[@]}")"
 [[ "${DRY_RUN:-0}" == 1 ]] && exit 0

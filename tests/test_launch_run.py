@@ -34,8 +34,16 @@ def test_dry_run_prints_the_torchrun_command():
              LOG_RANK="2", OMP_NUM_THREADS="5")
     assert p.returncode == 0, p.stderr
     line = p.stdout.strip()
-    assert line.startswith("+ OMP_NUM_THREADS=5 ") and "--nproc_per_node=3 --tee 3 --local-ranks-filter 2 " in line
+    assert line.startswith("+ OMP_NUM_THREADS=5 ") and "--nproc_per_node=3 --max-restarts=0 --tee 3 --local-ranks-filter 2 " in line
     assert line.endswith("configs/default.yaml train.max_steps=7 optim.name=adamw"), line
+
+    # elastic restarts: torchrun's --max-restarts, and every (re)start resumes
+    p = _run("configs/default.yaml", "train.max_steps=7", DRY_RUN="1", MAX_RESTARTS="3")
+    line = p.stdout.strip()
+    assert "--max-restarts=3 " in line and line.endswith("train.max_steps=7 train.resume=auto"), line
+    p = _run("configs/default.yaml", "train.resume=overwrite", DRY_RUN="1", MAX_RESTARTS="2")
+    assert p.stdout.strip().endswith("train.resume=overwrite")  # an explicit choice is kept
+    assert _run(DRY_RUN="1", MAX_RESTARTS="-1").returncode == 2
 
     # overrides without a config path go to the default config
     p = _run("train.max_steps=7", DRY_RUN="1")

@@ -71,7 +71,7 @@ def test_sbatch_trains_tiny_model(cluster, tmp_path):
     # the launch line: one torchrun per node, c10d rendezvous on the first node, 2 CPU ranks
     cmd = next(l for l in log.splitlines() if l.startswith("+ srun "))
     assert "--ntasks-per-node=1" in cmd and f"--cpus-per-task={cluster.cpus}" in cmd
-    assert "--nnodes=1" in cmd and "--nproc_per_node=2" in cmd and "--rdzv_backend=c10d" in cmd
+    assert "--nnodes=1:1" in cmd and "--max-restarts=0" in cmd and "--nproc_per_node=2" in cmd and "--rdzv_backend=c10d" in cmd
     assert re.search(rf"--rdzv_endpoint=[\d.]+:\d+ --rdzv_id={job_id}\b", cmd), cmd
     assert "train.resume=auto train.device=cpu" in cmd
     assert f"OMP_NUM_THREADS={max(1, cluster.cpus // 2)} " in log
@@ -177,10 +177,19 @@ def _dry_run(tmp_path: Path, nodes: str = "nodeA", **env: str) -> subprocess.Com
 def test_sbatch_profiles_and_rendezvous_dry_run(tmp_path):
     ib = _dry_run(tmp_path, nodes="nodeA,nodeB", GPUS="4")
     assert ib.returncode == 0, ib.stderr
-    assert "--nnodes=2 --nproc_per_node=4" in ib.stdout and "--rdzv_endpoint=10.1.2.3:29500" in ib.stdout
+    assert "--nnodes=2:2 --nproc_per_node=4" in ib.stdout and "--rdzv_endpoint=10.1.2.3:29500" in ib.stdout
     assert "OMP_NUM_THREADS=4 " in ib.stdout      # 16 CPUs of the node's task shared by 4 ranks
     assert "NCCL_IB_DISABLE=0" in ib.stdout and "NCCL_IB_HCA" not in ib.stdout
     assert "train.device=cpu" not in ib.stdout and "train.max_steps=9" in ib.stdout
+
+    # elastic: restarts, and continuing on the nodes that remain (srun must not kill the step)
+    el = _dry_run(tmp_path, nodes="nodeA,nodeB,nodeC", GPUS="4", MAX_RESTARTS="2", MIN_NODES="2")
+    assert el.returncode == 0, el.stderr
+    assert "--nnodes=2:3 " in el.stdout and "--max-restarts=2 " in el.stdout and "--kill-on-bad-exit=0" in el.stdout
+    assert "train.resume=auto" in el.stdout
+    assert "--kill-on-bad-exit=1" in ib.stdout
+    bad_min = _dry_run(tmp_path, nodes="nodeA,nodeB", GPUS="4", MIN_NODES="3")
+    assert bad_min.returncode == 2 and "MIN_NODES must be between 1 and the job's 2 node(s)" in bad_min.stderr
 
     # the profile wins over NCCL_IB_* values exported by the submitting shell
     eth = _dry_run(tmp_path, GPUS="4", NET_PROFILE="ethernet", NCCL_SOCKET_IFNAME="eth1", NCCL_IB_HCA="mlx5_1")

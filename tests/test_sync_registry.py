@@ -4,8 +4,6 @@ the config's help, the benchmarks and the README's table."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
-
 import pytest
 import torch
 

@@ -29,7 +29,7 @@ from optim.options import at_least, choice
 
 from model import ROLES
 from optim import sync
-from optim.registry import compatibility_problem, get_optimizer, optimizer_names
+from optim.registry import compatibility_problem, optimizer_names
 
 LAYER_SELECTORS = ROLES + ("all",)
 

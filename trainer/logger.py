@@ -9,7 +9,6 @@ import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 

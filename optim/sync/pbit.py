@@ -90,6 +90,11 @@ class PBitOptions(VoteOptions):
         if world * 2 * L > lanes:
             return [f"{self.key('levels')}: {L} levels x {world} ranks overflow {self.bits}-bit lanes "
                     f"(P*2L = {world * 2 * L} > {lanes}); use {self.key('levels')}={lanes // (2 * world)} or more bits"]
+        if self.quantizer == "linf" and self.rounding == "nearest" and L >= 1 and L / self.clip <= 0.5:
+            # eq. (1) with M = max|x| maps every element into [-L/clip, L/clip]: all round to 0
+            return [f"{self.key('quantizer')}: linf with {L} level(s) and clip {self.clip} rounds every element to 0 "
+                    f"at {world} ranks (L / clip <= 0.5): nothing would ever move; use {self.key('quantizer')}=l1, "
+                    f"{self.key('rounding')}=stochastic, a smaller {self.key('clip')} or more bits"]
         return []
 
 

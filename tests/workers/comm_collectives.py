@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 
 import torch
@@ -375,6 +374,7 @@ def test_subgroup() -> None:
 
 
 if __name__ == "__main__":
+    from _exit import exit_cleanly  # tests/workers/ is the script's directory
     t0 = time.time()
     for fn in (test_sign_vote, test_hierarchical, test_int_allreduce, test_allreduce_mean,
                test_stats, test_subgroup, test_cost_model_calibrate):
@@ -386,8 +386,4 @@ if __name__ == "__main__":
     if RANK == 0:
         print(f"comm_collectives P={P}: {CHECKS} checks passed in {time.time() - t0:.1f}s", flush=True)
     dist.destroy_process_group()
-    sys.stdout.flush()
-    # skip interpreter finalisation: gloo worker threads occasionally abort there
-    # ("terminate called without an active exception", pytorch/pytorch#179291) after all
-    # checks have passed, which would fail the test for a reason outside comm/
-    os._exit(0)
+    exit_cleanly()

@@ -11,7 +11,6 @@ Asserts and exits non-zero on the first failure; rank 0 prints a summary line on
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 
@@ -373,6 +372,7 @@ def bench(n: int, repeats: int = 3) -> None:
 
 
 if __name__ == "__main__":
+    from _exit import exit_cleanly  # tests/workers/ is the script's directory
     t0 = time.time()
     if "--bench" in sys.argv:
         bench(int(float(sys.argv[sys.argv.index("--bench") + 1])))
@@ -388,7 +388,4 @@ if __name__ == "__main__":
     if RANK == 0:
         print(f"comm_compressed P={P}: {CHECKS} checks passed in {time.time() - t0:.1f}s", flush=True)
     dist.destroy_process_group()
-    sys.stdout.flush()
-    # skip interpreter finalisation: gloo worker threads occasionally abort there after all
-    # checks have passed (see tests/workers/comm_collectives.py)
-    os._exit(0)
+    exit_cleanly()

@@ -50,4 +50,6 @@ def main(out_path: str, variants: list[str], extra: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from _exit import exit_cleanly  # tests/workers/ is the script's directory
     main(sys.argv[1], sys.argv[2].split(","), sys.argv[3:])
+    exit_cleanly()

@@ -322,4 +322,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from _exit import exit_cleanly  # tests/workers/ is the script's directory
     main()
+    exit_cleanly()

@@ -4,7 +4,6 @@ one step. Usage: nonfinite.py OUT_DIR POLICY BAD_STEP BAD_RANK. Rank 0 writes OU
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -55,6 +54,6 @@ def main(out: str, policy: str, bad_step: int, bad_rank: int) -> None:
 
 
 if __name__ == "__main__":
+    from _exit import exit_cleanly  # tests/workers/ is the script's directory
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
-    sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown, where gloo can abort after a clean shutdown (as train.py does)
+    exit_cleanly()

@@ -8,7 +8,6 @@ and one registry entry: nothing in the trainer, the config or the optimizer chan
 """
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,4 +65,6 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
+    from _exit import exit_cleanly  # tests/workers/ is the script's directory
     main(sys.argv[1])
+    exit_cleanly()
