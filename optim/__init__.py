@@ -18,7 +18,9 @@ from .lioncub import DistributedLion
 from .quantize import lp_quantize
 from .registry import (OptimizerSpec, OptimOptions, build_optimizer, compatibility_problem, get_optimizer,
                        optimizer_names, optimizers, register_optimizer)
+from .onebit_adam import OneBitAdam  # registers onebit_adam
+from .binsgdm import BinSGDM  # registers binsgdm
 
-__all__ = ["AdamW", "CommOptimizer", "DistributedLion", "FlatLayout", "Lion", "MomentumSync", "OptimOptions",
-           "OptimizerSpec", "StepReport", "build_optimizer", "compatibility_problem", "get_optimizer", "lp_quantize",
+__all__ = ["AdamW", "BinSGDM", "CommOptimizer", "DistributedLion", "FlatLayout", "Lion", "MomentumSync", "OneBitAdam",
+           "OptimOptions", "OptimizerSpec", "StepReport", "build_optimizer", "compatibility_problem", "get_optimizer", "lp_quantize",
            "optimizer_names", "optimizers", "register_optimizer", "sync"]
