@@ -37,6 +37,9 @@ class OptimizerSpec:
     state: str
     """Optimizer state per parameter (README table)."""
     help: str
+    scheme_problems: Callable[[sync.SchemeOptions], list[str]] | None = None
+    """Problems with the selected scheme's options for this optimizer (e.g. a compressor it cannot
+    use), each naming the comm.* key; None = any options of an accepted scheme."""
 
 
 _OPTIMIZERS: dict[str, OptimizerSpec] = {}
@@ -63,10 +66,15 @@ def optimizers() -> list[OptimizerSpec]:
     return list(_OPTIMIZERS.values())
 
 
-def compatibility_problem(name: str, mode: str) -> str | None:
-    """Why optimizer `name` cannot run on scheme `mode` (None if it can)."""
+def compatibility_problem(name: str, mode: str, comm_options: sync.SchemeOptions | None = None) -> str | None:
+    """Why optimizer `name` cannot run on scheme `mode`, or with these `comm_options` of it (None
+    if it can)."""
     spec, scheme = get_optimizer(name), sync.get(mode)
     if spec.accepts(scheme):
+        if comm_options is not None and spec.scheme_problems is not None \
+                and isinstance(comm_options, scheme.options):
+            problems = spec.scheme_problems(comm_options)
+            return "; ".join(problems) if problems else None
         return None
     fits = [s.name for s in sync.schemes() if spec.accepts(s)]
     users = [o.name for o in optimizers() if o.accepts(scheme)]
@@ -131,6 +139,9 @@ def build_optimizer(name: str, param_groups: list[dict], *, betas: tuple[float, 
     if problem:
         raise ValueError(problem)
     scheme_options = _options(scheme.options, comm_options, "comm")
+    problem = compatibility_problem(name, comm_mode, scheme_options)
+    if problem:
+        raise ValueError(problem)
     options = _options(spec.options, optim_options, "optim")
     for g in param_groups:
         for key in ("params", "lr", "weight_decay"):

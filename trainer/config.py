@@ -488,7 +488,7 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
     choice(p, "comm.mode", c.mode, sync.names())
     known = c.mode in sync.names() and o.name in optimizer_names()
     if known:
-        problem = compatibility_problem(o.name, c.mode)
+        problem = compatibility_problem(o.name, c.mode, c.options)
         if problem:
             p.append(problem)
     for opts in (c.options, o.options):  # the selected entries' own checks (world-size ones too)
