@@ -253,16 +253,33 @@ def _k_sign_v(x: torch.Tensor, levels: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _k_unpack(w: torch.Tensor, mul: torch.Tensor, offset: torch.Tensor, out: torch.Tensor, bits: int,
-              sign: bool) -> None:
-    """Summed wire words w -> per-lane totals mul*v - offset (2v - P for signs, v - P*L), as int32,
-    or their sign in out.dtype; out: (words, lanes per word)."""
-    wi = w.to(torch.int32)
-    mask = (1 << bits) - 1
-    cols = []
-    for i in range(out.shape[1]):
-        t = ((wi >> (i * bits)) & mask) * mul - offset
-        cols.append(((t > 0).to(out.dtype) - (t < 0).to(out.dtype)) if sign else t.to(out.dtype))
-    out.copy_(torch.stack(cols, dim=1))
+              esize: int, plus: int | None, minus: int | None) -> None:
+    """Summed wire words w -> per-lane totals t = mul*v - offset (2v - P for signs, v - P*L), or
+    the bit patterns `plus` / `minus` / 0 of sign(t) in an `esize`-byte type, written as one
+    integer word per wire word (out: the result viewed as lanes*esize <= 8-byte integers), so a
+    wire byte expands into its lanes with one contiguous store: inductor's C++ backend turns the
+    strided stores of a (words, lanes) layout into scalar ones."""
+    per = _lanes_per_word(bits)
+    E = 8 * esize
+    acc = torch.int64 if per * esize > 4 else torch.int32
+    wi = w.to(torch.int64) & 0xFFFFFFFF if bits == 16 else w.to(acc)  # int32 carrier may be < 0
+    word = None
+    for lane in range(per):
+        t = ((wi >> (lane * bits)) & ((1 << bits) - 1)).to(acc) * mul - offset
+        if plus is not None:
+            t = torch.where(t > 0, plus, torch.where(t < 0, minus, 0)).to(acc)
+        # two's complement lanes: the top lane signed (cannot overflow), the others masked
+        term = t if lane == per - 1 else t & ((1 << E) - 1)
+        term = term * (1 << (lane * E)) if lane else term
+        word = term if word is None else word + term
+    out.copy_(word.to(out.dtype))
+
+
+# sign(t) as raw bits of the update dtype: +1, -1 (0 is all zero bits)
+_SIGN_BITS = {torch.float32: (4, 0x3F800000, 0xBF800000 - (1 << 32)),
+              torch.bfloat16: (2, 0x3F80, 0xBF80 - (1 << 16)), torch.float16: (2, 0x3C00, 0xBC00 - (1 << 16)),
+              torch.int8: (1, 1, -1), torch.int16: (2, 1, -1), torch.int32: (4, 1, -1)}
+_WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _k_majority(r: torch.Tensor, thr: torch.Tensor, out: torch.Tensor) -> None:
@@ -551,16 +568,26 @@ def unpack_sum(wire: torch.Tensor, bits: int, n: int, levels: int, P: int, *, si
         raise ValueError(f"unpack_sum: out must be a contiguous {rdt} tensor of {n} elements, got "
                          f"{out.dtype} of {out.numel()}")
     full = n // per
-    if full * per < SMALL or not _use_compiled(impl, flat.device):
+    if full * per < SMALL or (sign and rdt not in _SIGN_BITS) or not _use_compiled(impl, flat.device):
         total = unpack_sum_reference(flat, bits, n, levels, P)
         res = torch.sign(total).to(rdt) if sign else total
         return res if out is None else out.copy_(res)
     res = torch.empty(n, dtype=rdt, device=flat.device) if out is None else out
     dev = flat.device
+    esize, plus, minus = _SIGN_BITS[rdt] if sign else (4, None, None)
+    body = res[:full * per]
+    if per * esize > 8:  # 1- and 2-bit lanes into 4-byte results: small ints via an int8 pass
+        esize, plus, minus = (1, 1, -1) if sign else (1, None, None)
+        body = torch.empty(full * per, dtype=torch.int8, device=dev)
+    elif body.storage_offset() * esize % (per * esize):  # a caller's `out` view not word aligned
+        body = torch.empty_like(body)
+    acc = torch.int64 if per * esize > 4 else torch.int32
     # small integers as cached device scalars: dynamo would specialise the values 0 and 1
     mul, offset = (2, P) if levels == 0 else (1, P * levels)
-    _kernel(_k_unpack, bits, sign)((dev.type, _dt(res)), flat[:full], _const(mul, torch.int32, dev),
-                                   _const(offset, torch.int32, dev), res[:full * per].view(full, per))
+    _kernel(_k_unpack, bits, esize, plus, minus)((dev.type,), flat[:full], _const(mul, acc, dev),
+                                                 _const(offset, acc, dev), body.view(_WORD[per * esize]))
+    if body.data_ptr() != res.data_ptr():
+        res[:full * per].copy_(body)
     if full * per < n:
         tail = unpack_sum_reference(flat[full:], bits, n - full * per, levels, P)
         res[full * per:] = torch.sign(tail).to(rdt) if sign else tail
