@@ -185,7 +185,10 @@ def _const(value, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 def _f32(x: float) -> float:
     """x rounded to float32 (what ATen does to a Python scalar used with a float32 tensor)."""
-    return struct.unpack("f", struct.pack("f", x))[0] if math.isfinite(x) else x
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:  # finite but beyond float32: the cast gives inf
+        return math.copysign(math.inf, x)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -252,26 +255,31 @@ def _k_sign_v(x: torch.Tensor, levels: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_((torch.sign(x).to(torch.int32) + levels).to(torch.uint8))
 
 
-def _k_unpack(w: torch.Tensor, mul: torch.Tensor, offset: torch.Tensor, out: torch.Tensor, bits: int,
+def _k_unpack(w2: torch.Tensor, mul: torch.Tensor, offset: torch.Tensor, out: torch.Tensor, bits: int,
               esize: int, plus: int | None, minus: int | None) -> None:
-    """Summed wire words w -> per-lane totals t = mul*v - offset (2v - P for signs, v - P*L), or
-    the bit patterns `plus` / `minus` / 0 of sign(t) in an `esize`-byte type, written as one
-    integer word per wire word (out: the result viewed as lanes*esize <= 8-byte integers), so a
-    wire byte expands into its lanes with one contiguous store: inductor's C++ backend turns the
-    strided stores of a (words, lanes) layout into scalar ones."""
+    """Summed wire words -> per-lane totals t = mul*v - offset (2v - P for signs, v - P*L), or
+    the bit patterns `plus` / `minus` / 0 of sign(t) in an `esize`-byte type. w2: (m, g) wire
+    words; out: the result viewed as m integers of g*lanes*esize in {1, 4, 8} bytes, one word
+    per row, so the lanes land with contiguous stores (inductor's C++ backend turns the strided
+    stores of a (words, lanes) layout into scalar ones, and does not vectorise int16)."""
     per = _lanes_per_word(bits)
     E = 8 * esize
-    acc = torch.int64 if per * esize > 4 else torch.int32
-    wi = w.to(torch.int64) & 0xFFFFFFFF if bits == 16 else w.to(acc)  # int32 carrier may be < 0
+    nbytes = w2.shape[1] * per * esize
+    acc = torch.int64 if nbytes > 4 else torch.int32
     word = None
-    for lane in range(per):
-        t = ((wi >> (lane * bits)) & ((1 << bits) - 1)).to(acc) * mul - offset
-        if plus is not None:
-            t = torch.where(t > 0, plus, torch.where(t < 0, minus, 0)).to(acc)
-        # two's complement lanes: the top lane signed (cannot overflow), the others masked
-        term = t if lane == per - 1 else t & ((1 << E) - 1)
-        term = term * (1 << (lane * E)) if lane else term
-        word = term if word is None else word + term
+    for gi in range(w2.shape[1]):
+        w = w2[:, gi]
+        wi = w.to(torch.int64) & 0xFFFFFFFF if bits == 16 else w.to(acc)  # int32 carrier may be < 0
+        for lane in range(per):
+            k = gi * per + lane
+            t = ((wi >> (lane * bits)) & ((1 << bits) - 1)).to(acc) * mul - offset
+            if plus is not None:
+                t = torch.where(t > 0, plus, torch.where(t < 0, minus, 0)).to(acc)
+            # two's complement lanes: the top lane signed (cannot overflow), the others masked
+            top = k == w2.shape[1] * per - 1
+            term = t if top else t & ((1 << E) - 1)
+            term = term * (1 << (k * E)) if k else term
+            word = term if word is None else word + term
     out.copy_(word.to(out.dtype))
 
 
@@ -575,19 +583,21 @@ def unpack_sum(wire: torch.Tensor, bits: int, n: int, levels: int, P: int, *, si
     res = torch.empty(n, dtype=rdt, device=flat.device) if out is None else out
     dev = flat.device
     esize, plus, minus = _SIGN_BITS[rdt] if sign else (4, None, None)
-    body = res[:full * per]
     if per * esize > 8:  # 1- and 2-bit lanes into 4-byte results: small ints via an int8 pass
         esize, plus, minus = (1, 1, -1) if sign else (1, None, None)
-        body = torch.empty(full * per, dtype=torch.int8, device=dev)
-    elif body.storage_offset() * esize % (per * esize):  # a caller's `out` view not word aligned
-        body = torch.empty_like(body)
-    acc = torch.int64 if per * esize > 4 else torch.int32
+    g = 2 if per * esize == 2 else 1  # two wire words per int32 word rather than an int16 word
+    full = full // g * g
+    body = res[:full * per]
+    if esize != res.element_size() or body.storage_offset() * esize % (g * per * esize):
+        body = torch.empty(full * per, dtype=_WORD[esize], device=dev)  # int8 pass, or unaligned out
+    acc = torch.int64 if g * per * esize > 4 else torch.int32
     # small integers as cached device scalars: dynamo would specialise the values 0 and 1
     mul, offset = (2, P) if levels == 0 else (1, P * levels)
-    _kernel(_k_unpack, bits, esize, plus, minus)((dev.type,), flat[:full], _const(mul, acc, dev),
-                                                 _const(offset, acc, dev), body.view(_WORD[per * esize]))
+    _kernel(_k_unpack, bits, esize, plus, minus)((dev.type,), flat[:full].view(full // g, g),
+                                                 _const(mul, acc, dev), _const(offset, acc, dev),
+                                                 body.view(_WORD[g * per * esize]))
     if body.data_ptr() != res.data_ptr():
-        res[:full * per].copy_(body)
+        res[:full * per].copy_(body.view(res.dtype) if body.dtype.itemsize == res.element_size() else body)
     if full * per < n:
         tail = unpack_sum_reference(flat[full:], bits, n - full * per, levels, P)
         res[full * per:] = torch.sign(tail).to(rdt) if sign else tail

@@ -21,8 +21,8 @@ from comm.vote import _local_majority, tb_packed
 from optim import kernels as K
 from optim.lion import apply_update_, lion_direction, momentum_update_
 
-pytestmark = pytest.mark.skipif(K.compile_unavailable("cpu") is not None,
-                                reason=f"no compiled kernels here: {K.compile_unavailable('cpu')}")
+compiled = pytest.mark.skipif(K.compile_unavailable("cpu") is not None,
+                              reason=f"no compiled kernels here: {K.compile_unavailable('cpu')}")
 
 LENGTHS = [0, 1, 7, 9, 65, 71, 1000003]
 WIRE_BITS = [1, 2, 4, 8, 16]
@@ -53,6 +53,7 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---- sign -> packed bits ---------------------------------------------------------------------
+@compiled
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("kind", ["random", "zero", "tie"])
 def test_sign_pack_matches_tb_packed(n, kind):
@@ -70,6 +71,7 @@ def test_sign_pack_matches_tb_packed(n, kind):
             assert torch.equal(flags[:n], want) and not flags[n:].any()
 
 
+@compiled
 def test_sign_pack_bfloat16():
     x = _values("random", 1003, seed=3).to(torch.bfloat16)
     for step in (1, 2):
@@ -106,6 +108,7 @@ def _unpack_wire(wire: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return lanes.reshape(-1)
 
 
+@compiled
 @pytest.mark.parametrize("bits", WIRE_BITS)
 @pytest.mark.parametrize("n", LENGTHS)
 def test_quantize_pack_signs_only(bits, n):
@@ -125,6 +128,7 @@ def test_quantize_pack_signs_only(bits, n):
 QUANT_CASES = [(b, L) for b in (2, 4, 8, 16) for L in sorted({1, max_levels(1, b) if b < 16 else 127})]
 
 
+@compiled
 @pytest.mark.parametrize("bits,levels", QUANT_CASES)
 @pytest.mark.parametrize("kind", ["random", "zero", "tie"])
 @pytest.mark.parametrize("p", [1.0, math.inf, None])
@@ -144,6 +148,7 @@ def test_quantize_pack_lp(bits, levels, kind, p):
         assert set(q.abs().unique().tolist()) <= {int(half)}
 
 
+@compiled
 @pytest.mark.parametrize("bits,levels", [(4, 7), (8, 127)])
 def test_quantize_pack_stochastic_consumes_the_same_randoms(bits, levels):
     n = 1000003
@@ -178,6 +183,7 @@ def _summed_wire(qs: list[torch.Tensor], levels: int, bits: int) -> torch.Tensor
     return total.to(torch.uint8)
 
 
+@compiled
 @pytest.mark.parametrize("bits", WIRE_BITS)
 @pytest.mark.parametrize("n", [0, 9, 71, 1000003])
 def test_unpack_sum(bits, n):
@@ -204,6 +210,7 @@ def test_unpack_sum(bits, n):
                 assert torch.equal(buf, torch.sign(want).to(torch.int8))
 
 
+@compiled
 def test_unpack_sum_all_zero_votes_and_exact_ties():
     """Sums of exactly zero (every rank sends 0, or +L and -L cancel) give sign 0, not +-1."""
     n, bits, P = 1000, 4, 2
@@ -226,6 +233,7 @@ def _majority_independent(recv: torch.Tensor, P: int, step: int) -> torch.Tensor
     return tb_packed(flags.float() * 2 - 1, 1) if c else torch.empty(0, dtype=torch.uint8)
 
 
+@compiled
 @pytest.mark.parametrize("P", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("c", [0, 1, 9, 300, 125001])
 def test_unpack_majority(P, c):
@@ -261,6 +269,7 @@ def _rational_fma32(a: float, b: float, c: float) -> float:
     return float(best[1])
 
 
+@compiled
 def test_fma32_is_correctly_rounded():
     """Crafted double-rounding traps (the float64 sum is a float32 midpoint, the exact value is
     not) plus random cases, against exact rational arithmetic and against eager add_(alpha)."""
@@ -303,6 +312,7 @@ def _lion_state(n: int, kind: str, seed: int):
     return m, gr
 
 
+@compiled
 @pytest.mark.parametrize("kind", ["random", "zero", "special"])
 def test_lion_passes_bit_identical(kind):
     shapes = [(1000, 257), (7,), (33, 3), (100003,)]
@@ -340,6 +350,7 @@ def test_lion_passes_bit_identical(kind):
 
 
 # ---- dispatch, compile once -----------------------------------------------------------------
+@compiled
 def test_no_recompiles_across_lengths_and_hyperparameters():
     """After a warm-up, new lengths, steps, P, levels and learning rates reuse the kernels."""
     K.warmup("cpu", bits=(4,), levels=(1, 3), p=(1.0,), world_sizes=(2, 3), impl="compiled", check=True)
