@@ -49,24 +49,42 @@ def segment_sizes(n: int) -> list[int]:
     return [emb] + [s for pair in zip(mats, norms or [0] * 12) for s in pair if s]
 
 
-def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
-    def median_ms(fn: Callable[[], object], repeats: int) -> float:
+def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
+    def once_ms(fn: Callable[[], object]) -> float:
+        if device.type == "cuda":  # events, not host timers: no sync inside the measured span
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
         fn()
-        times = []
-        for _ in range(repeats):
-            if device.type == "cuda":  # events, not host timers: no sync inside the measured span
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    return median_ms
+        return (time.perf_counter() - t0) * 1e3
+    return once_ms
+
+
+def measure(fns: list[Callable[[], object] | None], repeats: int, device: torch.device) -> list[tuple]:
+    """Median ms of each fn and median of its per-repeat ratio to fns[0] (copy_), the fns run
+    back to back within each repeat: on a shared machine the ratio survives load that comes and
+    goes better than a ratio of medians taken minutes apart."""
+    once = _timer(device)
+    for fn in fns:
+        if fn is not None:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            if fn is not None:
+                times[i].append(once(fn))
+    out = []
+    for t in times:
+        if not t:
+            out.append((None, None))
+            continue
+        ratios = [a / b for a, b in zip(t, times[0])]
+        out.append((statistics.median(t), statistics.median(ratios)))
+    return out
 
 
 def _load() -> str:
@@ -120,6 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     mv, gv, pv, cv, uv = views(m), views(grad), views(p), views(c), views(u)
     scratch = torch.empty(max(sizes), device=dev)
+    sums = torch.empty(n, dtype=torch.int32, device=dev)  # the optimizer's reused update buffers
+    upd = torch.empty(n, device=dev)
     lr, wd, b1, b2 = 3e-4, 0.1, 0.9, 0.99
 
     def q_eager(bits: int, L: int):
@@ -141,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     def lion_comp():
         kernels.lion_direction_momentum_(mv, gv, b1, b2, cv, impl="compiled")
 
-    rows: list[tuple[str, Callable | None, Callable | None]] = [
+    rows: list[tuple[str, Callable, Callable | None]] = [
         ("copy_ float32 into buffer", lambda: dst.copy_(x), None),
         ("1-bit tb sign -> packed bits", lambda: tb_packed(x, 1), lambda: kernels.sign_pack(x, 1, impl="compiled")),
         (f"L1 quantize -> 4-bit lanes (L={L4})", q_eager(4, L4), q_comp(4, L4)),
@@ -149,9 +169,9 @@ def main(argv: list[str] | None = None) -> dict:
         (f"unpack + majority (P={P}, n/8 B in)", lambda: _local_majority(recv, P, 1),
          lambda: kernels.unpack_majority(recv, P, 1, impl="compiled")),
         (f"unpack + sum (4-bit, P={P}) -> int32", sum_eager(False),
-         lambda: kernels.unpack_sum(wire4, 4, n, L4, P, impl="compiled")),
+         lambda: kernels.unpack_sum(wire4, 4, n, L4, P, out=sums, impl="compiled")),
         (f"unpack + sum + sign (4-bit, P={P})", sum_eager(True),
-         lambda: kernels.unpack_sum(wire4, 4, n, L4, P, sign=True, impl="compiled")),
+         lambda: kernels.unpack_sum(wire4, 4, n, L4, P, sign=True, out=upd, impl="compiled")),
         ("Lion direction c", lambda: lion_direction(mv, gv, b1, out=cv),
          lambda: kernels.lion_direction_(mv, gv, b1, cv, impl="compiled")),
         ("Lion momentum m", lambda: momentum_update_(mv, gv, b2),
@@ -181,11 +201,11 @@ def main(argv: list[str] | None = None) -> dict:
     checks["Lion apply p (u = sign)"] = torch.equal(pe, p)
     p.copy_(p0)
 
-    median_ms = _timer(dev)
     results = {}
-    for name, fe, fc in rows:
-        results[name] = (median_ms(fe, args.repeats), median_ms(fc, args.repeats) if fc else None)
-    copy_ms = results[rows[0][0]][0]
+    copy_fn = rows[0][1]
+    for name, fe, fc in rows[1:]:
+        (c_ms, _), (e_ms, e_r), (k_ms, k_r) = measure([copy_fn, fe, fc], args.repeats, dev)
+        results[name] = (e_ms, e_r, k_ms, k_r, c_ms)
     load_after = _load()
 
     print(f"bench.packing: n={n:,} ({len(sizes)} tensors) device={dev} threads={torch.get_num_threads()} "
@@ -193,13 +213,14 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"load average before: {load_before}   after: {load_after}")
     print(f"compile (kernels.warmup, outside timing): {compile_s:.1f} s wall, "
           f"{kernels.compile_seconds():.1f} s in first calls of this process")
+    copies = [r[4] for r in results.values()]
+    copy_ms = statistics.median(copies)
+    print(f"copy_ of {n * 4 / 1e6:.0f} MB float32 into a buffer: median {copy_ms:.2f} ms "
+          f"(range over rows {min(copies):.2f}-{max(copies):.2f}); ratios are per repeat, back to back")
     print(f"{'':42s} {'eager ms':>9s} {'x copy_':>8s} {'compiled ms':>12s} {'x copy_':>8s} {'speedup':>8s}  identical")
-    for name, (e, cm) in results.items():
-        if cm is None:
-            print(f"{name:42s} {e:9.2f} {e / copy_ms:8.2f}")
-            continue
+    for name, (e, er, k, kr, _) in results.items():
         same = "yes" if checks.get(name, True) else "NO"
-        print(f"{name:42s} {e:9.2f} {e / copy_ms:8.2f} {cm:12.2f} {cm / copy_ms:8.2f} {e / cm:7.2f}x  {same}")
+        print(f"{name:42s} {e:9.2f} {er:8.2f} {k:12.2f} {kr:8.2f} {e / k:7.2f}x  {same}")
     return {"copy_ms": copy_ms, "results": results, "checks": checks, "compile_s": compile_s,
             "warmup_wall_s": warm_wall, "load_before": load_before, "load_after": load_after}
 

@@ -30,13 +30,15 @@ Exactness notes (why the compiled code looks the way it does):
 - M_p of Lion Cub eq. 1 is a reduction whose rounding depends on its summation order, so the
   compiled path computes it with the reference's own eager ops (`abs` into a reused buffer, then
   `.mean()`, or `optim.quantize.lp_mean`); everything after the norm is fused.
-- Eager CPU and CUDA compute `add_(g, alpha=a)` as one fused multiply-add, fma(g, a, m); inductor's
-  C++ backend has no fma and rounds a*g first. `_fma32` computes the correctly rounded float32
-  fma exactly in float64: the product of two floats is exact in float64, TwoSum gives the
-  rounding error of the sum, and the one case where rounding the float64 sum to float32 is
-  wrong (the sum is exactly halfway between two floats while the exact value is not) is detected
-  and fixed. Python-float hyperparameters are rounded to float32 on the host first, as ATen casts
-  a scalar to the tensor's type.
+- Eager CPU (AVX2/AVX-512 kernels) and CUDA compute `m.add_(g, alpha=a)` as one fused
+  multiply-add, fma(g, a, m). Inductor lowers that to an fma on CUDA, but its C++ backend has
+  none and rounds a*g first, so on CPU `_fma32` computes the correctly rounded float32 fma
+  exactly in float64: the product of two floats is exact in float64, TwoSum gives the rounding
+  error of the sum, and the one case where rounding the float64 sum to float32 is wrong (the sum
+  is exactly halfway between two floats while the exact value is not) is detected and fixed.
+  That costs arithmetic: on one CPU core the compiled Lion passes are compute-bound (see
+  bench.packing). Python-float hyperparameters are rounded to float32 on the host first, as
+  ATen casts a scalar to the tensor's type.
 - Stochastic rounding draws its uniforms with the reference's own `torch.rand` calls, segment by
   segment from the same generator, so the random stream is consumed identically.
 NaN payloads are not promised to match (NaN positions are).
@@ -75,6 +77,7 @@ _impl_default = os.environ.get(IMPL_ENV, "eager")
 _compile_seconds: dict[tuple, float] = {}
 _warned: set[str] = set()
 _consts: dict[tuple, torch.Tensor] = {}
+_unavailable: dict[tuple, str | None] = {}
 
 
 # ---- dispatch ------------------------------------------------------------------------------
@@ -95,6 +98,13 @@ def compile_unavailable(device: torch.device | str = "cpu") -> str | None:
     device = torch.device(device)
     if os.environ.get(NO_COMPILE_ENV, "0") not in ("", "0"):
         return f"{NO_COMPILE_ENV}={os.environ[NO_COMPILE_ENV]} is set"
+    key = (device.type, os.environ.get("CXX"))
+    if key not in _unavailable:  # looked up once: it runs on every kernel call
+        _unavailable[key] = _find_unavailable(device)
+    return _unavailable[key]
+
+
+def _find_unavailable(device: torch.device) -> str | None:
     if not hasattr(torch, "compile"):
         return f"torch {torch.__version__} has no torch.compile"
     if device.type == "cpu":
@@ -241,6 +251,16 @@ def _k_quant_v(x: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor, out: 
     out.copy_(y.to(torch.int32).to(torch.uint8))  # via int32: inductor's float->uint8 is slow
 
 
+def _k_quant_lanes(x2: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor, out: torch.Tensor,
+                   bits: int) -> None:
+    """_k_quant_v and the lane packing in one pass: x2 (words, lanes per word) -> packed words."""
+    v = []
+    for i in range(x2.shape[1]):
+        y = torch.clamp(torch.round(x2[:, i].to(scale.dtype) * scale), -levels, levels) + levels
+        v.append(y.to(torch.int32))
+    out.copy_(_pack_groups(v, bits))
+
+
 def _k_quant_v_stoch(x: torch.Tensor, scale: torch.Tensor, u: torch.Tensor, levels: torch.Tensor,
                      out: torch.Tensor) -> None:
     """Stochastic rounding of optim.quantize.lp_quantize with its uniforms u, shifted by L."""
@@ -306,7 +326,9 @@ _TWO128 = 2.0 ** 128
 
 
 def _fma32(a: torch.Tensor, b: float, c: torch.Tensor) -> torch.Tensor:
-    """Correctly rounded float32 fma(a, b, c) (b a float32 value), exactly, in float64 ops.
+    """Correctly rounded float32 fma(a, b, c) (b a float32 value): what eager computes for
+    c.add_(a, alpha=b). On CUDA inductor lowers add-with-alpha to a hardware fma itself (to match
+    eager CUDA); on CPU it has no fma, so it is computed exactly in float64 ops:
 
     s = a*b + c in float64 (the product is exact); err = the rounding error of that sum (TwoSum).
     float32(s) is the correct rounding of the exact value unless s lies exactly halfway between
@@ -314,6 +336,8 @@ def _fma32(a: torch.Tensor, b: float, c: torch.Tensor) -> torch.Tensor:
     err's side of s, so the answer is whichever of r, o lies that way. Every product here is
     exact, so a backend that contracts mul+add into fma changes nothing. r = inf at the overflow
     threshold is clamped to 2**128 so the halfway test also covers FLT_MAX vs inf."""
+    if a.device.type == "cuda":
+        return torch.add(c, a, alpha=b)
     p = a.to(torch.float64) * b
     cd = c.to(torch.float64)
     s = p + cd
@@ -487,6 +511,66 @@ def _pack_v_into(v: torch.Tensor, bits: int, out: torch.Tensor) -> None:
         out[full:] = pack_words16(tail.to(torch.int32)) if bits == 16 else pack_lanes(tail, bits, check=False)
 
 
+_PLANS: dict[tuple, tuple] = {}
+
+
+def _lane_plan(segs: list[tuple[int, int]], per: int, n: int, device: torch.device) -> tuple:
+    """How quantize_pack splits packed words between the kernel and the boundary pass, per layout:
+    (k, a, b) element ranges [a, b) of segment k on whole words, packed by the kernel, and for the
+    remaining words (a segment boundary inside the word, short segments, the last partial word)
+    the indices of their elements, each element's segment, its word slot and lane shift, and the
+    word positions. Cached: a run has one layout."""
+    key = (tuple(segs), per, n, device)
+    if key not in _PLANS:
+        if len(_PLANS) >= 8:
+            _PLANS.pop(next(iter(_PLANS)))
+        inner, covered = [], torch.zeros(_ceil_div(n, per), dtype=torch.bool)
+        for k, (off, m) in enumerate(segs):
+            a, b = _ceil_div(off, per) * per, (off + m) // per * per
+            if b - a >= SMALL:
+                inner.append((k, a, b))
+                covered[a // per:b // per] = True
+        words = (~covered).nonzero().view(-1)
+        elems = (words.view(-1, 1) * per + torch.arange(per)).view(-1)
+        slot = torch.arange(words.numel()).repeat_interleave(per)
+        keep = elems < n  # the last word's padding lanes stay 0
+        elems, slot = elems[keep], slot[keep]
+        starts = torch.tensor([off for off, _ in segs], dtype=torch.int64)
+        seg_of = torch.searchsorted(starts, elems, right=True) - 1
+        _PLANS[key] = (inner, *(t.to(device) for t in (elems, seg_of, slot, elems % per, words)))
+    return _PLANS[key]
+
+
+def _quantize_lanes(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p: float, clip: float,
+                    bits: int, scratch: torch.Tensor | None, out: torch.Tensor) -> None:
+    """Nearest-rounding Lion Cub eq. 1 straight into packed lanes: one kernel per segment on the
+    words it fills alone, then one gathered pass over the words shared by segments."""
+    dev, per = c.device, _lanes_per_word(bits)
+    inner, elems, seg_of, slot, lane, words = _lane_plan(segs, per, c.numel(), dev)
+    scales = _segment_scales(c, segs, levels, p, clip, _scratch(c, segs, p, scratch))
+    lv = _const(float(levels), scales.dtype, dev)
+    for k, a, b in inner:
+        _kernel(_k_quant_lanes, bits)((dev.type, _dt(c)), c[a:b].view(-1, per), scales[k], lv,
+                                      out[a // per:b // per])
+    if words.numel():  # the same float ops as the kernel, so the same lane values
+        y = torch.clamp(torch.round(c[elems].to(scales.dtype) * scales[seg_of]), -levels, levels) + levels
+        vals = torch.zeros(words.numel(), dtype=torch.int32, device=dev)
+        vals.index_add_(0, slot, y.to(torch.int32) << (lane.to(torch.int32) * bits))
+        out[words] = vals.to(out.dtype)
+
+
+def _scratch(c: torch.Tensor, segs: list[tuple[int, int]], p: float,
+             scratch: torch.Tensor | None) -> torch.Tensor | None:
+    """The caller's |c| buffer when it fits (p = 1 only), else a new one."""
+    if p != 1.0 or not segs:
+        return None
+    mdt = torch.float64 if c.dtype == torch.float64 else torch.float32
+    need = max(m for _, m in segs)
+    if scratch is None or scratch.numel() < need or scratch.dtype != mdt or scratch.device != c.device:
+        scratch = torch.empty(need, dtype=mdt, device=c.device)
+    return scratch
+
+
 def quantize_pack(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: int, p: float | None,
                   clip: float = 2.0, bits: int = 4, rounding: str = "nearest",
                   generator: torch.Generator | None = None, tie_step: int = 1, *,
@@ -517,6 +601,9 @@ def quantize_pack(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: 
         if full < words:
             out[full:] = wire_of(quantize_q(c[full * per:], [], 0, None, tie_step=tie_step), 0, bits)
         return out
+    if p is not None and rounding == "nearest" and bits != 8:
+        _quantize_lanes(c, segs, levels, float(p), clip, bits, scratch, out)
+        return out
     v = out if bits == 8 else torch.empty(n, dtype=torch.uint8, device=dev)
     if p is None:
         _kernel(_k_sign_v)((dev.type, _dt(c)), c, _const(levels, torch.int32, dev), v)
@@ -525,12 +612,8 @@ def quantize_pack(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: 
         stoch = rounding == "stochastic"
         big = [(k, s) for k, s in enumerate(segs) if s[1] >= SMALL]
         if big:
-            mdt = torch.float64 if c.dtype == torch.float64 else torch.float32
-            need = max(m for _, (_, m) in big)
-            if p == 1.0 and (scratch is None or scratch.numel() < need or scratch.dtype != mdt
-                             or scratch.device != dev):
-                scratch = torch.empty(need, dtype=mdt, device=dev)
-            scales = _segment_scales(c, [s for _, s in big], levels, p, clip, scratch)
+            bs = [s for _, s in big]
+            scales = _segment_scales(c, bs, levels, p, clip, _scratch(c, bs, p, scratch))
         which = {k: i for i, (k, _) in enumerate(big)}
         for k, (off, m) in enumerate(segs):  # in order: stochastic draws follow the reference
             seg, vk = c[off:off + m], v[off:off + m]

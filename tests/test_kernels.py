@@ -149,6 +149,27 @@ def test_quantize_pack_lp(bits, levels, kind, p):
 
 
 @compiled
+@pytest.mark.parametrize("bits,levels", [(2, 1), (4, 7), (16, 127)])
+def test_quantize_pack_many_short_segments(bits, levels):
+    """Segments of 1..150 elements: most packed words are shared by several tensors (the
+    boundary pass), some are filled by one tensor alone (the kernel)."""
+    sizes = torch.randint(1, 151, (80,), generator=_gen(bits)).tolist()
+    segs, off = [], 0
+    for m in sizes:
+        segs.append((off, m))
+        off += m
+    c = _values("random", off, seed=3)
+    c[segs[7][0]:segs[7][0] + segs[7][1]] = 0.0  # a tensor of zeros: M_p = 0, q = 0
+    for p in (1.0, 2.0):
+        got = K.quantize_pack(c, segs, levels, p, 2.0, bits, impl="compiled")
+        assert torch.equal(got, K.wire_of(K.quantize_q(c, segs, levels, p), levels, bits))
+    if bits == 4:  # a bfloat16 update direction: M_p and the scaling in float32, as lp_quantize
+        cb = c.to(torch.bfloat16)
+        got = K.quantize_pack(cb, segs, levels, 1.0, 2.0, bits, impl="compiled")
+        assert torch.equal(got, K.wire_of(K.quantize_q(cb, segs, levels, 1.0), levels, bits))
+
+
+@compiled
 @pytest.mark.parametrize("bits,levels", [(4, 7), (8, 127)])
 def test_quantize_pack_stochastic_consumes_the_same_randoms(bits, levels):
     n = 1000003
