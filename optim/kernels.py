@@ -45,6 +45,7 @@ NaN payloads are not promised to match (NaN positions are).
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import shutil
@@ -112,9 +113,7 @@ def _find_unavailable(device: torch.device) -> str | None:
         if not (shutil.which(cxx) if cxx else any(shutil.which(c) for c in ("g++", "c++", "clang++"))):
             return "no C++ compiler found (CXX, g++, c++, clang++) for inductor's CPU backend"
     elif device.type == "cuda":
-        try:
-            import triton  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("triton") is None:
             return "Triton is not installed (inductor's GPU backend)"
     else:
         return f"no compiled kernels for device type {device.type!r}"
@@ -321,7 +320,6 @@ def _k_majority(r: torch.Tensor, thr: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(acc.to(torch.uint8))
 
 
-_FLT_MAX = 3.4028234663852886e38
 _TWO128 = 2.0 ** 128
 
 

@@ -232,16 +232,21 @@ def test_unpack_sum(bits, n):
 
 
 @compiled
-def test_unpack_sum_all_zero_votes_and_exact_ties():
-    """Sums of exactly zero (every rank sends 0, or +L and -L cancel) give sign 0, not +-1."""
-    n, bits, P = 1000, 4, 2
-    L = max_levels(P, bits)
-    for qs in ([torch.zeros(n, dtype=torch.int8)] * P,
-               [torch.full((n,), L, dtype=torch.int8), torch.full((n,), -L, dtype=torch.int8)]):
-        wire = _summed_wire(qs, L, bits)
-        assert not K.unpack_sum(wire, bits, n, L, P, sign=True, impl="compiled").any()
-    signs = [torch.ones(n, dtype=torch.int8), -torch.ones(n, dtype=torch.int8)]
-    assert not K.unpack_sum(_summed_wire(signs, 0, bits), bits, n, 0, P, impl="compiled").any()
+@pytest.mark.parametrize("bits", [2, 4, 8, 16])
+def test_unpack_sum_all_zero_votes_and_exact_ties(bits):
+    """Sums of exactly zero (every rank sends 0, or +L and -L cancel, or +1 and -1 signs) give
+    sum 0 and sign 0, not +-1."""
+    n, P = 1001, 2
+    L = max_levels(P, bits) if bits < 16 else 127
+    cases = [([torch.zeros(n, dtype=torch.int8)] * P, L),
+             ([torch.full((n,), L, dtype=torch.int8), torch.full((n,), -L, dtype=torch.int8)], L),
+             ([torch.ones(n, dtype=torch.int8), -torch.ones(n, dtype=torch.int8)], 0)]
+    for qs, levels in cases:
+        if levels == 0 and bool((qs[0] == 0).any()):  # L = 0 lanes carry signs only
+            continue
+        wire = _summed_wire(qs, levels, bits)
+        assert not K.unpack_sum(wire, bits, n, levels, P, impl="compiled").any()
+        assert not K.unpack_sum(wire, bits, n, levels, P, sign=True, impl="compiled").any()
 
 
 # ---- unpack -> majority --------------------------------------------------------------------------
