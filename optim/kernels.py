@@ -19,7 +19,8 @@ byte for byte:
 Dispatch: every function takes impl="compiled" | "eager" | "auto" (None: the module default,
 `set_impl`, initially $LIONCUB_KERNELS or "eager"). "auto" compiles where a compiler exists and
 otherwise runs eager after a one-line warning; "compiled" raises instead, naming the reason
-(LIONCUB_NO_COMPILE=1, no C++ compiler, no Triton). Compiled kernels take dynamic shapes, so one
+(LIONCUB_NO_COMPILE=1, no C++ compiler, no Triton). "auto" also keeps the Lion passes on the
+foreach kernels on CPU, where their compiled form is slower (see the fma note below). Compiled kernels take dynamic shapes, so one
 compilation serves every length of a given (kernel, dtype, device); `warmup()` pays it (and
 checks the compiled result against the reference) before the first timed step, and
 `compile_seconds()` reports it. Inputs shorter than SMALL elements, and dtypes a kernel does not
@@ -706,7 +707,14 @@ def unpack_majority(recv: torch.Tensor, P: int, step: int, *, impl: str | None =
 
 # ---- the Lion passes ---------------------------------------------------------------------------
 def _lion_compiled(tensors: Sequence[torch.Tensor], impl: str | None) -> bool:
-    if not tensors or not _use_compiled(impl, tensors[0].device):
+    if not tensors:
+        return False
+    dev = tensors[0].device
+    # "auto" keeps the foreach kernels on CPU: the exact fma emulation makes the compiled passes
+    # slower there (bench.packing); "compiled" still compiles them
+    if dev.type == "cpu" and (_impl_default if impl is None else impl) == "auto":
+        return False
+    if not _use_compiled(impl, dev):
         return False
     return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
 
@@ -780,8 +788,8 @@ def warmup(device: torch.device | str = "cpu", *, bits: Sequence[int] = (), leve
            world_sizes: Sequence[int] = (), sign_dtypes: Sequence[torch.dtype] = (torch.float32,),
            lion: bool = True, impl: str | None = None, check: bool = True) -> float:
     """Compile (and with check=True verify against the reference, on random, zero and tie inputs)
-    every kernel the given configuration will use, so no timed step pays compilation. Returns
-    the seconds spent. Raises RuntimeError when a compiled kernel disagrees with the reference
+    every kernel the given configuration will use, so no timed step pays compilation (lion: the
+    Lion passes too, unless "auto" leaves them eager on CPU). Returns the seconds spent. Raises RuntimeError when a compiled kernel disagrees with the reference
     (impl='compiled'), or warns and switches the module to eager (impl='auto')."""
     device = torch.device(device)
     if not _use_compiled(impl, device):
@@ -830,7 +838,7 @@ def warmup(device: torch.device | str = "cpu", *, bits: Sequence[int] = (), leve
                             same(f"unpack_sum[bits={b},L={L},sign={sgn}]",
                                  unpack_sum(w, b, n, L, P, sign=sgn, impl="compiled"),
                                  torch.sign(ref).to(torch.float32) if sgn else ref)
-    if lion:
+    if lion and not (device.type == "cpu" and (_impl_default if impl is None else impl) == "auto"):
         m = torch.randn(n, generator=gen, device=device)
         g = torch.randn(n, generator=gen, device=device)
         m[:7] = 0.0

@@ -414,6 +414,12 @@ def test_dispatch_and_fallback(monkeypatch):
     assert len([w for w in caught if "LIONCUB_NO_COMPILE" in str(w.message)]) == 1  # one line, once
     assert K.warmup("cpu", bits=(4,), levels=(1,), impl="auto") == 0.0
     monkeypatch.delenv(K.NO_COMPILE_ENV)
+    # "auto" leaves the Lion passes on the foreach kernels on CPU (compiled they are slower)
+    with monkeypatch.context() as mp:
+        mp.setattr(K, "_kernel", lambda *a: pytest.fail("auto compiled a Lion pass on CPU"))
+        m, g, out = torch.randn(100), torch.randn(100), torch.empty(100)
+        K.lion_direction_momentum_([m], [g], 0.9, 0.99, [out], impl="auto")
+        K.apply_update_([m], [torch.sign(out)], 1e-3, 0.1, u_is_sign=True, impl="auto")
     old = K.get_impl()
     try:
         K.set_impl("eager")
