@@ -1,0 +1,875 @@
+"""Fused kernels for the hot paths of Lion Cub's quantized schemes, and their eager reference.
+
+Lion Cub App. E warns that quantizing and packing can eat the bandwidth gain; measured here, the
+eager whole-tensor torch code spends several passes over the update per step. This module owns
+one fused kernel per hot path, written once in torch ops and compiled by `torch.compile`
+(inductor emits C++/OpenMP on CPU and Triton on GPU), next to the eager code it must reproduce
+byte for byte:
+
+    sign_pack        x -> tie-broken sign bits             == comm.vote.tb_packed
+    quantize_pack    c -> Lion Cub eq. 1 per tensor -> q + L in bits-wide lanes (the wire of
+                     comm.int_allreduce; levels == 0: tie-broken signs as 0/1 lanes)
+    unpack_majority  P packed chunks -> exact majority with tie break -> packed
+                                                            == comm.vote._local_majority
+    unpack_sum       summed wire -> int32 sum (or its sign, fused, for the update)
+                                                            == int_allreduce after its SUM
+    lion_direction_, momentum_update_, apply_update_, lion_direction_momentum_
+                     the Lion passes (Lion Cub Alg. 1)     == optim.lion's foreach kernels
+
+Dispatch: every function takes impl="compiled" | "eager" | "auto" (None: the module default,
+`set_impl`, initially $LIONCUB_KERNELS or "eager"). "auto" compiles where a compiler exists and
+otherwise runs eager after a one-line warning; "compiled" raises instead, naming the reason
+(LIONCUB_NO_COMPILE=1, no C++ compiler, no Triton). "auto" also keeps the Lion passes on the
+foreach kernels on CPU, where their compiled form is slower (see the fma note below). Compiled kernels take dynamic shapes, so one
+compilation serves every length of a given (kernel, dtype, device); `warmup()` pays it (and
+checks the compiled result against the reference) before the first timed step, and
+`compile_seconds()` reports it. Inputs shorter than SMALL elements, and dtypes a kernel does not
+cover (the Lion passes are compiled for float32 only), run the reference: same bytes, and a
+kernel launch would cost more than the work.
+
+Exactness notes (why the compiled code looks the way it does):
+- M_p of Lion Cub eq. 1 is a reduction whose rounding depends on its summation order, so the
+  compiled path computes it with the reference's own eager ops (`abs` into a reused buffer, then
+  `.mean()`, or `optim.quantize.lp_mean`); everything after the norm is fused.
+- Eager CPU (AVX2/AVX-512 kernels) and CUDA compute `m.add_(g, alpha=a)` as one fused
+  multiply-add, fma(g, a, m). Inductor lowers that to an fma on CUDA, but its C++ backend has
+  none and rounds a*g first, so on CPU `_fma32` computes the correctly rounded float32 fma
+  exactly in float64: the product of two floats is exact in float64, TwoSum gives the rounding
+  error of the sum, and the one case where rounding the float64 sum to float32 is wrong (the sum
+  is exactly halfway between two floats while the exact value is not) is detected and fixed.
+  That costs arithmetic: on one CPU core the compiled Lion passes are compute-bound (see
+  bench.packing). Python-float hyperparameters are rounded to float32 on the host first, as
+  ATen casts a scalar to the tensor's type.
+- Stochastic rounding draws its uniforms with the reference's own `torch.rand` calls, segment by
+  segment from the same generator, so the random stream is consumed identically.
+NaN payloads are not promised to match (NaN positions are).
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import shutil
+import struct
+import time
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+
+from comm import check_lanes
+from comm.packing import pack_lanes, pack_words16, unpack_lanes, unpack_words16
+from comm.vote import _local_majority, count_dtype, tb_packed
+
+from .lion import apply_update_ as _apply_update_eager
+from .lion import lion_direction as _lion_direction_eager
+from .lion import momentum_update_ as _momentum_update_eager
+from .quantize import MAX_LEVELS, ROUNDINGS, lp_mean, lp_quantize
+
+IMPLS = ("auto", "compiled", "eager")
+NO_COMPILE_ENV = "LIONCUB_NO_COMPILE"
+IMPL_ENV = "LIONCUB_KERNELS"
+SMALL = 64  # elements; below this the reference runs (dynamo also specialises sizes 0 and 1)
+WIRE_BITS = (1, 2, 4, 8, 16)
+# inductor's C++ backend refuses to vectorise loops whose loads are mostly strided (the 8 strided
+# loads of a packed byte); with its heuristic off, sign packing runs at copy speed instead of 3x
+_INDUCTOR_OPTIONS = {"cpp.enable_tiling_heuristics": False}
+
+_impl_default = os.environ.get(IMPL_ENV, "eager")
+_compile_seconds: dict[tuple, float] = {}
+_warned: set[str] = set()
+_consts: dict[tuple, torch.Tensor] = {}
+_unavailable: dict[tuple, str | None] = {}
+
+
+# ---- dispatch ------------------------------------------------------------------------------
+def set_impl(impl: str) -> None:
+    """Module default for `impl=None`: "compiled", "eager" or "auto"."""
+    global _impl_default
+    if impl not in IMPLS:
+        raise ValueError(f"kernels.set_impl: impl={impl!r}; choose one of {IMPLS}")
+    _impl_default = impl
+
+
+def get_impl() -> str:
+    return _impl_default
+
+
+def compile_unavailable(device: torch.device | str = "cpu") -> str | None:
+    """Why torch.compile cannot build kernels for `device` here, or None when it can."""
+    device = torch.device(device)
+    if os.environ.get(NO_COMPILE_ENV, "0") not in ("", "0"):
+        return f"{NO_COMPILE_ENV}={os.environ[NO_COMPILE_ENV]} is set"
+    key = (device.type, os.environ.get("CXX"))
+    if key not in _unavailable:  # looked up once: it runs on every kernel call
+        _unavailable[key] = _find_unavailable(device)
+    return _unavailable[key]
+
+
+def _find_unavailable(device: torch.device) -> str | None:
+    if not hasattr(torch, "compile"):
+        return f"torch {torch.__version__} has no torch.compile"
+    if device.type == "cpu":
+        cxx = os.environ.get("CXX")
+        if not (shutil.which(cxx) if cxx else any(shutil.which(c) for c in ("g++", "c++", "clang++"))):
+            return "no C++ compiler found (CXX, g++, c++, clang++) for inductor's CPU backend"
+    elif device.type == "cuda":
+        if importlib.util.find_spec("triton") is None:
+            return "Triton is not installed (inductor's GPU backend)"
+    else:
+        return f"no compiled kernels for device type {device.type!r}"
+    return None
+
+
+def _use_compiled(impl: str | None, device: torch.device) -> bool:
+    impl = _impl_default if impl is None else impl
+    if impl not in IMPLS:
+        raise ValueError(f"kernels: impl={impl!r}; choose one of {IMPLS}")
+    if impl == "eager":
+        return False
+    reason = compile_unavailable(device)
+    if reason is None:
+        return True
+    if impl == "compiled":
+        raise RuntimeError(f"kernels: impl='compiled' was asked for but {reason}; install a C++ "
+                           f"compiler (CPU) or Triton (GPU), or use impl='eager' / 'auto'")
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"kernels: {reason}; running the eager reference kernels", stacklevel=3)
+    return False
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """t as a tensor of its own (no view base, storage offset 0) over the same memory.
+
+    Dynamo specialises a view's storage offset on 0 / 1 / other and its base's size on 1 / other,
+    so the views a step passes (parameter slices of a flat buffer) would compile up to 2**k
+    graphs of a k-argument kernel, some inside a timed step, and past 8 run uncompiled. A DLPack
+    round trip shares the memory (writes land in t) and costs a few microseconds."""
+    if t._base is None and t.storage_offset() == 0:
+        return t
+    return torch.from_dlpack(t)
+
+
+class _Kernel:
+    """A traced function compiled once with dynamic shapes; the first call per key (kernel,
+    device, dtypes, static arguments: what its graph is specialised on) is timed and booked as
+    compile time."""
+
+    def __init__(self, name: str, fn: Callable) -> None:
+        self.name, self.fn, self._compiled = name, fn, None
+
+    def __call__(self, key: tuple, *args):
+        args = tuple(_plain(a) if isinstance(a, torch.Tensor) else a for a in args)
+        if self._compiled is None:
+            self._compiled = torch.compile(self.fn, dynamic=True, fullgraph=True, options=_INDUCTOR_OPTIONS)
+        full = (self.name,) + key
+        if full in _compile_seconds:
+            return self._compiled(*args)
+        devs = {a.device for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda"}
+        for d in devs:  # compile-time bookkeeping only, never on a warm path
+            torch.cuda.synchronize(d)
+        t0 = time.perf_counter()
+        out = self._compiled(*args)
+        for d in devs:
+            torch.cuda.synchronize(d)
+        _compile_seconds[full] = time.perf_counter() - t0
+        return out
+
+
+def compile_seconds(detail: bool = False) -> float | dict[str, float]:
+    """Seconds spent compiling (first calls) so far: the total, or per kernel key."""
+    if detail:
+        return {"/".join(str(k) for k in key): s for key, s in _compile_seconds.items()}
+    return sum(_compile_seconds.values())
+
+
+def _const(value, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A cached 0-d device tensor: a kernel argument that changes rarely, passed without
+    recompiling and without a host-to-device copy per call."""
+    key = (value, dtype, device)
+    if key not in _consts:
+        _consts[key] = torch.tensor(value, dtype=dtype, device=device)
+    return _consts[key]
+
+
+def _f32(x: float) -> float:
+    """x rounded to float32 (what ATen does to a Python scalar used with a float32 tensor)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:  # finite but beyond float32: the cast gives inf
+        return math.copysign(math.inf, x)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _lanes_per_word(bits: int) -> int:
+    """Lanes per wire word: 8 / bits per byte; bits = 16 travels as int32 words of two lanes."""
+    return 2 if bits == 16 else 8 // bits
+
+
+# ---- traced kernel bodies (torch ops only: inductor turns each into one loop) ---------------
+def _k_sign_bits(x8: torch.Tensor, odd: torch.Tensor, out: torch.Tensor) -> None:
+    """x8: (nb, 8) -> out[nb] bytes of tb(x) flags, bit k = x8[:, k] (tb as in comm.vote)."""
+    acc = None
+    for k in range(8):
+        xk = x8[:, k]
+        f = ((xk > 0) | ((xk == 0) & odd)).to(torch.int32) * (1 << k)
+        acc = f if acc is None else acc + f
+    out.copy_(acc.to(torch.uint8))
+
+
+def _pack_groups(v: list[torch.Tensor], bits: int) -> torch.Tensor:
+    """v[i]: int32 lane values of lane i of each word -> the word (uint8, or int32 for 16)."""
+    acc = None
+    for i, vi in enumerate(v):
+        f = vi * (1 << (i * bits))
+        acc = f if acc is None else acc + f
+    return acc if bits == 16 else acc.to(torch.uint8)
+
+
+def _k_tb_lanes(c2: torch.Tensor, odd: torch.Tensor, out: torch.Tensor, bits: int) -> None:
+    """levels == 0 wire: lane = 1 for tb(c) = +1 with optim.lioncub's where-form of the tie break
+    (c > 0, or c not < 0 on odd steps), packed `bits` wide; c2: (words, lanes per word)."""
+    v = []
+    for i in range(c2.shape[1]):
+        ci = c2[:, i]
+        v.append(((ci > 0) | (~(ci < 0) & odd)).to(torch.int32))
+    out.copy_(_pack_groups(v, bits))
+
+
+def _k_pack_v(v2: torch.Tensor, out: torch.Tensor, bits: int) -> None:
+    """v2: (words, lanes per word) uint8 lane values -> packed words (comm.packing layout)."""
+    out.copy_(_pack_groups([v2[:, i].to(torch.int32) for i in range(v2.shape[1])], bits))
+
+
+def _k_quant_v(x: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor, out: torch.Tensor) -> None:
+    """Lion Cub eq. 1, round half to even, shifted by L: out = clamp(round(x*s), -L, L) + L."""
+    y = torch.clamp(torch.round(x.to(scale.dtype) * scale), -levels, levels) + levels
+    out.copy_(y.to(torch.int32).to(torch.uint8))  # via int32: inductor's float->uint8 is slow
+
+
+def _k_quant_lanes(x2: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor, out: torch.Tensor,
+                   bits: int) -> None:
+    """_k_quant_v and the lane packing in one pass: x2 (words, lanes per word) -> packed words."""
+    v = []
+    for i in range(x2.shape[1]):
+        y = torch.clamp(torch.round(x2[:, i].to(scale.dtype) * scale), -levels, levels) + levels
+        v.append(y.to(torch.int32))
+    out.copy_(_pack_groups(v, bits))
+
+
+def _k_quant_v_stoch(x: torch.Tensor, scale: torch.Tensor, u: torch.Tensor, levels: torch.Tensor,
+                     out: torch.Tensor) -> None:
+    """Stochastic rounding of optim.quantize.lp_quantize with its uniforms u, shifted by L."""
+    y = x.to(scale.dtype) * scale
+    low = torch.floor(y)
+    y = low + (u < (y - low)).to(y.dtype)
+    out.copy_((torch.clamp(y, -levels, levels) + levels).to(torch.int32).to(torch.uint8))
+
+
+def _k_sign_v(x: torch.Tensor, levels: torch.Tensor, out: torch.Tensor) -> None:
+    """The "sign" quantizer with levels >= 1: q = sign(x), shifted by L."""
+    out.copy_((torch.sign(x).to(torch.int32) + levels).to(torch.uint8))
+
+
+def _k_unpack(w2: torch.Tensor, mul: torch.Tensor, offset: torch.Tensor, out: torch.Tensor, bits: int,
+              esize: int, plus: int | None, minus: int | None) -> None:
+    """Summed wire words -> per-lane totals t = mul*v - offset (2v - P for signs, v - P*L), or
+    the bit patterns `plus` / `minus` / 0 of sign(t) in an `esize`-byte type. w2: (m, g) wire
+    words; out: the result viewed as m integers of g*lanes*esize in {1, 4, 8} bytes, one word
+    per row, so the lanes land with contiguous stores (inductor's C++ backend turns the strided
+    stores of a (words, lanes) layout into scalar ones, and does not vectorise int16)."""
+    per = _lanes_per_word(bits)
+    E = 8 * esize
+    nbytes = w2.shape[1] * per * esize
+    acc = torch.int64 if nbytes > 4 else torch.int32
+    word = None
+    for gi in range(w2.shape[1]):
+        w = w2[:, gi]
+        wi = w.to(torch.int64) & 0xFFFFFFFF if bits == 16 else w.to(acc)  # int32 carrier may be < 0
+        for lane in range(per):
+            k = gi * per + lane
+            t = ((wi >> (lane * bits)) & ((1 << bits) - 1)).to(acc) * mul - offset
+            if plus is not None:
+                t = torch.where(t > 0, plus, torch.where(t < 0, minus, 0)).to(acc)
+            # two's complement lanes: the top lane signed (cannot overflow), the others masked
+            top = k == w2.shape[1] * per - 1
+            term = t if top else t & ((1 << E) - 1)
+            term = term * (1 << (k * E)) if k else term
+            word = term if word is None else word + term
+    out.copy_(word.to(out.dtype))
+
+
+# sign(t) as raw bits of the update dtype: +1, -1 (0 is all zero bits)
+_SIGN_BITS = {torch.float32: (4, 0x3F800000, 0xBF800000 - (1 << 32)),
+              torch.bfloat16: (2, 0x3F80, 0xBF80 - (1 << 16)), torch.float16: (2, 0x3C00, 0xBC00 - (1 << 16)),
+              torch.int8: (1, 1, -1), torch.int16: (2, 1, -1), torch.int32: (4, 1, -1)}
+_WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _k_majority(r: torch.Tensor, thr: torch.Tensor, out: torch.Tensor) -> None:
+    """r: (P, c) packed chunks -> out[c]: bit k set when the count of set bits k over the P rows
+    reaches thr (comm.vote.majority_flags' exact threshold form of the tie break)."""
+    acc = None
+    for k in range(8):
+        cnt = ((r >> k) & 1).sum(0, dtype=thr.dtype)
+        f = (cnt >= thr).to(torch.int32) * (1 << k)
+        acc = f if acc is None else acc + f
+    out.copy_(acc.to(torch.uint8))
+
+
+_TWO128 = 2.0 ** 128
+
+
+def _fma32(a: torch.Tensor, b: float, c: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded float32 fma(a, b, c) (b a float32 value): what eager computes for
+    c.add_(a, alpha=b). On CUDA inductor lowers add-with-alpha to a hardware fma itself (to match
+    eager CUDA); on CPU it has no fma, so it is computed exactly in float64 ops:
+
+    s = a*b + c in float64 (the product is exact); err = the rounding error of that sum (TwoSum).
+    float32(s) is the correct rounding of the exact value unless s lies exactly halfway between
+    two floats r and o (then o = 2s - r is a float) while err != 0: the exact value is then on
+    err's side of s, so the answer is whichever of r, o lies that way. Every product here is
+    exact, so a backend that contracts mul+add into fma changes nothing. r = inf at the overflow
+    threshold is clamped to 2**128 so the halfway test also covers FLT_MAX vs inf."""
+    if a.device.type == "cuda":
+        return torch.add(c, a, alpha=b)
+    p = a.to(torch.float64) * b
+    cd = c.to(torch.float64)
+    s = p + cd
+    r = s.to(torch.float32)
+    bb = s - p
+    err = (p - (s - bb)) + (cd - bb)
+    rd = r.to(torch.float64).clamp(-_TWO128, _TWO128)
+    other = 2.0 * s - rd
+    o32 = other.to(torch.float32)
+    # nested where: inductor's C++ backend makes `&` of float64 masks very slow
+    return torch.where((other - rd) * err > 0, torch.where(o32.to(torch.float64) == other, o32, r), r)
+
+
+def _k_direction(m: torch.Tensor, g: torch.Tensor, b1: float, a1: float, out: torch.Tensor) -> None:
+    """c = fl(m * b1) then fma(g, 1 - b1, c): optim.lion.lion_direction's rounding."""
+    out.copy_(_fma32(g, a1, m * b1))
+
+
+def _k_momentum(m: torch.Tensor, g: torch.Tensor, b2: float, a2: float) -> None:
+    """m = fma(g, 1 - b2, fl(m * b2)): optim.lion.momentum_update_'s rounding."""
+    m.copy_(_fma32(g, a2, m * b2))
+
+
+def _k_direction_momentum(m: torch.Tensor, g: torch.Tensor, b1: float, a1: float, b2: float,
+                          a2: float, out: torch.Tensor) -> None:
+    """Both of the above from the old m in one pass (m is not read between them in a step)."""
+    c = _fma32(g, a1, m * b1)
+    m2 = _fma32(g, a2, m * b2)
+    out.copy_(c)
+    m.copy_(m2)
+
+
+def _k_apply(p: torch.Tensor, u: torch.Tensor, s: float, alpha: float, u_is_sign: bool) -> None:
+    """p = fma(u, -lr, fl(p * (1 - lr*wd))); with u in {-1, 0, 1} the product is exact and a
+    plain add rounds identically."""
+    p1 = p * s
+    uf = u.to(torch.float32)
+    p.copy_(p1 + uf * alpha if u_is_sign else _fma32(uf, alpha, p1))
+
+
+_KERNELS: dict[tuple, _Kernel] = {}
+
+
+def _kernel(fn: Callable, *static) -> _Kernel:
+    """The compiled kernel of `fn` with its trailing arguments fixed to `static` (lane width,
+    flags). Dynamo keeps its compiled graphs per code object, and a code object past 8 graphs
+    silently runs uncompiled, so every static tuple gets a code object of its own; within it
+    dynamic shapes make one graph per (device, dtypes) serve every length."""
+    key = (fn.__name__.removeprefix("_k_"),) + static
+    if key not in _KERNELS:
+        scope: dict = {}
+        exec("def bound(*args):\n    return fn(*args, *static)\n", {"fn": fn, "static": static}, scope)
+        _KERNELS[key] = _Kernel("/".join(str(k) for k in key), scope["bound"])
+    return _KERNELS[key]
+
+
+def _dt(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+# ---- sign -> packed bits ---------------------------------------------------------------------
+def sign_pack(x: torch.Tensor, step: int, length: int | None = None, *,
+              impl: str | None = None) -> torch.Tensor:
+    """tb(x, step) as packed bits (1 = +1), zero-padded to `length` bits (a multiple of 8,
+    default ceil(n/8)*8): byte j bit i = tb(x[8j+i]); == comm.vote.tb_packed(x, step, length)."""
+    x = x.reshape(-1)
+    n = x.numel()
+    length = _ceil_div(n, 8) * 8 if length is None else length
+    if length % 8 or length < n:
+        raise ValueError(f"sign_pack: length={length} must be a multiple of 8 and >= n={n}")
+    nb = n // 8
+    if n < SMALL or not x.is_floating_point() or not _use_compiled(impl, x.device):
+        return tb_packed(x, step, length)
+    out = torch.empty(length // 8, dtype=torch.uint8, device=x.device)
+    _kernel(_k_sign_bits)((x.device.type, _dt(x)), x[:8 * nb].view(nb, 8),
+                    _const(bool(step % 2), torch.bool, x.device), out[:nb])
+    if length > 8 * nb:  # the partial byte and the zero padding: a few bytes, reference code
+        out[nb:] = tb_packed(x[8 * nb:], step, length - 8 * nb)
+    return out
+
+
+# ---- quantize -> packed lanes ------------------------------------------------------------------
+def _check_segments(segments: Sequence[tuple[int, int]], n: int) -> None:
+    pos = 0
+    for off, m in segments:
+        if off != pos or m < 0:
+            raise ValueError(f"quantize_pack: segments must tile [0, {n}) in order as (offset, size); "
+                             f"segment ({off}, {m}) follows position {pos}")
+        pos += m
+    if pos != n:
+        raise ValueError(f"quantize_pack: segments cover {pos} elements but c has {n}")
+
+
+def quantize_q(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: int, p: float | None,
+               clip: float = 2.0, rounding: str = "nearest", generator: torch.Generator | None = None,
+               tie_step: int = 1) -> torch.Tensor:
+    """The reference quantized votes q (int8[n]) of the p-bit scheme (Lion Cub §4.2 eq. 1, App.
+    F.1): levels == 0 -> tb(c, tie_step) in {-1, +1}; p None -> sign(c) (the "sign" quantizer);
+    else lp_quantize per segment (offset, size), each parameter tensor with its own M_p."""
+    c = c.reshape(-1)
+    if levels == 0:  # signs only, 0 forced by the tie break (Lion Cub App. F.1, "1/-1 values")
+        fill = torch.tensor(1 if tie_step % 2 == 1 else -1, dtype=torch.int8, device=c.device)
+        return torch.where(c > 0, 1, torch.where(c < 0, -1, fill)).to(torch.int8)
+    if p is None:
+        return torch.sign(c).to(torch.int8)
+    q = torch.empty(c.numel(), dtype=torch.int8, device=c.device)
+    for off, n in segments:
+        q[off:off + n] = lp_quantize(c[off:off + n], levels, p, clip, rounding, generator)
+    return q
+
+
+def wire_of(q: torch.Tensor, levels: int, bits: int) -> torch.Tensor:
+    """The wire comm.int_allreduce builds from int8 q: v = q + L (levels == 0: v = [q > 0]) in
+    `bits`-wide lanes, uint8 bytes (int32 words of two 16-bit lanes for bits = 16)."""
+    q = q.reshape(-1)
+    if bits == 16:
+        return pack_words16((q > 0).to(torch.int32) if levels == 0 else q.to(torch.int32) + levels)
+    v = (q > 0).view(torch.uint8) if levels == 0 else q.view(torch.uint8) + levels
+    return pack_lanes(v, bits, check=False)
+
+
+def _check_quantize_args(levels: int, p: float | None, clip: float, bits: int, rounding: str) -> None:
+    if bits not in WIRE_BITS:
+        raise ValueError(f"quantize_pack: bits={bits!r}; the p-bit allreduce supports {WIRE_BITS}")
+    if not isinstance(levels, int) or not 0 <= levels <= MAX_LEVELS:
+        raise ValueError(f"quantize_pack: levels={levels!r}; need an int in [0, {MAX_LEVELS}]")
+    check_lanes(1, levels, bits)  # the lane must hold at least one rank's 2L
+    if levels and p is not None:
+        if not float(p) >= 0:
+            raise ValueError(f"quantize_pack: p={p}; need p >= 0 (or None for the sign quantizer)")
+        if not clip > 0:
+            raise ValueError(f"quantize_pack: clip={clip}; need clip > 0 (the paper uses 2)")
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"quantize_pack: rounding={rounding!r}; choose one of {ROUNDINGS}")
+
+
+def _segment_scales(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p: float, clip: float,
+                    scratch: torch.Tensor | None) -> torch.Tensor:
+    """Scale levels / (clip * M_p) of every segment, computed with the reference's own ops so it
+    is bit-identical (a reduction's rounding depends on its order). p = 1, the paper's choice,
+    reuses one |x| buffer instead of a fresh allocation per tensor (page faults dominate)."""
+    mdt = torch.float64 if c.dtype == torch.float64 else torch.float32
+    means = []
+    for off, n in segs:
+        seg = c[off:off + n]
+        if p == 1.0 and n:
+            a = scratch[:n]
+            if seg.dtype == mdt:
+                torch.abs(seg, out=a)
+            else:
+                a.copy_(seg).abs_()
+            means.append(a.mean())  # == lp_mean(seg, 1): same values, same contiguous layout
+        else:
+            means.append(lp_mean(seg, p))
+    m = torch.stack(means)
+    # the expression of optim.quantize.lp_quantize, elementwise over the segments
+    return torch.where(m > 0, levels / (clip * m.clamp_min(torch.finfo(m.dtype).tiny)), m.new_zeros(()))
+
+
+def _pack_v_into(v: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """Pack uint8 lane values v[n] into out (uint8, or int32 words for bits=16)."""
+    per = _lanes_per_word(bits)
+    n = v.numel()
+    full = n // per
+    if full * per >= SMALL:
+        _kernel(_k_pack_v, bits)((v.device.type,), v[:full * per].view(full, per), out[:full])
+    else:
+        full = 0
+    if full < out.numel():
+        tail = v[full * per:]
+        out[full:] = pack_words16(tail.to(torch.int32)) if bits == 16 else pack_lanes(tail, bits, check=False)
+
+
+_PLANS: dict[tuple, tuple] = {}
+
+
+def _lane_plan(segs: list[tuple[int, int]], per: int, n: int, device: torch.device) -> tuple:
+    """How quantize_pack splits packed words between the kernel and the boundary pass, per layout:
+    (k, a, b) element ranges [a, b) of segment k on whole words, packed by the kernel, and for the
+    remaining words (a segment boundary inside the word, short segments, the last partial word)
+    the indices of their elements, each element's segment, its word slot and lane shift, and the
+    word positions. Cached: a run has one layout."""
+    key = (tuple(segs), per, n, device)
+    if key not in _PLANS:
+        if len(_PLANS) >= 8:
+            _PLANS.pop(next(iter(_PLANS)))
+        inner, covered = [], torch.zeros(_ceil_div(n, per), dtype=torch.bool)
+        for k, (off, m) in enumerate(segs):
+            a, b = _ceil_div(off, per) * per, (off + m) // per * per
+            if b - a >= SMALL:
+                inner.append((k, a, b))
+                covered[a // per:b // per] = True
+        words = (~covered).nonzero().view(-1)
+        elems = (words.view(-1, 1) * per + torch.arange(per)).view(-1)
+        slot = torch.arange(words.numel()).repeat_interleave(per)
+        keep = elems < n  # the last word's padding lanes stay 0
+        elems, slot = elems[keep], slot[keep]
+        starts = torch.tensor([off for off, _ in segs], dtype=torch.int64)
+        seg_of = torch.searchsorted(starts, elems, right=True) - 1
+        _PLANS[key] = (inner, *(t.to(device) for t in (elems, seg_of, slot, elems % per, words)))
+    return _PLANS[key]
+
+
+def _quantize_lanes(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p: float, clip: float,
+                    bits: int, scratch: torch.Tensor | None, out: torch.Tensor) -> None:
+    """Nearest-rounding Lion Cub eq. 1 straight into packed lanes: one kernel per segment on the
+    words it fills alone, then one gathered pass over the words shared by segments."""
+    dev, per = c.device, _lanes_per_word(bits)
+    inner, elems, seg_of, slot, lane, words = _lane_plan(segs, per, c.numel(), dev)
+    scales = _segment_scales(c, segs, levels, p, clip, _scratch(c, segs, p, scratch))
+    lv = _const(float(levels), scales.dtype, dev)
+    for k, a, b in inner:
+        _kernel(_k_quant_lanes, bits)((dev.type, _dt(c)), c[a:b].view(-1, per), scales[k], lv,
+                                      out[a // per:b // per])
+    if words.numel():  # the same float ops as the kernel, so the same lane values
+        y = torch.clamp(torch.round(c[elems].to(scales.dtype) * scales[seg_of]), -levels, levels) + levels
+        vals = torch.zeros(words.numel(), dtype=torch.int32, device=dev)
+        vals.index_add_(0, slot, y.to(torch.int32) << (lane.to(torch.int32) * bits))
+        out[words] = vals.to(out.dtype)
+
+
+def _scratch(c: torch.Tensor, segs: list[tuple[int, int]], p: float,
+             scratch: torch.Tensor | None) -> torch.Tensor | None:
+    """The caller's |c| buffer when it fits (p = 1 only), else a new one."""
+    if p != 1.0 or not segs:
+        return None
+    mdt = torch.float64 if c.dtype == torch.float64 else torch.float32
+    need = max(m for _, m in segs)
+    if scratch is None or scratch.numel() < need or scratch.dtype != mdt or scratch.device != c.device:
+        scratch = torch.empty(need, dtype=mdt, device=c.device)
+    return scratch
+
+
+def quantize_pack(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: int, p: float | None,
+                  clip: float = 2.0, bits: int = 4, rounding: str = "nearest",
+                  generator: torch.Generator | None = None, tie_step: int = 1, *,
+                  impl: str | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """The p-bit wire of c: wire_of(quantize_q(c, ...), levels, bits), fused.
+
+    segments: (offset, size) of each parameter tensor in c, tiling [0, n) in order (each gets its
+    own M_p, Lion Cub Fig. 3). levels == 0 sends tb(c, tie_step) as 0/1 lanes; p None is the
+    "sign" quantizer. Returns uint8[ceil(n*bits/8)] (int32 words for bits = 16), the bytes
+    comm.int_allreduce would SUM. Stochastic rounding draws from `generator` exactly as the
+    reference does. scratch: optional float buffer (float32; float64 for float64 c) of at least
+    the largest segment, reused for |c| when p = 1."""
+    _check_quantize_args(levels, p, clip, bits, rounding)
+    c = c.reshape(-1)
+    n = c.numel()
+    segs = [(int(o), int(m)) for o, m in segments]
+    _check_segments(segs, n)
+    if n < SMALL or not c.is_floating_point() or not _use_compiled(impl, c.device):
+        return wire_of(quantize_q(c, segs, levels, p, clip, rounding, generator, tie_step), levels, bits)
+    dev = c.device
+    per = _lanes_per_word(bits)
+    words = _ceil_div(n, per)
+    out = torch.empty(words, dtype=torch.int32 if bits == 16 else torch.uint8, device=dev)
+    if levels == 0:
+        full = n // per
+        _kernel(_k_tb_lanes, bits)((dev.type, _dt(c)), c[:full * per].view(full, per),
+                                  _const(bool(tie_step % 2), torch.bool, dev), out[:full])
+        if full < words:
+            out[full:] = wire_of(quantize_q(c[full * per:], [], 0, None, tie_step=tie_step), 0, bits)
+        return out
+    if p is not None and rounding == "nearest" and bits != 8:
+        _quantize_lanes(c, segs, levels, float(p), clip, bits, scratch, out)
+        return out
+    v = out if bits == 8 else torch.empty(n, dtype=torch.uint8, device=dev)
+    if p is None:
+        _kernel(_k_sign_v)((dev.type, _dt(c)), c, _const(levels, torch.int32, dev), v)
+    else:
+        p = float(p)
+        stoch = rounding == "stochastic"
+        big = [(k, s) for k, s in enumerate(segs) if s[1] >= SMALL]
+        if big:
+            bs = [s for _, s in big]
+            scales = _segment_scales(c, bs, levels, p, clip, _scratch(c, bs, p, scratch))
+        which = {k: i for i, (k, _) in enumerate(big)}
+        for k, (off, m) in enumerate(segs):  # in order: stochastic draws follow the reference
+            seg, vk = c[off:off + m], v[off:off + m]
+            if k not in which:
+                vk.copy_(lp_quantize(seg, levels, p, clip, rounding, generator).view(torch.uint8) + levels)
+                continue
+            sc = scales[which[k]]
+            lv = _const(float(levels), sc.dtype, dev)
+            if stoch:
+                u = torch.rand(seg.shape, generator=generator, device=dev, dtype=sc.dtype)
+                _kernel(_k_quant_v_stoch)((dev.type, _dt(c)), seg, sc, u, lv, vk)
+            else:
+                _kernel(_k_quant_v)((dev.type, _dt(c)), seg, sc, lv, vk)
+    if bits != 8:
+        _pack_v_into(v, bits, out)
+    return out
+
+
+# ---- unpack -> sum / majority ------------------------------------------------------------------
+def unpack_sum_reference(wire: torch.Tensor, bits: int, n: int, levels: int, P: int) -> torch.Tensor:
+    """What comm.int_allreduce returns from the summed wire: int32[n] exact sums of q."""
+    total = unpack_words16(wire, n) if bits == 16 else unpack_lanes(wire, bits, n).to(torch.int32)
+    return total.mul_(2).sub_(P) if levels == 0 else total.sub_(P * levels)
+
+
+def unpack_sum(wire: torch.Tensor, bits: int, n: int, levels: int, P: int, *, sign: bool = False,
+               dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+               impl: str | None = None) -> torch.Tensor:
+    """Summed p-bit wire -> the int32[n] sum over P ranks of q (== int_allreduce's result), or
+    with sign=True torch.sign of it in `dtype` (default float32): the applied update of the
+    p-bit scheme, fused. out: optional contiguous [n] buffer of the result dtype to fill."""
+    if bits not in WIRE_BITS:
+        raise ValueError(f"unpack_sum: bits={bits!r}; choose one of {WIRE_BITS}")
+    rdt = (dtype or torch.float32) if sign else torch.int32
+    per = _lanes_per_word(bits)
+    flat = wire.reshape(-1)
+    want = torch.int32 if bits == 16 else torch.uint8
+    if flat.dtype != want:
+        raise TypeError(f"unpack_sum: a {bits}-bit wire is {want}, got {flat.dtype}")
+    if n < 0 or flat.numel() * per < n:
+        raise ValueError(f"unpack_sum: {flat.numel()} wire words cannot hold n={n} {bits}-bit lanes")
+    if out is not None and (out.numel() != n or out.dtype != rdt or not out.is_contiguous()):
+        raise ValueError(f"unpack_sum: out must be a contiguous {rdt} tensor of {n} elements, got "
+                         f"{out.dtype} of {out.numel()}")
+    full = n // per
+    if full * per < SMALL or (sign and rdt not in _SIGN_BITS) or not _use_compiled(impl, flat.device):
+        total = unpack_sum_reference(flat, bits, n, levels, P)
+        res = torch.sign(total).to(rdt) if sign else total
+        return res if out is None else out.copy_(res)
+    res = torch.empty(n, dtype=rdt, device=flat.device) if out is None else out
+    dev = flat.device
+    esize, plus, minus = _SIGN_BITS[rdt] if sign else (4, None, None)
+    if per * esize > 8:  # 1- and 2-bit lanes into 4-byte results: small ints via an int8 pass
+        esize, plus, minus = (1, 1, -1) if sign else (1, None, None)
+    g = 2 if per * esize == 2 else 1  # two wire words per int32 word rather than an int16 word
+    full = full // g * g
+    body = res[:full * per]
+    if esize != res.element_size() or body.storage_offset() * esize % (g * per * esize):
+        body = torch.empty(full * per, dtype=_WORD[esize], device=dev)  # int8 pass, or unaligned out
+    acc = torch.int64 if g * per * esize > 4 else torch.int32
+    # small integers as cached device scalars: dynamo would specialise the values 0 and 1
+    mul, offset = (2, P) if levels == 0 else (1, P * levels)
+    _kernel(_k_unpack, bits, esize, plus, minus)((dev.type,), flat[:full].view(full // g, g),
+                                                 _const(mul, acc, dev), _const(offset, acc, dev),
+                                                 body.view(_WORD[g * per * esize]))
+    if body.data_ptr() != res.data_ptr():
+        res[:full * per].copy_(body.view(res.dtype) if body.dtype.itemsize == res.element_size() else body)
+    if full * per < n:
+        tail = unpack_sum_reference(flat[full:], bits, n - full * per, levels, P)
+        res[full * per:] = torch.sign(tail).to(rdt) if sign else tail
+    return res
+
+
+def unpack_majority(recv: torch.Tensor, P: int, step: int, *, impl: str | None = None) -> torch.Tensor:
+    """recv: uint8[P * c] packed sign chunks, row r from rank r -> packed tb(2*plus - P, step),
+    the exact majority with tie break (== comm.vote._local_majority)."""
+    if recv.dtype != torch.uint8 or P < 1 or recv.numel() % P:
+        raise ValueError(f"unpack_majority: need uint8 bytes in P={P} equal chunks, got "
+                         f"{recv.numel()} {recv.dtype}")
+    c = recv.numel() // P
+    cdt = count_dtype(P)
+    # P = 1 would get a graph of its own (dynamo specialises size-1 dimensions) for a vote that
+    # never runs: comm/ skips the collective at world size 1
+    # c > 255 >= P: dynamo's duck shaping would tie the symbols of P and c if they were equal
+    if c <= 255 or P == 1 or cdt != torch.uint8 or not _use_compiled(impl, recv.device):
+        return _local_majority(recv, P, step)
+    thr = (P + 1) // 2 if step % 2 else P // 2 + 1  # comm.vote.majority_flags
+    out = torch.empty(c, dtype=torch.uint8, device=recv.device)
+    _kernel(_k_majority)((recv.device.type,), recv.reshape(P, c), _const(thr, cdt, recv.device), out)
+    return out
+
+
+# ---- the Lion passes ---------------------------------------------------------------------------
+def _lion_compiled(tensors: Sequence[torch.Tensor], impl: str | None) -> bool:
+    if not tensors:
+        return False
+    dev = tensors[0].device
+    # "auto" keeps the foreach kernels on CPU: the exact fma emulation makes the compiled passes
+    # slower there (bench.packing); "compiled" still compiles them
+    if dev.type == "cpu" and (_impl_default if impl is None else impl) == "auto":
+        return False
+    if not _use_compiled(impl, dev):
+        return False
+    return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+
+
+def lion_direction_(exp_avgs: list[torch.Tensor], grads: list[torch.Tensor], beta1: float,
+                    out: list[torch.Tensor], *, impl: str | None = None) -> list[torch.Tensor]:
+    """c = b1 * m + (1 - b1) * g into `out` (e.g. views of a flat buffer); == optim.lion.
+    lion_direction(exp_avgs, grads, beta1, out=out) bit for bit."""
+    if not _lion_compiled(list(exp_avgs) + list(grads) + list(out), impl):
+        return _lion_direction_eager(exp_avgs, grads, beta1, out=out)
+    b1, a1 = _f32(beta1), _f32(1.0 - beta1)
+    for m, g, o in zip(exp_avgs, grads, out, strict=True):
+        if m.numel() < SMALL:
+            _lion_direction_eager([m], [g], beta1, out=[o])
+        else:
+            _kernel(_k_direction)((m.device.type,), m.view(-1), g.view(-1), b1, a1, o.view(-1))
+    return out
+
+
+def momentum_update_(exp_avgs: list[torch.Tensor], grads: list[torch.Tensor], beta2: float, *,
+                     impl: str | None = None) -> None:
+    """m = b2 * m + (1 - b2) * g; == optim.lion.momentum_update_ bit for bit."""
+    if not _lion_compiled(list(exp_avgs) + list(grads), impl):
+        return _momentum_update_eager(exp_avgs, grads, beta2)
+    b2, a2 = _f32(beta2), _f32(1.0 - beta2)
+    for m, g in zip(exp_avgs, grads, strict=True):
+        if m.numel() < SMALL:
+            _momentum_update_eager([m], [g], beta2)
+        else:
+            _kernel(_k_momentum)((m.device.type,), m.view(-1), g.view(-1), b2, a2)
+
+
+def lion_direction_momentum_(exp_avgs: list[torch.Tensor], grads: list[torch.Tensor], beta1: float,
+                             beta2: float, out: list[torch.Tensor], *,
+                             impl: str | None = None) -> list[torch.Tensor]:
+    """lion_direction_ then momentum_update_ in one pass over m and g: c (into out) from the old
+    m, then m updated. Exact as a reordering because nothing between the two passes of a Lion Cub
+    step reads m (Alg. 1: the vote needs c only)."""
+    if not _lion_compiled(list(exp_avgs) + list(grads) + list(out), impl):
+        _lion_direction_eager(exp_avgs, grads, beta1, out=out)
+        _momentum_update_eager(exp_avgs, grads, beta2)
+        return out
+    b1, a1, b2, a2 = _f32(beta1), _f32(1.0 - beta1), _f32(beta2), _f32(1.0 - beta2)
+    for m, g, o in zip(exp_avgs, grads, out, strict=True):
+        if m.numel() < SMALL:
+            _lion_direction_eager([m], [g], beta1, out=[o])
+            _momentum_update_eager([m], [g], beta2)
+        else:
+            _kernel(_k_direction_momentum)((m.device.type,), m.view(-1), g.view(-1), b1, a1, b2, a2, o.view(-1))
+    return out
+
+
+def apply_update_(params: list[torch.Tensor], updates: list[torch.Tensor], lr: float, weight_decay: float,
+                  *, u_is_sign: bool = False, impl: str | None = None) -> None:
+    """p = p * (1 - lr*wd) - lr * u; == optim.lion.apply_update_ bit for bit. u_is_sign: the
+    caller promises u in {-1, 0, +1} (a vote's sign; any dtype), which makes lr*u exact and
+    the pass cheaper; a mean of votes (D-Lion Avg) must leave it False."""
+    if not _lion_compiled(list(params), impl) or any(not u.is_contiguous() for u in updates):
+        return _apply_update_eager(params, updates, lr, weight_decay)
+    s, alpha = _f32(1.0 - lr * weight_decay), _f32(-lr)
+    for p, u in zip(params, updates, strict=True):
+        if p.numel() < SMALL or not (u.dtype == torch.float32 or (u_is_sign and u.dtype == torch.int8)):
+            _apply_update_eager([p], [u], lr, weight_decay)
+        else:
+            _kernel(_k_apply, u_is_sign)((p.device.type, _dt(u)), p.view(-1), u.view(-1), s, alpha)
+
+
+# ---- warm-up ---------------------------------------------------------------------------------
+def warmup(device: torch.device | str = "cpu", *, bits: Sequence[int] = (), levels: Sequence[int] = (),
+           p: Sequence[float | None] = (), rounding: Sequence[str] = ("nearest",),
+           world_sizes: Sequence[int] = (), sign_dtypes: Sequence[torch.dtype] = (torch.float32,),
+           lion: bool = True, impl: str | None = None, check: bool = True) -> float:
+    """Compile (and with check=True verify against the reference, on random, zero and tie inputs)
+    every kernel the given configuration will use, so no timed step pays compilation (lion: the
+    Lion passes too, unless "auto" leaves them eager on CPU). Returns the seconds spent. Raises RuntimeError when a compiled kernel disagrees with the reference
+    (impl='compiled'), or warns and switches the module to eager (impl='auto')."""
+    device = torch.device(device)
+    if not _use_compiled(impl, device):
+        return 0.0
+    t0 = time.perf_counter()
+    gen = torch.Generator(device=device)
+    gen.manual_seed(1234)
+    n = 4 * SMALL + 13
+    x = torch.randn(n, generator=gen, device=device)
+    x[::5] = 0.0
+    segs = [(0, 2 * SMALL + 1), (2 * SMALL + 1, n - 2 * SMALL - 1)]
+    bad: list[str] = []
+
+    def same(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        if check and not torch.equal(a, b):
+            bad.append(name)
+
+    for dt in sign_dtypes:
+        for step in (1, 2):
+            xd = x.to(dt)
+            same(f"sign_pack[{dt}]", sign_pack(xd, step, impl="compiled"), tb_packed(xd, step))
+    for P in world_sizes:
+        recv = torch.randint(0, 256, (P * 301,), generator=gen, device=device, dtype=torch.uint8)
+        for step in (1, 2):
+            same(f"unpack_majority[P={P}]", unpack_majority(recv, P, step, impl="compiled"),
+                 _local_majority(recv, P, step))
+    for b in bits:
+        for L in levels:
+            for pp in (p or [1.0]):
+                for rnd in rounding:
+                    try:
+                        check_lanes(1, L, b)
+                    except ValueError:
+                        continue
+                    g1, g2 = torch.Generator(device=device), torch.Generator(device=device)
+                    g1.manual_seed(7)
+                    g2.manual_seed(7)
+                    w = quantize_pack(x, segs, L, pp, 2.0, b, rnd, g1, 1, impl="compiled")
+                    same(f"quantize_pack[bits={b},L={L},p={pp},{rnd}]", w,
+                         wire_of(quantize_q(x, segs, L, pp, 2.0, rnd, g2, 1), L, b))
+                    for P in world_sizes or (1,):
+                        if (P * 2 * L if L else P) > (1 << b) - 1:
+                            continue
+                        for sgn in (False, True):
+                            ref = unpack_sum_reference(w, b, n, L, P)
+                            same(f"unpack_sum[bits={b},L={L},sign={sgn}]",
+                                 unpack_sum(w, b, n, L, P, sign=sgn, impl="compiled"),
+                                 torch.sign(ref).to(torch.float32) if sgn else ref)
+    if lion and not (device.type == "cpu" and (_impl_default if impl is None else impl) == "auto"):
+        m = torch.randn(n, generator=gen, device=device)
+        g = torch.randn(n, generator=gen, device=device)
+        m[:7] = 0.0
+        o1, o2, m1, m2 = torch.empty_like(m), torch.empty_like(m), m.clone(), m.clone()
+        lion_direction_momentum_([m1], [g], 0.9, 0.99, [o1], impl="compiled")
+        _lion_direction_eager([m2], [g], 0.9, out=[o2])
+        _momentum_update_eager([m2], [g], 0.99)
+        same("lion_direction_momentum_", torch.stack([o1, m1]), torch.stack([o2, m2]))
+        lion_direction_([m1], [g], 0.9, [o1], impl="compiled")
+        _lion_direction_eager([m2], [g], 0.9, out=[o2])
+        momentum_update_([m1], [g], 0.99, impl="compiled")
+        _momentum_update_eager([m2], [g], 0.99)
+        same("lion_direction_/momentum_update_", torch.stack([o1, m1]), torch.stack([o2, m2]))
+        for u, sgn in ((torch.sign(g), True), (g, False), (torch.sign(g).to(torch.int8), True)):
+            p1, p2 = m.clone(), m.clone()
+            apply_update_([p1], [u], 1e-3, 0.1, u_is_sign=sgn, impl="compiled")
+            _apply_update_eager([p2], [u], 1e-3, 0.1)
+            same(f"apply_update_[{u.dtype},sign={sgn}]", p1, p2)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if bad:
+        msg = (f"kernels.warmup: compiled kernels differ from the reference on {device}: "
+               f"{', '.join(sorted(set(bad)))}")
+        if (_impl_default if impl is None else impl) == "compiled":
+            raise RuntimeError(msg + "; use impl='eager'")
+        warnings.warn(msg + "; using the eager kernels", stacklevel=2)
+        set_impl("eager")
+    return time.perf_counter() - t0
+
+
+__all__ = ["IMPLS", "SMALL", "apply_update_", "compile_seconds", "compile_unavailable", "get_impl",
+           "lion_direction_", "lion_direction_momentum_", "momentum_update_", "quantize_pack",
+           "quantize_q", "set_impl", "sign_pack", "unpack_majority", "unpack_sum",
+           "unpack_sum_reference", "warmup", "wire_of"]

@@ -1,0 +1,428 @@
+"""optim.kernels: the compiled kernels give the eager reference's bytes, sums and updates.
+
+Every kernel compiles once with dynamic shapes and is reused across the parametrisations below
+(lengths, P, steps, levels), so compile time is paid once per kernel. Besides compiled == eager,
+the tests check against independent references (plain integer arithmetic for sums and votes,
+exact rational arithmetic for the fused multiply-add), so a shared bug cannot pass.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+
+from comm import max_levels
+from comm.packing import unpack_bits
+from comm.vote import _local_majority, tb_packed
+from optim import kernels as K
+from optim.lion import apply_update_, lion_direction, momentum_update_
+
+compiled = pytest.mark.skipif(K.compile_unavailable("cpu") is not None,
+                              reason=f"no compiled kernels here: {K.compile_unavailable('cpu')}")
+
+LENGTHS = [0, 1, 7, 9, 65, 71, 1000003]
+WIRE_BITS = [1, 2, 4, 8, 16]
+
+
+def _gen(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def _values(kind: str, n: int, seed: int = 0) -> torch.Tensor:
+    """random (with exact zeros), zero, or tie: +-1 only, so M_1 = 1 exactly and x * L / 2 lands
+    exactly halfway between integers for every odd L (round half to even decides)."""
+    g = _gen(seed)
+    if kind == "zero":
+        return torch.zeros(n)
+    if kind == "tie":
+        return torch.randint(0, 2, (n,), generator=g).float() * 2 - 1
+    x = torch.randn(n, generator=g) * torch.exp(2 * torch.randn(n, generator=g))
+    x[::11] = 0.0
+    return x
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """Bit pattern of a float32 tensor with every NaN mapped to one value (payloads may differ)."""
+    return torch.where(torch.isnan(x), torch.full_like(x, float("nan")), x).view(torch.int32)
+
+
+# ---- sign -> packed bits ---------------------------------------------------------------------
+@compiled
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("kind", ["random", "zero", "tie"])
+def test_sign_pack_matches_tb_packed(n, kind):
+    x = _values(kind, n, seed=n)
+    if n > 20:
+        x[3], x[4], x[5], x[6] = float("nan"), float("inf"), -float("inf"), -0.0
+    for step in (1, 2, 7):
+        for length in (None, -(-n // 40) * 40 + 40):
+            got = K.sign_pack(x, step, length, impl="compiled")
+            ref = tb_packed(x, step, length)
+            assert got.dtype == torch.uint8 and torch.equal(got, ref)
+            # independent: bit i of byte j is tb(x[8j+i]); padding bits are 0
+            flags = unpack_bits(got, got.numel() * 8)
+            want = (x >= 0) if step % 2 else (x > 0)
+            assert torch.equal(flags[:n], want) and not flags[n:].any()
+
+
+@compiled
+def test_sign_pack_bfloat16():
+    x = _values("random", 1003, seed=3).to(torch.bfloat16)
+    for step in (1, 2):
+        assert torch.equal(K.sign_pack(x, step, impl="compiled"), tb_packed(x, step))
+
+
+# ---- quantize -> packed lanes ------------------------------------------------------------------
+def _segments(n: int) -> list[tuple[int, int]]:
+    """Uneven tensor sizes, none a multiple of 8, one below kernels.SMALL (runs the reference)."""
+    if n < 200:
+        return [(0, n)]
+    sizes = [n // 2 + 3, 5, n // 5 + 1, 129]
+    sizes.append(n - sum(sizes))
+    out, off = [], 0
+    for m in sizes:
+        out.append((off, m))
+        off += m
+    return out
+
+
+def _independent_wire_values(q: torch.Tensor, levels: int) -> torch.Tensor:
+    return (q > 0).to(torch.int64) if levels == 0 else q.to(torch.int64) + levels
+
+
+def _unpack_wire(wire: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Lane values of a wire by plain shifts (independent of comm.packing)."""
+    if bits == 16:
+        w = wire.to(torch.int64) & 0xFFFFFFFF
+        lanes = torch.stack([w & 0xFFFF, w >> 16], 1)
+    else:
+        per = 8 // bits
+        w = wire.to(torch.int64)
+        lanes = torch.stack([(w >> (i * bits)) & ((1 << bits) - 1) for i in range(per)], 1)
+    return lanes.reshape(-1)
+
+
+@compiled
+@pytest.mark.parametrize("bits", WIRE_BITS)
+@pytest.mark.parametrize("n", LENGTHS)
+def test_quantize_pack_signs_only(bits, n):
+    """levels = 0: tie-broken signs as 0/1 lanes, every lane width, every length."""
+    for kind in ("random", "zero"):
+        c = _values(kind, n, seed=n + bits)
+        for step in (1, 2):
+            got = K.quantize_pack(c, _segments(n), 0, None, bits=bits, tie_step=step, impl="compiled")
+            q = K.quantize_q(c, _segments(n), 0, None, tie_step=step)
+            ref = K.wire_of(q, 0, bits)
+            assert got.dtype == ref.dtype and torch.equal(got, ref)
+            lanes = _unpack_wire(got, bits, n)
+            want = (c > 0) | ((c == 0) & bool(step % 2))
+            assert torch.equal(lanes[:n], want.to(torch.int64)) and not lanes[n:].any()
+
+
+QUANT_CASES = [(b, L) for b in (2, 4, 8, 16) for L in sorted({1, max_levels(1, b) if b < 16 else 127})]
+
+
+@compiled
+@pytest.mark.parametrize("bits,levels", QUANT_CASES)
+@pytest.mark.parametrize("kind", ["random", "zero", "tie"])
+@pytest.mark.parametrize("p", [1.0, math.inf, None])
+def test_quantize_pack_lp(bits, levels, kind, p):
+    """Lion Cub eq. 1 per segment, nearest rounding, at the smallest and largest levels of
+    each lane width (L = 1 and L = 127 are odd, so the tie input rounds exactly half)."""
+    for n in (9, 1000003):
+        c = _values(kind, n, seed=bits * levels + n)
+        segs = _segments(n)
+        got = K.quantize_pack(c, segs, levels, p, 2.0, bits, impl="compiled")
+        q = K.quantize_q(c, segs, levels, p)
+        assert torch.equal(got, K.wire_of(q, levels, bits))
+        lanes = _unpack_wire(got, bits, n)
+        assert torch.equal(lanes[:n], _independent_wire_values(q, levels)) and not lanes[n:].any()
+    if kind == "tie" and p == 1.0:  # half to even: +-L/2 -> the even neighbour
+        half = torch.round(torch.tensor([levels / 2.0]))
+        assert set(q.abs().unique().tolist()) <= {int(half)}
+
+
+@compiled
+@pytest.mark.parametrize("bits,levels", [(2, 1), (4, 7), (16, 127)])
+def test_quantize_pack_many_short_segments(bits, levels):
+    """Segments of 1..150 elements: most packed words are shared by several tensors (the
+    boundary pass), some are filled by one tensor alone (the kernel)."""
+    sizes = torch.randint(1, 151, (80,), generator=_gen(bits)).tolist()
+    segs, off = [], 0
+    for m in sizes:
+        segs.append((off, m))
+        off += m
+    c = _values("random", off, seed=3)
+    c[segs[7][0]:segs[7][0] + segs[7][1]] = 0.0  # a tensor of zeros: M_p = 0, q = 0
+    for p in (1.0, 2.0):
+        got = K.quantize_pack(c, segs, levels, p, 2.0, bits, impl="compiled")
+        assert torch.equal(got, K.wire_of(K.quantize_q(c, segs, levels, p), levels, bits))
+    if bits == 4:  # a bfloat16 update direction: M_p and the scaling in float32, as lp_quantize
+        cb = c.to(torch.bfloat16)
+        got = K.quantize_pack(cb, segs, levels, 1.0, 2.0, bits, impl="compiled")
+        assert torch.equal(got, K.wire_of(K.quantize_q(cb, segs, levels, 1.0), levels, bits))
+
+
+@compiled
+@pytest.mark.parametrize("bits,levels", [(4, 7), (8, 127)])
+def test_quantize_pack_stochastic_consumes_the_same_randoms(bits, levels):
+    n = 1000003
+    c = _values("random", n, seed=5)
+    segs = _segments(n)
+    g1, g2 = _gen(42), _gen(42)
+    for _ in range(2):  # two steps: the generators must stay in lockstep
+        got = K.quantize_pack(c, segs, levels, 1.0, 2.0, bits, "stochastic", g1, impl="compiled")
+        ref = K.wire_of(K.quantize_q(c, segs, levels, 1.0, 2.0, "stochastic", g2), levels, bits)
+        assert torch.equal(got, ref)
+    assert torch.equal(g1.get_state(), g2.get_state())
+
+
+def test_quantize_pack_bad_arguments():
+    c = torch.randn(100)
+    with pytest.raises(ValueError, match="segments"):
+        K.quantize_pack(c, [(0, 50)], 1, 1.0, impl="eager")
+    with pytest.raises(ValueError, match="bits"):
+        K.quantize_pack(c, [(0, 100)], 1, 1.0, bits=3, impl="eager")
+    with pytest.raises(ValueError, match="levels"):
+        K.quantize_pack(c, [(0, 100)], 8, 1.0, bits=4, impl="eager")
+
+
+# ---- unpack -> sum -----------------------------------------------------------------------------
+def _summed_wire(qs: list[torch.Tensor], levels: int, bits: int) -> torch.Tensor:
+    """SUM of the ranks' wires as the allreduce computes it (int32 words wrap around)."""
+    wires = [K.wire_of(q, levels, bits).to(torch.int64) for q in qs]
+    total = sum(wires)
+    if bits == 16:
+        return ((total + 2 ** 31) % 2 ** 32 - 2 ** 31).to(torch.int32)
+    assert total.numel() == 0 or int(total.max()) < 256  # no lane carried
+    return total.to(torch.uint8)
+
+
+@compiled
+@pytest.mark.parametrize("bits", WIRE_BITS)
+@pytest.mark.parametrize("n", [0, 9, 71, 1000003])
+def test_unpack_sum(bits, n):
+    for P in (1, 2, 3, 4, 5):
+        for levels in (0, max_levels(P, bits) if bits < 16 else 127):
+            if levels == 0 and P > (1 << bits) - 1 or levels < 0:
+                continue
+            qs = []
+            for r in range(P):
+                if levels == 0:
+                    qs.append(torch.randint(0, 2, (n,), generator=_gen(r + n)).to(torch.int8) * 2 - 1)
+                else:
+                    qs.append(torch.randint(-levels, levels + 1, (n,), generator=_gen(r + n)).to(torch.int8))
+            wire = _summed_wire(qs, levels, bits)
+            want = sum(q.to(torch.int32) for q in qs) if qs else torch.zeros(n, dtype=torch.int32)
+            got = K.unpack_sum(wire, bits, n, levels, P, impl="compiled")
+            assert got.dtype == torch.int32 and torch.equal(got, want)
+            assert torch.equal(got, K.unpack_sum_reference(wire, bits, n, levels, P))
+            sgn = K.unpack_sum(wire, bits, n, levels, P, sign=True, impl="compiled")
+            assert sgn.dtype == torch.float32 and torch.equal(_bits(sgn), _bits(torch.sign(want).float()))
+            if bits == 4:  # an int8 update buffer (one more graph; one lane width is enough)
+                buf = torch.empty(n, dtype=torch.int8)
+                K.unpack_sum(wire, bits, n, levels, P, sign=True, dtype=torch.int8, out=buf, impl="compiled")
+                assert torch.equal(buf, torch.sign(want).to(torch.int8))
+
+
+@compiled
+@pytest.mark.parametrize("bits", [2, 4, 8, 16])
+def test_unpack_sum_all_zero_votes_and_exact_ties(bits):
+    """Sums of exactly zero (every rank sends 0, or +L and -L cancel, or +1 and -1 signs) give
+    sum 0 and sign 0, not +-1."""
+    n, P = 1001, 2
+    L = max_levels(P, bits) if bits < 16 else 127
+    cases = [([torch.zeros(n, dtype=torch.int8)] * P, L),
+             ([torch.full((n,), L, dtype=torch.int8), torch.full((n,), -L, dtype=torch.int8)], L),
+             ([torch.ones(n, dtype=torch.int8), -torch.ones(n, dtype=torch.int8)], 0)]
+    for qs, levels in cases:
+        if levels == 0 and bool((qs[0] == 0).any()):  # L = 0 lanes carry signs only
+            continue
+        wire = _summed_wire(qs, levels, bits)
+        assert not K.unpack_sum(wire, bits, n, levels, P, impl="compiled").any()
+        assert not K.unpack_sum(wire, bits, n, levels, P, sign=True, impl="compiled").any()
+
+
+# ---- unpack -> majority --------------------------------------------------------------------------
+def _majority_independent(recv: torch.Tensor, P: int, step: int) -> torch.Tensor:
+    """tb(sum of the P signs, step) from the Lion Cub App. B.1 definition, in int64."""
+    c = recv.numel() // P
+    votes = unpack_bits(recv, recv.numel() * 8).view(P, c * 8).to(torch.int64) * 2 - 1
+    s = votes.sum(0)
+    flags = (s > 0) | ((s == 0) & bool(step % 2))
+    return tb_packed(flags.float() * 2 - 1, 1) if c else torch.empty(0, dtype=torch.uint8)
+
+
+@compiled
+@pytest.mark.parametrize("P", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("c", [0, 1, 9, 300, 125001])
+def test_unpack_majority(P, c):
+    g = _gen(P * 1000 + c)
+    half = torch.randint(0, 256, (P // 2, c), generator=g, dtype=torch.uint8)
+    odd = torch.randint(0, 256, (P % 2, c), generator=g, dtype=torch.uint8)
+    inputs = {
+        "random": torch.randint(0, 256, (P * c,), generator=g, dtype=torch.uint8),
+        "zero": torch.zeros(P * c, dtype=torch.uint8),
+        # complementary row pairs: exactly P/2 "+" votes everywhere for even P (the tie break)
+        "tie": torch.cat([half, 255 - half, odd]).reshape(-1),
+    }
+    for name, recv in inputs.items():
+        for step in (1, 2):
+            got = K.unpack_majority(recv, P, step, impl="compiled")
+            assert torch.equal(got, _local_majority(recv, P, step)), name
+            assert torch.equal(got, _majority_independent(recv, P, step)), name
+
+
+# ---- the Lion passes ----------------------------------------------------------------------------
+def _rational_fma32(a: float, b: float, c: float) -> float:
+    """Correctly rounded float32 of a*b + c, by exact rational arithmetic (ties to even)."""
+    exact = Fraction(a) * Fraction(b) + Fraction(c)
+    r = np.float32(float(exact))
+    best = None
+    for cand in (np.nextafter(r, np.float32(-np.inf)), r, np.nextafter(r, np.float32(np.inf))):
+        if not np.isfinite(cand):
+            continue
+        d = abs(Fraction(float(cand)) - exact)
+        even = int(np.array(cand).view(np.int32)) % 2 == 0
+        if best is None or d < best[0] or (d == best[0] and even):
+            best = (d, cand)
+    return float(best[1])
+
+
+@compiled
+def test_fma32_is_correctly_rounded():
+    """Crafted double-rounding traps (the float64 sum is a float32 midpoint, the exact value is
+    not) plus random cases, against exact rational arithmetic and against eager add_(alpha)."""
+    # a*b = +-(1 - 2**-36) * 2**-24 next to c = +-(1 + 2**-23): the exact value is 2**-60 off the
+    # float32 midpoint, which float64 cannot hold
+    e, u, v = 2.0 ** -12, 1 + 2 ** -18, 1 - 2 ** -18
+    a_trap = [u * e, -u * e, -u * e, u * e]
+    b_trap = [v * e] * 4
+    c_trap = [1 + 2 ** -23, 1 + 2 ** -23, -(1 + 2 ** -23), -(1 + 2 ** -23)]
+    g = _gen(9)
+    a = torch.cat([torch.tensor(a_trap), torch.randn(3000, generator=g) * 1e3])
+    b = torch.cat([torch.tensor(b_trap), torch.randn(3000, generator=g) * 1e-3])
+    c = torch.cat([torch.tensor(c_trap), torch.randn(3000, generator=g)])
+    # the traps really are traps: float64 sum, then float32, is wrong there
+    naive = (a[:4].double() * b[:4].double() + c[:4].double()).float()
+    want = torch.tensor([_rational_fma32(*v) for v in zip(a.tolist(), b.tolist(), c.tolist())])
+    assert (naive != want[:4]).all()
+    fma = torch.compile(lambda a, b, c: K._fma32(a, b, c), dynamic=True)
+    got = torch.stack([fma(a[i:i + 1].expand(64).contiguous(), float(b[i]), c[i:i + 1].expand(64).contiguous())[0]
+                       for i in range(4)])
+    assert torch.equal(got, want[:4])
+    for bv in (1e-3, 0.1, 0.9, 0.01):
+        bb = K._f32(bv)
+        got = fma(a, bb, c)
+        want = torch.tensor([_rational_fma32(x, bb, z) for x, z in zip(a.tolist(), c.tolist())])
+        assert torch.equal(got, want)
+        assert torch.equal(got, c.clone().add_(a, alpha=bv))  # eager CPU rounds as one fma
+
+
+def _lion_state(n: int, kind: str, seed: int):
+    g = _gen(seed)
+    if kind == "zero":
+        return torch.zeros(n), torch.zeros(n)
+    m = torch.randn(n, generator=g) * torch.exp(3 * torch.randn(n, generator=g))
+    gr = torch.randn(n, generator=g) * torch.exp(3 * torch.randn(n, generator=g))
+    if kind == "special" and n > 20:
+        m[:8] = torch.tensor([0.0, -0.0, float("inf"), 3.0e38, -3.0e38, 1e-45, float("nan"), 1.0])
+        gr[:8] = torch.tensor([-0.0, -0.0, 1.0, 3.0e38, 3.0e38, -1e-45, 1.0, float("inf")])
+        gr[8:16] = -m[8:16] * 9.0  # b1*m + (1-b1)*g cancels to ~0
+    return m, gr
+
+
+@compiled
+@pytest.mark.parametrize("kind", ["random", "zero", "special"])
+def test_lion_passes_bit_identical(kind):
+    shapes = [(1000, 257), (7,), (33, 3), (100003,)]
+    tensors = [_lion_state(math.prod(s), kind, i) for i, s in enumerate(shapes)]
+    moms = [m.view(s) for (m, _), s in zip(tensors, shapes)]
+    grads = [g.view(s) for (_, g), s in zip(tensors, shapes)]
+    flat = torch.empty(sum(m.numel() for m in moms))
+    offs = np.cumsum([0] + [m.numel() for m in moms])
+    outs = [flat[offs[i]:offs[i + 1]].view(s) for i, s in enumerate(shapes)]
+    for beta1, beta2 in ((0.9, 0.99), (0.95, 0.98)):
+        m_ref = [m.clone() for m in moms]
+        m_fused = [m.clone() for m in moms]
+        m_sep = [m.clone() for m in moms]
+        ref = lion_direction(m_ref, grads, beta1, out=[torch.empty_like(o) for o in outs])
+        momentum_update_(m_ref, grads, beta2)
+        K.lion_direction_momentum_(m_fused, grads, beta1, beta2, outs, impl="compiled")
+        for a, b in zip(outs, ref):
+            assert torch.equal(_bits(a), _bits(b))
+        for a, b in zip(m_fused, m_ref):
+            assert torch.equal(_bits(a), _bits(b))
+        K.lion_direction_(m_sep, grads, beta1, outs, impl="compiled")
+        K.momentum_update_(m_sep, grads, beta2, impl="compiled")
+        for a, b, c, d in zip(outs, ref, m_sep, m_ref):
+            assert torch.equal(_bits(a), _bits(b)) and torch.equal(_bits(c), _bits(d))
+        for lr, wd in ((1e-3, 0.1), (3e-4, 0.0), (6e-5, 1.0)):
+            for upd, is_sign in (([torch.sign(o) for o in ref], True), (ref, False),
+                                 ([torch.sign(o).to(torch.int8) for o in ref], True),
+                                 ([o / 3 for o in ref], False)):
+                p_ref = [m.clone() for m in moms]
+                p_got = [m.clone() for m in moms]
+                apply_update_(p_ref, upd, lr, wd)
+                K.apply_update_(p_got, upd, lr, wd, u_is_sign=is_sign, impl="compiled")
+                for a, b in zip(p_got, p_ref):
+                    assert torch.equal(_bits(a), _bits(b))
+
+
+# ---- dispatch, compile once -----------------------------------------------------------------
+@compiled
+def test_no_recompiles_across_lengths_and_hyperparameters():
+    """After a warm-up, new lengths, steps, P, levels and learning rates reuse the kernels."""
+    K.warmup("cpu", bits=(4,), levels=(1, 3), p=(1.0,), world_sizes=(2, 3), impl="compiled", check=True)
+    before = K.compile_seconds()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for n in (1000, 4099):
+            x = torch.randn(n)
+            K.sign_pack(x, n, impl="compiled")
+            K.quantize_pack(x, [(0, 100), (100, n - 100)], 3, 1.0, 2.0, 4, impl="compiled")
+            K.quantize_pack(x, [(0, n)], 1, 1.0, 2.0, 4, impl="compiled")
+            recv = torch.randint(0, 256, (4 * n,), dtype=torch.uint8)
+            K.unpack_majority(recv, 4, n, impl="compiled")
+            m, g, o = torch.randn(n), torch.randn(n), torch.empty(n)
+            K.lion_direction_momentum_([m], [g], 0.9 - 1e-3 * n / 1000, 0.99, [o], impl="compiled")
+            K.apply_update_([m], [torch.sign(o)], 1e-4 * n, 0.1, u_is_sign=True, impl="compiled")
+    assert K.compile_seconds() == before
+    assert K.compile_seconds() > 0 and all(v >= 0 for v in K.compile_seconds(detail=True).values())
+
+
+def test_dispatch_and_fallback(monkeypatch):
+    x = torch.randn(1000)
+    with pytest.raises(ValueError, match="impl"):
+        K.sign_pack(x, 1, impl="fast")
+    with pytest.raises(ValueError, match="impl"):
+        K.set_impl("fast")
+    monkeypatch.setenv(K.NO_COMPILE_ENV, "1")
+    assert "LIONCUB_NO_COMPILE" in K.compile_unavailable("cpu")
+    with pytest.raises(RuntimeError, match="LIONCUB_NO_COMPILE"):
+        K.sign_pack(x, 1, impl="compiled")
+    monkeypatch.setattr(K, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(K.sign_pack(x, 1, impl="auto"), tb_packed(x, 1))
+        K.sign_pack(x, 2, impl="auto")
+    assert len([w for w in caught if "LIONCUB_NO_COMPILE" in str(w.message)]) == 1  # one line, once
+    assert K.warmup("cpu", bits=(4,), levels=(1,), impl="auto") == 0.0
+    monkeypatch.delenv(K.NO_COMPILE_ENV)
+    # "auto" leaves the Lion passes on the foreach kernels on CPU (compiled they are slower)
+    with monkeypatch.context() as mp:
+        mp.setattr(K, "_kernel", lambda *a: pytest.fail("auto compiled a Lion pass on CPU"))
+        m, g, out = torch.randn(100), torch.randn(100), torch.empty(100)
+        K.lion_direction_momentum_([m], [g], 0.9, 0.99, [out], impl="auto")
+        K.apply_update_([m], [torch.sign(out)], 1e-3, 0.1, u_is_sign=True, impl="auto")
+    old = K.get_impl()
+    try:
+        K.set_impl("eager")
+        assert torch.equal(K.sign_pack(x, 1), tb_packed(x, 1))
+    finally:
+        K.set_impl(old)
