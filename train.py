@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
     from trainer.trainer import DivergenceError, RunDirError, run
 
     try:
-        info = init_distributed(cfg.train.device, cfg.comm.timeout_s)
+        info = init_distributed(cfg.train.device, cfg.comm.timeout_s, cfg.comm.init_timeout_s)
     except RuntimeError as e:
         report(e, rank, shared=True)
         return 2
@@ -83,7 +83,13 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
+    try:
+        code = main(sys.argv[1:])
+    except BaseException:  # an unexpected error: show it, then leave without the teardown below
+        import traceback
+
+        traceback.print_exc()
+        code = 1
     # The process group is already destroyed and every file closed; skip interpreter teardown,
     # where gloo can abort ("terminate called without an active exception", pytorch#179291)
     # after a successful run and turn exit code 0 into a crash.

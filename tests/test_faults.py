@@ -253,26 +253,43 @@ def _elastic(run: Path, kills: int, max_steps: int, seed: int = 0) -> subprocess
     """2 ranks under torchrun with restarts; SIGKILL a random rank `kills` times while it trains."""
     rng = random.Random(seed)
     args = [*TINY, f"train.out_dir={run}", f"train.max_steps={max_steps}", "train.ckpt_every=2",
-            "train.resume=auto"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           f"--max-restarts={kills}", "--master_port", str(free_port()), "train.py", "configs/default.yaml", *args]
-    agent = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            "train.resume=auto", "comm.init_timeout_s=20"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--rdzv_backend=c10d",
+           f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--nproc_per_node=2",
+           # spare restarts: a restarted round's gloo connect sometimes fails (refused, or never completes
+           # and hits comm.init_timeout_s); the launcher then starts the round again
+           f"--max-restarts={kills + 3}", "train.py", "configs/default.yaml", *args]
+    log = open(run.parent / f"{run.name}.agent.log", "w")  # for a failure's post-mortem
+    agent = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)  # its own process group: nothing is left behind
     try:
         for k in range(kills):
             target = 2 + (k + 1) * (max_steps - 4) // (kills + 1)  # spread over the run
-            deadline = time.time() + 300
+            deadline, pids = time.time() + 300, {}
             while time.time() < deadline:
-                done = [r["step"] for r in records(run) if "train_loss" in r] if (run / "metrics.jsonl").exists() else []
-                if done and done[-1] >= target:
+                recs = records(run) if (run / "metrics.jsonl").exists() else []
+                resumed = [i for i, r in enumerate(recs) if r.get("event") == "resume"]
+                # after the k-th kill, wait for the restarted ranks to resume and train past the target
+                fresh = recs[resumed[-1] + 1:] if k and len(resumed) >= k else (recs if not k else [])
+                done = [r["step"] for r in fresh if "train_loss" in r]
+                pids = _rank_pids(agent.pid)
+                if done and done[-1] >= target and len(pids) == 2:
                     break
                 time.sleep(0.1)
-            pids = _rank_pids(agent.pid)
-            os.kill(pids[rng.choice(sorted(pids))], signal.SIGKILL)
-            time.sleep(2.0)
-        out, err = agent.communicate(timeout=600)
+            assert len(pids) == 2, f"kill {k + 1}: no running ranks found before the deadline"
+            victim = rng.choice(sorted(pids))
+            log.write(f"\n### test: SIGKILL rank {victim} (pid {pids[victim]}) at step {done[-1]}\n")
+            log.flush()
+            os.kill(pids[victim], signal.SIGKILL)
+        agent.wait(timeout=600)
     finally:
-        agent.kill()
-    return subprocess.CompletedProcess(cmd, agent.returncode, out, err)
+        try:
+            os.killpg(agent.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        log.close()
+    out = (run.parent / f"{run.name}.agent.log").read_text()
+    return subprocess.CompletedProcess(cmd, agent.returncode, out, out)
 
 
 @pytest.mark.slow
@@ -285,7 +302,7 @@ def test_elastic_restarts_after_sigkill_end_bit_identical(tmp_path, kills):
     proc = _elastic(faulty, kills, 16, seed=kills)
     assert proc.returncode == 0, proc.stderr[-4000:]
     resumes = [r for r in records(faulty) if r.get("event") == "resume"]
-    assert len(resumes) == kills, resumes
+    assert kills <= len(resumes) <= kills + 3, resumes
     assert final_digest(faulty) == final_digest(straight)
 
 

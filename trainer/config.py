@@ -124,6 +124,9 @@ class CommConfig:
     """Selective momentum synchronisation (Lion Cub §5); update-sync modes only."""
     timeout_s: float = 600.0
     """Collective timeout in seconds (process group); a hung peer fails the run after this."""
+    init_timeout_s: float = 120.0
+    """How long forming the process group may take; a (re)started round whose peers do not all connect
+    fails after this, so an elastic launcher can restart it instead of waiting comm.timeout_s."""
     options: Any = None
     """(not a key) the selected mode's options; their keys sit flat in this section."""
 
@@ -494,8 +497,8 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
     for opts in (c.options, o.options):  # the selected entries' own checks (world-size ones too)
         if opts is not None:
             p += opts.problems(world_size) + opts.run_problems(t.max_steps)
-    if c.timeout_s <= 0:
-        p.append(f"comm.timeout_s: {c.timeout_s} must be > 0")
+    if c.timeout_s <= 0 or c.init_timeout_s <= 0:
+        p.append(f"comm.timeout_s: {c.timeout_s}, comm.init_timeout_s: {c.init_timeout_s}; both must be > 0")
     ms = c.momentum_sync
     if ms.every < 0 or ms.start < 0 or ms.stop < 0:
         p.append("comm.momentum_sync: every, start and stop must be >= 0")

@@ -32,7 +32,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistInfo:
+def init_distributed(device: str = "auto", timeout_s: float = 600.0, init_timeout_s: float | None = None) -> DistInfo:
+    """Join the process group. `init_timeout_s` bounds forming the group (a restarted round whose
+    peers never show up fails fast and the launcher can restart it again); collectives then use
+    `timeout_s`."""
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
@@ -47,11 +50,14 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistInfo
     else:
         dev, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        kwargs = dict(backend=backend, rank=rank, world_size=world,
-                      timeout=datetime.timedelta(seconds=timeout_s))
+        setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+        first = min(timeout_s, init_timeout_s) if init_timeout_s and setter else timeout_s
+        kwargs = dict(backend=backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=first))
         if backend == "nccl":
             kwargs["device_id"] = dev
         dist.init_process_group(**kwargs)
+        if first != timeout_s:
+            setter(datetime.timedelta(seconds=timeout_s))
     return DistInfo(rank, world, local_rank, dev, backend)
 
 

@@ -261,5 +261,7 @@ def run(cfg: Config, info: DistInfo) -> dict:
     try:
         return trainer.fit()
     finally:
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):  # a dying run must die on a signal
+            signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
         trainer.logger.close()
         trainer.release()
