@@ -7,16 +7,17 @@ Every collective takes `group=None` (the default group) and `stats: CommStats | 
 """
 from . import cost_model, packing
 from ._groups import world
-from .allreduce import INT_BITS, allreduce_mean, any_rank, check_lanes, int_allreduce, max_levels
+from .allreduce import (INT_BITS, allreduce_mean, allreduce_packed_, any_rank, check_lanes, int_allreduce, max_levels,
+                        set_debug)
 from .compressed import (COMPRESSORS, Compressor, as_compressor, compressed_bytes, ef_buffer_sizes,
                          ef_compressed_allreduce)
 from .packing import ceil_div, pack_bits, pack_lanes, unpack_bits, unpack_lanes, unpack_signs
 from .ps import ps_vote
 from .stats import CallRecord, Clock, CommStats, default_stats
-from .vote import hierarchical_sign_vote, sign_vote_1bit
+from .vote import hierarchical_sign_vote, sign_vote_1bit, sign_vote_packed
 
 __all__ = [
-    "allreduce_mean", "any_rank", "check_lanes", "int_allreduce", "max_levels", "INT_BITS",
+    "allreduce_mean", "allreduce_packed_", "any_rank", "check_lanes", "set_debug", "sign_vote_packed", "int_allreduce", "max_levels", "INT_BITS",
     "pack_bits", "pack_lanes", "unpack_bits", "unpack_lanes", "unpack_signs", "ceil_div",
     "ps_vote", "sign_vote_1bit", "hierarchical_sign_vote", "world",
     "CallRecord", "Clock", "CommStats", "default_stats", "cost_model", "packing",

@@ -8,6 +8,8 @@ rule P * 2L <= 2**bits - 1 is checked before anything is sent.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -16,6 +18,15 @@ from .packing import LANE_BITS, pack_lanes, pack_words16, unpack_lanes, unpack_w
 from .stats import CommStats, default_stats
 
 INT_BITS = LANE_BITS + (16,)
+# Value checks that read a tensor back to the host (a device sync) run only in debug mode:
+# LIONCUB_DEBUG=1 in the environment, or set_debug(True).
+DEBUG = os.environ.get("LIONCUB_DEBUG", "") not in ("", "0")
+
+
+def set_debug(on: bool) -> None:
+    """Turn on the value checks that cost a host sync (int_allreduce's range check)."""
+    global DEBUG
+    DEBUG = bool(on)
 
 
 def max_levels(P: int, bits: int) -> int:
@@ -74,7 +85,8 @@ def int_allreduce(q: torch.Tensor, levels: int, bits: int, group=None,
     rank), int32 words of two 16-bit lanes for bits=16 (2 bytes per element; neither gloo nor
     NCCL reduces int16). levels=0 means q holds signs +-1 sent as 0/1 flags (Lion Cub §3 "direct
     allreduce"); the sum is then 2*count_plus - P. Raises ValueError when P * 2 * levels >
-    2**bits - 1 (levels=0: P > 2**bits - 1), or q is out of range."""
+    2**bits - 1 (levels=0: P > 2**bits - 1), and, in debug mode (LIONCUB_DEBUG=1, set_debug),
+    when q is out of range (that check reads q back to the host)."""
     stats = default_stats() if stats is None else stats
     P, _ = world(group)
     check_lanes(P, levels, bits)
@@ -82,7 +94,8 @@ def int_allreduce(q: torch.Tensor, levels: int, bits: int, group=None,
     n = q.numel()
     with stats.call("int_allreduce", device_of(q)) as timer:
         with timer.pack():
-            _check_values(q, levels)
+            if DEBUG:  # reads q's range back to the host: debug mode only
+                _check_values(q, levels)
             if bits == 16:
                 v32 = (q > 0).to(torch.int32) if levels == 0 else q.to(torch.int32) + levels
                 wire = pack_words16(v32)
@@ -157,3 +170,16 @@ def any_rank(flag: bool | torch.Tensor, group=None, stats: CommStats | None = No
             with timer.coll(sent=t, recv=t):
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
+
+
+def allreduce_packed_(wire: torch.Tensor, group=None, stats: CommStats | None = None,
+                      name: str = "allreduce_packed") -> torch.Tensor:
+    """SUM-allreduce of an already packed wire in place (the collective of int_allreduce, for
+    callers that pack with a fused kernel); the caller guarantees every lane sum fits."""
+    stats = default_stats() if stats is None else stats
+    P, _ = world(group)
+    with stats.call(name, device_of(wire)) as timer:
+        if P > 1:
+            with timer.coll(sent=wire, recv=wire):
+                dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group)
+    return wire

@@ -83,7 +83,8 @@ def sign_vote_1bit(x: torch.Tensor, step: int, group=None,
             return unpack_signs(packed, n)
 
 
-def _vote_packed(packed: torch.Tensor, step: int, group, timer: CallTimer) -> torch.Tensor:
+def _vote_packed(packed: torch.Tensor, step: int, group, timer: CallTimer,
+                 local_majority=None) -> torch.Tensor:
     """Lion Cub §3 1-bit compressed allreduce of packed sign bits (uint8, length a multiple of
     P): all-to-all of P chunks, local exact majority of my chunk, all-gather.
     Returns the packed result, identical on every rank of `group`."""
@@ -94,11 +95,26 @@ def _vote_packed(packed: torch.Tensor, step: int, group, timer: CallTimer) -> to
     with timer.coll(sent=packed, recv=recv):
         dist.all_to_all_single(recv, packed, group=group)
     with timer.pack():
-        mine = _local_majority(recv, P, step)
+        mine = (local_majority or _local_majority)(recv, P, step)
     out = torch.empty_like(packed)
     with timer.coll(sent=mine, recv=out):
         _all_gather_single(out, mine, group=group)
     return out
+
+
+def sign_vote_packed(packed: torch.Tensor, step: int, group=None, stats: CommStats | None = None,
+                     local_majority=None) -> torch.Tensor:
+    """The collective part of sign_vote_1bit for signs packed by the caller (uint8 of a length
+    that is a multiple of P; bit = 1 for +1): returns the packed majority tb(2*plus - P, step),
+    identical on every rank. `local_majority(recv, P, step)` may replace the reference majority
+    with a fused kernel of the same semantics."""
+    stats = default_stats() if stats is None else stats
+    P, _ = world(group)
+    if packed.numel() % max(P, 1):
+        raise ValueError(f"sign_vote_packed: {packed.numel()} packed bytes do not split into {P} chunks; "
+                         f"pad the signs to a multiple of 8*P")
+    with stats.call("sign_vote_1bit", device_of(packed)) as timer:
+        return _vote_packed(packed, step, group, timer, local_majority)
 
 
 def hierarchical_sign_vote(x: torch.Tensor, step: int, node_size: int | None = None, group=None,

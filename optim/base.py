@@ -25,6 +25,7 @@ exchange) and, where per-rank state exists, `momentum_of(param)` and `_diagnosti
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -34,10 +35,12 @@ import torch
 import comm
 from comm import Clock, CommStats
 
+from . import kernels as _kernels
+from . import overlap as _overlap
 from . import sync
 from .diagnostics import momentum_spread
 
-PHASES = ("grad_sync", "update_sync", "momentum_sync", "diag", "guard")
+PHASES = ("grad_sync", "update_sync", "momentum_sync", "diag", "guard", "overlapped")
 COMM_PHASES = ("grad_sync", "update_sync", "momentum_sync")  # what the step's comm time and bytes count
 
 
@@ -102,30 +105,34 @@ class Entry:
 
 class FlatLayout:
     """Trainable parameters ordered by role (roles in order of first appearance among the
-    groups, group order within a role), so every role is one contiguous slice of a flat vector."""
+    groups, group order within a role), so every role is one contiguous slice of a flat vector;
+    or, given `order` (a list of parameters: buckets, optim.overlap), in that order."""
 
-    def __init__(self, param_groups: list[dict]) -> None:
-        order: dict[str, int] = {}
+    def __init__(self, param_groups: list[dict], order: list[torch.nn.Parameter] | None = None) -> None:
+        roles_order: dict[str, int] = {}
         raw = []
         for gi, g in enumerate(param_groups):
             role = g.get("role", "all")
-            order.setdefault(role, len(order))
+            roles_order.setdefault(role, len(roles_order))
             names = g.get("names") or [f"group{gi}.{k}" for k in range(len(g["params"]))]
             layers = g.get("layers") or [""] * len(g["params"])
             for p, name, layer in zip(g["params"], names, layers):
                 if p.requires_grad:
                     raw.append((gi, role, name, layer, p))
-        raw.sort(key=lambda e: order[e[1]])  # stable: group order within a role
+        if order is None:
+            raw.sort(key=lambda e: roles_order[e[1]])  # stable: group order within a role
+        else:
+            pos = {id(p): k for k, p in enumerate(order)}
+            raw.sort(key=lambda e: pos.get(id(e[4]), len(pos)))
         self.entries: list[Entry] = []
         off = 0
         for gi, role, name, layer, p in raw:
             self.entries.append(Entry(gi, role, name, layer, p, off, p.numel()))
             off += p.numel()
         self.numel = off
-        self.role_ranges: dict[str, tuple[int, int]] = {}
+        self.by_role: dict[str, list[Entry]] = {}
         for e in self.entries:
-            a, _ = self.role_ranges.get(e.role, (e.offset, e.offset))
-            self.role_ranges[e.role] = (a, e.offset + e.numel)
+            self.by_role.setdefault(e.role, []).append(e)
         self.per_group: dict[int, list[int]] = {}
         for k, e in enumerate(self.entries):
             self.per_group.setdefault(e.group, []).append(k)
@@ -135,7 +142,7 @@ class FlatLayout:
 
     @property
     def roles(self) -> list[str]:
-        return list(self.role_ranges)
+        return list(self.by_role)
 
     @property
     def segments(self) -> list[tuple[int, int]]:
@@ -195,7 +202,8 @@ class CommOptimizer(torch.optim.Optimizer):
     def __init__(self, param_groups: Iterable, defaults: dict, *, scheme: str | sync.SyncScheme = "fp32",
                  scheme_options: sync.SchemeOptions | dict | None = None, group=None, grad_clip: float = 0.0,
                  momentum_sync: MomentumSync | dict | None = None,
-                 param_order: list[torch.nn.Parameter] | None = None) -> None:
+                 param_order: list[torch.nn.Parameter] | None = None, kernels: str = "eager",
+                 fine_timing: bool = True, bucket_mb: float = 0.0, overlap: bool = False) -> None:
         super().__init__(param_groups, defaults)
         self.scheme = sync.get(scheme) if isinstance(scheme, str) else scheme
         if scheme_options is None or isinstance(scheme_options, dict):
@@ -206,14 +214,22 @@ class CommOptimizer(torch.optim.Optimizer):
         self.layout = FlatLayout(self.param_groups)
         if not self.layout.entries:
             raise ValueError("the optimizer got no trainable parameter")
-        self.stats = {phase: CommStats() for phase in PHASES}
-        problems = self.scheme_options.problems(self.world_size)
-        if problems:
-            raise ValueError("; ".join(problems))
         trainable = {id(e.param) for e in self.layout.entries}
         order = [p for p in (param_order or []) if id(p) in trainable]
         if len(order) != len(trainable):  # no (complete) model order given: role order
             order = [e.param for e in self.layout.entries]
+        self._check_buckets(bucket_mb, overlap, grad_clip)
+        self.bucket_bytes, self.overlap = bucket_mb * 2 ** 20, overlap
+        if self.bucket_bytes > 0 and self.scheme.kind == sync.UPDATE:
+            # the update-sync vector in bucket order, so every bucket is one contiguous part
+            self.layout = FlatLayout(self.param_groups, [p for b in _overlap.plan(order, self.bucket_bytes) for p in b])
+        if kernels not in _kernels.IMPLS:
+            raise ValueError(f"comm.kernels={kernels!r}; choose one of {', '.join(_kernels.IMPLS)}")
+        self.kernels = kernels
+        self.stats = {phase: CommStats(timing=fine_timing) for phase in PHASES}
+        problems = self.scheme_options.problems(self.world_size)
+        if problems:
+            raise ValueError("; ".join(problems))
         self.grad_buffers = attach_flat_grads(self._grad_order(order))
         self._grad_views = {id(p): p.grad for p in order}
         if not grad_clip >= 0:
@@ -234,10 +250,94 @@ class CommOptimizer(torch.optim.Optimizer):
         # independent random stream per rank, reproducible from the run's seed
         seed = (torch.initial_seed() * 1_000_003 + 7919 * (self.rank + 1)) % (2 ** 63 - 1)
         phase = "grad_sync" if self.scheme.kind == sync.GRADIENT else "update_sync"
-        self.exchange = self.scheme.build(self.scheme_options, sync.ExchangeContext(
+        self.ctx = sync.ExchangeContext(
             world_size=self.world_size, rank=self.rank, group=group, stats=self.stats[phase],
-            segments=self.layout.segments, rows=[e.rows for e in self.layout.entries], device=device, seed=seed))
+            segments=self.layout.segments, rows=[e.rows for e in self.layout.entries], device=device, seed=seed,
+            kernels=kernels)
+        self.exchange = self.scheme.build(self.scheme_options, self.ctx)
+        if self.bucket_bytes > 0 and not self.exchange.parts:
+            raise ValueError(f"comm.bucket_mb / comm.overlap: comm.mode={self.scheme.name} exchanges its vector as a "
+                             f"whole (its state or its scales span it); set comm.bucket_mb=0 and comm.overlap=false")
         self._step = 0
+        self._bucket_results = None
+        self._buckets = self._make_buckets(order) if self.bucket_bytes > 0 else None
+
+    # ---- buckets and overlap (optim/overlap.py) -----------------------------------------------------
+    bucketed = "gradient"
+    """Which vector this optimizer can exchange in buckets: "gradient" (the base's gradient
+    exchange), "update" (the subclass's own vector: `_bucket_vector`), or None (not at all)."""
+
+    def _check_buckets(self, bucket_mb: float, overlap: bool, grad_clip: float) -> None:
+        if not bucket_mb >= 0:
+            raise ValueError(f"comm.bucket_mb={bucket_mb}; need >= 0 (0 = one bucket: the whole vector)")
+        if overlap and not bucket_mb > 0:
+            raise ValueError("comm.overlap=true needs buckets: set comm.bucket_mb > 0 (e.g. 25, DDP's default)")
+        if bucket_mb <= 0:
+            return
+        kind = self.scheme.kind
+        wants = "gradient" if kind == sync.GRADIENT else "update"
+        if self.bucketed != wants:
+            raise ValueError(f"comm.bucket_mb / comm.overlap: {type(self).__name__} on comm.mode={self.scheme.name} "
+                             f"cannot exchange its vector in buckets; set comm.bucket_mb=0 and comm.overlap=false")
+        if overlap and kind == sync.UPDATE and grad_clip > 0:
+            raise ValueError("comm.overlap=true with an update-sync mode needs optim.grad_clip=0: a bucket's update is "
+                             "launched during backward, before the whole gradient's norm is known")
+
+    def _make_buckets(self, order: list[torch.nn.Parameter]) -> _overlap.Overlap:
+        if self.scheme.kind == sync.GRADIENT:
+            bufs = {}
+            for dtype, buf in self.grad_buffers.items():
+                base = buf.data_ptr()
+                bufs[dtype] = (buf, base)
+            buckets = []
+            for dtype in self.grad_buffers:
+                ps = [p for p in order if p.dtype == dtype]
+                for run in _overlap.plan(ps, self.bucket_bytes):
+                    buf, base = bufs[dtype]
+                    offs = [(p.grad.data_ptr() - base) // p.grad.element_size() for p in run]
+                    lo, hi = min(offs), max(o + p.numel() for o, p in zip(offs, run))
+                    b = _overlap.Bucket(len(buckets), run, lo, hi)
+                    b.extra["buf"] = buf
+                    buckets.append(b)
+        else:
+            buckets, off = [], 0
+            for run in _overlap.plan(order, self.bucket_bytes):
+                n = sum(p.numel() for p in run)
+                buckets.append(_overlap.Bucket(len(buckets), run, off, off + n))
+                off += n
+        for b in buckets:  # bucket b's part of the exchange: its own segments, and the overlap's stats
+            part = self.ctx.restrict(b.lo, b.hi) if self.scheme.kind == sync.UPDATE else self.ctx
+            b.extra["ctx"] = part
+            b.extra["ctx_bg"] = dataclasses.replace(part, stats=_overlap_stats(self))
+        return _overlap.Overlap(buckets, self._launch_bucket, self._book_bucket, self.ctx.stats, self.clock,
+                                self.overlap)
+
+    def expect_backward(self, final: bool = True) -> None:
+        """Call before each backward of a step: `final` on the last micro-batch of the accumulation
+        (with comm.overlap, buckets are launched during that backward only)."""
+        if self._buckets is not None:
+            self._buckets.expect_backward(final, self._step + 1)
+
+    def _launch_bucket(self, b: _overlap.Bucket, step: int):
+        if self.scheme.kind == sync.GRADIENT:
+            view = b.extra["buf"][b.lo:b.hi]
+            if self.overlap:
+                return self.exchange.start(view, step)
+            return _overlap.Done(self.exchange(view, step))
+        vec = self._bucket_vector(b)
+        if self.overlap:
+            return self._buckets.submit(self.exchange, vec, step, b.extra["ctx_bg"])
+        return _overlap.Done(self.exchange(vec, step, b.extra["ctx"]))
+
+    def _book_bucket(self, b: _overlap.Bucket) -> tuple[str, int, int]:
+        n = b.hi - b.lo
+        rows = sum(p.shape[0] if p.ndim >= 2 else 1 for p in b.params)
+        sent, recv = self.scheme.bytes_per_call(self.scheme_options, self.world_size, n, self.rank, rows)
+        return f"{self.scheme.name}[bucket {b.index}]", sent, recv
+
+    def _bucket_vector(self, b: _overlap.Bucket) -> torch.Tensor:  # pragma: no cover - interface
+        """The vector of bucket b to exchange (update-sync optimizers with bucketed = "update")."""
+        raise NotImplementedError
 
     # ---- what subclasses implement ------------------------------------------------------------
     def _update(self, step: int) -> dict | None:  # pragma: no cover - interface
@@ -256,10 +356,24 @@ class CommOptimizer(torch.optim.Optimizer):
 
     def _exchange_gradients(self, step: int) -> None:
         """Before clipping and the update: a GRADIENT scheme averages every flat gradient buffer
-        (one collective each). Subclasses that exchange only part of the gradient override this."""
-        if self.scheme.kind == sync.GRADIENT:
+        (one collective each, or one per bucket). Subclasses that exchange only part of the
+        gradient override this."""
+        if self.scheme.kind == sync.GRADIENT and self._buckets is not None:
+            if self._bucket_results is None:  # overlap drained them at the start of the step
+                self._buckets.finish(step)
+        elif self.scheme.kind == sync.GRADIENT:
             for buf in self.grad_buffers.values():
                 self.exchange(buf, step)
+
+    def warmup(self) -> float:
+        """Compile the fused kernels this optimizer and its exchange use (comm.kernels), before the
+        first timed step; returns the seconds spent (0 when nothing is compiled)."""
+        if self.kernels == "eager":
+            return 0.0
+        lion = _kernels.warmup(self.layout.device, lion=True, impl=self.kernels) if self._uses_lion_kernels else 0.0
+        return lion + self.exchange.warmup()
+
+    _uses_lion_kernels = False
 
     def _diagnostics(self, out: dict | None) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         """Scheme-specific diagnostics of this step (update sync); default none."""
@@ -302,6 +416,10 @@ class CommOptimizer(torch.optim.Optimizer):
         for s in self.stats.values():
             s.begin_step()
         self._adopt_grads()
+        # overlap: wait for the buckets in flight before any other collective of the step (a
+        # background exchange must never interleave with the main thread's collectives)
+        self._bucket_results = self._buckets.finish(self._step + 1) if self._buckets is not None and self.overlap \
+            else None
         if loss_finite is not None and self._any_rank_nonfinite(loss_finite):
             report = StepReport(step=self._step, loss=loss, nonfinite=True)
             report.seconds = self.clock.now() - t0
@@ -417,6 +535,11 @@ class CommOptimizer(torch.optim.Optimizer):
         """One line for the run banner: optimizer, scheme and its options."""
         opts = ", ".join(f"{k}={v}" for k, v in self.scheme_options.as_dict().items())
         return f"{type(self).__name__} | comm {self.scheme.name} ({self.scheme.kind} sync{'; ' + opts if opts else ''})"
+
+
+def _overlap_stats(opt: "CommOptimizer") -> CommStats:
+    """The CommStats that background exchanges book into (their seconds overlap compute)."""
+    return opt.stats[_overlap.BACKGROUND]
 
 
 def _average_states(states: list[Any]) -> Any:

@@ -97,8 +97,9 @@ def vote_diagnostics(c_flat: torch.Tensor, update: torch.Tensor, layout, *, worl
                 for v in range(3):
                     out[f"diag/vote_table/exact_{NAMES[e]}_vote_{NAMES[v]}"] = float(table[e, v]) / total
     histograms = {}
-    for role, (a, b) in layout.role_ranges.items():
-        seg = c_flat[a:b]
+    for role, entries in layout.by_role.items():
+        seg = torch.cat([c_flat[e.offset:e.offset + e.numel] for e in entries]) if len(entries) > 1 else \
+            c_flat[entries[0].offset:entries[0].offset + entries[0].numel]
         stride = max(1, comm.ceil_div(seg.numel(), HIST_SAMPLES))
         histograms[f"c_local/{role}"] = seg[::stride].detach().to(torch.float32).cpu()
     return out, histograms

@@ -87,6 +87,8 @@ def matrix_seed(name: str) -> int:
 class Dion(MatrixOptimizer):
     """Dion Alg. 2 on the hidden matrices (see the module docstring), AdamW or Lion on the rest."""
 
+    bucketed = None  # exchanges a leading slice and its own factors: no buckets
+
     options_class = DionOptions
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

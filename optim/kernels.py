@@ -146,6 +146,8 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     so the views a step passes (parameter slices of a flat buffer) would compile up to 2**k
     graphs of a k-argument kernel, some inside a timed step, and past 8 run uncompiled. A DLPack
     round trip shares the memory (writes land in t) and costs a few microseconds."""
+    if t.requires_grad:  # a parameter: the kernel writes its data, outside autograd
+        t = t.detach()
     if t._base is None and t.storage_offset() == 0:
         return t
     return torch.from_dlpack(t)

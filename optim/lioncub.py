@@ -19,8 +19,8 @@ import torch
 
 from . import sync
 from .base import CommOptimizer
+from . import kernels
 from .diagnostics import vote_diagnostics
-from .lion import apply_update_, lion_direction, momentum_update_
 
 
 class DistributedLion(CommOptimizer):
@@ -42,30 +42,52 @@ class DistributedLion(CommOptimizer):
                          **comm_kwargs)
         self.c_flat = self.layout.new_flat()
 
+    _uses_lion_kernels = True
+
     def momentum_of(self, p: torch.nn.Parameter) -> torch.Tensor | None:
         return self.state[p].get("exp_avg")
+
+    bucketed = "update"  # c is element-wise: a bucket's c can be voted on alone (optim/overlap.py)
+
+    def _momentum(self, p: torch.nn.Parameter) -> torch.Tensor:
+        state = self.state[p]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["exp_avg"]
+
+    def _bucket_vector(self, b) -> torch.Tensor:
+        """c of bucket b (its entries are contiguous in the bucket-ordered layout)."""
+        lay = self.layout
+        for k in range(len(lay.entries)):
+            e = lay.entries[k]
+            if b.lo <= e.offset < b.hi:
+                kernels.lion_direction_([self._momentum(e.param)], [e.param.grad],
+                                        self.param_groups[e.group]["betas"][0], lay.views(self.c_flat, [k]),
+                                        impl=self.kernels)
+        return self.c_flat[b.lo:b.hi]
 
     def _update(self, t: int) -> dict:
         lay, c = self.layout, self.c_flat
         grads_by_group, moms_by_group = {}, {}
         for gi, ks in lay.per_group.items():
             params = lay.params(ks)
-            grads = [p.grad for p in params]
-            moms = []
-            for p in params:
-                state = self.state[p]
-                if "exp_avg" not in state:
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                moms.append(state["exp_avg"])
-            lion_direction(moms, grads, self.param_groups[gi]["betas"][0], out=lay.views(c, ks))
-            grads_by_group[gi], moms_by_group[gi] = grads, moms
+            grads_by_group[gi], moms_by_group[gi] = [p.grad for p in params], [self._momentum(p) for p in params]
+            if self._buckets is None:
+                kernels.lion_direction_(moms_by_group[gi], grads_by_group[gi], self.param_groups[gi]["betas"][0],
+                                        lay.views(c, ks), impl=self.kernels)
 
-        update = self.exchange(c, t)
+        if self._buckets is None:
+            update = self.exchange(c, t)  # int8 signs (a mean of votes for the parameter server's avg)
+        else:  # one exchange per bucket, launched during backward with overlap
+            parts = self._bucket_results if self._bucket_results is not None else self._buckets.finish(t)
+            update = torch.cat(parts) if len(parts) > 1 else parts[0]
 
+        sign = not update.is_floating_point()
         for gi, ks in lay.per_group.items():
             g = self.param_groups[gi]
-            apply_update_(lay.params(ks), lay.views(update, ks), float(g["lr"]), float(g["weight_decay"]))
-            momentum_update_(moms_by_group[gi], grads_by_group[gi], g["betas"][1])
+            kernels.apply_update_(lay.params(ks), lay.views(update, ks), float(g["lr"]), float(g["weight_decay"]),
+                                  u_is_sign=sign, impl=self.kernels)
+            kernels.momentum_update_(moms_by_group[gi], grads_by_group[gi], g["betas"][1], impl=self.kernels)
         return {"c": c, "update": update}
 
     def _diagnostics(self, out: dict | None):

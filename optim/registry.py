@@ -129,7 +129,8 @@ def build_optimizer(name: str, param_groups: list[dict], *, betas: tuple[float, 
                     eps: float = 1e-8, comm_mode: str = "fp32", comm_options: dict | sync.SchemeOptions | None = None,
                     optim_options: dict | OptimOptions | None = None, momentum_sync: dict | MomentumSync | None = None,
                     grad_clip: float = 0.0, group=None,
-                    param_order: list[torch.nn.Parameter] | None = None) -> CommOptimizer:
+                    param_order: list[torch.nn.Parameter] | None = None, kernels: str = "eager",
+                    fine_timing: bool = True, bucket_mb: float = 0.0, overlap: bool = False) -> CommOptimizer:
     """Build optimizer `name` for `param_groups` (dicts with params, names, role, lr, weight_decay,
     lr_mult; optionally layers) on sync scheme `comm_mode`. Raises ValueError naming the bad value
     and the valid ones. `param_order` (the model's parameter order) fixes the flat gradient layout."""
@@ -150,7 +151,8 @@ def build_optimizer(name: str, param_groups: list[dict], *, betas: tuple[float, 
                                  "params, names, role, lr, weight_decay, lr_mult")
     return spec.build(param_groups, betas=tuple(betas), eps=eps, options=options, scheme=scheme,
                       scheme_options=scheme_options, group=group, grad_clip=grad_clip, momentum_sync=momentum_sync,
-                      param_order=param_order)
+                      param_order=param_order, kernels=kernels, fine_timing=fine_timing, bucket_mb=bucket_mb,
+                      overlap=overlap)
 
 
 def _options(cls, given, section: str):

@@ -124,6 +124,22 @@ class CommConfig:
     """Selective momentum synchronisation (Lion Cub §5); update-sync modes only."""
     timeout_s: float = 600.0
     """Collective timeout in seconds (process group); a hung peer fails the run after this."""
+    kernels: str = "auto"
+    """The fused hot-path kernels (quantize/pack, unpack/vote, Lion passes; optim.kernels): auto (compiled
+    with torch.compile where a compiler exists, else eager; $LIONCUB_KERNELS overrides auto), compiled (an
+    error where none exists) or eager. Every choice gives the same bytes and updates; compilation is
+    paid once before the first timed step and reported."""
+    bucket_mb: float = 0.0
+    """Exchange the vector in buckets of about this many MiB, in the order backward finishes their
+    gradients (DDP's reducer uses 25); 0 = one bucket, the whole vector. Results are the same with and
+    without comm.overlap for the same buckets."""
+    overlap: bool = False
+    """Launch each bucket's exchange during backward as soon as its gradients are final (gradient sync:
+    an asynchronous allreduce, like DDP; update sync: that bucket's vote, on a background thread).
+    Needs comm.bucket_mb > 0; with update sync also optim.grad_clip=0."""
+    fine_timing: bool = True
+    """Time collectives and packing inside each step (the step-time breakdown); off: bytes only, and
+    the step time alone is measured (to check that the timers cost nothing)."""
     init_timeout_s: float = 120.0
     """How long forming the process group may take; a (re)started round whose peers do not all connect
     fails after this, so an elastic launcher can restart it instead of waiting comm.timeout_s."""
@@ -497,6 +513,11 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
     for opts in (c.options, o.options):  # the selected entries' own checks (world-size ones too)
         if opts is not None:
             p += opts.problems(world_size) + opts.run_problems(t.max_steps)
+    choice(p, "comm.kernels", c.kernels, ["auto", "compiled", "eager"])
+    if c.bucket_mb < 0:
+        p.append(f"comm.bucket_mb: {c.bucket_mb} must be >= 0 (0 = one bucket: the whole vector)")
+    if c.overlap and not c.bucket_mb > 0:
+        p.append("comm.overlap: true needs buckets; set comm.bucket_mb > 0 (e.g. 25, DDP's default)")
     if c.timeout_s <= 0 or c.init_timeout_s <= 0:
         p.append(f"comm.timeout_s: {c.timeout_s}, comm.init_timeout_s: {c.init_timeout_s}; both must be > 0")
     ms = c.momentum_sync

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -62,7 +63,9 @@ class Trainer:
             self.optimizer = build_optimizer(
                 o.name, param_groups(self.model, o), betas=tuple(o.betas), eps=o.eps, comm_mode=c.mode,
                 comm_options=c.options, optim_options=o.options, grad_clip=o.grad_clip,
-                momentum_sync=vars(c.momentum_sync), param_order=list(self.model.parameters()))
+                momentum_sync=vars(c.momentum_sync), param_order=list(self.model.parameters()),
+                kernels=kernel_impl(c.kernels), fine_timing=c.fine_timing, bucket_mb=c.bucket_mb,
+                overlap=c.overlap)
         except ValueError as e:  # an option combination validate() does not know about
             raise ConfigError(f"optim/comm: {e}") from None
 
@@ -125,7 +128,8 @@ class Trainer:
         if self.step + 1 in self.skip_batches:  # a rollback found this step's batches non-finite
             for _ in range(accum):
                 self.loader.next_batch()
-        for _ in range(accum):
+        for i in range(accum):
+            self.optimizer.expect_backward(final=i == accum - 1)
             td = time.perf_counter()
             x, y = self.loader.next_batch()
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
@@ -188,6 +192,10 @@ class Trainer:
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         self.logger.console(banner(self))
+        compile_s = self.optimizer.warmup()  # compiled kernels: paid here, never inside a timed step
+        if compile_s:
+            self.logger.console(f"kernels: {self.optimizer.kernels}, compiled and checked in {compile_s:.1f} s")
+            self.logger.log({"step": self.step, "event": "kernels", "compile_s": compile_s})
         if self.step >= t.max_steps:  # resumed a finished run: its final eval and checkpoint exist
             self.logger.console(f"run {self.out_dir} is already complete at step {self.step} "
                                 f"(train.max_steps={t.max_steps}); raise train.max_steps to train further")
@@ -254,6 +262,12 @@ class Trainer:
         self.logger.log(rec)
         self.logger.console(self.logger.train_line(rec, self.cfg.train.max_steps, time.perf_counter() - start,
                                                    self.step - steps_at_start))
+
+
+def kernel_impl(setting: str) -> str:
+    """comm.kernels, with $LIONCUB_KERNELS deciding what "auto" means (e.g. eager in the tests)."""
+    env = os.environ.get("LIONCUB_KERNELS", "")
+    return env if setting == "auto" and env in ("compiled", "eager") else setting
 
 
 def run(cfg: Config, info: DistInfo) -> dict:

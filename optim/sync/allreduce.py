@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 import comm
 from comm import cost_model
@@ -20,6 +21,8 @@ class MeanOptions(SchemeOptions):
 class MeanAllreduce(Exchange):
     """In-place mean over ranks of a flat buffer, `wire_dtype` on the wire."""
 
+    parts = True  # element-wise: a bucket's mean is the mean of the bucket
+
     def __init__(self, wire_dtype: torch.dtype, ctx: ExchangeContext) -> None:
         self.wire_dtype, self.ctx = wire_dtype, ctx
 
@@ -28,6 +31,30 @@ class MeanAllreduce(Exchange):
             return x
         return comm.allreduce_mean(x, wire_dtype=self.wire_dtype, group=self.ctx.group, stats=self.ctx.stats,
                                    inplace=x.is_contiguous())
+
+    def start(self, x: torch.Tensor, step: int) -> "AsyncMean":
+        """Launch the mean of contiguous `x` in place without waiting (an asynchronous SUM
+        allreduce); `.wait()` finishes it with the same operations as __call__, so the result is
+        bit-identical. Bytes and seconds are booked by the caller (it knows what is exposed)."""
+        if self.ctx.world_size == 1:
+            return AsyncMean(None, x, x, 1)
+        buf = x if self.wire_dtype == x.dtype else x.to(self.wire_dtype, copy=True)
+        work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.ctx.group, async_op=True)
+        return AsyncMean(work, x, buf, self.ctx.world_size)
+
+
+class AsyncMean:
+    def __init__(self, work, x: torch.Tensor, buf: torch.Tensor, P: int) -> None:
+        self.work, self.x, self.buf, self.P = work, x, buf, P
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            if self.buf is not self.x:
+                self.x.copy_(self.buf)
+            self.x.div_(self.P)
+            self.work = None
+        return self.x
 
 
 def _scheme(name: str, dtype: torch.dtype, bits: int, wire: str) -> SyncScheme:

@@ -23,6 +23,7 @@ import torch
 import comm
 from comm import cost_model
 
+from .. import kernels
 from ..options import choice
 from ..quantize import MAX_LEVELS, ROUNDINGS, lp_quantize
 from .registry import SIGN, UPDATE, ExchangeContext, SyncScheme, register
@@ -110,22 +111,38 @@ class PBit(VoteExchange):
         self.gen = torch.Generator(device=ctx.device)
         self.gen.manual_seed(ctx.seed)
 
-    def quantize(self, c: torch.Tensor, tb: int) -> torch.Tensor:
+    def quantize(self, c: torch.Tensor, tb: int, ctx: ExchangeContext) -> torch.Tensor:
         if self.levels == 0:  # signs only, 0 forced by the tie break (Lion Cub App. F.1, "1/-1 values")
             fill = torch.tensor(1 if tb % 2 == 1 else -1, dtype=torch.int8, device=c.device)
             return torch.where(c > 0, 1, torch.where(c < 0, -1, fill)).to(torch.int8)
         if self.o.quantizer == "sign":
             return torch.sign(c).to(torch.int8)
         q = torch.empty(c.numel(), dtype=torch.int8, device=c.device)
-        for off, n in self.ctx.segments_for(c.numel()):
+        for off, n in ctx.segments_for(c.numel()):
             q[off:off + n] = lp_quantize(c[off:off + n], self.levels, self.p, self.o.clip, self.o.rounding, self.gen)
         return q
 
-    def aggregate(self, c, step):
-        with self.ctx.stats.timed_pack(device=c.device if c.is_cuda else None):
-            q = self.quantize(c, self.o.tb_step(step))
-        total = comm.int_allreduce(q, self.levels, self.o.bits, group=self.ctx.group, stats=self.ctx.stats)
-        return torch.sign(total).to(c.dtype)
+    def aggregate(self, c, step, ctx):
+        tb = self.o.tb_step(step)
+        dev = c.device if c.is_cuda else None
+        if ctx.kernels != "eager":  # fused: quantize straight into the wire, unpack straight into the sign
+            n = c.numel()
+            with ctx.stats.timed_pack(device=dev):
+                wire = kernels.quantize_pack(c, ctx.segments_for(n), self.levels, self.p, self.o.clip, self.o.bits,
+                                             self.o.rounding, self.gen, tb, impl=ctx.kernels)
+            comm.allreduce_packed_(wire, group=ctx.group, stats=ctx.stats, name="int_allreduce")
+            with ctx.stats.timed_pack(device=dev):
+                return kernels.unpack_sum(wire, self.o.bits, n, self.levels, ctx.world_size, sign=True,
+                                          dtype=torch.int8, impl=ctx.kernels)
+        with ctx.stats.timed_pack(device=dev):
+            q = self.quantize(c, tb, ctx)
+        total = comm.int_allreduce(q, self.levels, self.o.bits, group=ctx.group, stats=ctx.stats)
+        return torch.sign(total).to(torch.int8)
+
+    def warmup(self) -> float:
+        return kernels.warmup(self.ctx.device, bits=(self.o.bits,), levels=(self.levels,), p=(self.p,),
+                              rounding=(self.o.rounding,), world_sizes=(self.ctx.world_size,), lion=False,
+                              impl=self.ctx.kernels)
 
     def state_dict(self) -> dict:
         return {"rng_state": self.gen.get_state()}

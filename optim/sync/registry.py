@@ -57,6 +57,9 @@ class ExchangeContext:
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
     seed: int = 0
     """Seed for per-rank random streams (stochastic rounding, stochastic compressors)."""
+    kernels: str = "eager"
+    """Which implementation of the fused hot-path kernels to use (optim.kernels): compiled, eager or
+    auto; every implementation gives the same bytes and updates."""
 
     def segments_for(self, n: int) -> list[tuple[int, int]]:
         return self.segments or [(0, n)]
@@ -64,16 +67,36 @@ class ExchangeContext:
     def rows_for(self, n: int) -> list[int]:
         return self.rows or [1]
 
+    def restrict(self, lo: int, hi: int) -> "ExchangeContext":
+        """The context of the part [lo, hi) of the flat vector (whole segments only): a bucket."""
+        if not self.segments:
+            return dataclasses.replace(self, segments=[(0, hi - lo)], rows=[1])
+        keep = [(k, (o, n)) for k, (o, n) in enumerate(self.segments) if lo <= o and o + n <= hi]
+        if sum(n for _, (_, n) in keep) != hi - lo:
+            raise ValueError(f"part [{lo}, {hi}) does not consist of whole segments")
+        return dataclasses.replace(self, segments=[(o - lo, n) for _, (o, n) in keep],
+                                   rows=[self.rows[k] for k, _ in keep])
+
 
 class Exchange:
     """One built exchange. Call it with the flat vector of this step; it returns the aggregate
-    (identical on every rank). Stateful exchanges save and restore their state."""
+    (identical on every rank). Stateful exchanges save and restore their state.
+
+    `parts`: True when the exchange may be called on parts of the vector (buckets, optim.overlap)
+    with the same result element by element; a mean exchange then also has `start(x, step)`
+    (asynchronous), a sign exchange takes `ctx=` (the part's ExchangeContext.restrict)."""
+
+    parts = False
 
     def __call__(self, x: torch.Tensor, step: int) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
 
     def state_dict(self) -> dict:
         return {}
+
+    def warmup(self) -> float:
+        """Compile whatever this exchange compiles, before the first timed step; returns seconds."""
+        return 0.0
 
     def load_state_dict(self, state: dict) -> None:
         if state:

@@ -2,8 +2,8 @@
 Distributed Lion's parameter server, and the hierarchical 1-bit vote.
 
 The input is every rank's local update direction c_i (Lion Cub Alg. 1, "c_local"); the result is
-identical on every rank: a sign in {-1, 0, +1} per element (or, for the parameter server's
-"avg", the mean of the votes).
+identical on every rank: a sign in {-1, 0, +1} per element as int8 (1 byte, not 4: the update
+buffer of a sign), or, for the parameter server's "avg", the mean of the votes (float32).
 
 Tie break (Lion Cub App. B.1, Fig. 10): a 1-bit payload cannot carry 0, so tb(x, t) maps x == 0
 to +1 on odd t and -1 on even t; tie_break "alternate" passes the step number t, "plus" / "minus"
@@ -17,6 +17,7 @@ exact zeros (pbit with L >= 1, the exact parameter-server vote) spend no collect
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ from comm import cost_model
 from comm._groups import resolve_node_size
 from comm.ps import AGGREGATES as PS_COMM_AGGREGATES, TOPOLOGIES as PS_TOPOLOGIES, count_bits, payload_planes, unit
 
+from .. import kernels
 from ..options import choice
 from .registry import SIGN, UPDATE, Exchange, ExchangeContext, SchemeOptions, SyncScheme, register
 
@@ -82,17 +84,20 @@ class VoteExchange(Exchange):
     """Shared frame: aggregate, then mask rows that are zero everywhere if asked and needed."""
 
     exact_zeros = False  # True where the aggregate already maps an all-zero row to 0
+    parts = True  # element-wise votes (p-bit: per-tensor scales, and buckets hold whole tensors)
 
     def __init__(self, options: VoteOptions, ctx: ExchangeContext) -> None:
         self.o, self.ctx = options, ctx
 
-    def aggregate(self, c: torch.Tensor, step: int) -> torch.Tensor:  # pragma: no cover - interface
+    def aggregate(self, c: torch.Tensor, step: int, ctx: ExchangeContext) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError
 
-    def __call__(self, c: torch.Tensor, step: int) -> torch.Tensor:
-        update = self.aggregate(c, step)
+    def __call__(self, c: torch.Tensor, step: int, ctx: ExchangeContext | None = None) -> torch.Tensor:
+        """`ctx`: the context of a part of the vector (a bucket, ExchangeContext.restrict)."""
+        ctx = ctx or self.ctx
+        update = self.aggregate(c, step, ctx)
         if self.o.mask_zero_updates and not self.exact_zeros:
-            mask_rows_zero_everywhere(c, update, self.ctx)
+            mask_rows_zero_everywhere(c, update, ctx)
         return update
 
 
@@ -103,8 +108,27 @@ class OneBitOptions(VoteOptions):
 
 
 class OneBit(VoteExchange):
-    def aggregate(self, c, step):
-        return comm.sign_vote_1bit(c, self.o.tb_step(step), group=self.ctx.group, stats=self.ctx.stats).to(c.dtype)
+    """With compiled kernels the tie-broken signs are packed and the local majority counted by
+    fused kernels (optim.kernels: byte-identical to comm's reference path)."""
+
+    def aggregate(self, c, step, ctx):
+        tb = self.o.tb_step(step)
+        if ctx.world_size == 1 or ctx.kernels == "eager":
+            return comm.sign_vote_1bit(c, tb, group=ctx.group, stats=ctx.stats)
+        n = c.numel()
+        dev = c.device if c.is_cuda else None
+        with ctx.stats.timed_pack(device=dev):
+            packed = kernels.sign_pack(c, tb, comm.ceil_div(n, 8 * ctx.world_size) * 8 * ctx.world_size,
+                                       impl=ctx.kernels)
+        out = comm.sign_vote_packed(packed, tb, group=ctx.group, stats=ctx.stats,
+                                    local_majority=functools.partial(kernels.unpack_majority, impl=ctx.kernels))
+        with ctx.stats.timed_pack(device=dev):
+            return comm.unpack_signs(out, n)
+
+    def warmup(self) -> float:
+        if self.ctx.world_size == 1:
+            return 0.0
+        return kernels.warmup(self.ctx.device, world_sizes=(self.ctx.world_size,), lion=False, impl=self.ctx.kernels)
 
 
 def _onebit_bytes(o: OneBitOptions, P: int, n: int, rank: int, rows: int) -> tuple[int, int]:
@@ -144,10 +168,9 @@ class ParameterServer(VoteExchange):
         self.aggregate_name = PS_AGGREGATES[options.ps_aggregate]
         self.exact_zeros = self.aggregate_name == "sign"
 
-    def aggregate(self, c, step):
-        out = comm.ps_vote(c, self.o.tb_step(step), aggregate=self.aggregate_name, topology=self.o.ps_topology,
-                           group=self.ctx.group, stats=self.ctx.stats)
-        return out.to(c.dtype)
+    def aggregate(self, c, step, ctx):
+        return comm.ps_vote(c, self.o.tb_step(step), aggregate=self.aggregate_name, topology=self.o.ps_topology,
+                            group=ctx.group, stats=ctx.stats)  # int8 signs, or float32 mean votes
 
 
 def _subtree(r: int, P: int) -> int:
@@ -201,10 +224,10 @@ class HierarchicalOptions(VoteOptions):
 
 
 class Hierarchical(VoteExchange):
-    def aggregate(self, c, step):
+    def aggregate(self, c, step, ctx):
         # raw c: BinSGDM §4 sums in full precision inside a node, then votes 1 bit across nodes
         return comm.hierarchical_sign_vote(c, self.o.tb_step(step), node_size=self.o.node_size or None,
-                                           group=self.ctx.group, stats=self.ctx.stats).to(c.dtype)
+                                           group=ctx.group, stats=ctx.stats)
 
 
 def _hier_bytes(o: HierarchicalOptions, P: int, n: int, rank: int, rows: int) -> tuple[int, int]:
