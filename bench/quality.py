@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from bench.variants import ROOT, config_path, read_jsonl, train_records
+from bench.variants import ROOT, read_jsonl, train_records, variant_args
 from model import ROLES
 
 DEFAULT_VARIANTS = ["lion_fp32", "dlion_mavo", "lioncub_1bit", "lioncub_1bit_plus", "lioncub_4bit", "lioncub_8bit_l1"]
@@ -85,7 +85,8 @@ def quality_markdown(rows: list[dict]) -> str:
 def run_variant(args: argparse.Namespace, variant: str) -> int:
     run_dir = Path(args.out) / "runs" / variant
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           str(ROOT / "train.py"), str(config_path(variant, args.config_dir)), *args.overrides,
+           str(ROOT / "train.py"), str(variant_args(variant, args.config_dir)[0]), *args.overrides,
+           *variant_args(variant, args.config_dir)[1],
            f"train.max_steps={args.steps}", f"train.eval_every={args.eval_every}", "train.eval_steps=8",
            f"train.log_every={args.log_every}", f"diag.every={args.diag_every}", f"train.seed={args.seed}",
            "train.resume=overwrite", "log.wandb=disabled", f"train.out_dir={run_dir}"]

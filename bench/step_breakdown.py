@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from bench.variants import (BASELINE, DEFAULT_VARIANTS, ROOT, config_path, load_run_config, median,
+from bench.variants import (BASELINE, DEFAULT_VARIANTS, OVERLAP_BASELINE, ROOT, load_run_config, median, variant_args,
                             predict_step_comm_s, read_jsonl, train_records)
 
 DEFAULT_RATES = ["unlimited", "1gbit", "100mbit"]
@@ -48,7 +48,8 @@ DEFAULT_OVERRIDES = ["model.preset=tiny", "model.tie_embeddings=false", "data.ba
 CALIB_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
 
 COLUMNS = ["rate", "variant", "status", "steps", "step_ms", "compute_ms", "comm_ms", "coll_ms", "pack_ms",
-           "other_ms", "comm_share", "comm_bytes", "peak_rss_mib", "peak_mem_gib", "speedup", "comm_reduction",
+           "other_ms", "comm_share", "comm_bytes", "peak_rss_mib", "peak_mem_gib", "speedup", "speedup_vs_overlap",
+           "comm_reduction",
            "pred_comm_ms", "coll_over_pred", "comm_over_pred", "alpha_us", "beta_ns_per_bit", "n_params", "load1"]
 
 
@@ -117,15 +118,61 @@ def summarize_run(records: list[dict], warmup: int) -> dict:
     return out
 
 
-def add_relative(rows: list[dict], baseline: str = BASELINE) -> list[dict]:
-    """speedup = baseline step / step and comm_reduction = baseline comm / comm, per rate."""
+def add_relative(rows: list[dict], baseline: str = BASELINE, overlapped: str = OVERLAP_BASELINE) -> list[dict]:
+    """speedup = baseline step / step and comm_reduction = baseline comm / comm, per rate, against
+    the plain fp32 baseline; speedup_vs_overlap against the overlapped (DDP-style) one."""
     base = {r["rate"]: r for r in rows if r["variant"] == baseline and r.get("status") == "ok"}
+    over = {r["rate"]: r for r in rows if r["variant"] == overlapped and r.get("status") == "ok"}
     for r in rows:
-        b = base.get(r["rate"])
-        ok = b is not None and r.get("status") == "ok"
-        r["speedup"] = b["step_ms"] / r["step_ms"] if ok and r["step_ms"] > 0 else None
-        r["comm_reduction"] = b["comm_ms"] / r["comm_ms"] if ok and r["comm_ms"] > 0 else None
+        b, o = base.get(r["rate"]), over.get(r["rate"])
+        ok = r.get("status") == "ok" and r.get("step_ms", 0) > 0
+        r["speedup"] = b["step_ms"] / r["step_ms"] if ok and b else None
+        r["comm_reduction"] = b["comm_ms"] / r["comm_ms"] if ok and b and r["comm_ms"] > 0 else None
+        r["speedup_vs_overlap"] = o["step_ms"] / r["step_ms"] if ok and o else None
     return rows
+
+
+# issue 12: speedups at 1 Gbit/s over the non-overlapped fp32 baseline, 1-bit at 100 Mbit/s
+FAST_TARGETS = {("1gbit", "lioncub_1bit"): 2.5, ("1gbit", "lioncub_4bit"): 2.0, ("1gbit", "lioncub_8bit_l1"): 1.5,
+                ("100mbit", "lioncub_1bit"): 10.0}
+
+
+def check_fast_path_targets(rows: list[dict], baseline: str = BASELINE, overlapped: str = OVERLAP_BASELINE,
+                            other_ratio: float = 1.2, mem_ratio: float = 1.1) -> list[str]:
+    """The fast-path targets, one line each, MET or NOT met with the numbers: Lion Cub speedups over
+    non-overlapped fp32 (FAST_TARGETS), every Lion Cub variant faster than the overlapped fp32
+    baseline, Lion Cub's non-communication optimizer time within `other_ratio` of Lion's, its peak
+    memory within `mem_ratio` of lion_fp32's, and overlap saving at least half of the backward time
+    (backward taken as 2/3 of forward + backward, the usual FLOP ratio)."""
+    ok = {(r["rate"], r["variant"]): r for r in rows if r.get("status") == "ok"}
+    out = []
+    for (rate, v), target in FAST_TARGETS.items():
+        r = ok.get((rate, v))
+        if r and r.get("speedup"):
+            out.append(f"{rate}: {v} {r['speedup']:.2f}x faster than {baseline} "
+                       f"({'MET' if r['speedup'] >= target else 'NOT met'}, target >= {target:g}x)")
+    for rate in sorted({k[0] for k in ok}):
+        b, o = ok.get((rate, baseline)), ok.get((rate, overlapped))
+        for (rt, v), r in sorted(ok.items()):
+            if rt != rate or not v.startswith("lioncub"):
+                continue
+            if o:
+                out.append(f"{rate}: {v} vs {overlapped}: {o['step_ms']:.0f} -> {r['step_ms']:.0f} ms = "
+                           f"{r['speedup_vs_overlap']:.2f}x ({'MET' if r['speedup_vs_overlap'] > 1 else 'NOT met'}: faster)")
+            if b and b.get("other_ms"):
+                q = r["other_ms"] / b["other_ms"]
+                out.append(f"{rate}: {v} optimizer time {r['other_ms']:.0f} ms vs {b['other_ms']:.0f} ms = {q:.2f}x "
+                           f"({'MET' if q <= other_ratio else 'NOT met'}, target <= {other_ratio:g}x)")
+            if b and b.get("peak_rss_mib") and r.get("peak_rss_mib"):
+                q = r["peak_rss_mib"] / b["peak_rss_mib"]
+                out.append(f"{rate}: {v} peak memory {r['peak_rss_mib']:.0f} MiB vs {b['peak_rss_mib']:.0f} MiB = "
+                           f"{q:.2f}x ({'MET' if q <= mem_ratio else 'NOT met'}, target <= {mem_ratio:g}x)")
+        if b and o:
+            backward = 2 / 3 * b["compute_ms"]
+            saved = b["step_ms"] - o["step_ms"]
+            out.append(f"{rate}: overlap saves {saved:.0f} ms of {b['step_ms']:.0f} ms; backward ~{backward:.0f} ms: "
+                       f"{saved / backward:.2f} of it ({'MET' if saved >= 0.5 * backward else 'NOT met'}, target >= 0.5)")
+    return out
 
 
 def add_prediction(row: dict, pred_s: float, alpha: float, beta: float) -> dict:
@@ -196,20 +243,21 @@ def table4_markdown(rows: list[dict], rates: list[str], variants: list[str]) -> 
 def detail_markdown(rows: list[dict], rate: str, variants: list[str]) -> str:
     by = {r["variant"]: r for r in rows if r["rate"] == rate}
     lines = [f"| variant | step (ms) | compute | comm (coll + pack) | other | comm % | bytes/step/rank | "
-             f"peak RSS/rank (MiB) | speedup | comm ÷ | model comm (ms) | coll / model |",
-             "|---|" + "---:|" * 11]
+             f"peak RSS/rank (MiB) | speedup | vs overlapped fp32 | comm ÷ | model comm (ms) | coll / model |",
+             "|---|" + "---:|" * 12]
     for v in variants:
         r = by.get(v)
         if r is None:
             continue
         if r.get("status") != "ok":
-            lines.append(f"| {v} | {r.get('status')} |" + " |" * 10)
+            lines.append(f"| {v} | {r.get('status')} |" + " |" * 11)
             continue
         lines.append(
             f"| {v} | {_f(r['step_ms'], '.0f')} | {_f(r['compute_ms'], '.0f')} | {_f(r['comm_ms'], '.0f')} "
             f"({_f(r['coll_ms'], '.0f')} + {_f(r['pack_ms'], '.0f')}) | {_f(r['other_ms'], '.0f')} | "
             f"{_f(100 * r['comm_share'], '.1f')} | {_f(r['comm_bytes'] / 1e6, '.2f')} MB | "
             f"{_f(r.get('peak_rss_mib'), '.0f')} | {_f(r.get('speedup'), '.2f')}x | "
+            f"{_f(r.get('speedup_vs_overlap'), '.2f')}x | "
             f"{_f(r.get('comm_reduction'), '.1f')}x | {_f(r.get('pred_comm_ms'), '.0f')} | "
             f"{_f(r.get('coll_over_pred'), '.2f')} |")
     return "\n".join(lines)
@@ -259,6 +307,7 @@ def write_reports(out: Path, rows: list[dict], rates: list[str], variants: list[
     for rate in rates:
         md += [f"## {rate}", "", detail_markdown(rows, rate, variants), ""]
     md += ["## Issue-6 targets", "", *[f"- {ln}" for ln in check_targets(rows)], ""]
+    md += ["## Fast-path targets (issue 12)", "", *[f"- {ln}" for ln in check_fast_path_targets(rows)], ""]
     (out / "results.md").write_text("\n".join(md))
     if any(r.get("status") == "ok" for r in rows):
         plot_breakdown(out / "breakdown.png", rows, rates, variants)
@@ -283,8 +332,8 @@ def run_one(args: argparse.Namespace, rate: str, variant: str, net: object | Non
             import shutil
 
             shutil.rmtree(d)
-    cfg_file = config_path(variant, args.config_dir)
-    overrides = [*args.overrides,
+    cfg_file, extra = variant_args(variant, args.config_dir)
+    overrides = [*args.overrides, *extra,
                  f"train.max_steps={args.warmup + args.steps}", "train.log_every=1", "train.eval_every=0",
                  "train.eval_steps=1", "diag.every=0", "log.wandb=disabled", f"train.out_dir={run_dir}"]
     train_cmd = [sys.executable, str(ROOT / "train.py"), str(cfg_file), *overrides]
@@ -416,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for v in args.variants:
-        config_path(v, args.config_dir)  # fail before any run on a typo
+        variant_args(v, args.config_dir)  # fail before any run on a typo
     calib_file = out / "calibration.json"
     calib: dict[str, tuple[float, float]] = {}
     if calib_file.exists():

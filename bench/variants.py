@@ -19,9 +19,10 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 # Lion Cub Fig. 7 / Table 4 rows, plus the baselines (issue 6).
-DEFAULT_VARIANTS = ["lion_fp32", "lion_bf16", "adamw_fp32", "dlion_mavo", "lioncub_1bit", "lioncub_4bit",
-                    "lioncub_4bit_synchead", "lioncub_8bit_l1"]
+DEFAULT_VARIANTS = ["lion_fp32", "lion_fp32+overlap", "adamw_fp32", "adamw_fp32+overlap", "lion_bf16", "dlion_mavo",
+                    "lioncub_1bit", "lioncub_4bit", "lioncub_4bit_synchead", "lioncub_8bit_l1"]
 BASELINE = "lion_fp32"
+OVERLAP_BASELINE = "lion_fp32+overlap"  # what DDP users run: bucketed allreduce during backward
 
 
 def config_path(variant: str, config_dir: str | Path = "configs/cpu_30m") -> Path:
@@ -99,15 +100,41 @@ def scheme_of(comm_cfg: dict):
     return scheme, opts
 
 
+def build_optimizer_for(cfg: dict):
+    """The optimizer a resolved run config builds (one process, CPU), for its byte formula and its
+    alpha-beta prediction at any world size (CommOptimizer.wire_bytes_per_step / predict_comm_seconds)."""
+    import torch
+
+    from model import GPT, resolve_config
+    from optim import build_optimizer
+    from trainer.config import load_config
+    from trainer.param_groups import param_groups
+
+    sections = {"optim": cfg.get("optim") or {"name": "lion"}, "comm": cfg["comm"]}  # lion runs on every sign mode
+    c = load_config(None, [f"{sec}.{k}={_yaml(v)}" for sec, d in sections.items() for k, v in d.items()
+                           if not isinstance(v, dict)] + ["comm.momentum_sync.every=0"])
+    torch.manual_seed(0)
+    model = GPT(resolve_config(cfg["model"]))
+    o, cc = c.optim, c.comm
+    return build_optimizer(o.name, param_groups(model, o), betas=tuple(o.betas), eps=o.eps, comm_mode=cc.mode,
+                           comm_options=cc.options, optim_options=o.options, grad_clip=o.grad_clip,
+                           param_order=list(model.parameters()), bucket_mb=cc.bucket_mb, overlap=cc.overlap)
+
+
+def _yaml(v) -> str:
+    import json
+
+    return json.dumps(v) if not isinstance(v, str) else v
+
+
 def predict_step_comm_s(cfg: dict, world: int, alpha: float, beta: float, *, sync_step: bool = False) -> float:
-    """Predicted seconds of communication in one training step: the scheme's own alpha-beta
-    prediction (optim.sync registry, Lion Cub Table 1 formulas via comm.cost_model) for all N
-    parameters; with `sync_step`, plus the fp32 momentum allreduce of the selected layers that a
-    momentum-sync step adds (Lion Cub §5)."""
+    """Predicted seconds of communication in one training step: the optimizer's own alpha-beta
+    prediction (each exchange's scheme model from the optim.sync registry, Lion Cub Table 1 formulas
+    via comm.cost_model); with `sync_step`, plus the fp32 momentum allreduce of the selected layers
+    that a momentum-sync step adds (Lion Cub §5)."""
     from comm import cost_model
 
-    scheme, opts = scheme_of(cfg["comm"])
-    t = scheme.predict(opts, world, num_params(cfg["model"]), alpha, beta, rows=num_rows(cfg["model"]))
+    t = build_optimizer_for(cfg).predict_comm_seconds(alpha, beta, world)
     ms = cfg["comm"].get("momentum_sync") or {}
     if sync_step and ms.get("every"):
         roles = role_params(cfg["model"])
@@ -115,6 +142,17 @@ def predict_step_comm_s(cfg: dict, world: int, alpha: float, beta: float, *, syn
         m = sum(v for r, v in roles.items() if "all" in layers or r in layers)
         t += cost_model.ring_allreduce(world, m, 32, alpha, beta)
     return t
+
+
+def variant_args(variant: str, config_dir: str | Path = "configs/cpu_30m") -> tuple[Path, list[str]]:
+    """A variant name -> (its config file, extra overrides). `name@section.key=value@...` adds
+    overrides; `name+overlap` is `name` with DDP-style buckets overlapped with backward
+    (comm.bucket_mb=25, comm.overlap=true): the baseline real users run."""
+    name, *extra = variant.split("@")
+    if name.endswith("+overlap"):
+        name = name.removesuffix("+overlap")
+        extra = ["comm.bucket_mb=25", "comm.overlap=true", *extra]
+    return config_path(name, config_dir), extra
 
 
 def median(xs: Iterable[float]) -> float:

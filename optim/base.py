@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 import comm
-from comm import Clock, CommStats
+from comm import Clock, CommStats, cost_model
 
 from . import kernels as _kernels
 from . import overlap as _overlap
@@ -530,6 +530,50 @@ class CommOptimizer(torch.optim.Optimizer):
         merged["comm"] = {**comm_states[0], "world_size": self.world_size, "rank": self.rank,
                           "exchange": self.exchange.reshard_state([c.get("exchange") or {} for c in comm_states])}
         self.load_state_dict(merged)
+
+    # ---- what crosses the network: exact bytes and the alpha-beta prediction ------------------------
+    def _exchanged(self) -> list[tuple[str, int, int]]:
+        """(phase, elements, rows) of every call of the scheme's exchange in one step (rows: for
+        mask_zero_updates' flags): the flat gradient buffers (or their buckets) for gradient sync,
+        the update vector (or its buckets) for update sync. Optimizers with other exchanges override."""
+        if self._buckets is not None:
+            return [("grad_sync" if self.scheme.kind == sync.GRADIENT else "update_sync", b.hi - b.lo,
+                     sum(p.shape[0] if p.ndim >= 2 else 1 for p in b.params)) for b in self._buckets.buckets]
+        if self.scheme.kind == sync.GRADIENT:
+            return [("grad_sync", buf.numel(), 1) for buf in self.grad_buffers.values()]
+        return [("update_sync", self.layout.numel, sum(e.rows for e in self.layout.entries))]
+
+    def _extra_calls(self) -> list[tuple[str, int, int]]:
+        """(phase, elements, bits) of collectives outside the scheme (e.g. Dion's clipping norm);
+        momentum sync and the divergence guard's 4-byte agreement are not counted here."""
+        return []
+
+    def wire_bytes_per_step(self, world_size: int | None = None, rank: int | None = None) -> dict[str, tuple[int, int]]:
+        """Payload bytes (sent, received) a rank hands to collectives in one step, by phase, as
+        comm.CommStats books them (diagnostics, momentum sync and the guard excluded; 0 at one rank).
+        world_size and rank default to this optimizer's (pass others to predict another run)."""
+        P = self.world_size if world_size is None else world_size
+        rank = self.rank if rank is None else rank
+        out: dict[str, tuple[int, int]] = {}
+        for phase, n, rows in self._exchanged():
+            s, r = self.scheme.bytes_per_call(self.scheme_options, P, n, rank=rank, rows=rows)
+            a, b = out.get(phase, (0, 0))
+            out[phase] = (a + s, b + r)
+        if P > 1:
+            for phase, n, bits in self._extra_calls():
+                a, b = out.get(phase, (0, 0))
+                out[phase] = (a + n * bits // 8, b + n * bits // 8)
+        return out
+
+    def predict_comm_seconds(self, alpha: float, beta: float, world_size: int | None = None) -> float:
+        """Alpha-beta prediction of one step's communication (the scheme's own model per exchange,
+        the ring allreduce for side collectives); alpha in s per message, beta in s per bit."""
+        P = self.world_size if world_size is None else world_size
+        if P <= 1:
+            return 0.0
+        t = sum(self.scheme.predict(self.scheme_options, P, n, alpha, beta, rows=rows)
+                for _, n, rows in self._exchanged() if n)
+        return t + sum(cost_model.ring_allreduce(P, n, bits, alpha, beta) for _, n, bits in self._extra_calls())
 
     def describe(self) -> str:
         """One line for the run banner: optimizer, scheme and its options."""

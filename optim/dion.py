@@ -230,12 +230,12 @@ class Dion(MatrixOptimizer):
         """(m, n, r) of every low-rank matrix, in exchange order (dion_math.dion_wire_elements)."""
         return [(*self.layout.entries[k].param.shape, self.ranks[k]) for k in self.lowrank_idx]
 
-    def _exchanged(self) -> list[tuple[str, int]]:
-        out = [("grad_sync", n) for n in self._synced_numel.values() if n]
+    def _exchanged(self) -> list[tuple[str, int, int]]:
+        out = [("grad_sync", n, 1) for n in self._synced_numel.values() if n]
         if self.lowrank_idx:
             shapes = self.factor_shapes()
-            out += [("update_sync", sum(m * r for m, _, r in shapes)),   # every P, one call
-                    ("update_sync", sum(n * r for _, n, r in shapes))]   # every R, one call
+            out += [("update_sync", sum(m * r for m, _, r in shapes), 1),   # every P, one call
+                    ("update_sync", sum(n * r for _, n, r in shapes), 1)]   # every R, one call
         return out
 
     def _extra_calls(self) -> list[tuple[str, int, int]]:

@@ -233,43 +233,6 @@ class MatrixOptimizer(CommOptimizer):
         return st.get("momentum", st.get("exp_avg"))
 
     # ---- bytes and time per step ------------------------------------------------------------------
-    def _exchanged(self) -> list[tuple[str, int]]:
-        """(phase, elements) of every call of the scheme's exchange in one step: here, the mean of
-        every flat gradient buffer in grad_sync."""
-        return [("grad_sync", buf.numel()) for buf in self.grad_buffers.values()]
-
-    def _extra_calls(self) -> list[tuple[str, int, int]]:
-        """(phase, elements, bits) of collectives outside the scheme (Dion's clipping norm)."""
-        return []
-
-    def wire_bytes_per_step(self, world_size: int | None = None, rank: int | None = None) -> dict[str, tuple[int, int]]:
-        """Payload bytes (sent, received) a rank hands to collectives in one step, by phase, as
-        comm.CommStats books them (diagnostics excluded; 0 at one rank): the scheme's own
-        bytes_per_call for every exchange, plus any fp32 side collective. world_size and rank
-        default to this optimizer's (pass others to predict a run, e.g. on a meta-device model)."""
-        P = self.world_size if world_size is None else world_size
-        rank = self.rank if rank is None else rank
-        out: dict[str, tuple[int, int]] = {}
-        for phase, n in self._exchanged():
-            s, r = self.scheme.bytes_per_call(self.scheme_options, P, n, rank=rank)
-            a, b = out.get(phase, (0, 0))
-            out[phase] = (a + s, b + r)
-        if P > 1:
-            for phase, n, bits in self._extra_calls():
-                a, b = out.get(phase, (0, 0))
-                out[phase] = (a + n * bits // 8, b + n * bits // 8)
-        return out
-
-    def predict_comm_seconds(self, alpha: float, beta: float, world_size: int | None = None) -> float:
-        """Alpha-beta prediction of one step's communication (the scheme's own model per exchange,
-        comm.cost_model's ring allreduce for side collectives), alpha in seconds per message and beta
-        in seconds per bit, at this optimizer's world size unless `world_size` is given."""
-        P = self.world_size if world_size is None else world_size
-        if P <= 1:
-            return 0.0
-        t = sum(self.scheme.predict(self.scheme_options, P, n, alpha, beta) for _, n in self._exchanged() if n)
-        return t + sum(cost_model.ring_allreduce(P, n, bits, alpha, beta) for _, n, bits in self._extra_calls())
-
     # ---- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         sd = super().state_dict()  # matrix state and Lion momenta (self.state), groups, comm

@@ -108,7 +108,10 @@ def test_variant_configs_and_levels():
     eight = load_config(str(variants.config_path("lioncub_8bit_l1"))).comm
     assert effective_levels(eight.bits, 4, eight.levels) == 31 and effective_levels(eight.bits, 8, eight.levels) == 15
     for v in variants.DEFAULT_VARIANTS + quality.DEFAULT_VARIANTS:
-        assert variants.config_path(v).is_file()
+        path, extra = variants.variant_args(v)
+        assert path.is_file() and load_config(str(path), extra)
+    assert variants.variant_args("lion_fp32+overlap@train.seed=3")[1] == ["comm.bucket_mb=25", "comm.overlap=true",
+                                                                          "train.seed=3"]
     with pytest.raises(ValueError, match="lioncub_4bit"):
         variants.config_path("lioncub_3bit")
 
