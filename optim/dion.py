@@ -64,6 +64,10 @@ class DionOptions(MatrixOptions):
     """Column orthonormalisation of P: qr (Householder, any P) or cholesky_qr (CholeskyQR2, cheaper on GPUs,
     falls back to qr when P is ill-conditioned)."""
 
+    error_feedback: bool = True
+    """Dion's error feedback M = B - (1 - mu) P R^T (Alg. 1 line 7); false: the ablation of Dion §4.1,
+    M = mu M + G approximated directly (for the reproduction study, not for training)."""
+
     def problems(self, world_size: int | None = None) -> list[str]:
         p = super().problems(world_size)
         if not (isinstance(self.mu, (int, float)) and 0.0 <= self.mu < 1.0):
@@ -199,7 +203,7 @@ class Dion(MatrixOptimizer):
                                  for m, g in zip(moms, grads)]
             factors = dion_step_(params, grads, list(moms), list(qs), lr=[self.matrix_lr(g) for g in groups], mu=o.mu,
                                  weight_decay=[float(g["weight_decay"]) for g in groups], reduce_mean=reduce_mean,
-                                 ortho=o.ortho, diagnostics=diag is not None)
+                                 ortho=o.ortho, diagnostics=diag is not None, error_feedback=o.error_feedback)
             if diag is not None:
                 diag["entries"] += [entries[k] for k in idx]
                 diag["res_sq"] += [f.residual_norm.square() for f in factors]

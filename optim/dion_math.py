@@ -133,7 +133,7 @@ def dion_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], mo
                qs: Sequence[torch.Tensor], *, lr: float | Sequence[float], mu: float = 0.95,
                weight_decay: float | Sequence[float] = 0.0, scale: float | Sequence[float] | None = None,
                reduce_mean: ReduceMean | None = None, ortho: str = "qr", eps: float = 1e-8,
-               diagnostics: bool = False) -> list[DionFactors]:
+               diagnostics: bool = False, error_feedback: bool = True) -> list[DionFactors]:
     """One Dion step for every matrix of the lists, in place: params X (m, n), momenta M (m, n) and
     right factors Q (n, r) are updated; grads G (m, n) are read. Returns one DionFactors each.
 
@@ -169,6 +169,8 @@ def dion_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], mo
     # B_i = M_i + G_i, kept in the momentum buffer; P_i = B_i Q (local)
     Bs, P_local = [], []
     for G, M, Q in zip(grads, momenta, qs):
+        if not error_feedback:  # the ablation of Dion §4.1: M = mu M + G, approximated directly
+            M.mul_(mu)
         M.add_(G.to(M.dtype))
         B = M.to(_compute_dtype(M.dtype))  # M itself for float32 / float64 state
         Bs.append(B)
@@ -192,8 +194,9 @@ def dion_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], mo
             sq = b2 - 2.0 * (R_local[i].double() * R.double()).sum() + R.double().square().sum()
             factors.residual_norm = sq.clamp_min(0.0).sqrt()
             factors.rel_error = factors.residual_norm / b2.sqrt().clamp_min(torch.finfo(torch.float64).tiny)
-        # error feedback (Alg. 1 line 7): M_i = B_i - (1 - mu) P R^T
-        M.addmm_(P.to(M.dtype), R.mT.to(M.dtype), alpha=-(1.0 - mu))
+        # error feedback (Alg. 1 line 7): M_i = B_i - (1 - mu) P R^T (the ablation keeps M = B)
+        if error_feedback:
+            M.addmm_(P.to(M.dtype), R.mT.to(M.dtype), alpha=-(1.0 - mu))
         norms = torch.linalg.vector_norm(R, dim=0, keepdim=True)
         Q_update = R / (norms + eps)
         # the state keeps the old column where R's column is exactly 0 (B = 0 on every rank): a

@@ -179,12 +179,12 @@ class MatrixOptimizer(CommOptimizer):
 
     # ---- the step --------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure=None, *, diagnose: bool = False):
+    def step(self, closure=None, *, diagnose: bool = False, **kwargs):
         # the matrix update computes its diagnostics on the fly (Dion: from B before it is
         # overwritten), so it must know whether this step is diagnosed
         self._diagnose = diagnose
         try:
-            return super().step(closure, diagnose=diagnose)
+            return super().step(closure, diagnose=diagnose, **kwargs)
         finally:
             self._diagnose = False
 

@@ -78,7 +78,8 @@ def compatibility_problem(name: str, mode: str, comm_options: sync.SchemeOptions
         return None
     fits = [s.name for s in sync.schemes() if spec.accepts(s)]
     users = [o.name for o in optimizers() if o.accepts(scheme)]
-    return (f"comm.mode: {mode} is a {scheme.kind}-sync scheme returning a {scheme.result}, and optim.name={name} "
+    article = "an" if scheme.kind[0] in "aeiou" else "a"
+    return (f"comm.mode: {mode} is {article} {scheme.kind}-sync scheme returning a {scheme.result}, and optim.name={name} "
             f"needs {spec.needs}: one of {', '.join(fits)}"
             + (f"; {mode} works with optim.name={' or '.join(users)}" if users else ""))
 

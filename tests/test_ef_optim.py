@@ -191,7 +191,7 @@ def test_loco_at_p1_compresses_and_compensates() -> None:
      "optim.freeze_step: 300 >= train.max_steps=300"),
     (["optim.name=onebit_adam", "comm.mode=compressed", "optim.freeze_step=0"], "optim.freeze_step: 0 must be >= 1"),
     (["optim.name=adamw", "comm.mode=compressed"], "optim.name=adamw needs a gradient-sync scheme"),
-    (["optim.name=lion", "comm.mode=compressed"], "compressed works with optim.name=onebit_adam or binsgdm"),
+    (["optim.name=lion", "comm.mode=compressed"], "compressed works with optim.name=binsgdm or onebit_adam"),
     (["optim.name=onebit_adam", "comm.mode=loco"], "optim.name=onebit_adam needs an update-sync mean"),
     (["optim.name=binsgdm", "comm.mode=onebit"], "optim.name=binsgdm needs an update-sync mean"),
     (["optim.name=binsgdm", "comm.mode=compressed"], "optim.name=binsgdm quantizes m/b with BinSGDM's stochastic"),
