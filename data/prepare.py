@@ -536,7 +536,7 @@ def _take_lock(work: Path) -> None:
                 holder = json.loads(path.read_text())
             except (OSError, ValueError):
                 holder = {}
-            if holder.get("host") == me["host"] and _pid_alive(int(holder.get("pid", -1))):
+            if holder.get("host") == me["host"] and pid_alive(int(holder.get("pid", -1))):
                 raise PrepareError(f"another data.prepare (pid {holder['pid']} on {holder['host']}) is writing "
                                    f"{work}; wait for it or stop it") from None
             if holder.get("host") not in (None, me["host"]):
@@ -549,7 +549,8 @@ def _take_lock(work: Path) -> None:
         return
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (one we may not signal counts as alive)."""
     if pid <= 0:
         return False
     try:

@@ -46,6 +46,22 @@ def momentum_update_(exp_avgs: list[torch.Tensor], grads: list[torch.Tensor], be
     torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta2)
 
 
+def lion_group_step_(state: dict, group: dict, params: list[torch.Tensor]) -> None:
+    """One Lion step of `params` (their gradients already averaged) at the group's lr, betas and
+    weight decay; the momentum lives in state[p]["exp_avg"] (made on the first step)."""
+    grads = [p.grad for p in params]
+    exp_avgs = []
+    for p in params:
+        if "exp_avg" not in state[p]:
+            state[p]["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        exp_avgs.append(state[p]["exp_avg"])
+    beta1, beta2 = group["betas"]
+    updates = lion_direction(exp_avgs, grads, beta1)
+    torch._foreach_sign_(updates)
+    apply_update_(params, updates, float(group["lr"]), float(group["weight_decay"]))
+    momentum_update_(exp_avgs, grads, beta2)
+
+
 class Lion(CommOptimizer):
     """Lion on one shared state (gradient sync, or one process): every rank averages its gradient
     through the scheme (fp32 / bf16 allreduce), then takes the same step."""
@@ -65,17 +81,4 @@ class Lion(CommOptimizer):
 
     def _update(self, step: int) -> None:
         for gi, ks in self.layout.per_group.items():
-            group = self.param_groups[gi]
-            params = self.layout.params(ks)
-            grads = [p.grad for p in params]
-            exp_avgs = []
-            for p in params:
-                state = self.state[p]
-                if "exp_avg" not in state:
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                exp_avgs.append(state["exp_avg"])
-            beta1, beta2 = group["betas"]
-            updates = lion_direction(exp_avgs, grads, beta1)
-            torch._foreach_sign_(updates)
-            apply_update_(params, updates, float(group["lr"]), float(group["weight_decay"]))
-            momentum_update_(exp_avgs, grads, beta2)
+            lion_group_step_(self.state, self.param_groups[gi], self.layout.params(ks))

@@ -41,7 +41,7 @@ from comm import cost_model
 from . import sync
 from .base import CommOptimizer, Entry
 from .diagnostics import _aggregate
-from .lion import apply_update_, lion_direction, momentum_update_
+from .lion import apply_update_, lion_group_step_
 from .options import choice
 from .orthogonal import MUON_SCALES, NS_STEPS, muon_scale, muon_update
 from .registry import OptimizerSpec, OptimOptions, register_optimizer
@@ -211,20 +211,7 @@ class MatrixOptimizer(CommOptimizer):
             ks = [k for k in ks if k in scalars]
             if not ks:
                 continue
-            group = self.param_groups[gi]
-            params = self.layout.params(ks)
-            grads = [p.grad for p in params]
-            moms = []
-            for p in params:
-                state = self.state[p]
-                if "exp_avg" not in state:
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                moms.append(state["exp_avg"])
-            beta1, beta2 = group["betas"]
-            updates = lion_direction(moms, grads, beta1)
-            torch._foreach_sign_(updates)
-            apply_update_(params, updates, float(group["lr"]), float(group["weight_decay"]))
-            momentum_update_(moms, grads, beta2)
+            lion_group_step_(self.state, self.param_groups[gi], self.layout.params(ks))
 
     def momentum_of(self, p: torch.nn.Parameter) -> torch.Tensor | None:
         if self.inner is not None and p in self.inner.state:

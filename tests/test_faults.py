@@ -256,8 +256,8 @@ def _elastic(run: Path, kills: int, max_steps: int, seed: int = 0) -> subprocess
             "train.resume=auto", "comm.init_timeout_s=20"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--rdzv_backend=c10d",
            f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--nproc_per_node=2",
-           # spare restarts: a restarted round's gloo connect sometimes fails (refused, or never completes
-           # and hits comm.init_timeout_s); the launcher then starts the round again
+           # spare restarts: a restarted round that fails to form (rare since trainer/dist.py `_round_store`
+           # keeps rounds apart) is started again by the launcher
            f"--max-restarts={kills + 3}", "train.py", "configs/default.yaml", *args]
     log = open(run.parent / f"{run.name}.agent.log", "w")  # for a failure's post-mortem
     agent = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, text=True,

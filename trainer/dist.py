@@ -32,6 +32,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _round_store(world: int, timeout_s: float) -> dist.Store | None:
+    """Under torchrun's elastic agent, a store private to this restart round (None otherwise).
+
+    The agent's TCPStore outlives a round (with --rdzv_backend=c10d its port stays the same), and
+    torch's env:// init reuses it without a per-round prefix, so a restarted round can read the
+    previous round's gloo listening addresses and fail with "connectFullMesh ... Connection
+    refused" (measured: the first restarted round after a SIGKILL usually fails so, burning one
+    --max-restarts). A prefix by restart count and world size keeps rounds apart; every rank of a
+    round sees the same TORCHELASTIC_RESTART_COUNT."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return None
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"lioncub/restart_{os.environ['TORCHELASTIC_RESTART_COUNT']}/world_{world}", agent)
+
+
 def init_distributed(device: str = "auto", timeout_s: float = 600.0, init_timeout_s: float | None = None) -> DistInfo:
     """Join the process group. `init_timeout_s` bounds forming the group (a restarted round whose
     peers never show up fails fast and the launcher can restart it again); collectives then use
@@ -53,6 +69,9 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0, init_timeou
         setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
         first = min(timeout_s, init_timeout_s) if init_timeout_s and setter else timeout_s
         kwargs = dict(backend=backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=first))
+        store = _round_store(world, first)
+        if store is not None:
+            kwargs["store"] = store
         if backend == "nccl":
             kwargs["device_id"] = dev
         dist.init_process_group(**kwargs)

@@ -15,6 +15,8 @@ import socket
 import time
 from pathlib import Path
 
+from data.prepare import pid_alive
+
 LOCK = ".lock"
 
 
@@ -38,16 +40,6 @@ def _start_ticks(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])  # field 22; the name in parens may hold spaces
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def holder_record() -> dict:
     pid = os.getpid()
     return {"pid": pid, "host": socket.gethostname(), "boot_id": _boot_id(), "start_ticks": _start_ticks(pid),
@@ -61,7 +53,7 @@ def dead_reason(rec: dict) -> str:
             return "this host rebooted since it took the lock"
         return ""
     pid = int(rec.get("pid", -1))
-    if pid <= 0 or not _alive(pid):
+    if pid <= 0 or not pid_alive(pid):
         return f"process {pid} is gone"
     ticks = _start_ticks(pid)
     if rec.get("start_ticks") is not None and ticks is not None and ticks != rec["start_ticks"]:

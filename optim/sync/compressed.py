@@ -219,37 +219,36 @@ class LocoOptions(SchemeOptions):
         return Compressor("int4", block=self.block)
 
 
-def quantize_error(e: torch.Tensor, block: int, q: torch.Tensor, scales: torch.Tensor) -> None:
-    """q (int8, like e) and scales (float32[ceil(n / block)]) <- LoCo's 8-bit code of e per block of
-    `block` elements: scale = max |e| / 127, q = round(e * 127 / max |e|) (half to even)."""
-    n = e.numel()
+def _block_runs(n: int, block: int):
+    """(lo, hi, rows) runs covering [0, n): whole blocks of `block` elements in pieces of about _PIECE
+    elements (a bounded temporary), and a short last block as a run of one row."""
     step = max(block, _PIECE // block * block)
     for a in range(0, n, step):
         b = min(n, a + step)
         rows, tail = divmod(b - a, block)
-        for lo, hi, r in ((a, a + rows * block, rows), (a + rows * block, b, 1 if tail else 0)):
-            if r == 0:
-                continue
-            v = e[lo:hi].view(r, -1)
-            amax = v.abs().amax(dim=1)
-            s0 = lo // block
-            scales[s0:s0 + r] = amax / ERR_LEVELS
-            inv = torch.where(amax > 0, ERR_LEVELS / amax, 0.0).unsqueeze(1)
-            q[lo:hi].view(r, -1).copy_((v * inv).round_().clamp_(-ERR_LEVELS, ERR_LEVELS))
+        if rows:
+            yield a, a + rows * block, rows
+        if tail:
+            yield a + rows * block, b, 1
+
+
+def quantize_error(e: torch.Tensor, block: int, q: torch.Tensor, scales: torch.Tensor) -> None:
+    """q (int8, like e) and scales (float32[ceil(n / block)]) <- LoCo's 8-bit code of e per block of
+    `block` elements: scale = max |e| / 127, q = round(e * 127 / max |e|) (half to even)."""
+    for lo, hi, r in _block_runs(e.numel(), block):
+        v = e[lo:hi].view(r, -1)
+        amax = v.abs().amax(dim=1)
+        s0 = lo // block
+        scales[s0:s0 + r] = amax / ERR_LEVELS
+        inv = torch.where(amax > 0, ERR_LEVELS / amax, 0.0).unsqueeze(1)
+        q[lo:hi].view(r, -1).copy_((v * inv).round_().clamp_(-ERR_LEVELS, ERR_LEVELS))
 
 
 def dequantize_error(q: torch.Tensor, scales: torch.Tensor, block: int, out: torch.Tensor) -> None:
     """out (float32, like q) <- q * its block's scale (quantize_error's inverse up to rounding)."""
-    n = q.numel()
-    step = max(block, _PIECE // block * block)
-    for a in range(0, n, step):
-        b = min(n, a + step)
-        rows, tail = divmod(b - a, block)
-        for lo, hi, r in ((a, a + rows * block, rows), (a + rows * block, b, 1 if tail else 0)):
-            if r == 0:
-                continue
-            s0 = lo // block
-            torch.mul(q[lo:hi].view(r, -1), scales[s0:s0 + r].unsqueeze(1), out=out[lo:hi].view(r, -1))
+    for lo, hi, r in _block_runs(q.numel(), block):
+        s0 = lo // block
+        torch.mul(q[lo:hi].view(r, -1), scales[s0:s0 + r].unsqueeze(1), out=out[lo:hi].view(r, -1))
 
 
 class _LocoErrors:

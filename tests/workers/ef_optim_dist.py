@@ -28,6 +28,7 @@ import comm
 from comm import Compressor
 from optim import build_optimizer
 from optim.base import digest
+from ef_sim import sim_call  # this folder is the script's sys.path[0]
 
 P = RANK = 0
 CHECKS = 0
@@ -45,92 +46,8 @@ def check(cond: bool, msg: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# the simulation of comm.ef_compressed_allreduce over P workers (its module docstring)
+# LoCo's 8-bit error code (the simulation of the collective itself is ef_sim.py)
 # ------------------------------------------------------------------------------------------------
-
-def layout(n: int, Q: int, comp: Compressor) -> tuple[int, int]:
-    """(chunk length c, block length B): ceil(n/Q) rounded up to the packing unit or the block."""
-    step = comp.block if comp.block else (2 if comp.kind == "int4" else 8)
-    c = math.ceil(math.ceil(n / Q) / step) * step
-    return c, (comp.block or c)
-
-
-def sim_compress(v: torch.Tensor, valid: int, B: int, comp: Compressor, u: torch.Tensor | None) -> torch.Tensor:
-    """D(C(v)) of v (float32[R*B], its first `valid` elements real)."""
-    V = v.view(-1, B)
-    counts = torch.tensor([min(B, max(0, valid - j * B)) for j in range(V.shape[0])], dtype=torch.float32)
-    if comp.kind == "scaled_sign":      # mean |y| per block (the primitive the contract names), sign(0) = +1
-        s = torch.linalg.vector_norm(V, ord=1, dim=1) / counts.clamp(min=1)
-        s = torch.where(counts > 0, s, 0.0)[:, None]
-        return torch.where(V >= 0, s, -s).reshape(-1)
-    if comp.kind == "binary_stochastic":  # BinSGDM eq. 5 with bound 1: +1 w.p. (clamp(y) + 1) / 2
-        prob_plus = (V.clamp(-1.0, 1.0) + 1.0) * 0.5
-        return torch.where(u.view(-1, B) < prob_plus, 1.0, -1.0).reshape(-1)
-    amax = V.abs().amax(dim=1, keepdim=True)  # int4: q = round(y * 7 / max|y|) in [-7, 7], D = q * max|y| / 7
-    q = torch.round(V * torch.where(amax > 0, 7 / amax, 0.0)).clamp(-7, 7)
-    return (q * (amax / 7)).reshape(-1)
-
-
-def sim_draws(gen, valid: int, length: int, comp: Compressor) -> torch.Tensor | None:
-    if comp.kind != "binary_stochastic":
-        return None
-    u = torch.ones(length)
-    u[:valid] = torch.rand(valid, generator=gen)
-    return u
-
-
-def new_error(err: torch.Tensor, target: torch.Tensor, dec: torch.Tensor, beta: float) -> torch.Tensor:
-    return target - dec if beta == 0.0 else err * beta + (target - dec) * (1.0 - beta)
-
-
-def sim_exchange(srcs, werrs, serrs, comp, c, B, gens, beta) -> torch.Tensor:
-    """Q workers -> chunk owners -> all; errors updated in place; the Q*c decoded result."""
-    Q, nr = len(srcs), srcs[0].numel()
-    pieces = []
-    for i in range(Q):
-        y = torch.zeros(Q * c)
-        y[:nr] = srcs[i] + werrs[i]
-        dec = sim_compress(y, nr, B, comp, sim_draws(gens[i], nr, Q * c, comp))
-        werrs[i].copy_(new_error(werrs[i], y[:nr], dec[:nr], beta))
-        pieces.append(dec.view(Q, c))
-    out = torch.zeros(Q * c)
-    for r in range(Q):
-        valid = min(c, max(0, nr - r * c))
-        z = pieces[0][r].clone()
-        for i in range(1, Q):
-            z = z + pieces[i][r]
-        z = z / Q + serrs[r]
-        z[valid:] = 0.0
-        dec = sim_compress(z, valid, B, comp, sim_draws(gens[r], valid, c, comp))
-        e = new_error(serrs[r], z, dec, beta)
-        e[valid:] = 0.0
-        serrs[r].copy_(e)
-        out[r * c:(r + 1) * c] = dec
-    return out
-
-
-def sim_call(xs, werrs, serrs, comp, gens, beta=0.0, m: int = 1) -> torch.Tensor:
-    """One call over P ranks; m > 1: BinSGDM §4 (node means, then the exchange per local index)."""
-    n = xs[0].numel()
-    c, B = layout(n, P, comp)
-    if m == 1:
-        return sim_exchange(xs, werrs, serrs, comp, c, B, gens, beta)[:n]
-    k, L = P // m, P // m * c
-    means = []
-    for node in range(k):   # m = 2 here: a + b is the same in either order, then / m in fp32
-        s = torch.zeros(P * c)
-        for j in range(m):
-            s[:n] = s[:n] + xs[node * m + j]
-        means.append(s / m)
-    result = torch.zeros(P * c)
-    for l in range(m):
-        ranks = [node * m + l for node in range(k)]
-        nr = max(0, min(L, n - l * L))
-        result[l * L:(l + 1) * L] = sim_exchange(
-            [means[node][l * L:l * L + nr] for node in range(k)], [werrs[r][:nr] for r in ranks],
-            [serrs[r] for r in ranks], comp, c, B, [gens[r] for r in ranks], beta)
-    return result[:n]
-
 
 def sim_q8(e: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """LoCo's 8-bit error code per block: scale = max|e| / 127, q = round(e * 127 / max|e|)."""
