@@ -2,13 +2,20 @@
 including a resume on another world size: the model and the replicated optimizer state load as
 they are, per-rank optimizer state (update-sync momenta) is averaged once over the saved ranks,
 which is exactly one momentum synchronisation, and the data loader's global position carries over,
-so no token is trained twice or skipped."""
+so no token is trained twice or skipped; and the policy for a non-finite step (train.on_nonfinite)."""
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
-from .checkpoint import files_needed, load_files, rank_file, rng_state, save_checkpoint, set_rng_state, MODEL
+from .checkpoint import (MODEL, files_needed, find_resumable, load_files, rank_file, rng_state, save_checkpoint,
+                         set_rng_state)
+
+MAX_ROLLBACKS = 5
+
+
+class DivergenceError(RuntimeError):
+    """The loss or a gradient turned non-finite and the policy says stop (or rollback is exhausted)."""
 
 
 def save(trainer) -> Path:
@@ -43,3 +50,28 @@ def load(trainer, path: Path, meta: dict) -> str:
     trainer.step, trainer.train_time = int(mine["step"]), float(mine.get("train_time", 0.0))
     trainer.skip_batches = set(mine.get("skip_batches", []))
     return f"resumed from {path} at step {trainer.step}{note}"
+
+
+def on_nonfinite(trainer, r: dict) -> None:
+    """train.on_nonfinite: stop (DivergenceError), skip_step (no update, go on), or rollback (reload
+    the last good checkpoint and skip the offending step's batches)."""
+    policy, bad = trainer.cfg.train.on_nonfinite, trainer.step
+    trainer.logger.log({"step": bad, "event": "nonfinite", "policy": policy, "train_loss": r["loss"]})
+    if policy == "skip_step":
+        trainer.logger.console(f"step {bad}: non-finite loss or gradient on some rank; no update applied "
+                               f"(train.on_nonfinite=skip_step)")
+        return
+    found = find_resumable(trainer.ckpt_root, trainer.info.rank, trainer.info.world_size, trainer._say) \
+        if policy == "rollback" and trainer.rollbacks < MAX_ROLLBACKS else None
+    if found is None:
+        why = ("no checkpoint to roll back to" if policy == "rollback" and trainer.rollbacks < MAX_ROLLBACKS else
+               f"{MAX_ROLLBACKS} rollbacks already" if policy == "rollback" else "train.on_nonfinite=stop")
+        raise DivergenceError(f"non-finite loss or gradient at step {bad} on some rank (loss here: "
+                              f"{r['loss']}); no update was applied and no checkpoint holds non-finite values "
+                              f"({why}). Lower optim.lr or raise optim.warmup_steps, or set "
+                              f"train.on_nonfinite=skip_step|rollback")
+    skip = trainer.skip_batches | {bad}
+    msg = load(trainer, *found)
+    trainer.skip_batches, trainer.rollbacks = skip, trainer.rollbacks + 1
+    trainer.logger.console(f"step {bad}: non-finite loss or gradient; rolled back: {msg}; the batches of step "
+                           f"{bad} will be skipped")

@@ -25,6 +25,7 @@ from optim import build_optimizer
 from optim.base import digest
 
 from . import state
+from .state import DivergenceError
 from .checkpoint import find_resumable
 from .config import Config, ConfigError, validate
 from .dist import DistInfo, all_agree
@@ -35,13 +36,6 @@ from .rundir import RunDirError, prepare_run_dir, run_id
 from .schedule import lr_at
 
 __all__ = ["DivergenceError", "RunDirError", "Trainer", "run"]
-MAX_ROLLBACKS = 5
-
-
-class DivergenceError(RuntimeError):
-    """The loss or a gradient turned non-finite and the policy says stop (or rollback is exhausted)."""
-
-
 class Trainer:
     def __init__(self, cfg: Config, info: DistInfo) -> None:
         validate(cfg, world_size=info.world_size)
@@ -156,30 +150,6 @@ class Trainer:
     def save(self) -> Path:
         return state.save(self)
 
-    def _on_nonfinite(self, r: dict) -> None:
-        """train.on_nonfinite: stop (DivergenceError), skip_step (no update, go on), or rollback (reload
-        the last good checkpoint and skip the offending step's batches)."""
-        policy, bad = self.cfg.train.on_nonfinite, self.step
-        self.logger.log({"step": bad, "event": "nonfinite", "policy": policy, "train_loss": r["loss"]})
-        if policy == "skip_step":
-            self.logger.console(f"step {bad}: non-finite loss or gradient on some rank; no update applied "
-                                f"(train.on_nonfinite=skip_step)")
-            return
-        found = find_resumable(self.ckpt_root, self.info.rank, self.info.world_size, self._say) \
-            if policy == "rollback" and self.rollbacks < MAX_ROLLBACKS else None
-        if found is None:
-            why = ("no checkpoint to roll back to" if policy == "rollback" and self.rollbacks < MAX_ROLLBACKS else
-                   f"{MAX_ROLLBACKS} rollbacks already" if policy == "rollback" else "train.on_nonfinite=stop")
-            raise DivergenceError(f"non-finite loss or gradient at step {bad} on some rank (loss here: "
-                                  f"{r['loss']}); no update was applied and no checkpoint holds non-finite values "
-                                  f"({why}). Lower optim.lr or raise optim.warmup_steps, or set "
-                                  f"train.on_nonfinite=skip_step|rollback")
-        skip = self.skip_batches | {bad}
-        msg = state.load(self, *found)
-        self.skip_batches, self.rollbacks = skip, self.rollbacks + 1
-        self.logger.console(f"step {bad}: non-finite loss or gradient; rolled back: {msg}; the batches of step "
-                            f"{bad} will be skipped")
-
     # ------------------------------------------------------------------ loop
     def _on_signal(self, signum, _frame) -> None:
         self._signals += 1
@@ -206,7 +176,7 @@ class Trainer:
             diagnose = bool(cfg.diag.every) and (self.step + 1) % cfg.diag.every == 0
             r = self.train_step(diagnose)
             if r["report"].nonfinite:
-                self._on_nonfinite(r)
+                state.on_nonfinite(self, r)
                 continue
             self.train_time += r["step_s"]
             window.append(r)
