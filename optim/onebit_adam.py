@@ -153,7 +153,10 @@ class OneBitAdam(AdamW):
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
-        sd["frozen"] = {"exp_avg": self.m_flat, "denom": self.denom} if self.frozen else None
+        # a dead element's denominator (inf in memory) is stored as 0: checkpoints hold finite values
+        # only (the trainer refuses to save anything else), and a live denominator is > 0
+        sd["frozen"] = {"exp_avg": self.m_flat, "denom": self.denom if self.dead is None else
+                        self.denom.masked_fill(self.dead, 0.0)} if self.frozen else None
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -168,6 +171,7 @@ class OneBitAdam(AdamW):
             return
         self.m_flat = frozen["exp_avg"].to(device=self.layout.device, dtype=torch.float32).clone()
         self.denom = frozen["denom"].to(device=self.layout.device, dtype=torch.float32).clone()
+        self.denom.masked_fill_(self.denom == 0, math.inf)  # state_dict's encoding of a dead element
         if self.m_flat.numel() != self.layout.numel:
             raise ValueError(f"OneBitAdam.load_state_dict: the checkpoint holds {self.m_flat.numel()} momentum "
                              f"elements, this model has {self.layout.numel} trainable ones")

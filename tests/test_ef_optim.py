@@ -266,6 +266,25 @@ def test_train_end_to_end(tmp_path: Path, variant: str) -> None:
 
 
 @pytest.mark.slow
+def test_onebit_adam_with_dead_elements_checkpoints_and_resumes_bit_exact(tmp_path: Path) -> None:
+    """Untied embedding rows of tokens never seen in the warm-up have v = 0 at the freeze (frozen
+    denominator inf: never moved). The checkpoint stores them finite (as 0) and a resume restores
+    them: the run saves past the freeze and continues bit for bit."""
+    args = ("model.tie_embeddings=false", "optim.freeze_step=2", "train.max_steps=6")
+    straight = _train(tmp_path, "onebit_adam", "straight", *args)
+    split = _train(tmp_path, "onebit_adam", "split", *args, "train.stop_after=4")
+    state = torch.load(split / "ckpt" / "step_000004" / "rank_00000.pt", map_location="cpu", weights_only=False)
+    denom = state["optimizer"]["frozen"]["denom"]
+    assert torch.isfinite(denom).all() and int((denom == 0).sum()) > 1000  # dead rows, stored as 0
+    _train(tmp_path, "onebit_adam", "split", *args, "train.resume=auto")
+    a, b = _records(straight, "train_loss"), _records(split, "train_loss")
+    assert [r["step"] for r in b] == list(range(1, 7))
+    assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]
+    sha = [_records(r, "param_sha256")[-1]["param_sha256"] for r in (straight, split)]
+    assert sha[0] == sha[1]
+
+
+@pytest.mark.slow
 def test_binsgdm_resume_is_bit_exact(tmp_path: Path) -> None:
     """Per-rank m, b, errors and generator states round-trip through the per-rank checkpoint."""
     straight = _train(tmp_path, "binsgdm", "straight", "train.max_steps=8")
