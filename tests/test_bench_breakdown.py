@@ -180,3 +180,21 @@ def test_targets_are_checked_at_the_comm_bound_rate():
     assert any("lioncub_4bit: collectives 450 ms vs model 400 ms = 1.12x (within" in ln for ln in lines)
     only_slow = sb.check_targets(sb.add_relative(rows[:2]))
     assert len(only_slow) == 1 and "no rate" in only_slow[0] and "60.0" in only_slow[0]
+
+
+def test_runs_without_fine_timing_are_not_judged_on_their_comm_split():
+    """comm.fine_timing=false books no collective time: its step counts, its comm / other columns do
+    not (they would read 0 ms of comm and an "other" that includes the communication)."""
+    def row(v, step, comm, other, nbytes=2e6):
+        return {"rate": "100mbit", "variant": v, "status": "ok", "step_ms": step, "comm_ms": comm, "coll_ms": comm,
+                "other_ms": other, "comm_share": comm / step, "comm_bytes": nbytes, "pred_comm_ms": 100.0,
+                "coll_over_pred": comm / 100.0, "comm_over_pred": comm / 100.0, "compute_ms": 100.0}
+    rows = sb.add_relative([row("lion_fp32", 7000.0, 6800.0, 80.0, 5e7), row("lioncub_1bit", 500.0, 260.0, 100.0),
+                            row("lioncub_1bit@comm.fine_timing=false", 480.0, 0.0, 370.0)])
+    assert sb.untimed(rows[2]) and not sb.untimed(rows[1])
+    lines = sb.check_targets(rows)
+    assert "best Lion Cub lioncub_1bit:" in next(ln for ln in lines if "best Lion Cub" in ln)
+    assert not any("fine_timing=false: collectives" in ln for ln in lines)
+    fast = sb.check_fast_path_targets(rows)
+    assert any("lioncub_1bit optimizer time 100 ms vs 80 ms" in ln for ln in fast)
+    assert not any("fine_timing=false optimizer time" in ln for ln in fast)
