@@ -192,7 +192,8 @@ def test_a_second_live_run_is_refused_and_a_dead_holders_lock_is_taken_over(tmp_
 def test_config_error_is_shown_under_torchrun_every_time(tmp_path):
     shown = 0
     for _ in range(10):  # the message used to be lost on some runs (rank 0 torn down before it printed)
-        proc = torchrun(2, ROOT / "train.py", "configs/default.yaml", "train.max_stpes=3", check=False, timeout=120)
+        proc = torchrun(2, ROOT / "train.py", "configs/default.yaml", "train.max_stpes=3", check=False, timeout=120,
+                        launcher="torchrun")
         shown += proc.returncode != 0 and "did you mean train.max_steps" in proc.stderr + proc.stdout
     assert shown == 10
 
