@@ -11,8 +11,11 @@ install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install --quiet torch==2.13.0
 	@$(PYTHON) -m pip install --quiet -e ".[dev]"
 
+# two pytest workers, one test file each at a time (--dist loadfile): the multi-process tests spend
+# much of their time starting processes and waiting on sockets, so two files share the 2 cores well
+# (measured: 10:42 against 13:54 serially); a file's tests stay in one worker, in order
 test: install
-	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -n 2 --dist loadfile tests
 
 train: install
 	OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) train.py $(CONFIG) $(ARGS)
