@@ -285,15 +285,10 @@ class CommOptimizer(torch.optim.Optimizer):
 
     def _make_buckets(self, order: list[torch.nn.Parameter]) -> _overlap.Overlap:
         if self.scheme.kind == sync.GRADIENT:
-            bufs = {}
-            for dtype, buf in self.grad_buffers.items():
-                base = buf.data_ptr()
-                bufs[dtype] = (buf, base)
             buckets = []
-            for dtype in self.grad_buffers:
-                ps = [p for p in order if p.dtype == dtype]
+            for dtype, buf in self.grad_buffers.items():
+                ps, base = [p for p in order if p.dtype == dtype], buf.data_ptr()
                 for run in _overlap.plan(ps, self.bucket_bytes):
-                    buf, base = bufs[dtype]
                     offs = [(p.grad.data_ptr() - base) // p.grad.element_size() for p in run]
                     lo, hi = min(offs), max(o + p.numel() for o, p in zip(offs, run))
                     b = _overlap.Bucket(len(buckets), run, lo, hi)
@@ -306,6 +301,7 @@ class CommOptimizer(torch.optim.Optimizer):
                 buckets.append(_overlap.Bucket(len(buckets), run, off, off + n))
                 off += n
         for b in buckets:  # bucket b's part of the exchange: its own segments, and the overlap's stats
+            b.extra["rows"] = sum(p.shape[0] if p.ndim >= 2 else 1 for p in b.params)  # once, not every step
             part = self.ctx.restrict(b.lo, b.hi) if self.scheme.kind == sync.UPDATE else self.ctx
             b.extra["ctx"] = part
             b.extra["ctx_bg"] = dataclasses.replace(part, stats=_overlap_stats(self))
@@ -330,9 +326,8 @@ class CommOptimizer(torch.optim.Optimizer):
         return _overlap.Done(self.exchange(vec, step, b.extra["ctx"]))
 
     def _book_bucket(self, b: _overlap.Bucket) -> tuple[str, int, int]:
-        n = b.hi - b.lo
-        rows = sum(p.shape[0] if p.ndim >= 2 else 1 for p in b.params)
-        sent, recv = self.scheme.bytes_per_call(self.scheme_options, self.world_size, n, self.rank, rows)
+        sent, recv = self.scheme.bytes_per_call(self.scheme_options, self.world_size, b.hi - b.lo, self.rank,
+                                                b.extra["rows"])
         return f"{self.scheme.name}[bucket {b.index}]", sent, recv
 
     def _bucket_vector(self, b: _overlap.Bucket) -> torch.Tensor:  # pragma: no cover - interface
@@ -538,7 +533,7 @@ class CommOptimizer(torch.optim.Optimizer):
         the update vector (or its buckets) for update sync. Optimizers with other exchanges override."""
         if self._buckets is not None:
             return [("grad_sync" if self.scheme.kind == sync.GRADIENT else "update_sync", b.hi - b.lo,
-                     sum(p.shape[0] if p.ndim >= 2 else 1 for p in b.params)) for b in self._buckets.buckets]
+                     b.extra["rows"]) for b in self._buckets.buckets]
         if self.scheme.kind == sync.GRADIENT:
             return [("grad_sync", buf.numel(), 1) for buf in self.grad_buffers.values()]
         return [("update_sync", self.layout.numel, sum(e.rows for e in self.layout.entries))]
