@@ -216,7 +216,7 @@ def test_fig6_falls_back_to_roles():
 
 EXPECTED_COLUMNS = {
     "table2": {"label", "paper_val_loss", "val_loss_mean", "val_loss_std", "val_loss_n", "delta_vs_fp32", "rank",
-               "sign_match_pct", "sign_flip_pct", "status"},
+               "sign_match_pct", "sign_flip_pct", "sign_match_embedding_pct", "sign_match_mlp_pct", "status"},
     "table3": {"ranks", "tie_pct", "tie_attn_pct", "tie_mlp_pct", "pos_pos", "pos_neg", "pos_zero", "neg_pos",
                "neg_neg", "neg_zero", "zero_pos", "zero_neg", "zero_zero", "n", "status"},
     "fig10": {"beta2", "arm", "val_loss_mean", "best_val_mean", "drift_mean", "tie_rate_pct", "status"},

@@ -98,6 +98,7 @@ TABLE2_ARMS = [  # (arm, label, preset, overrides, paper val loss (Lion Cub Tabl
 ]
 
 
+TABLE2_ROLES = ("embedding", "attn", "mlp")
 TABLE2_QUICK = ("fp32", "1bit", "8bit_l1")  # --quick: one arm per code path (L0 / L2 / Linf are L1's with another p)
 
 
@@ -115,6 +116,9 @@ def table2_summary(results: list[RunResult], scale: Scale) -> Summary:
                **seed_stats(group, _val, "val_loss"), **seed_stats(group, _train_tail, "train_loss"),
                "sign_match_pct": _pct(mean_std(r.window_mean("diag/sign_match") for r in group if r.ok)[0]),
                "sign_flip_pct": _pct(mean_std(r.window_mean("diag/sign_flip") for r in group if r.ok)[0])}
+        for role in TABLE2_ROLES:  # per role: a whole-model rate is dominated by the 50k-row embedding
+            row[f"sign_match_{role}_pct"] = _pct(mean_std(r.window_mean(f"diag/sign_match/{role}")
+                                                          for r in group if r.ok)[0])
         rows.append(row)
     fp32 = next((r["val_loss_mean"] for r in rows if r["arm"] == "fp32"), None)
     paper_fp32 = next(p for a, _, _, _, p in TABLE2_ARMS if a == "fp32")
@@ -132,11 +136,14 @@ def table2_summary(results: list[RunResult], scale: Scale) -> Summary:
             Column("delta_vs_fp32", "Δ vs 32 bit", "+.4f"), Column("rank", "rank", "d"),
             Column("train_loss_mean", "train loss (last 10 %)", ".4f"),
             Column("sign_match_pct", "sign match %", ".1f"), Column("sign_flip_pct", "sign flip %", ".1f"),
+            *[Column(f"sign_match_{role}_pct", f"sign match % ({role})", ".1f") for role in TABLE2_ROLES],
             Column("status", "status", align="left"), Column("arm", "arm id", align="left", md=False),
             Column("val_loss_mean", "val loss mean", md=False), Column("val_loss_std", "val loss std", md=False)]
     notes = ["Δ and rank: mean final validation loss against 32-bit Lion, lower is better; the paper has no L2 "
              "column. Sign match / flip (Lion Cub Fig. 4): applied update vs exact Lion sign(mean_i c_i), mean over "
-             "diagnostic steps in the second half of training (update-sync arms only).",
+             "diagnostic steps in the second half of training (update-sync arms only); a zero update where exact "
+             "Lion moves counts as neither match nor flip. Per role: the same rate over the embedding (tied with the "
+             "head here) and over the attention / MLP matrices; the whole-model rate is mostly the embedding's.",
              f"8-bit lanes at P = {scale.nproc}: L = 255 // (2P) = {255 // (2 * scale.nproc)} levels "
              "(the paper's 8 workers: 15)."]
     return Summary(rows, cols, notes)
