@@ -12,8 +12,10 @@ per transformer block ("diag/<metric>/block/<i>"), so Lion Cub Fig. 6 / 17 can b
   Fig. 4's "excludes elements mapped to 0" is about the numerator; dividing by all elements makes
   sign_match + sign_flip + (elements where exactly one side is 0) = 1.
 - tie_rate: fraction of elements whose sum over ranks of sign(c_i) is 0 (Table 3).
-- vote_table/exact_<e>_vote_<v>, e, v in {neg, zero, pos} (overall only): the 3x3 table of exact
-  Lion's sign against the plain majority vote sign(sum_i sign(c_i)); the nine entries sum to 1.
+- vote_table/exact_<e>_vote_<v>, e, v in {neg, zero, pos}: the 3x3 table of exact Lion's sign
+  against the plain majority vote sign(sum_i sign(c_i)); the nine entries sum to 1. Overall and per
+  role ("diag/vote_table/<role>/exact_<e>_vote_<v>"), not per block or tensor: a model whose
+  embedding dominates the element count needs the attn / mlp tables to compare with Table 3.
 - momentum_spread: max over elements of the std across ranks (population, ddof 0) of the
   momentum, from allreduced sums of m and m^2 in fp64 (Lion Cub Fig. 6, 17); identical momenta
   give exactly 0. The optimizer base measures it after the step's momentum update and BEFORE a
@@ -91,11 +93,11 @@ def vote_diagnostics(c_flat: torch.Tensor, update: torch.Tensor, layout, *, worl
         out["diag/sign_match" + suffix] = float(h.diagonal(dim1=0, dim2=1).sum()) / total  # exact == applied
         out["diag/sign_flip" + suffix] = float(h[0, 2].sum() + h[2, 0].sum()) / total       # opposite signs
         out["diag/tie_rate" + suffix] = float(h[:, :, 1].sum()) / total                     # sum of signs == 0
-        if suffix == "":
+        if suffix == "" or suffix[1:] in layout.by_role:  # overall and per role (not per block / tensor)
             table = h.sum(dim=1)  # (exact, vote)
             for e in range(3):
                 for v in range(3):
-                    out[f"diag/vote_table/exact_{NAMES[e]}_vote_{NAMES[v]}"] = float(table[e, v]) / total
+                    out[f"diag/vote_table{suffix}/exact_{NAMES[e]}_vote_{NAMES[v]}"] = float(table[e, v]) / total
     histograms = {}
     for role, entries in layout.by_role.items():
         seg = torch.cat([c_flat[e.offset:e.offset + e.numel] for e in entries]) if len(entries) > 1 else \

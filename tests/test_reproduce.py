@@ -217,7 +217,7 @@ def test_fig6_falls_back_to_roles():
 EXPECTED_COLUMNS = {
     "table2": {"label", "paper_val_loss", "val_loss_mean", "val_loss_std", "val_loss_n", "delta_vs_fp32", "rank",
                "sign_match_pct", "sign_flip_pct", "sign_match_embedding_pct", "sign_match_mlp_pct", "status"},
-    "table3": {"ranks", "tie_pct", "tie_attn_pct", "tie_mlp_pct", "pos_pos", "pos_neg", "pos_zero", "neg_pos",
+    "table3": {"ranks", "scope", "tie_pct", "tie_attn_pct", "tie_mlp_pct", "pos_pos", "pos_neg", "pos_zero", "neg_pos",
                "neg_neg", "neg_zero", "zero_pos", "zero_neg", "zero_zero", "n", "status"},
     "fig10": {"beta2", "arm", "val_loss_mean", "best_val_mean", "drift_mean", "tie_rate_pct", "status"},
     "fig5": {"beta2", "arm", "val_loss_mean", "val_loss_std", "delta_vs_sync", "status"},
@@ -248,7 +248,12 @@ def test_quick_training_studies_end_to_end(tmp_path):
             assert {r["how"] for r in runs} == {"reused"}
 
     # numbers recomputed from the raw metrics: table3's vote table is the mean of the late diag records
-    t3 = list(csv.DictReader(open(out / "table3.csv")))[0]
+    t3_rows = {r["scope"]: r for r in csv.DictReader(open(out / "table3.csv"))}
+    t3 = t3_rows["all"]
+    attn = t3_rows["attn"]  # the per-role table: its own distribution, and its tie rate is the role's
+    assert sum(float(attn[f"{e}_{v}"]) for e in ("pos", "neg", "zero") for v in ("pos", "neg", "zero")) == \
+        pytest.approx(100.0, abs=1e-6)
+    assert float(attn["tie_pct"]) == pytest.approx(float(t3["tie_attn_pct"]))
     cells = [float(t3[f"{e}_{v}"]) for e in ("pos", "neg", "zero") for v in ("pos", "neg", "zero")]
     assert sum(cells) == pytest.approx(100.0, abs=1e-6)
     recs = [json.loads(x) for x in open(work / "runs" / "1bit_p2_s1337" / "metrics.jsonl")]

@@ -227,8 +227,12 @@ def check_diagnostics(rank: int, P: int) -> None:
                     assert d["diag/sign_flip" + role] == 0.0, (mode, role, d)
                     assert d["diag/tie_rate" + role] == 0.0, (mode, role, d)
                     assert d["diag/momentum_spread" + role] == 0.0, (mode, role, d)
-                table = {k: v for k, v in d.items() if k.startswith("diag/vote_table/")}
+                table = {k: v for k, v in d.items() if k.startswith("diag/vote_table/exact_")}
                 assert len(table) == 9 and abs(sum(table.values()) - 1.0) < 1e-12
+                for role in ("embedding", "mlp", "head", "norm"):  # one table per role, each a distribution
+                    cells = [v for k, v in d.items() if k.startswith(f"diag/vote_table/{role}/exact_")]
+                    assert len(cells) == 9 and abs(sum(cells) - 1.0) < 1e-12, (role, cells)
+                assert not any(k.startswith(("diag/vote_table/tensor", "diag/vote_table/block")) for k in d)
                 assert table["diag/vote_table/exact_pos_vote_pos"] + table["diag/vote_table/exact_neg_vote_neg"] == 1.0
                 assert set(report.histograms) == {f"c_local/{r}" for r in ("embedding", "mlp", "head", "norm")}
                 assert report.histograms["c_local/embedding"].numel() == model.emb.weight.numel()
@@ -258,6 +262,7 @@ def check_diagnostics(rank: int, P: int) -> None:
             k_flip = sum(int(flip[i].sum()) for i in ps)
             k_all = sum(flip[i].numel() for i in ps)
             assert abs(d[f"diag/tie_rate/{role}"] - k_flip / k_all) < 1e-12
+            assert abs(d[f"diag/vote_table/{role}/exact_zero_vote_zero"] - k_flip / k_all) < 1e-12
             for i in ps:  # per tensor too
                 assert abs(d[f"diag/tie_rate/tensor/{names_by_index[i]}"] - int(flip[i].sum()) / flip[i].numel()) < 1e-12
             # m_i = (1 - b2) g_i = +-a on the flipped elements: the std across ranks is |a|
