@@ -165,6 +165,13 @@ def test_shared_run_names_and_specs():
         ra = {r.name: framework.run_spec(r, sa.scale(o)) for r in sa.build(sa.scale(o), [1], o) if pick(r)}
         rb = {r.name: framework.run_spec(r, sb.scale(o)) for r in sb.build(sb.scale(o), [1], o)}
         assert ra and ra == rb
+    # compressors' Lion rows are table2's full-size runs
+    full = Options()
+    t2, comp = STUDIES["table2"], STUDIES["compressors"]
+    ra = {r.name: framework.run_spec(r, t2.scale(full)) for r in t2.build(t2.scale(full), [1], full)}
+    rb = {r.name: framework.run_spec(r, comp.scale(full)) for r in comp.build(comp.scale(full), [1], full)
+          if r.label("optimizer") in studies.COMPRESSORS_FROM_TABLE2}
+    assert len(rb) == 3 and all(ra[name] == spec for name, spec in rb.items())
 
 
 # ---------------------------------------------------------------------------------------------

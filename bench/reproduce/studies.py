@@ -523,12 +523,28 @@ register(Study(
 COMPRESSED = ("onebit_adam", "binsgdm", "loco_adamw")
 
 
+# the Lion rows are table2's runs (same names and specs, diagnostics every 10 steps included): a shared
+# --work reuses them instead of training them again
+COMPRESSORS_FROM_TABLE2 = {"lion_fp32": "fp32", "lioncub_1bit": "1bit", "lioncub_8bit_l1": "8bit_l1"}
+
+
 def compressors_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
-    now = ["adamw_fp32"] if scale.quick else ["adamw_fp32", "lion_fp32", "lioncub_1bit", "lioncub_8bit_l1"]
+    now = ["adamw_fp32"] if scale.quick else ["adamw_fp32", *COMPRESSORS_FROM_TABLE2]
     # 1-bit Adam freezes its variance after 15 % of the run (its preset's ratio), here of this run
     freeze = [f"optim.freeze_step={max(1, int(0.15 * scale.steps))}"]
-    return [Run(run_name(v, scale.nproc, seed), variant(v), tuple(freeze if v == "onebit_adam" else ()), seed,
-                scale.nproc, (("optimizer", v),)) for v in [*now, *COMPRESSED] for seed in seeds]
+    arms = {arm: (preset, ov) for arm, _, preset, ov, _ in TABLE2_ARMS}
+    runs = []
+    for v in [*now, *COMPRESSED]:
+        for seed in seeds:
+            if v in COMPRESSORS_FROM_TABLE2:
+                arm = COMPRESSORS_FROM_TABLE2[v]
+                preset, ov = arms[arm]
+                runs.append(Run(run_name(arm, scale.nproc, seed), variant(preset), ov, seed, scale.nproc,
+                                (("optimizer", v),)))
+            else:
+                runs.append(Run(run_name(v, scale.nproc, seed), variant(v), tuple(freeze if v == "onebit_adam" else ()),
+                                seed, scale.nproc, (("optimizer", v),)))
+    return runs
 
 
 def _bytes_per_step(r: RunResult) -> float | None:
@@ -560,8 +576,8 @@ register(Study(
     "compressors", "Lion Cub Fig. 20: Lion Cub vs AdamW and compressed optimizers (1-bit Adam, BinSGDM, LoCo)",
     "Lion Cub Fig. 20 (GPT 735M, 8 GPUs): under restricted bandwidth 1-bit Adam beats Adam in total time but Lion Cub "
     "is fastest; on FineWeb, with the hyperparameters that make Adam converge, 1-bit Adam and 0/1 Adam diverge.",
-    quick=quick_scale(6), full=full_scale(300), seeds=FULL_SEEDS, quick_seeds=QUICK_SEEDS,
-    build=compressors_runs, summarize=compressors_summary, plot=compressors_plot))
+    quick=quick_scale(6, diag_every=2), full=full_scale(300, diag_every=10), seeds=FULL_SEEDS,
+    quick_seeds=QUICK_SEEDS, build=compressors_runs, summarize=compressors_summary, plot=compressors_plot))
 
 # ---------------------------------------------------------------------------------------------
 # Dion §4.1: error feedback on / off across ranks
