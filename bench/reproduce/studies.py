@@ -102,10 +102,16 @@ TABLE2_ROLES = ("embedding", "attn", "mlp")
 TABLE2_QUICK = ("fp32", "1bit", "8bit_l1")  # --quick: one arm per code path (L0 / L2 / Linf are L1's with another p)
 
 
+def table2_run(arm: str, nproc: int, seed: int, labels: tuple) -> Run:
+    """Table 2's run of `arm`; table3 and compressors build their Lion runs with it too, so that under a
+    shared --work they are the same runs (same name and spec) and are trained once."""
+    preset, ov = next((preset, ov) for a, _, preset, ov, _ in TABLE2_ARMS if a == arm)
+    return Run(run_name(arm, nproc, seed), variant(preset), ov, seed, nproc, labels)
+
+
 def table2_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
-    return [Run(run_name(arm, scale.nproc, seed), variant(preset), ov, seed, scale.nproc,
-                (("arm", arm), ("label", label), ("paper", paper)))
-            for arm, label, preset, ov, paper in TABLE2_ARMS if not scale.quick or arm in TABLE2_QUICK
+    return [table2_run(arm, scale.nproc, seed, (("arm", arm), ("label", label), ("paper", paper)))
+            for arm, label, _, _, paper in TABLE2_ARMS if not scale.quick or arm in TABLE2_QUICK
             for seed in seeds]
 
 
@@ -245,34 +251,31 @@ TABLE3_ROLES = ("attn", "mlp")
 
 def table3_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
     worlds = [opts.nproc] if opts.nproc else ([2] if scale.quick else [2, 4, 8])
-    # the same runs as table2's "1bit" arm (same name and spec): a shared --work reuses them
-    return [Run(run_name("1bit", p, seed), variant("lioncub_1bit"), (), seed, p, (("ranks", p),))
-            for p in worlds for seed in seeds]
+    return [table2_run("1bit", p, seed, (("ranks", p),)) for p in worlds for seed in seeds]
 
 
 def table3_summary(results: list[RunResult], scale: Scale) -> Summary:
     rows = []
     for (p,), group in group_runs(results, "ranks").items():
-        ok = [r for r in group if r.ok]
-        # scope "all" = every element; "attn" / "mlp" = that role's own table, from runs that logged
+        # scope "all" = every element; "attn" / "mlp" = that role's own table, from the runs that logged
         # per-role vote tables (the paper's model is mostly attn / mlp, ours mostly embedding)
         for scope in ("all", *TABLE3_ROLES):
             sfx = "" if scope == "all" else f"/{scope}"
-            have = [r for r in ok if r.series(f"diag/vote_table{sfx}/exact_pos_vote_pos")[0]]
-            if scope != "all" and not have:
+            have = [r for r in group if r.ok and r.series(f"diag/vote_table{sfx}/exact_pos_vote_pos")[0]]
+            if sfx and not have:
                 continue
-            row = {"ranks": p, "scope": scope, "status": status_of(group), "n": len(have) if sfx else len(ok)}
+            row = {"ranks": p, "scope": scope, "status": status_of(group), "n": len(have)}
             keys = [("diag/tie_rate" + sfx, "tie")]
             if scope == "all":
                 keys += [("diag/tie_rate/attn", "tie_attn"), ("diag/tie_rate/mlp", "tie_mlp"),
                          ("diag/tie_rate/embedding", "tie_emb")]
             for key, name in keys:
-                m, s, _ = mean_std(r.window_mean(key) for r in (have if sfx else ok))
+                m, s, _ = mean_std(r.window_mean(key) for r in have)
                 row[f"{name}_pct"], row[f"{name}_std"] = _pct(m), _pct(s)
             for e, _ in SIGNS:
                 for v, _ in SIGNS:
                     row[f"{e}_{v}"] = _pct(mean_std(r.window_mean(f"diag/vote_table{sfx}/exact_{e}_vote_{v}")
-                                                    for r in (have if sfx else ok))[0])
+                                                    for r in have)[0])
             rows.append(row)
     cols = [Column("ranks", "ranks", "d"), Column("scope", "elements", align="left"),
             Column("tie_pct", "tie rate %", ".2f"), Column("tie_std", "± std", ".2f"),
@@ -286,9 +289,9 @@ def table3_summary(results: list[RunResult], scale: Scale) -> Summary:
                                                for v, _ in SIGNS) + " |")
     notes = ["Entries: percent of all parameters with exact-Lion sign e = sign(mean_i c_i) and plain majority vote "
              "v = sign(sum_i sign(c_i)) (the nine sum to 100), averaged over diagnostic steps in the second half of "
-             "training; tie rate = vote 0. Exact-zero rows come from parameters with c = 0 on every rank (unused "
-             "vocabulary rows of the embedding), which the paper's table does not have: compare the attn / mlp tie "
-             "rates with the paper's ties (4 workers 37.2 %, 8 workers 27.1 %). Rows 'attn' / 'mlp': the same table "
+             "training; tie rate = vote 0. Exact-zero rows come from parameters with c = 0 on every rank (with an "
+             "untied embedding, its unused vocabulary rows; a tied head's gradient reaches every row), which the "
+             "paper's table does not have: compare the attn / mlp tie rates with the paper's ties (4 workers 37.2 %, 8 workers 27.1 %). Rows 'attn' / 'mlp': the same table "
              "over that role's elements only (runs that logged per-role vote tables; 'seeds' counts those), the "
              "closer comparison with the paper's model, whose parameters are mostly attention and MLP matrices."]
     return Summary(rows, cols, notes, extra_tables=[("Paper (Lion Cub Table 3, 4 / 8 workers, %):", "\n".join(paper))])
@@ -523,8 +526,7 @@ register(Study(
 COMPRESSED = ("onebit_adam", "binsgdm", "loco_adamw")
 
 
-# the Lion rows are table2's runs (same names and specs, diagnostics every 10 steps included): a shared
-# --work reuses them instead of training them again
+# the Lion rows are table2's runs (its diagnostics every 10 steps included in this study's scale)
 COMPRESSORS_FROM_TABLE2 = {"lion_fp32": "fp32", "lioncub_1bit": "1bit", "lioncub_8bit_l1": "8bit_l1"}
 
 
@@ -532,19 +534,11 @@ def compressors_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]
     now = ["adamw_fp32"] if scale.quick else ["adamw_fp32", *COMPRESSORS_FROM_TABLE2]
     # 1-bit Adam freezes its variance after 15 % of the run (its preset's ratio), here of this run
     freeze = [f"optim.freeze_step={max(1, int(0.15 * scale.steps))}"]
-    arms = {arm: (preset, ov) for arm, _, preset, ov, _ in TABLE2_ARMS}
-    runs = []
-    for v in [*now, *COMPRESSED]:
-        for seed in seeds:
-            if v in COMPRESSORS_FROM_TABLE2:
-                arm = COMPRESSORS_FROM_TABLE2[v]
-                preset, ov = arms[arm]
-                runs.append(Run(run_name(arm, scale.nproc, seed), variant(preset), ov, seed, scale.nproc,
-                                (("optimizer", v),)))
-            else:
-                runs.append(Run(run_name(v, scale.nproc, seed), variant(v), tuple(freeze if v == "onebit_adam" else ()),
-                                seed, scale.nproc, (("optimizer", v),)))
-    return runs
+    return [table2_run(COMPRESSORS_FROM_TABLE2[v], scale.nproc, seed, (("optimizer", v),))
+            if v in COMPRESSORS_FROM_TABLE2 else
+            Run(run_name(v, scale.nproc, seed), variant(v), tuple(freeze if v == "onebit_adam" else ()), seed,
+                scale.nproc, (("optimizer", v),))
+            for v in [*now, *COMPRESSED] for seed in seeds]
 
 
 def _bytes_per_step(r: RunResult) -> float | None:
