@@ -293,3 +293,9 @@ def test_quick_training_studies_end_to_end(tmp_path):
     assert main(["fig10", "--quick", "--out", str(out), "--work", str(work)]) == 0
     assert (out / "fig10.csv").read_text() == before
     assert {json.loads(x)["how"] for x in open(out / "fig10_runs.jsonl")} == {"reused"}
+    # a --report-only summary names the command that trains the runs, and says it was a summary
+    assert main(["fig10", "--quick", "--out", str(out), "--work", str(work), "--report-only"]) == 0
+    assert (out / "fig10.csv").read_text() == before
+    meta = json.loads((out / "fig10_meta.json").read_text())
+    assert meta["report_only"] is True and "--report-only" not in meta["command"] and "--quick" in meta["command"]
+    assert f"Command: `{meta['command']}`" in (out / "fig10.md").read_text()

@@ -474,8 +474,10 @@ def write_results(study: Study, summary: Summary, results: Sequence[RunResult], 
         for r in results:
             f.write(json.dumps(run_record(r, scale)) + "\n")
     mach, lr = machine(), load_range(results)
-    meta = {"study": name, "title": study.title, "command": "python -m bench.reproduce " + shlex.join(opts.argv),
-            "started": started, "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": mach,
+    # the command that produces these results: a --report-only summary shows the training command
+    argv = [a for a in opts.argv if a != "--report-only"]
+    meta = {"study": name, "title": study.title, "command": "python -m bench.reproduce " + shlex.join(argv),
+            "report_only": opts.report_only, "started": started, "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": mach,
             "load_1min_range": lr, "scale": asdict(scale), "runs": len(results),
             "ok": sum(r.ok for r in results), "pending": sum(r.status.startswith("pending") for r in results)}
     meta_path.write_text(json.dumps(meta, indent=1) + "\n")
