@@ -226,7 +226,8 @@ EXPECTED_COLUMNS = {
                "sign_match_pct", "sign_flip_pct", "sign_match_embedding_pct", "sign_match_mlp_pct", "status"},
     "table3": {"ranks", "scope", "tie_pct", "tie_attn_pct", "tie_mlp_pct", "pos_pos", "pos_neg", "pos_zero", "neg_pos",
                "neg_neg", "neg_zero", "zero_pos", "zero_neg", "zero_zero", "n", "status"},
-    "fig10": {"beta2", "arm", "val_loss_mean", "best_val_mean", "drift_mean", "tie_rate_pct", "status"},
+    "fig10": {"beta2", "arm", "val_loss_mean", "best_val_mean", "drift_mean", "tie_rate_pct", "tie_attn_pct",
+              "w_mean", "w_abs", "status"},
     "fig5": {"beta2", "arm", "val_loss_mean", "val_loss_std", "delta_vs_sync", "status"},
     "fig6_17": {"layer", "granularity", "role", "spread_0.95", "spread_0.99", "ratio_0.95", "ratio_0.99"},
     "compressors": {"optimizer", "val_loss_mean", "bytes_per_step", "status"},
@@ -253,6 +254,10 @@ def test_quick_training_studies_end_to_end(tmp_path):
                 assert r["load_before"] and r["wall_s"] > 0
         if name in ("table3", "fig6_17"):  # reused from table2 / fig5 through the shared --work
             assert {r["how"] for r in runs} == {"reused"}
+
+    # fig10's weight columns come from each run's final checkpoint (a mean and a mean of magnitudes)
+    for r in csv.DictReader(open(out / "fig10.csv")):
+        assert float(r["w_abs"]) > 0 and abs(float(r["w_mean"])) <= float(r["w_abs"]), r
 
     # numbers recomputed from the raw metrics: table3's vote table is the mean of the late diag records
     t3_rows = {r["scope"]: r for r in csv.DictReader(open(out / "table3.csv"))}

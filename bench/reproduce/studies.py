@@ -191,6 +191,25 @@ def fig10_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
             for b2 in beta2s for arm, preset, ov in arms for seed in seeds]
 
 
+def final_matrix_weights(r: RunResult) -> tuple[float | None, float | None]:
+    """(mean w, mean |w|) over the attention and MLP matrices of the run's final checkpoint: a tie always
+    sent as +1 (or -1) moves every tied element the same way on each step, so the fixed-sign arms show a
+    mean weight far from 0 (App. B.1's error accumulation, measured on the weights themselves)."""
+    from trainer.checkpoint import MODEL, latest_checkpoint, read_meta
+    import torch
+    path = latest_checkpoint(r.run_dir / "ckpt") if r.ok else None
+    steps, _ = r.series("train_loss")
+    if path is None or not steps or read_meta(path).get("step") != steps[-1]:
+        return None, None
+    state = torch.load(path / MODEL, map_location="cpu", weights_only=False)
+    ws = [v.detach().float().flatten() for k, v in state.items()
+          if v.dim() == 2 and (".attn." in k or ".mlp." in k)]
+    if not ws:
+        return None, None
+    w = torch.cat(ws)
+    return w.mean().item(), w.abs().mean().item()
+
+
 def fig10_summary(results: list[RunResult], scale: Scale) -> Summary:
     rows = []
     for (b2, arm), group in group_runs(results, "beta2", "arm").items():
@@ -205,20 +224,31 @@ def fig10_summary(results: list[RunResult], scale: Scale) -> Summary:
         row = {"beta2": b2, "arm": arm, "status": status_of(group), **seed_stats(group, _val, "val_loss"),
                **seed_stats(group, best, "best_val"), **seed_stats(group, drift, "drift"),
                **seed_stats(group, _train_tail, "train_loss"),
-               "tie_rate_pct": _pct(mean_std(r.window_mean("diag/tie_rate") for r in group if r.ok)[0])}
+               **{f"tie_{sfx}pct": _pct(mean_std(r.window_mean(f"diag/tie_rate{key}") for r in group if r.ok)[0])
+                  for sfx, key in (("rate_", ""), ("attn_", "/attn"), ("mlp_", "/mlp"))}}
+        weights = [final_matrix_weights(r) for r in group]
+        row["w_mean"] = mean_std(w for w, _ in weights)[0]
+        row["w_abs"] = mean_std(a for _, a in weights)[0]
         rows.append(row)
     cols = [Column("beta2", "beta2", ".2f"), Column("arm", "tie handling", align="left"),
             Column("val_loss_mean", "final val loss"), Column("val_loss_std", "± std"),
             Column("val_loss_n", "seeds", "d"),
             Column("best_val_mean", "best val loss"), Column("drift_mean", "final − best (drift)", "+.4f"),
             Column("train_loss_mean", "train loss (last 10 %)"), Column("tie_rate_pct", "tie rate %", ".1f"),
+            Column("tie_attn_pct", "ties, attn %", ".1f"), Column("tie_mlp_pct", "ties, mlp %", ".1f"),
+            Column("w_mean", "final mean w (attn+mlp)", "+.4f"), Column("w_abs", "final mean abs w", ".4f"),
             Column("status", "status", align="left")]
     notes = ["plus / minus: a tied vote always becomes +1 / -1 (the naive 1-bit allreduce); alternate: +1 on odd, "
              "-1 on even steps (Lion Cub App. B.1); exact_zero: the p-bit allreduce of 0/1 sign votes, whose sum "
              "gives an exact 0 update on a tie (the paper's 2-bit reference). drift = final − best validation loss: "
              "positive when the loss climbs back up late in training.",
-             "The model keeps the preset's tied embedding/head (no comm.mask_zero_updates), so unused vocabulary rows "
-             "have c = 0 on every rank and tie on every step, the case App. B.1 describes."]
+             "Tie rates: the share of elements whose sign votes sum to 0, over the diagnostic steps of the second "
+             "half (all elements; attention and MLP matrices). The preset's tied embedding/head gives every "
+             "vocabulary row a softmax gradient, so exact zeros (c = 0 on every rank, App. B.1's first-stage case) "
+             "do not occur here; the ties are the second stage's: an even number of workers splitting their votes.",
+             "final mean w / mean |w|: over every element of the attention and MLP matrices in the run's last "
+             "checkpoint (mean over seeds); a tie sent as +1 always steps its weight by -lr, so plus drives the "
+             "mean negative and minus positive while alternate and exact zero keep it near 0."]
     return Summary(rows, cols, notes)
 
 
@@ -231,7 +261,10 @@ register(Study(
     "Lion Cub Fig. 10 and App. B.1: the naive 1-bit allreduce (a tie always sent as one sign) accumulates error "
     "and the loss diverges; converting ties to +1 / -1 on alternating iterations keeps training stable "
     "\"regardless of the beta2 value\", with minimal difference to a 2-bit allreduce that transmits exact zeros.",
-    quick=quick_scale(6, diag_every=3), full=full_scale(1000, diag_every=50), seeds=FULL_SEEDS,
+    # P = 2: the even worker count where ties are most frequent (Table 3: ties fall as P grows), the exact-zero
+    # reference is then the paper's 2-bit allreduce itself, and a 1000-step run costs ~12 min here, not ~25 at
+    # P = 4. One seed: the finding is a divergence, not a small difference (--seeds adds more).
+    quick=quick_scale(6, diag_every=3), full=full_scale(1000, diag_every=50, nproc=2), seeds=[1337],
     quick_seeds=QUICK_SEEDS, build=fig10_runs, summarize=fig10_summary, plot=fig10_plot))
 
 
