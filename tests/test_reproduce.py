@@ -218,6 +218,35 @@ def test_fig6_falls_back_to_roles():
     assert "**role**" in summ.notes[0] and "no per-tensor keys" in summ.notes[0]
 
 
+def test_final_matrix_weights(tmp_path):
+    """Fig. 10's weight columns: attention and MLP matrices only, from the checkpoint of the final step."""
+    from model import GPT, get_preset
+
+    with torch.device("meta"):
+        model = GPT(get_preset("debug"))
+    roles = studies._param_roles([RunResult(Run("r", "x.yaml"), "ok", tmp_path,
+                                            config={"model": {"preset": "debug"}})])
+    value = {"attn": 0.5, "mlp": -0.25, "embedding": 9.0, "norm": 7.0}  # the last two must not count
+    state = {k: torch.full(p.shape, value[roles[k]]) for k, p in model.named_parameters()}
+    n = {role: sum(p.numel() for k, p in model.named_parameters() if roles[k] == role) for role in ("attn", "mlp")}
+    ckpt = tmp_path / "ckpt"
+    for step in (4, 6):
+        (ckpt / f"step_{step:06d}").mkdir(parents=True)
+        torch.save(state, ckpt / f"step_{step:06d}" / "model.pt")
+        (ckpt / f"step_{step:06d}" / "meta.json").write_text(json.dumps({"step": step, "world_size": 1}))
+    (ckpt / "latest").write_text("step_000006")
+    finished = RunResult(Run("r", "x.yaml"), "ok", tmp_path, records=[{"step": 6, "params_identical": True}])
+    mean, mag = studies.final_matrix_weights(finished, roles)
+    total = n["attn"] + n["mlp"]
+    assert mean == pytest.approx((0.5 * n["attn"] - 0.25 * n["mlp"]) / total)
+    assert mag == pytest.approx((0.5 * n["attn"] + 0.25 * n["mlp"]) / total)
+    # the newest checkpoint is not the final step's (a run that stopped early, or an unfinished one): no numbers
+    (ckpt / "latest").write_text("step_000004")
+    assert studies.final_matrix_weights(finished, roles) == (None, None)
+    unfinished = RunResult(Run("r", "x.yaml"), "ok", tmp_path, records=[{"step": 6, "train_loss": 1.0}])
+    assert studies.final_matrix_weights(unfinished, roles) == (None, None)
+
+
 # ---------------------------------------------------------------------------------------------
 # every training study's --quick mode, end to end (torchrun, 2 ranks, debug model)
 
@@ -255,9 +284,9 @@ def test_quick_training_studies_end_to_end(tmp_path):
         if name in ("table3", "fig6_17"):  # reused from table2 / fig5 through the shared --work
             assert {r["how"] for r in runs} == {"reused"}
 
-    # fig10's weight columns come from each run's final checkpoint (a mean and a mean of magnitudes)
+    # fig10's weight columns are filled from each run's final checkpoint (values: test_final_matrix_weights)
     for r in csv.DictReader(open(out / "fig10.csv")):
-        assert float(r["w_abs"]) > 0 and abs(float(r["w_mean"])) <= float(r["w_abs"]), r
+        assert r["w_mean"] and float(r["w_abs"]) > 0, r
 
     # numbers recomputed from the raw metrics: table3's vote table is the mean of the late diag records
     t3_rows = {r["scope"]: r for r in csv.DictReader(open(out / "table3.csv"))}

@@ -191,19 +191,22 @@ def fig10_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
             for b2 in beta2s for arm, preset, ov in arms for seed in seeds]
 
 
-def final_matrix_weights(r: RunResult) -> tuple[float | None, float | None]:
-    """(mean w, mean |w|) over the attention and MLP matrices of the run's final checkpoint: a tie always
-    sent as +1 (or -1) moves every tied element the same way on each step, so the fixed-sign arms show a
-    mean weight far from 0 (App. B.1's error accumulation, measured on the weights themselves)."""
+MATRIX_ROLES = ("attn", "mlp")
+
+
+def final_matrix_weights(r: RunResult, roles: dict[str, str]) -> tuple[float | None, float | None]:
+    """(mean w, mean |w|) over the attention and MLP matrices (`roles`: model.param_roles of the run's
+    model) in the checkpoint of the run's final step: a tie always sent as +1 (or -1) moves every tied
+    element the same way, so the fixed-sign arms end with a mean weight far from 0 (App. B.1's error
+    accumulation, measured on the weights themselves). None without a finished run and its final checkpoint."""
     from trainer.checkpoint import MODEL, latest_checkpoint, read_meta
     import torch
-    path = latest_checkpoint(r.run_dir / "ckpt") if r.ok else None
-    steps, _ = r.series("train_loss")
-    if path is None or not steps or read_meta(path).get("step") != steps[-1]:
+    finished, _ = r.series("params_identical")  # the trainer's last record, written at the final step
+    path = latest_checkpoint(r.run_dir / "ckpt") if r.ok and finished else None
+    if path is None or read_meta(path)["step"] != finished[-1]:
         return None, None
     state = torch.load(path / MODEL, map_location="cpu", weights_only=False)
-    ws = [v.detach().float().flatten() for k, v in state.items()
-          if v.dim() == 2 and (".attn." in k or ".mlp." in k)]
+    ws = [v.float().flatten() for k, v in state.items() if roles.get(k) in MATRIX_ROLES]
     if not ws:
         return None, None
     w = torch.cat(ws)
@@ -212,6 +215,7 @@ def final_matrix_weights(r: RunResult) -> tuple[float | None, float | None]:
 
 def fig10_summary(results: list[RunResult], scale: Scale) -> Summary:
     rows = []
+    roles = _param_roles(results)
     for (b2, arm), group in group_runs(results, "beta2", "arm").items():
         def best(r: RunResult) -> float | None:
             _, ys = r.series("val_loss")
@@ -223,10 +227,11 @@ def fig10_summary(results: list[RunResult], scale: Scale) -> Summary:
 
         row = {"beta2": b2, "arm": arm, "status": status_of(group), **seed_stats(group, _val, "val_loss"),
                **seed_stats(group, best, "best_val"), **seed_stats(group, drift, "drift"),
-               **seed_stats(group, _train_tail, "train_loss"),
-               **{f"tie_{sfx}pct": _pct(mean_std(r.window_mean(f"diag/tie_rate{key}") for r in group if r.ok)[0])
-                  for sfx, key in (("rate_", ""), ("attn_", "/attn"), ("mlp_", "/mlp"))}}
-        weights = [final_matrix_weights(r) for r in group]
+               **seed_stats(group, _train_tail, "train_loss")}
+        for col, key in (("tie_rate_pct", "diag/tie_rate"), ("tie_attn_pct", "diag/tie_rate/attn"),
+                         ("tie_mlp_pct", "diag/tie_rate/mlp")):
+            row[col] = _pct(mean_std(r.window_mean(key) for r in group if r.ok)[0])
+        weights = [final_matrix_weights(r, roles) for r in group]
         row["w_mean"] = mean_std(w for w, _ in weights)[0]
         row["w_abs"] = mean_std(a for _, a in weights)[0]
         rows.append(row)
@@ -262,7 +267,7 @@ register(Study(
     "and the loss diverges; converting ties to +1 / -1 on alternating iterations keeps training stable "
     "\"regardless of the beta2 value\", with minimal difference to a 2-bit allreduce that transmits exact zeros.",
     # P = 2: the even worker count where ties are most frequent (Table 3: ties fall as P grows), the exact-zero
-    # reference is then the paper's 2-bit allreduce itself, and a 1000-step run costs ~12 min here, not ~25 at
+    # reference is then the paper's 2-bit allreduce itself, and a 1000-step run costs ~10 min here, not ~25 at
     # P = 4. One seed: the finding is a divergence, not a small difference (--seeds adds more).
     quick=quick_scale(6, diag_every=3), full=full_scale(1000, diag_every=50, nproc=2), seeds=[1337],
     quick_seeds=QUICK_SEEDS, build=fig10_runs, summarize=fig10_summary, plot=fig10_plot))
