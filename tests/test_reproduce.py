@@ -247,20 +247,58 @@ def test_final_matrix_weights(tmp_path):
     assert studies.final_matrix_weights(unfinished, roles) == (None, None)
 
 
+def _finished(name: str, seed: int, val: float | None, labels=(), status: str = "ok") -> RunResult:
+    recs = [{"step": 10, "val_loss": val}] if val is not None else []
+    return RunResult(Run(name, "x.yaml", seed=seed, labels=tuple(labels)), status, Path(name), records=recs)
+
+
+def test_paired_stats_pairs_by_seed():
+    ref = [_finished("a", 1, 3.0), _finished("a", 2, 5.0), _finished("a", 3, 4.0)]
+    # seed 3 unfinished in the arm, seed 4 has no reference: both left out of the pairs
+    arm = [_finished("b", 2, 5.5), _finished("b", 1, 3.1), _finished("b", 3, 9.0, status="failed: rc=1"),
+           _finished("b", 4, 1.0)]
+    st = framework.paired_stats(arm, ref, lambda r: r.final("val_loss"), "d")
+    assert st["d_n"] == 2
+    assert st["d_mean"] == pytest.approx(0.3)
+    assert st["d_std"] == pytest.approx(statistics.stdev([0.1, 0.5]))
+    # a common offset per seed cancels: the unpaired spread is large, the paired one is zero
+    arm2 = [_finished("c", s, v + 0.25) for s, v in ((1, 3.0), (2, 5.0), (3, 4.0))]
+    st2 = framework.paired_stats(arm2, ref, lambda r: r.final("val_loss"), "d")
+    assert st2["d_mean"] == pytest.approx(0.25) and st2["d_std"] == pytest.approx(0.0, abs=1e-12)
+    assert framework.seed_stats(arm2, lambda r: r.final("val_loss"), "v")["v_std"] == pytest.approx(1.0)
+    assert framework.paired_stats(arm, [], lambda r: r.final("val_loss"), "d") == {"d_mean": None, "d_std": None,
+                                                                                   "d_n": 0}
+
+
+def test_dion_summary_gap_is_per_seed():
+    runs = []
+    for seed, base in ((1, 4.0), (2, 4.4)):
+        for r, gap in ((0.5, 0.01), (0.0625, 0.2)):
+            runs.append(_finished(f"on{r}{seed}", seed, base + r, (("rank_fraction", r), ("error_feedback", True))))
+            runs.append(_finished(f"off{r}{seed}", seed, base + r + gap * seed,
+                                  (("rank_fraction", r), ("error_feedback", False))))
+    rows = studies.dion_summary(runs, framework.full_scale(300)).rows
+    off = {x["rank_fraction"]: x for x in rows if x["error_feedback"] == "off"}
+    assert off[0.5]["gap_off_minus_on_mean"] == pytest.approx(0.015)
+    assert off[0.0625]["gap_off_minus_on_mean"] == pytest.approx(0.3)
+    assert off[0.0625]["gap_off_minus_on_std"] == pytest.approx(statistics.stdev([0.2, 0.4]))
+    assert all(x.get("gap_off_minus_on_mean") is None for x in rows if x["error_feedback"] == "on")
+
+
 # ---------------------------------------------------------------------------------------------
 # every training study's --quick mode, end to end (torchrun, 2 ranks, debug model)
 
 EXPECTED_COLUMNS = {
-    "table2": {"label", "paper_val_loss", "val_loss_mean", "val_loss_std", "val_loss_n", "delta_vs_fp32", "rank",
+    "table2": {"label", "paper_val_loss", "val_loss_mean", "val_loss_std", "val_loss_n", "delta_vs_fp32_mean", "rank",
                "sign_match_pct", "sign_flip_pct", "sign_match_embedding_pct", "sign_match_mlp_pct", "status"},
     "table3": {"ranks", "scope", "tie_pct", "tie_attn_pct", "tie_mlp_pct", "pos_pos", "pos_neg", "pos_zero", "neg_pos",
                "neg_neg", "neg_zero", "zero_pos", "zero_neg", "zero_zero", "n", "status"},
-    "fig10": {"beta2", "arm", "val_loss_mean", "best_val_mean", "drift_mean", "tie_rate_pct", "tie_attn_pct",
+    "fig10": {"beta2", "arm", "val_loss_mean", "delta_vs_exact_mean", "best_val_mean", "drift_mean", "tie_rate_pct", "tie_attn_pct",
               "w_mean", "w_abs", "status"},
-    "fig5": {"beta2", "arm", "val_loss_mean", "val_loss_std", "delta_vs_sync", "status"},
+    "fig5": {"beta2", "arm", "val_loss_mean", "val_loss_std", "delta_vs_sync_mean", "status"},
     "fig6_17": {"layer", "granularity", "role", "spread_0.95", "spread_0.99", "ratio_0.95", "ratio_0.99"},
     "compressors": {"optimizer", "val_loss_mean", "bytes_per_step", "status"},
-    "dion_ef": {"rank_fraction", "error_feedback", "val_loss_mean", "gap_off_minus_on", "status"},
+    "dion_ef": {"rank_fraction", "error_feedback", "val_loss_mean", "gap_off_minus_on_mean", "status"},
 }
 
 

@@ -336,6 +336,21 @@ def seed_stats(group: Sequence[RunResult], value: Callable[[RunResult], float | 
     return {f"{prefix}_mean": m, f"{prefix}_std": s, f"{prefix}_n": n}
 
 
+def paired_stats(group: Sequence[RunResult], ref: Sequence[RunResult], value: Callable[[RunResult], float | None],
+                 prefix: str) -> dict:
+    """{prefix_mean, prefix_std, prefix_n} of value(run) - value(reference run of the same seed), over the seeds
+    finished in both groups. Arms trained from the same seed share the initialization and the data order, so the
+    per-seed difference has a smaller spread than either arm's own and is the statistic to compare arms with."""
+    refs = {r.run.seed: value(r) for r in ref if r.ok}
+    diffs = []
+    for r in group:
+        v, b = (value(r), refs.get(r.run.seed)) if r.ok else (None, None)
+        if v is not None and b is not None:
+            diffs.append(v - b)
+    m, s, n = mean_std(diffs)
+    return {f"{prefix}_mean": m, f"{prefix}_std": s, f"{prefix}_n": n}
+
+
 def status_of(group: Sequence[RunResult]) -> str:
     bad = [r.status for r in group if not r.ok]
     return "ok" if not bad else "; ".join(sorted(set(bad)))

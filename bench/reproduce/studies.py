@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .framework import (Column, Options, Run, RunResult, Scale, Study, Summary, full_scale, group_runs, mean_curve,
-                        mean_std, pyplot, quick_scale, register, seed_stats, status_of)
+                        mean_std, paired_stats, pyplot, quick_scale, register, seed_stats, status_of)
 
 FULL_SEEDS = [1337, 1338, 1339]
 QUICK_SEEDS = [1337]
@@ -117,36 +117,39 @@ def table2_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
 
 def table2_summary(results: list[RunResult], scale: Scale) -> Summary:
     rows = []
-    for (arm, label, paper), group in group_runs(results, "arm", "label", "paper").items():
+    groups = group_runs(results, "arm", "label", "paper")
+    fp32_runs = next((g for (a, _, _), g in groups.items() if a == "fp32"), [])
+    for (arm, label, paper), group in groups.items():
         row = {"arm": arm, "label": label, "paper_val_loss": paper, "status": status_of(group),
                **seed_stats(group, _val, "val_loss"), **seed_stats(group, _train_tail, "train_loss"),
+               **paired_stats(group, fp32_runs, _val, "delta_vs_fp32"),
                "sign_match_pct": _pct(mean_std(r.window_mean("diag/sign_match") for r in group if r.ok)[0]),
                "sign_flip_pct": _pct(mean_std(r.window_mean("diag/sign_flip") for r in group if r.ok)[0])}
         for role in TABLE2_ROLES:  # per role: a whole-model rate is dominated by the 50k-row embedding
             row[f"sign_match_{role}_pct"] = _pct(mean_std(r.window_mean(f"diag/sign_match/{role}")
                                                           for r in group if r.ok)[0])
         rows.append(row)
-    fp32 = next((r["val_loss_mean"] for r in rows if r["arm"] == "fp32"), None)
     paper_fp32 = next(p for a, _, _, _, p in TABLE2_ARMS if a == "fp32")
     ours = _ranks({r["arm"]: r["val_loss_mean"] for r in rows})
     theirs = _ranks({r["arm"]: r["paper_val_loss"] for r in rows})
     for r in rows:
         r["val_loss"] = f"{r['val_loss_mean']:.4f}" + (f" ± {r['val_loss_std']:.4f}" if r["val_loss_std"] is not None
                                                        else "") if r["val_loss_mean"] is not None else "-"
-        r["delta_vs_fp32"] = (r["val_loss_mean"] - fp32) if None not in (r["val_loss_mean"], fp32) else None
         r["paper_delta"] = (r["paper_val_loss"] - paper_fp32) if r["paper_val_loss"] is not None else None
         r["rank"], r["paper_rank"] = ours[r["arm"]], theirs[r["arm"]]
     cols = [Column("label", "arm", align="left"), Column("paper_val_loss", "paper val loss", ".2f"),
             Column("paper_delta", "paper Δ vs 32 bit", "+.2f"), Column("paper_rank", "paper rank", "d"),
             Column("val_loss", "val loss (mean ± std)"), Column("val_loss_n", "seeds", "d"),
-            Column("delta_vs_fp32", "Δ vs 32 bit", "+.4f"), Column("rank", "rank", "d"),
+            Column("delta_vs_fp32_mean", "Δ vs 32 bit (paired)", "+.4f"), Column("delta_vs_fp32_std", "± std", ".4f"),
+            Column("rank", "rank", "d"),
             Column("train_loss_mean", "train loss (last 10 %)", ".4f"),
             Column("sign_match_pct", "sign match %", ".1f"), Column("sign_flip_pct", "sign flip %", ".1f"),
             *[Column(f"sign_match_{role}_pct", f"sign match % ({role})", ".1f") for role in TABLE2_ROLES],
             Column("status", "status", align="left"), Column("arm", "arm id", align="left", md=False),
             Column("val_loss_mean", "val loss mean", md=False), Column("val_loss_std", "val loss std", md=False)]
-    notes = ["Δ and rank: mean final validation loss against 32-bit Lion, lower is better; the paper has no L2 "
-             "column. Sign match / flip (Lion Cub Fig. 4): applied update vs exact Lion sign(mean_i c_i), mean over "
+    notes = ["Δ: final validation loss minus 32-bit Lion's of the same seed (same initialization and data order), "
+             "mean ± sample std over the seeds both finished; rank: of the mean final validation loss, lower is "
+             "better; the paper has no L2 column. Sign match / flip (Lion Cub Fig. 4): applied update vs exact Lion sign(mean_i c_i), mean over "
              "diagnostic steps in the second half of training (update-sync arms only); a zero update where exact "
              "Lion moves counts as neither match nor flip. Per role: the same rate over the embedding (tied with the "
              "head here) and over the attention / MLP matrices; the whole-model rate is mostly the embedding's.",
@@ -216,7 +219,9 @@ def final_matrix_weights(r: RunResult, roles: dict[str, str]) -> tuple[float | N
 def fig10_summary(results: list[RunResult], scale: Scale) -> Summary:
     rows = []
     roles = _param_roles(results)
-    for (b2, arm), group in group_runs(results, "beta2", "arm").items():
+    groups = group_runs(results, "beta2", "arm")
+    for (b2, arm), group in groups.items():
+        exact = next((g for (b, a), g in groups.items() if b == b2 and a.startswith("exact_zero")), [])
         def best(r: RunResult) -> float | None:
             _, ys = r.series("val_loss")
             return min(ys) if ys else None
@@ -227,7 +232,7 @@ def fig10_summary(results: list[RunResult], scale: Scale) -> Summary:
 
         row = {"beta2": b2, "arm": arm, "status": status_of(group), **seed_stats(group, _val, "val_loss"),
                **seed_stats(group, best, "best_val"), **seed_stats(group, drift, "drift"),
-               **seed_stats(group, _train_tail, "train_loss")}
+               **seed_stats(group, _train_tail, "train_loss"), **paired_stats(group, exact, _val, "delta_vs_exact")}
         for col, key in (("tie_rate_pct", "diag/tie_rate"), ("tie_attn_pct", "diag/tie_rate/attn"),
                          ("tie_mlp_pct", "diag/tie_rate/mlp")):
             row[col] = _pct(mean_std(r.window_mean(key) for r in group if r.ok)[0])
@@ -238,6 +243,7 @@ def fig10_summary(results: list[RunResult], scale: Scale) -> Summary:
     cols = [Column("beta2", "beta2", ".2f"), Column("arm", "tie handling", align="left"),
             Column("val_loss_mean", "final val loss"), Column("val_loss_std", "± std"),
             Column("val_loss_n", "seeds", "d"),
+            Column("delta_vs_exact_mean", "Δ vs exact zero (paired)", "+.4f"),
             Column("best_val_mean", "best val loss"), Column("drift_mean", "final − best (drift)", "+.4f"),
             Column("train_loss_mean", "train loss (last 10 %)"), Column("tie_rate_pct", "tie rate %", ".1f"),
             Column("tie_attn_pct", "ties, attn %", ".1f"), Column("tie_mlp_pct", "ties, mlp %", ".1f"),
@@ -392,21 +398,21 @@ def fig5_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
 
 def fig5_summary(results: list[RunResult], scale: Scale) -> Summary:
     rows = []
-    for (b2, arm), group in group_runs(results, "beta2", "arm").items():
+    groups = group_runs(results, "beta2", "arm")
+    for (b2, arm), group in groups.items():
+        sync = next((g for (b, a), g in groups.items() if b == b2 and a.startswith("sync_head")), [])
         rows.append({"beta2": b2, "arm": arm, "status": status_of(group), **seed_stats(group, _val, "val_loss"),
-                     **seed_stats(group, _train_tail, "train_loss")})
-    for r in rows:
-        ref = next((x["val_loss_mean"] for x in rows if x["beta2"] == r["beta2"] and x["arm"].startswith("sync_head")),
-                   None)
-        r["delta_vs_sync"] = None if None in (ref, r["val_loss_mean"]) else r["val_loss_mean"] - ref
+                     **paired_stats(group, sync, _val, "delta_vs_sync"), **seed_stats(group, _train_tail, "train_loss")})
     cols = [Column("beta2", "beta2", ".2f"), Column("arm", "arm", align="left"),
             Column("val_loss_mean", "final val loss"), Column("val_loss_std", "± std"),
             Column("val_loss_n", "seeds", "d"),
-            Column("delta_vs_sync", "Δ vs sync head", "+.4f"), Column("train_loss_mean", "train loss (last 10 %)"),
+            Column("delta_vs_sync_mean", "Δ vs sync head (paired)", "+.4f"), Column("delta_vs_sync_std", "± std", ".4f"),
+            Column("train_loss_mean", "train loss (last 10 %)"),
             Column("status", "status", align="left")]
     notes = ["none: 1-bit Lion Cub, per-rank momenta never synchronized; sync_head: the head's momentum "
              "mean-allreduced every k steps (Lion Cub §5); l1_8bit: 8-bit L1 votes, no sync. Untied embedding and "
-             "head in every arm. The paper expects at beta2 = 0.95: none worse than sync, l1_8bit close to sync; "
+             "head in every arm. Δ: final val loss minus the head-sync arm's of the same seed and beta2, mean ± std over "
+             "seeds. The paper expects at beta2 = 0.95: none worse than sync, l1_8bit close to sync; "
              "at 0.99: all close."]
     return Summary(rows, cols, notes)
 
@@ -627,21 +633,22 @@ def dion_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
 
 def dion_summary(results: list[RunResult], scale: Scale) -> Summary:
     rows = []
-    for (r, ef), group in group_runs(results, "rank_fraction", "error_feedback").items():
+    groups = group_runs(results, "rank_fraction", "error_feedback")
+    for (r, ef), group in groups.items():
+        # the gap, per seed, on the "off" row: val loss without error feedback minus with it
+        gap = paired_stats(group, groups.get((r, True), []), _val, "gap_off_minus_on") if not ef else {}
         rows.append({"rank_fraction": r, "error_feedback": "on" if ef else "off", "status": status_of(group),
-                     **seed_stats(group, _val, "val_loss"), **seed_stats(group, _train_tail, "train_loss")})
+                     **seed_stats(group, _val, "val_loss"), **seed_stats(group, _train_tail, "train_loss"), **gap})
     rows.sort(key=lambda x: (-x["rank_fraction"], x["error_feedback"] == "off"))
-    by = {(x["rank_fraction"], x["error_feedback"]): x.get("val_loss_mean") for x in rows}
-    for x in rows:
-        on, off = by.get((x["rank_fraction"], "on")), by.get((x["rank_fraction"], "off"))
-        x["gap_off_minus_on"] = off - on if on is not None and off is not None else None
     cols = [Column("rank_fraction", "rank / min(m, n)", ".4g"), Column("error_feedback", "error feedback", align="left"),
             Column("val_loss_mean", "final val loss"), Column("val_loss_std", "± std"), Column("val_loss_n", "seeds", "d"),
             Column("train_loss_mean", "train loss (last 10 %)"),
-            Column("gap_off_minus_on", "off - on (val)", "+.4f"), Column("status", "status", align="left")]
+            Column("gap_off_minus_on_mean", "off - on (val, paired)", "+.4f"),
+            Column("gap_off_minus_on_std", "± std", ".4f"), Column("status", "status", align="left")]
     notes = ["Dion §4.1: without error feedback the rank-r approximation is applied to M = mu M + G directly; the "
              "paper (Fig. 3a) finds that version degrades steeply as the rank falls while Dion does not. The finding "
-             "reproduces when the off - on gap grows as the rank fraction shrinks."]
+             "reproduces when the off - on gap grows as the rank fraction shrinks. The gap is taken per seed (both arms "
+             "of a seed share the initialization and the data order), mean ± std over seeds."]
     return Summary(rows, cols, notes)
 
 
