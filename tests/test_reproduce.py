@@ -270,6 +270,24 @@ def test_paired_stats_pairs_by_seed():
                                                                                    "d_n": 0}
 
 
+def test_table2_summary_pairs_and_leaves_the_control_unranked():
+    runs = []
+    for seed, base in ((1, 5.0), (2, 4.0)):
+        for arm, label, _, _, paper in studies.TABLE2_ARMS:
+            off = {"fp32": 0.0, "1bit": 0.1, "8bit_l1": -0.05, "fp32_lr3e-4": -0.5, "8bit_l0": 0.2 * seed,
+                   "8bit_l2": 0.3 * seed, "8bit_linf": 0.5 * seed}[arm]
+            runs.append(_finished(f"{arm}{seed}", seed, base + off, (("arm", arm), ("label", label), ("paper", paper))))
+    rows = {r["arm"]: r for r in studies.table2_summary(runs, framework.full_scale(300)).rows}
+    assert rows["1bit"]["delta_vs_fp32_mean"] == pytest.approx(0.1)
+    assert rows["1bit"]["delta_vs_fp32_std"] == pytest.approx(0.0, abs=1e-12)  # the seeds' 1.0 offset cancels
+    assert rows["1bit"]["val_loss_std"] == pytest.approx(statistics.stdev([5.1, 4.1]))
+    assert rows["8bit_l0"]["delta_vs_fp32_std"] == pytest.approx(statistics.stdev([0.2, 0.4]))
+    # the control has the lowest loss but no rank; the paper's arms are ranked among themselves
+    assert rows["fp32_lr3e-4"]["rank"] is None and rows["fp32_lr3e-4"]["delta_vs_fp32_mean"] == pytest.approx(-0.5)
+    assert rows["8bit_l1"]["rank"] == 1 and rows["fp32"]["rank"] == 2
+    assert sorted(r["rank"] for a, r in rows.items() if a not in studies.TABLE2_CONTROLS) == list(range(1, 7))
+
+
 def test_dion_summary_gap_is_per_seed():
     runs = []
     for seed, base in ((1, 4.0), (2, 4.4)):
