@@ -576,7 +576,9 @@ COMPRESSED = ("onebit_adam", "binsgdm", "loco_adamw")
 
 
 # the Lion rows are table2's runs (its diagnostics every 10 steps included in this study's scale)
-COMPRESSORS_FROM_TABLE2 = {"lion_fp32": "fp32", "lioncub_1bit": "1bit", "lioncub_8bit_l1": "8bit_l1"}
+# (and table2's lr 3e-4 control: Chen et al. recommend Lion a learning rate 3-10x smaller than AdamW's)
+COMPRESSORS_FROM_TABLE2 = {"lion_fp32": "fp32", "lioncub_1bit": "1bit", "lioncub_8bit_l1": "8bit_l1",
+                           "lion_fp32_lr3e-4": "fp32_lr3e-4"}
 
 
 def compressors_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
