@@ -144,6 +144,75 @@ def test_ensure_run_reports_failures_and_pending(tmp_path, monkeypatch):
     assert calls == ["never"]
 
 
+def test_store_outlives_the_run_directory(tmp_path, monkeypatch):
+    """A finished run saved to the store is summarized from there once its run directory is gone (a new
+    machine), only under the same spec, and --restart retrains it."""
+    import shutil
+
+    calls: list = []
+    monkeypatch.setattr(framework, "_launch", _fake_launch(calls))
+    scale, work, store = quick_scale(4), tmp_path / "work", tmp_path / "results" / "store"
+    run = Run("r", "configs/variants/lion_fp32.yaml", ("optim.lr=1e-3",), 1, 2)
+    quiet = lambda s: None  # noqa: E731
+
+    first = ensure_run(run, scale, work, echo=quiet, store=store)
+    assert (first.how, calls) == ("fresh", ["never"]) and framework.load_stored(store, "r") is None
+    path = framework.save_stored(store, first, framework.run_spec(run, scale), {"w_mean": 0.5, "w_abs": 2.0})
+    blob = path.read_bytes()
+    assert framework.save_stored(store, first, framework.run_spec(run, scale), {"w_mean": 0.5, "w_abs": 2.0}) is None
+    assert path.read_bytes() == blob  # an unchanged run is not rewritten
+    # the run directory wins while it exists
+    assert ensure_run(run, scale, work, echo=quiet, store=store).how == "reused"
+
+    shutil.rmtree(work)
+    back = ensure_run(run, scale, work, echo=quiet, store=store, report_only=True)
+    assert (back.status, back.how, back.source) == ("reused", "stored", "trained") and calls == ["never"]
+    assert back.final("val_loss") == 1.0 and back.config == {"model": {"preset": "debug"}}
+    assert back.extras == {"w_mean": 0.5, "w_abs": 2.0}
+    assert studies.run_matrix_weights(back, {}) == (0.5, 2.0)  # fig10's weights without the checkpoint
+    other = Run("r", run.config, ("optim.lr=2e-3",), 1, 2)  # same name, another spec: not the stored run
+    assert ensure_run(other, scale, work, echo=quiet, store=store, report_only=True).status.startswith("failed")
+    assert ensure_run(run, scale, work, echo=quiet, store=store, restart=True).how == "fresh"
+    assert calls == ["never", "never"]
+
+
+def test_study_stores_each_run_as_it_finishes(tmp_path, monkeypatch):
+    """A study cut off in its second run (the machine shut down) has already stored its first run."""
+    calls: list = []
+    fake = _fake_launch(calls)
+
+    def launch(run, scale, run_dir, resume, log):
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # the second launch never returns
+        return fake(run, scale, run_dir, resume, log)
+
+    monkeypatch.setattr(framework, "_launch", launch)
+    opts = Options(quick=True, out=tmp_path / "results", work=tmp_path / "work", seeds=[1, 2])
+    with pytest.raises(KeyboardInterrupt):
+        STUDIES["dion_ef"].execute(opts, echo=lambda s: None)
+    stored = sorted(p.name for p in opts.store_dir().iterdir())
+    assert stored == ["dion_r0.5_ef1_p2_s1.json.gz"] and calls == ["never"]
+
+
+def test_import_raw_records_rebuilds_loss_only_entries(tmp_path):
+    scale = quick_scale(4)
+    run = Run("a_s1", "configs/variants/lion_fp32.yaml", ("optim.lr=1e-3",), 1, 2)
+    rec = {"name": "a_s1", "config": run.config, "overrides": framework.trainer_overrides(run, scale), "seed": 1,
+           "nproc": 2, "status": "ok", "run_dir": "bench/out/x/runs/a_s1", "wall_s": 12.5, "load_before": [1.0],
+           "load_after": [2.0], "train_time_s": 10.0, "val_loss": [[2, 3.0], [4, 2.5]],
+           "train_loss": [[1, 4.0], [2, 3.5], [4, 3.0]]}
+    failed = {**rec, "name": "b_s1", "status": "failed rc=1"}
+    raw = tmp_path / "t_runs.jsonl"
+    raw.write_text(json.dumps(rec) + "\n" + json.dumps(failed) + "\n")
+    store = tmp_path / "store"
+    assert framework.import_raw_records(raw, store) == ["a_s1"]
+    assert framework.import_raw_records(raw, store) == []  # already there: left alone
+    res = ensure_run(run, scale, tmp_path / "work", store=store, report_only=True, echo=lambda s: None)
+    assert (res.status, res.how) == ("reused", "stored") and res.source.startswith(framework.IMPORTED)
+    assert res.series("val_loss") == ([2, 4], [3.0, 2.5]) and res.final("train_loss") == 3.0
+    assert res.final("train_time_s") == 10.0 and res.wall_s == 12.5 and res.window_mean("diag/sign_match") is None
+
+
 def test_optimizer_hooks():
     assert framework.optimizer_available("lion") and framework.optimizer_available("dion")
     assert not framework.optimizer_available("sgd")
@@ -377,6 +446,20 @@ def test_quick_training_studies_end_to_end(tmp_path):
     dion = list(csv.DictReader(open(out / "dion_ef.csv")))
     assert {(r["rank_fraction"], r["error_feedback"]) for r in dion} == {("0.5", "on"), ("0.5", "off"),
                                                                         ("0.0625", "on"), ("0.0625", "off")}
+
+    # a new machine: the run directories are gone, the store (committed with the results) is not; every
+    # table is rebuilt from it, fig10's checkpoint-derived weights included
+    import shutil
+
+    tables = {n: (out / f"{n}.csv").read_text() for n in ("fig10", "table2", "table3")}
+    shutil.copytree(work, tmp_path / "work_kept")
+    shutil.rmtree(work)
+    for n, text in tables.items():
+        assert main([n, "--quick", "--out", str(out), "--work", str(work), "--report-only"]) == 0
+        assert (out / f"{n}.csv").read_text() == text, n
+        assert {json.loads(x)["how"] for x in open(out / f"{n}_runs.jsonl")} == {"stored"}
+    shutil.rmtree(work, ignore_errors=True)  # --report-only launches nothing, so it may not have made one
+    shutil.copytree(tmp_path / "work_kept", work)
 
     # a second invocation launches nothing and writes the same table
     before = (out / "fig10.csv").read_text()

@@ -5,8 +5,9 @@
     python -m bench.reproduce table2 [--quick] [--seeds 1337,1338] [--out DIR] [--work DIR]
 
 Studies register themselves in `STUDIES` (bench.reproduce.framework.register): toy (App. C.1 /
-Fig. 11), table2, fig10, table3, fig5, fig6_17, compressors (Fig. 20; rows pending until the
-optimizers land) and dion_ef (planned). See framework.py for the run / restart / output rules.
+Fig. 11), table2, fig10, table3, fig5, fig6_17, compressors (Fig. 20) and dion_ef. See framework.py
+for the run / restart / store / output rules; finished runs are kept in <results>/store/ so that a
+later session adds seeds without retraining the earlier ones.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from . import STUDIES, Options, StudyUnavailable
+from . import STUDIES, Options, StudyUnavailable, framework
 
 
 def _ints(s: str) -> list[int]:
@@ -39,6 +39,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--nproc", type=int, default=None, help="override the world size (table3: run only this one)")
     ap.add_argument("--restart", action="store_true", help="rerun every run from scratch (no reuse, no resume)")
     ap.add_argument("--report-only", action="store_true", help="launch nothing; summarize the finished runs")
+    ap.add_argument("--import-raw", type=Path, nargs="+", default=None, metavar="RUNS_JSONL",
+                    help="rebuild run-store entries (loss curves only) from <study>_runs.jsonl files written before "
+                         "the store existed, into the --out (or default) results directory's store/, and exit")
     ap.add_argument("--alphas", type=_floats, default=None, help="toy only: noise tail indices (default 2,1.5,1,0.5)")
     ap.add_argument("--bits", type=_ints, default=None, help="toy only: bit widths (default 2,4,8)")
     return ap
@@ -47,6 +50,16 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
+    if args.import_raw:
+        store = Options(quick=args.quick, out=args.out).store_dir()
+        for f in args.import_raw:
+            if not f.is_file():
+                print(f"error: {f} does not exist; pass <study>_runs.jsonl files of a results directory",
+                      file=sys.stderr)
+                return 2
+            names = framework.import_raw_records(f, store)
+            print(f"{f}: imported {len(names)} run(s) into {store}" + (f": {', '.join(names)}" if names else ""))
+        return 0
     if args.list or not args.study:
         for name, s in STUDIES.items():
             extra = f"  [needs optim.name={','.join(s.requires)}]" if s.requires else ""

@@ -6,7 +6,14 @@ world size) under `python -m torch.distributed.run --standalone --nproc_per_node
 `python train.py` for P = 1). Runs are restartable: a run whose metrics.jsonl holds the final
 `params_identical` record and whose recorded spec matches is reused; an unfinished one with a
 checkpoint is resumed (train.resume=auto), anything else restarted (train.resume=overwrite).
-Results are read back only from RUN_DIR/metrics.jsonl and RUN_DIR/config.yaml.
+Results are read back only from RUN_DIR/metrics.jsonl and RUN_DIR/config.yaml, or from the run store.
+
+The run store (<results>/store/<run name>.json.gz, committed with the results) keeps what a summary
+needs of every finished run: its spec, config, metrics records, load and wall time, and the study's
+`extras` (values read from files the store does not keep, e.g. Fig. 10's final weights from the
+checkpoint). Run directories live under bench/out (ignored by git) and do not outlive the machine;
+the store does, so seeds added in a later session are summarized with the earlier seeds' runs instead
+of retraining them. A run is looked up in its run directory first, then in the store (same spec only).
 
 Every study writes into its results directory (docs/results/reproduction/ for full runs):
   <study>.csv          the summary table (one row per arm; mean and spread over seeds)
@@ -14,6 +21,7 @@ Every study writes into its results directory (docs/results/reproduction/ for fu
   <study>.png          the plot (matplotlib, Agg)
   <study>_runs.jsonl   one record per run: spec, status, wall time, load before/after, curves
   <study>_meta.json    machine (platform, CPUs, torch), command line, scale, load range
+  store/<run>.json.gz  the run store (above); shared by the studies that share runs
 `Study` objects live in a registry (`register`, `STUDIES`) so new rows or studies (Dion's
 error-feedback ablation, 1-bit Adam / BinSGDM / LoCo vs Lion Cub) plug in when their optimizers
 land: a `Run` names the optim.name values it `requires`, and runs whose optimizer this build lacks
@@ -22,6 +30,7 @@ are reported as pending instead of failing.
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import math
 import os
@@ -41,6 +50,8 @@ DEFAULT_RESULTS = Path("docs/results/reproduction")
 QUICK_RESULTS = Path("bench/out/reproduce/quick/results")
 SPEC_FILE = "reproduce_spec.json"  # written next to the trainer's files, after the run
 LOAD_FILE = "reproduce_load.json"  # load average and wall time of the launch that produced the run
+STORE_DIR = "store"                # under the results directory: <run name>.json.gz per finished run
+IMPORTED = "imported"              # the source prefix of store entries rebuilt from an older raw record
 TRAINER_FILES = ("config.yaml", "metrics.jsonl", "ckpt")
 
 
@@ -185,7 +196,9 @@ class RunResult:
     wall_s: float | None = None
     load_before: list[float] | None = None
     load_after: list[float] | None = None
-    how: str = ""                    # fresh, resumed, reused
+    how: str = ""                    # fresh, resumed, reused (run directory), stored (run store)
+    extras: dict = field(default_factory=dict)   # a study's values kept in the store (see Study.extras)
+    source: str = "trained"          # a store entry's origin: trained, or imported (losses only)
 
     @property
     def ok(self) -> bool:
@@ -223,10 +236,82 @@ def _launch(run: Run, scale: Scale, run_dir: Path, resume: str, log: Path) -> in
         return subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
 
 
+# ---------------------------------------------------------------------------------------------
+# the run store
+
+
+def store_file(store: Path, name: str) -> Path:
+    return store / f"{name}.json.gz"
+
+
+def _write_gz_json(path: Path, obj: dict) -> None:
+    """gzip without a timestamp, written atomically: the same entry gives the same bytes (no git churn)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
+        f.write((json.dumps(obj, separators=(",", ":")) + "\n").encode())
+    os.replace(tmp, path)
+
+
+def load_stored(store: Path | None, name: str) -> dict | None:
+    """The store's entry for run `name`, or None (no store, no entry, or an unreadable one)."""
+    if store is None or not store_file(store, name).is_file():
+        return None
+    try:
+        with gzip.open(store_file(store, name), "rt") as f:
+            return json.load(f)
+    except (OSError, EOFError, json.JSONDecodeError):
+        return None
+
+
+def save_stored(store: Path, res: RunResult, spec: dict, extras: dict | None = None) -> Path | None:
+    """Keep a finished run in the store (spec, config, records, load, wall time, extras); returns the
+    file when it was (re)written, None when the entry already held the same."""
+    entry = {"name": res.run.name, "spec": spec, "source": res.source, "seed": res.run.seed,
+             "wall_s": res.wall_s, "load_before": res.load_before, "load_after": res.load_after,
+             "config": res.config, "extras": extras or {}, "records": res.records}
+    old = load_stored(store, res.run.name)
+    if old is not None and {k: v for k, v in old.items() if k != "saved"} == entry:
+        return None
+    entry["saved"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    path = store_file(store, res.run.name)
+    _write_gz_json(path, entry)
+    return path
+
+
+def import_raw_records(runs_jsonl: Path, store: Path) -> list[str]:
+    """Rebuild store entries from a <study>_runs.jsonl written before the store existed: only its loss
+    curves and training time survive (no diagnostics, no extras), so the entry's source says so. Runs the
+    store already holds are left alone; returns the names imported."""
+    done = []
+    for rec in read_jsonl(runs_jsonl):
+        if rec.get("status") not in ("ok", "reused") or load_stored(store, rec["name"]) is not None:
+            continue
+        by_step: dict[int, dict] = {}
+        for key in ("val_loss", "train_loss"):
+            for step, value in rec.get(key) or []:
+                by_step.setdefault(int(step), {"step": int(step)})[key] = value
+        if not by_step:
+            continue
+        last = max(by_step)
+        if rec.get("train_time_s") is not None:
+            by_step[last]["train_time_s"] = rec["train_time_s"]
+        run = Run(rec["name"], rec["config"], seed=rec["seed"], nproc=rec["nproc"])
+        res = RunResult(run, "ok", Path(rec["run_dir"]), records=[by_step[s] for s in sorted(by_step)],
+                        wall_s=rec.get("wall_s"), load_before=rec.get("load_before"),
+                        load_after=rec.get("load_after"),
+                        source=f"{IMPORTED} from {runs_jsonl.name} (loss curves and training time only)")
+        save_stored(store, res, {"config": rec["config"], "overrides": rec["overrides"], "nproc": rec["nproc"]})
+        done.append(rec["name"])
+    return done
+
+
 def ensure_run(run: Run, scale: Scale, work: Path, *, restart: bool = False, report_only: bool = False,
-               available: Callable[[str], bool] = optimizer_available, echo: Callable[[str], None] = print
-               ) -> RunResult:
-    """Reuse, resume or (re)start one run; return what its run directory holds afterwards."""
+               available: Callable[[str], bool] = optimizer_available, echo: Callable[[str], None] = print,
+               store: Path | None = None) -> RunResult:
+    """Reuse, resume or (re)start one run; return what its run directory (or the store) holds afterwards.
+    Order: a finished run directory of the same spec; else the store's entry of the same spec; else
+    launch (resume from the run directory's checkpoint when it has one). --restart skips both."""
     run_dir = (work / "runs" / run.name).resolve()
     missing = [n for n in run.requires if not available(n)]
     if missing:
@@ -236,8 +321,13 @@ def ensure_run(run: Run, scale: Scale, work: Path, *, restart: bool = False, rep
     spec = run_spec(run, scale)
     same = stored_spec(run_dir) == spec
     res = RunResult(run, "failed", run_dir)
+    entry = None if restart or (same and is_finished(run_dir)) else load_stored(store, run.name)
     if same and is_finished(run_dir) and not restart:
         res.status, res.how = "reused", "reused"
+    elif entry is not None and entry["spec"] == spec:
+        return RunResult(run, "reused", run_dir, records=entry["records"], config=entry["config"],
+                         wall_s=entry["wall_s"], load_before=entry["load_before"], load_after=entry["load_after"],
+                         how="stored", extras=entry.get("extras") or {}, source=entry.get("source", "trained"))
     elif report_only:
         res.status = "failed: not run (--report-only)"
         return res
@@ -378,6 +468,9 @@ class Options:
         d = self.out or (QUICK_RESULTS if self.quick else DEFAULT_RESULTS)
         return d if d.is_absolute() else ROOT / d
 
+    def store_dir(self) -> Path:
+        return self.results_dir() / STORE_DIR
+
     def work_dir(self, study: str) -> Path:
         d = self.work or (DEFAULT_WORK / ("quick" if self.quick else "") / study)
         return d if d.is_absolute() else ROOT / d
@@ -410,6 +503,9 @@ class Study:
     plot: Callable[[list[RunResult], Path], None] | None = None
     requires: tuple[str, ...] = ()  # optim.name values the whole study needs
     planned: str = ""               # for a study not written yet: what to add when it can run
+    # values the summary reads from files the store does not keep (checkpoints), computed from a finished
+    # run directory and stored with the run; the summary reads them from RunResult.extras when present
+    extras: Callable[[RunResult], dict] | None = None
 
     def scale(self, opts: Options) -> Scale:
         s = self.quick if opts.quick else self.full
@@ -442,9 +538,24 @@ class Study:
             raise ValueError(f"study {self.name}: duplicate run names {sorted(n for n in names if names.count(n) > 1)}")
         work = opts.work_dir(self.name)
         started = time.strftime("%Y-%m-%d %H:%M:%S")
-        results = [ensure_run(r, scale, work, restart=opts.restart, report_only=opts.report_only, echo=echo)
-                   for r in runs]
+        store = opts.store_dir()
+        results = []
+        for run in runs:
+            r = ensure_run(run, scale, work, restart=opts.restart, report_only=opts.report_only, echo=echo,
+                           store=store)
+            # keep every finished run (trained now or earlier) beyond its run directory, as soon as it is
+            # finished: a study interrupted later (a machine shut down) keeps the runs it had
+            if r.ok and r.how != "stored":
+                r.extras = self.extras(r) if self.extras else {}
+                save_stored(store, r, run_spec(r.run, scale), r.extras)
+            results.append(r)
         summary = self.summarize(results, scale)
+        imported = [r.run.name for r in results if r.ok and r.source.startswith(IMPORTED)]
+        if imported:
+            summary.notes.append(
+                f"{len(imported)} run(s) ({', '.join(imported)}) come from a raw record written before the run store "
+                "kept diagnostics: their loss curves and training time are measured values, but their diagnostic "
+                "and byte columns are empty, so those columns average the other seeds' runs only.")
         out = opts.results_dir()
         out.mkdir(parents=True, exist_ok=True)
         paths = write_results(self, summary, results, scale, out, opts, started)
@@ -461,7 +572,7 @@ def run_record(r: RunResult, scale: Scale) -> dict:
     """One line of <study>_runs.jsonl: the spec, status, machine load and the curves."""
     return {"name": r.run.name, "labels": dict(r.run.labels), "config": r.run.config,
             "overrides": trainer_overrides(r.run, scale), "seed": r.run.seed, "nproc": r.run.nproc,
-            "status": r.status, "how": r.how, "wall_s": r.wall_s, "load_before": r.load_before,
+            "status": r.status, "how": r.how, "source": r.source, "wall_s": r.wall_s, "load_before": r.load_before,
             "load_after": r.load_after, "run_dir": os.path.relpath(r.run_dir, ROOT),
             "final_val_loss": r.final("val_loss"), "final_train_loss": r.final("train_loss"),
             "train_time_s": r.final("train_time_s"),
@@ -509,7 +620,8 @@ def write_results(study: Study, summary: Summary, results: Sequence[RunResult], 
            f"torch {mach['torch']}, python {mach['python']}; 1-minute load average "
            + (f"{lr[0]:.2f}-{lr[1]:.2f}" if lr else "not recorded") + " around the runs.",
            f"Raw: {runs_path.name} (per run: overrides, status, wall time, load, curves), {csv_path.name}, "
-           f"{meta_path.name}; run directories under {os.path.relpath(opts.work_dir(name), ROOT)}/runs."]
+           f"{meta_path.name}; run directories under {os.path.relpath(opts.work_dir(name), ROOT)}/runs; every finished "
+           f"run's spec, config and metrics in {STORE_DIR}/<run>.json.gz (how = stored: summarized from there)."]
     md_path.write_text("\n".join(md) + "\n")
     return [csv_path, md_path, runs_path, meta_path]
 

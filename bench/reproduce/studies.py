@@ -221,6 +221,19 @@ def final_matrix_weights(r: RunResult, roles: dict[str, str]) -> tuple[float | N
     return w.mean().item(), w.abs().mean().item()
 
 
+def run_matrix_weights(r: RunResult, roles: dict[str, str]) -> tuple[float | None, float | None]:
+    """final_matrix_weights from the run's checkpoint, or from the store's extras when the run directory is gone."""
+    if "w_mean" in r.extras:
+        return r.extras["w_mean"], r.extras["w_abs"]
+    return final_matrix_weights(r, roles)
+
+
+def fig10_extras(r: RunResult) -> dict:
+    """Kept in the run store: the checkpoint these weight columns come from is not."""
+    w_mean, w_abs = final_matrix_weights(r, _param_roles([r]))
+    return {"w_mean": w_mean, "w_abs": w_abs}
+
+
 def fig10_summary(results: list[RunResult], scale: Scale) -> Summary:
     rows = []
     roles = _param_roles(results)
@@ -241,7 +254,7 @@ def fig10_summary(results: list[RunResult], scale: Scale) -> Summary:
         for col, key in (("tie_rate_pct", "diag/tie_rate"), ("tie_attn_pct", "diag/tie_rate/attn"),
                          ("tie_mlp_pct", "diag/tie_rate/mlp")):
             row[col] = _pct(mean_std(r.window_mean(key) for r in group if r.ok)[0])
-        weights = [final_matrix_weights(r, roles) for r in group]
+        weights = [run_matrix_weights(r, roles) for r in group]
         row["w_mean"] = mean_std(w for w, _ in weights)[0]
         row["w_abs"] = mean_std(a for _, a in weights)[0]
         rows.append(row)
@@ -281,7 +294,8 @@ register(Study(
     # reference is then the paper's 2-bit allreduce itself, and a 1000-step run costs ~10 min here, not ~25 at
     # P = 4. One seed: the finding is a divergence, not a small difference (--seeds adds more).
     quick=quick_scale(6, diag_every=3), full=full_scale(1000, diag_every=50, nproc=2), seeds=[1337],
-    quick_seeds=QUICK_SEEDS, build=fig10_runs, summarize=fig10_summary, plot=fig10_plot))
+    quick_seeds=QUICK_SEEDS, build=fig10_runs, summarize=fig10_summary, plot=fig10_plot,
+    extras=fig10_extras))
 
 
 # ---------------------------------------------------------------------------------------------
