@@ -213,6 +213,30 @@ def test_import_raw_records_rebuilds_loss_only_entries(tmp_path):
     assert res.final("train_time_s") == 10.0 and res.wall_s == 12.5 and res.window_mean("diag/sign_match") is None
 
 
+def test_all_runs_every_study_and_reports_failures(tmp_path, monkeypatch, capsys):
+    """`all` executes every registered study in order with the shared options, goes on past a study that fails,
+    and exits non-zero naming it; a study with a failed run exits 1 on its own too."""
+    seen: list = []
+
+    def execute(self, opts, echo=print):
+        seen.append((self.name, opts.quick, opts.seeds, opts.argv[0]))
+        if self.name == "fig10":
+            opts.failed.append("b0.99_plus_p2_s7")
+        if self.name == "compressors":
+            raise StudyUnavailable("needs optim.name=nope")
+        return []
+
+    monkeypatch.setattr(framework.Study, "execute", execute)
+    monkeypatch.setattr(toy.ToyStudy, "execute", execute)
+    assert main(["all", "--quick", "--seeds", "7", "--out", str(tmp_path)]) == 1
+    assert seen == [(n, True, [7], n) for n in STUDIES]
+    err = capsys.readouterr().err
+    assert "2 study(ies) failed or could not run: fig10, compressors" in err and "b0.99_plus_p2_s7" in err
+    seen.clear()
+    assert main(["table2", "--quick", "--out", str(tmp_path)]) == 0 and main(["fig10", "--quick"]) == 1
+    assert main(["all", "--nproc", "2"]) == 2 and len(seen) == 2  # --nproc belongs to one study
+
+
 def test_optimizer_hooks():
     assert framework.optimizer_available("lion") and framework.optimizer_available("dion")
     assert not framework.optimizer_available("sgd")

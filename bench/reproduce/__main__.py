@@ -26,7 +26,7 @@ def _floats(s: str) -> list[float]:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.reproduce",
                                  description="Reproduce Lion Cub's findings with this tool's own training.")
-    ap.add_argument("study", nargs="?", help="study name (see --list)")
+    ap.add_argument("study", nargs="?", help="study name (see --list), or 'all': every study in turn")
     ap.add_argument("--list", action="store_true", help="list the registered studies and exit")
     ap.add_argument("--quick", action="store_true",
                     help="minutes: debug model, a handful of steps, 2 ranks (what the tests run); results go to "
@@ -65,14 +65,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             extra = f"  [needs optim.name={','.join(s.requires)}]" if s.requires else ""
             print(f"{name:12s} {s.title}{extra}")
         return 0 if args.list else 2
-    if args.study not in STUDIES:
-        print(f"error: unknown study {args.study!r}; known: {', '.join(STUDIES)}", file=sys.stderr)
+    if args.study != "all" and args.study not in STUDIES:
+        print(f"error: unknown study {args.study!r}; known: {', '.join(STUDIES)}, or all", file=sys.stderr)
         return 2
+    if args.study == "all":
+        if args.nproc or args.steps:
+            print("error: --nproc / --steps change one study's runs; give them with a study name, not 'all'",
+                  file=sys.stderr)
+            return 2
+        # every study in turn; runs shared between studies (table3's P = 4 = table2's 1-bit run, fig6_17 = fig5's
+        # no-sync runs, the compressors' Lion rows = table2's) are trained once: later studies find them in the
+        # run store. A study that fails does not stop the others; the exit status says so.
+        failed = []
+        for name in STUDIES:
+            print(f"== {name}", flush=True)
+            if run_study(name, args, [name, *argv[1:]]) != 0:
+                failed.append(name)
+        if failed:
+            print(f"error: {len(failed)} study(ies) failed or could not run: {', '.join(failed)}", file=sys.stderr)
+        return 1 if failed else 0
+    return run_study(args.study, args, argv)
+
+
+def run_study(name: str, args: argparse.Namespace, argv: list[str]) -> int:
+    """Execute one study; 0 when it wrote its results and none of its runs failed."""
     opts = Options(quick=args.quick, seeds=args.seeds, out=args.out, work=args.work, steps=args.steps,
                    nproc=args.nproc, restart=args.restart, report_only=args.report_only, argv=argv,
                    extra={"alphas": args.alphas, "bits": args.bits})
     try:
-        paths = STUDIES[args.study].execute(opts)
+        paths = STUDIES[name].execute(opts)
     except StudyUnavailable as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -81,6 +102,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     md = next((p for p in paths if p.suffix == ".md"), None)
     if md:
         print(md.read_text())
+    if opts.failed:
+        print(f"error: study {name}: {len(opts.failed)} run(s) failed or were not run ({', '.join(opts.failed)}); "
+              "the table above leaves them out. Their logs are under the --work directory's logs/; rerun the same "
+              "command to retry them (finished runs are reused)", file=sys.stderr)
+        return 1
     return 0
 
 

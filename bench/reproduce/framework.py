@@ -463,6 +463,7 @@ class Options:
     report_only: bool = False
     argv: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)   # study-specific (--alphas, --bits for the toy)
+    failed: list[str] = field(default_factory=list)  # filled by Study.execute: runs that failed or were not run
 
     def results_dir(self) -> Path:
         d = self.out or (QUICK_RESULTS if self.quick else DEFAULT_RESULTS)
@@ -565,6 +566,7 @@ class Study:
         failed = [r for r in results if r.status.startswith("failed")]
         if failed:
             echo(f"{len(failed)} run(s) failed: " + "; ".join(f"{r.run.name}: {r.status}" for r in failed))
+            opts.failed.extend(r.run.name for r in failed)
         return paths
 
 
