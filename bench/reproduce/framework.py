@@ -175,8 +175,20 @@ def machine() -> dict:
     except AttributeError:
         usable = os.cpu_count()
     return {"platform": platform.platform(), "machine": platform.machine(), "processor": platform.processor(),
+            "cpu_model": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "cpu_count": os.cpu_count(), "cpus_usable": usable, "python": platform.python_version(),
             "torch": torch.__version__, "cuda": torch.cuda.is_available()}
+
+
+def cpu_model() -> str:
+    """The CPU's model name ("" where /proc/cpuinfo is absent). Recorded because torch's CPU kernels pick
+    their vector width (AVX2, AVX-512) by the host: the same run on another host rounds differently and,
+    over a few hundred steps, ends as far from the first as another seed does (reproduction.md)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        return ""
 
 
 def loadavg() -> list[float] | None:
@@ -271,9 +283,10 @@ def save_stored(store: Path, res: RunResult, spec: dict, extras: dict | None = N
              "wall_s": res.wall_s, "load_before": res.load_before, "load_after": res.load_after,
              "config": res.config, "extras": extras or {}, "records": res.records}
     old = load_stored(store, res.run.name)
-    if old is not None and {k: v for k, v in old.items() if k != "saved"} == entry:
+    if old is not None and {k: v for k, v in old.items() if k not in ("saved", "machine")} == entry:
         return None
     entry["saved"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    entry["machine"] = machine()  # where it trained: a run directory does not outlive its machine
     path = store_file(store, res.run.name)
     _write_gz_json(path, entry)
     return path
@@ -618,7 +631,8 @@ def write_results(study: Study, summary: Summary, results: Sequence[RunResult], 
     md += [*summary.notes, "" if summary.notes else "",
            f"Setting: {scale.steps} steps, {' '.join(scale.overrides)}; eval every {scale.eval_every or scale.steps} "
            f"steps on {scale.eval_steps} batches per rank; diagnostics every {scale.diag_every or '-'} steps.",
-           f"Machine: {mach['platform']}, {mach['cpus_usable']} usable CPUs of {mach['cpu_count']}, "
+           f"Machine: {mach['platform']}, {mach.get('cpu_model') or 'CPU model unknown'} "
+           f"({mach.get('cpu_capability', '?')}), {mach['cpus_usable']} usable CPUs of {mach['cpu_count']}, "
            f"torch {mach['torch']}, python {mach['python']}; 1-minute load average "
            + (f"{lr[0]:.2f}-{lr[1]:.2f}" if lr else "not recorded") + " around the runs.",
            f"Raw: {runs_path.name} (per run: overrides, status, wall time, load, curves), {csv_path.name}, "
