@@ -20,7 +20,13 @@ same measurement over loopback without netsim (rate must then be 'unlimited').
 
 Peak memory: on CPU the trainer logs none, so every rank runs under a small wrapper
 (`--rank-wrap`) that waits for train.py and records its ru_maxrss (max resident set size); on
-CUDA the trainer's peak_mem_gib (max allocated) is reported as well.
+CUDA the trainer's peak_mem_gib (torch.cuda.max_memory_allocated of rank 0) is reported as well,
+and the memory target is judged on it (device memory; the host RSS then holds the CUDA context).
+
+One GPU, several ranks: `--shared-gpu` runs every rank on cuda:0 with the
+process group on gloo (NCCL refuses two ranks on one device), so collectives of CUDA tensors go
+through host memory. It measures device memory per rank and the optimizer's device time; its
+collective times are gloo's host path, not NCCL's.
 """
 from __future__ import annotations
 
@@ -70,6 +76,50 @@ def rank_wrap(rss_path: Path, cmd: Sequence[str]) -> int:
     rss_path.parent.mkdir(parents=True, exist_ok=True)
     rss_path.write_text(json.dumps({"rank": int(os.environ.get("RANK", "0")), "max_rss_mib": rss_mib, "rc": rc}))
     return rc
+
+
+def train_on_shared_gpu(cmd: Sequence[str]) -> None:
+    """Run train.py (cmd: its path and arguments) in this process as a rank on cuda:0 with a gloo
+    process group: LOCAL_RANK is set to 0 (the trainer picks cuda:LOCAL_RANK) and the trainer's
+    NCCL group is made gloo instead. Nothing else in the trainer changes."""
+    import runpy
+
+    import torch.distributed as dist
+
+    os.environ["LOCAL_RANK"] = "0"
+    init = dist.init_process_group
+
+    def gloo_init(*args, **kwargs):
+        if kwargs.get("backend") == "nccl":
+            kwargs["backend"] = "gloo"
+            kwargs.pop("device_id", None)
+        return init(*args, **kwargs)
+
+    dist.init_process_group = gloo_init
+    if os.environ.get("LIONCUB_MEMORY_SNAPSHOT") == "1" and os.environ.get("RANK", "0") == "0":
+        _record_memory_snapshot(cmd)
+    sys.argv = list(cmd)
+    sys.path.insert(0, str(Path(cmd[0]).resolve().parent))
+    runpy.run_path(cmd[0], run_name="__main__")
+
+
+def _record_memory_snapshot(cmd: Sequence[str]) -> None:
+    """Record rank 0's CUDA allocations (torch.cuda.memory history, Python stacks) and write the
+    snapshot to <train.out_dir>/memory_snapshot.pickle when train.py exits (it leaves through
+    os._exit, so the dump is hooked there). For finding what makes up the peak."""
+    import torch
+
+    out_dir = next((a.split("=", 1)[1] for a in cmd if a.startswith("train.out_dir=")), ".")
+    torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+    exit_ = os._exit
+
+    def dump_and_exit(code: int) -> None:
+        try:
+            torch.cuda.memory._dump_snapshot(str(Path(out_dir) / "memory_snapshot.pickle"))
+        finally:
+            exit_(code)
+
+    os._exit = dump_and_exit
 
 
 def calibrate_worker(out_path: Path) -> None:
@@ -163,7 +213,12 @@ def check_fast_path_targets(rows: list[dict], baseline: str = BASELINE, overlapp
                 q = r["other_ms"] / b["other_ms"]
                 out.append(f"{rate}: {v} optimizer time {r['other_ms']:.0f} ms vs {b['other_ms']:.0f} ms = {q:.2f}x "
                            f"({'MET' if q <= other_ratio else 'NOT met'}, target <= {other_ratio:g}x)")
-            if b and b.get("peak_rss_mib") and r.get("peak_rss_mib"):
+            if b and b.get("peak_mem_gib") and r.get("peak_mem_gib"):  # CUDA: device memory per rank
+                q = r["peak_mem_gib"] / b["peak_mem_gib"]
+                out.append(f"{rate}: {v} peak device memory {1024 * r['peak_mem_gib']:.1f} MiB vs "
+                           f"{1024 * b['peak_mem_gib']:.1f} MiB = {q:.2f}x ({'MET' if q <= mem_ratio else 'NOT met'}, "
+                           f"target <= {mem_ratio:g}x)")
+            elif b and b.get("peak_rss_mib") and r.get("peak_rss_mib"):
                 q = r["peak_rss_mib"] / b["peak_rss_mib"]
                 out.append(f"{rate}: {v} peak memory {r['peak_rss_mib']:.0f} MiB vs {b['peak_rss_mib']:.0f} MiB = "
                            f"{q:.2f}x ({'MET' if q <= mem_ratio else 'NOT met'}, target <= {mem_ratio:g}x)")
@@ -250,9 +305,11 @@ def table4_markdown(rows: list[dict], rates: list[str], variants: list[str]) -> 
 
 def detail_markdown(rows: list[dict], rate: str, variants: list[str]) -> str:
     by = {r["variant"]: r for r in rows if r["rate"] == rate}
+    gpu = any(r.get("peak_mem_gib") for r in by.values())
     lines = [f"| variant | step (ms) | compute | comm (coll + pack) | other | comm % | bytes/step/rank | "
-             f"peak RSS/rank (MiB) | speedup | vs overlapped fp32 | comm ÷ | model comm (ms) | coll / model |",
-             "|---|" + "---:|" * 12]
+             f"peak RSS/rank (MiB) | speedup | vs overlapped fp32 | comm ÷ | model comm (ms) | coll / model |"
+             f"{' peak device mem/rank (MiB) |' if gpu else ''}",
+             "|---|" + "---:|" * (13 if gpu else 12)]
     for v in variants:
         r = by.get(v)
         if r is None:
@@ -267,7 +324,8 @@ def detail_markdown(rows: list[dict], rate: str, variants: list[str]) -> str:
             f"{_f(r.get('peak_rss_mib'), '.0f')} | {_f(r.get('speedup'), '.2f')}x | "
             f"{_f(r.get('speedup_vs_overlap'), '.2f')}x | "
             f"{_f(r.get('comm_reduction'), '.1f')}x | {_f(r.get('pred_comm_ms'), '.0f')} | "
-            f"{_f(r.get('coll_over_pred'), '.2f')} |")
+            f"{_f(r.get('coll_over_pred'), '.2f')} |"
+            + (f" {_f(1024 * r['peak_mem_gib'] if r.get('peak_mem_gib') else None, '.1f')} |" if gpu else ""))
     return "\n".join(lines)
 
 
@@ -345,6 +403,8 @@ def run_one(args: argparse.Namespace, rate: str, variant: str, net: object | Non
                  f"train.max_steps={args.warmup + args.steps}", "train.log_every=1", "train.eval_every=0",
                  "train.eval_steps=1", "diag.every=0", "log.wandb=disabled", f"train.out_dir={run_dir}"]
     train_cmd = [sys.executable, str(ROOT / "train.py"), str(cfg_file), *overrides]
+    if getattr(args, "shared_gpu", False):
+        train_cmd = [sys.executable, "-m", "bench.step_breakdown", "--train-on-shared-gpu", "--", *train_cmd[1:]]
     cmd = [sys.executable, "-m", "bench.step_breakdown", "--rank-wrap", str(rss_dir / "rank{RANK}.json"), "--",
            *train_cmd]
     print(f"== {rate} {variant}: {' '.join(train_cmd)}", flush=True)
@@ -446,10 +506,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--launcher", choices=["netsim", "torchrun"], default="netsim",
                     help="netsim (namespaces + tbf, needs root) or torchrun over loopback (unlimited only)")
     ap.add_argument("--no-calibrate", action="store_true", help="skip the alpha/beta fit (no model column)")
+    ap.add_argument("--shared-gpu", action="store_true",
+                    help="every rank on cuda:0 with a gloo group (one-GPU machines)")
     ap.add_argument("--report-only", action="store_true", help="only re-tabulate existing runs in --out")
     ap.add_argument("--verbose", action="store_true", help="echo rank output (it always goes to --out/logs)")
     ap.add_argument("--rank-wrap", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--calibrate-worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--train-on-shared-gpu", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("cmd", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]
@@ -462,11 +525,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _gpu_name() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.rank_wrap:
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
         return rank_wrap(Path(args.rank_wrap.replace("{RANK}", os.environ.get("RANK", "0"))), cmd)
+    if args.train_on_shared_gpu:
+        train_on_shared_gpu(args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd)
+        return 0
     if args.calibrate_worker:
         calibrate_worker(Path(args.calibrate_worker))
         return 0
@@ -506,6 +578,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = {"machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or ''}".strip(", "),
             "nproc": args.nproc, "overrides": args.overrides, "config_dir": args.config_dir, "steps": args.steps,
             "warmup": args.warmup, "rates": args.rates, "variants": args.variants, "launcher": args.launcher,
+            "shared_gpu": args.shared_gpu, "gpu": _gpu_name(),
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "calibration": {k: {"alpha_us": 1e6 * a, "beta_ns_per_bit": 1e9 * b,
                                 "gbit_s": (1 / b / 1e9) if b else None} for k, (a, b) in calib.items()}}

@@ -15,6 +15,8 @@ byte for byte:
                                                             == int_allreduce after its SUM
     lion_direction_, momentum_update_, apply_update_, lion_direction_momentum_
                      the Lion passes (Lion Cub Alg. 1)     == optim.lion's foreach kernels
+                     (compiled on CPU only: on CUDA Triton's fma contraction changes the
+                     rounding, see _lion_compiled, so they run the foreach kernels there)
 
 Dispatch: every function takes impl="compiled" | "eager" | "auto" (None: the module default,
 `set_impl`, initially $LIONCUB_KERNELS or "eager"). "auto" compiles where a compiler exists and
@@ -52,6 +54,7 @@ import os
 import shutil
 import struct
 import time
+import types
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -382,16 +385,33 @@ def _k_apply(p: torch.Tensor, u: torch.Tensor, s: float, alpha: float, u_is_sign
 _KERNELS: dict[tuple, _Kernel] = {}
 
 
+_BOUND_FN: Callable | None = None  # set in the globals of each copy of _bound (see _kernel)
+_BOUND_STATIC: tuple = ()
+
+
+def _bound(*args):
+    return _BOUND_FN(*args, *_BOUND_STATIC)
+
+
 def _kernel(fn: Callable, *static) -> _Kernel:
     """The compiled kernel of `fn` with its trailing arguments fixed to `static` (lane width,
     flags). Dynamo keeps its compiled graphs per code object, and a code object past 8 graphs
-    silently runs uncompiled, so every static tuple gets a code object of its own; within it
-    dynamic shapes make one graph per (device, dtypes) serve every length."""
+    runs uncompiled (or, with fullgraph, raises), so every static tuple gets a code object of
+    its own; within it dynamic shapes make one graph per (device, dtypes) serve every length.
+    Each is a renamed copy of `_bound`'s code with `fn` and `static` in globals of its own
+    (globals, not a closure: dynamo specialises on a global's value, as it must for lane widths
+    and bit patterns). The copy keeps this file as its source: torch.compile up to 2.11 wraps a
+    function with no source file (one made by exec) in one shared frame (external_utils.inner),
+    which put every kernel on one code object and past the limit after 8 graphs (seen on torch
+    2.11 + CUDA; torch 2.13 traces such functions as they are)."""
     key = (fn.__name__.removeprefix("_k_"),) + static
     if key not in _KERNELS:
-        scope: dict = {}
-        exec("def bound(*args):\n    return fn(*args, *static)\n", {"fn": fn, "static": static}, scope)
-        _KERNELS[key] = _Kernel("/".join(str(k) for k in key), scope["bound"])
+        name = f"bound_{len(_KERNELS)}"
+        code = _bound.__code__.replace(co_name=name)  # a new code object, same file and line
+        if hasattr(code, "co_qualname"):
+            code = code.replace(co_qualname=name)
+        scope = {"_BOUND_FN": fn, "_BOUND_STATIC": static, "__name__": __name__, "__builtins__": __builtins__}
+        _KERNELS[key] = _Kernel("/".join(str(k) for k in key), types.FunctionType(code, scope, name))
     return _KERNELS[key]
 
 
@@ -712,6 +732,12 @@ def _lion_compiled(tensors: Sequence[torch.Tensor], impl: str | None) -> bool:
     if not tensors:
         return False
     dev = tensors[0].device
+    # CUDA: Triton contracts a multiply with the add that follows it into one fma where the eager
+    # kernels round the product first (fl(m*b1), then fma(g, 1-b1, .)): compiled c, m and p were
+    # 1 ulp off eager on an H100 (torch 2.11, Triton 3.6). So the Lion passes stay on the foreach
+    # kernels there (the reference, and on CUDA already multi-tensor kernels), for every impl.
+    if dev.type == "cuda":
+        return False
     # "auto" keeps the foreach kernels on CPU: the exact fma emulation makes the compiled passes
     # slower there (bench.packing); "compiled" still compiles them
     if dev.type == "cpu" and (_impl_default if impl is None else impl) == "auto":
@@ -840,7 +866,7 @@ def warmup(device: torch.device | str = "cpu", *, bits: Sequence[int] = (), leve
                             same(f"unpack_sum[bits={b},L={L},sign={sgn}]",
                                  unpack_sum(w, b, n, L, P, sign=sgn, impl="compiled"),
                                  torch.sign(ref).to(torch.float32) if sgn else ref)
-    if lion and not (device.type == "cpu" and (_impl_default if impl is None else impl) == "auto"):
+    if lion and device.type != "cuda" and not (device.type == "cpu" and (_impl_default if impl is None else impl) == "auto"):
         m = torch.randn(n, generator=gen, device=device)
         g = torch.randn(n, generator=gen, device=device)
         m[:7] = 0.0

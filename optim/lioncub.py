@@ -40,9 +40,22 @@ class DistributedLion(CommOptimizer):
                              f"Lion needs an update-sync sign aggregate: one of {_sign_schemes()}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), scheme=s,
                          **comm_kwargs)
-        self.c_flat = self.layout.new_flat()
+        self._c: torch.Tensor | None = None
+        self.keep_c = self.layout.device.type != "cuda"
 
     _uses_lion_kernels = True
+
+    @property
+    def c_flat(self) -> torch.Tensor:
+        """The flat buffer of c for this step. On CUDA it lives only from the step's first use of
+        it (its c pass, or the first bucket with overlap) to the end of `_update`: the caching
+        allocator hands back the same block every step, and outside the step the memory serves
+        the activations, so peak memory does not carry a persistent c on top of the backward
+        pass's peak (Lion itself makes its update direction per step). On CPU (keep_c) it is
+        kept: a fresh 4 bytes per parameter every step would be page-faulted in every step."""
+        if self._c is None:
+            self._c = self.layout.new_flat()
+        return self._c
 
     def momentum_of(self, p: torch.nn.Parameter) -> torch.Tensor | None:
         return self.state[p].get("exp_avg")
@@ -88,6 +101,8 @@ class DistributedLion(CommOptimizer):
             kernels.apply_update_(lay.params(ks), lay.views(update, ks), float(g["lr"]), float(g["weight_decay"]),
                                   u_is_sign=sign, impl=self.kernels)
             kernels.momentum_update_(moms_by_group[gi], grads_by_group[gi], g["betas"][1], impl=self.kernels)
+        if not self.keep_c:
+            self._c = None  # freed once the caller drops the returned c (diagnostics read it)
         return {"c": c, "update": update}
 
     def _diagnostics(self, out: dict | None):

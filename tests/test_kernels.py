@@ -1,5 +1,9 @@
 """optim.kernels: the compiled kernels give the eager reference's bytes, sums and updates.
 
+Every compiled-kernel test runs on each device here (the `dev` fixture): on CPU (inductor's C++
+backend) always, and on CUDA (Triton) where a GPU is visible; inputs are drawn on the CPU and
+moved, so both devices check the same values, and the independent references run on the CPU.
+
 Every kernel compiles once with dynamic shapes and is reused across the parametrisations below
 (lengths, P, steps, levels), so compile time is paid once per kernel. Besides compiled == eager,
 the tests check against independent references (plain integer arithmetic for sums and votes,
@@ -24,12 +28,24 @@ from optim.lion import apply_update_, lion_direction, momentum_update_
 compiled = pytest.mark.skipif(K.compile_unavailable("cpu") is not None,
                               reason=f"no compiled kernels here: {K.compile_unavailable('cpu')}")
 
+
+@pytest.fixture(params=["cpu", "cuda"])
+def dev(request) -> torch.device:
+    """The device a compiled-kernel test runs on: CPU, and CUDA when a GPU is visible."""
+    d = torch.device(request.param)
+    if d.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible")
+    why = K.compile_unavailable(d)
+    if why is not None:
+        pytest.skip(f"no compiled kernels for {d}: {why}")
+    return d
+
 LENGTHS = [0, 1, 7, 9, 65, 71, 1000003]
 WIRE_BITS = [1, 2, 4, 8, 16]
 
 
-def _gen(seed: int) -> torch.Generator:
-    g = torch.Generator()
+def _gen(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
     g.manual_seed(seed)
     return g
 
@@ -56,15 +72,18 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 @compiled
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("kind", ["random", "zero", "tie"])
-def test_sign_pack_matches_tb_packed(n, kind):
+def test_sign_pack_matches_tb_packed(n, kind, dev):
     x = _values(kind, n, seed=n)
     if n > 20:
         x[3], x[4], x[5], x[6] = float("nan"), float("inf"), -float("inf"), -0.0
+    xd = x.to(dev)
     for step in (1, 2, 7):
         for length in (None, -(-n // 40) * 40 + 40):
-            got = K.sign_pack(x, step, length, impl="compiled")
-            ref = tb_packed(x, step, length)
-            assert got.dtype == torch.uint8 and torch.equal(got, ref)
+            got = K.sign_pack(xd, step, length, impl="compiled")
+            ref = tb_packed(xd, step, length)
+            assert got.dtype == torch.uint8 and got.device == xd.device and torch.equal(got, ref)
+            got = got.cpu()
+            assert torch.equal(got, tb_packed(x, step, length))  # the same bytes on every device
             # independent: bit i of byte j is tb(x[8j+i]); padding bits are 0
             flags = unpack_bits(got, got.numel() * 8)
             want = (x >= 0) if step % 2 else (x > 0)
@@ -72,8 +91,8 @@ def test_sign_pack_matches_tb_packed(n, kind):
 
 
 @compiled
-def test_sign_pack_bfloat16():
-    x = _values("random", 1003, seed=3).to(torch.bfloat16)
+def test_sign_pack_bfloat16(dev):
+    x = _values("random", 1003, seed=3).to(dev, torch.bfloat16)
     for step in (1, 2):
         assert torch.equal(K.sign_pack(x, step, impl="compiled"), tb_packed(x, step))
 
@@ -111,16 +130,17 @@ def _unpack_wire(wire: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 @compiled
 @pytest.mark.parametrize("bits", WIRE_BITS)
 @pytest.mark.parametrize("n", LENGTHS)
-def test_quantize_pack_signs_only(bits, n):
+def test_quantize_pack_signs_only(bits, n, dev):
     """levels = 0: tie-broken signs as 0/1 lanes, every lane width, every length."""
     for kind in ("random", "zero"):
         c = _values(kind, n, seed=n + bits)
+        cd = c.to(dev)
         for step in (1, 2):
-            got = K.quantize_pack(c, _segments(n), 0, None, bits=bits, tie_step=step, impl="compiled")
-            q = K.quantize_q(c, _segments(n), 0, None, tie_step=step)
+            got = K.quantize_pack(cd, _segments(n), 0, None, bits=bits, tie_step=step, impl="compiled")
+            q = K.quantize_q(cd, _segments(n), 0, None, tie_step=step)
             ref = K.wire_of(q, 0, bits)
             assert got.dtype == ref.dtype and torch.equal(got, ref)
-            lanes = _unpack_wire(got, bits, n)
+            lanes = _unpack_wire(got.cpu(), bits, n)
             want = (c > 0) | ((c == 0) & bool(step % 2))
             assert torch.equal(lanes[:n], want.to(torch.int64)) and not lanes[n:].any()
 
@@ -132,16 +152,18 @@ QUANT_CASES = [(b, L) for b in (2, 4, 8, 16) for L in sorted({1, max_levels(1, b
 @pytest.mark.parametrize("bits,levels", QUANT_CASES)
 @pytest.mark.parametrize("kind", ["random", "zero", "tie"])
 @pytest.mark.parametrize("p", [1.0, math.inf, None])
-def test_quantize_pack_lp(bits, levels, kind, p):
+def test_quantize_pack_lp(bits, levels, kind, p, dev):
     """Lion Cub eq. 1 per segment, nearest rounding, at the smallest and largest levels of
-    each lane width (L = 1 and L = 127 are odd, so the tie input rounds exactly half)."""
+    each lane width (L = 1 and L = 127 are odd, so the tie input rounds exactly half). The
+    reference runs on the same device (M_p is a reduction: its rounding is the device's)."""
     for n in (9, 1000003):
-        c = _values(kind, n, seed=bits * levels + n)
+        c = _values(kind, n, seed=bits * levels + n).to(dev)
         segs = _segments(n)
         got = K.quantize_pack(c, segs, levels, p, 2.0, bits, impl="compiled")
         q = K.quantize_q(c, segs, levels, p)
         assert torch.equal(got, K.wire_of(q, levels, bits))
-        lanes = _unpack_wire(got, bits, n)
+        q = q.cpu()
+        lanes = _unpack_wire(got.cpu(), bits, n)
         assert torch.equal(lanes[:n], _independent_wire_values(q, levels)) and not lanes[n:].any()
     if kind == "tie" and p == 1.0:  # half to even: +-L/2 -> the even neighbour
         half = torch.round(torch.tensor([levels / 2.0]))
@@ -150,7 +172,7 @@ def test_quantize_pack_lp(bits, levels, kind, p):
 
 @compiled
 @pytest.mark.parametrize("bits,levels", [(2, 1), (4, 7), (16, 127)])
-def test_quantize_pack_many_short_segments(bits, levels):
+def test_quantize_pack_many_short_segments(bits, levels, dev):
     """Segments of 1..150 elements: most packed words are shared by several tensors (the
     boundary pass), some are filled by one tensor alone (the kernel)."""
     sizes = torch.randint(1, 151, (80,), generator=_gen(bits)).tolist()
@@ -160,6 +182,7 @@ def test_quantize_pack_many_short_segments(bits, levels):
         off += m
     c = _values("random", off, seed=3)
     c[segs[7][0]:segs[7][0] + segs[7][1]] = 0.0  # a tensor of zeros: M_p = 0, q = 0
+    c = c.to(dev)
     for p in (1.0, 2.0):
         got = K.quantize_pack(c, segs, levels, p, 2.0, bits, impl="compiled")
         assert torch.equal(got, K.wire_of(K.quantize_q(c, segs, levels, p), levels, bits))
@@ -171,11 +194,11 @@ def test_quantize_pack_many_short_segments(bits, levels):
 
 @compiled
 @pytest.mark.parametrize("bits,levels", [(4, 7), (8, 127)])
-def test_quantize_pack_stochastic_consumes_the_same_randoms(bits, levels):
+def test_quantize_pack_stochastic_consumes_the_same_randoms(bits, levels, dev):
     n = 1000003
-    c = _values("random", n, seed=5)
+    c = _values("random", n, seed=5).to(dev)
     segs = _segments(n)
-    g1, g2 = _gen(42), _gen(42)
+    g1, g2 = _gen(42, dev), _gen(42, dev)
     for _ in range(2):  # two steps: the generators must stay in lockstep
         got = K.quantize_pack(c, segs, levels, 1.0, 2.0, bits, "stochastic", g1, impl="compiled")
         ref = K.wire_of(K.quantize_q(c, segs, levels, 1.0, 2.0, "stochastic", g2), levels, bits)
@@ -207,7 +230,7 @@ def _summed_wire(qs: list[torch.Tensor], levels: int, bits: int) -> torch.Tensor
 @compiled
 @pytest.mark.parametrize("bits", WIRE_BITS)
 @pytest.mark.parametrize("n", [0, 9, 71, 1000003])
-def test_unpack_sum(bits, n):
+def test_unpack_sum(bits, n, dev):
     for P in (1, 2, 3, 4, 5):
         for levels in (0, max_levels(P, bits) if bits < 16 else 127):
             if levels == 0 and P > (1 << bits) - 1 or levels < 0:
@@ -218,22 +241,22 @@ def test_unpack_sum(bits, n):
                     qs.append(torch.randint(0, 2, (n,), generator=_gen(r + n)).to(torch.int8) * 2 - 1)
                 else:
                     qs.append(torch.randint(-levels, levels + 1, (n,), generator=_gen(r + n)).to(torch.int8))
-            wire = _summed_wire(qs, levels, bits)
+            wire = _summed_wire(qs, levels, bits).to(dev)
             want = sum(q.to(torch.int32) for q in qs) if qs else torch.zeros(n, dtype=torch.int32)
             got = K.unpack_sum(wire, bits, n, levels, P, impl="compiled")
-            assert got.dtype == torch.int32 and torch.equal(got, want)
+            assert got.dtype == torch.int32 and got.device == wire.device and torch.equal(got.cpu(), want)
             assert torch.equal(got, K.unpack_sum_reference(wire, bits, n, levels, P))
             sgn = K.unpack_sum(wire, bits, n, levels, P, sign=True, impl="compiled")
-            assert sgn.dtype == torch.float32 and torch.equal(_bits(sgn), _bits(torch.sign(want).float()))
+            assert sgn.dtype == torch.float32 and torch.equal(_bits(sgn.cpu()), _bits(torch.sign(want).float()))
             if bits == 4:  # an int8 update buffer (one more graph; one lane width is enough)
-                buf = torch.empty(n, dtype=torch.int8)
+                buf = torch.empty(n, dtype=torch.int8, device=dev)
                 K.unpack_sum(wire, bits, n, levels, P, sign=True, dtype=torch.int8, out=buf, impl="compiled")
-                assert torch.equal(buf, torch.sign(want).to(torch.int8))
+                assert torch.equal(buf.cpu(), torch.sign(want).to(torch.int8))
 
 
 @compiled
 @pytest.mark.parametrize("bits", [2, 4, 8, 16])
-def test_unpack_sum_all_zero_votes_and_exact_ties(bits):
+def test_unpack_sum_all_zero_votes_and_exact_ties(bits, dev):
     """Sums of exactly zero (every rank sends 0, or +L and -L cancel, or +1 and -1 signs) give
     sum 0 and sign 0, not +-1."""
     n, P = 1001, 2
@@ -244,7 +267,7 @@ def test_unpack_sum_all_zero_votes_and_exact_ties(bits):
     for qs, levels in cases:
         if levels == 0 and bool((qs[0] == 0).any()):  # L = 0 lanes carry signs only
             continue
-        wire = _summed_wire(qs, levels, bits)
+        wire = _summed_wire(qs, levels, bits).to(dev)
         assert not K.unpack_sum(wire, bits, n, levels, P, impl="compiled").any()
         assert not K.unpack_sum(wire, bits, n, levels, P, sign=True, impl="compiled").any()
 
@@ -262,7 +285,7 @@ def _majority_independent(recv: torch.Tensor, P: int, step: int) -> torch.Tensor
 @compiled
 @pytest.mark.parametrize("P", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("c", [0, 1, 9, 300, 125001])
-def test_unpack_majority(P, c):
+def test_unpack_majority(P, c, dev):
     g = _gen(P * 1000 + c)
     half = torch.randint(0, 256, (P // 2, c), generator=g, dtype=torch.uint8)
     odd = torch.randint(0, 256, (P % 2, c), generator=g, dtype=torch.uint8)
@@ -273,10 +296,11 @@ def test_unpack_majority(P, c):
         "tie": torch.cat([half, 255 - half, odd]).reshape(-1),
     }
     for name, recv in inputs.items():
+        rd = recv.to(dev)
         for step in (1, 2):
-            got = K.unpack_majority(recv, P, step, impl="compiled")
-            assert torch.equal(got, _local_majority(recv, P, step)), name
-            assert torch.equal(got, _majority_independent(recv, P, step)), name
+            got = K.unpack_majority(rd, P, step, impl="compiled")
+            assert torch.equal(got, _local_majority(rd, P, step)), name
+            assert torch.equal(got.cpu(), _majority_independent(recv, P, step)), name
 
 
 # ---- the Lion passes ----------------------------------------------------------------------------
@@ -296,9 +320,10 @@ def _rational_fma32(a: float, b: float, c: float) -> float:
 
 
 @compiled
-def test_fma32_is_correctly_rounded():
+def test_fma32_is_correctly_rounded(dev):
     """Crafted double-rounding traps (the float64 sum is a float32 midpoint, the exact value is
-    not) plus random cases, against exact rational arithmetic and against eager add_(alpha)."""
+    not) plus random cases, against exact rational arithmetic and against eager add_(alpha).
+    On CUDA _fma32 is add-with-alpha, which inductor must lower to a hardware fma (as eager)."""
     # a*b = +-(1 - 2**-36) * 2**-24 next to c = +-(1 + 2**-23): the exact value is 2**-60 off the
     # float32 midpoint, which float64 cannot hold
     e, u, v = 2.0 ** -12, 1 + 2 ** -18, 1 - 2 ** -18
@@ -314,15 +339,16 @@ def test_fma32_is_correctly_rounded():
     want = torch.tensor([_rational_fma32(*v) for v in zip(a.tolist(), b.tolist(), c.tolist())])
     assert (naive != want[:4]).all()
     fma = torch.compile(lambda a, b, c: K._fma32(a, b, c), dynamic=True)
-    got = torch.stack([fma(a[i:i + 1].expand(64).contiguous(), float(b[i]), c[i:i + 1].expand(64).contiguous())[0]
-                       for i in range(4)])
+    ad, cd = a.to(dev), c.to(dev)
+    got = torch.stack([fma(ad[i:i + 1].expand(64).contiguous(), float(b[i]), cd[i:i + 1].expand(64).contiguous())[0]
+                       for i in range(4)]).cpu()
     assert torch.equal(got, want[:4])
     for bv in (1e-3, 0.1, 0.9, 0.01):
         bb = K._f32(bv)
-        got = fma(a, bb, c)
+        got = fma(ad, bb, cd)
         want = torch.tensor([_rational_fma32(x, bb, z) for x, z in zip(a.tolist(), c.tolist())])
-        assert torch.equal(got, want)
-        assert torch.equal(got, c.clone().add_(a, alpha=bv))  # eager CPU rounds as one fma
+        assert torch.equal(got.cpu(), want)
+        assert torch.equal(got, cd.clone().add_(ad, alpha=bv))  # eager CPU and CUDA round as one fma
 
 
 def _lion_state(n: int, kind: str, seed: int):
@@ -340,12 +366,12 @@ def _lion_state(n: int, kind: str, seed: int):
 
 @compiled
 @pytest.mark.parametrize("kind", ["random", "zero", "special"])
-def test_lion_passes_bit_identical(kind):
+def test_lion_passes_bit_identical(kind, dev):
     shapes = [(1000, 257), (7,), (33, 3), (100003,)]
     tensors = [_lion_state(math.prod(s), kind, i) for i, s in enumerate(shapes)]
-    moms = [m.view(s) for (m, _), s in zip(tensors, shapes)]
-    grads = [g.view(s) for (_, g), s in zip(tensors, shapes)]
-    flat = torch.empty(sum(m.numel() for m in moms))
+    moms = [m.view(s).to(dev) for (m, _), s in zip(tensors, shapes)]
+    grads = [g.view(s).to(dev) for (_, g), s in zip(tensors, shapes)]
+    flat = torch.empty(sum(m.numel() for m in moms), device=dev)
     offs = np.cumsum([0] + [m.numel() for m in moms])
     outs = [flat[offs[i]:offs[i + 1]].view(s) for i, s in enumerate(shapes)]
     for beta1, beta2 in ((0.9, 0.99), (0.95, 0.98)):
@@ -377,23 +403,49 @@ def test_lion_passes_bit_identical(kind):
 
 # ---- dispatch, compile once -----------------------------------------------------------------
 @compiled
-def test_no_recompiles_across_lengths_and_hyperparameters():
+def test_no_recompiles_across_lengths_and_hyperparameters(dev):
     """After a warm-up, new lengths, steps, P, levels and learning rates reuse the kernels."""
-    K.warmup("cpu", bits=(4,), levels=(1, 3), p=(1.0,), world_sizes=(2, 3), impl="compiled", check=True)
+    K.warmup(dev, bits=(4,), levels=(1, 3), p=(1.0,), world_sizes=(2, 3), impl="compiled", check=True)
     before = K.compile_seconds()
     with torch.compiler.set_stance("fail_on_recompile"):
         for n in (1000, 4099):
-            x = torch.randn(n)
+            x = torch.randn(n, device=dev)
             K.sign_pack(x, n, impl="compiled")
             K.quantize_pack(x, [(0, 100), (100, n - 100)], 3, 1.0, 2.0, 4, impl="compiled")
             K.quantize_pack(x, [(0, n)], 1, 1.0, 2.0, 4, impl="compiled")
-            recv = torch.randint(0, 256, (4 * n,), dtype=torch.uint8)
+            recv = torch.randint(0, 256, (4 * n,), dtype=torch.uint8, device=dev)
             K.unpack_majority(recv, 4, n, impl="compiled")
-            m, g, o = torch.randn(n), torch.randn(n), torch.empty(n)
+            m, g, o = torch.randn(n, device=dev), torch.randn(n, device=dev), torch.empty(n, device=dev)
             K.lion_direction_momentum_([m], [g], 0.9 - 1e-3 * n / 1000, 0.99, [o], impl="compiled")
             K.apply_update_([m], [torch.sign(o)], 1e-4 * n, 0.1, u_is_sign=True, impl="compiled")
     assert K.compile_seconds() == before
     assert K.compile_seconds() > 0 and all(v >= 0 for v in K.compile_seconds(detail=True).values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
+def test_lion_passes_run_foreach_on_cuda(monkeypatch):
+    """On CUDA Triton contracts fl(m*b1) + g*(1-b1) into an fma eager does not (1 ulp off, seen
+    on an H100): every impl keeps the Lion passes on the foreach kernels there."""
+    monkeypatch.setattr(K, "_kernel", lambda *a: pytest.fail("a Lion pass was compiled on CUDA"))
+    m, g, out = (torch.randn(1000, device="cuda") for _ in range(3))
+    for impl in ("auto", "compiled"):
+        K.lion_direction_momentum_([m], [g], 0.9, 0.99, [out], impl=impl)
+        K.apply_update_([m], [torch.sign(out)], 1e-3, 0.1, u_is_sign=True, impl=impl)
+
+
+def test_every_kernel_has_its_own_code_object_and_source_file():
+    """Dynamo's compiled-graph cache (8 graphs) is per code object. torch.compile up to 2.11 wraps
+    a function without a source file (made by exec) in one shared frame, which put all kernels on
+    one code object: the 9th graph raised under fullgraph (seen on the GPU machine, torch 2.11).
+    Each kernel is a distinct code object whose source file is optim/kernels.py."""
+    import inspect
+
+    ks = [K._kernel(K._k_pack_v, b) for b in (1, 2, 4)] + [K._kernel(K._k_tb_lanes, 4), K._kernel(K._k_majority),
+                                                           K._kernel(K._k_unpack, 4, 4, None, None)]
+    assert K._kernel(K._k_pack_v, 2) is ks[1]  # cached per (kernel, static arguments)
+    assert len({id(k.fn.__code__) for k in ks}) == len(ks)
+    for k in ks:
+        assert inspect.isfunction(k.fn) and inspect.getsourcefile(k.fn) == inspect.getsourcefile(K)
 
 
 def test_dispatch_and_fallback(monkeypatch):

@@ -338,3 +338,26 @@ def test_automatic_levels_follow_the_design_rule():
     assert levels(bits=8, quantizer="l1") == 127  # capped by int8 votes
     with pytest.raises(ValueError, match="leave no quantization level for comm.quantizer=l1"):
         levels(bits=1, quantizer="l1")  # no level fits: an error naming the fix, not a silent fallback to signs
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("mode,opts", [("onebit", {"tie_break": "alternate"}), ("pbit", {"bits": 8, "quantizer": "l1"})])
+def test_update_sync_c_buffer_per_step_is_exact(device, mode, opts):
+    """c kept between steps (CPU default) or made per step and freed after it (CUDA default, so
+    peak memory carries no persistent c): the same parameters, bit for bit."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible")
+    nets = [_EmbNet().to(device) for _ in range(2)]
+    opts_ = [optim.build_optimizer("lion", net.groups(), betas=(0.9, 0.99), eps=1e-8, comm_mode=mode,
+                                   comm_options=dict(opts)) for net in nets]
+    assert opts_[0].keep_c == (device != "cuda")
+    opts_[0].keep_c, opts_[1].keep_c = True, False
+    for step in range(6):
+        x, y = (t.to(device) for t in _emb_batch(step))
+        for net, opt in zip(nets, opts_):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+        assert opts_[0]._c is not None and opts_[1]._c is None  # per step: released after it
+        for p, q in zip(nets[0].parameters(), nets[1].parameters()):
+            assert torch.equal(p, q), (mode, step)
