@@ -211,6 +211,7 @@ class RunResult:
     how: str = ""                    # fresh, resumed, reused (run directory), stored (run store)
     extras: dict = field(default_factory=dict)   # a study's values kept in the store (see Study.extras)
     source: str = "trained"          # a store entry's origin: trained, or imported (losses only)
+    machine: dict | None = None      # the host it trained on (stored runs: as the entry recorded it, if it did)
 
     @property
     def ok(self) -> bool:
@@ -340,7 +341,8 @@ def ensure_run(run: Run, scale: Scale, work: Path, *, restart: bool = False, rep
     elif entry is not None and entry["spec"] == spec:
         return RunResult(run, "reused", run_dir, records=entry["records"], config=entry["config"],
                          wall_s=entry["wall_s"], load_before=entry["load_before"], load_after=entry["load_after"],
-                         how="stored", extras=entry.get("extras") or {}, source=entry.get("source", "trained"))
+                         how="stored", extras=entry.get("extras") or {}, source=entry.get("source", "trained"),
+                         machine=entry.get("machine"))
     elif report_only:
         res.status = "failed: not run (--report-only)"
         return res
@@ -590,9 +592,26 @@ def run_record(r: RunResult, scale: Scale) -> dict:
             "status": r.status, "how": r.how, "source": r.source, "wall_s": r.wall_s, "load_before": r.load_before,
             "load_after": r.load_after, "run_dir": os.path.relpath(r.run_dir, ROOT),
             "final_val_loss": r.final("val_loss"), "final_train_loss": r.final("train_loss"),
-            "train_time_s": r.final("train_time_s"),
+            "train_time_s": r.final("train_time_s"), "cpu": host_label(r),
             "val_loss": [list(p) for p in zip(*r.series("val_loss"))],
             "train_loss": [list(p) for p in zip(*r.series("train_loss"))]}
+
+
+def host_label(r: RunResult) -> str:
+    """'CPU model (capability)' of the host a run trained on; runs from a run directory trained here."""
+    m = r.machine if r.how == "stored" else machine()
+    if not m or "cpu_capability" not in m:
+        return "not recorded"
+    return f"{m.get('cpu_model') or 'unknown CPU'} ({m['cpu_capability']})"
+
+
+def hosts_line(results: Sequence[RunResult]) -> str:
+    """Which hosts the finished runs trained on, with counts (float rounding differs by host)."""
+    counts: dict[str, int] = {}
+    for r in results:
+        if r.ok:
+            counts[host_label(r)] = counts.get(host_label(r), 0) + 1
+    return "; ".join(f"{k}: {v}" for k, v in sorted(counts.items())) or "none finished"
 
 
 def load_range(results: Sequence[RunResult]) -> tuple[float, float] | None:
@@ -631,10 +650,11 @@ def write_results(study: Study, summary: Summary, results: Sequence[RunResult], 
     md += [*summary.notes, "" if summary.notes else "",
            f"Setting: {scale.steps} steps, {' '.join(scale.overrides)}; eval every {scale.eval_every or scale.steps} "
            f"steps on {scale.eval_steps} batches per rank; diagnostics every {scale.diag_every or '-'} steps.",
-           f"Machine: {mach['platform']}, {mach.get('cpu_model') or 'CPU model unknown'} "
+           f"Machine (this report): {mach['platform']}, {mach.get('cpu_model') or 'CPU model unknown'} "
            f"({mach.get('cpu_capability', '?')}), {mach['cpus_usable']} usable CPUs of {mach['cpu_count']}, "
            f"torch {mach['torch']}, python {mach['python']}; 1-minute load average "
-           + (f"{lr[0]:.2f}-{lr[1]:.2f}" if lr else "not recorded") + " around the runs.",
+           + (f"{lr[0]:.2f}-{lr[1]:.2f}" if lr else "not recorded") + " around the runs. Runs trained on (CPU, "
+           f"run count): {hosts_line(results)}.",
            f"Raw: {runs_path.name} (per run: overrides, status, wall time, load, curves), {csv_path.name}, "
            f"{meta_path.name}; run directories under {os.path.relpath(opts.work_dir(name), ROOT)}/runs; every finished "
            f"run's spec, config and metrics in {STORE_DIR}/<run>.json.gz (how = stored: summarized from there)."]
