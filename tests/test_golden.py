@@ -5,24 +5,73 @@ tests/golden/digests.json was written by tests/workers/golden_digests.py on the 
 refactor. The Distributed Lion presets then used the tie-broken server vote, which is now named
 `comm.ps_aggregate: vote_tiebreak` (`vote` became Distributed Lion eq. 5 exactly), so their keys
 carry that override.
+
+Bit identity holds per host kind, not across hosts (tests/golden/host.py: torch's CPU kernels round
+by the host's vector width and CPU). digests.json is the first development host's (its fingerprint
+was not recorded); tests/golden/digests_<fingerprint>.json holds another host kind's, recorded on
+that host from the same pre-refactor commit by `python -m tests.golden.record`. A host with its own
+file is checked against it, any other host against digests.json.
 """
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.dist import torchrun
 
-GOLDEN = json.loads((Path(__file__).parent / "golden" / "digests.json").read_text())
+GOLDEN_DIR = Path(__file__).parent / "golden"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def host_fingerprint() -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "tests.golden.host"], cwd=ROOT, env=env, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def golden() -> tuple[str, Path, dict]:
+    fp = host_fingerprint()
+    path = GOLDEN_DIR / f"digests_{fp}.json"
+    if not path.exists():
+        path = GOLDEN_DIR / "digests.json"
+    return fp, path, json.loads(path.read_text())
+
+
+def test_host_fingerprint_is_stable_and_sees_the_kernels():
+    """The key is a function of the host's rounding: the same in every process, and another when torch's
+    CPU kernels are forced to another capability (the non-vectorized 'default' path)."""
+    fp = host_fingerprint()
+    assert len(fp) == 16 and fp == host_fingerprint()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "default"}
+    forced = subprocess.run([sys.executable, "-m", "tests.golden.host"], cwd=ROOT, env=env, check=True,
+                            capture_output=True, text=True).stdout.strip()
+    import torch
+    if torch.backends.cpu.get_cpu_capability() != "DEFAULT":
+        assert forced != fp
+
+
+def test_every_host_file_has_the_same_variants():
+    base = json.loads((GOLDEN_DIR / "digests.json").read_text())
+    for path in GOLDEN_DIR.glob("digests_*.json"):
+        other = json.loads(path.read_text())
+        assert {n: set(v) for n, v in other.items()} == {n: set(v) for n, v in base.items()}, path.name
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2, 4])
-def test_every_variant_reproduces_its_golden_digest(tmp_path, nproc):
-    expected = GOLDEN[str(nproc)]
+def test_every_variant_reproduces_its_golden_digest(tmp_path, nproc, golden):
+    fp, path, digests = golden
+    expected = digests[str(nproc)]
     out = tmp_path / "digests.json"
     torchrun(nproc, "golden_digests.py", str(out), ",".join(expected), timeout=600)
     got = json.loads(out.read_text())
     assert set(got) == set(expected)
     differ = sorted(k for k in expected if got[k] != expected[k])
-    assert not differ, f"parameters differ from the golden run for {differ}"
+    assert not differ, (f"parameters differ from the golden run ({path.name}, host fingerprint {fp}) for {differ}. "
+                        f"If this host rounds differently from the one that recorded {path.name} (no "
+                        f"digests_{fp}.json yet), record its digests from the pre-refactor code with "
+                        "`python -m tests.golden.record` and compare again")
