@@ -13,23 +13,14 @@ that host from the same pre-refactor commit by `python -m tests.golden.record`. 
 file is checked against it, any other host against digests.json.
 """
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.dist import torchrun
+from tests.golden.record import host_fingerprint
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def host_fingerprint() -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "tests.golden.host"], cwd=ROOT, env=env, check=True,
-                          capture_output=True, text=True).stdout.strip()
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +37,7 @@ def test_host_fingerprint_is_stable_and_sees_the_kernels():
     CPU kernels are forced to another capability (the non-vectorized 'default' path)."""
     fp = host_fingerprint()
     assert len(fp) == 16 and fp == host_fingerprint()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "default"}
-    forced = subprocess.run([sys.executable, "-m", "tests.golden.host"], cwd=ROOT, env=env, check=True,
-                            capture_output=True, text=True).stdout.strip()
+    forced = host_fingerprint(ATEN_CPU_CAPABILITY="default")
     import torch
     if torch.backends.cpu.get_cpu_capability() != "DEFAULT":
         assert forced != fp

@@ -30,6 +30,7 @@ are reported as pending instead of failing.
 from __future__ import annotations
 
 import csv
+import functools
 import gzip
 import json
 import math
@@ -166,6 +167,7 @@ def optimizer_available(name: str) -> bool:
         return "optim.name" not in str(e)
 
 
+@functools.lru_cache(maxsize=1)
 def machine() -> dict:
     """The machine the numbers come from (no host name)."""
     import torch
@@ -608,9 +610,8 @@ def host_label(r: RunResult) -> str:
 def hosts_line(results: Sequence[RunResult]) -> str:
     """Which hosts the finished runs trained on, with counts (float rounding differs by host)."""
     counts: dict[str, int] = {}
-    for r in results:
-        if r.ok:
-            counts[host_label(r)] = counts.get(host_label(r), 0) + 1
+    for label in (host_label(r) for r in results if r.ok):
+        counts[label] = counts.get(label, 0) + 1
     return "; ".join(f"{k}: {v}" for k, v in sorted(counts.items())) or "none finished"
 
 

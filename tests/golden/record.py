@@ -25,9 +25,10 @@ PRE_REFACTOR = "04b7fa1"  # "tests/golden: parameter digests ... recorded before
 RENAMED = {"dlion_mavo": "dlion_mavo@comm.ps_aggregate=vote_tiebreak"}
 
 
-def host_fingerprint() -> str:
-    """tests/golden/host.py's fingerprint, computed in a fresh one-thread process as the workers run."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def host_fingerprint(**env: str) -> str:
+    """tests/golden/host.py's fingerprint, computed in a fresh one-thread process as the workers run
+    (`env`: extra variables, e.g. ATEN_CPU_CAPABILITY to force another kernel path)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
     out = subprocess.run([sys.executable, "-m", "tests.golden.host"], cwd=ROOT, env=env, check=True,
                          capture_output=True, text=True)
     return out.stdout.strip()
