@@ -8,19 +8,34 @@ MASTER_ADDR, MASTER_PORT, ...; env:// rendezvous, rank 0 hosts the store): the s
 as under `torchrun --standalone`, without the launcher process, whose own start (importing torch,
 the c10d rendezvous) cost ~2 s of a 2-core machine per launch. As torchrun does, the other ranks
 are stopped once one fails. Tests of torchrun's own behaviour pass launcher="torchrun".
+
+Each rank is forked from a zygote (tests/zygote.py: one Python process per rank index that has
+imported torch and torch._dynamo) instead of starting a new interpreter, which saves those imports
+in every rank of every launch. A rank whose environment differs from its zygote's in a variable
+read when torch is imported (`FORK_SENSITIVE`) is started as a plain process, and so is every rank
+when LIONCUB_TEST_FORK=0 (tests/test_dist_launcher.py checks the two agree).
 """
 from __future__ import annotations
 
+import itertools
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
+ZYGOTE = Path(__file__).resolve().parent / "zygote.py"
+# environment variables that take effect when torch (or the interpreter) starts: a forked rank inherits
+# the zygote's values, so a launch that sets them differently gets a plain process
+FORK_SENSITIVE = ("OMP_", "MKL_", "KMP_", "OPENBLAS_", "GOMP_", "ATEN_", "TORCH", "PYTORCH", "CUDA", "PYTHON",
+                  "LD_", "MALLOC", "TMP", "TEMP")
 
 
 def free_port() -> int:
@@ -69,7 +84,7 @@ def _direct(nproc: int, path: Path, args: list[str], env: dict, timeout: float,
             rank_env = {**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
                         "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": port}
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=rank_env, stdout=out, stderr=err, text=True))
+            procs.append(_start(r, path, args, rank_env, out, err))
         deadline, failed_at, code = time.monotonic() + timeout, None, 0
         try:
             while True:
@@ -116,3 +131,122 @@ def _read(files: list[tuple], which: int) -> str:
         f.seek(0)
         text.append(f.read())
     return "".join(text)
+
+
+def _start(rank: int, path: Path, args: list[str], env: dict, out, err):
+    """Rank `rank` of a launch: forked from its zygote when one agrees with `env`, else a new process."""
+    zygote = _zygote(rank, env)
+    if zygote is not None:
+        return zygote.spawn(path, args, env, out.name, err.name)
+    return subprocess.Popen([sys.executable, str(path), *args], cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
+
+
+def _sensitive(env: dict) -> dict:
+    return {k: v for k, v in env.items() if k.startswith(FORK_SENSITIVE)}
+
+
+_ZYGOTES: dict[int, "_Zygote | None"] = {}  # per rank index; None: it could not start, use plain processes
+
+
+def _zygote(rank: int, env: dict) -> "_Zygote | None":
+    if os.environ.get("LIONCUB_TEST_FORK", "1") == "0" or not hasattr(os, "fork"):
+        return None
+    if rank not in _ZYGOTES or (_ZYGOTES[rank] is not None and not _ZYGOTES[rank].alive()):
+        _ZYGOTES[rank] = _Zygote.start(env)
+    z = _ZYGOTES[rank]
+    return z if z is not None and _sensitive(env) == _sensitive(z.env) else None
+
+
+class _Zygote:
+    """The client side of tests/zygote.py: launch requests out, pids and exit codes back."""
+
+    def __init__(self, proc: subprocess.Popen, env: dict):
+        self.proc, self.env = proc, env
+        self.ids = itertools.count()
+        self.pids: dict[int, int] = {}
+        self.codes: dict[int, int] = {}
+        self.cv = threading.Condition()
+        self.ready: bool | None = None
+        self.why = ""
+        threading.Thread(target=self._read, daemon=True).start()
+
+    @classmethod
+    def start(cls, env: dict) -> "_Zygote | None":
+        base = {k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                                           "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        proc = subprocess.Popen([sys.executable, str(ZYGOTE)], cwd=ROOT, env=base, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        z = cls(proc, base)
+        with z.cv:
+            z.cv.wait_for(lambda: z.ready is not None, timeout=300)
+        if not z.ready:  # it could not start, or refused: every launch falls back to plain processes
+            proc.kill()
+            return None
+        return z
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            msg = json.loads(line)
+            with self.cv:
+                if "ready" in msg:
+                    self.ready, self.why = msg["ready"], msg.get("why", "")
+                elif "pid" in msg:
+                    self.pids[msg["id"]] = msg["pid"]
+                else:
+                    self.codes[msg["exit"]] = msg["code"]
+                self.cv.notify_all()
+        with self.cv:
+            if self.ready is None:
+                self.ready = False
+            self.cv.notify_all()
+
+    def spawn(self, path: Path, args: list[str], env: dict, stdout: str, stderr: str) -> "_ForkedRank":
+        rid = next(self.ids)
+        req = {"id": rid, "script": str(path), "args": args, "env": env, "cwd": str(ROOT), "stdout": stdout,
+               "stderr": stderr}
+        with self.cv:  # one request at a time on the pipe (tests may launch from several threads)
+            self.proc.stdin.write((json.dumps(req) + "\n").encode())
+            self.proc.stdin.flush()
+            if not self.cv.wait_for(lambda: rid in self.pids or not self.alive(), timeout=60) or rid not in self.pids:
+                raise RuntimeError("the test zygote (tests/zygote.py) did not start a rank; LIONCUB_TEST_FORK=0 "
+                                   "starts plain processes")
+            return _ForkedRank(self, self.pids.pop(rid))
+
+
+class _ForkedRank:
+    """The part of subprocess.Popen's interface `_direct` and `_stop` use, for a rank the zygote forked."""
+
+    def __init__(self, zygote: _Zygote, pid: int):
+        self.zygote, self.pid, self.returncode = zygote, pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            with self.zygote.cv:
+                self.returncode = self.zygote.codes.pop(self.pid, None)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        z = self.zygote
+        with z.cv:
+            if not z.cv.wait_for(lambda: self.pid in z.codes or self.returncode is not None or not z.alive(),
+                                 timeout=timeout):
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+        if self.poll() is None:  # the zygote died: nobody can report this rank's exit any more
+            raise RuntimeError(f"the test zygote died; rank pid {self.pid}'s exit status is lost")
+        return self.returncode
+
+    def _signal(self, sig: int) -> None:
+        if self.poll() is None:  # not yet reaped, so the pid is still this rank's
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
