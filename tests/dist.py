@@ -11,9 +11,10 @@ are stopped once one fails. Tests of torchrun's own behaviour pass launcher="tor
 
 Each rank is forked from a zygote (tests/zygote.py: one Python process per rank index that has
 imported torch and torch._dynamo) instead of starting a new interpreter, which saves those imports
-in every rank of every launch. A rank whose environment differs from its zygote's in a variable
-read when torch is imported (`FORK_SENSITIVE`) is started as a plain process, and so is every rank
-when LIONCUB_TEST_FORK=0 (tests/test_dist_launcher.py checks the two agree).
+in every rank of every launch. When a launch's environment differs from its zygote's in a variable
+read when torch is imported (`FORK_SENSITIVE`), the zygote is replaced by one started with the new
+values (or, while ranks of the old one still run, the rank is started as a plain process); every
+rank is a plain process when LIONCUB_TEST_FORK=0 (tests/test_dist_launcher.py checks the two agree).
 """
 from __future__ import annotations
 
@@ -141,8 +142,12 @@ def _start(rank: int, path: Path, args: list[str], env: dict, out, err):
     return subprocess.Popen([sys.executable, str(path), *args], cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
 
 
+# set by torch.compile in the pytest process itself and read only when compiling
+FORK_INSENSITIVE = ("TORCHINDUCTOR_CACHE_DIR",)
+
+
 def _sensitive(env: dict) -> dict:
-    return {k: v for k, v in env.items() if k.startswith(FORK_SENSITIVE)}
+    return {k: v for k, v in env.items() if k.startswith(FORK_SENSITIVE) and k not in FORK_INSENSITIVE}
 
 
 _ZYGOTES: dict[int, "_Zygote | None"] = {}  # per rank index; None: it could not start, use plain processes
@@ -151,10 +156,19 @@ _ZYGOTES: dict[int, "_Zygote | None"] = {}  # per rank index; None: it could not
 def _zygote(rank: int, env: dict) -> "_Zygote | None":
     if os.environ.get("LIONCUB_TEST_FORK", "1") == "0" or not hasattr(os, "fork"):
         return None
-    if rank not in _ZYGOTES or (_ZYGOTES[rank] is not None and not _ZYGOTES[rank].alive()):
-        _ZYGOTES[rank] = _Zygote.start(env)
-    z = _ZYGOTES[rank]
-    return z if z is not None and _sensitive(env) == _sensitive(z.env) else None
+    z = _ZYGOTES.get(rank)
+    if rank in _ZYGOTES and z is None:
+        return None
+    if z is not None and _sensitive(env) != _sensitive(z.env):
+        # the launches' environment changed (a test set a variable torch reads at import): a new zygote for
+        # the new values, unless ranks of the old one still run (their exit codes come through it)
+        if z.outstanding():
+            return None
+        z.close()
+        z = None
+    if z is None or not z.alive():
+        z = _ZYGOTES[rank] = _Zygote.start(env)
+    return z
 
 
 class _Zygote:
@@ -165,6 +179,7 @@ class _Zygote:
         self.ids = itertools.count()
         self.pids: dict[int, int] = {}
         self.codes: dict[int, int] = {}
+        self.started = self.reported = 0
         self.cv = threading.Condition()
         self.ready: bool | None = None
         self.why = ""
@@ -187,6 +202,15 @@ class _Zygote:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def outstanding(self) -> bool:
+        """Whether a rank it forked has not reported its exit yet (or an exit is not yet collected)."""
+        with self.cv:
+            return self.started != self.reported
+
+    def close(self) -> None:
+        self.proc.stdin.close()  # the zygote leaves at end of input
+        self.proc.wait(timeout=30)
+
     def _read(self) -> None:
         for line in self.proc.stdout:
             msg = json.loads(line)
@@ -195,8 +219,10 @@ class _Zygote:
                     self.ready, self.why = msg["ready"], msg.get("why", "")
                 elif "pid" in msg:
                     self.pids[msg["id"]] = msg["pid"]
+                    self.started += 1
                 else:
                     self.codes[msg["exit"]] = msg["code"]
+                    self.reported += 1
                 self.cv.notify_all()
         with self.cv:
             if self.ready is None:

@@ -58,6 +58,25 @@ def test_exit_codes_errors_and_signals_are_reported_as_for_a_process(tmp_path):
     assert result["proc"].returncode == -signal.SIGTERM
 
 
-def test_a_launch_that_sets_torch_variables_gets_plain_processes():
-    recs = _records(torchrun(2, "launch_probe.py", "0", env={"ATEN_CPU_CAPABILITY": "default"}))
-    assert [r["torch_preloaded"] for r in recs] == [False, False]
+def test_a_launch_that_sets_a_torch_import_variable_gets_ranks_that_imported_torch_with_it():
+    """ATEN_CPU_CAPABILITY is read when torch is imported: the ranks must run torch's default kernels, which
+    a zygote that imported torch without it cannot give; the next ordinary launch is forked again."""
+    forced = _records(torchrun(2, "launch_probe.py", "0", env={"ATEN_CPU_CAPABILITY": "default"}))
+    assert [r["cpu_capability"] for r in forced] == ["DEFAULT", "DEFAULT"]
+    normal = _records(torchrun(2, "launch_probe.py", "0"))
+    import torch
+    assert [r["cpu_capability"] for r in normal] == [torch.backends.cpu.get_cpu_capability()] * 2
+    if os.environ.get("LIONCUB_TEST_FORK", "1") != "0":
+        assert [r["torch_preloaded"] for r in normal] == [True, True]
+
+
+def test_a_variable_torch_compile_sets_in_the_test_process_keeps_the_zygotes(monkeypatch):
+    """torch.compile in the pytest process sets TORCHINDUCTOR_CACHE_DIR there, which every later launch
+    inherits; it is read only when compiling, so the ranks are still forked."""
+    if os.environ.get("LIONCUB_TEST_FORK", "1") == "0":
+        pytest.skip("LIONCUB_TEST_FORK=0")
+    first = _records(torchrun(2, "launch_probe.py", "0"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor_launch_probe")
+    second = _records(torchrun(2, "launch_probe.py", "0"))
+    assert [r["torch_preloaded"] for r in second] == [True, True]
+    assert [r["hash"] for r in second] == [r["hash"] for r in first]  # the same zygotes (hash seed per zygote)

@@ -15,7 +15,7 @@ import torch
 
 from bench.reproduce import STUDIES, StudyUnavailable, framework, studies, toy
 from bench.reproduce.__main__ import main
-from bench.reproduce.framework import Options, Run, RunResult, ensure_run, quick_scale
+from bench.reproduce.framework import Options, Run, RunResult, ensure_run, full_scale, quick_scale
 from optim.quantize import lp_quantize
 
 
@@ -194,7 +194,7 @@ def test_study_stores_each_run_as_it_finishes(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         STUDIES["dion_ef"].execute(opts, echo=lambda s: None)
     stored = sorted(p.name for p in opts.store_dir().iterdir())
-    assert stored == ["dion_r0.5_ef1_p2_s1.json.gz"] and calls == ["never"]
+    assert stored == ["dion_r0.0625_ef1_p2_s1.json.gz"] and calls == ["never"]
 
 
 def test_import_raw_records_rebuilds_loss_only_entries(tmp_path):
@@ -245,11 +245,17 @@ def test_optimizer_hooks():
     assert not framework.optimizer_available("sgd")
     with pytest.raises(StudyUnavailable, match="optim.name=sgd"):
         framework.Study("x", "x", "x", requires=("sgd",), planned="later").check_available()
-    runs = studies.compressors_runs(quick_scale(), [1], Options(quick=True))
-    assert {r.label("optimizer") for r in runs} >= set(studies.COMPRESSED)
-    dion = studies.dion_runs(quick_scale(), [1], Options(quick=True))
+    # the full study trains every compressed optimizer and every Dion rank with and without error feedback;
+    # --quick one of each kind (the others train end to end in their own tests)
+    full = {r.label("optimizer") for r in studies.compressors_runs(full_scale(300), [1], Options())}
+    assert full >= set(studies.COMPRESSED) | {"adamw_fp32", "lion_fp32"}
+    quick = {r.label("optimizer") for r in studies.compressors_runs(quick_scale(), [1], Options(quick=True))}
+    assert quick == {"adamw_fp32", *studies.COMPRESSED_QUICK} and set(studies.COMPRESSED_QUICK) <= set(studies.COMPRESSED)
+    dion = studies.dion_runs(full_scale(300), [1], Options())
     assert {(r.label("rank_fraction"), r.label("error_feedback")) for r in dion} == {
-        (0.5, True), (0.5, False), (0.0625, True), (0.0625, False)}
+        (f, ef) for f in studies.DION_RANKS for ef in (True, False)}
+    dion = studies.dion_runs(quick_scale(), [1], Options(quick=True))
+    assert {(r.label("rank_fraction"), r.label("error_feedback")) for r in dion} == {(0.0625, True), (0.0625, False)}
 
 
 def test_shared_run_names_and_specs():

@@ -8,8 +8,12 @@ import random
 import sys
 import time
 
-print(json.dumps({"rank": int(os.environ["RANK"]), "name": __name__, "argv": sys.argv[1:], "path0": sys.path[0],
-                  "cwd": os.getcwd(), "probe": os.environ.get("LAUNCH_PROBE"), "torch_preloaded": "torch" in sys.modules,
+PRELOADED = "torch" in sys.modules
+
+import torch  # noqa: E402  (after the check of whether it was already imported, below)
+
+print(json.dumps({"cpu_capability": torch.backends.cpu.get_cpu_capability(), "rank": int(os.environ["RANK"]), "name": __name__, "argv": sys.argv[1:], "path0": sys.path[0],
+                  "cwd": os.getcwd(), "probe": os.environ.get("LAUNCH_PROBE"), "torch_preloaded": PRELOADED,
                   "hash": hash("lioncub"), "random": random.random()}), flush=True)
 what = sys.argv[1]
 if what == "raise":
