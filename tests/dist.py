@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
 ZYGOTE = Path(__file__).resolve().parent / "zygote.py"
 # environment variables that take effect when torch (or the interpreter) starts: a forked rank inherits
-# the zygote's values, so a launch that sets them differently gets a plain process
+# the zygote's values, so a launch that sets them differently gets a zygote started with its values
 FORK_SENSITIVE = ("OMP_", "MKL_", "KMP_", "OPENBLAS_", "GOMP_", "ATEN_", "TORCH", "PYTORCH", "CUDA", "PYTHON",
                   "LD_", "MALLOC", "TMP", "TEMP")
 
