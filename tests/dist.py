@@ -182,7 +182,6 @@ class _Zygote:
         self.started = self.reported = 0
         self.cv = threading.Condition()
         self.ready: bool | None = None
-        self.why = ""
         threading.Thread(target=self._read, daemon=True).start()
 
     @classmethod
@@ -194,7 +193,7 @@ class _Zygote:
         z = cls(proc, base)
         with z.cv:
             z.cv.wait_for(lambda: z.ready is not None, timeout=300)
-        if not z.ready:  # it could not start, or refused: every launch falls back to plain processes
+        if not z.ready:  # it could not start, or refused (it says why on its first line): plain processes instead
             proc.kill()
             return None
         return z
@@ -216,7 +215,7 @@ class _Zygote:
             msg = json.loads(line)
             with self.cv:
                 if "ready" in msg:
-                    self.ready, self.why = msg["ready"], msg.get("why", "")
+                    self.ready = msg["ready"]
                 elif "pid" in msg:
                     self.pids[msg["id"]] = msg["pid"]
                     self.started += 1

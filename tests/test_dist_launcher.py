@@ -1,5 +1,5 @@
 """tests/dist.py's launcher: a rank forked from a zygote (tests/zygote.py) behaves as `python script.py`
-started fresh, and launches the zygote cannot serve faithfully get plain processes."""
+started fresh; a launch that sets a variable torch reads at import gets ranks that imported torch with it."""
 import json
 import os
 import signal

@@ -13,8 +13,9 @@ the end, exit status as Python's (an uncaught exception: 1; KeyboardInterrupt: k
 What a fork cannot give: variables read when torch is imported (thread counts, CPU capability,
 log levels) come from the zygote's environment, so tests/dist.py forks only when the request agrees
 with it on those and otherwise starts a new zygote with the request's values (or a plain process while
-ranks of the old one still run); and ranks forked from one zygote share its str hash seed, so each rank index has its own zygote (ranks of one launch still differ in hash
-order, as separate interpreters do, which is what exposes rank-divergent set iteration).
+ranks of the old one still run); and ranks forked from one zygote share its str hash seed, so each
+rank index has its own zygote (ranks of one launch still differ in hash order, as separate
+interpreters do, which is what exposes rank-divergent set iteration).
 
 Protocol (one JSON object per line): the zygote writes {"ready": ...} once, then reads launch
 requests {"id", "script", "args", "env", "cwd", "stdout", "stderr"} on stdin and answers

@@ -10,9 +10,10 @@ import time
 
 PRELOADED = "torch" in sys.modules
 
-import torch  # noqa: E402  (after the check of whether it was already imported, below)
+import torch  # noqa: E402  (after PRELOADED, which records whether the zygote had imported it)
 
-print(json.dumps({"cpu_capability": torch.backends.cpu.get_cpu_capability(), "rank": int(os.environ["RANK"]), "name": __name__, "argv": sys.argv[1:], "path0": sys.path[0],
+print(json.dumps({"cpu_capability": torch.backends.cpu.get_cpu_capability(), "rank": int(os.environ["RANK"]),
+                  "name": __name__, "argv": sys.argv[1:], "path0": sys.path[0],
                   "cwd": os.getcwd(), "probe": os.environ.get("LAUNCH_PROBE"), "torch_preloaded": PRELOADED,
                   "hash": hash("lioncub"), "random": random.random()}), flush=True)
 what = sys.argv[1]
