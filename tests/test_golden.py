@@ -59,14 +59,11 @@ def test_every_host_file_has_the_same_variants():
 GOLDEN_NPROC = [int(n) for n in os.environ.get("LIONCUB_GOLDEN_NPROC", "1,4").split(",") if n]
 
 
-def test_the_checked_world_sizes_have_digests():
-    assert GOLDEN_NPROC and set(GOLDEN_NPROC) <= {1, 2, 4}, f"LIONCUB_GOLDEN_NPROC={GOLDEN_NPROC}: digests exist for 1, 2, 4"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", GOLDEN_NPROC)
 def test_every_variant_reproduces_its_golden_digest(tmp_path, nproc, golden):
     fp, path, digests = golden
+    assert str(nproc) in digests, f"LIONCUB_GOLDEN_NPROC: {path.name} has digests for P = {', '.join(sorted(digests))}"
     expected = digests[str(nproc)]
     out = tmp_path / "digests.json"
     torchrun(nproc, "golden_digests.py", str(out), ",".join(expected), timeout=600)
