@@ -148,6 +148,46 @@ def test_muon_matches_reference_loop(opts):
         assert err <= tol[n], (n, err, tol[n])
 
 
+@pytest.mark.parametrize("nesterov,scale", [(True, "shape"), (False, "rms")])
+def test_muon_equals_torch_muon_in_fp32(monkeypatch, nesterov, scale):
+    """Our Muon's matrix step against torch.optim.Muon on the same matrices (tall, square, wide),
+    T steps with a changing lr. Conventions of the two: the same EMA momentum and Nesterov form,
+    decoupled weight decay at the unscaled lr, and torch's adjust_lr_fn "original" /
+    "match_rms_adamw" is our scale "shape" / "rms" (both multiply the lr of the update, not of the
+    decay). torch's Newton-Schulz always casts to bfloat16; `Tensor.bfloat16` is patched to a float32
+    copy here, so torch's own code runs in float32 (the CPU default of ours). The only rounding
+    difference left is where the scale meets the lr (u * scale, then * lr, against lr * scale in
+    one factor): a few u32 per element per step, so 1e-6 of the distance moved."""
+    monkeypatch.setattr(torch.Tensor, "bfloat16", lambda self, *a, **k: self.to(torch.float32, copy=True))
+    shapes = {"attn.qkv": (48, 16), "attn.proj": (24, 24), "mlp.proj": (20, 56)}
+    g0 = torch.Generator().manual_seed(11)
+    init = {n: torch.randn(s, generator=g0) for n, s in shapes.items()}
+    params = {n: torch.nn.Parameter(x.clone()) for n, x in init.items()}
+    groups = [{"params": [params[n] for n in names], "names": names, "role": role, "lr": LR, "lr_mult": 1.0,
+               "weight_decay": 0.1} for role, names in (("attn", ["attn.qkv", "attn.proj"]), ("mlp", ["mlp.proj"]))]
+    matrix_lr = 0.03
+    opt = optim.build_optimizer("muon", groups, betas=BETAS, eps=EPS, comm_mode="fp32",
+                                optim_options={"matrix_lr": matrix_lr, "nesterov": nesterov, "scale": scale},
+                                param_order=list(params.values()))
+    theirs = {n: torch.nn.Parameter(x.clone()) for n, x in init.items()}
+    ref = torch.optim.Muon(list(theirs.values()), lr=matrix_lr, weight_decay=0.1, momentum=0.95, nesterov=nesterov,
+                           adjust_lr_fn="original" if scale == "shape" else "match_rms_adamw")
+    for t in range(5):
+        g = torch.Generator().manual_seed(100 + t)
+        for n in shapes:
+            params[n].grad = torch.randn(shapes[n], generator=g)
+            theirs[n].grad = params[n].grad.clone()
+        for group in opt.param_groups:
+            group["lr"] = LR * sched(t)
+        ref.param_groups[0]["lr"] = matrix_lr * sched(t)
+        opt.step()
+        ref.step()
+        for n in shapes:
+            moved = (theirs[n] - init[n]).norm().item()
+            assert (params[n] - theirs[n]).norm().item() <= 1e-6 * moved, (n, t)
+            assert torch.equal(opt.state[params[n]]["momentum"], ref.state[theirs[n]]["momentum_buffer"]), (n, t)
+
+
 def test_muon_diagnostics_and_one_rank_bytes():
     params, opt = make("muon", {})
     for n, p in params.items():
