@@ -20,7 +20,7 @@ import torch
 import optim
 from model import GPT, get_preset, param_roles
 from optim.dion import Dion, matrix_seed
-from optim.dion_math import dion_step_, init_dion_q
+from optim.dion_math import dion_factor_rows, dion_step_, init_dion_q
 from optim.muon import Muon
 from tests.dist import ROOT, torchrun
 from tests.test_trainer import records, train
@@ -206,17 +206,21 @@ def test_muon_diagnostics_and_one_rank_bytes():
 
 
 # ---- Dion at one rank: bit for bit the math kernels ---------------------------------------------------
-@pytest.mark.parametrize("opts", [{"rank_fraction": 0.5}, {"rank": 2, "mu": 0.9, "ortho": "cholesky_qr"}])
+@pytest.mark.parametrize("opts", [{"rank_fraction": 0.5}, {"rank": 2, "mu": 0.9, "ortho": "cholesky_qr"},
+                                  {"rank_fraction": 0.5, "transpose_wide": False}])
 def test_dion_one_rank_equals_dion_step_and_adamw(opts):
     """At one rank the optimizer is dion_step_ (Alg. 1) on the matrices with Q seeded by name and
-    lr = matrix_lr * schedule, and torch's AdamW on the rest: the same bits."""
+    lr = matrix_lr * schedule, and torch's AdamW on the rest: the same bits. mlp.proj (6, 8) is
+    wide: Q is 6 x r by default (the step runs on its transpose), 8 x r with transpose_wide=False."""
     T, matrix_lr = 3, 0.03
     params, opt = make("dion", {"matrix_lr": matrix_lr, **opts})
     assert isinstance(opt, Dion)
     ref = {n: x.clone() for n, x in init_params().items()}
     rank = {n: opts.get("rank") or math.ceil(opts["rank_fraction"] * min(PARAMS[n][0])) for n in MATRICES}
     M = {n: torch.zeros_like(ref[n]) for n in MATRICES}
-    Q = {n: init_dion_q(PARAMS[n][0][1], rank[n], seed=matrix_seed(n)) for n in MATRICES}
+    tw = opts.get("transpose_wide", True)
+    Q = {n: init_dion_q(dion_factor_rows(*PARAMS[n][0], tw)[1], rank[n], seed=matrix_seed(n)) for n in MATRICES}
+    assert Q["mlp.proj"].shape[0] == (6 if tw else 8)
     adam_params = [torch.nn.Parameter(ref[n]) for n in SCALARS]
     adam = torch.optim.AdamW([{"params": [p], "weight_decay": PARAMS[n][2]} for n, p in zip(SCALARS, adam_params)],
                              lr=LR, betas=BETAS, eps=EPS, foreach=True)
@@ -225,7 +229,7 @@ def test_dion_one_rank_equals_dion_step_and_adamw(opts):
         run(params, opt, [t])
         dion_step_([ref[n] for n in MATRICES], [g[n] for n in MATRICES], [M[n] for n in MATRICES],
                    [Q[n] for n in MATRICES], lr=matrix_lr * sched(t), mu=opts.get("mu", 0.95),
-                   weight_decay=[PARAMS[n][2] for n in MATRICES], ortho=opts.get("ortho", "qr"))
+                   weight_decay=[PARAMS[n][2] for n in MATRICES], ortho=opts.get("ortho", "qr"), transpose_wide=tw)
         for p, n in zip(adam_params, SCALARS):
             p.grad = g[n]
         for group in adam.param_groups:
@@ -289,6 +293,21 @@ def test_state_dict_round_trip_is_bit_exact(name, opts):
     other, other_opt = make(name, {**opts, "scalar_opt": "lion" if opts["scalar_opt"] == "adamw" else "adamw"})
     with pytest.raises(ValueError, match="resume with the same optimizer"):
         other_opt.load_state_dict(copy.deepcopy(saved["opt"]))
+
+
+def test_dion_checkpoint_of_the_other_orientation_is_refused():
+    """A checkpoint's Q lies on the side its optim.transpose_wide put it (they differ on the wide
+    mlp.proj only): resuming it with the other setting is a one-line error naming the fix, and with
+    its own setting it loads."""
+    params, opt = make("dion", {"transpose_wide": False})
+    run(params, opt, range(1))
+    saved = opt.state_dict()
+    _, new_opt = make("dion", {})
+    with pytest.raises(ValueError, match=r"Q of mlp.proj \(6, 8\) has shape \(8, 2\), this run expects \(6, 2\) "
+                                         r"\(optim.transpose_wide=true\): it was saved with optim.transpose_wide=false"):
+        new_opt.load_state_dict(copy.deepcopy(saved))
+    _, same = make("dion", {"transpose_wide": False})
+    same.load_state_dict(copy.deepcopy(saved))
 
 
 # ---- config errors ---------------------------------------------------------------------------------------
