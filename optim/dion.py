@@ -30,9 +30,10 @@ with it).
 
 State per matrix: M (param dtype, per rank), Q (min(m, n) x r by default, n x r with
 optim.transpose_wide=false; float32 - float64 for float64 params -, identical on all ranks, drawn
-from a seed derived from the parameter's name by dion_math.init_dion_q, so no broadcast is needed); the inner AdamW state or the Lion momenta of the
-other parameters; the step counter. Learning rates as in Muon (optim/muon.py): optim.matrix_lr for
-the matrices, following the schedule of optim.lr, which stays the AdamW/Lion rate.
+from a seed derived from the parameter's name by dion_math.init_dion_q, so no broadcast is
+needed); the inner AdamW state or the Lion momenta of the other parameters; the step counter.
+Learning rates as in Muon (optim/muon.py): optim.matrix_lr for the matrices, following the
+schedule of optim.lr, which stays the AdamW/Lion rate.
 """
 from __future__ import annotations
 

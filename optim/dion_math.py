@@ -89,8 +89,8 @@ def dion_factor_rows(m: int, n: int, transpose_wide: bool = True) -> tuple[int, 
 def init_dion_q(n: int, r: int, *, seed: int, dtype: torch.dtype = torch.float32,
                 device: torch.device | str | None = None) -> torch.Tensor:
     """Initial right factor Q (n, r), n = dion_factor_rows(...)[1]: a random orthonormal frame
-    (the QR factor of a Gaussian matrix) drawn on the CPU in float64 from `seed`, so every rank (and every device type) gets
-    the same bits; give each matrix its own seed. Only span and conditioning matter
+    (the QR factor of a Gaussian matrix) drawn on the CPU in float64 from `seed`, so every rank
+    (and every device type) gets the same bits; give each matrix its own seed. Only span and conditioning matter
     (Orthonormalize(B Q D) = Orthonormalize(B Q) for a positive diagonal D): an orthonormal frame
     keeps B Q as well conditioned as B, where a square Gaussian Q at full rank can be nearly
     singular; its unit columns match the state after every step."""

@@ -303,8 +303,9 @@ def test_dion_checkpoint_of_the_other_orientation_is_refused():
     run(params, opt, range(1))
     saved = opt.state_dict()
     _, new_opt = make("dion", {})
-    with pytest.raises(ValueError, match=r"Q of mlp.proj \(6, 8\) has shape \(8, 2\), this run expects \(6, 2\) "
-                                         r"\(optim.transpose_wide=true\): it was saved with optim.transpose_wide=false"):
+    with pytest.raises(ValueError, match=r"Q of mlp.proj \(6, 8\) has shape \(8, 2\), this run expects "
+                                         r"\(6, 2\) \(optim.transpose_wide=true\): it was saved with "
+                                         r"optim.transpose_wide=false"):
         new_opt.load_state_dict(copy.deepcopy(saved))
     _, same = make("dion", {"transpose_wide": False})
     same.load_state_dict(copy.deepcopy(saved))
@@ -389,6 +390,29 @@ def test_debug_model_bytes_per_step():
         per_phase = opt.wire_bytes_per_step(world_size=2)
         assert sum(sent for sent, _ in per_phase.values()) == expected, (name, wire, rf, per_phase)
         assert opt.wire_bytes_per_step() == {k: (0, 0) for k in per_phase}  # this process: one rank
+
+
+def test_dion_factor_calls_follow_the_orientation():
+    """The two factor exchanges of a step, as the byte formula and the cost prediction see them: every
+    P in one call, every R in the other. The debug model's (64, 192) MLP output matrices are wide, so
+    by default their P is 192 x r and R 64 x r; with optim.transpose_wide=false the other way round.
+    The total is (m + n) r per matrix either way."""
+    from trainer.param_groups import param_groups
+    with torch.device("meta"):
+        model = GPT(get_preset("debug"))
+    roles = param_roles(model)
+    shapes = [tuple(p.shape) for n, p in model.named_parameters() if roles[n] in ("attn", "mlp") and p.ndim == 2]
+    assert (64, 192) in shapes and (192, 64) in shapes
+    for tw in (True, False):
+        cfg = load_config(None, ["optim.name=dion", f"optim.transpose_wide={str(tw).lower()}"])
+        opt = optim.build_optimizer("dion", param_groups(model, cfg.optim), optim_options=cfg.optim.options)
+        calls = [n for phase, n, _ in opt._exchanged() if phase == "update_sync"]
+        rank = {s: math.ceil(0.25 * min(s)) for s in shapes}
+        if tw:
+            assert calls == [sum(max(s) * rank[s] for s in shapes), sum(min(s) * rank[s] for s in shapes)]
+        else:
+            assert calls == [sum(s[0] * rank[s] for s in shapes), sum(s[1] * rank[s] for s in shapes)]
+        assert sum(calls) == sum(sum(s) * rank[s] for s in shapes)
 
 
 # ---- multi-process ---------------------------------------------------------------------------------------

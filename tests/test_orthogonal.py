@@ -183,6 +183,11 @@ def test_newton_schulz_batched_equals_per_matrix():
         assert torch.allclose(out[i], ref, rtol=0, atol=1e-5)
     _, _, _, ref0 = svd_reference(G[0])
     assert torch.allclose(out[0].double(), ref0, atol=1e-4)
+    G4 = torch.randn(2, 2, 12, 20)  # two batch dimensions (flattened for baddbmm), wide
+    out4 = newton_schulz(G4)
+    assert out4.shape == G4.shape
+    assert all(torch.allclose(out4[i, j], newton_schulz(G4[i, j]), rtol=0, atol=1e-5)
+               for i in range(2) for j in range(2))
 
 
 def test_newton_schulz_rejects_bad_input():
