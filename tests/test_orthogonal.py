@@ -174,6 +174,22 @@ def test_newton_schulz_bf16_reaches_torch_muon_accuracy(shape):
     assert unfused > bound, (shape, unfused, bound)
 
 
+@pytest.mark.parametrize("shape", [(48, 32), (32, 32), (32, 80)])
+def test_newton_schulz_fp32_equals_torch_muon(monkeypatch, shape):
+    """torch.optim.Muon's Newton-Schulz run in float32 (it always casts to bf16: `Tensor.bfloat16`
+    is patched to a float32 copy) against ours in float32: the same operations in the same order
+    (transpose of tall matrices, Frobenius norm floored at eps, two addmm's per iteration), so equal
+    to 1e-6 relative (bit for bit on the development host)."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+    monkeypatch.setattr(torch.Tensor, "bfloat16", lambda self, *a, **k: self.to(torch.float32, copy=True))
+    torch.manual_seed(sum(shape))
+    for scale in (1.0, 1e-3):
+        G = scale * torch.randn(*shape)
+        theirs = _zeropower_via_newtonschulz(G, NS_COEFFS, 5, EPS)
+        ours = newton_schulz(G, dtype=torch.float32)
+        assert (ours - theirs).norm() <= 1e-6 * theirs.norm(), (shape, scale)
+
+
 def test_newton_schulz_batched_equals_per_matrix():
     torch.manual_seed(3)
     G = torch.randn(3, 24, 16)
