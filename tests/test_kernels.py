@@ -1,4 +1,4 @@
-"""optim.kernels: the compiled kernels give the eager reference's bytes, sums and updates.
+"""comm.kernels and optim.lion's fused passes: the compiled kernels give the eager reference's bytes, sums and updates.
 
 Every compiled-kernel test runs on each device here (the `dev` fixture): on CPU (inductor's C++
 backend) always, and on CUDA (Triton) where a GPU is visible; inputs are drawn on the CPU and
@@ -21,8 +21,9 @@ import torch
 
 from comm import max_levels
 from comm.packing import unpack_bits
-from comm.vote import _local_majority, tb_packed
-from optim import kernels as K
+from comm import kernels as K
+from comm.vote import local_majority, tb_packed
+from optim import lion as Lion
 from optim.lion import apply_update_, lion_direction, momentum_update_
 
 compiled = pytest.mark.skipif(K.compile_unavailable("cpu") is not None,
@@ -299,7 +300,7 @@ def test_unpack_majority(P, c, dev):
         rd = recv.to(dev)
         for step in (1, 2):
             got = K.unpack_majority(rd, P, step, impl="compiled")
-            assert torch.equal(got, _local_majority(rd, P, step)), name
+            assert torch.equal(got, local_majority(rd, P, step)), name
             assert torch.equal(got.cpu(), _majority_independent(recv, P, step)), name
 
 
@@ -338,13 +339,13 @@ def test_fma32_is_correctly_rounded(dev):
     naive = (a[:4].double() * b[:4].double() + c[:4].double()).float()
     want = torch.tensor([_rational_fma32(*v) for v in zip(a.tolist(), b.tolist(), c.tolist())])
     assert (naive != want[:4]).all()
-    fma = torch.compile(lambda a, b, c: K._fma32(a, b, c), dynamic=True)
+    fma = torch.compile(lambda a, b, c: Lion._fma32(a, b, c), dynamic=True)
     ad, cd = a.to(dev), c.to(dev)
     got = torch.stack([fma(ad[i:i + 1].expand(64).contiguous(), float(b[i]), cd[i:i + 1].expand(64).contiguous())[0]
                        for i in range(4)]).cpu()
     assert torch.equal(got, want[:4])
     for bv in (1e-3, 0.1, 0.9, 0.01):
-        bb = K._f32(bv)
+        bb = K.f32(bv)
         got = fma(ad, bb, cd)
         want = torch.tensor([_rational_fma32(x, bb, z) for x, z in zip(a.tolist(), c.tolist())])
         assert torch.equal(got.cpu(), want)
@@ -380,13 +381,13 @@ def test_lion_passes_bit_identical(kind, dev):
         m_sep = [m.clone() for m in moms]
         ref = lion_direction(m_ref, grads, beta1, out=[torch.empty_like(o) for o in outs])
         momentum_update_(m_ref, grads, beta2)
-        K.lion_direction_momentum_(m_fused, grads, beta1, beta2, outs, impl="compiled")
+        Lion.fused_lion_direction_momentum_(m_fused, grads, beta1, beta2, outs, impl="compiled")
         for a, b in zip(outs, ref):
             assert torch.equal(_bits(a), _bits(b))
         for a, b in zip(m_fused, m_ref):
             assert torch.equal(_bits(a), _bits(b))
-        K.lion_direction_(m_sep, grads, beta1, outs, impl="compiled")
-        K.momentum_update_(m_sep, grads, beta2, impl="compiled")
+        Lion.fused_lion_direction_(m_sep, grads, beta1, outs, impl="compiled")
+        Lion.fused_momentum_update_(m_sep, grads, beta2, impl="compiled")
         for a, b, c, d in zip(outs, ref, m_sep, m_ref):
             assert torch.equal(_bits(a), _bits(b)) and torch.equal(_bits(c), _bits(d))
         for lr, wd in ((1e-3, 0.1), (3e-4, 0.0), (6e-5, 1.0)):
@@ -396,7 +397,7 @@ def test_lion_passes_bit_identical(kind, dev):
                 p_ref = [m.clone() for m in moms]
                 p_got = [m.clone() for m in moms]
                 apply_update_(p_ref, upd, lr, wd)
-                K.apply_update_(p_got, upd, lr, wd, u_is_sign=is_sign, impl="compiled")
+                Lion.fused_apply_update_(p_got, upd, lr, wd, u_is_sign=is_sign, impl="compiled")
                 for a, b in zip(p_got, p_ref):
                     assert torch.equal(_bits(a), _bits(b))
 
@@ -406,6 +407,7 @@ def test_lion_passes_bit_identical(kind, dev):
 def test_no_recompiles_across_lengths_and_hyperparameters(dev):
     """After a warm-up, new lengths, steps, P, levels and learning rates reuse the kernels."""
     K.warmup(dev, bits=(4,), levels=(1, 3), p=(1.0,), world_sizes=(2, 3), impl="compiled", check=True)
+    Lion.warmup_fused_passes(dev, impl="compiled")
     before = K.compile_seconds()
     with torch.compiler.set_stance("fail_on_recompile"):
         for n in (1000, 4099):
@@ -416,8 +418,8 @@ def test_no_recompiles_across_lengths_and_hyperparameters(dev):
             recv = torch.randint(0, 256, (4 * n,), dtype=torch.uint8, device=dev)
             K.unpack_majority(recv, 4, n, impl="compiled")
             m, g, o = torch.randn(n, device=dev), torch.randn(n, device=dev), torch.empty(n, device=dev)
-            K.lion_direction_momentum_([m], [g], 0.9 - 1e-3 * n / 1000, 0.99, [o], impl="compiled")
-            K.apply_update_([m], [torch.sign(o)], 1e-4 * n, 0.1, u_is_sign=True, impl="compiled")
+            Lion.fused_lion_direction_momentum_([m], [g], 0.9 - 1e-3 * n / 1000, 0.99, [o], impl="compiled")
+            Lion.fused_apply_update_([m], [torch.sign(o)], 1e-4 * n, 0.1, u_is_sign=True, impl="compiled")
     assert K.compile_seconds() == before
     assert K.compile_seconds() > 0 and all(v >= 0 for v in K.compile_seconds(detail=True).values())
 
@@ -426,23 +428,23 @@ def test_no_recompiles_across_lengths_and_hyperparameters(dev):
 def test_lion_passes_run_foreach_on_cuda(monkeypatch):
     """On CUDA Triton contracts fl(m*b1) + g*(1-b1) into an fma eager does not (1 ulp off, seen
     on an H100): every impl keeps the Lion passes on the foreach kernels there."""
-    monkeypatch.setattr(K, "_kernel", lambda *a: pytest.fail("a Lion pass was compiled on CUDA"))
+    monkeypatch.setattr(K, "compiled_kernel", lambda *a: pytest.fail("a Lion pass was compiled on CUDA"))
     m, g, out = (torch.randn(1000, device="cuda") for _ in range(3))
     for impl in ("auto", "compiled"):
-        K.lion_direction_momentum_([m], [g], 0.9, 0.99, [out], impl=impl)
-        K.apply_update_([m], [torch.sign(out)], 1e-3, 0.1, u_is_sign=True, impl=impl)
+        Lion.fused_lion_direction_momentum_([m], [g], 0.9, 0.99, [out], impl=impl)
+        Lion.fused_apply_update_([m], [torch.sign(out)], 1e-3, 0.1, u_is_sign=True, impl=impl)
 
 
 def test_every_kernel_has_its_own_code_object_and_source_file():
     """Dynamo's compiled-graph cache (8 graphs) is per code object. torch.compile up to 2.11 wraps
     a function without a source file (made by exec) in one shared frame, which put all kernels on
     one code object: the 9th graph raised under fullgraph (seen on the GPU machine, torch 2.11).
-    Each kernel is a distinct code object whose source file is optim/kernels.py."""
+    Each kernel is a distinct code object whose source file is comm/kernels.py."""
     import inspect
 
-    ks = [K._kernel(K._k_pack_v, b) for b in (1, 2, 4)] + [K._kernel(K._k_tb_lanes, 4), K._kernel(K._k_majority),
-                                                           K._kernel(K._k_unpack, 4, 4, None, None)]
-    assert K._kernel(K._k_pack_v, 2) is ks[1]  # cached per (kernel, static arguments)
+    ks = [K.compiled_kernel(K._k_pack_v, b) for b in (1, 2, 4)] + [K.compiled_kernel(K._k_tb_lanes, 4), K.compiled_kernel(K._k_majority),
+                                                           K.compiled_kernel(K._k_unpack, 4, 4, None, None)]
+    assert K.compiled_kernel(K._k_pack_v, 2) is ks[1]  # cached per (kernel, static arguments)
     assert len({id(k.fn.__code__) for k in ks}) == len(ks)
     for k in ks:
         assert inspect.isfunction(k.fn) and inspect.getsourcefile(k.fn) == inspect.getsourcefile(K)
@@ -468,10 +470,10 @@ def test_dispatch_and_fallback(monkeypatch):
     monkeypatch.delenv(K.NO_COMPILE_ENV)
     # "auto" leaves the Lion passes on the foreach kernels on CPU (compiled they are slower)
     with monkeypatch.context() as mp:
-        mp.setattr(K, "_kernel", lambda *a: pytest.fail("auto compiled a Lion pass on CPU"))
+        mp.setattr(K, "compiled_kernel", lambda *a: pytest.fail("auto compiled a Lion pass on CPU"))
         m, g, out = torch.randn(100), torch.randn(100), torch.empty(100)
-        K.lion_direction_momentum_([m], [g], 0.9, 0.99, [out], impl="auto")
-        K.apply_update_([m], [torch.sign(out)], 1e-3, 0.1, u_is_sign=True, impl="auto")
+        Lion.fused_lion_direction_momentum_([m], [g], 0.9, 0.99, [out], impl="auto")
+        Lion.fused_apply_update_([m], [torch.sign(out)], 1e-3, 0.1, u_is_sign=True, impl="auto")
     old = K.get_impl()
     try:
         K.set_impl("eager")
