@@ -232,18 +232,15 @@ def _k_pack_v(v2: torch.Tensor, out: torch.Tensor, bits: int) -> None:
     out.copy_(_pack_groups([v2[:, i].to(torch.int32) for i in range(v2.shape[1])], bits))
 
 
-def _k_quant_v(x: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor, out: torch.Tensor) -> None:
-    """Lion Cub eq. 1, round half to even, shifted by L: out = clamp(round(x*s), -L, L) + L."""
-    y = torch.clamp(torch.round(x.to(scale.dtype) * scale), -levels, levels) + levels
-    out.copy_(y.to(torch.int32).to(torch.uint8))  # via int32: inductor's float->uint8 is slow
-
-
-def _k_quant_lanes(x2: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor, out: torch.Tensor,
-                   bits: int) -> None:
-    """_k_quant_v and the lane packing in one pass: x2 (words, lanes per word) -> packed words."""
+def _k_quant_blocks(x3: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor, out: torch.Tensor,
+                    bits: int) -> None:
+    """Lion Cub eq. 1 and the lane packing in one pass over whole blocks of the flat vector:
+    x3 (blocks, words per block, lanes per word); block b uses scale[b] (its segment's scale,
+    one per block, not per element) -> out (blocks, words per block)."""
+    s = scale.unsqueeze(1)
     v = []
-    for i in range(x2.shape[1]):
-        y = torch.clamp(torch.round(x2[:, i].to(scale.dtype) * scale), -levels, levels) + levels
+    for i in range(x3.shape[2]):
+        y = torch.clamp(torch.round(x3[:, :, i].to(scale.dtype) * s), -levels, levels) + levels
         v.append(y.to(torch.int32))
     out.copy_(_pack_groups(v, bits))
 
@@ -459,46 +456,54 @@ def _pack_v_into(v: torch.Tensor, bits: int, out: torch.Tensor) -> None:
 
 
 _PLANS: dict[tuple, tuple] = {}
+QBLOCK = 1024  # elements per block of the one-pass quantizer (a multiple of every lanes-per-word)
 
 
-def _lane_plan(segs: list[tuple[int, int]], per: int, n: int, device: torch.device) -> tuple:
-    """How quantize_pack splits packed words between the kernel and the boundary pass, per layout:
-    (k, a, b) element ranges [a, b) of segment k on whole words, packed by the kernel, and for the
-    remaining words (a segment boundary inside the word, short segments, the last partial word)
-    the indices of their elements, each element's segment, its word slot and lane shift, and the
-    word positions. Cached: a run has one layout."""
+def _block_plan(segs: list[tuple[int, int]], per: int, n: int, device: torch.device) -> tuple:
+    """How quantize_pack covers the flat vector, once per layout (cached: a run has one): the
+    n // QBLOCK whole blocks go through one kernel, block b with the scale of segment bseg[b] (the
+    segment holding its first element); the words of blocks that hold a segment boundary, and
+    of the partial block at the end, are then rewritten by one gathered pass: for each of their
+    elements its index, its segment, its word slot and lane, and the word positions. The
+    gathered pass is at most (segments + 1) blocks long, whatever n is."""
     key = (tuple(segs), per, n, device)
     if key not in _PLANS:
         if len(_PLANS) >= 8:
             _PLANS.pop(next(iter(_PLANS)))
-        inner, covered = [], torch.zeros(ceil_div(n, per), dtype=torch.bool)
-        for k, (off, m) in enumerate(segs):
-            a, b = ceil_div(off, per) * per, (off + m) // per * per
-            if b - a >= SMALL:
-                inner.append((k, a, b))
-                covered[a // per:b // per] = True
-        words = (~covered).nonzero().view(-1)
+        nb = n // QBLOCK
+        nb = nb if nb >= 2 else 0  # dynamo specialises a size-1 dimension: one block goes gathered
+        starts = torch.tensor([off for off, _ in segs], dtype=torch.int64)
+        ends = torch.tensor([off + m for off, m in segs], dtype=torch.int64)
+        first = torch.arange(nb, dtype=torch.int64) * QBLOCK
+        bseg = (torch.searchsorted(starts, first, right=True) - 1).clamp_min(0)
+        whole = ends[bseg] >= first + QBLOCK if nb else torch.zeros(0, dtype=torch.bool)
+        wpb = QBLOCK // per
+        fix = [b * wpb + torch.arange(wpb) for b in (~whole).nonzero().view(-1).tolist()]
+        fix.append(torch.arange(nb * wpb, ceil_div(n, per)))
+        words = torch.cat(fix)
         elems = (words.view(-1, 1) * per + torch.arange(per)).view(-1)
         slot = torch.arange(words.numel()).repeat_interleave(per)
         keep = elems < n  # the last word's padding lanes stay 0
         elems, slot = elems[keep], slot[keep]
-        starts = torch.tensor([off for off, _ in segs], dtype=torch.int64)
         seg_of = torch.searchsorted(starts, elems, right=True) - 1
-        _PLANS[key] = (inner, *(t.to(device) for t in (elems, seg_of, slot, elems % per, words)))
+        _PLANS[key] = (nb, bseg.to(device), *(t.to(device) for t in (elems, seg_of, slot, elems % per, words)))
     return _PLANS[key]
 
 
 def _quantize_lanes(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p: float, clip: float,
                     bits: int, scratch: torch.Tensor | None, out: torch.Tensor) -> None:
-    """Nearest-rounding Lion Cub eq. 1 straight into packed lanes: one kernel per segment on the
-    words it fills alone, then one gathered pass over the words shared by segments."""
+    """Nearest-rounding Lion Cub eq. 1 straight into packed lanes, whatever the number of
+    tensors: the per-segment scales, then one kernel over the whole blocks of the flat vector and
+    one gathered pass over the words of boundary blocks (`_block_plan`)."""
     dev, per = c.device, lanes_per_word(bits)
-    inner, elems, seg_of, slot, lane, words = _lane_plan(segs, per, c.numel(), dev)
+    nb, bseg, elems, seg_of, slot, lane, words = _block_plan(segs, per, c.numel(), dev)
     scales = _segment_scales(c, segs, levels, p, clip, _scratch(c, segs, p, scratch))
     lv = const(float(levels), scales.dtype, dev)
-    for k, a, b in inner:
-        compiled_kernel(_k_quant_lanes, bits)((dev.type, dtype_key(c)), c[a:b].view(-1, per), scales[k], lv,
-                                      out[a // per:b // per])
+    if nb:
+        # the scale of each block gathered outside: inside, dynamo's duck shaping would tie the
+        # number of segments to the number of blocks whenever the two happen to be equal
+        compiled_kernel(_k_quant_blocks, bits)((dev.type, dtype_key(c)), c[:nb * QBLOCK].view(nb, -1, per),
+                                               scales[bseg], lv, out[:nb * QBLOCK // per].view(nb, -1))
     if words.numel():  # the same float ops as the kernel, so the same lane values
         y = torch.clamp(torch.round(c[elems].to(scales.dtype) * scales[seg_of]), -levels, levels) + levels
         vals = torch.zeros(words.numel(), dtype=torch.int32, device=dev)
@@ -548,15 +553,16 @@ def quantize_pack(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: 
         if full < words:
             out[full:] = wire_of(quantize_q(c[full * per:], [], 0, None, tie_step=tie_step), 0, bits)
         return out
-    if p is not None and rounding == "nearest" and bits != 8:
+    if p is not None and rounding == "nearest":
         _quantize_lanes(c, segs, levels, float(p), clip, bits, scratch, out)
         return out
     v = out if bits == 8 else torch.empty(n, dtype=torch.uint8, device=dev)
     if p is None:
         compiled_kernel(_k_sign_v)((dev.type, dtype_key(c)), c, const(levels, torch.int32, dev), v)
     else:
+        # stochastic rounding, segment by segment: the uniforms must come from the generator in the
+        # reference's per-tensor draws (on CUDA a draw's stream depends on its size)
         p = float(p)
-        stoch = rounding == "stochastic"
         big = [(k, s) for k, s in enumerate(segs) if s[1] >= SMALL]
         if big:
             bs = [s for _, s in big]
@@ -569,11 +575,8 @@ def quantize_pack(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: 
                 continue
             sc = scales[which[k]]
             lv = const(float(levels), sc.dtype, dev)
-            if stoch:
-                u = torch.rand(seg.shape, generator=generator, device=dev, dtype=sc.dtype)
-                compiled_kernel(_k_quant_v_stoch)((dev.type, dtype_key(c)), seg, sc, u, lv, vk)
-            else:
-                compiled_kernel(_k_quant_v)((dev.type, dtype_key(c)), seg, sc, lv, vk)
+            u = torch.rand(seg.shape, generator=generator, device=dev, dtype=sc.dtype)
+            compiled_kernel(_k_quant_v_stoch)((dev.type, dtype_key(c)), seg, sc, u, lv, vk)
     if bits != 8:
         _pack_v_into(v, bits, out)
     return out
@@ -669,7 +672,7 @@ def warmup(device: torch.device | str = "cpu", *, bits: Sequence[int] = (), leve
     t0 = time.perf_counter()
     gen = torch.Generator(device=device)
     gen.manual_seed(1234)
-    n = 4 * SMALL + 13
+    n = 2 * QBLOCK + 4 * SMALL + 13  # two whole quantizer blocks, one with a segment boundary
     x = torch.randn(n, generator=gen, device=device)
     x[::5] = 0.0
     segs = [(0, 2 * SMALL + 1), (2 * SMALL + 1, n - 2 * SMALL - 1)]

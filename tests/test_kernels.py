@@ -193,6 +193,61 @@ def test_quantize_pack_many_short_segments(bits, levels, dev):
         assert torch.equal(got, K.wire_of(K.quantize_q(cb, segs, levels, 1.0), levels, bits))
 
 
+def _layout(sizes: list[int]) -> list[tuple[int, int]]:
+    segs, off = [], 0
+    for m in sizes:
+        segs.append((off, m))
+        off += m
+    return segs
+
+
+@compiled
+@pytest.mark.parametrize("bits,levels", [(4, 7), (8, 127), (16, 127)])
+def test_quantize_pack_one_pass_matches_the_per_tensor_reference(bits, levels, dev):
+    """The one-pass quantizer (whole blocks of the flat vector in one kernel, the boundary blocks
+    gathered) against quantize_q's per-tensor lp_quantize: tensors of tiny (1e-30) and huge
+    (1e30) norm side by side, a zero tensor, a tie tensor (+-1: x * L / 2 exactly halfway),
+    tensors of odd lengths that straddle block boundaries or fit inside one, one tensor alone,
+    and a layout of 300 small tensors; p = 0, 0.5, 1, 2, inf."""
+    B = K.QBLOCK
+    sizes = [3 * B + 1, 7, B - 3, 2 * B + 5, 1, B, 129, 5 * B + 11]
+    scale = [1e-30, 1.0, 1e30, 0.0, 3.0, -1.0, 1e-3, 1e3]
+    parts = []
+    for i, (m, sc) in enumerate(zip(sizes, scale)):
+        v = _values("tie" if i == 6 else "random", m, seed=i)
+        parts.append(v * sc if sc else torch.zeros(m))
+    cases = [(torch.cat(parts), _layout(sizes)), (_values("random", 4 * B + 3, seed=9), [(0, 4 * B + 3)])]
+    small = torch.randint(1, 60, (300,), generator=_gen(11)).tolist()
+    cases.append((_values("random", sum(small), seed=12), _layout(small)))
+    for c, segs in cases:
+        c = c.to(dev)
+        for p in (0.0, 0.5, 1.0, 2.0, math.inf):
+            got = K.quantize_pack(c, segs, levels, p, 2.0, bits, impl="compiled")
+            want = K.wire_of(K.quantize_q(c, segs, levels, p), levels, bits)
+            assert got.dtype == want.dtype and torch.equal(got, want), (p, len(segs))
+
+
+@compiled
+def test_quantize_pack_launches_do_not_grow_with_the_number_of_tensors(monkeypatch):
+    """The quantize-and-pack pass is one kernel call whatever the number of tensors (the norms
+    are the reference's per-tensor reductions, see comm.kernels' exactness notes)."""
+    calls = []
+    real = K.compiled_kernel
+
+    def counting(fn, *static):
+        k = real(fn, *static)
+        return lambda *a: (calls.append(fn.__name__), k(*a))[1]
+
+    monkeypatch.setattr(K, "compiled_kernel", counting)
+    for ntensors in (1, 40, 400):
+        sizes = [257 + 31 * i for i in range(ntensors)] if ntensors > 1 else [4099]
+        c = _values("random", sum(sizes), seed=ntensors)
+        calls.clear()
+        got = K.quantize_pack(c, _layout(sizes), 7, 1.0, 2.0, 4, impl="compiled")
+        assert calls == ["_k_quant_blocks"], calls
+        assert torch.equal(got, K.wire_of(K.quantize_q(c, _layout(sizes), 7, 1.0), 7, 4))
+
+
 @compiled
 @pytest.mark.parametrize("bits,levels", [(4, 7), (8, 127)])
 def test_quantize_pack_stochastic_consumes_the_same_randoms(bits, levels, dev):
