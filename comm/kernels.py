@@ -419,11 +419,16 @@ def _check_quantize_args(levels: int, p: float | None, clip: float, bits: int, r
 
 
 def _segment_scales(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p: float, clip: float,
-                    scratch: torch.Tensor | None) -> torch.Tensor:
-    """Scale levels / (clip * M_p) of every segment, computed with the reference's own ops so it
-    is bit-identical (a reduction's rounding depends on its order). p = 1, the paper's choice,
-    reuses one |x| buffer instead of a fresh allocation per tensor (page faults dominate)."""
+                    scratch: torch.Tensor | None, plan: tuple | None = None) -> torch.Tensor:
+    """Scale levels / (clip * M_p) of every segment. p = inf with a block plan: one segmented
+    max over the whole vector (a max is exact in any order, so it equals the per-tensor max).
+    Otherwise per segment with the reference's own ops, so it is bit-identical (a sum's rounding
+    depends on its order); p = 1, the paper's choice, reuses one |x| buffer instead of a fresh
+    allocation per tensor (page faults dominate)."""
     mdt = torch.float64 if c.dtype == torch.float64 else torch.float32
+    if math.isinf(p) and plan is not None:
+        m = _segment_max_abs(c, len(segs), plan).to(mdt)
+        return torch.where(m > 0, levels / (clip * m.clamp_min(torch.finfo(m.dtype).tiny)), m.new_zeros(()))
     means = []
     for off, n in segs:
         seg = c[off:off + n]
@@ -439,6 +444,20 @@ def _segment_scales(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p
     m = torch.stack(means)
     # the expression of optim.quantize.lp_quantize, elementwise over the segments
     return torch.where(m > 0, levels / (clip * m.clamp_min(torch.finfo(m.dtype).tiny)), m.new_zeros(()))
+
+
+def _segment_max_abs(c: torch.Tensor, nsegs: int, plan: tuple) -> torch.Tensor:
+    """max |c| of every segment as a segmented reduction: per whole block a min and a max (no
+    |c| temporary), reduced into the block's segment, and the gathered elements of the boundary
+    blocks reduced into theirs."""
+    nb, bseg, whole, elems, seg_of = plan[:5]
+    m = torch.zeros(nsegs, dtype=c.dtype, device=c.device)
+    if nb:
+        lo, hi = torch.aminmax(c[:nb * QBLOCK].view(nb, QBLOCK), dim=1)
+        m.scatter_reduce_(0, bseg[whole], torch.maximum(-lo, hi)[whole], "amax")
+    if elems.numel():
+        m.scatter_reduce_(0, seg_of, c[elems].abs(), "amax")
+    return m
 
 
 def _pack_v_into(v: torch.Tensor, bits: int, out: torch.Tensor) -> None:
@@ -465,7 +484,8 @@ def _block_plan(segs: list[tuple[int, int]], per: int, n: int, device: torch.dev
     segment holding its first element); the words of blocks that hold a segment boundary, and
     of the partial block at the end, are then rewritten by one gathered pass: for each of their
     elements its index, its segment, its word slot and lane, and the word positions. The
-    gathered pass is at most (segments + 1) blocks long, whatever n is."""
+    gathered pass is at most (segments + 1) blocks long, whatever n is. whole[b]: block b lies
+    inside one segment."""
     key = (tuple(segs), per, n, device)
     if key not in _PLANS:
         if len(_PLANS) >= 8:
@@ -486,7 +506,8 @@ def _block_plan(segs: list[tuple[int, int]], per: int, n: int, device: torch.dev
         keep = elems < n  # the last word's padding lanes stay 0
         elems, slot = elems[keep], slot[keep]
         seg_of = torch.searchsorted(starts, elems, right=True) - 1
-        _PLANS[key] = (nb, bseg.to(device), *(t.to(device) for t in (elems, seg_of, slot, elems % per, words)))
+        _PLANS[key] = tuple(t.to(device) if isinstance(t, torch.Tensor) else t
+                            for t in (nb, bseg, whole, elems, seg_of, slot, elems % per, words))
     return _PLANS[key]
 
 
@@ -494,10 +515,12 @@ def _quantize_lanes(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p
                     bits: int, scratch: torch.Tensor | None, out: torch.Tensor) -> None:
     """Nearest-rounding Lion Cub eq. 1 straight into packed lanes, whatever the number of
     tensors: the per-segment scales, then one kernel over the whole blocks of the flat vector and
-    one gathered pass over the words of boundary blocks (`_block_plan`)."""
+    one gathered pass over the words of boundary blocks (`_block_plan`); p = inf's norms are a
+    segmented reduction over the same plan."""
     dev, per = c.device, lanes_per_word(bits)
-    nb, bseg, elems, seg_of, slot, lane, words = _block_plan(segs, per, c.numel(), dev)
-    scales = _segment_scales(c, segs, levels, p, clip, _scratch(c, segs, p, scratch))
+    plan = _block_plan(segs, per, c.numel(), dev)
+    nb, bseg, _, elems, seg_of, slot, lane, words = plan
+    scales = _segment_scales(c, segs, levels, p, clip, _scratch(c, segs, p, scratch), plan)
     lv = const(float(levels), scales.dtype, dev)
     if nb:
         # the scale of each block gathered outside: inside, dynamo's duck shaping would tie the
