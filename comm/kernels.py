@@ -37,9 +37,11 @@ NaN payloads are not promised to match (NaN positions are).
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import os
 import shutil
+import statistics
 import struct
 import time
 import types
@@ -67,6 +69,9 @@ _compile_seconds: dict[tuple, float] = {}
 _warned: set[str] = set()
 _consts: dict[tuple, torch.Tensor] = {}
 _unavailable: dict[tuple, str | None] = {}
+_auto: dict[tuple[str, str], str] = {}  # (kernel, device type) -> the candidate "auto" measured fastest
+_auto_log: list[dict] = []
+_log = logging.getLogger(__name__)
 
 
 # ---- dispatch ------------------------------------------------------------------------------
@@ -113,14 +118,18 @@ def _find_unavailable(device: torch.device) -> str | None:
     return None
 
 
-def use_compiled(impl: str | None, device: torch.device) -> bool:
-    """Whether a kernel runs compiled under `impl` on `device` (raises for an impossible
-    'compiled', warns once and runs eager for 'auto' without a compiler)."""
+def use_compiled(impl: str | None, device: torch.device, kernel: str | None = None) -> bool:
+    """Whether `kernel` runs compiled under `impl` on `device`: "auto" follows the measured choice
+    of `warmup` for (kernel, device type) once there is one (`choose`), else compiles where a
+    compiler exists; raises for an impossible 'compiled', warns once and runs eager for 'auto'
+    without a compiler."""
     impl = resolve_impl(impl)
     if impl not in IMPLS:
         raise ValueError(f"kernels: impl={impl!r}; choose one of {IMPLS}")
     if impl == "eager":
         return False
+    if impl == "auto" and (kernel, torch.device(device).type) in _auto:
+        return _auto[(kernel, torch.device(device).type)] == "compiled"
     reason = compile_unavailable(device)
     if reason is None:
         return True
@@ -178,6 +187,60 @@ def compile_seconds(detail: bool = False) -> float | dict[str, float]:
     if detail:
         return {"/".join(str(k) for k in key): s for key, s in _compile_seconds.items()}
     return sum(_compile_seconds.values())
+
+
+def _time_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Milliseconds of one call: CUDA events on a GPU (no host sync inside the span), the host
+    clock on CPU."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def choose(kernel: str, device: torch.device | str, candidates: dict[str, Callable[[], torch.Tensor]], *,
+           reference: str = "eager", repeats: int = 5, n: int | None = None) -> str:
+    """The choice of impl="auto" for (kernel, device type): each candidate (name -> a call on the
+    run's real inputs, returning the result) is run once and kept only if its bytes equal the
+    reference candidate's, then timed `repeats` times, interleaved; the fastest median wins and
+    is recorded (`auto_choices`, and one log line of this module's logger). A candidate whose
+    result differs is never chosen, however fast."""
+    device = torch.device(device)
+    ref = candidates[reference]()
+    ok, rejected = {}, []
+    for name, fn in candidates.items():
+        got = ref if name == reference else fn()
+        if got.dtype == ref.dtype and torch.equal(got, ref):
+            ok[name] = fn
+        else:
+            rejected.append(name)
+    times: dict[str, list[float]] = {name: [] for name in ok}
+    for _ in range(repeats):
+        for name, fn in ok.items():
+            times[name].append(_time_ms(fn, device))
+    ms = {name: statistics.median(t) for name, t in times.items()}
+    chosen = min(ms, key=ms.get)
+    _auto[(kernel, device.type)] = chosen
+    rec = {"kernel": kernel, "device": device.type, "n": n, "chosen": chosen, "ms": ms, "rejected": rejected}
+    rec["line"] = (f"{kernel} on {device.type}{f' (n={n:,})' if n is not None else ''}: {chosen} ("
+                   + ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(ms.items()))
+                   + (f"; rejected, bytes differ: {', '.join(rejected)}" if rejected else "") + ")")
+    _auto_log.append(rec)
+    _log.info("kernels auto: %s", rec["line"])
+    return chosen
+
+
+def auto_choices() -> list[dict]:
+    """The choices impl="auto" follows now, the latest measurement per (kernel, device type):
+    kernel, device, n, chosen, ms (median per candidate), rejected, line (one readable line)."""
+    latest = {(r["kernel"], r["device"]): r for r in _auto_log}
+    return list(latest.values())
 
 
 def const(value, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -353,7 +416,7 @@ def sign_pack(x: torch.Tensor, step: int, length: int | None = None, *,
     if length % 8 or length < n:
         raise ValueError(f"sign_pack: length={length} must be a multiple of 8 and >= n={n}")
     nb = n // 8
-    if n < SMALL or not x.is_floating_point() or not use_compiled(impl, x.device):
+    if n < SMALL or not x.is_floating_point() or not use_compiled(impl, x.device, "sign_pack"):
         return tb_packed(x, step, length)
     out = torch.empty(length // 8, dtype=torch.uint8, device=x.device)
     compiled_kernel(_k_sign_bits)((x.device.type, dtype_key(x)), x[:8 * nb].view(nb, 8),
@@ -563,7 +626,7 @@ def quantize_pack(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: 
     n = c.numel()
     segs = [(int(o), int(m)) for o, m in segments]
     _check_segments(segs, n)
-    if n < SMALL or not c.is_floating_point() or not use_compiled(impl, c.device):
+    if n < SMALL or not c.is_floating_point() or not use_compiled(impl, c.device, "quantize_pack"):
         return wire_of(quantize_q(c, segs, levels, p, clip, rounding, generator, tie_step), levels, bits)
     dev = c.device
     per = lanes_per_word(bits)
@@ -632,7 +695,7 @@ def unpack_sum(wire: torch.Tensor, bits: int, n: int, levels: int, P: int, *, si
         raise ValueError(f"unpack_sum: out must be a contiguous {rdt} tensor of {n} elements, got "
                          f"{out.dtype} of {out.numel()}")
     full = n // per
-    if full * per < SMALL or (sign and rdt not in _SIGN_BITS) or not use_compiled(impl, flat.device):
+    if full * per < SMALL or (sign and rdt not in _SIGN_BITS) or not use_compiled(impl, flat.device, "unpack_sum"):
         total = unpack_sum_reference(flat, bits, n, levels, P)
         res = torch.sign(total).to(rdt) if sign else total
         return res if out is None else out.copy_(res)
@@ -671,7 +734,7 @@ def unpack_majority(recv: torch.Tensor, P: int, step: int, *, impl: str | None =
     # P = 1 would get a graph of its own (dynamo specialises size-1 dimensions) for a vote that
     # never runs: comm/ skips the collective at world size 1
     # c > 255 >= P: dynamo's duck shaping would tie the symbols of P and c if they were equal
-    if c <= 255 or P == 1 or cdt != torch.uint8 or not use_compiled(impl, recv.device):
+    if c <= 255 or P == 1 or cdt != torch.uint8 or not use_compiled(impl, recv.device, "unpack_majority"):
         return local_majority(recv, P, step)
     thr = majority_threshold(P, step)
     out = torch.empty(c, dtype=torch.uint8, device=recv.device)
@@ -683,12 +746,19 @@ def unpack_majority(recv: torch.Tensor, P: int, step: int, *, impl: str | None =
 def warmup(device: torch.device | str = "cpu", *, bits: Sequence[int] = (), levels: Sequence[int] = (),
            p: Sequence[float | None] = (), rounding: Sequence[str] = ("nearest",),
            world_sizes: Sequence[int] = (), sign_dtypes: Sequence[torch.dtype] = (torch.float32,),
-           impl: str | None = None, check: bool = True) -> float:
+           impl: str | None = None, check: bool = True, layout: Sequence[tuple[int, int]] | None = None,
+           clip: float = 2.0, repeats: int = 5) -> float:
     """Compile (and with check=True verify against the reference, on random, zero and tie inputs)
     every wire kernel the given configuration will use, so no timed step pays compilation.
     Returns the seconds spent. A compiled kernel that disagrees with the reference raises
     RuntimeError (impl='compiled'), or warns and switches the module to eager (impl='auto');
-    `report_mismatch` is that policy, shared with optim.lion's warm-up of the Lion passes."""
+    `report_mismatch` is that policy, shared with optim.lion's warm-up of the Lion passes.
+
+    With impl="auto" and the run's `layout` ((offset, size) of its tensors in the flat vector),
+    each kernel the configuration uses is then timed against its eager reference on inputs of the
+    run's real size (`choose`): "auto" keeps the faster of the byte-identical candidates, per
+    kernel and device type. The 1-bit configuration (world_sizes, no bits) times sign_pack and
+    unpack_majority, the p-bit one (bits) quantize_pack and unpack_sum."""
     device = torch.device(device)
     if not use_compiled(impl, device):
         return 0.0
@@ -741,7 +811,47 @@ def warmup(device: torch.device | str = "cpu", *, bits: Sequence[int] = (), leve
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     report_mismatch(bad, device, impl)
+    if layout is not None and resolve_impl(impl) == "auto" and not bad:
+        _measure(device, [(int(o), int(m)) for o, m in layout], bits, levels, p, rounding, world_sizes, clip,
+                 repeats)
     return time.perf_counter() - t0
+
+
+def _measure(device: torch.device, segs: list[tuple[int, int]], bits: Sequence[int], levels: Sequence[int],
+             p: Sequence[float | None], rounding: Sequence[str], world_sizes: Sequence[int], clip: float,
+             repeats: int) -> None:
+    """`choose` for each kernel of the configuration, on random inputs of the layout's size."""
+    n = sum(m for _, m in segs)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(4321)
+    x = torch.randn(n, generator=gen, device=device)
+    P = max(world_sizes or (1,))
+    if not bits:
+        length = ceil_div(n, 8 * P) * 8 * P
+        choose("sign_pack", device, {"eager": lambda: tb_packed(x, 1, length),
+                                     "compiled": lambda: sign_pack(x, 1, length, impl="compiled")},
+               repeats=repeats, n=n)
+        if P > 1:
+            recv = torch.randint(0, 256, (length // 8,), generator=gen, device=device, dtype=torch.uint8)
+            choose("unpack_majority", device, {"eager": lambda: local_majority(recv, P, 1),
+                                               "compiled": lambda: unpack_majority(recv, P, 1, impl="compiled")},
+                   repeats=repeats, n=n)
+        return
+    b, L, pp, rnd = bits[0], (levels or (0,))[0], (p or (1.0,))[0], rounding[0]
+    seed = torch.Generator(device=device)
+
+    def fresh() -> torch.Generator:  # every candidate draws the same stochastic-rounding stream
+        return seed.manual_seed(99)
+
+    choose("quantize_pack", device,
+           {"eager": lambda: wire_of(quantize_q(x, segs, L, pp, clip, rnd, fresh(), 1), L, b),
+            "compiled": lambda: quantize_pack(x, segs, L, pp, clip, b, rnd, fresh(), 1, impl="compiled")},
+           repeats=repeats, n=n)
+    wire = quantize_pack(x, segs, L, pp, clip, b, rnd, fresh(), 1, impl="compiled")
+    choose("unpack_sum", device,
+           {"eager": lambda: torch.sign(unpack_sum_reference(wire, b, n, L, P)).to(torch.int8),
+            "compiled": lambda: unpack_sum(wire, b, n, L, P, sign=True, dtype=torch.int8, impl="compiled")},
+           repeats=repeats, n=n)
 
 
 def report_mismatch(bad: Sequence[str], device: torch.device, impl: str | None) -> None:
@@ -757,6 +867,6 @@ def report_mismatch(bad: Sequence[str], device: torch.device, impl: str | None) 
     set_impl("eager")
 
 
-__all__ = ["IMPLS", "SMALL", "Kernel", "compile_seconds", "compile_unavailable", "compiled_kernel", "const",
+__all__ = ["IMPLS", "SMALL", "Kernel", "auto_choices", "choose", "compile_seconds", "compile_unavailable", "compiled_kernel", "const",
            "dtype_key", "f32", "get_impl", "quantize_pack", "quantize_q", "report_mismatch", "set_impl", "sign_pack",
            "unpack_majority", "unpack_sum", "unpack_sum_reference", "use_compiled", "warmup", "wire_of"]

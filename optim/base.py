@@ -367,6 +367,10 @@ class CommOptimizer(torch.optim.Optimizer):
             return 0.0
         return self._warmup_own_kernels() + self.exchange.warmup()
 
+    def kernel_choices(self) -> list[str]:
+        """One line per kernel that comm.kernels=auto timed in warm-up: the candidate it keeps."""
+        return [c["line"] for c in _kernels.auto_choices()]
+
     def _warmup_own_kernels(self) -> float:
         """Compile the optimizer's own fused passes (a subclass that has some); seconds spent."""
         return 0.0

@@ -12,6 +12,7 @@ exact rational arithmetic for the fused multiply-add), so a shared bug cannot pa
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from fractions import Fraction
 
@@ -535,3 +536,59 @@ def test_dispatch_and_fallback(monkeypatch):
         assert torch.equal(K.sign_pack(x, 1), tb_packed(x, 1))
     finally:
         K.set_impl(old)
+
+
+# ---- comm.kernels=auto: chosen by measurement, never a candidate with other bytes ------------
+@pytest.fixture
+def fresh_auto(monkeypatch):
+    """impl="auto" with no measured choice yet, restored after the test."""
+    monkeypatch.setattr(K, "_auto", {})
+    monkeypatch.setattr(K, "_auto_log", [])
+
+
+def test_choose_never_keeps_a_candidate_whose_bytes_differ(fresh_auto):
+    x = torch.randn(100_000)
+    x[::7] = 0.0
+    ref = lambda: tb_packed(x, 1)  # noqa: E731
+    wrong = tb_packed(x, 2)  # other bytes (the zeros' tie break differs), returned at no cost
+    assert not torch.equal(ref(), wrong)
+    got = K.choose("sign_pack", "cpu", {"eager": ref, "fast_but_wrong": lambda: wrong}, repeats=3, n=x.numel())
+    assert got == "eager" and not K.use_compiled("auto", torch.device("cpu"), "sign_pack")
+    (rec,) = K.auto_choices()
+    assert rec["rejected"] == ["fast_but_wrong"] and rec["chosen"] == "eager" and "bytes differ" in rec["line"]
+    # a right candidate that is faster is kept, and "auto" then dispatches to it
+    slow = lambda: (time.sleep(0.01), tb_packed(x, 1))[1]  # noqa: E731
+    got = K.choose("sign_pack", "cpu", {"eager": slow, "compiled": ref, "fast_but_wrong": lambda: wrong}, repeats=3)
+    assert got == "compiled" and K.use_compiled("auto", torch.device("cpu"), "sign_pack")
+    assert len(K.auto_choices()) == 1 and K.auto_choices()[0]["chosen"] == "compiled"
+    assert K.use_compiled("eager", torch.device("cpu"), "sign_pack") is False  # eager stays eager
+
+
+@compiled
+def test_auto_warmup_times_the_real_size_and_rejects_wrong_bytes(fresh_auto, monkeypatch):
+    """warmup(impl="auto", layout=...) times each kernel of the configuration on inputs of the
+    layout's size. A compiled sign_pack that is right at the warm-up check's small size but wrong
+    at the real size is rejected: auto keeps the eager reference."""
+    real = K.sign_pack
+
+    def broken(x, step, length=None, *, impl=None):
+        out = real(x, step, length, impl=impl)
+        if impl == "compiled" and x.numel() > 10_000:
+            out = out.clone()
+            out[0] ^= 1
+        return out
+
+    monkeypatch.setattr(K, "sign_pack", broken)
+    layout = _layout([40_000, 999, 30_001])
+    K.warmup("cpu", world_sizes=(3,), impl="auto", layout=layout, repeats=2)
+    chosen = {r["kernel"]: r for r in K.auto_choices()}
+    assert set(chosen) == {"sign_pack", "unpack_majority"}
+    assert chosen["sign_pack"]["chosen"] == "eager" and chosen["sign_pack"]["rejected"] == ["compiled"]
+    assert chosen["sign_pack"]["n"] == 71_000 and not K.use_compiled("auto", torch.device("cpu"), "sign_pack")
+    assert chosen["unpack_majority"]["rejected"] == [] and chosen["unpack_majority"]["chosen"] in ("eager", "compiled")
+    # the p-bit configuration times its own two kernels, on the real layout
+    K.warmup("cpu", bits=(4,), levels=(7,), p=(1.0,), world_sizes=(1,), impl="auto", layout=layout, repeats=2)
+    chosen = {r["kernel"]: r for r in K.auto_choices()}
+    assert {"quantize_pack", "unpack_sum"} <= set(chosen)
+    assert all(not chosen[k]["rejected"] and set(chosen[k]["ms"]) == {"eager", "compiled"}
+               for k in ("quantize_pack", "unpack_sum"))

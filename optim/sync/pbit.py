@@ -135,7 +135,7 @@ class PBit(VoteExchange):
     def warmup(self) -> float:
         return kernels.warmup(self.ctx.device, bits=(self.o.bits,), levels=(self.levels,), p=(self.p,),
                               rounding=(self.o.rounding,), world_sizes=(self.ctx.world_size,),
-                              impl=self.ctx.kernels)
+                              impl=self.ctx.kernels, layout=self.ctx.segments or None, clip=self.o.clip)
 
     def state_dict(self) -> dict:
         return {"rng_state": self.gen.get_state()}

@@ -126,7 +126,8 @@ class OneBit(VoteExchange):
     def warmup(self) -> float:
         if self.ctx.world_size == 1:
             return 0.0
-        return kernels.warmup(self.ctx.device, world_sizes=(self.ctx.world_size,), impl=self.ctx.kernels)
+        return kernels.warmup(self.ctx.device, world_sizes=(self.ctx.world_size,), impl=self.ctx.kernels,
+                              layout=self.ctx.segments or None)
 
 
 def _onebit_bytes(o: OneBitOptions, P: int, n: int, rank: int, rows: int) -> tuple[int, int]:
