@@ -205,14 +205,15 @@ def _time_ms(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def choose(kernel: str, device: torch.device | str, candidates: dict[str, Callable[[], torch.Tensor]], *,
-           reference: str = "eager", repeats: int = 5, n: int | None = None) -> str:
+           reference: str | Callable[[], torch.Tensor] = "eager", repeats: int = 5, n: int | None = None) -> str:
     """The choice of impl="auto" for (kernel, device type): each candidate (name -> a call on the
     run's real inputs, returning the result) is run once and kept only if its bytes equal the
-    reference candidate's, then timed `repeats` times, interleaved; the fastest median wins and
+    reference's (a candidate's name, or a call that only gives the bytes to match), then timed
+    `repeats` times, interleaved; the fastest median wins and
     is recorded (`auto_choices`, and one log line of this module's logger). A candidate whose
     result differs is never chosen, however fast."""
     device = torch.device(device)
-    ref = candidates[reference]()
+    ref = reference() if callable(reference) else candidates[reference]()
     ok, rejected = {}, []
     for name, fn in candidates.items():
         got = ref if name == reference else fn()
@@ -675,6 +676,22 @@ def unpack_sum_reference(wire: torch.Tensor, bits: int, n: int, levels: int, P: 
     return total.mul_(2).sub_(P) if levels == 0 else total.sub_(P * levels)
 
 
+def _sign_of_sum_eager(flat: torch.Tensor, bits: int, n: int, levels: int, P: int, rdt: torch.dtype,
+                       out: torch.Tensor | None) -> torch.Tensor:
+    """sign(unpack_sum_reference(...)) in `rdt` by comparing the one-byte lane values with the
+    offset, without the int32 sums: sign(v - P*L) for L >= 1; for signs only, sign(2v - P) is +1
+    for v >= floor(P/2) + 1 and -1 for v < ceil(P/2) (the same integer thresholds as the
+    majority, comm.vote.majority_threshold)."""
+    v = unpack_lanes(flat, bits, n)
+    if levels == 0:
+        plus, minus = v >= majority_threshold(P, 2), v < majority_threshold(P, 1)
+    else:
+        plus, minus = v > P * levels, v < P * levels
+    res = torch.empty(n, dtype=rdt, device=flat.device) if out is None else out
+    res.copy_(plus)
+    return res.masked_fill_(minus, -1)
+
+
 def unpack_sum(wire: torch.Tensor, bits: int, n: int, levels: int, P: int, *, sign: bool = False,
                dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
                impl: str | None = None) -> torch.Tensor:
@@ -696,6 +713,8 @@ def unpack_sum(wire: torch.Tensor, bits: int, n: int, levels: int, P: int, *, si
                          f"{out.dtype} of {out.numel()}")
     full = n // per
     if full * per < SMALL or (sign and rdt not in _SIGN_BITS) or not use_compiled(impl, flat.device, "unpack_sum"):
+        if sign and bits != 16:
+            return _sign_of_sum_eager(flat, bits, n, levels, P, rdt, out)
         total = unpack_sum_reference(flat, bits, n, levels, P)
         res = torch.sign(total).to(rdt) if sign else total
         return res if out is None else out.copy_(res)
@@ -849,9 +868,9 @@ def _measure(device: torch.device, segs: list[tuple[int, int]], bits: Sequence[i
            repeats=repeats, n=n)
     wire = quantize_pack(x, segs, L, pp, clip, b, rnd, fresh(), 1, impl="compiled")
     choose("unpack_sum", device,
-           {"eager": lambda: torch.sign(unpack_sum_reference(wire, b, n, L, P)).to(torch.int8),
+           {"eager": lambda: unpack_sum(wire, b, n, L, P, sign=True, dtype=torch.int8, impl="eager"),
             "compiled": lambda: unpack_sum(wire, b, n, L, P, sign=True, dtype=torch.int8, impl="compiled")},
-           repeats=repeats, n=n)
+           reference=lambda: torch.sign(unpack_sum_reference(wire, b, n, L, P)).to(torch.int8), repeats=repeats, n=n)
 
 
 def report_mismatch(bad: Sequence[str], device: torch.device, impl: str | None) -> None:

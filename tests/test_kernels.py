@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from comm import max_levels
-from comm.packing import unpack_bits
+from comm.packing import unpack_bits, unpack_signs
 from comm import kernels as K
 from comm.vote import local_majority, tb_packed
 from optim import lion as Lion
@@ -305,6 +305,9 @@ def test_unpack_sum(bits, n, dev):
             assert torch.equal(got, K.unpack_sum_reference(wire, bits, n, levels, P))
             sgn = K.unpack_sum(wire, bits, n, levels, P, sign=True, impl="compiled")
             assert sgn.dtype == torch.float32 and torch.equal(_bits(sgn.cpu()), _bits(torch.sign(want).float()))
+            for dt in (torch.float32, torch.int8):  # the eager sign: one-byte lanes against the offset
+                sgn = K.unpack_sum(wire, bits, n, levels, P, sign=True, dtype=dt, impl="eager")
+                assert sgn.dtype == dt and torch.equal(sgn.cpu(), torch.sign(want).to(dt))
             if bits == 4:  # an int8 update buffer (one more graph; one lane width is enough)
                 buf = torch.empty(n, dtype=torch.int8, device=dev)
                 K.unpack_sum(wire, bits, n, levels, P, sign=True, dtype=torch.int8, out=buf, impl="compiled")
@@ -327,6 +330,7 @@ def test_unpack_sum_all_zero_votes_and_exact_ties(bits, dev):
         wire = _summed_wire(qs, levels, bits).to(dev)
         assert not K.unpack_sum(wire, bits, n, levels, P, impl="compiled").any()
         assert not K.unpack_sum(wire, bits, n, levels, P, sign=True, impl="compiled").any()
+        assert not K.unpack_sum(wire, bits, n, levels, P, sign=True, impl="eager").any()
 
 
 # ---- unpack -> majority --------------------------------------------------------------------------
@@ -592,3 +596,60 @@ def test_auto_warmup_times_the_real_size_and_rejects_wrong_bytes(fresh_auto, mon
     assert {"quantize_pack", "unpack_sum"} <= set(chosen)
     assert all(not chosen[k]["rejected"] and set(chosen[k]["ms"]) == {"eager", "compiled"}
                for k in ("quantize_pack", "unpack_sum"))
+
+
+# ---- no 4-byte-per-element temporaries in pack / unpack -------------------------------------
+def _allocations(fn) -> list[int]:
+    """Bytes of every tensor allocation fn makes on the CPU (inside compiled code too), from
+    torch.profiler's memory profile, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        fn()
+    timeline = prof._memory_profile().timeline
+    return sorted((nbytes for _, action, _, nbytes in timeline if action.name == "CREATE"), reverse=True)
+
+
+@compiled
+def test_pack_and_unpack_allocate_at_most_one_byte_per_element():
+    """No pack or unpack path of the wire, compiled or eager, allocates a float32 / int32 (or any
+    4-byte) temporary of the vector's length: every allocation is at most n bytes (int8 signs,
+    one-byte lanes, packed words). The one exception, checked apart: Lp with p = 1 keeps |c| of the
+    largest tensor in a float buffer, because M_1 must be the reference's own per-tensor .mean()
+    to give its bytes (a caller may pass that buffer in as `scratch` and reuse it)."""
+    n, P = 3_000_017, 4  # more than the cache-blocked loops' fixed 1 MiB buffers (comm.packing.CPU_BLOCK)
+    x = _values("random", n, seed=1)
+    sizes = [900_001, 7, 750_000, 129, n - 1_650_137]
+    segs = _layout(sizes)
+    length = -(-n // (8 * P)) * 8 * P
+    recv = torch.randint(0, 256, (length // 8,), generator=_gen(2), dtype=torch.uint8)
+    L4 = max_levels(P, 4)
+    wire4 = K.quantize_pack(x, segs, L4, math.inf, 2.0, 4, impl="compiled")
+    wire1 = K.quantize_pack(x, segs, 0, None, 2.0, 4, impl="compiled")
+    scratch = torch.empty(max(sizes))
+    paths = {
+        "sign_pack compiled": lambda: K.sign_pack(x, 1, length, impl="compiled"),
+        "sign_pack eager": lambda: K.sign_pack(x, 1, length, impl="eager"),
+        "unpack_majority compiled": lambda: K.unpack_majority(recv, P, 1, impl="compiled"),
+        "unpack_majority eager": lambda: K.unpack_majority(recv, P, 1, impl="eager"),
+        "unpack_signs": lambda: unpack_signs(recv, n),
+        "quantize_pack signs only": lambda: K.quantize_pack(x, segs, 0, None, 2.0, 4, impl="compiled"),
+        "quantize_pack sign quantizer": lambda: K.quantize_pack(x, segs, L4, None, 2.0, 4, impl="compiled"),
+        "quantize_pack linf": lambda: K.quantize_pack(x, segs, L4, math.inf, 2.0, 4, impl="compiled"),
+        "quantize_pack l1 with scratch": lambda: K.quantize_pack(x, segs, L4, 1.0, 2.0, 4, impl="compiled",
+                                                                scratch=scratch),
+        "quantize_pack 8-bit l1 with scratch": lambda: K.quantize_pack(x, segs, 127, 1.0, 2.0, 8, impl="compiled",
+                                                                      scratch=scratch),
+    }
+    for impl in ("compiled", "eager"):
+        for w, L in ((wire4, L4), (wire1, 0)):
+            paths[f"unpack_sum sign int8 {impl} L={L}"] = (
+                lambda w=w, L=L, impl=impl: K.unpack_sum(w, 4, n, L, P, sign=True, dtype=torch.int8, impl=impl))
+    for fn in paths.values():  # compiled once, outside the measurement
+        fn()
+    limit = length + 64  # one byte per element of the padded vector
+    big = {name: [b for b in _allocations(fn) if b > limit] for name, fn in paths.items()}
+    assert not {name: b for name, b in big.items() if b}, big
+    # the measurement sees a 4-byte temporary when there is one: the reference and L1 without scratch
+    assert max(_allocations(lambda: K.unpack_sum_reference(wire4, 4, n, L4, P))) >= 4 * n
+    assert [b for b in _allocations(lambda: K.quantize_pack(x, segs, L4, 1.0, 2.0, 4, impl="compiled"))
+            if b > limit] == [4 * max(sizes)]
