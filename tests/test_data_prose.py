@@ -213,3 +213,32 @@ def test_a_run_on_the_prose_dataset_exports_and_reloads(sample, tmp_path: Path) 
     codec = load_codec(load_model(hf))
     text = "The navy and the treasury of the union."
     assert codec.encode(text) == tok.encode(text, add_special_tokens=False) and codec.decode(codec.encode(text)) == text
+
+
+def test_no_repeat_check_passes_a_run_inside_the_corpus_and_fails_one_that_reads_past_it(tmp_path: Path) -> None:
+    from data.loader import ShardLoader, check_no_repeat, train_tokens_read
+    from data.shards import DataError, ShardWriter
+    from trainer.config import load_config
+
+    d = tmp_path / "ds"
+    d.mkdir()
+    for split, n in (("train", 10_000), ("val", 600)):
+        w = ShardWriter(d, split, 4096)
+        w.add(np.arange(n, dtype=np.uint16))  # every token id unique: a repeat is visible
+        w.close()
+    # the study config pointed at this corpus: 4 ranks x 4 x 128 = 2,048 tokens per step
+    cfg = load_config(ROOT / "configs/study/lion_fp32.yaml", [f"data.dataset={d}", "train.max_steps=4"])
+    geom = (cfg.data.batch_size, cfg.data.seq_len, 4)
+    assert check_no_repeat(d, *geom, cfg.train.max_steps, cfg.data.grad_accum) == \
+        "train tokens read 8,193 of 10,000 available (81.9 %)"
+    with pytest.raises(DataError, match=r"a run of 5 steps .* would read training tokens twice: train tokens read "
+                                        r"10,241 of 10,000 available \(102.4 %\); run at most 4 steps"):
+        check_no_repeat(d, *geom, 5)
+    with pytest.raises(DataError, match="run at most 2 steps"):
+        check_no_repeat(d, *geom, 3, grad_accum=2)
+    # the count is the loader's: 4 steps end inside the first epoch, a 5th wraps into the second
+    loaders = [ShardLoader(d, "train", 4, 128, r, 4, seed=0) for r in range(4)]
+    seen = np.concatenate([ld.next_batch()[0].numpy().ravel() for _ in range(4) for ld in loaders])
+    assert train_tokens_read(*geom, 4) == 4 * 4 * 512 + 1 and len(np.unique(seen)) == len(seen) == 4 * 4 * 512
+    fifth = np.concatenate([ld.next_batch()[0].numpy().ravel() for ld in loaders])
+    assert len(np.intersect1d(fifth, seen)) > 0  # the 5th step wraps: tokens read twice
