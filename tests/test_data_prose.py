@@ -87,7 +87,40 @@ def make_sample(root: Path, n_speeches: int = 12, n_docs: int = 10) -> dict[str,
         ".. function:: dump(obj, fp, *, skipkeys=False, \\\n               indent=None)\n\n"
         "   Serialize *obj* as a JSON formatted stream to *fp*, which must support\n"
         "   :class:`str` input.\n\n" + _prose(rng, 12))
-    return {"sotu": sotu, "linux-doc": kernel, "python-doc": root / "python-doc"}
+    sword = root / "sword"
+    for module, name, width in (("tdavid", "tdavid", 12), ("mhcc", "mhcc", 10), ("engWEB2015eb", "web", 10)):
+        write_sword_module(sword, module, [[f'<div type="x-p"/><hi type="italic">{name} {b}.{v}</hi> '
+                                            + _prose(rng, 2 + v) + '<note n="a">a footnote</note>'
+                                            for v in range(3)] for b in range(2)], width)
+    roots = {"sotu": sotu, "linux-doc": kernel, "python-doc": root / "python-doc"}
+    return {**roots, "tdavid": sword, "mhcc": sword, "web": sword}
+
+
+def write_sword_module(root: Path, module: str, blocks: list[list[str]], width: int) -> None:
+    """A SWORD module as Debian's packages lay it out: mods.d/<module>.conf and, under its DataPath,
+    ot.bzs (offset, size, uncompressed size per zlib block), ot.bzz (the blocks) and ot.bzv
+    (block, offset, size per entry; uint16 sizes at width 10, uint32 at 12)."""
+    import struct
+    import zlib
+
+    data = root / "modules" / "comments" / "zcom" / module.lower()
+    data.mkdir(parents=True)
+    (root / "mods.d").mkdir(exist_ok=True)
+    (root / "mods.d" / f"{module}.conf").write_text(
+        f"[{module}]\nDataPath=./modules/comments/zcom/{module.lower()}/\nModDrv=zCom4\nLang=en\n")
+    zs, zz, zv = bytearray(), bytearray(), bytearray(struct.pack("<IIH" if width == 10 else "<III", 0, 0, 0))
+    for b, entries in enumerate(blocks):
+        raw, offsets = b"", []
+        for e in entries:
+            offsets.append((len(raw), len(e.encode())))
+            raw += e.encode()
+        comp = zlib.compress(raw)
+        zs += struct.pack("<III", len(zz), len(comp), len(raw))
+        zz += comp
+        for o, n in offsets:
+            zv += struct.pack("<IIH" if width == 10 else "<III", b, o, n)
+    for suffix, content in (("bzs", zs), ("bzz", zz), ("bzv", zv)):
+        (data / f"ot.{suffix}").write_bytes(bytes(content))
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +143,16 @@ def test_rst_prose_keeps_the_prose_and_drops_code_tables_and_markup() -> None:
     assert rst_prose("Too short.") == ""  # index pages and stubs are left empty
 
 
+@pytest.mark.parametrize("name", ["tdavid", "mhcc"])  # 12- and 10-byte verse indexes
+def test_sword_blocks_read_as_their_entries_text(sample, name: str) -> None:
+    part = PARTS[name]
+    files = part.files(sample[name])
+    assert [str(f).rsplit("#", 1)[1] for f in files] == ["0", "1"]
+    text = part.read(files[1])
+    assert text.startswith(f"{name} 1.0 ") and f"\n{name} 1.1 " in text and f"\n{name} 1.2 " in text
+    assert "<" not in text and "footnote" not in text and "  " not in text
+
+
 def test_prepare_writes_the_reference_tokens_and_resumes_byte_identically(sample, tmp_path: Path) -> None:
     from data.tokenizer import get_encoding
 
@@ -121,7 +164,7 @@ def test_prepare_writes_the_reference_tokens_and_resumes_byte_identically(sample
     # independent reference: every document (corpus order) tokenized alone + EOT, split by the rule
     enc = get_encoding(str(out / "tokenizer.json"))
     items = corpus_files(list(PARTS), sample, seed=7)
-    assert len(items) == 12 + 10 + 1  # the translation is not part of the corpus
+    assert len(items) == 12 + 10 + 1 + 3 * 2  # the translation is not part of the corpus
     ref = {"train": [], "val": []}
     for i, (part, path) in enumerate(items):
         text = PARTS[part].read(Path(path))
