@@ -12,10 +12,11 @@ Parts (each one package; its licence goes into the manifest):
   dropped (`rst_prose`), so what reaches the tokenizer is natural-language text, not code.
 - python-doc: the Debian package `python3.11-doc` (apt-get install python3.11-doc): the Python
   documentation's reStructuredText sources, cleaned the same way, PSF-2.0.
-- tdavid, mhcc, web: the Debian packages `sword-comm-tdavid` (C. H. Spurgeon's The Treasury of
-  David, 1869-1885), `sword-comm-mhcc` (Matthew Henry's Concise Commentary) and `sword-text-web`
-  (the World English Bible), SWORD modules whose OSIS markup is stripped to its text (footnotes
-  dropped); all three public domain.
+- tdavid, mhcc, web, kjv, scofield: the Debian packages `sword-comm-tdavid` (C. H. Spurgeon's
+  The Treasury of David, 1869-1885), `sword-comm-mhcc` (Matthew Henry's Concise Commentary),
+  `sword-text-web` (the World English Bible), `sword-text-kjv` (the King James Version) and
+  `sword-comm-scofield` (the Scofield Reference Notes, 1917): SWORD modules whose OSIS markup is
+  stripped to its text (footnotes dropped); all public domain.
 
 Every file (of a SWORD module: every compressed block, a chapter or a book) is one document. The
 documents of all parts are put in one order by a seeded shuffle (a run that reads a prefix of the
@@ -313,6 +314,8 @@ PARTS: dict[str, Part] = {p.name: p for p in (
     _sword_part("tdavid", "sword-comm-tdavid", "tdavid", "C. H. Spurgeon's The Treasury of David (1869-1885)"),
     _sword_part("mhcc", "sword-comm-mhcc", "mhcc", "Matthew Henry's Concise Commentary on the Bible (1706-1721)"),
     _sword_part("web", "sword-text-web", "engWEB2015eb", "the World English Bible (modern English translation)"),
+    _sword_part("kjv", "sword-text-kjv", "engKJV2006eb", "the King James Version of the Bible (1769 text)"),
+    _sword_part("scofield", "sword-comm-scofield", "scofield", "the Scofield Reference Notes (1917 edition)"),
 )}
 
 

@@ -88,12 +88,13 @@ def make_sample(root: Path, n_speeches: int = 12, n_docs: int = 10) -> dict[str,
         "   Serialize *obj* as a JSON formatted stream to *fp*, which must support\n"
         "   :class:`str` input.\n\n" + _prose(rng, 12))
     sword = root / "sword"
-    for module, name, width in (("tdavid", "tdavid", 12), ("mhcc", "mhcc", 10), ("engWEB2015eb", "web", 10)):
+    for module, name, width in (("tdavid", "tdavid", 12), ("mhcc", "mhcc", 10), ("engWEB2015eb", "web", 10),
+                                ("engKJV2006eb", "kjv", 10), ("scofield", "scofield", 10)):
         write_sword_module(sword, module, [[f'<div type="x-p"/><hi type="italic">{name} {b}.{v}</hi> '
                                             + _prose(rng, 2 + v) + '<note n="a">a footnote</note>'
                                             for v in range(3)] for b in range(2)], width)
     roots = {"sotu": sotu, "linux-doc": kernel, "python-doc": root / "python-doc"}
-    return {**roots, "tdavid": sword, "mhcc": sword, "web": sword}
+    return {**roots, **{name: sword for name in ("tdavid", "mhcc", "web", "kjv", "scofield")}}
 
 
 def write_sword_module(root: Path, module: str, blocks: list[list[str]], width: int) -> None:
@@ -164,7 +165,7 @@ def test_prepare_writes_the_reference_tokens_and_resumes_byte_identically(sample
     # independent reference: every document (corpus order) tokenized alone + EOT, split by the rule
     enc = get_encoding(str(out / "tokenizer.json"))
     items = corpus_files(list(PARTS), sample, seed=7)
-    assert len(items) == 12 + 10 + 1 + 3 * 2  # the translation is not part of the corpus
+    assert len(items) == 12 + 10 + 1 + 5 * 2  # the translation is not part of the corpus
     ref = {"train": [], "val": []}
     for i, (part, path) in enumerate(items):
         text = PARTS[part].read(Path(path))
