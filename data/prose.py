@@ -36,6 +36,7 @@ parts); the tests use small samples this way.
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import importlib.metadata
 import importlib.util
@@ -248,22 +249,32 @@ def _sword_files(module: str) -> Callable[[Path], list[Path]]:
     return files
 
 
+@functools.lru_cache(maxsize=2)
+def _sword_testament(prefix: str) -> tuple[list[tuple[int, int, int]], bytes, dict[int, list[tuple[int, int]]]]:
+    """One testament's files (prefix .../ot.b): its blocks, compressed data and each block's
+    sorted, distinct (offset, size) entries; read once for all of its blocks."""
+    import struct
+
+    blocks = list(struct.iter_unpack("<III", Path(prefix + "zs").read_bytes()))
+    spans: dict[int, dict[int, int]] = {}
+    for b, o, n in _sword_index(Path(prefix + "zv"), blocks):
+        if n:
+            spans.setdefault(b, {})[o] = n
+    return blocks, Path(prefix + "zz").read_bytes(), {b: sorted(d.items()) for b, d in spans.items()}
+
+
 def _sword_read(path: Path) -> str:
     import html
-    import struct
     import zlib
 
-    prefix, _, block = str(path).rpartition("#")
-    stem, kind = prefix.rsplit(".", 1)  # .../ot and the block letter of ot.?zs
-    base = Path(stem)
-    blocks = list(struct.iter_unpack("<III", (base.parent / f"{base.name}.{kind}zs").read_bytes()))
+    prefix, _, block = str(path).rpartition("#")  # .../ot.b (the block letter of ot.bzs) and the block
+    blocks, data, spans = _sword_testament(prefix)
     i = int(block)
     off, size, _ = blocks[i]
     if size == 0:
         return ""
-    raw = zlib.decompress((base.parent / f"{base.name}.{kind}zz").read_bytes()[off:off + size])
-    spans = sorted((o, n) for b, o, n in _sword_index(base.parent / f"{base.name}.{kind}zv", blocks) if b == i and n)
-    entries = [raw[o:o + n].decode("utf-8", errors="replace") for o, n in dict(spans).items()]
+    raw = zlib.decompress(data[off:off + size])
+    entries = [raw[o:o + n].decode("utf-8", errors="replace") for o, n in spans.get(i, [])]
     text = "\n".join(entries)
     text = re.sub(r"<note\b[^>]*>.*?</note>", "", text, flags=re.S)  # footnotes and cross-references
     text = re.sub(r"<(?:/?(?:div|p|lg|l|lb|title|q type=\"block\"))\b[^>]*>", "\n", text)
