@@ -254,9 +254,11 @@ def test_a_run_on_the_prose_dataset_exports_and_reloads(sample, tmp_path: Path) 
     tok = AutoTokenizer.from_pretrained(str(hf), local_files_only=True)
     gen = json.loads((hf / "generation_config.json").read_text())
     assert gen["eos_token_id"] == 0 and gen["suppress_tokens"] == list(range(300, 320))
-    codec = load_codec(load_model(hf))
     text = "The navy and the treasury of the union."
-    assert codec.encode(text) == tok.encode(text, add_special_tokens=False) and codec.decode(codec.encode(text)) == text
+    for where in (hf, run):  # sampling from the export (AutoTokenizer) and from the run (the dataset's file)
+        codec = load_codec(load_model(where))
+        assert codec.eot == 0 and codec.n_vocab == 300
+        assert codec.encode(text) == tok.encode(text, add_special_tokens=False) and codec.decode(codec.encode(text)) == text
 
 
 def test_no_repeat_check_passes_a_run_inside_the_corpus_and_fails_one_that_reads_past_it(tmp_path: Path) -> None:
