@@ -258,7 +258,8 @@ def test_a_run_on_the_prose_dataset_exports_and_reloads(sample, tmp_path: Path) 
     for where in (hf, run):  # sampling from the export (AutoTokenizer) and from the run (the dataset's file)
         codec = load_codec(load_model(where))
         assert codec.eot == 0 and codec.n_vocab == 300
-        assert codec.encode(text) == tok.encode(text, add_special_tokens=False) and codec.decode(codec.encode(text)) == text
+        ids = codec.encode(text)
+        assert ids == tok.encode(text, add_special_tokens=False) and codec.decode(ids) == text
 
 
 def test_no_repeat_check_passes_a_run_inside_the_corpus_and_fails_one_that_reads_past_it(tmp_path: Path) -> None:
