@@ -17,7 +17,6 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from data.prepare import PrepareError, PrepareStopped, held_out  # noqa: E402
 from data.prose import PARTS, corpus_files, prepare_prose, rst_prose  # noqa: E402
