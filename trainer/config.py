@@ -137,7 +137,7 @@ class CommConfig:
     timeout_s: float = 600.0
     """Collective timeout in seconds (process group); a hung peer fails the run after this."""
     kernels: str = "auto"
-    """The fused hot-path kernels (quantize/pack, unpack/vote, Lion passes; optim.kernels): auto (compiled
+    """The fused hot-path kernels (quantize/pack, unpack/vote, Lion passes; comm.kernels, optim.lion): auto (compiled
     with torch.compile where a compiler exists, else eager; $LIONCUB_KERNELS overrides auto), compiled (an
     error where none exists) or eager. Every choice gives the same bytes and updates; compilation is
     paid once before the first timed step and reported."""

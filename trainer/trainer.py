@@ -177,7 +177,10 @@ class Trainer:
         compile_s = self.optimizer.warmup()  # compiled kernels: paid here, never inside a timed step
         if compile_s:
             self.logger.console(f"kernels: {self.optimizer.kernels}, compiled and checked in {compile_s:.1f} s")
-            self.logger.log({"step": self.step, "event": "kernels", "compile_s": compile_s})
+            choices = self.optimizer.kernel_choices()
+            for line in choices:
+                self.logger.console(f"kernels: auto chose {line}")
+            self.logger.log({"step": self.step, "event": "kernels", "compile_s": compile_s, "choices": choices})
         if self.step >= t.max_steps:  # resumed a finished run: its final eval and checkpoint exist
             self.logger.console(f"run {self.out_dir} is already complete at step {self.step} "
                                 f"(train.max_steps={t.max_steps}); raise train.max_steps to train further")
