@@ -479,7 +479,7 @@ def tokens_line(results: Sequence[RunResult]) -> str:
     done = [r for r in results if r.ok]
     have = [r for r in done if r.tokens]
     if have:
-        top = max(have, key=lambda r: r["read"] if isinstance(r, dict) else r.tokens["read"] / r.tokens["available"])
+        top = max(have, key=lambda r: r.tokens["read"] / max(r.tokens["available"], 1))
         rd, av = top.tokens["read"], top.tokens["available"]
         line = (f"tokens seen / tokens available = {rd:,} / {av:,} ({100 * rd / max(av, 1):.1f} %, run "
                 f"{top.run.name}, the largest share of {len(have)} run(s) counted at launch)")
@@ -494,6 +494,18 @@ def tokens_line(results: Sequence[RunResult]) -> str:
     elif rest:
         line += f"; from their configs, each run read up to {max(rest):,} tokens"
     return line
+
+
+def lr_line(results: Sequence[RunResult], study: "Study") -> str:
+    """Which lr each arm ran at: the setting's shared optim.lr, or the sweep's best per arm (--lr from-sweep)."""
+    per = {}
+    for r in results:
+        if r.run.label("best_lr"):
+            per[study.lr_alias.get(preset_of(r.run), preset_of(r.run))] = r.run.label("best_lr")
+    if not per:
+        return "the setting's optim.lr for every arm, unless a row says otherwise (--lr shared)"
+    return "each arm at its best value from the lr_sweep study (--lr from-sweep): " + ", ".join(
+        f"{a} {v}" for a, v in per.items())
 
 
 FROM_SWEEP = "from-sweep"
@@ -533,7 +545,7 @@ def at_best_lr(runs: Sequence[Run], best: dict, study: "Study") -> list[Run]:
         if any(o.partition("=")[0] == key for o in run.overrides):
             continue
         out.append(replace(run, name=f"{run.name}_lr{value:g}", overrides=(*run.overrides, f"{key}={value:g}"),
-                           labels=(*run.labels, ("lr", f"{key}={value:g}"))))
+                           labels=(*run.labels, ("best_lr", f"{key}={value:g}"))))
     return out
 
 
@@ -899,8 +911,9 @@ def write_results(study: Study, summary: Summary, results: Sequence[RunResult], 
            f"torch {mach['torch']}, python {mach['python']}; 1-minute load average "
            + (f"{lr[0]:.2f}-{lr[1]:.2f}" if lr else "not recorded") + " around the runs. Runs trained on (CPU, "
            f"run count): {hosts_line(results)}.",
-           f"Setting name: **{scale.setting}** (results of another setting are in another directory, never in "
-           f"this table). Training tokens: {tokens_line(results)}.",
+           f"Setting name: **{scale.setting}**" + (" (quick: its corpus, the debug model)" if scale.quick else "")
+           + f" (results of another setting are in another directory, never in this table). Learning rate: "
+           f"{lr_line(results, study)}. Training tokens: {tokens_line(results)}.",
            f"Raw: {runs_path.name} (per run: overrides, status, wall time, load, curves), {csv_path.name}, "
            f"{meta_path.name}; run directories under {os.path.relpath(opts.work_dir(name), ROOT)}/runs; every finished "
            f"run's spec, config and metrics in {STORE_DIR}/<run>.json.gz (how = stored: summarized from there)."]
