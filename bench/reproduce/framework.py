@@ -707,6 +707,9 @@ class Options:
     def setting_overrides(self) -> tuple[str, ...]:
         if self.setting not in SETTINGS:
             raise StudyUnavailable(f"unknown setting {self.setting!r}; known: {', '.join(SETTINGS)}")
+        bad = [x for x in self.sets if "=" not in x or "." not in x.partition("=")[0]]
+        if bad:
+            raise StudyUnavailable(f"--set {' '.join(bad)}: expected section.key=value, e.g. --set optim.warmup_steps=40")
         st = SETTINGS[self.setting]
         return merge_overrides(st.quick if self.quick else st.full, self.sets)
 
@@ -806,7 +809,8 @@ class Study:
         store = opts.store_dir()
         # every run's training tokens against the corpus, before anything launches (a summary of stored runs
         # needs no corpus): a run that would read a token twice refuses the whole study
-        tokens = {} if opts.report_only else {run.name: token_budget(run, scale, opts.allow_repeat) for run in runs}
+        tokens = {} if opts.report_only else {run.name: token_budget(run, scale, opts.allow_repeat) for run in runs
+                                              if all(map(optimizer_available, run.requires))}  # else pending
         results = []
         for run in runs:
             r = ensure_run(run, scale, work, restart=opts.restart, report_only=opts.report_only, echo=echo,
