@@ -76,6 +76,7 @@ class Trainer:
         self.step, self.train_time = 0, 0.0  # train_time: seconds in timed steps (loss vs wall-clock)
         self.skip_batches: set[int] = set()  # steps whose batches a rollback skips
         self.rollbacks = 0
+        self.skipped_in_row, self.last_skipped = 0, -1  # train.on_nonfinite=skip_step's consecutive count
         self.lock = prepare_run_dir(self.out_dir, cfg.train.resume, cfg.to_dict(), info)
         try:
             found = find_resumable(self.ckpt_root, info.rank, info.world_size, self._say) \
