@@ -8,7 +8,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .checkpoint import MODEL, CheckpointError, find_resumable, rank_file, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import (MODEL, CheckpointError, find_resumable, rank_file, read_meta, rng_state, save_checkpoint,
+                         set_rng_state, verify)
+from .rundir import REPLACED, drop_replaced
 
 MAX_ROLLBACKS = 5
 
@@ -23,8 +25,13 @@ def save(trainer) -> Path:
                   "skip_batches": sorted(trainer.skip_batches)}
     meta = {"step": trainer.step, "world_size": trainer.info.world_size, "config": trainer.cfg.to_dict(),
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    return save_checkpoint(trainer.ckpt_root, trainer.step, trainer.model.state_dict(), rank_state, meta,
+    path = save_checkpoint(trainer.ckpt_root, trainer.step, trainer.model.state_dict(), rank_state, meta,
                            trainer.info.rank, trainer.info.world_size, trainer.cfg.train.keep_ckpts)
+    if trainer.info.is_main and any(p.name.startswith(REPLACED) for p in trainer.out_dir.iterdir()):
+        verify(path, list(read_meta(path)["files"]))  # read back: only a verified checkpoint retires the old run
+        for gone in drop_replaced(trainer.out_dir):
+            trainer.logger.console(f"removed {gone} (the replaced run): checkpoint {path} is verified")
+    return path
 
 
 def load(trainer, path: Path, meta: dict, files: dict) -> str:
