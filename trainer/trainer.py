@@ -248,6 +248,9 @@ def run(cfg: Config, info: DistInfo) -> dict:
     trainer = Trainer(cfg, info)
     try:
         return trainer.fit()
+    except data.DataError as e:  # found mid-run (a shard the run reached): the run directory stays resumable
+        raise data.DataError(f"{e}. The run stopped at step {trainer.step}; {trainer.out_dir} keeps its checkpoints: "
+                             f"fix the data, then rerun with train.resume=auto to continue from the last one") from None
     finally:
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):  # a dying run must die on a signal
             signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
