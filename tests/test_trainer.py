@@ -178,7 +178,7 @@ def test_resume_guards(tmp_path):
     other.mkdir()
     (other / "data.txt").write_text("keep")
     refused = _run1(other, "train.max_steps=2", "train.resume=overwrite")
-    assert refused.returncode == 2 and "does not look like a run directory" in refused.stderr
+    assert refused.returncode == 2 and "the trainer did not make it (data.txt)" in refused.stderr
     assert (other / "data.txt").read_text() == "keep"
 
 

@@ -12,9 +12,11 @@ tensors, all ranks agree, and a non-finite value stops the save with a NonFinite
 (`keep`) deletes the oldest step directories but never the new one, and never the newest
 checkpoint whose meta says it was verified finite.
 
-On resume (`find_resumable`) candidates are tried newest first: each rank checks meta.json and the
-checksums of the files it will read; all ranks agree; a corrupt or incomplete checkpoint is
-reported by name and the next older one is tried. Leftover temp directories of killed saves are
+On resume and rollback (`find_resumable`) candidates are tried newest first: each rank checks
+meta.json and the checksums of the files it will read and loads them as model/checkpoint_files.py
+says (weights_only: a pickle that names code is refused, never run; finite); all ranks agree; a
+corrupt, incomplete or foreign checkpoint is reported by name and the next older one is tried.
+RNG states are stored as tensors and plain numbers so that a weights_only load reads them. Leftover temp directories of killed saves are
 removed at start (`clean_partial`). A full disk is reported as such (CheckpointError).
 """
 from __future__ import annotations

@@ -209,6 +209,7 @@ def final_matrix_weights(r: RunResult, roles: dict[str, str]) -> tuple[float | N
     accumulation, measured on the weights themselves). None without a finished run and its final checkpoint."""
     from model.checkpoint_files import MODEL, load_verified
     from trainer.checkpoint import latest_checkpoint, read_meta
+    import torch
     finished, _ = r.series("params_identical")  # the trainer's last record, written at the final step
     path = latest_checkpoint(r.run_dir / "ckpt") if r.ok and finished else None
     if path is None or read_meta(path)["step"] != finished[-1]:
