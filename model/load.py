@@ -93,6 +93,11 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> L
         raise ValueError(f"{where / MODEL} holds no transformer.wte.weight; not a GPT-2++ state dict")
     vocab = sd["transformer.wte.weight"].shape[0]
     cfg = dataclasses.replace(resolve_config(run_config["model"]), vocab_size=vocab)
-    model = model_from_state_dict(cfg, sd, device)
+    try:
+        model = model_from_state_dict(cfg, sd, device)
+    except (RuntimeError, KeyError, TypeError) as e:  # tensors of the wrong names or shapes
+        why = " ".join(str(e).split()) or type(e).__name__
+        raise CheckpointError(f"{where / MODEL} does not fit the model its run config describes ({why[:240]})") \
+            from None
     step = int(where.name[5:]) if where.name.startswith("step_") and where.name[5:].isdigit() else None
     return Loaded(model.eval(), kind, where / MODEL, step, run_config)
