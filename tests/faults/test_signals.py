@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from tests.dist import ROOT
+from tests.dist import ROOT, torchrun
 from tests.faults.common import ENV, TINY
 
 
@@ -39,3 +39,12 @@ def test_sigterm_with_log_every_40_checkpoints_within_10_s(tmp_path):
     meta = json.loads((run / "ckpt" / (run / "ckpt" / "latest").read_text().strip() / "meta.json").read_text())
     assert 40 <= meta["step"] < 80  # acted on before the next log step (80)
     assert not (run / ".lock").exists()
+
+
+def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    out = tmp_path / "run"
+    proc = torchrun(2, "stop_one_rank.py", str(out), "1", "3", timeout=240)
+    res = json.loads((out / "result.json").read_text())
+    assert res["stopped"] and res["steps"] == [3, 3] and res["identical"], res
+    assert "stopping (a signal on another rank) at step 3" in proc.stdout  # rank 0 logs; rank 1 had the signal
+    assert (out / "ckpt" / "latest").read_text().strip() == "step_000003"
