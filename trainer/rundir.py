@@ -30,19 +30,21 @@ from pathlib import Path
 
 from .checkpoint import CheckpointError, clean_partial, latest_checkpoint, read_meta
 from .dist import DistInfo, all_agree
+from .automode import DECISION
 from .runlock import LOCK, LockError, RunLock
 
 # keys a resumed run may change; anything else must match the checkpoint's config
 RESUMABLE_KEYS = ("train.max_steps", "train.stop_after", "train.resume", "train.eval_every",
                   "train.eval_steps", "train.ckpt_every", "train.keep_ckpts", "train.log_every",
                   "train.out_dir", "train.device", "train.mc_eval", "train.on_nonfinite", "train.max_skipped_steps",
-                  "data.cache_dir",
-                  "comm.timeout_s", "comm.init_timeout_s", "comm.kernels", "comm.fine_timing", "log.", "diag.")
+                  "data.cache_dir", "comm.timeout_s", "comm.init_timeout_s", "comm.kernels", "comm.fine_timing",
+                  "comm.auto_", "log.", "diag.")
 MARKER = ".lioncub_run"  # written by the trainer when it creates a run directory: {"run_id", "created"}
 LEGACY_MARKER = "run_id"  # what older versions wrote at creation
 REPLACED = ".replaced-"  # prefix of a replaced run's entries, kept until the new run's first verified checkpoint
 # every entry the trainer (and its logger, wandb, the memory profiler) writes in a run directory
-RUN_ENTRIES = (MARKER, LEGACY_MARKER, LOCK, "config.yaml", "metrics.jsonl", "ckpt", "wandb", "memory_snapshot.pickle")
+RUN_ENTRIES = (MARKER, LEGACY_MARKER, LOCK, "config.yaml", "metrics.jsonl", "ckpt", "wandb", "memory_snapshot.pickle",
+               DECISION, DECISION + ".tmp")
 CKPT_ENTRIES = ("latest", "latest.tmp")  # besides step_NNNNNN/ and the temp dirs of killed saves
 
 
