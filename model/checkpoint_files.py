@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -59,11 +60,11 @@ def safe_load(path: Path) -> Any:
     except Exception as e:  # noqa: BLE001 - every failure of an untrusted file becomes one line
         text = str(e)
         if "Weights only load failed" in text or "weights_only" in text:
-            why = next((ln.strip() for ln in text.splitlines() if "GLOBAL" in ln or "Unsupported" in ln),
-                       "it holds Python objects other than tensors and plain data")
-            raise CheckpointError(f"{path}: refused to load: a checkpoint may hold only tensors and plain data, "
-                                  f"this file asks for code ({why.rstrip('.')}); it was not written by this "
-                                  f"tool or was tampered with: nothing of it was run") from None
+            named = re.search(r"GLOBAL ([\w.]+)", text)
+            what = f"names the Python object {named.group(1)}" if named else "names Python objects"
+            raise CheckpointError(f"{path}: refused to load: a checkpoint may hold only tensors and plain data, and "
+                                  f"this file {what}; nothing of it was run. It was not written by this tool, or "
+                                  f"was altered after") from None
         first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
         raise CheckpointError(f"{path} is unreadable, truncated or corrupt ({type(e).__name__}: {first[:200]})") \
             from None
