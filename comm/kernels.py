@@ -518,7 +518,8 @@ def _segment_max_abs(c: torch.Tensor, nsegs: int, plan: tuple) -> torch.Tensor:
     m = torch.zeros(nsegs, dtype=c.dtype, device=c.device)
     if nb:
         lo, hi = torch.aminmax(c[:nb * QBLOCK].view(nb, QBLOCK), dim=1)
-        m.scatter_reduce_(0, bseg[whole], torch.maximum(-lo, hi)[whole], "amax")
+        # whole: the indices of the blocks inside one segment (a mask here would sync on a GPU)
+        m.scatter_reduce_(0, bseg.index_select(0, whole), torch.maximum(-lo, hi).index_select(0, whole), "amax")
     if elems.numel():
         m.scatter_reduce_(0, seg_of, c[elems].abs(), "amax")
     return m
@@ -549,7 +550,7 @@ def _block_plan(segs: list[tuple[int, int]], per: int, n: int, device: torch.dev
     of the partial block at the end, are then rewritten by one gathered pass: for each of their
     elements its index, its segment, its word slot and lane, and the word positions. The
     gathered pass is at most (segments + 1) blocks long, whatever n is. whole[b]: block b lies
-    inside one segment."""
+    inside one segment (kept as the indices of those blocks)."""
     key = (tuple(segs), per, n, device)
     if key not in _PLANS:
         if len(_PLANS) >= 8:
@@ -571,7 +572,7 @@ def _block_plan(segs: list[tuple[int, int]], per: int, n: int, device: torch.dev
         elems, slot = elems[keep], slot[keep]
         seg_of = torch.searchsorted(starts, elems, right=True) - 1
         _PLANS[key] = tuple(t.to(device) if isinstance(t, torch.Tensor) else t
-                            for t in (nb, bseg, whole, elems, seg_of, slot, elems % per, words))
+                            for t in (nb, bseg, whole.nonzero().view(-1), elems, seg_of, slot, elems % per, words))
     return _PLANS[key]
 
 
