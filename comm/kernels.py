@@ -752,7 +752,7 @@ def unpack_sum(wire: torch.Tensor, bits: int, n: int, levels: int, P: int, *, si
 
 def unpack_majority(recv: torch.Tensor, P: int, step: int, *, impl: str | None = None) -> torch.Tensor:
     """recv: uint8[P * c] packed sign chunks, row r from rank r -> packed tb(2*plus - P, step),
-    the exact majority with tie break (== comm.vote._local_majority)."""
+    the exact majority with tie break (== comm.vote.local_majority)."""
     if recv.dtype != torch.uint8 or P < 1 or recv.numel() % P:
         raise ValueError(f"unpack_majority: need uint8 bytes in P={P} equal chunks, got "
                          f"{recv.numel()} {recv.dtype}")
