@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Iterable
 
@@ -39,11 +40,15 @@ def config_path(variant: str, config_dir: str | Path = "configs/cpu_30m") -> Pat
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """All records of a metrics.jsonl (blank lines skipped)."""
+    """All records of a metrics.jsonl (blank lines skipped; a line torn by a killed writer is
+    skipped with a note on stderr)."""
     out = []
-    for line in Path(path).read_text().splitlines():
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if line.strip():
-            out.append(json.loads(line))
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                print(f"{path}:{n}: skipped a torn record (a run killed while writing it)", file=sys.stderr)
     return out
 
 
