@@ -355,8 +355,7 @@ def test_lr_sweep_best_lr_feeds_the_other_studies(tmp_path, monkeypatch):
     rows = list(csv.DictReader(open(out / "lr_sweep.csv")))
     key, values = studies.SWEEP_ARMS["lion_fp32"]
     assert sorted(float(r["lr"]) for r in rows) == sorted(values) and len(calls) == 3
-    assert all(b / a == pytest.approx(10 ** 0.5, rel=0.1) or b / a == pytest.approx(3.33, rel=0.1)
-               for a, b in zip(sorted(values), sorted(values)[1:]))
+    assert all(2.5 < b / a < 4 for a, b in zip(sorted(values), sorted(values)[1:]))  # about 3x apart
     assert [float(r["lr"]) for r in rows if r["best"]] == [3e-4] and not any(r["edge"] for r in rows)
     best = json.loads((out / framework.BEST_LR_FILE).read_text())
     assert best["best"] == {"lion_fp32": {"key": "optim.lr", "value": 3e-4, "val_loss": 3.0, "edge": False}}
