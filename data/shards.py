@@ -40,6 +40,10 @@ class DataError(ValueError):
     names the file, the value seen and the fix, for the trainer to print without a traceback."""
 
 
+class PrepareError(DataError):
+    """A user-facing problem with data.prepare's inputs or environment (printed without a traceback)."""
+
+
 def shard_name(split: str, index: int) -> str:
     return f"{split}_{index:06d}.bin"
 

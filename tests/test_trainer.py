@@ -220,14 +220,10 @@ def test_wandb_run_id_is_unique_per_run_directory_and_renewed_on_overwrite(tmp_p
 
 
 def test_model_vocabulary_follows_a_uint32_dataset(tmp_path, monkeypatch):
-    from tests.test_data_formats import DOCS, big_vocab_encoding
+    from tests.test_data_formats import DOCS, use_big_vocab
     import data.prepare as dp
-    import data.tokenizer as tk
 
-    enc = big_vocab_encoding()
-    real = tk.get_encoding
-    monkeypatch.setattr(tk, "get_encoding", lambda name="gpt2": enc if name == "big70k" else real(name))
-    monkeypatch.setattr(dp, "get_encoding", tk.get_encoding)
+    use_big_vocab(monkeypatch)
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS * 20))
     dp.prepare_text(tmp_path / "ds", [tmp_path / "docs.jsonl"], tokenizer="big70k", val_fraction=0, val_shards=1,
                     shard_tokens=512, num_proc=1, cache_dir=str(tmp_path / "hf"))

@@ -15,7 +15,7 @@ import socket
 import time
 from pathlib import Path
 
-from data.prepare import pid_alive
+from data.writer import pid_alive
 
 LOCK = ".lock"
 
