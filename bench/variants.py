@@ -96,15 +96,6 @@ def role_params(model_cfg: dict) -> dict[str, int]:
     return out
 
 
-def scheme_of(comm_cfg: dict):
-    """(sync scheme, its options) of a resolved `comm:` section (optim.sync registry)."""
-    from optim import sync
-
-    scheme = sync.get(comm_cfg["mode"])
-    opts = scheme.options(**{k: comm_cfg[k] for k in scheme.options.field_names() if k in comm_cfg})
-    return scheme, opts
-
-
 def build_optimizer_for(cfg: dict):
     """The optimizer a resolved run config builds (one process, CPU), for its byte formula and its
     alpha-beta prediction at any world size (CommOptimizer.wire_bytes_per_step / predict_comm_seconds)."""
