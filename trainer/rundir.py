@@ -110,7 +110,8 @@ def is_ours(out_dir: Path) -> bool:
 
 def foreign_entries(out_dir: Path) -> list[str]:
     """Entries of `out_dir` (and of its ckpt/) the trainer did not write, as paths relative to it."""
-    out = [p.name for p in out_dir.iterdir() if p.name not in RUN_ENTRIES and not p.name.startswith(REPLACED)]
+    out = [p.name for p in out_dir.iterdir()
+           if p.name not in RUN_ENTRIES and not p.name.startswith((REPLACED, LOCK + "."))]  # .lock.PID.tmp: a takeover
     ckpt = out_dir / "ckpt"
     if ckpt.is_dir() and not ckpt.is_symlink():
         out += [f"ckpt/{p.name}" for p in ckpt.iterdir()
