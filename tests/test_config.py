@@ -109,3 +109,22 @@ def test_review_gaps_are_config_errors():
     msg = str(e.value)
     for needle in ("start=10 is after stop=5", "layers: empty", "comm.p: -1.0 must be >= 0", "exceeds 127"):
         assert needle in msg, (needle, msg)
+
+
+def test_warmup_past_the_horizon_is_an_error_and_shipped_configs_stay_valid_when_shortened():
+    with pytest.raises(ConfigError, match=r"optim.warmup_steps: 20 >= train.max_steps=20: the lr would never leave"):
+        load_config(None, ["optim.warmup_steps=20", "train.max_steps=20"])
+    with pytest.raises(ConfigError, match=r"optim.warmup_steps: 50 >= optim.schedule_steps=40"):
+        load_config(None, ["optim.warmup_steps=50", "train.max_steps=100", "optim.schedule_steps=40"])
+    with pytest.raises(ConfigError, match=r"optim.decay_fraction: warmup \(10\) \+ decay \(10 steps\) exceed"):
+        load_config(None, ["optim.schedule=wsd", "optim.warmup_steps=10", "optim.decay_fraction=0.5",
+                           "train.max_steps=19"])
+    with pytest.raises(ConfigError, match="optim.decay_shape: 'exp' is not one of linear, cosine, sqrt"):
+        load_config(None, ["optim.schedule=wsd", "optim.decay_shape=exp"])
+    # the shipped configs give warmup as a fraction: a short smoke run keeps a valid schedule
+    from trainer.config import warmup_steps
+    for path, steps, warm in [("configs/default.yaml", 20, 1), ("configs/default.yaml", 300, 15),
+                              ("configs/gpt2_124m/lion_fp32.yaml", 50, 1), ("configs/gpt2_124m/lion_fp32.yaml", 50000, 1000),
+                              ("configs/cpu_30m/lion_fp32.yaml", 300, 20), ("configs/cpu_30m/lion_fp32.yaml", 13, 1)]:
+        cfg = load_config(ROOT / path, [f"train.max_steps={steps}"])
+        assert warmup_steps(cfg.optim, steps) == warm, (path, steps)

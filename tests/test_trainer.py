@@ -253,3 +253,24 @@ def test_wandb_payload_groups_panels():
                                                      "5_+optimizer")] == [1.0, 11.0, 15.0, 17.0, 20.0]
     assert p["diag/sign_match"] == 0.9 and p["diag_momentum_spread/block.0"] == 0.1
     assert p["diag_sign_flip/tensor.lm_head.weight"] == 0.01 and "params_identical" not in p
+
+
+def test_resume_with_more_steps_keeps_the_schedule_unless_told(tmp_path):
+    from trainer.schedule import lr_at
+
+    kept, stretched = tmp_path / "kept", tmp_path / "stretched"
+    for run in (kept, stretched):
+        assert _run1(run, "train.max_steps=4", "optim.schedule=linear", "optim.min_lr_ratio=0.25").returncode == 0
+    more = _run1(kept, "train.max_steps=6", "optim.schedule=linear", "optim.min_lr_ratio=0.25", "train.resume=auto")
+    assert more.returncode == 0, more.stderr[-2000:]
+    assert "train.max_steps=6 but this run's lr schedule ends at step 4" in more.stdout
+    lrs = {r["step"]: r["lr"] for r in records(kept, "train_loss")}
+    # default.yaml's warmup_fraction 0.05 gives one warmup step at 4 steps (and at 6)
+    assert [lrs[s] for s in range(1, 7)] == [lr_at(s, 1e-3, 4, 1, "linear", 0.25) for s in range(6)]
+    assert lrs[5] == lrs[6] == 0.25e-3  # past the kept horizon: the final lr, not a re-stretched decay
+    again = _run1(stretched, "train.max_steps=6", "optim.schedule=linear", "optim.min_lr_ratio=0.25",
+                  "optim.schedule_steps=6", "train.resume=auto")
+    assert again.returncode == 0 and "schedule ends" not in again.stdout
+    lrs = {r["step"]: r["lr"] for r in records(stretched, "train_loss")}
+    assert [lrs[5], lrs[6]] == [lr_at(s, 1e-3, 6, 1, "linear", 0.25) for s in (4, 5)]
+    assert lrs[6] > 0.25e-3

@@ -31,6 +31,8 @@ from model import ROLES
 from optim import sync
 from optim.registry import compatibility_problem, optimizer_names
 
+from .schedule import DECAY_SHAPES, SCHEDULES, decay_steps
+
 LAYER_SELECTORS = ROLES + ("all",)
 
 
@@ -82,11 +84,24 @@ class OptimConfig:
     """Clip the gradient to this global L2 norm before the step; 0 disables. Update-sync modes
     clip each rank's local gradient."""
     schedule: str = "cosine"
-    """LR schedule after warmup: cosine (to min_lr_ratio * lr) or constant."""
+    """LR schedule after warmup (trainer/schedule.py): cosine or linear decay to min_lr_ratio * lr over the
+    run; wsd (warmup-stable-decay: the peak lr, then decay over the last decay_fraction of the run in
+    decay_shape); or constant."""
     warmup_steps: int = 0
-    """Linear warmup steps from 0 to lr."""
+    """Linear warmup steps from 0 to lr; must be below train.max_steps."""
+    warmup_fraction: float = 0.0
+    """Warmup as a fraction of the schedule's horizon (rounded up), so a shorter train.max_steps keeps a
+    valid schedule; used when warmup_steps is 0."""
     min_lr_ratio: float = 0.1
-    """Final LR of the cosine schedule as a fraction of lr."""
+    """Final LR of the decaying schedules as a fraction of lr; 0 decays to zero."""
+    decay_fraction: float = 0.2
+    """wsd: the fraction of the horizon spent decaying, at its end."""
+    decay_shape: str = "linear"
+    """wsd: the decay's shape: linear (1 - p), cosine ((1 + cos pi p) / 2) or sqrt (1 - sqrt p)."""
+    schedule_steps: int = 0
+    """The schedule's horizon (the step where the decay ends). 0 = train.max_steps of the run's first
+    start, kept on resume: raising train.max_steps then extends the run at the final lr instead of
+    re-stretching the schedule (the console says so); set this to re-stretch it."""
     embedding_lr_mult: float = 1.0
     """LR multiplier of the token embedding (Lion Cub App. F.3: 3e-2 / 3e-5 = 1000)."""
     head_lr_mult: float = 1.0
@@ -467,6 +482,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     return cfg
 
 
+def warmup_steps(optim: OptimConfig, horizon: int) -> int:
+    """optim.warmup_steps, or optim.warmup_fraction of the schedule's horizon rounded up."""
+    return optim.warmup_steps or math.ceil(round(optim.warmup_fraction * horizon, 9))  # 0.02 * 50000 is 1000
+
+
 def _format(problems: list[str]) -> str:
     return f"{len(problems)} config problem(s):\n" + "\n".join(f"  - {p}" for p in problems)
 
@@ -493,7 +513,24 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
             p.append(f"data.seq_len: {d.seq_len} exceeds the model's block size {block}; "
                      f"lower data.seq_len or set model.block_size")
     choice(p, "optim.name", o.name, optimizer_names())
-    choice(p, "optim.schedule", o.schedule, ["cosine", "constant"])
+    choice(p, "optim.schedule", o.schedule, list(SCHEDULES))
+    choice(p, "optim.decay_shape", o.decay_shape, list(DECAY_SHAPES))
+    at_least(p, "optim.schedule_steps", o.schedule_steps, 0)
+    if not 0 <= o.warmup_fraction < 1:
+        p.append(f"optim.warmup_fraction: {o.warmup_fraction} must be in [0, 1)")
+    if not 0 < o.decay_fraction <= 1:
+        p.append(f"optim.decay_fraction: {o.decay_fraction} must be in (0, 1]")
+    horizon = o.schedule_steps or t.max_steps
+    where = "optim.schedule_steps" if o.schedule_steps else "train.max_steps"
+    warm = warmup_steps(o, horizon)
+    if horizon >= 1 and warm >= horizon:
+        p.append(f"optim.warmup_steps: {warm} >= {where}={horizon}: the lr would never leave warmup (and never "
+                 f"decay); lower optim.warmup_steps (e.g. {max(0, horizon // 10)}), use optim.warmup_fraction, "
+                 f"or raise {where}")
+    elif o.schedule == "wsd" and horizon >= 1 and 0 < o.decay_fraction <= 1 and \
+            warm + decay_steps(horizon, o.decay_fraction) > horizon:
+        p.append(f"optim.decay_fraction: warmup ({warm}) + decay ({decay_steps(horizon, o.decay_fraction)} steps) "
+                 f"exceed {where}={horizon}; lower optim.warmup_steps or optim.decay_fraction")
     if not (o.lr > 0 and math.isfinite(o.lr)):
         p.append(f"optim.lr: {o.lr} must be a positive number")
     if len(o.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas):

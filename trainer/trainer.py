@@ -27,7 +27,7 @@ from optim.base import digest
 from . import state
 from .state import DivergenceError
 from .checkpoint import find_resumable
-from .config import Config, ConfigError, validate
+from .config import Config, ConfigError, validate, warmup_steps
 from .dist import DistInfo, all_agree
 from .evaluation import Evaluator
 from .logger import RunLogger, banner, window_record
@@ -74,6 +74,8 @@ class Trainer:
         self.clock = Clock(self.device)
 
         self.step, self.train_time = 0, 0.0  # train_time: seconds in timed steps (loss vs wall-clock)
+        # the lr schedule's horizon: a resumed run keeps its first one (trainer/state.py restores it)
+        self.schedule_steps = cfg.optim.schedule_steps or cfg.train.max_steps
         self.skip_batches: set[int] = set()  # steps whose batches a rollback skips
         self.rollbacks = 0
         self.lock = prepare_run_dir(self.out_dir, cfg.train.resume, cfg.to_dict(), info)
@@ -82,6 +84,8 @@ class Trainer:
                 if cfg.train.resume == "auto" else None
             if found is not None:
                 self._say(state.load(self, *found))
+                if self.schedule_steps != cfg.train.max_steps:
+                    self._say(schedule_note(self.schedule_steps, cfg.train.max_steps))
             if info.is_main:  # only now: a config that fails while building leaves no run directory behind
                 (self.out_dir / "config.yaml").write_text(cfg.dump())
             self.logger = RunLogger(self.out_dir, info.is_main, cfg.log.wandb, cfg.log.project,
@@ -105,8 +109,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def set_lr(self) -> float:
-        o = self.cfg.optim
-        lr = lr_at(self.step, o.lr, self.cfg.train.max_steps, o.warmup_steps, o.schedule, o.min_lr_ratio)
+        o, horizon = self.cfg.optim, self.schedule_steps
+        lr = lr_at(self.step, o.lr, horizon, warmup_steps(o, horizon), o.schedule, o.min_lr_ratio, o.decay_fraction,
+                   o.decay_shape)
         for g in self.optimizer.param_groups:
             g["lr"] = lr * g["lr_mult"]
         return lr
@@ -232,6 +237,14 @@ class Trainer:
         self.logger.log(rec)
         self.logger.console(self.logger.train_line(rec, self.cfg.train.max_steps, time.perf_counter() - start,
                                                    self.step - steps_at_start))
+
+
+def schedule_note(horizon: int, max_steps: int) -> str:
+    """The console line of a resumed run whose train.max_steps differs from its schedule's horizon."""
+    what = (f"the lr stays at the schedule's final value from step {horizon} to {max_steps}" if max_steps > horizon
+            else f"the run stops at step {max_steps}, before the schedule's decay ends")
+    return (f"schedule: train.max_steps={max_steps} but this run's lr schedule ends at step {horizon} (kept from the "
+            f"run's start); {what}. Set optim.schedule_steps={max_steps} to stretch the schedule to the new length")
 
 
 def kernel_impl(setting: str) -> str:
