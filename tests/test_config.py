@@ -81,14 +81,20 @@ def test_help_text_covers_every_field():
     for line in text.splitlines():
         if line.startswith("  "):
             assert line.split(":", 1)[1].strip(), f"field without help: {line}"
-    assert "comm:" in text and "mode: What crosses the network" in text
+    assert "comm:" in text and "mode (str, default fp32): What crosses the network" in text
     # every registered scheme's and optimizer's options are listed, under the values that select them
     for scheme in sync.schemes():
         for key in scheme.options.field_names():
-            line = next(ln for ln in text.splitlines() if ln.startswith(f"  {key}: [comm.mode="))
+            line = next(ln for ln in text.splitlines() if ln.startswith(f"  {key} (") and "[comm.mode=" in ln)
             assert scheme.name in line.split("]")[0], (key, scheme.name, line)
-    assert "ps_aggregate: [comm.mode=ps]" in text and "bits: [comm.mode=pbit]" in text
+    assert "ps_aggregate (str, default vote): [comm.mode=ps]" in text
+    assert "bits (int, default 4): [comm.mode=pbit]" in text
     assert all(name in text for name in optimizer_names())
+    # each key's type and default, nested sections dotted
+    for expected in ("lr (float, default 0.0003):", "tie_embeddings (bool or null, default null):",
+                     "betas (list, default [0.9, 0.99]):", "max_steps (int, default 300):",
+                     "momentum_sync.layers (list, default [head]):", "wandb (str, default ''):"):
+        assert f"  {expected}" in text, expected
 
 
 def test_cli_reports_config_errors_without_traceback(tmp_path):

@@ -217,9 +217,9 @@ class TrainConfig:
 
 @dataclass
 class LogConfig:
-    wandb: str = "disabled"
-    """online, offline (no network; sync later with `wandb sync`) or disabled. online without an API
-    key falls back to offline with a warning."""
+    wandb: str = ""
+    """online, offline (no network; sync later with `wandb sync`) or disabled; unset (empty): what
+    $WANDB_MODE says, else disabled. online without an API key falls back to offline with a warning."""
     project: str = "lioncub"
     """wandb project."""
     run_name: str = ""
@@ -297,23 +297,44 @@ def describe() -> str:
     regs = _registries()
     for sec in dataclasses.fields(Config):
         lines.append(f"{sec.name}:")
-        cls = sec.default_factory().__class__
+        default = sec.default_factory()
+        cls = default.__class__
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
             if f.name != "options":
-                lines.append(f"  {f.name}: {docs.get(f.name, '')}")
+                value = getattr(default, f.name)
+                lines.append(f"  {f.name} ({_type_and_default(cls, f.name, value)}): {docs.get(f.name, '')}")
+                if dataclasses.is_dataclass(value):  # a nested section: its keys, dotted
+                    sub = field_docs(type(value))
+                    lines += [f"  {f.name}.{g.name} ({_type_and_default(type(value), g.name, getattr(value, g.name))}): "
+                              f"{sub.get(g.name, '')}" for g in dataclasses.fields(value)]
         if sec.name in regs:
             selector, entries = regs[sec.name]
             owners: dict[str, list[str]] = {}
             helps: dict[str, str] = {}
             for name, ocls in entries:
                 d = field_docs(ocls)
+                defaults = {f.name: f for f in dataclasses.fields(ocls)}
                 for key in ocls.field_names():
                     owners.setdefault(key, []).append(name)
-                    helps.setdefault(key, d.get(key, ""))
+                    f = defaults[key]
+                    value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                    helps.setdefault(key, f"({_type_and_default(ocls, key, value)}) {d.get(key, '')}")
             for key, names in owners.items():
-                lines.append(f"  {key}: [{sec.name}.{selector}={'|'.join(names)}] {helps[key]}")
+                lines.append(f"  {key} {helps[key].split(') ', 1)[0]}): [{sec.name}.{selector}={'|'.join(names)}] "
+                             f"{helps[key].split(') ', 1)[1]}")
     return "\n".join(lines)
+
+
+def _type_and_default(cls, name: str, value: Any) -> str:
+    """'float, default 0.0003' for --help-config: the key's type as the YAML takes it, and its default."""
+    tp = typing.get_type_hints(cls).get(name)
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    tname = (getattr(args[0], "__name__", str(args[0])) + " or null") if len(args) == 1 and \
+        type(None) in typing.get_args(tp) else getattr(tp, "__name__", str(tp))
+    if dataclasses.is_dataclass(value):
+        return "section"
+    return f"{tname}, default {yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()!s}"
 
 
 # ---------------------------------------------------------------- loading and merging
@@ -578,7 +599,8 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
     choice(p, "train.on_nonfinite", t.on_nonfinite, ["stop", "skip_step", "rollback"])
     choice(p, "train.device", t.device, ["auto", "cpu", "cuda"])
     choice(p, "train.dtype", t.dtype, ["bfloat16", "float32"])
-    choice(p, "log.wandb", lg.wandb, ["online", "offline", "disabled"])
+    if lg.wandb:  # empty follows $WANDB_MODE (trainer/logger.py resolve_wandb_mode)
+        choice(p, "log.wandb", lg.wandb, ["online", "offline", "disabled"])
     if not t.out_dir:
         p.append("train.out_dir: empty; name a run directory")
     if p and raise_error:

@@ -74,6 +74,7 @@ class Trainer:
         self.clock = Clock(self.device)
 
         self.step, self.train_time = 0, 0.0  # train_time: seconds in timed steps (loss vs wall-clock)
+        self.tokens_seen = 0  # tokens of the steps applied, all ranks (trainer/state.py keeps it on resume)
         # the lr schedule's horizon: a resumed run keeps its first one (trainer/state.py restores it)
         self.schedule_steps = cfg.optim.schedule_steps or cfg.train.max_steps
         self.skip_batches: set[int] = set()  # steps whose batches a rollback skips
@@ -144,7 +145,25 @@ class Trainer:
         return {"loss": loss_val, "lr": lr, "step_s": t1 - t0 + report.seconds, "data_s": data_s,
                 "fwdbwd_s": t1 - t0 - data_s, "comm_s": report.comm_s, "coll_s": report.coll_s,
                 "pack_s": report.pack_s, "opt_s": max(0.0, report.seconds - report.comm_s),
-                "bytes_sent": report.bytes_sent, "bytes_recv": report.bytes_recv, "report": report}
+                "bytes_sent": report.bytes_sent, "bytes_recv": report.bytes_recv, "report": report,
+                "grad_norms": report.grad_norms}
+
+    def compile_model(self) -> float:
+        """Compile the model's training forward and backward on a batch of zeros, before any timed
+        step, so the compile time is reported apart and never lands in a step's timing. The gradients
+        are returned by autograd.grad, not accumulated: no .grad, optimizer state or backward hook (a
+        comm.overlap bucket) sees them, and the parameters are untouched. Returns seconds."""
+        d = self.cfg.data
+        x = torch.zeros(d.batch_size, d.seq_len, dtype=torch.long, device=self.device)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.model.train()
+        t0 = time.perf_counter()
+        with self.autocast:
+            _, loss = self.forward(x, torch.zeros_like(x))  # x and y distinct: aliasing would be another graph
+        torch.autograd.grad(loss, params)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
 
     def param_digests(self) -> list[str]:
         """sha256 of this rank's parameters, gathered from every rank (the invariant: all equal)."""
@@ -175,6 +194,10 @@ class Trainer:
             self.logger.console(f"run {self.out_dir} is already complete at step {self.step} "
                                 f"(train.max_steps={t.max_steps}); raise train.max_steps to train further")
             return {"step": self.step, "stopped": False, "already_complete": True}
+        if cfg.train.compile:
+            model_s = self.compile_model()
+            self.logger.console(f"model: torch.compile paid in {model_s:.1f} s before the first timed step")
+            self.logger.log({"step": self.step, "event": "compile", "compile_s": model_s})
         window: list[dict] = []
         start, steps_at_start = time.perf_counter(), self.step
         while self.step < t.max_steps:
@@ -184,6 +207,7 @@ class Trainer:
                 state.on_nonfinite(self, r)
                 continue
             self.train_time += r["step_s"]
+            self.tokens_seen += self.tokens_per_step
             window.append(r)
             if self.step % t.log_every == 0 or self.step == t.max_steps:
                 self._log_window(window, start, steps_at_start)
