@@ -63,6 +63,7 @@ def hf_config(cfg: GPTConfig, *, bos_token_id: int | None, eos_token_id: int | N
         "tie_word_embeddings": cfg.tie_embeddings,
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
+        "pad_token_id": eos_token_id,  # padded batches (generate, lm-eval) pad with the end-of-text id
         "use_cache": True,
         "torch_dtype": dtype,
         "dtype": dtype,
@@ -195,7 +196,8 @@ def save_hf(model: GPT, out_dir: str | os.PathLike, *, bos_token_id: int | None,
     config = hf_config(model.config, bos_token_id=bos_token_id, eos_token_id=eos_token_id, dtype=dtype)
     written = [out / "config.json", out / "generation_config.json"]
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    gen = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, **(generation or {})}
+    gen = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": eos_token_id,
+           **(generation or {})}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
     groups: list[dict[str, torch.Tensor]] = [{}]

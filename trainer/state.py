@@ -24,6 +24,7 @@ def save(trainer) -> Path:
                   "skip_batches": sorted(trainer.skip_batches), "schedule_steps": trainer.schedule_steps,
                   "tokens_seen": trainer.tokens_seen}
     meta = {"step": trainer.step, "world_size": trainer.info.world_size, "config": trainer.cfg.to_dict(),
+            "tokens_seen": trainer.tokens_seen,
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     return save_checkpoint(trainer.ckpt_root, trainer.step, trainer.model.state_dict(), rank_state, meta,
                            trainer.info.rank, trainer.info.world_size, trainer.cfg.train.keep_ckpts)
