@@ -52,7 +52,11 @@ def load_codec(loaded: Loaded) -> TextCodec:
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         if cfg.get("lioncub_tokenizer"):
             return _tiktoken_codec(cfg["lioncub_tokenizer"])
-        from transformers import AutoTokenizer
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise ValueError(f"{loaded.weights} has a tokenizer of its own, read with transformers, which is not "
+                             f"installed: pip install -e '.[hf]' (or pass --tokenizer NAME)") from None
 
         tok = AutoTokenizer.from_pretrained(str(loaded.weights), local_files_only=True)
         eot = tok.eos_token_id if tok.eos_token_id is not None else 0

@@ -503,6 +503,23 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     return cfg
 
 
+def wandb_problems(setting: str, environ: dict | None = None) -> list[str]:
+    """log.wandb (or $WANDB_MODE) asks for wandb, an optional package, and it is not installed: a
+    config error on every rank before anything starts, not a traceback on rank 0 mid-start."""
+    import importlib.util
+
+    from .logger import resolve_wandb_mode
+
+    try:
+        mode = resolve_wandb_mode(setting, environ)
+    except ValueError as e:
+        return [f"log.wandb: unset, and {e}"]
+    if mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        where = f"log.wandb={setting}" if setting else f"log.wandb unset and WANDB_MODE={mode}"
+        return [f"{where}, but wandb is not installed: pip install -e '.[wandb]', or set log.wandb=disabled"]
+    return []
+
+
 def warmup_steps(optim: OptimConfig, horizon: int) -> int:
     """optim.warmup_steps, or optim.warmup_fraction of the schedule's horizon rounded up."""
     return optim.warmup_steps or math.ceil(round(optim.warmup_fraction * horizon, 9))  # 0.02 * 50000 is 1000
@@ -601,6 +618,7 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
     choice(p, "train.dtype", t.dtype, ["bfloat16", "float32"])
     if lg.wandb:  # empty follows $WANDB_MODE (trainer/logger.py resolve_wandb_mode)
         choice(p, "log.wandb", lg.wandb, ["online", "offline", "disabled"])
+    p += wandb_problems(lg.wandb)
     if not t.out_dir:
         p.append("train.out_dir: empty; name a run directory")
     if p and raise_error:
