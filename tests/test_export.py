@@ -126,8 +126,9 @@ def test_learned_positions_are_refused_and_foreign_configs_too(tmp_path: Path, c
     assert "Llama has no learned position table" in capsys.readouterr().err and not (tmp_path / "hf").exists()
     base = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1,
             "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 32}
-    with pytest.raises(HFFormatError, match=r"grouped-query attention \(2 key/value heads for 4 query heads\)"):
-        config_from_hf({**base, "num_key_value_heads": 2})
+    with pytest.raises(HFFormatError, match=r"num_key_value_heads 3 does not divide num_attention_heads 4"):
+        config_from_hf({**base, "num_key_value_heads": 3})
+    assert config_from_hf({**base, "num_key_value_heads": 2}).n_kv_head == 2
     with pytest.raises(HFFormatError, match="rope type 'llama3'"):
         config_from_hf({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
     assert config_from_hf(base).mlp_hidden == 128
@@ -268,3 +269,37 @@ def test_lm_eval_harness_scores_an_export_offline_like_our_eval(tmp_path: Path) 
         ours = [ll for ll, _ in mc_eval.ending_logprobs(model, encode(item["ctx"]),
                                                         [encode(" " + e) for e in item["endings"]], "cpu")]
         assert theirs == pytest.approx(ours, abs=2e-3), (s["doc_id"], theirs, ours)
+
+
+def test_grouped_query_attention_round_trips_through_export_and_import(tmp_path: Path) -> None:
+    """n_kv_head < n_head: transformers' LlamaForCausalLM reads our export with our logits, from_hf
+    reads it back exactly, and a Llama with GQA written by transformers itself imports with its logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = GPTConfig(block_size=40, vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, tie_embeddings=False)
+    ours = trained_like(cfg)
+    assert ours.transformer.h[0].attn.qkv.weight.shape == ((4 + 2 * 2) * 16, 64)
+    save_hf(ours, tmp_path / "ours", bos_token_id=0, eos_token_id=0)
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["num_key_value_heads"] == 2
+    theirs = hf_model(tmp_path / "ours")
+    idx = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        a, b = ours.logits(idx), theirs(idx).logits
+    assert a.abs().max() > 1.0 and (a - b).abs().max().item() < 1e-4
+    back = from_hf(tmp_path / "ours")
+    assert back.config == cfg and all(torch.equal(p, q) for p, q in zip(ours.parameters(), back.parameters()))
+    # the KV cache holds n_kv_head heads and decodes the tokens of the full forward pass
+    prompt = idx[:1, :5]
+    assert ours.generate(prompt, 20, temperature=0).tolist() == \
+        ours.generate(prompt, 20, temperature=0, use_cache=False).tolist()
+    # a GQA Llama from transformers (1 key/value head for 4 query heads), imported
+    torch.manual_seed(0)
+    foreign = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=32,
+                                           rms_norm_eps=1e-5, tie_word_embeddings=False)).eval()
+    foreign.save_pretrained(str(tmp_path / "foreign"), safe_serialization=True)
+    mine = from_hf(tmp_path / "foreign")
+    assert mine.config.n_kv_head == 1 and mine.config.norm_eps == 1e-5
+    x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (mine.logits(x) - foreign(x).logits).abs().max().item() < 1e-4

@@ -50,6 +50,31 @@ class ModelConfig:
     """Position encoding: rope or learned."""
     block_size: int = 0
     """Context length override; 0 keeps the preset's block size."""
+    n_layer: int = 0
+    """Transformer blocks; 0 keeps the preset's. The shape keys (n_layer, n_head, n_kv_head, n_embd,
+    mlp_hidden, block_size, rope_base, norm_eps) override the preset one by one."""
+    n_head: int = 0
+    """Query heads; 0 keeps the preset's."""
+    n_kv_head: int = 0
+    """Key/value heads (grouped-query attention; must divide n_head); 0 = n_head (the preset's when
+    n_head is not set either)."""
+    n_embd: int = 0
+    """Model width; 0 keeps the preset's."""
+    mlp_hidden: int = 0
+    """SwiGLU hidden width; 0 = the preset's, or about 8/3 n_embd when n_embd is set."""
+    rope_base: float = 0.0
+    """RoPE frequency base (Llama's rope_theta); 0 = 10000."""
+    norm_eps: float = 0.0
+    """RMSNorm epsilon; 0 = 1e-6."""
+    init_from: str = ""
+    """Start from these weights instead of a random init: a run directory, a checkpoint directory
+    (RUN/ckpt/step_N) or a Hugging Face Llama-architecture directory (our export, or a Llama with
+    grouped-query attention). The architecture is the source's (the shape keys are filled from it; one
+    set to something else is an error); the step count, optimizer state and data position start fresh,
+    and the source's val loss is logged at step 0. A resume continues from the run's own checkpoint."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of keeping them (torch.utils.checkpoint,
+    non-reentrant): less memory, about one more forward's compute; the same gradients."""
 
 
 @dataclass
@@ -90,7 +115,7 @@ class OptimConfig:
     warmup_steps: int = 0
     """Linear warmup steps from 0 to lr; must be below train.max_steps."""
     warmup_fraction: float = 0.0
-    """Warmup as a fraction of the schedule's horizon (rounded up), so a shorter train.max_steps keeps a
+    """Warmup as a fraction of the schedule's horizon (rounded down), so any train.max_steps keeps a
     valid schedule; used when warmup_steps is 0."""
     min_lr_ratio: float = 0.1
     """Final LR of the decaying schedules as a fraction of lr; 0 decays to zero."""
@@ -521,8 +546,9 @@ def wandb_problems(setting: str, environ: dict | None = None) -> list[str]:
 
 
 def warmup_steps(optim: OptimConfig, horizon: int) -> int:
-    """optim.warmup_steps, or optim.warmup_fraction of the schedule's horizon rounded up."""
-    return optim.warmup_steps or math.ceil(round(optim.warmup_fraction * horizon, 9))  # 0.02 * 50000 is 1000
+    """optim.warmup_steps, or optim.warmup_fraction of the schedule's horizon rounded down (so always
+    below the horizon)."""
+    return optim.warmup_steps or math.floor(round(optim.warmup_fraction * horizon, 9))  # 0.02 * 50000 is 1000
 
 
 def _format(problems: list[str]) -> str:
@@ -545,7 +571,18 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
                          ("optim.warmup_steps", o.warmup_steps, 0), ("diag.every", dg.every, 0),
                          ("train.stop_after", t.stop_after, 0), ("train.mc_eval_items", t.mc_eval_items, 0)]:
         at_least(p, key, val, lo)
+    for key in ("n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden", "rope_base", "norm_eps"):
+        at_least(p, f"model.{key}", getattr(m, key), 0)
+    if m.init_from and not Path(m.init_from).expanduser().is_dir():
+        p.append(f"model.init_from: {m.init_from} is not a directory; give a run directory, a checkpoint directory "
+                 f"(RUN/ckpt/step_N) or a Hugging Face Llama directory")
     if m.preset in PRESETS:
+        from model import resolve_config
+
+        try:  # the shape keys over the preset must make a valid model (heads divide the width, ...)
+            resolve_config(m)
+        except ValueError as e:
+            p.append(f"model: {e}; fix the model.n_* keys")
         block = m.block_size or PRESETS[m.preset].block_size
         if d.seq_len > block:
             p.append(f"data.seq_len: {d.seq_len} exceeds the model's block size {block}; "

@@ -48,10 +48,16 @@ class Trainer:
             box = [str(self.data_dir) if self.data_dir else None]
             dist.broadcast_object_list(box, src=0)
             self.data_dir = Path(box[0])
-        torch.manual_seed(cfg.train.seed)  # same init on every rank
         # the model's vocabulary follows the dataset's tokenizer (GPT-2 for the built-in corpus)
-        self.model_config = resolve_config(vars(cfg.model), vocab_size=data.dataset_vocab_size(self.data_dir))
+        vocab = data.dataset_vocab_size(self.data_dir)
+        source = init_source(cfg, vocab) if cfg.model.init_from else None  # fills cfg.model's shape keys
+        torch.manual_seed(cfg.train.seed)  # same init on every rank
+        self.model_config = resolve_config(vars(cfg.model), vocab_size=vocab)
         self.model = GPT(self.model_config).to(self.device)
+        if source is not None:
+            self.model.load_state_dict(source.model.state_dict())  # cast to the model's dtype, exact in fp32
+            del source
+        self.model.activation_checkpointing = cfg.model.activation_checkpointing
         o, c = cfg.optim, cfg.comm
         try:
             self.optimizer = build_optimizer(
@@ -198,6 +204,8 @@ class Trainer:
             model_s = self.compile_model()
             self.logger.console(f"model: torch.compile paid in {model_s:.1f} s before the first timed step")
             self.logger.log({"step": self.step, "event": "compile", "compile_s": model_s})
+        if cfg.model.init_from and self.step == 0:  # the starting point's val loss, e.g. the export's own
+            self._eval_and_log()
         window: list[dict] = []
         start, steps_at_start = time.perf_counter(), self.step
         while self.step < t.max_steps:
@@ -261,6 +269,41 @@ class Trainer:
         self.logger.log(rec)
         self.logger.console(self.logger.train_line(rec, self.cfg.train.max_steps, time.perf_counter() - start,
                                                    self.step - steps_at_start))
+
+
+def init_source(cfg: Config, vocab_size: int):
+    """The model of model.init_from (model.load_model: run, checkpoint or HF Llama directory), after
+    filling cfg.model's architecture keys from it; a key set to something else, or a vocabulary that
+    is not the dataset tokenizer's, is a ConfigError."""
+    from model import PRESETS, load_model, pad_vocab
+    from model.presets import SHAPE_KEYS
+
+    m = cfg.model
+    try:
+        loaded = load_model(m.init_from)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"model.init_from: {e}") from None
+    src = loaded.model.config
+    problems = []
+    if src.vocab_size != pad_vocab(vocab_size):
+        problems.append(f"model.init_from: {m.init_from} has a vocabulary of {src.vocab_size} ids but the dataset's "
+                        f"tokenizer gives {pad_vocab(vocab_size)}; train on data prepared with the model's tokenizer")
+    for key in SHAPE_KEYS:
+        mine = getattr(m, key)
+        if mine and mine != getattr(src, key):
+            problems.append(f"model.{key}: {mine}, but model.init_from={m.init_from} has {getattr(src, key)}; "
+                            f"remove model.{key} (the architecture is the source's)")
+        else:
+            setattr(m, key, getattr(src, key))
+    if m.tie_embeddings is not None and m.tie_embeddings != src.tie_embeddings:
+        problems.append(f"model.tie_embeddings: {m.tie_embeddings}, but model.init_from has {src.tie_embeddings}")
+    m.tie_embeddings, m.pos_emb = src.tie_embeddings, src.pos_emb
+    if cfg.data.seq_len > src.block_size:
+        problems.append(f"data.seq_len: {cfg.data.seq_len} exceeds model.init_from's block size {src.block_size}")
+    if problems:
+        raise ConfigError("\n".join(problems))
+    assert m.preset in PRESETS  # validated; the shape keys now override every field of it
+    return loaded
 
 
 def schedule_note(horizon: int, max_steps: int) -> str:
