@@ -296,9 +296,11 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, *, use_cache: bool = True, generator: torch.Generator | None = None,
-                 stop_token: int | None = None, vocab_limit: int | None = None) -> torch.Tensor:
+                 stop_token: int | None = None, vocab_limit: int | None = None,
+                 top_p: float | None = None) -> torch.Tensor:
         """Append up to `max_new_tokens` sampled tokens to idx (B, T). temperature 0 = greedy
-        (argmax); top_k keeps the k most likely tokens; `generator` seeds the sampling; sampling stops
+        (argmax); top_k keeps the k most likely tokens, top_p the most likely ones whose probabilities sum
+        to top_p (nucleus sampling; after top_k when both are given); `generator` seeds the sampling; sampling stops
         once every row has produced `stop_token`; ids >= `vocab_limit` (the padded part of the
         vocabulary, which no tokenizer can decode) are never sampled. Past block_size tokens the
         context is the last block_size tokens (a sliding window); with the KV cache that window is
@@ -314,7 +316,7 @@ class GPT(nn.Module):
             else:  # first step, or the window is full: (re)fill the cache with the last block tokens
                 cache.reset()
                 logits = self.forward_cached(idx[:, -block:], cache)
-            nxt = sample_next(logits[:, -1, :], temperature, top_k, generator, vocab_limit)
+            nxt = sample_next(logits[:, -1, :], temperature, top_k, generator, vocab_limit, top_p)
             if stop_token is not None:
                 nxt = torch.where(done, torch.full_like(nxt, stop_token), nxt)
                 done |= nxt == stop_token
@@ -342,9 +344,12 @@ def model_from_state_dict(config: GPTConfig, state: dict[str, torch.Tensor], dev
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-                generator: torch.Generator | None = None, vocab_limit: int | None = None) -> torch.Tensor:
+                generator: torch.Generator | None = None, vocab_limit: int | None = None,
+                top_p: float | None = None) -> torch.Tensor:
     """One token id per row of logits (B, V): argmax for temperature <= 0, else a draw from
-    softmax(logits / temperature) restricted to the top_k largest."""
+    softmax(logits / temperature) restricted to the top_k largest, then to the nucleus: the fewest
+    most likely tokens whose probability sums to at least top_p (Holtzman et al., "The Curious Case
+    of Neural Text Degeneration", §3.1; the most likely token always stays)."""
     logits = logits.float()
     if vocab_limit is not None and vocab_limit < logits.size(-1):
         logits = logits.clone()
@@ -355,6 +360,10 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
     if top_k is not None and top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
         logits = logits.masked_fill(logits < kth, -float("inf"))
+    if top_p is not None and 0 < top_p < 1:
+        probs, order = torch.sort(F.softmax(logits, dim=-1), dim=-1, descending=True)
+        outside = probs.cumsum(dim=-1) - probs >= top_p  # the mass before this token already reaches top_p
+        logits = logits.masked_fill(outside.scatter(-1, order, outside), -float("inf"))
     return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)[:, 0]
 
 
