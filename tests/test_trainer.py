@@ -297,3 +297,21 @@ def test_fine_tuning_from_an_export_or_a_run_starts_at_its_val_loss(tmp_path):
     bad = _run1(tmp_path / "bad", "train.max_steps=1", f"model.init_from={tmp_path / 'export'}", "model.n_layer=2")
     assert bad.returncode == 2 and "model.n_layer: 2, but model.init_from" in bad.stderr
     assert "Traceback" not in bad.stderr and not (tmp_path / "bad").exists()
+
+
+def test_data_mix_trains_and_resumes_exactly(tmp_path):
+    from data import resolve_dataset
+
+    builtin = resolve_dataset("builtin")  # the same corpus under a second name: a two-source mix
+    mix = f"data.mix={{builtin: 2, {builtin}: 1}}"
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert _run1(straight, "train.max_steps=4", mix).returncode == 0
+    assert _run1(split, "train.max_steps=4", "train.stop_after=2", mix).returncode == 0
+    again = _run1(split, "train.max_steps=4", "train.resume=auto", mix)
+    assert again.returncode == 0, again.stderr[-2000:]
+    loss = {run: [r["train_loss"] for r in records(run, "train_loss")] for run in (straight, split)}
+    assert len(loss[straight]) == 4 and loss[split][-2:] == loss[straight][-2:]
+    state = torch.load(split / "ckpt" / "step_000004" / "rank_00000.pt", weights_only=False)["loader"]
+    assert [(s["dataset"], s["taken"]) for s in state["mix"]] == [("builtin", 3), (str(builtin), 1)]
+    other = _run1(split, "train.max_steps=6", "train.resume=auto", f"data.mix={{builtin: 1, {builtin}: 1}}")
+    assert other.returncode == 2 and "data.mix" in other.stderr

@@ -90,6 +90,11 @@ class DataConfig:
     """Micro-batches accumulated per optimizer step on each rank."""
     cache_dir: str = ""
     """Where the built-in corpus and tokenizer cache live; empty = <repo>/.cache."""
+    mix: dict = field(default_factory=dict)
+    """Train on several prepared datasets by weight, e.g. {builtin: 0.3, data/owt: 0.7} (weights are
+    normalised): each global batch comes from one source, the one furthest behind its share, so after
+    any k batches each source has given within one batch of its weight times k; a resume continues
+    every source where it stopped. data.dataset is then the validation set. Empty = data.dataset only."""
 
 
 @dataclass
@@ -434,6 +439,8 @@ def _type_ok(value: Any, tp) -> bool:
         return isinstance(value, list)
     if tp is str:
         return isinstance(value, str)
+    if tp is dict or origin is dict:
+        return isinstance(value, dict)
     return True
 
 
@@ -587,6 +594,9 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
         if d.seq_len > block:
             p.append(f"data.seq_len: {d.seq_len} exceeds the model's block size {block}; "
                      f"lower data.seq_len or set model.block_size")
+    for name, weight in d.mix.items():
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            p.append(f"data.mix: weight of {name!r} is {weight!r}; give each dataset a number > 0")
     choice(p, "optim.name", o.name, optimizer_names())
     choice(p, "optim.schedule", o.schedule, list(SCHEDULES))
     choice(p, "optim.decay_shape", o.decay_shape, list(DECAY_SHAPES))

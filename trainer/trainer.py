@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import data
 from comm import Clock
-from data.loader import ShardLoader
+from data.loader import MixLoader, ShardLoader
 from model import GPT, resolve_config
 from optim import build_optimizer
 from optim.base import digest
@@ -48,6 +48,7 @@ class Trainer:
             box = [str(self.data_dir) if self.data_dir else None]
             dist.broadcast_object_list(box, src=0)
             self.data_dir = Path(box[0])
+        self.mix_dirs = resolve_mix(cfg, info, self.data_dir) if cfg.data.mix else None
         # the model's vocabulary follows the dataset's tokenizer (GPT-2 for the built-in corpus)
         vocab = data.dataset_vocab_size(self.data_dir)
         source = init_source(cfg, vocab) if cfg.model.init_from else None  # fills cfg.model's shape keys
@@ -70,8 +71,13 @@ class Trainer:
             raise ConfigError(f"optim/comm: {e}") from None
 
         d = cfg.data
-        self.loader = ShardLoader(self.data_dir, "train", d.batch_size, d.seq_len, info.rank, info.world_size,
-                                  cfg.train.seed, vocab_size=self.model_config.vocab_size)
+        if self.mix_dirs:
+            self.loader = MixLoader([(name, self.mix_dirs[name], w) for name, w in d.mix.items()], "train",
+                                    d.batch_size, d.seq_len, info.rank, info.world_size, cfg.train.seed,
+                                    vocab_size=self.model_config.vocab_size)
+        else:
+            self.loader = ShardLoader(self.data_dir, "train", d.batch_size, d.seq_len, info.rank, info.world_size,
+                                      cfg.train.seed, vocab_size=self.model_config.vocab_size)
         self.tokens_per_step = d.batch_size * d.seq_len * d.grad_accum * info.world_size
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                          if self.device.type == "cuda" and cfg.train.dtype == "bfloat16" else contextlib.nullcontext())
@@ -269,6 +275,24 @@ class Trainer:
         self.logger.log(rec)
         self.logger.console(self.logger.train_line(rec, self.cfg.train.max_steps, time.perf_counter() - start,
                                                    self.step - steps_at_start))
+
+
+def resolve_mix(cfg: Config, info: DistInfo, val_dir: Path) -> dict[str, Path]:
+    """data.mix's sources as directories (rank 0 prepares the built-in corpus, the others wait); all
+    must share the validation set's vocabulary."""
+    names = list(cfg.data.mix)
+    dirs = [str(data.resolve_dataset(n, cfg.data.cache_dir or None)) for n in names] if info.is_main else None
+    if info.world_size > 1:
+        box = [dirs]
+        dist.broadcast_object_list(box, src=0)
+        dirs = box[0]
+    out = {n: Path(p) for n, p in zip(names, dirs)}
+    want = data.dataset_vocab_size(val_dir)
+    other = {n: data.dataset_vocab_size(p) for n, p in out.items() if data.dataset_vocab_size(p) != want}
+    if other:
+        raise ConfigError(f"data.mix: {other} have another vocabulary than data.dataset={cfg.data.dataset} ({want}); "
+                          f"mix datasets prepared with one tokenizer")
+    return out
 
 
 def init_source(cfg: Config, vocab_size: int):
