@@ -71,7 +71,8 @@ class ModelConfig:
     (RUN/ckpt/step_N) or a Hugging Face Llama-architecture directory (our export, or a Llama with
     grouped-query attention). The architecture is the source's (the shape keys are filled from it; one
     set to something else is an error); the step count, optimizer state and data position start fresh,
-    and the source's val loss is logged at step 0. A resume continues from the run's own checkpoint."""
+    and the source's val loss is logged at step 0. A resume continues from the run's own checkpoint (the
+    source is read again for its architecture, so it must still be there)."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of keeping them (torch.utils.checkpoint,
     non-reentrant): less memory, about one more forward's compute; the same gradients."""

@@ -295,7 +295,7 @@ def resolve_mix(cfg: Config, info: DistInfo, val_dir: Path) -> dict[str, Path]:
     return out
 
 
-def init_source(cfg: Config, vocab_size: int):
+def init_source(cfg: Config, vocab_size: int | None):
     """The model of model.init_from (model.load_model: run, checkpoint or HF Llama directory), after
     filling cfg.model's architecture keys from it; a key set to something else, or a vocabulary that
     is not the dataset tokenizer's, is a ConfigError."""
@@ -309,9 +309,10 @@ def init_source(cfg: Config, vocab_size: int):
         raise ConfigError(f"model.init_from: {e}") from None
     src = loaded.model.config
     problems = []
-    if src.vocab_size != pad_vocab(vocab_size):
+    want = pad_vocab(vocab_size) if vocab_size else PRESETS[m.preset].vocab_size  # None: GPT-2's, as resolve_config
+    if src.vocab_size != want:
         problems.append(f"model.init_from: {m.init_from} has a vocabulary of {src.vocab_size} ids but the dataset's "
-                        f"tokenizer gives {pad_vocab(vocab_size)}; train on data prepared with the model's tokenizer")
+                        f"tokenizer gives {want}; train on data prepared with the model's tokenizer")
     for key in SHAPE_KEYS:
         mine = getattr(m, key)
         if mine and mine != getattr(src, key):
@@ -326,7 +327,6 @@ def init_source(cfg: Config, vocab_size: int):
         problems.append(f"data.seq_len: {cfg.data.seq_len} exceeds model.init_from's block size {src.block_size}")
     if problems:
         raise ConfigError("\n".join(problems))
-    assert m.preset in PRESETS  # validated; the shape keys now override every field of it
     return loaded
 
 
