@@ -24,10 +24,10 @@ from model import GPT, resolve_config
 from optim import build_optimizer
 from optim.base import digest
 
-from . import state
+from . import automode, state
 from .state import DivergenceError
 from .checkpoint import find_resumable
-from .config import Config, ConfigError, validate, warmup_steps
+from .config import AUTO_MODE, Config, ConfigError, validate, warmup_steps
 from .dist import DistInfo, all_agree
 from .evaluation import Evaluator
 from .logger import RunLogger, banner, window_record
@@ -52,6 +52,11 @@ class Trainer:
         # the model's vocabulary follows the dataset's tokenizer (GPT-2 for the built-in corpus)
         vocab = data.dataset_vocab_size(self.data_dir)
         source = init_source(cfg, vocab) if cfg.model.init_from else None  # fills cfg.model's shape keys
+        self.auto_decision = None
+        if cfg.comm.mode == AUTO_MODE:  # measured before the seed below, so model init is unchanged
+            cfg, self.auto_decision = automode.resolve(cfg, info, self.data_dir, self._say)
+            validate(cfg, world_size=info.world_size)
+            self.cfg = cfg
         torch.manual_seed(cfg.train.seed)  # same init on every rank
         self.model_config = resolve_config(vars(cfg.model), vocab_size=vocab)
         self.model = GPT(self.model_config).to(self.device)
@@ -101,12 +106,19 @@ class Trainer:
                     self._say(schedule_note(self.schedule_steps, cfg.train.max_steps))
             if info.is_main:  # only now: a config that fails while building leaves no run directory behind
                 (self.out_dir / "config.yaml").write_text(cfg.dump())
+                if self.auto_decision is not None:
+                    automode.write_decision(self.out_dir, self.auto_decision)
             self.logger = RunLogger(self.out_dir, info.is_main, cfg.log.wandb, cfg.log.project,
                                     cfg.log.run_name or self.out_dir.name, cfg.log.group, cfg.to_dict(),
                                     run_id=run_id(self.out_dir))
         except BaseException:
             self.release()
             raise
+        if self.auto_decision is not None:
+            d = self.auto_decision
+            self.logger.log({"step": self.step, "event": "auto_mode", "variant": d["variant"], "mode": d["mode"],
+                             "source": d["source"], "predicted_step_ms": 1e3 * d["predicted_step_s"],
+                             "table": d.get("table")})
         if found is not None:
             self.logger.log({"step": self.step, "event": "resume", "checkpoint": str(found[0]),
                              "world_size": info.world_size})
