@@ -135,3 +135,22 @@ def test_warmup_past_the_horizon_is_an_error_and_shipped_configs_stay_valid_when
                               ("configs/cpu_30m/lion_fp32.yaml", 300, 20), ("configs/cpu_30m/lion_fp32.yaml", 13, 0)]:
         cfg = load_config(ROOT / path, [f"train.max_steps={steps}"])
         assert warmup_steps(cfg.optim, steps) == warm, (path, steps)
+
+
+def test_a_checkpoint_written_before_a_key_existed_resumes_when_the_key_is_at_its_default(tmp_path):
+    import json
+
+    from trainer.rundir import flatten, resume_problem
+
+    now = load_config(ROOT / "configs/default.yaml").to_dict()
+    old = json.loads(json.dumps(now))
+    for key in ("decay_fraction", "decay_shape", "schedule_steps"):
+        del old["optim"][key]  # what a checkpoint written before these keys holds
+    ckpt = tmp_path / "ckpt" / "step_000004"
+    ckpt.mkdir(parents=True)
+    (ckpt / "meta.json").write_text(json.dumps({"step": 4, "world_size": 1, "config": old}))
+    assert resume_problem(tmp_path / "ckpt", now) == ""
+    changed = load_config(ROOT / "configs/default.yaml", ["optim.decay_fraction=0.5"]).to_dict()
+    assert "optim.decay_fraction: None -> 0.5" in resume_problem(tmp_path / "ckpt", changed)
+    assert set(flatten(now)) - set(flatten(old)) == {"optim.decay_fraction", "optim.decay_shape",
+                                                     "optim.schedule_steps"}
