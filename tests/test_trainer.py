@@ -266,7 +266,7 @@ def test_resume_with_more_steps_keeps_the_schedule_unless_told(tmp_path):
     assert more.returncode == 0, more.stderr[-2000:]
     assert "train.max_steps=6 but this run's lr schedule ends at step 4" in more.stdout
     lrs = {r["step"]: r["lr"] for r in records(kept, "train_loss")}
-    # default.yaml's warmup_fraction 0.05 gives no warmup step at 4 steps (nor at 6)
+    # default.yaml's warmup_fraction 0.0667 gives no warmup step at 4 steps (nor at 6)
     assert [lrs[s] for s in range(1, 7)] == [lr_at(s, 1e-3, 4, 0, "linear", 0.25) for s in range(6)]
     assert lrs[5] == lrs[6] == 0.25e-3  # past the kept horizon: the final lr, not a re-stretched decay
     again = _run1(stretched, "train.max_steps=6", "optim.schedule=linear", "optim.min_lr_ratio=0.25",

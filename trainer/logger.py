@@ -58,7 +58,6 @@ def wandb_payload(record: dict) -> dict:
     return out
 
 
-WANDB_MODES = ("online", "offline", "disabled")
 # $WANDB_MODE spellings wandb itself accepts, mapped onto ours
 _WANDB_ENV = {"online": "online", "run": "online", "offline": "offline", "dryrun": "offline",
               "disabled": "disabled"}
