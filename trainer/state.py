@@ -8,8 +8,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .checkpoint import (MODEL, files_needed, find_resumable, load_files, rank_file, rng_state, save_checkpoint,
-                         set_rng_state)
+from .checkpoint import (MODEL, CheckpointError, find_resumable, rank_file, read_meta, rng_state, save_checkpoint,
+                         set_rng_state, verify)
+from .rundir import REPLACED, drop_replaced
 
 MAX_ROLLBACKS = 5
 
@@ -26,26 +27,37 @@ def save(trainer) -> Path:
     meta = {"step": trainer.step, "world_size": trainer.info.world_size, "config": trainer.cfg.to_dict(),
             "tokens_seen": trainer.tokens_seen,
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    return save_checkpoint(trainer.ckpt_root, trainer.step, trainer.model.state_dict(), rank_state, meta,
+    path = save_checkpoint(trainer.ckpt_root, trainer.step, trainer.model.state_dict(), rank_state, meta,
                            trainer.info.rank, trainer.info.world_size, trainer.cfg.train.keep_ckpts)
+    if trainer.info.is_main and any(p.name.startswith(REPLACED) for p in trainer.out_dir.iterdir()):
+        verify(path, list(read_meta(path)["files"]))  # read back: only a verified checkpoint retires the old run
+        for gone in drop_replaced(trainer.out_dir):
+            trainer.logger.console(f"removed {gone} (the replaced run): checkpoint {path} is verified")
+    return path
 
 
-def load(trainer, path: Path, meta: dict) -> str:
-    """Restore `trainer` from a verified checkpoint; returns the line to print."""
+def load(trainer, path: Path, meta: dict, files: dict) -> str:
+    """Restore `trainer` from a verified checkpoint (find_resumable's result); returns the line to print."""
     rank, world = trainer.info.rank, trainer.info.world_size
     saved = int(meta["world_size"])
-    files = load_files(path, files_needed(meta, rank, world))
-    trainer.model.load_state_dict(files[MODEL])
-    if saved == world:
-        mine = files[rank_file(rank)]
-        trainer.optimizer.load_state_dict(mine["optimizer"])
-        note = ""
-    else:
-        states = [files[rank_file(r)] for r in range(saved)]
-        mine = states[min(rank, saved - 1)]
-        trainer.optimizer.load_resharded([s["optimizer"] for s in states])
-        note = (f" (written by {saved} ranks, resumed on {world}: per-rank optimizer state averaged once, i.e. one "
-                f"momentum synchronisation; data continues at the same global token position)")
+    try:
+        trainer.model.load_state_dict(files[MODEL])
+        if saved == world:
+            mine = files[rank_file(rank)]
+            trainer.optimizer.load_state_dict(mine["optimizer"])
+            note = ""
+        else:
+            states = [files[rank_file(r)] for r in range(saved)]
+            mine = states[min(rank, saved - 1)]
+            trainer.optimizer.load_resharded([s["optimizer"] for s in states])
+            note = (f" (written by {saved} ranks, resumed on {world}: per-rank optimizer state averaged once, i.e. "
+                    f"one momentum synchronisation; data continues at the same global token position)")
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:  # a state this run's optimizer cannot take
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        how = (f"resume on the {saved} rank(s) it was written with" if saved != world else
+               "resume with the optim / comm settings it was written with")
+        raise CheckpointError(f"checkpoint {path} cannot be restored by this run: {first}; {how}, or start a "
+                              f"new run (another train.out_dir, or train.resume=overwrite)") from None
     trainer.loader.load_state_dict(mine["loader"])  # a global position: the same in every rank's file
     if saved == world:
         set_rng_state(mine["rng"])
@@ -63,9 +75,21 @@ def on_nonfinite(trainer, r: dict) -> None:
     policy, bad = trainer.cfg.train.on_nonfinite, trainer.step
     trainer.logger.log({"step": bad, "event": "nonfinite", "policy": policy, "train_loss": r["loss"]})
     if policy == "skip_step":
+        trainer.skipped_in_row = trainer.skipped_in_row + 1 if trainer.last_skipped == bad - 1 else 1
+        trainer.last_skipped = bad
+        cap = trainer.cfg.train.max_skipped_steps
+        if trainer.skipped_in_row >= cap:
+            raise DivergenceError(f"non-finite loss or gradient at {cap} consecutive steps (the last: step {bad}, "
+                                  f"loss here: {r['loss']}); train.on_nonfinite=skip_step gives up after "
+                                  f"train.max_skipped_steps={cap}: the run is diverging. No update was applied and "
+                                  f"the last good checkpoint is kept. Lower optim.lr or raise optim.warmup_steps")
         trainer.logger.console(f"step {bad}: non-finite loss or gradient on some rank; no update applied "
-                               f"(train.on_nonfinite=skip_step)")
+                               f"(train.on_nonfinite=skip_step, {trainer.skipped_in_row} in a row)")
         return
+    if policy == "rollback" and bad in trainer.skip_batches:
+        raise DivergenceError(f"non-finite loss or gradient at step {bad} again after a rollback that skipped its "
+                              f"batches (loss here: {r['loss']}): the data is not the cause, the run is diverging. "
+                              f"The last good checkpoint is kept. Lower optim.lr or raise optim.warmup_steps")
     found = find_resumable(trainer.ckpt_root, trainer.info.rank, trainer.info.world_size, trainer._say) \
         if policy == "rollback" and trainer.rollbacks < MAX_ROLLBACKS else None
     if found is None:
