@@ -336,6 +336,9 @@ def detail_markdown(rows: list[dict], rate: str, variants: list[str]) -> str:
 
 def plot_breakdown(path: Path, rows: list[dict], rates: list[str], variants: list[str]) -> None:
     """Fig. 7 style: one panel per rate, a stacked bar (compute / comm / other) per variant."""
+    from bench import require
+
+    require("matplotlib")
     import matplotlib
 
     matplotlib.use("Agg")

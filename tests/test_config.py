@@ -81,14 +81,20 @@ def test_help_text_covers_every_field():
     for line in text.splitlines():
         if line.startswith("  "):
             assert line.split(":", 1)[1].strip(), f"field without help: {line}"
-    assert "comm:" in text and "mode: What crosses the network" in text
+    assert "comm:" in text and "mode (str, default fp32): What crosses the network" in text
     # every registered scheme's and optimizer's options are listed, under the values that select them
     for scheme in sync.schemes():
         for key in scheme.options.field_names():
-            line = next(ln for ln in text.splitlines() if ln.startswith(f"  {key}: [comm.mode="))
+            line = next(ln for ln in text.splitlines() if ln.startswith(f"  {key} (") and "[comm.mode=" in ln)
             assert scheme.name in line.split("]")[0], (key, scheme.name, line)
-    assert "ps_aggregate: [comm.mode=ps]" in text and "bits: [comm.mode=pbit]" in text
+    assert "ps_aggregate (str, default vote): [comm.mode=ps]" in text
+    assert "bits (int, default 4): [comm.mode=pbit]" in text
     assert all(name in text for name in optimizer_names())
+    # each key's type and default, nested sections dotted
+    for expected in ("lr (float, default 0.0003):", "tie_embeddings (bool or null, default null):",
+                     "betas (list, default [0.9, 0.99]):", "max_steps (int, default 300):",
+                     "momentum_sync.layers (list, default [head]):", "wandb (str, default ''):"):
+        assert f"  {expected}" in text, expected
 
 
 def test_cli_reports_config_errors_without_traceback(tmp_path):
@@ -109,3 +115,42 @@ def test_review_gaps_are_config_errors():
     msg = str(e.value)
     for needle in ("start=10 is after stop=5", "layers: empty", "comm.p: -1.0 must be >= 0", "exceeds 127"):
         assert needle in msg, (needle, msg)
+
+
+def test_warmup_past_the_horizon_is_an_error_and_shipped_configs_stay_valid_when_shortened():
+    with pytest.raises(ConfigError, match=r"optim.warmup_steps: 20 >= train.max_steps=20: the lr would never leave"):
+        load_config(None, ["optim.warmup_steps=20", "train.max_steps=20"])
+    with pytest.raises(ConfigError, match=r"optim.warmup_steps: 50 >= optim.schedule_steps=40"):
+        load_config(None, ["optim.warmup_steps=50", "train.max_steps=100", "optim.schedule_steps=40"])
+    with pytest.raises(ConfigError, match=r"optim.decay_fraction: warmup \(10\) \+ decay \(10 steps\) exceed"):
+        load_config(None, ["optim.schedule=wsd", "optim.warmup_steps=10", "optim.decay_fraction=0.5",
+                           "train.max_steps=19"])
+    with pytest.raises(ConfigError, match="optim.decay_shape: 'exp' is not one of linear, cosine, sqrt"):
+        load_config(None, ["optim.schedule=wsd", "optim.decay_shape=exp"])
+    # the shipped configs give warmup as a fraction: a short smoke run keeps a valid schedule
+    from trainer.config import warmup_steps
+    for path, steps, warm in [("configs/default.yaml", 20, 1), ("configs/default.yaml", 300, 20),
+                              ("configs/default.yaml", 1, 0), ("configs/gpt2_124m/lion_fp32.yaml", 50, 1),
+                              ("configs/gpt2_124m/lion_fp32.yaml", 50000, 1000),
+                              ("configs/cpu_30m/lion_fp32.yaml", 300, 20), ("configs/cpu_30m/lion_fp32.yaml", 13, 0)]:
+        cfg = load_config(ROOT / path, [f"train.max_steps={steps}"])
+        assert warmup_steps(cfg.optim, steps) == warm, (path, steps)
+
+
+def test_a_checkpoint_written_before_a_key_existed_resumes_when_the_key_is_at_its_default(tmp_path):
+    import json
+
+    from trainer.rundir import flatten, resume_problem
+
+    now = load_config(ROOT / "configs/default.yaml").to_dict()
+    old = json.loads(json.dumps(now))
+    for key in ("decay_fraction", "decay_shape", "schedule_steps"):
+        del old["optim"][key]  # what a checkpoint written before these keys holds
+    ckpt = tmp_path / "ckpt" / "step_000004"
+    ckpt.mkdir(parents=True)
+    (ckpt / "meta.json").write_text(json.dumps({"step": 4, "world_size": 1, "config": old}))
+    assert resume_problem(tmp_path / "ckpt", now) == ""
+    changed = load_config(ROOT / "configs/default.yaml", ["optim.decay_fraction=0.5"]).to_dict()
+    assert "optim.decay_fraction: None -> 0.5" in resume_problem(tmp_path / "ckpt", changed)
+    assert set(flatten(now)) - set(flatten(old)) == {"optim.decay_fraction", "optim.decay_shape",
+                                                     "optim.schedule_steps"}

@@ -38,7 +38,8 @@ RESUMABLE_KEYS = ("train.max_steps", "train.stop_after", "train.resume", "train.
                   "train.eval_steps", "train.ckpt_every", "train.keep_ckpts", "train.log_every",
                   "train.out_dir", "train.device", "train.mc_eval", "train.on_nonfinite", "train.max_skipped_steps",
                   "data.cache_dir", "comm.timeout_s", "comm.init_timeout_s", "comm.kernels", "comm.fine_timing",
-                  "comm.auto_", "log.", "diag.")
+                  "comm.auto_", "log.", "diag.", "optim.schedule_steps", "model.init_from",
+                  "model.activation_checkpointing")
 MARKER = ".lioncub_run"  # written by the trainer when it creates a run directory: {"run_id", "created"}
 LEGACY_MARKER = "run_id"  # what older versions wrote at creation
 REPLACED = ".replaced-"  # prefix of a replaced run's entries, kept until the new run's first verified checkpoint
@@ -73,8 +74,12 @@ def resume_problem(ckpt_root: Path, config: dict) -> str:
     except CheckpointError:
         return ""  # reported, with the fallback, when loading
     old, new = flatten(meta.get("config", {})), flatten(config)
+    from .config import Config
+
+    defaults = flatten(Config().to_dict())  # a key added since the checkpoint was written, at its default, is no change
     changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
-               if old.get(k) != new.get(k) and not k.startswith(RESUMABLE_KEYS)]
+               if old.get(k) != new.get(k) and not k.startswith(RESUMABLE_KEYS)
+               and not (k not in old and k in defaults and new.get(k) == defaults[k])]
     if changed:
         return (f"train.resume=auto: this config differs from checkpoint {path} in keys a resumed run cannot "
                 f"change: {'; '.join(changed)}. Restore them, or start a new run (another train.out_dir)")

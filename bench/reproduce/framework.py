@@ -931,6 +931,9 @@ def write_results(study: Study, summary: Summary, results: Sequence[RunResult], 
 
 
 def pyplot():
+    from bench import require
+
+    require("matplotlib")
     import matplotlib
 
     matplotlib.use("Agg")
