@@ -15,6 +15,7 @@ import numpy as np
 from data.shards import (MANIFEST, SPLITS, DataError, PrepareError, ShardWriter, is_shard_name, read_header_info)
 from data.sources import Batch
 from data.tokenizer import FILE_TOKENIZER
+from util import atomic_write, pid_alive
 
 PROGRESS = "progress.json"
 LOCK = "prepare.lock"
@@ -24,15 +25,6 @@ LOCK = "prepare.lock"
 
 class PrepareStopped(PrepareError):
     """Raised by the `stop_after_shards` test hook, as if the run had been interrupted."""
-
-
-def _fsync_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class Writer:
@@ -72,7 +64,7 @@ class Writer:
         local, offset = _locate(batch.offsets, pos)
         cursor = {**self.source.position(batch, local), "offset": offset}
         empty = self.empty + _count_empty(batch.offsets[:local + 1])
-        _fsync_write(self.work / PROGRESS, json.dumps(self._record(cursor, empty)))
+        atomic_write(self.work / PROGRESS, json.dumps(self._record(cursor, empty)), fsync=True)
         for w in self.writers.values():
             w.discard_side_files()
         self.shards_this_run += 1
@@ -120,8 +112,8 @@ class Writer:
     def finish(self) -> dict:
         """Write the last, shorter shards and a final record; return {split: [shards]}."""
         shards = {s: w.close() for s, w in self.writers.items()}
-        _fsync_write(self.work / PROGRESS, json.dumps(self._record(self.cursor or {"doc": 0, "offset": 0},
-                                                                   self.empty)))
+        atomic_write(self.work / PROGRESS, json.dumps(self._record(self.cursor or {"doc": 0, "offset": 0},
+                                                                   self.empty)), fsync=True)
         for w in self.writers.values():
             w.discard_side_files()
         return shards
@@ -214,19 +206,6 @@ def _take_lock(work: Path) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(me, f)
         return
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` exists on this host (one we may not signal counts as alive)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def open_work(out: Path, plan: dict, restart: bool) -> tuple[Path, dict | None]:

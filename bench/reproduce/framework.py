@@ -45,6 +45,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from util import replaced_from_temp
+
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_WORK = Path("bench/out/reproduce")
 DEFAULT_RESULTS = Path("docs/results/reproduction")
@@ -298,10 +300,9 @@ def store_file(store: Path, name: str) -> Path:
 def _write_gz_json(path: Path, obj: dict) -> None:
     """gzip without a timestamp, written atomically: the same entry gives the same bytes (no git churn)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
+    with replaced_from_temp(path, ".tmp") as tmp, open(tmp, "wb") as raw, \
+            gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
         f.write((json.dumps(obj, separators=(",", ":")) + "\n").encode())
-    os.replace(tmp, path)
 
 
 def load_stored(store: Path | None, name: str) -> dict | None:
