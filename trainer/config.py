@@ -532,10 +532,33 @@ def _split_options(section: str, data: dict, fixed: list[str], registry, problem
     return rest, _build(ocls, mine, section + ".", problems)
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """Read YAML (following `extends:`), apply overrides, build and validate the Config."""
-    raw = _read_yaml(Path(path)) if path else {}
-    raw = _merge(raw, parse_overrides(overrides or []))
+def split_config_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """A command line's leading config files (*.yaml / *.yml, no '=') and the key=value overrides after them."""
+    files = []
+    for a in args:
+        if "=" in a or not a.endswith((".yaml", ".yml")):
+            break
+        files.append(a)
+    return files, args[len(files):]
+
+
+def load_config(path: str | Path | list | tuple | None, overrides: list[str] | None = None) -> Config:
+    """Read YAML (following `extends:`), apply overrides, build and validate the Config.
+
+    `path` may be several files, merged in order (a size file, then a variant file:
+    `configs/gpt2_124m.yaml configs/variants/lioncub_1bit.yaml`). With several files the run
+    directory defaults to the merged train.out_dir joined with the last file's name
+    (runs/gpt2_124m/lioncub_1bit), unless a file after the first or an override sets it."""
+    paths = [Path(p) for p in (path if isinstance(path, (list, tuple)) else [path] if path else [])]
+    raw: dict = {}
+    for p in paths:
+        raw = _merge(raw, _read_yaml(p))
+    over = parse_overrides(overrides or [])
+    if len(paths) > 1 and "out_dir" in (raw.get("train") or {}) and not any(
+            "out_dir" in (_read_yaml(p).get("train") or {}) for p in paths[1:]) \
+            and "out_dir" not in (over.get("train") or {}):
+        raw["train"] = {**raw["train"], "out_dir": str(Path(raw["train"]["out_dir"]) / paths[-1].stem)}
+    raw = _merge(raw, over)
     problems: list[str] = []
     names = [f.name for f in dataclasses.fields(Config)]
     for key in list(raw):
