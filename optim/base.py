@@ -203,8 +203,13 @@ class CommOptimizer(torch.optim.Optimizer):
                  scheme_options: sync.SchemeOptions | dict | None = None, group=None, grad_clip: float = 0.0,
                  momentum_sync: MomentumSync | dict | None = None,
                  param_order: list[torch.nn.Parameter] | None = None, kernels: str = "eager",
-                 fine_timing: bool = True, bucket_mb: float = 0.0, overlap: bool = False) -> None:
+                 fine_timing: bool = True, bucket_mb: float = 0.0, overlap: bool = False,
+                 shard_group=None) -> None:
         super().__init__(param_groups, defaults)
+        # hybrid sharding (trainer/parallel.py): the parameters are this rank's local shards,
+        # `group` the replicate group; per-tensor reductions (norms, the guard) also sum over the
+        # shard group, which holds the other shards
+        self.shard_group = shard_group
         self.scheme = sync.get(scheme) if isinstance(scheme, str) else scheme
         if scheme_options is None or isinstance(scheme_options, dict):
             scheme_options = self.scheme.options(**(scheme_options or {}))
@@ -443,11 +448,23 @@ class CommOptimizer(torch.optim.Optimizer):
         local_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b, dtype=torch.float32)
                                                            for b in bufs]))
         bad = torch.logical_not(torch.isfinite(local_norm)) | (not loss_finite)
+        if self.shard_group is not None:
+            bad = torch.as_tensor(comm.any_rank(bad, group=self.shard_group, stats=self.stats["guard"]))
         return comm.any_rank(bad, group=self.group, stats=self.stats["guard"])
+
+    def _grad_norm(self, bufs: list[torch.Tensor]) -> torch.Tensor:
+        """L2 norm of the gradient (fp32): of the flat buffers, summed over the shard group when the
+        parameters are shards (both replicas' groups then hold the same whole gradient's norm)."""
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b, dtype=torch.float32) for b in bufs]))
+        if self.shard_group is None:
+            return norm
+        sq = norm.square()
+        torch.distributed.all_reduce(sq, group=self.shard_group)
+        return sq.sqrt()
 
     def _clip_(self) -> None:
         bufs = list(self.grad_buffers.values())
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b, dtype=torch.float32) for b in bufs]))
+        norm = self._grad_norm(bufs)
         scale = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
         for b in bufs:
             b.mul_(scale.to(b.dtype))

@@ -500,6 +500,12 @@ def _parallel_problems(cfg: Config, world_size: int | None) -> list[str]:
         fits = [s.name for s in sync.schemes() if s.shards]
         p.append(f"parallel.shard_size: {S} but comm.mode={c.mode} does not run across replicas of a sharded "
                  f"model; use one of {', '.join(fits)} (hierarchical is onebit with shard_size = ranks per node)")
+    if S > 1 and cfg.diag.every:
+        p.append(f"diag.every: {cfg.diag.every} with parallel.shard_size={S}: the diagnostics are not yet reduced over "
+                 f"shards; set diag.every=0")
+    if S > 1 and cfg.comm.bucket_mb:
+        p.append(f"comm.bucket_mb: {cfg.comm.bucket_mb} with parallel.shard_size={S}: FSDP already overlaps its "
+                 f"reduce-scatter with backward; set comm.bucket_mb=0 and comm.overlap=false")
     return p
 
 
@@ -542,9 +548,11 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
         problem = compatibility_problem(o.name, c.mode, c.options)
         if problem:
             p.append(problem)
-    for opts in (c.options, o.options):  # the selected entries' own checks (world-size ones too)
+    S = cfg.parallel.shard_size
+    replicas = world_size // S if world_size is not None and S >= 1 and world_size % S == 0 else world_size
+    for opts in (c.options, o.options):  # the selected entries' own checks (world-size ones: across replicas)
         if opts is not None:
-            p += opts.problems(world_size) + opts.run_problems(t.max_steps)
+            p += opts.problems(replicas) + opts.run_problems(t.max_steps)
     choice(p, "comm.kernels", c.kernels, ["auto", "compiled", "eager"])
     if c.bucket_mb < 0:
         p.append(f"comm.bucket_mb: {c.bucket_mb} must be >= 0 (0 = one bucket: the whole vector)")

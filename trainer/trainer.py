@@ -24,7 +24,7 @@ from model import GPT, resolve_config
 from optim import build_optimizer
 from optim.base import digest
 
-from . import state
+from . import parallel, state
 from .state import DivergenceError
 from .checkpoint import find_resumable
 from .config import Config, ConfigError, validate
@@ -53,15 +53,25 @@ class Trainer:
         self.model_config = resolve_config(vars(cfg.model), vocab_size=data.dataset_vocab_size(self.data_dir))
         self.model = GPT(self.model_config).to(self.device)
         o, c = cfg.optim, cfg.comm
+        # hybrid sharding (trainer/parallel.py): the optimizer sees local shards and the replicate group
+        self.parallel = parallel.make_mesh(cfg.parallel.shard_size, info.world_size, self.device)
+        groups, order = param_groups(self.model, o), list(self.model.parameters())
+        if self.parallel.sharded:
+            parallel.shard_model(self.model, self.parallel)
+            self.aliases = parallel.local_aliases(self.model)
+            groups = parallel.localize_groups(param_groups(self.model, o), self.aliases)
+            order = [self.aliases[id(p)] for p in self.model.parameters()]
         try:
             self.optimizer = build_optimizer(
-                o.name, param_groups(self.model, o), betas=tuple(o.betas), eps=o.eps, comm_mode=c.mode,
+                o.name, groups, betas=tuple(o.betas), eps=o.eps, comm_mode=c.mode,
                 comm_options=c.options, optim_options=o.options, grad_clip=o.grad_clip,
-                momentum_sync=vars(c.momentum_sync), param_order=list(self.model.parameters()),
+                momentum_sync=vars(c.momentum_sync), param_order=order,
                 kernels=kernel_impl(c.kernels), fine_timing=c.fine_timing, bucket_mb=c.bucket_mb,
-                overlap=c.overlap)
+                overlap=c.overlap, group=self.parallel.replicate_group, shard_group=self.parallel.shard_group)
         except ValueError as e:  # an option combination validate() does not know about
             raise ConfigError(f"optim/comm: {e}") from None
+        if self.parallel.sharded:
+            parallel.route_grads(self.model, self.aliases)
 
         d = cfg.data
         self.loader = ShardLoader(self.data_dir, "train", d.batch_size, d.seq_len, info.rank, info.world_size,
@@ -144,7 +154,10 @@ class Trainer:
     def param_digests(self) -> list[str]:
         """sha256 of this rank's parameters, gathered from every rank (the invariant: all equal)."""
         out = [None] * self.info.world_size
-        dist.all_gather_object(out, digest(p for _, p in sorted(self.model.named_parameters())))
+        params = (p for _, p in sorted(self.model.named_parameters()))
+        if self.parallel.sharded:  # the whole tensors (gathered in the shard group): equal iff the replicas are
+            params = (p.full_tensor() for p in params)
+        dist.all_gather_object(out, digest(params))
         return out
 
     def save(self) -> Path:

@@ -1,0 +1,146 @@
+"""Hybrid sharding on 4 ranks (launched by tests/test_parallel.py), debug model, a few steps, in one
+process group; every run is a real Trainer whose steps are driven here:
+
+- fp32 gradient sync (adamw, and global lion) at parallel.shard_size 2 and 4 equals the replicated
+  run on the same data: losses and parameters within TOL (fp32 reduction order: FSDP's
+  reduce-scatter inside the shard group then the mean across replicas, instead of one allreduce);
+- Lion Cub onebit at S = 2 equals the replicated hierarchical run with 2 ranks per node (fp32 mean
+  inside the group, 1-bit vote across groups: the same mathematics) within TOL;
+- after every step every replica holds bit-identical parameters (the digest of the whole tensors,
+  gathered in the shard group, is the same on all 4 ranks), and FSDP still writes its gradient
+  into the optimizer's flat buffer;
+- bytes per step across the replicate axis equal the scheme's formula on N / S elements;
+- the memory model's parameter + gradient + optimizer-state bytes are within 15 % of the tensors.
+Asserts and exits non-zero on failure; prints one line per run and "checks passed".
+"""
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from model.memory import estimate, measure  # noqa: E402
+from optim.base import digest  # noqa: E402
+from trainer import parallel  # noqa: E402
+from trainer.config import load_config  # noqa: E402
+from trainer.dist import init_distributed, shutdown  # noqa: E402
+from trainer.trainer import Trainer  # noqa: E402
+
+STEPS = 3
+TOL = 1e-5
+"""Max |difference| of any parameter after STEPS steps between runs that differ only in the fp32
+reduction order (lr 1e-3: a flipped sign of a near-zero update would be 2e-3, 200x this)."""
+LR = 1e-3
+FLIPS = 1e-5
+"""Sign updates (Lion): at most this fraction of the elements may take the other sign of a near-zero
+aggregate (a difference of up to 2 lr per step)."""
+BASE = ["model.preset=debug", "data.batch_size=2", "data.seq_len=32", "train.max_steps=10", "train.eval_every=0",
+        "train.eval_steps=1", "log.wandb=disabled", f"optim.lr={LR}", "optim.warmup_steps=0", "comm.kernels=eager",
+        "train.resume=overwrite"]
+
+
+def full_params(tr: Trainer) -> list[torch.Tensor]:
+    ps = [p for _, p in sorted(tr.model.named_parameters())]
+    return [(p.full_tensor() if tr.parallel.sharded else p).detach().clone() for p in ps]
+
+
+def run(variant: str, extra: list[str], tmp: Path) -> dict:
+    info = INFO
+    out = tmp / f"{variant}_{'_'.join(x.replace('=', '-') for x in extra)}"
+    cfg = load_config(ROOT / "configs" / "variants" / f"{variant}.yaml", BASE + extra + [f"train.out_dir={out}"])
+    tr = Trainer(cfg, info)
+    losses, reports = [], []
+    init = full_params(tr)
+    try:
+        for _ in range(STEPS):
+            r = tr.train_step()
+            losses.append(r["loss"])
+            reports.append(r["report"])
+            if tr.parallel.sharded:
+                assert parallel.grads_routed(tr.model, tr.aliases), "FSDP replaced a gradient: not in the flat buffer"
+            shas = [None] * info.world_size
+            dist.all_gather_object(shas, digest(full_params(tr)))
+            assert len(set(shas)) == 1, f"{variant} {extra}: replicas differ after step {tr.step}: {shas}"
+        params = full_params(tr)
+        mem = measure(tr.model, tr.optimizer)
+        est = estimate(cfg, info.world_size, cfg.parallel.shard_size, model_config=tr.model_config)
+    finally:
+        tr.logger.close()
+        tr.release()
+    return {"losses": losses, "params": params, "init": init, "reports": reports, "opt": tr.optimizer, "mem": mem, "est": est,
+            "S": cfg.parallel.shard_size}
+
+
+def same(a: dict, b: dict, what: str, signs: bool = False) -> None:
+    """a and b within TOL; `signs` (an update that is a sign: Lion): an element whose aggregate is
+    within rounding of 0 may take the other sign, so up to FLIPS of the elements may differ, each
+    by at most 2 lr per step."""
+    dl = max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
+    diff = torch.cat([(x - y).abs().reshape(-1) for x, y in zip(a["params"], b["params"])])
+    moved = max((x - y).abs().max().item() for x, y in zip(a["params"], a["init"]))
+    off = int((diff > TOL).sum())
+    print(f"rank {dist.get_rank()} {what}: max |loss diff| {dl:.2e}, max |param diff| {diff.max():.2e}, "
+          f"{off} of {diff.numel()} elements beyond {TOL} (params moved up to {moved:.2e})", flush=True)
+    assert moved > 100 * TOL, f"{what}: the parameters did not move ({moved})"
+    assert dl <= TOL, f"{what}: loss diff {dl} > {TOL}"
+    if signs:
+        assert off <= FLIPS * diff.numel() and diff.max() <= 2 * LR * STEPS * 1.001, (what, off, diff.max())
+    else:
+        assert off == 0, f"{what}: param diff {diff.max()} > {TOL}"
+
+
+def check_bytes(res: dict, phase: str) -> None:
+    opt = res["opt"]
+    R, S = dist.get_world_size() // res["S"], res["S"]
+    n = sum(e.numel for e in opt.layout.entries)
+    total = sum(p.numel() for p in res["init"])
+    assert n == total // S, (n, total, S)  # the debug model's dims divide by S: N / S local elements
+    sent, recv = opt.scheme.bytes_per_call(opt.scheme_options, R, n, rank=opt.rank)
+    for rep in res["reports"]:
+        got = rep.phases[phase]
+        assert (got["bytes_sent"], got["bytes_recv"]) == (sent, recv), (phase, got, sent, recv)
+    assert (sent > 0) == (R > 1)  # one replica: nothing crosses the replicate axis
+
+
+def check_memory(res: dict) -> None:
+    got, est = res["mem"], res["est"]
+    assert est.params == got["params"] and est.grads == got["grads"], (est, got)
+    assert abs(est.model_state - got["model_state"]) <= 0.15 * got["model_state"], (est, got)
+
+
+def main(tmp: str) -> None:
+    global INFO
+    INFO = init_distributed("cpu")
+    tmp_dir = Path(tmp)
+    ref = run("adamw_fp32", [], tmp_dir)
+    check_memory(ref)
+    for S in (2, 4):
+        res = run("adamw_fp32", [f"parallel.shard_size={S}"], tmp_dir)
+        check_bytes(res, "grad_sync")
+        check_memory(res)
+        same(ref, res, f"adamw fp32 S={S} vs replicated")
+    ref = run("lion_fp32", [], tmp_dir)
+    same(ref, run("lion_fp32", ["parallel.shard_size=2"], tmp_dir), "lion fp32 S=2 vs replicated", signs=True)
+    # no clipping: the hierarchical run clips every rank's own gradient, the sharded one the group's mean
+    hier = run("lioncub_hier", ["comm.node_size=2", "optim.grad_clip=0"], tmp_dir)
+    res = run("lioncub_1bit", ["parallel.shard_size=2", "optim.grad_clip=0"], tmp_dir)
+    check_bytes(res, "update_sync")
+    check_memory(res)
+    same(hier, res, "onebit S=2 vs hierarchical node_size=2", signs=True)
+    dist.barrier()
+    if INFO.is_main:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        print("parallel_dist: checks passed", flush=True)
+    shutdown()
+
+
+if __name__ == "__main__":
+    from _exit import exit_cleanly  # tests/workers/ is the script's directory
+    main(sys.argv[1])
+    exit_cleanly()
