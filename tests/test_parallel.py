@@ -32,3 +32,8 @@ def test_config_errors_name_the_key(variant, overrides, message) -> None:
         return
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate(cfg, world_size=4)
+
+
+def test_sharded_checkpoint_resumes_exactly(tmp_path) -> None:
+    proc = torchrun(4, "parallel_ckpt.py", str(tmp_path / "runs"), timeout=300)
+    assert "parallel_ckpt: checks passed" in proc.stdout, proc.stdout

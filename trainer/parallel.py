@@ -107,9 +107,20 @@ def grads_routed(model: torch.nn.Module, aliases: dict[int, torch.nn.Parameter])
                for p in model.parameters() if aliases[id(p)].numel())
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Back to sharded parameters after a forward without backward (evaluation leaves the root's
+    parameters gathered; the optimizer's aliases are the shards)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's state (every shard gathered; a collective of the shard group), as plain
     tensors on the CPU, on every rank."""
+    reshard(model)
     out = {}
     for k, v in model.state_dict().items():
         out[k] = (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
@@ -134,4 +145,4 @@ def load_full_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor])
 
 
 __all__ = ["Parallel", "full_state_dict", "grads_routed", "load_full_state_dict", "local_aliases",
-           "localize_groups", "make_mesh", "route_grads", "shard_model"]
+           "localize_groups", "make_mesh", "reshard", "route_grads", "shard_model"]

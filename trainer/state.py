@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from . import parallel
+from .config import ConfigError
 from .checkpoint import (MODEL, files_needed, find_resumable, load_files, rank_file, rng_state, save_checkpoint,
                          set_rng_state)
 
@@ -23,8 +25,11 @@ def save(trainer) -> Path:
                   "rng": rng_state(), "step": trainer.step, "train_time": trainer.train_time,
                   "skip_batches": sorted(trainer.skip_batches)}
     meta = {"step": trainer.step, "world_size": trainer.info.world_size, "config": trainer.cfg.to_dict(),
-            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    return save_checkpoint(trainer.ckpt_root, trainer.step, trainer.model.state_dict(), rank_state, meta,
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "shard_size": trainer.parallel.shard_size}
+    # hybrid sharding: the whole model is gathered (every rank takes part) and written once; every
+    # rank's file holds its shards' optimizer state (per-replica state is per rank, never merged)
+    model_state = parallel.full_state_dict(trainer.model) if trainer.parallel.sharded else trainer.model.state_dict()
+    return save_checkpoint(trainer.ckpt_root, trainer.step, model_state, rank_state, meta,
                            trainer.info.rank, trainer.info.world_size, trainer.cfg.train.keep_ckpts)
 
 
@@ -32,8 +37,16 @@ def load(trainer, path: Path, meta: dict) -> str:
     """Restore `trainer` from a verified checkpoint; returns the line to print."""
     rank, world = trainer.info.rank, trainer.info.world_size
     saved = int(meta["world_size"])
+    shard, saved_shard = trainer.parallel.shard_size, int(meta.get("shard_size", 1))
+    if shard != saved_shard or (shard > 1 and saved != world):
+        raise ConfigError(f"checkpoint {path} was written with parallel.shard_size={saved_shard} on {saved} ranks; "
+                         f"a sharded run resumes only on the same mesh for now: set parallel.shard_size={saved_shard} "
+                         f"and run {saved} ranks")
     files = load_files(path, files_needed(meta, rank, world))
-    trainer.model.load_state_dict(files[MODEL])
+    if trainer.parallel.sharded:
+        parallel.load_full_state_dict(trainer.model, files[MODEL])
+    else:
+        trainer.model.load_state_dict(files[MODEL])
     if saved == world:
         mine = files[rank_file(rank)]
         trainer.optimizer.load_state_dict(mine["optimizer"])

@@ -156,7 +156,8 @@ class Trainer:
         out = [None] * self.info.world_size
         params = (p for _, p in sorted(self.model.named_parameters()))
         if self.parallel.sharded:  # the whole tensors (gathered in the shard group): equal iff the replicas are
-            params = (p.full_tensor() for p in params)
+            parallel.reshard(self.model)
+            params = [p.full_tensor() for p in params]
         dist.all_gather_object(out, digest(params))
         return out
 
@@ -234,6 +235,8 @@ class Trainer:
     def _eval_and_log(self) -> float:
         val = self.evaluator.val_loss(self.model, self.forward)
         mc = self.evaluator.multiple_choice(self.model)
+        if self.parallel.sharded:
+            parallel.reshard(self.model)
         self.logger.log({"step": self.step, "val_loss": val, **mc, "train_time_s": self.train_time})
         self.logger.console(f"step {self.step:>6} | val loss {val:.4f}"
                             + (f" | mc acc {mc['mc_acc']:.4f} acc_norm {mc['mc_acc_norm']:.4f} ({mc['mc_items']} items)"

@@ -1,0 +1,77 @@
+"""Checkpoints of a sharded run (launched by tests/test_parallel.py): 4 ranks, parallel.shard_size=2,
+Lion Cub onebit. A run stopped at step 2 (train.stop_after) and resumed ends bit-identical to an
+uninterrupted 4-step run; before the save the replicas' momenta differ (per-replica state) and after
+the load every rank's momenta equal what it saved; a resume on another shard size is a config error.
+Prints "parallel_ckpt: checks passed"."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from trainer.config import ConfigError, load_config  # noqa: E402
+from trainer.dist import init_distributed, shutdown  # noqa: E402
+from trainer.trainer import Trainer  # noqa: E402
+
+BASE = ["model.preset=debug", "data.batch_size=2", "data.seq_len=32", "train.max_steps=4", "train.eval_every=0",
+        "train.eval_steps=1", "log.wandb=disabled", "optim.lr=1e-3", "comm.kernels=eager", "train.ckpt_every=0",
+        "parallel.shard_size=2", "train.log_every=1"]
+
+
+def trainer(out: Path, extra: list[str]) -> Trainer:
+    return Trainer(load_config(ROOT / "configs/variants/lioncub_1bit.yaml", BASE + [f"train.out_dir={out}"] + extra),
+                   INFO)
+
+
+def momenta(tr: Trainer) -> torch.Tensor:
+    return torch.cat([tr.optimizer.momentum_of(e.param).reshape(-1).clone() for e in tr.optimizer.layout.entries])
+
+
+def fit(tr: Trainer) -> dict:
+    try:
+        return tr.fit()
+    finally:
+        tr.logger.close()
+        tr.release()
+
+
+def full(tr: Trainer) -> list[torch.Tensor]:
+    return [p.full_tensor().clone() for _, p in sorted(tr.model.named_parameters())]
+
+
+def main(tmp: str) -> None:
+    global INFO
+    INFO = init_distributed("cpu")
+    tmp_dir = Path(tmp)
+    a = trainer(tmp_dir / "straight", ["train.resume=never"])
+    fit(a)
+    b = trainer(tmp_dir / "stopped", ["train.resume=never", "train.stop_after=2"])
+    assert fit(b)["stopped"]
+    saved = momenta(b)
+    other = [torch.empty_like(saved) for _ in range(INFO.world_size)]
+    dist.all_gather(other, saved)
+    assert not torch.equal(other[0], other[2]), "replicas 0 and 1 (ranks 0, 2) hold the same momenta"
+    c = trainer(tmp_dir / "stopped", ["train.resume=auto"])
+    assert c.step == 2 and torch.equal(momenta(c), saved), "momenta changed across save and load"
+    fit(c)
+    assert all(torch.equal(x, y) for x, y in zip(full(a), full(c))), "resumed run differs from the straight one"
+    try:
+        trainer(tmp_dir / "stopped", ["train.resume=auto", "parallel.shard_size=4", "train.max_steps=6"])
+        raise AssertionError("resuming at another shard size was accepted")
+    except ConfigError as e:
+        assert "parallel.shard_size=2" in str(e), e
+    dist.barrier()
+    if INFO.is_main:
+        print("parallel_ckpt: checks passed", flush=True)
+    shutdown()
+
+
+if __name__ == "__main__":
+    from _exit import exit_cleanly  # tests/workers/ is the script's directory
+    main(sys.argv[1])
+    exit_cleanly()
