@@ -117,32 +117,5 @@ def reshard(model: torch.nn.Module) -> None:
             m.reshard()
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's state (every shard gathered; a collective of the shard group), as plain
-    tensors on the CPU, on every rank."""
-    reshard(model)
-    out = {}
-    for k, v in model.state_dict().items():
-        out[k] = (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
-    return out
-
-
-def load_full_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy a whole (unsharded) state dict into the sharded model: every rank keeps its shards."""
-    from torch.distributed.tensor import distribute_tensor
-
-    own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    if missing:
-        raise ValueError(f"model state lacks {missing}")
-    with torch.no_grad():
-        for k, v in own.items():
-            src = state[k].to(v.device if not hasattr(v, "to_local") else v.to_local().device)
-            if hasattr(v, "to_local"):
-                v.to_local().copy_(distribute_tensor(src, v.device_mesh, v.placements, src_data_rank=None).to_local())
-            else:
-                v.copy_(src)
-
-
-__all__ = ["Parallel", "full_state_dict", "grads_routed", "load_full_state_dict", "local_aliases",
+__all__ = ["Parallel", "grads_routed", "local_aliases",
            "localize_groups", "make_mesh", "reshard", "route_grads", "shard_model"]

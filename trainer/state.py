@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from . import parallel
+from . import sharded_checkpoint
 from .config import ConfigError
 from .checkpoint import (MODEL, files_needed, find_resumable, load_files, rank_file, rng_state, save_checkpoint,
                          set_rng_state)
@@ -26,10 +26,14 @@ def save(trainer) -> Path:
                   "skip_batches": sorted(trainer.skip_batches)}
     meta = {"step": trainer.step, "world_size": trainer.info.world_size, "config": trainer.cfg.to_dict(),
             "time": time.strftime("%Y-%m-%d %H:%M:%S"), "shard_size": trainer.parallel.shard_size}
-    # hybrid sharding: the whole model is gathered (every rank takes part) and written once; every
-    # rank's file holds its shards' optimizer state (per-replica state is per rank, never merged)
-    model_state = parallel.full_state_dict(trainer.model) if trainer.parallel.sharded else trainer.model.state_dict()
-    return save_checkpoint(trainer.ckpt_root, trainer.step, model_state, rank_state, meta,
+    if trainer.parallel.sharded:  # every rank writes its model shards (DCP); its file holds its shards'
+        # optimizer state (per-replica state is per rank, never merged)
+        sharded_checkpoint.check_finite(trainer.model, trainer.step)
+        meta["sharded_model"] = sharded_checkpoint.MODEL_DIR
+        return save_checkpoint(trainer.ckpt_root, trainer.step, None, rank_state, meta, trainer.info.rank,
+                               trainer.info.world_size, trainer.cfg.train.keep_ckpts,
+                               write_sharded=sharded_checkpoint.writer(trainer.model, trainer.info.rank))
+    return save_checkpoint(trainer.ckpt_root, trainer.step, trainer.model.state_dict(), rank_state, meta,
                            trainer.info.rank, trainer.info.world_size, trainer.cfg.train.keep_ckpts)
 
 
@@ -42,10 +46,11 @@ def load(trainer, path: Path, meta: dict) -> str:
         raise ConfigError(f"checkpoint {path} was written with parallel.shard_size={saved_shard} on {saved} ranks; "
                          f"a sharded run resumes only on the same mesh for now: set parallel.shard_size={saved_shard} "
                          f"and run {saved} ranks")
-    files = load_files(path, files_needed(meta, rank, world))
-    if trainer.parallel.sharded:
-        parallel.load_full_state_dict(trainer.model, files[MODEL])
+    if meta.get("sharded_model"):
+        files = load_files(path, [rank_file(rank)])
+        sharded_checkpoint.load_model(trainer.model, path)
     else:
+        files = load_files(path, files_needed(meta, rank, world))
         trainer.model.load_state_dict(files[MODEL])
     if saved == world:
         mine = files[rank_file(rank)]

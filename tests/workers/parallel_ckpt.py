@@ -1,7 +1,9 @@
 """Checkpoints of a sharded run (launched by tests/test_parallel.py): 4 ranks, parallel.shard_size=2,
 Lion Cub onebit. A run stopped at step 2 (train.stop_after) and resumed ends bit-identical to an
 uninterrupted 4-step run; before the save the replicas' momenta differ (per-replica state) and after
-the load every rank's momenta equal what it saved; a resume on another shard size is a config error.
+the load every rank's momenta equal what it saved; every rank writes a model shard file (DCP); a
+damaged shard file is found by its checksum and the previous checkpoint used, again ending exactly
+where the straight run does; a resume on another shard size is a config error.
 Prints "parallel_ckpt: checks passed"."""
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from trainer.dist import init_distributed, shutdown  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
 
 BASE = ["model.preset=debug", "data.batch_size=2", "data.seq_len=32", "train.max_steps=4", "train.eval_every=0",
-        "train.eval_steps=1", "log.wandb=disabled", "optim.lr=1e-3", "comm.kernels=eager", "train.ckpt_every=0",
+        "train.eval_steps=1", "log.wandb=disabled", "optim.lr=1e-3", "comm.kernels=eager", "train.ckpt_every=1", "train.keep_ckpts=5",
         "parallel.shard_size=2", "train.log_every=1"]
 
 
@@ -60,6 +62,22 @@ def main(tmp: str) -> None:
     assert c.step == 2 and torch.equal(momenta(c), saved), "momenta changed across save and load"
     fit(c)
     assert all(torch.equal(x, y) for x, y in zip(full(a), full(c))), "resumed run differs from the straight one"
+    # a damaged shard file of the newest checkpoint: found by its checksum, the previous one is used
+    step4 = tmp_dir / "stopped" / "ckpt" / "step_000004"
+    shard_files = sorted((step4 / "model").glob("__*.distcp"))
+    assert len(shard_files) == INFO.world_size, shard_files  # every rank wrote its part
+    dist.barrier()
+    if INFO.is_main:
+        with open(shard_files[1], "r+b") as f:
+            f.seek(10)
+            byte = f.read(1)
+            f.seek(10)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    dist.barrier()
+    d = trainer(tmp_dir / "stopped", ["train.resume=auto"])
+    assert d.step == 3, f"resumed at step {d.step}, expected the fallback to step 3"
+    fit(d)
+    assert all(torch.equal(x, y) for x, y in zip(full(a), full(d))), "run resumed from the fallback differs"
     try:
         trainer(tmp_dir / "stopped", ["train.resume=auto", "parallel.shard_size=4", "train.max_steps=6"])
         raise AssertionError("resuming at another shard size was accepted")
