@@ -1,7 +1,9 @@
 """Hybrid sharding (trainer/parallel.py, parallel.shard_size): 4 gloo ranks in tests/workers/
 parallel_dist.py (fp32 sync at S = 2, 4 equals the replicated run; onebit at S = 2 equals the
-hierarchical vote with 2 ranks per node; replicas bit-identical every step; bytes per step are the
-formula on N / S elements; the memory model within 15 %), and the config errors."""
+hierarchical vote with 2 ranks per node; the other modes run with the formula's bytes; replicas
+bit-identical every step; the memory model within 15 %), tests/workers/parallel_ckpt.py (DCP
+checkpoints: exact resume, per-replica momenta, a damaged shard file -> the previous checkpoint),
+and the config errors."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +12,7 @@ from tests.dist import ROOT, torchrun
 from trainer.config import ConfigError, load_config, validate
 
 
+@pytest.mark.slow
 def test_sharded_equals_replicated(tmp_path) -> None:
     proc = torchrun(4, "parallel_dist.py", str(tmp_path / "runs"), timeout=300)
     assert "parallel_dist: checks passed" in proc.stdout, proc.stdout
@@ -34,6 +37,7 @@ def test_config_errors_name_the_key(variant, overrides, message) -> None:
         validate(cfg, world_size=4)
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_resumes_exactly(tmp_path) -> None:
     proc = torchrun(4, "parallel_ckpt.py", str(tmp_path / "runs"), timeout=300)
     assert "parallel_ckpt: checks passed" in proc.stdout, proc.stdout

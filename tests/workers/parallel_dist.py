@@ -10,11 +10,14 @@ process group; every run is a real Trainer whose steps are driven here:
   gathered in the shard group, is the same on all 4 ranks), and FSDP still writes its gradient
   into the optimizer's flat buffer;
 - bytes per step across the replicate axis equal the scheme's formula on N / S elements;
+- pbit, bf16, the parameter server, LoCo, BinSGDM and 1-bit Adam run at S = 2 with identical
+  replicas, the formula's bytes and a finite loss (3 steps say nothing of quality);
 - the memory model's parameter + gradient + optimizer-state bytes are within 15 % of the tensors.
 Asserts and exits non-zero on failure; prints one line per run and "checks passed".
 """
 from __future__ import annotations
 
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -40,6 +43,9 @@ LR = 1e-3
 FLIPS = 1e-5
 """Sign updates (Lion): at most this fraction of the elements may take the other sign of a near-zero
 aggregate (a difference of up to 2 lr per step)."""
+MODES = [("lioncub_4bit", [], "update_sync"), ("lion_bf16", [], "grad_sync"), ("dlion_avg", [], "update_sync"),
+         ("loco_adamw", [], "grad_sync"), ("binsgdm", [], "update_sync"),
+         ("onebit_adam", ["optim.freeze_step=1"], "update_sync")]
 BASE = ["model.preset=debug", "data.batch_size=2", "data.seq_len=32", "train.max_steps=10", "train.eval_every=0",
         "train.eval_steps=1", "log.wandb=disabled", f"optim.lr={LR}", "optim.warmup_steps=0", "comm.kernels=eager",
         "train.resume=overwrite"]
@@ -102,7 +108,7 @@ def check_bytes(res: dict, phase: str) -> None:
     total = sum(p.numel() for p in res["init"])
     assert n == total // S, (n, total, S)  # the debug model's dims divide by S: N / S local elements
     sent, recv = opt.scheme.bytes_per_call(opt.scheme_options, R, n, rank=opt.rank)
-    for rep in res["reports"]:
+    for rep in res["reports"][-1:] if phase == "update_sync" else res["reports"]:  # 1-bit Adam: after freeze_step
         got = rep.phases[phase]
         assert (got["bytes_sent"], got["bytes_recv"]) == (sent, recv), (phase, got, sent, recv)
     assert (sent > 0) == (R > 1)  # one replica: nothing crosses the replicate axis
@@ -133,6 +139,12 @@ def main(tmp: str) -> None:
     check_bytes(res, "update_sync")
     check_memory(res)
     same(hier, res, "onebit S=2 vs hierarchical node_size=2", signs=True)
+    # the other modes across replicas on shards: replicas identical every step (in run), bytes = formula
+    for variant, extra, phase in MODES:
+        res = run(variant, ["parallel.shard_size=2"] + extra, tmp_dir)
+        check_bytes(res, phase)
+        assert all(map(math.isfinite, res["losses"])), res["losses"]
+        print(f"rank {dist.get_rank()} {variant} {extra} S=2: losses {res['losses']}", flush=True)
     dist.barrier()
     if INFO.is_main:
         shutil.rmtree(tmp_dir, ignore_errors=True)
