@@ -64,4 +64,79 @@ def load_model(model: torch.nn.Module, path: Path) -> None:
     model.load_state_dict(state["model"])
 
 
-__all__ = ["MODEL_DIR", "check_finite", "load_model", "writer"]
+def load_full_model(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """A whole (replicated run's model.pt) state into the model, sharded or not: every rank keeps
+    its own dim-0 chunk of each tensor."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    if missing:
+        raise ValueError(f"model state lacks {missing}")
+    with torch.no_grad():
+        for k, v in own.items():
+            if hasattr(v, "to_local"):
+                mesh = v.device_mesh
+                v.to_local().copy_(_rows(state[k], mesh.size(), mesh.get_local_rank()))
+            else:
+                v.copy_(state[k])
+
+
+def _per_param(opt_state: dict) -> tuple[dict, list[str]]:
+    """(the torch-style {"state": {index: {key: tensor}}} part of an optimizer state, its path), or
+    ValueError when the state holds anything a mesh change cannot map (flat-layout vectors,
+    exchange state)."""
+    path = []
+    node = opt_state
+    if "inner" in node:  # optim/adamw.py and the matrix optimizers keep torch's optimizer inside
+        path, node = ["inner"], node["inner"]
+    extra = sorted(set(opt_state) - {"state", "param_groups", "comm", "inner"})
+    exchange = (opt_state.get("comm") or {}).get("exchange")
+    if extra or exchange or "state" not in node:
+        raise ValueError(f"its optimizer state holds {extra or 'exchange state'}, which is laid out over the saved "
+                         f"mesh's flat vector")
+    return node, path
+
+
+def _rows(t: torch.Tensor, shards: int, index: int) -> torch.Tensor:
+    """FSDP2's dim-0 chunk `index` of `shards` (ceil(rows / shards) rows each; trailing ones may be empty)."""
+    chunk = -(-t.shape[0] // shards)
+    return t[index * chunk:(index + 1) * chunk]
+
+
+def remesh_optimizer_state(states: list[dict], saved_shard: int, shard: int, replicas: int, replica: int,
+                           shard_index: int, group_rank: int) -> dict:
+    """This rank's optimizer state on a new mesh, from every rank's saved state (`states`, old rank
+    order, `saved_shard` ranks per model copy). Per-parameter tensors (dim-0 shards) are joined
+    into each old replica's whole tensors; with as many replicas as before, replica r takes old
+    replica r's state exactly; otherwise every per-replica tensor is the mean over the old replicas
+    (one momentum synchronisation, as `CommOptimizer.load_resharded` does for a world-size change).
+    Then this rank's dim-0 chunk is cut. Scalars (step counts) are kept. ValueError for state that
+    is not per parameter."""
+    old_replicas = len(states) // saved_shard
+    parts = [_per_param(s) for s in states]
+    whole = []  # per old replica: {index: {key: tensor}}
+    for r in range(old_replicas):
+        group = [parts[r * saved_shard + k][0]["state"] for k in range(saved_shard)]
+        whole.append({i: {key: (torch.cat([g[i][key] for g in group]) if torch.is_tensor(v) and v.ndim else v)
+                          for key, v in st.items()} for i, st in group[0].items()})
+    if old_replicas == replicas:
+        mine = whole[replica]
+    else:
+        mine = {i: {key: (torch.stack([w[i][key].to(torch.float32) for w in whole]).mean(0).to(v.dtype)
+                          if torch.is_tensor(v) and v.ndim and v.is_floating_point() else v)
+                    for key, v in st.items()} for i, st in whole[0].items()}
+    local = {i: {key: (_rows(v, shard, shard_index).clone() if torch.is_tensor(v) and v.ndim else v)
+                 for key, v in st.items()} for i, st in mine.items()}
+    base, path = parts[0]
+    node = {**base, "state": local}
+    out = dict(states[0])
+    if path:
+        out[path[0]] = node
+    else:
+        out.update(node)
+    comm = dict(out.get("comm") or {})
+    comm.update(world_size=replicas, rank=group_rank, exchange={})
+    out["comm"] = comm
+    return out
+
+
+__all__ = ["MODEL_DIR", "check_finite", "load_full_model", "load_model", "remesh_optimizer_state", "writer"]

@@ -11,7 +11,7 @@ from pathlib import Path
 from . import sharded_checkpoint
 from .config import ConfigError
 from .checkpoint import (MODEL, files_needed, find_resumable, load_files, rank_file, rng_state, save_checkpoint,
-                         set_rng_state)
+                         set_rng_state, verify)
 
 MAX_ROLLBACKS = 5
 
@@ -42,10 +42,8 @@ def load(trainer, path: Path, meta: dict) -> str:
     rank, world = trainer.info.rank, trainer.info.world_size
     saved = int(meta["world_size"])
     shard, saved_shard = trainer.parallel.shard_size, int(meta.get("shard_size", 1))
-    if shard != saved_shard or (shard > 1 and saved != world):
-        raise ConfigError(f"checkpoint {path} was written with parallel.shard_size={saved_shard} on {saved} ranks; "
-                         f"a sharded run resumes only on the same mesh for now: set parallel.shard_size={saved_shard} "
-                         f"and run {saved} ranks")
+    if (shard > 1 or saved_shard > 1) and (shard != saved_shard or saved != world):
+        return _load_remeshed(trainer, path, meta, saved_shard)
     if meta.get("sharded_model"):
         files = load_files(path, [rank_file(rank)])
         sharded_checkpoint.load_model(trainer.model, path)
@@ -68,6 +66,41 @@ def load(trainer, path: Path, meta: dict) -> str:
     trainer.step, trainer.train_time = int(mine["step"]), float(mine.get("train_time", 0.0))
     trainer.skip_batches = set(mine.get("skip_batches", []))
     return f"resumed from {path} at step {trainer.step}{note}"
+
+
+def _load_remeshed(trainer, path: Path, meta: dict, saved_shard: int) -> str:
+    """Resume on another mesh (shard size or world size) where one side is sharded: the model from
+    its DCP shards or model.pt, the optimizer state joined per old replica and cut for this rank
+    (sharded_checkpoint.remesh_optimizer_state); a config error naming the saved mesh when the
+    optimizer's state cannot be mapped."""
+    rank, world, par = trainer.info.rank, trainer.info.world_size, trainer.parallel
+    saved = int(meta["world_size"])
+    names = [rank_file(r) for r in range(saved)]
+    verify(path, names)  # every old rank's file is read here: a damaged one is named
+    files = load_files(path, names)
+    try:
+        opt = sharded_checkpoint.remesh_optimizer_state(
+            [files[n]["optimizer"] for n in names], saved_shard, par.shard_size, par.replicas,
+            rank // par.shard_size, rank % par.shard_size, rank // par.shard_size if par.sharded else rank)
+    except ValueError as e:
+        raise ConfigError(f"checkpoint {path} (parallel.shard_size={saved_shard} on {saved} ranks) cannot resume on "
+                          f"parallel.shard_size={par.shard_size} on {world} ranks: {e}; resume with "
+                          f"parallel.shard_size={saved_shard} on {saved} ranks") from None
+    if meta.get("sharded_model"):
+        sharded_checkpoint.load_model(trainer.model, path)
+    else:
+        verify(path, [MODEL])
+        sharded_checkpoint.load_full_model(trainer.model, load_files(path, [MODEL])[MODEL])
+    trainer.optimizer.load_state_dict(opt)
+    mine = files[names[min(rank, saved - 1)]]
+    trainer.loader.load_state_dict(mine["loader"])  # a global position: the same in every rank's file
+    trainer.step, trainer.train_time = int(mine["step"]), float(mine.get("train_time", 0.0))
+    trainer.skip_batches = set(mine.get("skip_batches", []))
+    old_r, new_r = saved // saved_shard, par.replicas
+    how = "each replica's state as saved" if old_r == new_r else \
+        "per-replica optimizer state averaged once over the saved replicas (one momentum synchronisation)"
+    return (f"resumed from {path} at step {trainer.step} (written as {old_r} x {saved_shard} (replicas x shard size), "
+            f"resumed as {new_r} x {par.shard_size}: {how})")
 
 
 def on_nonfinite(trainer, r: dict) -> None:

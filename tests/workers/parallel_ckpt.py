@@ -3,7 +3,9 @@ Lion Cub onebit. A run stopped at step 2 (train.stop_after) and resumed ends bit
 uninterrupted 4-step run; before the save the replicas' momenta differ (per-replica state) and after
 the load every rank's momenta equal what it saved; every rank writes a model shard file (DCP); a
 damaged shard file is found by its checksum and the previous checkpoint used, again ending exactly
-where the straight run does; a resume on another shard size is a config error.
+where the straight run does; on another mesh (2 x 2 -> 1 x 4) every rank's momentum is its chunk of
+the mean of the replicas' whole momenta; AdamW's state moves 2 x 2 -> 4 x 1 exactly; a flat-vector
+state (binsgdm) on another mesh is a config error naming the saved mesh.
 Prints "parallel_ckpt: checks passed"."""
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ BASE = ["model.preset=debug", "data.batch_size=2", "data.seq_len=32", "train.max
         "parallel.shard_size=2", "train.log_every=1"]
 
 
-def trainer(out: Path, extra: list[str]) -> Trainer:
-    return Trainer(load_config(ROOT / "configs/variants/lioncub_1bit.yaml", BASE + [f"train.out_dir={out}"] + extra),
+def trainer(out: Path, extra: list[str], variant: str = "lioncub_1bit") -> Trainer:
+    return Trainer(load_config(ROOT / f"configs/variants/{variant}.yaml", BASE + [f"train.out_dir={out}"] + extra),
                    INFO)
 
 
@@ -43,7 +45,20 @@ def fit(tr: Trainer) -> dict:
 
 
 def full(tr: Trainer) -> list[torch.Tensor]:
-    return [p.full_tensor().clone() for _, p in sorted(tr.model.named_parameters())]
+    return [(p.full_tensor() if tr.parallel.sharded else p).detach().clone() for _, p in sorted(tr.model.named_parameters())]
+
+
+def gather_entries(tr: Trainer) -> list[list[torch.Tensor]]:
+    """Every rank's momentum of every layout entry (local shards), by rank."""
+    mine = [tr.optimizer.momentum_of(e.param).detach().clone() for e in tr.optimizer.layout.entries]
+    out = [None] * INFO.world_size
+    dist.all_gather_object(out, mine)
+    return out
+
+
+def rows(t: torch.Tensor, shards: int, index: int) -> torch.Tensor:
+    chunk = -(-t.shape[0] // shards)
+    return t[index * chunk:(index + 1) * chunk]
 
 
 def main(tmp: str) -> None:
@@ -78,11 +93,32 @@ def main(tmp: str) -> None:
     assert d.step == 3, f"resumed at step {d.step}, expected the fallback to step 3"
     fit(d)
     assert all(torch.equal(x, y) for x, y in zip(full(a), full(d))), "run resumed from the fallback differs"
-    try:
-        trainer(tmp_dir / "stopped", ["train.resume=auto", "parallel.shard_size=4", "train.max_steps=6"])
-        raise AssertionError("resuming at another shard size was accepted")
-    except ConfigError as e:
-        assert "parallel.shard_size=2" in str(e), e
+    # another mesh: 2 replicas x 2 -> 1 x 4 (Lion Cub: the replicas' momenta averaged once, cut in 4)
+    old = gather_entries(d)
+    e = trainer(tmp_dir / "stopped", ["train.resume=auto", "parallel.shard_size=4", "train.max_steps=5"])
+    assert e.step == 4
+    for k, entry in enumerate(e.optimizer.layout.entries):
+        whole = [torch.cat([old[r * 2 + s][k] for s in range(2)]) for r in range(2)]
+        want = rows(torch.stack(whole).mean(0), 4, INFO.rank)
+        assert torch.equal(e.optimizer.momentum_of(entry.param), want.view_as(entry.param)), entry.name
+    assert all(torch.equal(x, y) for x, y in zip(full(d), full(e))), "model changed on the new mesh"
+    fit(e)  # trains on: parameters identical on every rank (checked by fit)
+    # AdamW (one shared state): 2 x 2 -> 4 x 1 (replicated) carries the state over exactly
+    f = trainer(tmp_dir / "adamw", ["train.resume=never", "train.stop_after=2"], "adamw_fp32")
+    fit(f)
+    old = gather_entries(f)
+    g = trainer(tmp_dir / "adamw", ["train.resume=auto", "parallel.shard_size=1"], "adamw_fp32")
+    assert g.step == 2 and all(torch.equal(x, y) for x, y in zip(full(f), full(g)))
+    for k, entry in enumerate(g.optimizer.layout.entries):
+        want = torch.cat([old[s][k] for s in range(2)])
+        assert torch.equal(g.optimizer.momentum_of(entry.param), want.view_as(entry.param)), entry.name
+    fit(g)
+    try:  # state laid out over the saved mesh's flat vector cannot move
+        fit(trainer(tmp_dir / "bsgdm", ["train.resume=never", "train.stop_after=1"], "binsgdm"))
+        trainer(tmp_dir / "bsgdm", ["train.resume=auto", "parallel.shard_size=4"], "binsgdm")
+        raise AssertionError("binsgdm's flat state was resumed on another mesh")
+    except ConfigError as err:
+        assert "parallel.shard_size=2 on 4 ranks" in str(err), err
     dist.barrier()
     if INFO.is_main:
         print("parallel_ckpt: checks passed", flush=True)

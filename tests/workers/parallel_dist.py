@@ -2,7 +2,8 @@
 process group; every run is a real Trainer whose steps are driven here:
 
 - fp32 gradient sync (adamw, and global lion) at parallel.shard_size 2 and 4 equals the replicated
-  run on the same data: losses and parameters within TOL (fp32 reduction order: FSDP's
+  run on the same data: losses, clipped gradient norms (adamw clips every step: the norm over
+  shards is global) and parameters within TOL (fp32 reduction order: FSDP's
   reduce-scatter inside the shard group then the mean across replicas, instead of one allreduce);
 - Lion Cub onebit at S = 2 equals the replicated hierarchical run with 2 ranks per node (fp32 mean
   inside the group, 1-bit vote across groups: the same mathematics) within TOL;
@@ -61,12 +62,13 @@ def run(variant: str, extra: list[str], tmp: Path) -> dict:
     out = tmp / f"{variant}_{'_'.join(x.replace('=', '-') for x in extra)}"
     cfg = load_config(ROOT / "configs" / "variants" / f"{variant}.yaml", BASE + extra + [f"train.out_dir={out}"])
     tr = Trainer(cfg, info)
-    losses, reports = [], []
+    losses, reports, gnorms = [], [], []  # gnorms: of the (clipped) whole gradient after each step
     init = full_params(tr)
     try:
         for _ in range(STEPS):
             r = tr.train_step()
             losses.append(r["loss"])
+            gnorms.append(float(tr.optimizer._grad_norm(list(tr.optimizer.grad_buffers.values()))))
             reports.append(r["report"])
             if tr.parallel.sharded:
                 assert parallel.grads_routed(tr.model, tr.aliases), "FSDP replaced a gradient: not in the flat buffer"
@@ -79,11 +81,11 @@ def run(variant: str, extra: list[str], tmp: Path) -> dict:
     finally:
         tr.logger.close()
         tr.release()
-    return {"losses": losses, "params": params, "init": init, "reports": reports, "opt": tr.optimizer, "mem": mem, "est": est,
+    return {"losses": losses, "gnorms": gnorms, "params": params, "init": init, "reports": reports, "opt": tr.optimizer, "mem": mem, "est": est,
             "S": cfg.parallel.shard_size}
 
 
-def same(a: dict, b: dict, what: str, signs: bool = False) -> None:
+def same(a: dict, b: dict, what: str, signs: bool = False, norms: bool = True) -> None:
     """a and b within TOL; `signs` (an update that is a sign: Lion): an element whose aggregate is
     within rounding of 0 may take the other sign, so up to FLIPS of the elements may differ, each
     by at most 2 lr per step."""
@@ -95,6 +97,8 @@ def same(a: dict, b: dict, what: str, signs: bool = False) -> None:
           f"{off} of {diff.numel()} elements beyond {TOL} (params moved up to {moved:.2e})", flush=True)
     assert moved > 100 * TOL, f"{what}: the parameters did not move ({moved})"
     assert dl <= TOL, f"{what}: loss diff {dl} > {TOL}"
+    for x, y in zip(a["gnorms"], b["gnorms"]) if norms else ():  # clipping saw the global norm (sharded: summed over the shard group)
+        assert abs(x - y) <= 1e-4 * x, (what, a["gnorms"], b["gnorms"])
     if signs:
         assert off <= FLIPS * diff.numel() and diff.max() <= 2 * LR * STEPS * 1.001, (what, off, diff.max())
     else:
@@ -124,10 +128,12 @@ def main(tmp: str) -> None:
     global INFO
     INFO = init_distributed("cpu")
     tmp_dir = Path(tmp)
-    ref = run("adamw_fp32", [], tmp_dir)
+    clip = ["optim.grad_clip=0.05"]  # below the gradient norm: every step clips (by the global norm)
+    ref = run("adamw_fp32", clip, tmp_dir)
+    assert all(abs(g - 0.05) < 1e-4 for g in ref["gnorms"]), ref["gnorms"]
     check_memory(ref)
     for S in (2, 4):
-        res = run("adamw_fp32", [f"parallel.shard_size={S}"], tmp_dir)
+        res = run("adamw_fp32", [f"parallel.shard_size={S}"] + clip, tmp_dir)
         check_bytes(res, "grad_sync")
         check_memory(res)
         same(ref, res, f"adamw fp32 S={S} vs replicated")
@@ -138,7 +144,7 @@ def main(tmp: str) -> None:
     res = run("lioncub_1bit", ["parallel.shard_size=2", "optim.grad_clip=0"], tmp_dir)
     check_bytes(res, "update_sync")
     check_memory(res)
-    same(hier, res, "onebit S=2 vs hierarchical node_size=2", signs=True)
+    same(hier, res, "onebit S=2 vs hierarchical node_size=2", signs=True, norms=False)  # update sync: local norms
     # the other modes across replicas on shards: replicas identical every step (in run), bytes = formula
     for variant, extra, phase in MODES:
         res = run(variant, ["parallel.shard_size=2"] + extra, tmp_dir)
