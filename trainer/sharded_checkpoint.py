@@ -26,8 +26,15 @@ MODEL_DIR = "model"
 
 
 def _model_state(model: torch.nn.Module) -> dict:
+    """{"model": state dict} with a weight shared by two names (the tied embedding / head) once:
+    DCP would write it under both names."""
     parallel.reshard(model)
-    return {"model": model.state_dict()}
+    out, seen = {}, set()
+    for k, v in model.state_dict(keep_vars=True).items():
+        if id(v) not in seen:
+            seen.add(id(v))
+            out[k] = v.detach()
+    return {"model": out}
 
 
 def check_finite(model: torch.nn.Module, step: int) -> None:
@@ -61,7 +68,10 @@ def load_model(model: torch.nn.Module, path: Path) -> None:
 
     state = _model_state(model)
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(path / MODEL_DIR)))
-    model.load_state_dict(state["model"])
+    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    tied = set(model.state_dict()) - set(state["model"])
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"checkpoint {path}: model keys missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
 
 
 def load_full_model(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
