@@ -491,7 +491,7 @@ class CommOptimizer(torch.optim.Optimizer):
             if moms:
                 prefix = "diag/momentum_spread_after_sync" if after_sync else "diag/momentum_spread"
                 report.diagnostics.update(momentum_spread(moms, world_size=self.world_size, group=self.group,
-                                                          stats=stats, prefix=prefix))
+                                                          stats=stats, prefix=prefix, shard_group=self.shard_group))
         return self.clock.now() - t0
 
     def _sync_momenta(self) -> None:

@@ -24,7 +24,6 @@ def test_sharded_equals_replicated(tmp_path) -> None:
     ("muon", ["parallel.shard_size=2"], "optim.name=muon does not run on sharded parameters"),
     ("dion", ["parallel.shard_size=2"], "optim.name=dion does not run on sharded parameters"),
     ("lioncub_hier", ["parallel.shard_size=2"], "comm.mode=hierarchical does not run across replicas"),
-    ("lioncub_1bit", ["parallel.shard_size=2", "diag.every=5"], "diag.every"),
     ("lion_fp32", ["parallel.shard_size=2", "comm.bucket_mb=1"], "comm.bucket_mb"),
 ])
 def test_config_errors_name_the_key(variant, overrides, message) -> None:

@@ -11,6 +11,7 @@ process group; every run is a real Trainer whose steps are driven here:
   gathered in the shard group, is the same on all 4 ranks), and FSDP still writes its gradient
   into the optimizer's flat buffer;
 - bytes per step across the replicate axis equal the scheme's formula on N / S elements;
+- the Lion Cub diagnostics at S = 2 are reduced over the shard group (the same on every rank);
 - pbit, bf16, the parameter server, LoCo, BinSGDM and 1-bit Adam run at S = 2 with identical
   replicas, the formula's bytes and a finite loss (3 steps say nothing of quality);
 - the memory model's parameter + gradient + optimizer-state bytes are within 15 % of the tensors.
@@ -57,7 +58,7 @@ def full_params(tr: Trainer) -> list[torch.Tensor]:
     return [(p.full_tensor() if tr.parallel.sharded else p).detach().clone() for p in ps]
 
 
-def run(variant: str, extra: list[str], tmp: Path) -> dict:
+def run(variant: str, extra: list[str], tmp: Path, diagnose: bool = False) -> dict:
     info = INFO
     out = tmp / f"{variant}_{'_'.join(x.replace('=', '-') for x in extra)}"
     cfg = load_config(ROOT / "configs" / "variants" / f"{variant}.yaml", BASE + extra + [f"train.out_dir={out}"])
@@ -65,8 +66,8 @@ def run(variant: str, extra: list[str], tmp: Path) -> dict:
     losses, reports, gnorms = [], [], []  # gnorms: of the (clipped) whole gradient after each step
     init = full_params(tr)
     try:
-        for _ in range(STEPS):
-            r = tr.train_step()
+        for k in range(STEPS):
+            r = tr.train_step(diagnose=diagnose and k == STEPS - 1)
             losses.append(r["loss"])
             gnorms.append(float(tr.optimizer._grad_norm(list(tr.optimizer.grad_buffers.values()))))
             reports.append(r["report"])
@@ -141,8 +142,14 @@ def main(tmp: str) -> None:
     same(ref, run("lion_fp32", ["parallel.shard_size=2"], tmp_dir), "lion fp32 S=2 vs replicated", signs=True)
     # no clipping: the hierarchical run clips every rank's own gradient, the sharded one the group's mean
     hier = run("lioncub_hier", ["comm.node_size=2", "optim.grad_clip=0"], tmp_dir)
-    res = run("lioncub_1bit", ["parallel.shard_size=2", "optim.grad_clip=0"], tmp_dir)
+    res = run("lioncub_1bit", ["parallel.shard_size=2", "optim.grad_clip=0"], tmp_dir, diagnose=True)
     check_bytes(res, "update_sync")
+    # diagnostics on shards: reduced over the shard group, the same numbers on every rank
+    diag = res["reports"][-1].diagnostics
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, diag)
+    assert all(d == everyone[0] for d in everyone), "diagnostics differ across the ranks of a shard group"
+    assert 0 < diag["diag/sign_match"] < 1 and 0 < diag["diag/tie_rate"] < 1 and diag["diag/momentum_spread"] > 0, diag
     check_memory(res)
     same(hier, res, "onebit S=2 vs hierarchical node_size=2", signs=True, norms=False)  # update sync: local norms
     # the other modes across replicas on shards: replicas identical every step (in run), bytes = formula
