@@ -40,3 +40,13 @@ def test_config_errors_name_the_key(variant, overrides, message) -> None:
 def test_sharded_checkpoint_resumes_exactly(tmp_path) -> None:
     proc = torchrun(4, "parallel_ckpt.py", str(tmp_path / "runs"), timeout=300)
     assert "parallel_ckpt: checks passed" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("cmd", [["-m", "launch.netsim", "--nproc", "4", "--nodes", "3", "--", "true"],
+                                 ["-m", "bench.step_breakdown", "--nproc", "4", "--nodes", "3", "--report-only"]])
+def test_nodes_must_divide_nproc(cmd) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--nodes 3 must" in out.stderr and "divide --nproc 4" in out.stderr, out.stderr
