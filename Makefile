@@ -4,7 +4,7 @@ PYTHON ?= python3
 NPROC ?= 2
 CONFIG ?= configs/default.yaml
 
-.PHONY: install test train clean
+.PHONY: install test train clean gpu-check
 
 # torch==2.13.0 is the CPU build verified on our machines; an importable torch is kept as is.
 install:
@@ -19,6 +19,12 @@ test: install
 
 train: install
 	OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) train.py $(CONFIG) $(ARGS)
+
+# On a machine with a CUDA GPU: the CUDA-only tests, gpt2-124m on one GPU (bf16, torch.compile, compiled
+# kernels: tokens/s, MFU, peak memory, step breakdown), the packing kernels at 25M/250M, Lion Cub's
+# device memory against Lion's. Reports in bench/out/gpu_check/; launch/gpu_check.sh says more.
+gpu-check: install
+	bash launch/gpu_check.sh
 
 clean:
 	rm -rf runs/ .cache/ build/ *.egg-info

@@ -3,7 +3,7 @@
     python -m bench.packing [--n 25M] [--repeats 7] [--threads 1] [--P 4] [--device cpu]
 
 In one run, the median time of each hot path of the quantized schemes, eager reference vs the
-compiled kernels of optim.kernels, and its ratio to `copy_` of the n-element float32 input into
+compiled kernels of comm.kernels (and optim.lion's fused passes), and its ratio to `copy_` of the n-element float32 input into
 a preallocated buffer (the memory-bandwidth floor of one read + one write):
 
     1-bit pack        tie-broken signs -> packed bits (comm.vote.tb_packed)
@@ -35,9 +35,10 @@ import torch
 
 from comm import max_levels
 from comm.packing import pack_lanes
-from comm.vote import _local_majority, tb_packed
-from optim import kernels
-from optim.lion import apply_update_, lion_direction, momentum_update_
+from comm import kernels
+from comm.vote import local_majority, tb_packed
+from optim.lion import (apply_update_, fused_apply_update_, fused_lion_direction_, fused_lion_direction_momentum_,
+                        fused_momentum_update_, lion_direction, momentum_update_, warmup_fused_passes)
 
 from .comm import parse_size
 
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     t0 = time.perf_counter()
     compile_s = kernels.warmup(dev, bits=(4, 8), levels=(L4, L8), p=(1.0,), world_sizes=(P,),
-                               impl="compiled")
+                               impl="compiled") + warmup_fused_passes(dev, impl="compiled")
     warm_wall = time.perf_counter() - t0
 
     g = torch.Generator(device=dev)
@@ -163,26 +164,26 @@ def main(argv: list[str] | None = None) -> dict:
         momentum_update_(mv, gv, b2)
 
     def lion_comp():
-        kernels.lion_direction_momentum_(mv, gv, b1, b2, cv, impl="compiled")
+        fused_lion_direction_momentum_(mv, gv, b1, b2, cv, impl="compiled")
 
     rows: list[tuple[str, Callable, Callable | None]] = [
         ("copy_ float32 into buffer", lambda: dst.copy_(x), None),
         ("1-bit tb sign -> packed bits", lambda: tb_packed(x, 1), lambda: kernels.sign_pack(x, 1, impl="compiled")),
         (f"L1 quantize -> 4-bit lanes (L={L4})", q_eager(4, L4), q_comp(4, L4)),
         (f"L1 quantize -> 8-bit lanes (L={L8})", q_eager(8, L8), q_comp(8, L8)),
-        (f"unpack + majority (P={P}, n/8 B in)", lambda: _local_majority(recv, P, 1),
+        (f"unpack + majority (P={P}, n/8 B in)", lambda: local_majority(recv, P, 1),
          lambda: kernels.unpack_majority(recv, P, 1, impl="compiled")),
         (f"unpack + sum (4-bit, P={P}) -> int32", sum_eager(False),
          lambda: kernels.unpack_sum(wire4, 4, n, L4, P, out=sums, impl="compiled")),
         (f"unpack + sum + sign (4-bit, P={P})", sum_eager(True),
          lambda: kernels.unpack_sum(wire4, 4, n, L4, P, sign=True, out=upd, impl="compiled")),
         ("Lion direction c", lambda: lion_direction(mv, gv, b1, out=cv),
-         lambda: kernels.lion_direction_(mv, gv, b1, cv, impl="compiled")),
+         lambda: fused_lion_direction_(mv, gv, b1, cv, impl="compiled")),
         ("Lion momentum m", lambda: momentum_update_(mv, gv, b2),
-         lambda: kernels.momentum_update_(mv, gv, b2, impl="compiled")),
+         lambda: fused_momentum_update_(mv, gv, b2, impl="compiled")),
         ("Lion direction + momentum", lion_eager, lion_comp),
         ("Lion apply p (u = sign)", lambda: apply_update_(pv, uv, lr, wd),
-         lambda: kernels.apply_update_(pv, uv, lr, wd, u_is_sign=True, impl="compiled")),
+         lambda: fused_apply_update_(pv, uv, lr, wd, u_is_sign=True, impl="compiled")),
     ]
 
     # byte-identity of everything timed (the Lion passes on copies of the state)
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
     apply_update_(pv, uv, lr, wd)
     pe = p.clone()
     p.copy_(p0)
-    kernels.apply_update_(pv, uv, lr, wd, u_is_sign=True, impl="compiled")
+    fused_apply_update_(pv, uv, lr, wd, u_is_sign=True, impl="compiled")
     checks["Lion apply p (u = sign)"] = torch.equal(pe, p)
     p.copy_(p0)
 

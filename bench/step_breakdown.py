@@ -54,7 +54,7 @@ DEFAULT_OVERRIDES = ["model.preset=tiny", "model.tie_embeddings=false", "data.ba
 CALIB_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
 
 COLUMNS = ["rate", "variant", "status", "steps", "step_ms", "compute_ms", "comm_ms", "coll_ms", "pack_ms",
-           "other_ms", "comm_share", "comm_bytes", "peak_rss_mib", "peak_mem_gib", "speedup", "speedup_vs_overlap",
+           "other_ms", "comm_share", "comm_bytes", "tokens_per_s", "mfu", "peak_rss_mib", "peak_mem_gib", "speedup", "speedup_vs_overlap",
            "comm_reduction",
            "pred_comm_ms", "coll_over_pred", "comm_over_pred", "alpha_us", "beta_ns_per_bit", "n_params", "load1"]
 
@@ -165,6 +165,9 @@ def summarize_run(records: list[dict], warmup: int) -> dict:
            "comm_bytes": median(r["comm_bytes"] for r in recs)}
     mem = [r["peak_mem_gib"] for r in recs if "peak_mem_gib" in r]
     out["peak_mem_gib"] = max(mem) if mem else None
+    out["tokens_per_s"] = median(r["tokens_per_s"] for r in recs) if all("tokens_per_s" in r for r in recs) else None
+    mfu = [r["mfu"] for r in recs if "mfu" in r]  # CUDA with a known peak only (trainer.logger.peak_flops)
+    out["mfu"] = median(mfu) if len(mfu) == len(recs) else None
     return out
 
 
@@ -306,21 +309,23 @@ def table4_markdown(rows: list[dict], rates: list[str], variants: list[str]) -> 
 def detail_markdown(rows: list[dict], rate: str, variants: list[str]) -> str:
     by = {r["variant"]: r for r in rows if r["rate"] == rate}
     gpu = any(r.get("peak_mem_gib") for r in by.values())
-    lines = [f"| variant | step (ms) | compute | comm (coll + pack) | other | comm % | bytes/step/rank | "
-             f"peak RSS/rank (MiB) | speedup | vs overlapped fp32 | comm ÷ | model comm (ms) | coll / model |"
+    lines = [f"| variant | step (ms) | compute | comm (coll + pack) | other | comm % | bytes/step/rank | tokens/s | "
+             f"MFU | peak RSS/rank (MiB) | speedup | vs overlapped fp32 | comm ÷ | model comm (ms) | coll / model |"
              f"{' peak device mem/rank (MiB) |' if gpu else ''}",
-             "|---|" + "---:|" * (13 if gpu else 12)]
+             "|---|" + "---:|" * (15 if gpu else 14)]
     for v in variants:
         r = by.get(v)
         if r is None:
             continue
         if r.get("status") != "ok":
-            lines.append(f"| {v} | {r.get('status')} |" + " |" * 11)
+            lines.append(f"| {v} | {r.get('status')} |" + " |" * 13)
             continue
         lines.append(
             f"| {v} | {_f(r['step_ms'], '.0f')} | {_f(r['compute_ms'], '.0f')} | {_f(r['comm_ms'], '.0f')} "
             f"({_f(r['coll_ms'], '.0f')} + {_f(r['pack_ms'], '.0f')}) | {_f(r['other_ms'], '.0f')} | "
             f"{_f(100 * r['comm_share'], '.1f')} | {_f(r['comm_bytes'] / 1e6, '.2f')} MB | "
+            f"{_f(r.get('tokens_per_s'), ',.0f')} | "
+            f"{_f(100 * r['mfu'] if r.get('mfu') is not None else None, '.1f')}{' %' if r.get('mfu') is not None else ''} | "
             f"{_f(r.get('peak_rss_mib'), '.0f')} | {_f(r.get('speedup'), '.2f')}x | "
             f"{_f(r.get('speedup_vs_overlap'), '.2f')}x | "
             f"{_f(r.get('comm_reduction'), '.1f')}x | {_f(r.get('pred_comm_ms'), '.0f')} | "

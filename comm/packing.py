@@ -32,6 +32,12 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def lanes_per_word(bits: int) -> int:
+    """Lanes per wire word (the project's one lane rule): 8 / bits per byte for bits in {1, 2, 4,
+    8}; bits = 16 travels as int32 words of two lanes (neither gloo nor NCCL reduces int16)."""
+    return 2 if bits == 16 else 8 // bits
+
+
 def _lut(bits: int, device: torch.device, signs: bool = False) -> torch.Tensor:
     """Table mapping a packed byte to its 8/bits lanes, one lane per byte, as one word per row.
     With signs=True (bits=1) the lanes are int8 -1/+1 instead of 0/1."""

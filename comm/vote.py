@@ -44,15 +44,20 @@ def count_dtype(P: int) -> torch.dtype:
     return torch.uint8 if P <= 255 else torch.int32
 
 
+def majority_threshold(P: int, step: int) -> int:
+    """The least count c of "+" votes among P with tb(2c - P, step) = +1 (the project's one
+    majority rule). Exact threshold form, no subtraction in a narrow dtype: 2c - P > 0 or
+    (2c - P == 0 and odd step) <=> c >= ceil(P / 2) on odd steps; 2c - P > 0 <=> c >= floor(P / 2)
+    + 1 on even steps."""
+    return (P + 1) // 2 if step % 2 else P // 2 + 1
+
+
 def majority_flags(plus: torch.Tensor, P: int, step: int) -> torch.Tensor:
-    """Flags (bool) of tb(2 * plus - P, step) for counts `plus` of "+" votes among P.
-
-    Exact threshold form, no subtraction in a narrow dtype: 2c - P > 0 or (2c - P == 0 and odd
-    step) <=> c >= ceil(P / 2) on odd steps; 2c - P > 0 <=> c >= floor(P / 2) + 1 on even steps."""
-    return plus >= ((P + 1) // 2 if step % 2 else P // 2 + 1)
+    """Flags (bool) of tb(2 * plus - P, step) for counts `plus` of "+" votes among P."""
+    return plus >= majority_threshold(P, step)
 
 
-def _local_majority(recv: torch.Tensor, P: int, step: int) -> torch.Tensor:
+def local_majority(recv: torch.Tensor, P: int, step: int) -> torch.Tensor:
     """recv: uint8[P * c] packed chunks from P ranks (row r = rank r) -> packed tb(2*plus - P)."""
     c = recv.numel() // P
     flags = torch.empty(P * c * 8, dtype=torch.uint8, device=recv.device)
@@ -83,6 +88,9 @@ def sign_vote_1bit(x: torch.Tensor, step: int, group=None,
             return unpack_signs(packed, n)
 
 
+_reference_majority = local_majority  # the parameter `local_majority` below shadows the name
+
+
 def _vote_packed(packed: torch.Tensor, step: int, group, timer: CallTimer,
                  local_majority=None) -> torch.Tensor:
     """Lion Cub §3 1-bit compressed allreduce of packed sign bits (uint8, length a multiple of
@@ -95,7 +103,7 @@ def _vote_packed(packed: torch.Tensor, step: int, group, timer: CallTimer,
     with timer.coll(sent=packed, recv=recv):
         dist.all_to_all_single(recv, packed, group=group)
     with timer.pack():
-        mine = (local_majority or _local_majority)(recv, P, step)
+        mine = (local_majority or _reference_majority)(recv, P, step)
     out = torch.empty_like(packed)
     with timer.coll(sent=mine, recv=out):
         _all_gather_single(out, mine, group=group)

@@ -40,10 +40,12 @@ def dataset_vocab_size(name_or_dir: str | os.PathLike) -> int | None:
 
 def dataset_tokenizer(name_or_dir: str | os.PathLike) -> str:
     """The tokenizer name a dataset was prepared with ("gpt2" for the built-in corpus and for
-    directories without a manifest)."""
+    directories without a manifest); a dataset's own tokenizer.json as its path."""
     from data.builtin import NAME
     from data.loader import tokenizer_vocab
+    from data.tokenizer import resolve_tokenizer
 
     if str(name_or_dir) == NAME:
         return "gpt2"
-    return tokenizer_vocab(Path(os.path.expanduser(str(name_or_dir))))[1] or "gpt2"
+    path = Path(os.path.expanduser(str(name_or_dir)))
+    return resolve_tokenizer(tokenizer_vocab(path)[1], path) or "gpt2"

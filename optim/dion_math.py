@@ -1,12 +1,14 @@
 """Dion's update (Ahn & Xu 2025) as pure tensor functions: one power iteration with error
 feedback for each m x n weight, centralized (Dion Alg. 1) and data-parallel (Dion Alg. 2).
 
-Owns the rank rule (dion_rank), the seeded right factor (init_dion_q), the step over a list of
-matrices (dion_step_), the exact wire volume (dion_wire_elements / dion_wire_bytes), the batched
-mean-allreduce callback over comm.allreduce_mean (make_reduce_mean) and the rank-r diagnostics.
+Owns the rank rule (dion_rank), the orientation rule (dion_transposed, dion_factor_rows), the
+seeded right factor (init_dion_q), the step over a list of matrices (dion_step_), the exact wire
+volume (dion_wire_elements / dion_wire_bytes), the batched mean-allreduce callback over
+comm.allreduce_mean (make_reduce_mean) and the rank-r diagnostics.
 
 Per matrix X (m, n) = (fan_out, fan_in) of an nn.Linear weight, with state M (m, n), Q (n, r),
-on every data-parallel rank i with its own gradient G_i and momentum M_i and the shared Q:
+on every data-parallel rank i with its own gradient G_i and momentum M_i and the shared Q
+(written for m >= n; see "Orientation" for wide matrices):
     B_i = M_i + G_i
     P   = Orthonormalize( mean_i B_i Q )        mean-allreduce #1 (all P of the step, one call)
     R   = mean_i B_i^T P                        mean-allreduce #2 (all R of the step, one call)
@@ -20,7 +22,20 @@ the two sides differ by the rounding of those products (and by the wire dtype's 
 identity mean_i M_i = mean_i B_i - (1 - mu) P R^T holds for whatever P, R were used, and P, R, Q,
 X are bit-identical on every rank because every rank computes them from the same reduced bits.
 
-Scale sqrt(m/n) = sqrt(fan_out/fan_in) (Dion §2.1; microsoft/dion's sqrt(X.size(0)/X.size(1))).
+Orientation. For a wide matrix (m < n) the step runs on the transpose by default, as
+microsoft/dion's `dion_reference` does (it transposes so that dim0 >= dim1): B^T (n, m) takes B's
+place above, so P = Orthonormalize(B^T Q) is n x r, R = B P and Q are m x r, the error feedback
+is M_i = B_i - (1 - mu) R P^T and the update X -= lr sqrt(m/n) Q P^T. The power iteration's left
+factor P then always lives on the longer side and Q (the state carried across steps) on the
+shorter one, min(m, n) x r. transpose_wide=False keeps P = B Q on the m side for every shape
+(this project's first convention; Q is n x r). Both are Dion; they are different algorithms on
+wide matrices (the one-step power iteration approximates the leading subspace from the other
+side, and the trajectories part by more than the weights move), equal on square and tall ones.
+The wire volume (m + n) r per matrix is the same; only the split between the P call (max(m, n) r
+by default) and the R call (min(m, n) r) changes.
+
+Scale sqrt(m/n) = sqrt(fan_out/fan_in) of X's own shape in either orientation (Dion §2.1;
+microsoft/dion's sqrt(X.size(0)/X.size(1)), taken from the untransposed weight).
 Q starts as a random orthonormal frame from a seed, so every rank draws the same Q without a
 broadcast (microsoft/dion draws a Gaussian Q and broadcasts it). Computation is in float32 (float64 for float64 state).
 """
@@ -59,11 +74,23 @@ def dion_rank(m: int, n: int, *, rank_fraction: float = DEFAULT_RANK_FRACTION, r
     return max(1, math.ceil(rank_fraction * min(m, n)))
 
 
+def dion_transposed(m: int, n: int, transpose_wide: bool = True) -> bool:
+    """Whether dion_step_ runs the power iteration on the transpose of an (m, n) matrix: for a wide
+    one (m < n) when transpose_wide (the default, microsoft/dion's dion_reference), never otherwise."""
+    return bool(transpose_wide) and m < n
+
+
+def dion_factor_rows(m: int, n: int, transpose_wide: bool = True) -> tuple[int, int]:
+    """(rows of P, rows of Q and R) of an (m, n) matrix's factors: (max(m, n), min(m, n)) by
+    default, (m, n) with transpose_wide=False. init_dion_q takes the second."""
+    return (n, m) if dion_transposed(m, n, transpose_wide) else (m, n)
+
+
 def init_dion_q(n: int, r: int, *, seed: int, dtype: torch.dtype = torch.float32,
                 device: torch.device | str | None = None) -> torch.Tensor:
-    """Initial right factor Q (n, r): a random orthonormal frame (the QR factor of a Gaussian
-    matrix) drawn on the CPU in float64 from `seed`, so every rank (and every device type) gets
-    the same bits; give each matrix its own seed. Only span and conditioning matter
+    """Initial right factor Q (n, r), n = dion_factor_rows(...)[1]: a random orthonormal frame
+    (the QR factor of a Gaussian matrix) drawn on the CPU in float64 from `seed`, so every rank
+    (and every device type) gets the same bits; give each matrix its own seed. Only span and conditioning matter
     (Orthonormalize(B Q D) = Orthonormalize(B Q) for a positive diagonal D): an orthonormal frame
     keeps B Q as well conditioned as B, where a square Gaussian Q at full rank can be nearly
     singular; its unit columns match the state after every step."""
@@ -76,7 +103,8 @@ def init_dion_q(n: int, r: int, *, seed: int, dtype: torch.dtype = torch.float32
 
 def dion_wire_elements(shapes: Iterable[tuple[int, int, int]]) -> int:
     """Elements one rank hands to the two mean-allreduces of one step, for matrices (m, n, r):
-    P is m x r and R is n x r, so sum of (m + n) * r (Dion §2.2: "(m + n) r per step")."""
+    P and R are m x r and n x r (or n x r and m x r, transposed), so sum of (m + n) * r (Dion
+    §2.2: "(m + n) r per step") in either orientation."""
     total = 0
     for m, n, r in shapes:
         if not 1 <= r <= min(m, n):
@@ -109,7 +137,8 @@ def make_reduce_mean(group=None, wire_dtype: torch.dtype = torch.float32,
 @dataclass
 class DionFactors:
     """What one matrix's step used: P (m, r) orthonormal columns and R (n, r) = mean_i B_i^T P,
-    both identical on every rank, in the compute dtype. With diagnostics, `residual_norm` is
+    both identical on every rank, in the compute dtype; for a transposed matrix (dion_transposed)
+    B is read as B^T, so P is (n, r) and R (m, r). With diagnostics, `residual_norm` is
     ||B_i - P R^T||_F (the part of this rank's B that was not applied and stays in M_i beyond
     the decayed mu P R^T) and `rel_error` = residual_norm / ||B_i||_F, the relative error of the
     rank-r approximation (0-dim float64 tensors, this rank's B_i; None without diagnostics)."""
@@ -133,9 +162,11 @@ def dion_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], mo
                qs: Sequence[torch.Tensor], *, lr: float | Sequence[float], mu: float = 0.95,
                weight_decay: float | Sequence[float] = 0.0, scale: float | Sequence[float] | None = None,
                reduce_mean: ReduceMean | None = None, ortho: str = "qr", eps: float = 1e-8,
-               diagnostics: bool = False, error_feedback: bool = True) -> list[DionFactors]:
+               diagnostics: bool = False, error_feedback: bool = True,
+               transpose_wide: bool = True) -> list[DionFactors]:
     """One Dion step for every matrix of the lists, in place: params X (m, n), momenta M (m, n) and
-    right factors Q (n, r) are updated; grads G (m, n) are read. Returns one DionFactors each.
+    right factors Q (k, r) are updated, k = dion_factor_rows(m, n, transpose_wide)[1] (min(m, n)
+    by default, n with transpose_wide=False); grads G (m, n) are read. Returns one DionFactors each.
 
     reduce_mean(list) -> list of the means over data-parallel ranks (same shapes). It is called
     exactly twice per call, once with every matrix's P and once with every R, so a caller steps
@@ -145,7 +176,8 @@ def dion_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], mo
     lr, weight_decay, scale: one number or one per matrix; scale None is dion_scale(m, n) =
     sqrt(fan_out/fan_in). mu: momentum decay (Dion's 0.95). ortho: "qr" | "cholesky_qr" (see
     orthonormalize_columns). eps: added to R's column norms in the update's ColumnNormalize
-    (microsoft/dion's 1e-8), so an all-zero B moves X by weight decay only.
+    (microsoft/dion's 1e-8), so an all-zero B moves X by weight decay only. transpose_wide: run
+    wide matrices (m < n) on their transpose (the module docstring's "Orientation").
     """
     k = len(params)
     if not (len(grads) == len(momenta) == len(qs) == k):
@@ -162,9 +194,17 @@ def dion_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], mo
         if X.ndim != 2 or G.shape != X.shape or M.shape != X.shape:
             raise ValueError(f"dion_step_: matrix {i}: param {tuple(X.shape)}, grad {tuple(G.shape)}, momentum "
                              f"{tuple(M.shape)}; need three equal 2-D shapes")
-        if Q.ndim != 2 or Q.size(0) != X.size(1) or not 1 <= Q.size(1) <= min(X.shape):
-            raise ValueError(f"dion_step_: matrix {i}: Q has shape {tuple(Q.shape)} for a {tuple(X.shape)} param; "
-                             f"need ({X.size(1)}, r) with 1 <= r <= {min(X.shape)} (see dion_rank, init_dion_q)")
+        k_rows = dion_factor_rows(*X.shape, transpose_wide)[1]
+        if Q.ndim != 2 or Q.size(0) != k_rows or not 1 <= Q.size(1) <= min(X.shape):
+            raise ValueError(f"dion_step_: matrix {i}: Q has shape {tuple(Q.shape)} for a {tuple(X.shape)} param "
+                             f"with transpose_wide={transpose_wide}; need ({k_rows}, r) with 1 <= r <= "
+                             f"{min(X.shape)} (see dion_factor_rows, dion_rank, init_dion_q)")
+    # a transposed matrix runs on views: X^T, G^T, M^T take the places of X, G, M below, and every
+    # in-place update of a view lands in the matrix itself
+    flip = [dion_transposed(*X.shape, transpose_wide) for X in params]
+    params = [X.mT if f else X for X, f in zip(params, flip)]
+    grads = [G.mT if f else G for G, f in zip(grads, flip)]
+    momenta = [M.mT if f else M for M, f in zip(momenta, flip)]
 
     # B_i = M_i + G_i, kept in the momentum buffer; P_i = B_i Q (local)
     Bs, P_local = [], []
@@ -211,7 +251,8 @@ def dion_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], mo
 
 def low_rank_residual(B: torch.Tensor, P: torch.Tensor, R: torch.Tensor) -> tuple[float, float]:
     """(||B - P R^T||_F, ||B - P R^T||_F / ||B||_F) formed explicitly in float64: the norm of the
-    error-feedback residual and the relative error of the rank-r approximation. An m x n
+    error-feedback residual and the relative error of the rank-r approximation (pass B^T for a
+    transposed matrix, whose factors are P (n, r), R (m, r)). An m x n
     temporary; dion_step_(diagnostics=True) gets the same numbers without one."""
     B64 = B.double()
     res = torch.linalg.matrix_norm(B64 - P.double() @ R.double().mT).item()
@@ -219,5 +260,6 @@ def low_rank_residual(B: torch.Tensor, P: torch.Tensor, R: torch.Tensor) -> tupl
     return res, (res / nb if nb > 0 else 0.0)
 
 
-__all__ = ["DEFAULT_RANK_FRACTION", "DionFactors", "ReduceMean", "dion_rank", "dion_scale", "dion_step_",
-           "dion_wire_bytes", "dion_wire_elements", "init_dion_q", "low_rank_residual", "make_reduce_mean"]
+__all__ = ["DEFAULT_RANK_FRACTION", "DionFactors", "ReduceMean", "dion_factor_rows", "dion_rank", "dion_scale",
+           "dion_step_", "dion_transposed", "dion_wire_bytes", "dion_wire_elements", "init_dion_q",
+           "low_rank_residual", "make_reduce_mean"]

@@ -19,8 +19,8 @@ import torch
 
 from . import sync
 from .base import CommOptimizer
-from . import kernels
 from .diagnostics import vote_diagnostics
+from .lion import fused_apply_update_, fused_lion_direction_, fused_momentum_update_, warmup_fused_passes
 
 
 class DistributedLion(CommOptimizer):
@@ -43,7 +43,8 @@ class DistributedLion(CommOptimizer):
         self._c: torch.Tensor | None = None
         self.keep_c = self.layout.device.type != "cuda"
 
-    _uses_lion_kernels = True
+    def _warmup_own_kernels(self) -> float:
+        return warmup_fused_passes(self.layout.device, impl=self.kernels)
 
     @property
     def c_flat(self) -> torch.Tensor:
@@ -74,7 +75,7 @@ class DistributedLion(CommOptimizer):
         for k in range(len(lay.entries)):
             e = lay.entries[k]
             if b.lo <= e.offset < b.hi:
-                kernels.lion_direction_([self._momentum(e.param)], [e.param.grad],
+                fused_lion_direction_([self._momentum(e.param)], [e.param.grad],
                                         self.param_groups[e.group]["betas"][0], lay.views(self.c_flat, [k]),
                                         impl=self.kernels)
         return self.c_flat[b.lo:b.hi]
@@ -86,7 +87,7 @@ class DistributedLion(CommOptimizer):
             params = lay.params(ks)
             grads_by_group[gi], moms_by_group[gi] = [p.grad for p in params], [self._momentum(p) for p in params]
             if self._buckets is None:
-                kernels.lion_direction_(moms_by_group[gi], grads_by_group[gi], self.param_groups[gi]["betas"][0],
+                fused_lion_direction_(moms_by_group[gi], grads_by_group[gi], self.param_groups[gi]["betas"][0],
                                         lay.views(c, ks), impl=self.kernels)
 
         if self._buckets is None:
@@ -98,9 +99,9 @@ class DistributedLion(CommOptimizer):
         sign = not update.is_floating_point()
         for gi, ks in lay.per_group.items():
             g = self.param_groups[gi]
-            kernels.apply_update_(lay.params(ks), lay.views(update, ks), float(g["lr"]), float(g["weight_decay"]),
+            fused_apply_update_(lay.params(ks), lay.views(update, ks), float(g["lr"]), float(g["weight_decay"]),
                                   u_is_sign=sign, impl=self.kernels)
-            kernels.momentum_update_(moms_by_group[gi], grads_by_group[gi], g["betas"][1], impl=self.kernels)
+            fused_momentum_update_(moms_by_group[gi], grads_by_group[gi], g["betas"][1], impl=self.kernels)
         if not self.keep_c:
             self._c = None  # freed once the caller drops the returned c (diagnostics read it)
         return {"c": c, "update": update}

@@ -41,11 +41,19 @@ def newton_schulz(G: torch.Tensor, steps: int = NS_STEPS, eps: float = 1e-7,
                   dtype: torch.dtype | None = None) -> torch.Tensor:
     """Approximate orthogonal polar factor of G (..., m, n), batched over leading dimensions.
 
-    dtype None computes in bfloat16 on CUDA (as modded-nanogpt does; the iteration tolerates bf16)
-    and float32 elsewhere; pass a dtype to force one (float64 gives the exact-arithmetic map to
-    ~1e-12). The matrix is transposed so the Gram matrix X X^T is the smaller of the two, and
-    divided by its Frobenius norm (+ eps) first so every singular value is <= 1, where p is
-    designed to act. Returns a tensor of G's dtype and shape."""
+    dtype None computes in bfloat16 on CUDA (as modded-nanogpt and torch.optim.Muon do; the
+    iteration tolerates bf16) and float32 elsewhere; pass a dtype to force one (float64 gives the
+    exact-arithmetic map to ~1e-12). The matrix is transposed so the Gram matrix X X^T is the
+    smaller of the two, and divided by its Frobenius norm (at least eps) first so every singular
+    value is <= 1, where p is designed to act. Returns a tensor of G's dtype and shape.
+
+    Rounding. Each iteration is two fused multiply-adds, B = b A + c A A and X = a X + B X
+    (addmm / baddbmm, as torch.optim.Muon): the GEMM accumulates in float32 and the sum is
+    rounded to `dtype` once, where forming A A, scaling it and adding b A as three bf16 tensors
+    rounds three times; the normalisation divides in float32 and rounds once. In bf16 this lands
+    0.9-1.2 % (Frobenius, relative) from the exact-arithmetic map, as torch.optim.Muon does; the
+    unfused form lands 2.6-4 % on CPU and 1.1-1.8 % on an H200 (tests/test_orthogonal.py checks
+    the CPU numbers). The fused form is no slower (H200: 0.32 against 0.38 ms at 768 x 3072)."""
     if G.ndim < 2:
         raise ValueError(f"newton_schulz: G has shape {tuple(G.shape)}; need a matrix (..., m, n). "
                          "1-D parameters (biases, norms) belong to the scalar optimizer (AdamW/Lion)")
@@ -54,18 +62,21 @@ def newton_schulz(G: torch.Tensor, steps: int = NS_STEPS, eps: float = 1e-7,
     if dtype is None:
         dtype = torch.bfloat16 if G.is_cuda else torch.float32
     a, b, c = NS_COEFFS
-    X = G.to(dtype)
-    transposed = X.size(-2) > X.size(-1)
-    if transposed:
-        X = X.mT
-    # the norm is accumulated in float32 even for bf16 input
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=_compute_dtype(dtype))
-    X = X / (norm + eps).to(dtype)
+    transposed = G.size(-2) > G.size(-1)
+    X = G.mT if transposed else G
+    if X.ndim > 3:  # baddbmm takes one batch dimension
+        X = X.reshape(-1, *X.shape[-2:])
+    # normalise in the accumulation dtype (float32 for bf16 input), round to `dtype` once
+    work = X.to(_compute_dtype(dtype))
+    norm = torch.linalg.vector_norm(work, dim=(-2, -1), keepdim=True)
+    X = (work / norm.clamp_min(eps)).to(dtype)
+    fma = torch.addmm if X.ndim == 2 else torch.baddbmm
     for _ in range(steps):
-        A = X @ X.mT                     # (.., k, k) with k = min(m, n)
-        B = A @ A
-        B.mul_(c).add_(A, alpha=b)       # b A + c A^2
-        X = torch.add(B @ X, X, alpha=a)  # a X + (b A + c A^2) X
+        A = X @ X.mT                                  # (.., k, k) with k = min(m, n)
+        B = fma(A, A, A, beta=b, alpha=c)             # b A + c A^2
+        X = fma(X, B, X, beta=a)                      # a X + (b A + c A^2) X
+    if G.ndim > 3:
+        X = X.reshape(*G.shape[:-2], *X.shape[-2:])
     if transposed:
         X = X.mT
     return X.to(G.dtype)

@@ -42,6 +42,22 @@ def test_summarize_run_drops_warmup_and_takes_medians():
         sb.summarize_run(recs, warmup=4)
 
 
+def test_summarize_run_reports_throughput_and_mfu_only_when_every_step_has_it():
+    recs = [_rec(1, 50, 1, 40, 0, 0, 5, tokens_per_s=1.0, mfu=0.01),   # warm-up (compile): dropped
+            _rec(2, 30, 1, 20, 0, 0, 5, tokens_per_s=400.0, mfu=0.40),
+            _rec(3, 31, 1, 20, 0, 0, 5, tokens_per_s=390.0, mfu=0.39),
+            _rec(4, 32, 1, 20, 0, 0, 5, tokens_per_s=380.0, mfu=0.38)]
+    s = sb.summarize_run(recs, warmup=1)
+    assert s["tokens_per_s"] == 390.0 and s["mfu"] == pytest.approx(0.39)
+    del recs[2]["mfu"]                     # CPU / unknown GPU: no MFU in a record -> no made-up number
+    s = sb.summarize_run(recs, warmup=1)
+    assert s["mfu"] is None and s["tokens_per_s"] == 390.0
+    row = {"rate": "unlimited", "variant": "lion_fp32", "status": "ok", **sb.summarize_run(recs[:2] + recs[3:], 1)}
+    line = next(ln for ln in sb.detail_markdown([row], "unlimited", ["lion_fp32"]).splitlines()
+                if ln.startswith("| lion_fp32"))
+    assert "| 390 |" in line and "| 39.0 % |" in line
+
+
 def test_speedup_and_comm_reduction_per_rate():
     rows = [{"rate": "1gbit", "variant": "lion_fp32", "status": "ok", "step_ms": 900.0, "comm_ms": 700.0},
             {"rate": "1gbit", "variant": "lioncub_4bit", "status": "ok", "step_ms": 300.0, "comm_ms": 70.0},

@@ -1,4 +1,4 @@
-"""optim.kernels: the compiled kernels give the eager reference's bytes, sums and updates.
+"""comm.kernels and optim.lion's fused passes: the compiled kernels give the eager reference's bytes, sums and updates.
 
 Every compiled-kernel test runs on each device here (the `dev` fixture): on CPU (inductor's C++
 backend) always, and on CUDA (Triton) where a GPU is visible; inputs are drawn on the CPU and
@@ -12,6 +12,7 @@ exact rational arithmetic for the fused multiply-add), so a shared bug cannot pa
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from fractions import Fraction
 
@@ -20,9 +21,10 @@ import pytest
 import torch
 
 from comm import max_levels
-from comm.packing import unpack_bits
-from comm.vote import _local_majority, tb_packed
-from optim import kernels as K
+from comm.packing import unpack_bits, unpack_signs
+from comm import kernels as K
+from comm.vote import local_majority, tb_packed
+from optim import lion as Lion
 from optim.lion import apply_update_, lion_direction, momentum_update_
 
 compiled = pytest.mark.skipif(K.compile_unavailable("cpu") is not None,
@@ -192,6 +194,61 @@ def test_quantize_pack_many_short_segments(bits, levels, dev):
         assert torch.equal(got, K.wire_of(K.quantize_q(cb, segs, levels, 1.0), levels, bits))
 
 
+def _layout(sizes: list[int]) -> list[tuple[int, int]]:
+    segs, off = [], 0
+    for m in sizes:
+        segs.append((off, m))
+        off += m
+    return segs
+
+
+@compiled
+@pytest.mark.parametrize("bits,levels", [(4, 7), (8, 127), (16, 127)])
+def test_quantize_pack_one_pass_matches_the_per_tensor_reference(bits, levels, dev):
+    """The one-pass quantizer (whole blocks of the flat vector in one kernel, the boundary blocks
+    gathered) against quantize_q's per-tensor lp_quantize: tensors of tiny (1e-30) and huge
+    (1e30) norm side by side, a zero tensor, a tie tensor (+-1: x * L / 2 exactly halfway),
+    tensors of odd lengths that straddle block boundaries or fit inside one, one tensor alone,
+    and a layout of 300 small tensors; p = 0, 0.5, 1, 2, inf."""
+    B = K.QBLOCK
+    sizes = [3 * B + 1, 7, B - 3, 2 * B + 5, 1, B, 129, 5 * B + 11]
+    scale = [1e-30, 1.0, 1e30, 0.0, 3.0, -1.0, 1e-3, 1e3]
+    parts = []
+    for i, (m, sc) in enumerate(zip(sizes, scale)):
+        v = _values("tie" if i == 6 else "random", m, seed=i)
+        parts.append(v * sc if sc else torch.zeros(m))
+    cases = [(torch.cat(parts), _layout(sizes)), (_values("random", 4 * B + 3, seed=9), [(0, 4 * B + 3)])]
+    small = torch.randint(1, 60, (300,), generator=_gen(11)).tolist()
+    cases.append((_values("random", sum(small), seed=12), _layout(small)))
+    for c, segs in cases:
+        c = c.to(dev)
+        for p in (0.0, 0.5, 1.0, 2.0, math.inf):
+            got = K.quantize_pack(c, segs, levels, p, 2.0, bits, impl="compiled")
+            want = K.wire_of(K.quantize_q(c, segs, levels, p), levels, bits)
+            assert got.dtype == want.dtype and torch.equal(got, want), (p, len(segs))
+
+
+@compiled
+def test_quantize_pack_launches_do_not_grow_with_the_number_of_tensors(monkeypatch):
+    """The quantize-and-pack pass is one kernel call whatever the number of tensors (the norms
+    are the reference's per-tensor reductions, see comm.kernels' exactness notes)."""
+    calls = []
+    real = K.compiled_kernel
+
+    def counting(fn, *static):
+        k = real(fn, *static)
+        return lambda *a: (calls.append(fn.__name__), k(*a))[1]
+
+    monkeypatch.setattr(K, "compiled_kernel", counting)
+    for ntensors in (1, 40, 400):
+        sizes = [257 + 31 * i for i in range(ntensors)] if ntensors > 1 else [4099]
+        c = _values("random", sum(sizes), seed=ntensors)
+        calls.clear()
+        got = K.quantize_pack(c, _layout(sizes), 7, 1.0, 2.0, 4, impl="compiled")
+        assert calls == ["_k_quant_blocks"], calls
+        assert torch.equal(got, K.wire_of(K.quantize_q(c, _layout(sizes), 7, 1.0), 7, 4))
+
+
 @compiled
 @pytest.mark.parametrize("bits,levels", [(4, 7), (8, 127)])
 def test_quantize_pack_stochastic_consumes_the_same_randoms(bits, levels, dev):
@@ -248,6 +305,9 @@ def test_unpack_sum(bits, n, dev):
             assert torch.equal(got, K.unpack_sum_reference(wire, bits, n, levels, P))
             sgn = K.unpack_sum(wire, bits, n, levels, P, sign=True, impl="compiled")
             assert sgn.dtype == torch.float32 and torch.equal(_bits(sgn.cpu()), _bits(torch.sign(want).float()))
+            for dt in (torch.float32, torch.int8):  # the eager sign: one-byte lanes against the offset
+                sgn = K.unpack_sum(wire, bits, n, levels, P, sign=True, dtype=dt, impl="eager")
+                assert sgn.dtype == dt and torch.equal(sgn.cpu(), torch.sign(want).to(dt))
             if bits == 4:  # an int8 update buffer (one more graph; one lane width is enough)
                 buf = torch.empty(n, dtype=torch.int8, device=dev)
                 K.unpack_sum(wire, bits, n, levels, P, sign=True, dtype=torch.int8, out=buf, impl="compiled")
@@ -270,6 +330,7 @@ def test_unpack_sum_all_zero_votes_and_exact_ties(bits, dev):
         wire = _summed_wire(qs, levels, bits).to(dev)
         assert not K.unpack_sum(wire, bits, n, levels, P, impl="compiled").any()
         assert not K.unpack_sum(wire, bits, n, levels, P, sign=True, impl="compiled").any()
+        assert not K.unpack_sum(wire, bits, n, levels, P, sign=True, impl="eager").any()
 
 
 # ---- unpack -> majority --------------------------------------------------------------------------
@@ -299,7 +360,7 @@ def test_unpack_majority(P, c, dev):
         rd = recv.to(dev)
         for step in (1, 2):
             got = K.unpack_majority(rd, P, step, impl="compiled")
-            assert torch.equal(got, _local_majority(rd, P, step)), name
+            assert torch.equal(got, local_majority(rd, P, step)), name
             assert torch.equal(got.cpu(), _majority_independent(recv, P, step)), name
 
 
@@ -338,13 +399,13 @@ def test_fma32_is_correctly_rounded(dev):
     naive = (a[:4].double() * b[:4].double() + c[:4].double()).float()
     want = torch.tensor([_rational_fma32(*v) for v in zip(a.tolist(), b.tolist(), c.tolist())])
     assert (naive != want[:4]).all()
-    fma = torch.compile(lambda a, b, c: K._fma32(a, b, c), dynamic=True)
+    fma = torch.compile(lambda a, b, c: Lion._fma32(a, b, c), dynamic=True)
     ad, cd = a.to(dev), c.to(dev)
     got = torch.stack([fma(ad[i:i + 1].expand(64).contiguous(), float(b[i]), cd[i:i + 1].expand(64).contiguous())[0]
                        for i in range(4)]).cpu()
     assert torch.equal(got, want[:4])
     for bv in (1e-3, 0.1, 0.9, 0.01):
-        bb = K._f32(bv)
+        bb = K.f32(bv)
         got = fma(ad, bb, cd)
         want = torch.tensor([_rational_fma32(x, bb, z) for x, z in zip(a.tolist(), c.tolist())])
         assert torch.equal(got.cpu(), want)
@@ -380,13 +441,13 @@ def test_lion_passes_bit_identical(kind, dev):
         m_sep = [m.clone() for m in moms]
         ref = lion_direction(m_ref, grads, beta1, out=[torch.empty_like(o) for o in outs])
         momentum_update_(m_ref, grads, beta2)
-        K.lion_direction_momentum_(m_fused, grads, beta1, beta2, outs, impl="compiled")
+        Lion.fused_lion_direction_momentum_(m_fused, grads, beta1, beta2, outs, impl="compiled")
         for a, b in zip(outs, ref):
             assert torch.equal(_bits(a), _bits(b))
         for a, b in zip(m_fused, m_ref):
             assert torch.equal(_bits(a), _bits(b))
-        K.lion_direction_(m_sep, grads, beta1, outs, impl="compiled")
-        K.momentum_update_(m_sep, grads, beta2, impl="compiled")
+        Lion.fused_lion_direction_(m_sep, grads, beta1, outs, impl="compiled")
+        Lion.fused_momentum_update_(m_sep, grads, beta2, impl="compiled")
         for a, b, c, d in zip(outs, ref, m_sep, m_ref):
             assert torch.equal(_bits(a), _bits(b)) and torch.equal(_bits(c), _bits(d))
         for lr, wd in ((1e-3, 0.1), (3e-4, 0.0), (6e-5, 1.0)):
@@ -396,7 +457,7 @@ def test_lion_passes_bit_identical(kind, dev):
                 p_ref = [m.clone() for m in moms]
                 p_got = [m.clone() for m in moms]
                 apply_update_(p_ref, upd, lr, wd)
-                K.apply_update_(p_got, upd, lr, wd, u_is_sign=is_sign, impl="compiled")
+                Lion.fused_apply_update_(p_got, upd, lr, wd, u_is_sign=is_sign, impl="compiled")
                 for a, b in zip(p_got, p_ref):
                     assert torch.equal(_bits(a), _bits(b))
 
@@ -406,6 +467,7 @@ def test_lion_passes_bit_identical(kind, dev):
 def test_no_recompiles_across_lengths_and_hyperparameters(dev):
     """After a warm-up, new lengths, steps, P, levels and learning rates reuse the kernels."""
     K.warmup(dev, bits=(4,), levels=(1, 3), p=(1.0,), world_sizes=(2, 3), impl="compiled", check=True)
+    Lion.warmup_fused_passes(dev, impl="compiled")
     before = K.compile_seconds()
     with torch.compiler.set_stance("fail_on_recompile"):
         for n in (1000, 4099):
@@ -416,8 +478,8 @@ def test_no_recompiles_across_lengths_and_hyperparameters(dev):
             recv = torch.randint(0, 256, (4 * n,), dtype=torch.uint8, device=dev)
             K.unpack_majority(recv, 4, n, impl="compiled")
             m, g, o = torch.randn(n, device=dev), torch.randn(n, device=dev), torch.empty(n, device=dev)
-            K.lion_direction_momentum_([m], [g], 0.9 - 1e-3 * n / 1000, 0.99, [o], impl="compiled")
-            K.apply_update_([m], [torch.sign(o)], 1e-4 * n, 0.1, u_is_sign=True, impl="compiled")
+            Lion.fused_lion_direction_momentum_([m], [g], 0.9 - 1e-3 * n / 1000, 0.99, [o], impl="compiled")
+            Lion.fused_apply_update_([m], [torch.sign(o)], 1e-4 * n, 0.1, u_is_sign=True, impl="compiled")
     assert K.compile_seconds() == before
     assert K.compile_seconds() > 0 and all(v >= 0 for v in K.compile_seconds(detail=True).values())
 
@@ -426,23 +488,23 @@ def test_no_recompiles_across_lengths_and_hyperparameters(dev):
 def test_lion_passes_run_foreach_on_cuda(monkeypatch):
     """On CUDA Triton contracts fl(m*b1) + g*(1-b1) into an fma eager does not (1 ulp off, seen
     on an H100): every impl keeps the Lion passes on the foreach kernels there."""
-    monkeypatch.setattr(K, "_kernel", lambda *a: pytest.fail("a Lion pass was compiled on CUDA"))
+    monkeypatch.setattr(K, "compiled_kernel", lambda *a: pytest.fail("a Lion pass was compiled on CUDA"))
     m, g, out = (torch.randn(1000, device="cuda") for _ in range(3))
     for impl in ("auto", "compiled"):
-        K.lion_direction_momentum_([m], [g], 0.9, 0.99, [out], impl=impl)
-        K.apply_update_([m], [torch.sign(out)], 1e-3, 0.1, u_is_sign=True, impl=impl)
+        Lion.fused_lion_direction_momentum_([m], [g], 0.9, 0.99, [out], impl=impl)
+        Lion.fused_apply_update_([m], [torch.sign(out)], 1e-3, 0.1, u_is_sign=True, impl=impl)
 
 
 def test_every_kernel_has_its_own_code_object_and_source_file():
     """Dynamo's compiled-graph cache (8 graphs) is per code object. torch.compile up to 2.11 wraps
     a function without a source file (made by exec) in one shared frame, which put all kernels on
     one code object: the 9th graph raised under fullgraph (seen on the GPU machine, torch 2.11).
-    Each kernel is a distinct code object whose source file is optim/kernels.py."""
+    Each kernel is a distinct code object whose source file is comm/kernels.py."""
     import inspect
 
-    ks = [K._kernel(K._k_pack_v, b) for b in (1, 2, 4)] + [K._kernel(K._k_tb_lanes, 4), K._kernel(K._k_majority),
-                                                           K._kernel(K._k_unpack, 4, 4, None, None)]
-    assert K._kernel(K._k_pack_v, 2) is ks[1]  # cached per (kernel, static arguments)
+    ks = [K.compiled_kernel(K._k_pack_v, b) for b in (1, 2, 4)] + [K.compiled_kernel(K._k_tb_lanes, 4), K.compiled_kernel(K._k_majority),
+                                                           K.compiled_kernel(K._k_unpack, 4, 4, None, None)]
+    assert K.compiled_kernel(K._k_pack_v, 2) is ks[1]  # cached per (kernel, static arguments)
     assert len({id(k.fn.__code__) for k in ks}) == len(ks)
     for k in ks:
         assert inspect.isfunction(k.fn) and inspect.getsourcefile(k.fn) == inspect.getsourcefile(K)
@@ -468,13 +530,126 @@ def test_dispatch_and_fallback(monkeypatch):
     monkeypatch.delenv(K.NO_COMPILE_ENV)
     # "auto" leaves the Lion passes on the foreach kernels on CPU (compiled they are slower)
     with monkeypatch.context() as mp:
-        mp.setattr(K, "_kernel", lambda *a: pytest.fail("auto compiled a Lion pass on CPU"))
+        mp.setattr(K, "compiled_kernel", lambda *a: pytest.fail("auto compiled a Lion pass on CPU"))
         m, g, out = torch.randn(100), torch.randn(100), torch.empty(100)
-        K.lion_direction_momentum_([m], [g], 0.9, 0.99, [out], impl="auto")
-        K.apply_update_([m], [torch.sign(out)], 1e-3, 0.1, u_is_sign=True, impl="auto")
+        Lion.fused_lion_direction_momentum_([m], [g], 0.9, 0.99, [out], impl="auto")
+        Lion.fused_apply_update_([m], [torch.sign(out)], 1e-3, 0.1, u_is_sign=True, impl="auto")
     old = K.get_impl()
     try:
         K.set_impl("eager")
         assert torch.equal(K.sign_pack(x, 1), tb_packed(x, 1))
     finally:
         K.set_impl(old)
+
+
+# ---- comm.kernels=auto: chosen by measurement, never a candidate with other bytes ------------
+@pytest.fixture
+def fresh_auto(monkeypatch):
+    """impl="auto" with no measured choice yet, restored after the test."""
+    monkeypatch.setattr(K, "_auto", {})
+    monkeypatch.setattr(K, "_auto_log", [])
+
+
+def test_choose_never_keeps_a_candidate_whose_bytes_differ(fresh_auto):
+    x = torch.randn(100_000)
+    x[::7] = 0.0
+    ref = lambda: tb_packed(x, 1)  # noqa: E731
+    wrong = tb_packed(x, 2)  # other bytes (the zeros' tie break differs), returned at no cost
+    assert not torch.equal(ref(), wrong)
+    got = K.choose("sign_pack", "cpu", {"eager": ref, "fast_but_wrong": lambda: wrong}, repeats=3, n=x.numel())
+    assert got == "eager" and not K.use_compiled("auto", torch.device("cpu"), "sign_pack")
+    (rec,) = K.auto_choices()
+    assert rec["rejected"] == ["fast_but_wrong"] and rec["chosen"] == "eager" and "bytes differ" in rec["line"]
+    # a right candidate that is faster is kept, and "auto" then dispatches to it
+    slow = lambda: (time.sleep(0.01), tb_packed(x, 1))[1]  # noqa: E731
+    got = K.choose("sign_pack", "cpu", {"eager": slow, "compiled": ref, "fast_but_wrong": lambda: wrong}, repeats=3)
+    assert got == "compiled" and K.use_compiled("auto", torch.device("cpu"), "sign_pack")
+    assert len(K.auto_choices()) == 1 and K.auto_choices()[0]["chosen"] == "compiled"
+    assert K.use_compiled("eager", torch.device("cpu"), "sign_pack") is False  # eager stays eager
+
+
+@compiled
+def test_auto_warmup_times_the_real_size_and_rejects_wrong_bytes(fresh_auto, monkeypatch):
+    """warmup(impl="auto", layout=...) times each kernel of the configuration on inputs of the
+    layout's size. A compiled sign_pack that is right at the warm-up check's small size but wrong
+    at the real size is rejected: auto keeps the eager reference."""
+    real = K.sign_pack
+
+    def broken(x, step, length=None, *, impl=None):
+        out = real(x, step, length, impl=impl)
+        if impl == "compiled" and x.numel() > 10_000:
+            out = out.clone()
+            out[0] ^= 1
+        return out
+
+    monkeypatch.setattr(K, "sign_pack", broken)
+    layout = _layout([40_000, 999, 30_001])
+    K.warmup("cpu", world_sizes=(3,), impl="auto", layout=layout, repeats=2)
+    chosen = {r["kernel"]: r for r in K.auto_choices()}
+    assert set(chosen) == {"sign_pack", "unpack_majority"}
+    assert chosen["sign_pack"]["chosen"] == "eager" and chosen["sign_pack"]["rejected"] == ["compiled"]
+    assert chosen["sign_pack"]["n"] == 71_000 and not K.use_compiled("auto", torch.device("cpu"), "sign_pack")
+    assert chosen["unpack_majority"]["rejected"] == [] and chosen["unpack_majority"]["chosen"] in ("eager", "compiled")
+    # the p-bit configuration times its own two kernels, on the real layout
+    K.warmup("cpu", bits=(4,), levels=(7,), p=(1.0,), world_sizes=(1,), impl="auto", layout=layout, repeats=2)
+    chosen = {r["kernel"]: r for r in K.auto_choices()}
+    assert {"quantize_pack", "unpack_sum"} <= set(chosen)
+    assert all(not chosen[k]["rejected"] and set(chosen[k]["ms"]) == {"eager", "compiled"}
+               for k in ("quantize_pack", "unpack_sum"))
+
+
+# ---- no 4-byte-per-element temporaries in pack / unpack -------------------------------------
+def _allocations(fn) -> list[int]:
+    """Bytes of every tensor allocation fn makes on the CPU (inside compiled code too), from
+    torch.profiler's memory profile, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        fn()
+    timeline = prof._memory_profile().timeline
+    return sorted((nbytes for _, action, _, nbytes in timeline if action.name == "CREATE"), reverse=True)
+
+
+@compiled
+def test_pack_and_unpack_allocate_at_most_one_byte_per_element():
+    """No pack or unpack path of the wire, compiled or eager, allocates a float32 / int32 (or any
+    4-byte) temporary of the vector's length: every allocation is at most n bytes (int8 signs,
+    one-byte lanes, packed words). The one exception, checked apart: Lp with p = 1 keeps |c| of the
+    largest tensor in a float buffer, because M_1 must be the reference's own per-tensor .mean()
+    to give its bytes (a caller may pass that buffer in as `scratch` and reuse it)."""
+    n, P = 3_000_017, 4  # more than the cache-blocked loops' fixed 1 MiB buffers (comm.packing.CPU_BLOCK)
+    x = _values("random", n, seed=1)
+    sizes = [900_001, 7, 750_000, 129, n - 1_650_137]
+    segs = _layout(sizes)
+    length = -(-n // (8 * P)) * 8 * P
+    recv = torch.randint(0, 256, (length // 8,), generator=_gen(2), dtype=torch.uint8)
+    L4 = max_levels(P, 4)
+    wire4 = K.quantize_pack(x, segs, L4, math.inf, 2.0, 4, impl="compiled")
+    wire1 = K.quantize_pack(x, segs, 0, None, 2.0, 4, impl="compiled")
+    scratch = torch.empty(max(sizes))
+    paths = {
+        "sign_pack compiled": lambda: K.sign_pack(x, 1, length, impl="compiled"),
+        "sign_pack eager": lambda: K.sign_pack(x, 1, length, impl="eager"),
+        "unpack_majority compiled": lambda: K.unpack_majority(recv, P, 1, impl="compiled"),
+        "unpack_majority eager": lambda: K.unpack_majority(recv, P, 1, impl="eager"),
+        "unpack_signs": lambda: unpack_signs(recv, n),
+        "quantize_pack signs only": lambda: K.quantize_pack(x, segs, 0, None, 2.0, 4, impl="compiled"),
+        "quantize_pack sign quantizer": lambda: K.quantize_pack(x, segs, L4, None, 2.0, 4, impl="compiled"),
+        "quantize_pack linf": lambda: K.quantize_pack(x, segs, L4, math.inf, 2.0, 4, impl="compiled"),
+        "quantize_pack l1 with scratch": lambda: K.quantize_pack(x, segs, L4, 1.0, 2.0, 4, impl="compiled",
+                                                                scratch=scratch),
+        "quantize_pack 8-bit l1 with scratch": lambda: K.quantize_pack(x, segs, 127, 1.0, 2.0, 8, impl="compiled",
+                                                                      scratch=scratch),
+    }
+    for impl in ("compiled", "eager"):
+        for w, L in ((wire4, L4), (wire1, 0)):
+            paths[f"unpack_sum sign int8 {impl} L={L}"] = (
+                lambda w=w, L=L, impl=impl: K.unpack_sum(w, 4, n, L, P, sign=True, dtype=torch.int8, impl=impl))
+    for fn in paths.values():  # compiled once, outside the measurement
+        fn()
+    limit = length + 64  # one byte per element of the padded vector
+    big = {name: [b for b in _allocations(fn) if b > limit] for name, fn in paths.items()}
+    assert not {name: b for name, b in big.items() if b}, big
+    # the measurement sees a 4-byte temporary when there is one: the reference and L1 without scratch
+    assert max(_allocations(lambda: K.unpack_sum_reference(wire4, 4, n, L4, P))) >= 4 * n
+    assert [b for b in _allocations(lambda: K.quantize_pack(x, segs, L4, 1.0, 2.0, 4, impl="compiled"))
+            if b > limit] == [4 * max(sizes)]

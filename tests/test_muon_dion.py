@@ -20,7 +20,7 @@ import torch
 import optim
 from model import GPT, get_preset, param_roles
 from optim.dion import Dion, matrix_seed
-from optim.dion_math import dion_step_, init_dion_q
+from optim.dion_math import dion_factor_rows, dion_step_, init_dion_q
 from optim.muon import Muon
 from tests.dist import ROOT, torchrun
 from tests.test_trainer import records, train
@@ -148,6 +148,46 @@ def test_muon_matches_reference_loop(opts):
         assert err <= tol[n], (n, err, tol[n])
 
 
+@pytest.mark.parametrize("nesterov,scale", [(True, "shape"), (False, "rms")])
+def test_muon_equals_torch_muon_in_fp32(monkeypatch, nesterov, scale):
+    """Our Muon's matrix step against torch.optim.Muon on the same matrices (tall, square, wide),
+    T steps with a changing lr. Conventions of the two: the same EMA momentum and Nesterov form,
+    decoupled weight decay at the unscaled lr, and torch's adjust_lr_fn "original" /
+    "match_rms_adamw" is our scale "shape" / "rms" (both multiply the lr of the update, not of the
+    decay). torch's Newton-Schulz always casts to bfloat16; `Tensor.bfloat16` is patched to a float32
+    copy here, so torch's own code runs in float32 (the CPU default of ours). The only rounding
+    difference left is where the scale meets the lr (u * scale, then * lr, against lr * scale in
+    one factor): a few u32 per element per step, so 1e-6 of the distance moved."""
+    monkeypatch.setattr(torch.Tensor, "bfloat16", lambda self, *a, **k: self.to(torch.float32, copy=True))
+    shapes = {"attn.qkv": (48, 16), "attn.proj": (24, 24), "mlp.proj": (20, 56)}
+    g0 = torch.Generator().manual_seed(11)
+    init = {n: torch.randn(s, generator=g0) for n, s in shapes.items()}
+    params = {n: torch.nn.Parameter(x.clone()) for n, x in init.items()}
+    groups = [{"params": [params[n] for n in names], "names": names, "role": role, "lr": LR, "lr_mult": 1.0,
+               "weight_decay": 0.1} for role, names in (("attn", ["attn.qkv", "attn.proj"]), ("mlp", ["mlp.proj"]))]
+    matrix_lr = 0.03
+    opt = optim.build_optimizer("muon", groups, betas=BETAS, eps=EPS, comm_mode="fp32",
+                                optim_options={"matrix_lr": matrix_lr, "nesterov": nesterov, "scale": scale},
+                                param_order=list(params.values()))
+    theirs = {n: torch.nn.Parameter(x.clone()) for n, x in init.items()}
+    ref = torch.optim.Muon(list(theirs.values()), lr=matrix_lr, weight_decay=0.1, momentum=0.95, nesterov=nesterov,
+                           adjust_lr_fn="original" if scale == "shape" else "match_rms_adamw")
+    for t in range(5):
+        g = torch.Generator().manual_seed(100 + t)
+        for n in shapes:
+            params[n].grad = torch.randn(shapes[n], generator=g)
+            theirs[n].grad = params[n].grad.clone()
+        for group in opt.param_groups:
+            group["lr"] = LR * sched(t)
+        ref.param_groups[0]["lr"] = matrix_lr * sched(t)
+        opt.step()
+        ref.step()
+        for n in shapes:
+            moved = (theirs[n] - init[n]).norm().item()
+            assert (params[n] - theirs[n]).norm().item() <= 1e-6 * moved, (n, t)
+            assert torch.equal(opt.state[params[n]]["momentum"], ref.state[theirs[n]]["momentum_buffer"]), (n, t)
+
+
 def test_muon_diagnostics_and_one_rank_bytes():
     params, opt = make("muon", {})
     for n, p in params.items():
@@ -166,17 +206,21 @@ def test_muon_diagnostics_and_one_rank_bytes():
 
 
 # ---- Dion at one rank: bit for bit the math kernels ---------------------------------------------------
-@pytest.mark.parametrize("opts", [{"rank_fraction": 0.5}, {"rank": 2, "mu": 0.9, "ortho": "cholesky_qr"}])
+@pytest.mark.parametrize("opts", [{"rank_fraction": 0.5}, {"rank": 2, "mu": 0.9, "ortho": "cholesky_qr"},
+                                  {"rank_fraction": 0.5, "transpose_wide": False}])
 def test_dion_one_rank_equals_dion_step_and_adamw(opts):
     """At one rank the optimizer is dion_step_ (Alg. 1) on the matrices with Q seeded by name and
-    lr = matrix_lr * schedule, and torch's AdamW on the rest: the same bits."""
+    lr = matrix_lr * schedule, and torch's AdamW on the rest: the same bits. mlp.proj (6, 8) is
+    wide: Q is 6 x r by default (the step runs on its transpose), 8 x r with transpose_wide=False."""
     T, matrix_lr = 3, 0.03
     params, opt = make("dion", {"matrix_lr": matrix_lr, **opts})
     assert isinstance(opt, Dion)
     ref = {n: x.clone() for n, x in init_params().items()}
     rank = {n: opts.get("rank") or math.ceil(opts["rank_fraction"] * min(PARAMS[n][0])) for n in MATRICES}
     M = {n: torch.zeros_like(ref[n]) for n in MATRICES}
-    Q = {n: init_dion_q(PARAMS[n][0][1], rank[n], seed=matrix_seed(n)) for n in MATRICES}
+    tw = opts.get("transpose_wide", True)
+    Q = {n: init_dion_q(dion_factor_rows(*PARAMS[n][0], tw)[1], rank[n], seed=matrix_seed(n)) for n in MATRICES}
+    assert Q["mlp.proj"].shape[0] == (6 if tw else 8)
     adam_params = [torch.nn.Parameter(ref[n]) for n in SCALARS]
     adam = torch.optim.AdamW([{"params": [p], "weight_decay": PARAMS[n][2]} for n, p in zip(SCALARS, adam_params)],
                              lr=LR, betas=BETAS, eps=EPS, foreach=True)
@@ -185,7 +229,7 @@ def test_dion_one_rank_equals_dion_step_and_adamw(opts):
         run(params, opt, [t])
         dion_step_([ref[n] for n in MATRICES], [g[n] for n in MATRICES], [M[n] for n in MATRICES],
                    [Q[n] for n in MATRICES], lr=matrix_lr * sched(t), mu=opts.get("mu", 0.95),
-                   weight_decay=[PARAMS[n][2] for n in MATRICES], ortho=opts.get("ortho", "qr"))
+                   weight_decay=[PARAMS[n][2] for n in MATRICES], ortho=opts.get("ortho", "qr"), transpose_wide=tw)
         for p, n in zip(adam_params, SCALARS):
             p.grad = g[n]
         for group in adam.param_groups:
@@ -249,6 +293,22 @@ def test_state_dict_round_trip_is_bit_exact(name, opts):
     other, other_opt = make(name, {**opts, "scalar_opt": "lion" if opts["scalar_opt"] == "adamw" else "adamw"})
     with pytest.raises(ValueError, match="resume with the same optimizer"):
         other_opt.load_state_dict(copy.deepcopy(saved["opt"]))
+
+
+def test_dion_checkpoint_of_the_other_orientation_is_refused():
+    """A checkpoint's Q lies on the side its optim.transpose_wide put it (they differ on the wide
+    mlp.proj only): resuming it with the other setting is a one-line error naming the fix, and with
+    its own setting it loads."""
+    params, opt = make("dion", {"transpose_wide": False})
+    run(params, opt, range(1))
+    saved = opt.state_dict()
+    _, new_opt = make("dion", {})
+    with pytest.raises(ValueError, match=r"Q of mlp.proj \(6, 8\) has shape \(8, 2\), this run expects "
+                                         r"\(6, 2\) \(optim.transpose_wide=true\): it was saved with "
+                                         r"optim.transpose_wide=false"):
+        new_opt.load_state_dict(copy.deepcopy(saved))
+    _, same = make("dion", {"transpose_wide": False})
+    same.load_state_dict(copy.deepcopy(saved))
 
 
 # ---- config errors ---------------------------------------------------------------------------------------
@@ -330,6 +390,29 @@ def test_debug_model_bytes_per_step():
         per_phase = opt.wire_bytes_per_step(world_size=2)
         assert sum(sent for sent, _ in per_phase.values()) == expected, (name, wire, rf, per_phase)
         assert opt.wire_bytes_per_step() == {k: (0, 0) for k in per_phase}  # this process: one rank
+
+
+def test_dion_factor_calls_follow_the_orientation():
+    """The two factor exchanges of a step, as the byte formula and the cost prediction see them: every
+    P in one call, every R in the other. The debug model's (64, 192) MLP output matrices are wide, so
+    by default their P is 192 x r and R 64 x r; with optim.transpose_wide=false the other way round.
+    The total is (m + n) r per matrix either way."""
+    from trainer.param_groups import param_groups
+    with torch.device("meta"):
+        model = GPT(get_preset("debug"))
+    roles = param_roles(model)
+    shapes = [tuple(p.shape) for n, p in model.named_parameters() if roles[n] in ("attn", "mlp") and p.ndim == 2]
+    assert (64, 192) in shapes and (192, 64) in shapes
+    for tw in (True, False):
+        cfg = load_config(None, ["optim.name=dion", f"optim.transpose_wide={str(tw).lower()}"])
+        opt = optim.build_optimizer("dion", param_groups(model, cfg.optim), optim_options=cfg.optim.options)
+        calls = [n for phase, n, _ in opt._exchanged() if phase == "update_sync"]
+        rank = {s: math.ceil(0.25 * min(s)) for s in shapes}
+        if tw:
+            assert calls == [sum(max(s) * rank[s] for s in shapes), sum(min(s) * rank[s] for s in shapes)]
+        else:
+            assert calls == [sum(s[0] * rank[s] for s in shapes), sum(s[1] * rank[s] for s in shapes)]
+        assert sum(calls) == sum(sum(s) * rank[s] for s in shapes)
 
 
 # ---- multi-process ---------------------------------------------------------------------------------------

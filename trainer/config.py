@@ -34,6 +34,9 @@ from optim.registry import compatibility_problem, optimizer_names
 LAYER_SELECTORS = ROLES + ("all",)
 
 
+AUTO_MODE = "auto"  # comm.mode: chosen at start from measurements (trainer/automode.py)
+
+
 class ConfigError(ValueError):
     """A config problem the user must fix; the message lists every problem found."""
 
@@ -119,13 +122,22 @@ class CommConfig:
     one shared optimizer state): fp32, bf16. Update sync (every rank keeps its own state, only the
     aggregated update crosses): onebit (Lion Cub 1-bit compressed allreduce), pbit (Lion Cub p-bit
     direct allreduce), ps (Distributed Lion parameter server), hierarchical (BinSGDM §4 vote), ...
-    Each mode's own keys are listed below it."""
+    Each mode's own keys are listed below it. auto: measure the links and the model at start and run
+    the fastest of comm.auto_allow for optim.name (bench.advise; the decision is kept in the run
+    directory, so a resumed run keeps it)."""
+    auto_allow: list = field(default_factory=lambda: ["fp32", "bf16", "onebit", "pbit"])
+    """comm.mode=auto: the modes it may choose. Default: those whose measured quality matches fp32 in
+    our reproduction results (Lion Cub Table 2: 1-bit and 8-bit L1 within noise of 32-bit Lion or
+    better, 3 seeds); widen it to let auto trade quality for speed."""
+    auto_remeasure: bool = False
+    """comm.mode=auto on resume: measure again instead of keeping the stored decision (a different
+    pick then refuses the resume: no mid-run switching)."""
     momentum_sync: MomentumSyncConfig = field(default_factory=MomentumSyncConfig)
     """Selective momentum synchronisation (Lion Cub §5); update-sync modes only."""
     timeout_s: float = 600.0
     """Collective timeout in seconds (process group); a hung peer fails the run after this."""
     kernels: str = "auto"
-    """The fused hot-path kernels (quantize/pack, unpack/vote, Lion passes; optim.kernels): auto (compiled
+    """The fused hot-path kernels (quantize/pack, unpack/vote, Lion passes; comm.kernels, optim.lion): auto (compiled
     with torch.compile where a compiler exists, else eager; $LIONCUB_KERNELS overrides auto), compiled (an
     error where none exists) or eager. Every choice gives the same bytes and updates; compilation is
     paid once before the first timed step and reported."""
@@ -330,6 +342,11 @@ def _read_yaml(path: Path, seen: tuple = ()) -> dict:
     for parent in parents:  # later parents override earlier ones, the file itself overrides all
         base = _merge(base, _read_yaml(path.parent / parent, seen + (path,)))
     return _merge(base, raw)
+
+
+def read_yaml(path: str | Path) -> dict:
+    """A config file as a plain dict, its `extends:` chain resolved (ConfigError on a bad file)."""
+    return _read_yaml(Path(path))
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -539,7 +556,15 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
         at_least(p, key, val, 0)
     if not 0 <= o.min_lr_ratio <= 1:
         p.append(f"optim.min_lr_ratio: {o.min_lr_ratio} must be in [0, 1]")
-    choice(p, "comm.mode", c.mode, sync.names())
+    choice(p, "comm.mode", c.mode, sync.names() + [AUTO_MODE])
+    bad_allow = [m for m in c.auto_allow if m not in sync.names()] if isinstance(c.auto_allow, list) else c.auto_allow
+    if bad_allow or not c.auto_allow:
+        p.append(f"comm.auto_allow: {bad_allow or '[]'} not among the modes {', '.join(sync.names())}; "
+                 f"list one or more of them")
+    elif c.mode == AUTO_MODE and o.name in optimizer_names() and all(
+            compatibility_problem(o.name, m) for m in c.auto_allow):
+        p.append(f"comm.auto_allow: optim.name={o.name} runs on none of {c.auto_allow}; allow one of "
+                 f"{', '.join(m for m in sync.names() if not compatibility_problem(o.name, m))}")
     known = c.mode in sync.names() and o.name in optimizer_names()
     if known:
         problem = compatibility_problem(o.name, c.mode, c.options)

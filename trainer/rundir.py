@@ -30,7 +30,8 @@ from .runlock import LOCK, LockError, RunLock
 RESUMABLE_KEYS = ("train.max_steps", "train.stop_after", "train.resume", "train.eval_every",
                   "train.eval_steps", "train.ckpt_every", "train.keep_ckpts", "train.log_every",
                   "train.out_dir", "train.device", "train.mc_eval", "train.on_nonfinite", "data.cache_dir",
-                  "comm.timeout_s", "comm.init_timeout_s", "comm.kernels", "comm.fine_timing", "log.", "diag.",
+                  "comm.timeout_s", "comm.init_timeout_s", "comm.kernels", "comm.fine_timing", "comm.auto_",
+                  "log.", "diag.",
                   "parallel.")  # the mesh: trainer/state.py load decides what it can resume
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "ckpt")
 

@@ -24,10 +24,10 @@ from model import GPT, resolve_config
 from optim import build_optimizer
 from optim.base import digest
 
-from . import parallel, state
+from . import automode, parallel, state
 from .state import DivergenceError
 from .checkpoint import find_resumable
-from .config import Config, ConfigError, validate
+from .config import AUTO_MODE, Config, ConfigError, validate
 from .dist import DistInfo, all_agree
 from .evaluation import Evaluator
 from .logger import RunLogger, banner, window_record
@@ -48,6 +48,11 @@ class Trainer:
             box = [str(self.data_dir) if self.data_dir else None]
             dist.broadcast_object_list(box, src=0)
             self.data_dir = Path(box[0])
+        self.auto_decision = None
+        if cfg.comm.mode == AUTO_MODE:  # measured before the seed below, so model init is unchanged
+            cfg, self.auto_decision = automode.resolve(cfg, info, self.data_dir, self._say)
+            validate(cfg, world_size=info.world_size)
+            self.cfg = cfg
         torch.manual_seed(cfg.train.seed)  # same init on every rank
         # the model's vocabulary follows the dataset's tokenizer (GPT-2 for the built-in corpus)
         self.model_config = resolve_config(vars(cfg.model), vocab_size=data.dataset_vocab_size(self.data_dir))
@@ -94,12 +99,19 @@ class Trainer:
                 self._say(state.load(self, *found))
             if info.is_main:  # only now: a config that fails while building leaves no run directory behind
                 (self.out_dir / "config.yaml").write_text(cfg.dump())
+                if self.auto_decision is not None:
+                    automode.write_decision(self.out_dir, self.auto_decision)
             self.logger = RunLogger(self.out_dir, info.is_main, cfg.log.wandb, cfg.log.project,
                                     cfg.log.run_name or self.out_dir.name, cfg.log.group, cfg.to_dict(),
                                     run_id=run_id(self.out_dir))
         except BaseException:
             self.release()
             raise
+        if self.auto_decision is not None:
+            d = self.auto_decision
+            self.logger.log({"step": self.step, "event": "auto_mode", "variant": d["variant"], "mode": d["mode"],
+                             "source": d["source"], "predicted_step_ms": 1e3 * d["predicted_step_s"],
+                             "table": d.get("table")})
         if found is not None:
             self.logger.log({"step": self.step, "event": "resume", "checkpoint": str(found[0]),
                              "world_size": info.world_size})
@@ -179,7 +191,10 @@ class Trainer:
         compile_s = self.optimizer.warmup()  # compiled kernels: paid here, never inside a timed step
         if compile_s:
             self.logger.console(f"kernels: {self.optimizer.kernels}, compiled and checked in {compile_s:.1f} s")
-            self.logger.log({"step": self.step, "event": "kernels", "compile_s": compile_s})
+            choices = self.optimizer.kernel_choices()
+            for line in choices:
+                self.logger.console(f"kernels: auto chose {line}")
+            self.logger.log({"step": self.step, "event": "kernels", "compile_s": compile_s, "choices": choices})
         if self.step >= t.max_steps:  # resumed a finished run: its final eval and checkpoint exist
             self.logger.console(f"run {self.out_dir} is already complete at step {self.step} "
                                 f"(train.max_steps={t.max_steps}); raise train.max_steps to train further")

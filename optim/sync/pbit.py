@@ -21,11 +21,10 @@ from dataclasses import dataclass
 import torch
 
 import comm
-from comm import cost_model
+from comm import cost_model, kernels
 
-from .. import kernels
 from ..options import choice
-from ..quantize import MAX_LEVELS, ROUNDINGS, lp_quantize
+from ..quantize import MAX_LEVELS, ROUNDINGS
 from .registry import SIGN, UPDATE, ExchangeContext, SyncScheme, register
 from .votes import VoteExchange, VoteOptions, _mask_bytes, _mask_time
 
@@ -112,15 +111,9 @@ class PBit(VoteExchange):
         self.gen.manual_seed(ctx.seed)
 
     def quantize(self, c: torch.Tensor, tb: int, ctx: ExchangeContext) -> torch.Tensor:
-        if self.levels == 0:  # signs only, 0 forced by the tie break (Lion Cub App. F.1, "1/-1 values")
-            fill = torch.tensor(1 if tb % 2 == 1 else -1, dtype=torch.int8, device=c.device)
-            return torch.where(c > 0, 1, torch.where(c < 0, -1, fill)).to(torch.int8)
-        if self.o.quantizer == "sign":
-            return torch.sign(c).to(torch.int8)
-        q = torch.empty(c.numel(), dtype=torch.int8, device=c.device)
-        for off, n in ctx.segments_for(c.numel()):
-            q[off:off + n] = lp_quantize(c[off:off + n], self.levels, self.p, self.o.clip, self.o.rounding, self.gen)
-        return q
+        """int8 q of c: comm.kernels.quantize_q, the reference the fused wire reproduces."""
+        return kernels.quantize_q(c, ctx.segments_for(c.numel()), self.levels, self.p, self.o.clip, self.o.rounding,
+                                  self.gen, tb)
 
     def aggregate(self, c, step, ctx):
         tb = self.o.tb_step(step)
@@ -141,8 +134,8 @@ class PBit(VoteExchange):
 
     def warmup(self) -> float:
         return kernels.warmup(self.ctx.device, bits=(self.o.bits,), levels=(self.levels,), p=(self.p,),
-                              rounding=(self.o.rounding,), world_sizes=(self.ctx.world_size,), lion=False,
-                              impl=self.ctx.kernels)
+                              rounding=(self.o.rounding,), world_sizes=(self.ctx.world_size,),
+                              impl=self.ctx.kernels, layout=self.ctx.segments or None, clip=self.o.clip)
 
     def state_dict(self) -> dict:
         return {"rng_state": self.gen.get_state()}

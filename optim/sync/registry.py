@@ -58,7 +58,7 @@ class ExchangeContext:
     seed: int = 0
     """Seed for per-rank random streams (stochastic rounding, stochastic compressors)."""
     kernels: str = "eager"
-    """Which implementation of the fused hot-path kernels to use (optim.kernels): compiled, eager or
+    """Which implementation of the fused hot-path kernels to use (comm.kernels): compiled, eager or
     auto; every implementation gives the same bytes and updates."""
 
     def segments_for(self, n: int) -> list[tuple[int, int]]:

@@ -23,11 +23,9 @@ from dataclasses import dataclass
 import torch
 
 import comm
-from comm import cost_model
-from comm._groups import resolve_node_size
+from comm import cost_model, kernels
 from comm.ps import AGGREGATES as PS_COMM_AGGREGATES, TOPOLOGIES as PS_TOPOLOGIES, count_bits, payload_planes, unit
 
-from .. import kernels
 from ..options import choice
 from .registry import SIGN, UPDATE, Exchange, ExchangeContext, SchemeOptions, SyncScheme, register
 
@@ -109,7 +107,7 @@ class OneBitOptions(VoteOptions):
 
 class OneBit(VoteExchange):
     """With compiled kernels the tie-broken signs are packed and the local majority counted by
-    fused kernels (optim.kernels: byte-identical to comm's reference path)."""
+    fused kernels (comm.kernels: byte-identical to comm's reference path)."""
 
     def aggregate(self, c, step, ctx):
         tb = self.o.tb_step(step)
@@ -128,7 +126,8 @@ class OneBit(VoteExchange):
     def warmup(self) -> float:
         if self.ctx.world_size == 1:
             return 0.0
-        return kernels.warmup(self.ctx.device, world_sizes=(self.ctx.world_size,), lion=False, impl=self.ctx.kernels)
+        return kernels.warmup(self.ctx.device, world_sizes=(self.ctx.world_size,), impl=self.ctx.kernels,
+                              layout=self.ctx.segments or None)
 
 
 def _onebit_bytes(o: OneBitOptions, P: int, n: int, rank: int, rows: int) -> tuple[int, int]:
@@ -231,7 +230,7 @@ class Hierarchical(VoteExchange):
 
 
 def _hier_bytes(o: HierarchicalOptions, P: int, n: int, rank: int, rows: int) -> tuple[int, int]:
-    m = resolve_node_size(o.node_size or None, P)
+    m = comm.resolve_node_size(o.node_size or None, P)
     k = P // m
     npad = comm.ceil_div(n, 8 * P) * 8 * P
     sent = recv = 0
@@ -254,7 +253,7 @@ HIERARCHICAL = register(SyncScheme(
     name="hierarchical", kind=UPDATE, result=SIGN, options=HierarchicalOptions,
     build=lambda o, ctx: Hierarchical(o, ctx), wire_bytes=_hier_bytes,
     predict=lambda o, P, n, a, b, rows=1: (cost_model.hierarchical_onebit(
-        P, n, 32, a, b, node_size=resolve_node_size(o.node_size or None, P)) + _mask_time(o, P, rows, a, b, True)),
+        P, n, 32, a, b, node_size=comm.resolve_node_size(o.node_size or None, P)) + _mask_time(o, P, rows, a, b, True)),
     wire="fp32 sums inside a node, 1-bit vote across nodes (BinSGDM §4)",
     help="hierarchical 1-bit vote: exact sums inside a node, 1-bit vote between nodes (update sync)",
     # with parallel.shard_size = ranks per node the mesh does its intra-node part (the gradient

@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 import comm
-from optim.dion_math import dion_step_, dion_wire_bytes, init_dion_q, make_reduce_mean
+from optim.dion_math import (dion_factor_rows, dion_step_, dion_transposed, dion_wire_bytes, init_dion_q,
+                             make_reduce_mean)
 from optim.orthogonal import orthonormalize_columns
 
 SHAPES = [(24, 40, 6), (48, 16, 4), (32, 32, 8), (20, 12, 12)]  # (m, n, r): r = ceil(min/4); full rank
@@ -57,7 +58,7 @@ def init_state(dtype: torch.dtype):
     g = torch.Generator().manual_seed(7)  # identical on every rank
     X = [torch.randn(m, n, generator=g, dtype=torch.float64).to(dtype) for m, n, _ in SHAPES]
     M = [torch.zeros(m, n, dtype=dtype) for m, n, _ in SHAPES]
-    Q = [init_dion_q(n, r, seed=100 + i, dtype=dtype) for i, (m, n, r) in enumerate(SHAPES)]
+    Q = [init_dion_q(dion_factor_rows(m, n)[1], r, seed=100 + i, dtype=dtype) for i, (m, n, r) in enumerate(SHAPES)]
     return X, M, Q
 
 
@@ -86,9 +87,12 @@ def reference(P: int):
     for t in range(T):
         mean_g = [sum(gs) / P for gs in zip(*[grads(i, t, torch.float64) for i in range(P)])]
         for k, (m, n, r) in enumerate(SHAPES):
-            A = (M[k] + mean_g[k]) @ Q[k]
+            B = M[k] + mean_g[k]
+            if dion_transposed(m, n):  # wide: the power iteration runs on B^T
+                B = B.mT
+            A = B @ Q[k]
             c_a = (torch.linalg.matrix_norm(A) / (math.sqrt(r) * torch.linalg.svdvals(A)[-1])).item()
-            R = (M[k] + mean_g[k]).mT @ orthonormalize_columns(A)
+            R = B.mT @ orthonormalize_columns(A)
             norms = R.norm(dim=0)
             c_r = (R.norm() / (math.sqrt(r) * norms.min())).item()
             amp[k] = max(amp[k], (1 + math.sqrt(2) * c_a) * (1 + 2 * c_r))
@@ -127,8 +131,13 @@ def run(name: str, dtype: torch.dtype, wire: torch.dtype, rank: int, P: int, ref
         mean_m, mean_b, mean_abs_b = (mean_over_ranks(ts) for ts in (M, B, [b.abs() for b in B]))
         for k, (f, (m, n, r)) in enumerate(zip(factors, SHAPES)):
             PR = f.P.double() @ f.R.double().mT
+            if dion_transposed(m, n):  # the factors of B^T
+                PR = PR.mT
             lhs = (mean_m[k] - (mean_b[k] - (1 - MU) * PR)).abs()
-            bound = (u_c + gamma(r + 1, u_c)) * (mean_abs_b[k] + (1 - MU) * f.P.double().abs() @ f.R.double().abs().mT)
+            absPR = f.P.double().abs() @ f.R.double().abs().mT
+            if dion_transposed(m, n):
+                absPR = absPR.mT
+            bound = (u_c + gamma(r + 1, u_c)) * (mean_abs_b[k] + (1 - MU) * absPR)
             assert (lhs <= bound * (1 + 1e-9) + 1e-300).all(), (name, t, k, (lhs - bound).max().item())
 
     mean_m = mean_over_ranks(M)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 import optim
 from optim.dion import matrix_seed
-from optim.dion_math import dion_rank, dion_step_, init_dion_q
+from optim.dion_math import dion_factor_rows, dion_rank, dion_step_, dion_transposed, init_dion_q
 from optim.orthogonal import orthonormalize_columns
 
 U32 = torch.finfo(torch.float32).eps / 2
@@ -121,7 +121,8 @@ def reference(P: int, T: int, opts: dict, clip: float, u_w: float):
     X = init_params(torch.float64)
     ranks = ranks_of(opts)
     M = {n: torch.zeros_like(X[n]) for n in MATRICES}
-    Q = {n: init_dion_q(PARAMS[n][0][1], ranks[n], seed=matrix_seed(n), dtype=torch.float64) for n in MATRICES}
+    Q = {n: init_dion_q(dion_factor_rows(*PARAMS[n][0])[1], ranks[n], seed=matrix_seed(n), dtype=torch.float64)
+         for n in MATRICES}
     amp = {n: 1.0 for n in MATRICES}
     adam = {n: adamw_reference(X[n], P, u_w) for n in SCALARS}
     for t in range(T):
@@ -135,6 +136,8 @@ def reference(P: int, T: int, opts: dict, clip: float, u_w: float):
         for n in MATRICES:
             r = ranks[n]
             B = M[n] + mean[n]
+            if dion_transposed(*PARAMS[n][0]):  # wide: the power iteration runs on B^T
+                B = B.mT
             A = B @ Q[n]
             c_a = (torch.linalg.matrix_norm(A) / (math.sqrt(r) * torch.linalg.svdvals(A)[-1])).item()
             R = B.mT @ orthonormalize_columns(A)

@@ -1,4 +1,4 @@
-"""Fused kernels for the hot paths of Lion Cub's quantized schemes, and their eager reference.
+"""Fused wire kernels of Lion Cub's quantized schemes, next to their eager reference in comm/.
 
 Lion Cub App. E warns that quantizing and packing can eat the bandwidth gain; measured here, the
 eager whole-tensor torch code spends several passes over the update per step. This module owns
@@ -10,38 +10,26 @@ byte for byte:
     quantize_pack    c -> Lion Cub eq. 1 per tensor -> q + L in bits-wide lanes (the wire of
                      comm.int_allreduce; levels == 0: tie-broken signs as 0/1 lanes)
     unpack_majority  P packed chunks -> exact majority with tie break -> packed
-                                                            == comm.vote._local_majority
+                                                            == comm.vote.local_majority
     unpack_sum       summed wire -> int32 sum (or its sign, fused, for the update)
                                                             == int_allreduce after its SUM
-    lion_direction_, momentum_update_, apply_update_, lion_direction_momentum_
-                     the Lion passes (Lion Cub Alg. 1)     == optim.lion's foreach kernels
-                     (compiled on CPU only: on CUDA Triton's fma contraction changes the
-                     rounding, see _lion_compiled, so they run the foreach kernels there)
+
+The dispatch below (`use_compiled`, `compiled_kernel`, `const`, `warmup`'s bookkeeping) is shared
+with the fused Lion passes, which live with Lion in optim/lion.py.
 
 Dispatch: every function takes impl="compiled" | "eager" | "auto" (None: the module default,
 `set_impl`, initially $LIONCUB_KERNELS or "eager"). "auto" compiles where a compiler exists and
 otherwise runs eager after a one-line warning; "compiled" raises instead, naming the reason
-(LIONCUB_NO_COMPILE=1, no C++ compiler, no Triton). "auto" also keeps the Lion passes on the
-foreach kernels on CPU, where their compiled form is slower (see the fma note below). Compiled kernels take dynamic shapes, so one
+(LIONCUB_NO_COMPILE=1, no C++ compiler, no Triton). Compiled kernels take dynamic shapes, so one
 compilation serves every length of a given (kernel, dtype, device); `warmup()` pays it (and
 checks the compiled result against the reference) before the first timed step, and
 `compile_seconds()` reports it. Inputs shorter than SMALL elements, and dtypes a kernel does not
-cover (the Lion passes are compiled for float32 only), run the reference: same bytes, and a
-kernel launch would cost more than the work.
+cover, run the reference: same bytes, and a kernel launch would cost more than the work.
 
 Exactness notes (why the compiled code looks the way it does):
 - M_p of Lion Cub eq. 1 is a reduction whose rounding depends on its summation order, so the
   compiled path computes it with the reference's own eager ops (`abs` into a reused buffer, then
-  `.mean()`, or `optim.quantize.lp_mean`); everything after the norm is fused.
-- Eager CPU (AVX2/AVX-512 kernels) and CUDA compute `m.add_(g, alpha=a)` as one fused
-  multiply-add, fma(g, a, m). Inductor lowers that to an fma on CUDA, but its C++ backend has
-  none and rounds a*g first, so on CPU `_fma32` computes the correctly rounded float32 fma
-  exactly in float64: the product of two floats is exact in float64, TwoSum gives the rounding
-  error of the sum, and the one case where rounding the float64 sum to float32 is wrong (the sum
-  is exactly halfway between two floats while the exact value is not) is detected and fixed.
-  That costs arithmetic: on one CPU core the compiled Lion passes are compute-bound (see
-  bench.packing). Python-float hyperparameters are rounded to float32 on the host first, as
-  ATen casts a scalar to the tensor's type.
+  `.mean()`, or `comm.quantize.lp_mean`); everything after the norm is fused.
 - Stochastic rounding draws its uniforms with the reference's own `torch.rand` calls, segment by
   segment from the same generator, so the random stream is consumed identically.
 NaN payloads are not promised to match (NaN positions are).
@@ -49,9 +37,11 @@ NaN payloads are not promised to match (NaN positions are).
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import os
 import shutil
+import statistics
 import struct
 import time
 import types
@@ -60,14 +50,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from comm import check_lanes
-from comm.packing import pack_lanes, pack_words16, unpack_lanes, unpack_words16
-from comm.vote import _local_majority, count_dtype, tb_packed
-
-from .lion import apply_update_ as _apply_update_eager
-from .lion import lion_direction as _lion_direction_eager
-from .lion import momentum_update_ as _momentum_update_eager
+from .allreduce import check_lanes
+from .packing import ceil_div, lanes_per_word, pack_lanes, pack_words16, unpack_lanes, unpack_words16
 from .quantize import MAX_LEVELS, ROUNDINGS, lp_mean, lp_quantize
+from .vote import count_dtype, local_majority, majority_threshold, tb_packed
 
 IMPLS = ("auto", "compiled", "eager")
 NO_COMPILE_ENV = "LIONCUB_NO_COMPILE"
@@ -83,6 +69,9 @@ _compile_seconds: dict[tuple, float] = {}
 _warned: set[str] = set()
 _consts: dict[tuple, torch.Tensor] = {}
 _unavailable: dict[tuple, str | None] = {}
+_auto: dict[tuple[str, str], str] = {}  # (kernel, device type) -> the candidate "auto" measured fastest
+_auto_log: list[dict] = []
+_log = logging.getLogger(__name__)
 
 
 # ---- dispatch ------------------------------------------------------------------------------
@@ -96,6 +85,11 @@ def set_impl(impl: str) -> None:
 
 def get_impl() -> str:
     return _impl_default
+
+
+def resolve_impl(impl: str | None) -> str:
+    """`impl`, or the module default for None."""
+    return _impl_default if impl is None else impl
 
 
 def compile_unavailable(device: torch.device | str = "cpu") -> str | None:
@@ -124,12 +118,18 @@ def _find_unavailable(device: torch.device) -> str | None:
     return None
 
 
-def _use_compiled(impl: str | None, device: torch.device) -> bool:
-    impl = _impl_default if impl is None else impl
+def use_compiled(impl: str | None, device: torch.device, kernel: str | None = None) -> bool:
+    """Whether `kernel` runs compiled under `impl` on `device`: "auto" follows the measured choice
+    of `warmup` for (kernel, device type) once there is one (`choose`), else compiles where a
+    compiler exists; raises for an impossible 'compiled', warns once and runs eager for 'auto'
+    without a compiler."""
+    impl = resolve_impl(impl)
     if impl not in IMPLS:
         raise ValueError(f"kernels: impl={impl!r}; choose one of {IMPLS}")
     if impl == "eager":
         return False
+    if impl == "auto" and (kernel, torch.device(device).type) in _auto:
+        return _auto[(kernel, torch.device(device).type)] == "compiled"
     reason = compile_unavailable(device)
     if reason is None:
         return True
@@ -156,7 +156,7 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return torch.from_dlpack(t)
 
 
-class _Kernel:
+class Kernel:
     """A traced function compiled once with dynamic shapes; the first call per key (kernel,
     device, dtypes, static arguments: what its graph is specialised on) is timed and booked as
     compile time."""
@@ -189,7 +189,62 @@ def compile_seconds(detail: bool = False) -> float | dict[str, float]:
     return sum(_compile_seconds.values())
 
 
-def _const(value, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _time_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Milliseconds of one call: CUDA events on a GPU (no host sync inside the span), the host
+    clock on CPU."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def choose(kernel: str, device: torch.device | str, candidates: dict[str, Callable[[], torch.Tensor]], *,
+           reference: str | Callable[[], torch.Tensor] = "eager", repeats: int = 5, n: int | None = None) -> str:
+    """The choice of impl="auto" for (kernel, device type): each candidate (name -> a call on the
+    run's real inputs, returning the result) is run once and kept only if its bytes equal the
+    reference's (a candidate's name, or a call that only gives the bytes to match), then timed
+    `repeats` times, interleaved; the fastest median wins and
+    is recorded (`auto_choices`, and one log line of this module's logger). A candidate whose
+    result differs is never chosen, however fast."""
+    device = torch.device(device)
+    ref = reference() if callable(reference) else candidates[reference]()
+    ok, rejected = {}, []
+    for name, fn in candidates.items():
+        got = ref if name == reference else fn()
+        if got.dtype == ref.dtype and torch.equal(got, ref):
+            ok[name] = fn
+        else:
+            rejected.append(name)
+    times: dict[str, list[float]] = {name: [] for name in ok}
+    for _ in range(repeats):
+        for name, fn in ok.items():
+            times[name].append(_time_ms(fn, device))
+    ms = {name: statistics.median(t) for name, t in times.items()}
+    chosen = min(ms, key=ms.get)
+    _auto[(kernel, device.type)] = chosen
+    rec = {"kernel": kernel, "device": device.type, "n": n, "chosen": chosen, "ms": ms, "rejected": rejected}
+    rec["line"] = (f"{kernel} on {device.type}{f' (n={n:,})' if n is not None else ''}: {chosen} ("
+                   + ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(ms.items()))
+                   + (f"; rejected, bytes differ: {', '.join(rejected)}" if rejected else "") + ")")
+    _auto_log.append(rec)
+    _log.info("kernels auto: %s", rec["line"])
+    return chosen
+
+
+def auto_choices() -> list[dict]:
+    """The choices impl="auto" follows now, the latest measurement per (kernel, device type):
+    kernel, device, n, chosen, ms (median per candidate), rejected, line (one readable line)."""
+    latest = {(r["kernel"], r["device"]): r for r in _auto_log}
+    return list(latest.values())
+
+
+def const(value, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A cached 0-d device tensor: a kernel argument that changes rarely, passed without
     recompiling and without a host-to-device copy per call."""
     key = (value, dtype, device)
@@ -198,21 +253,12 @@ def _const(value, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _consts[key]
 
 
-def _f32(x: float) -> float:
+def f32(x: float) -> float:
     """x rounded to float32 (what ATen does to a Python scalar used with a float32 tensor)."""
     try:
         return struct.unpack("f", struct.pack("f", x))[0]
     except OverflowError:  # finite but beyond float32: the cast gives inf
         return math.copysign(math.inf, x)
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _lanes_per_word(bits: int) -> int:
-    """Lanes per wire word: 8 / bits per byte; bits = 16 travels as int32 words of two lanes."""
-    return 2 if bits == 16 else 8 // bits
 
 
 # ---- traced kernel bodies (torch ops only: inductor turns each into one loop) ---------------
@@ -250,18 +296,15 @@ def _k_pack_v(v2: torch.Tensor, out: torch.Tensor, bits: int) -> None:
     out.copy_(_pack_groups([v2[:, i].to(torch.int32) for i in range(v2.shape[1])], bits))
 
 
-def _k_quant_v(x: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor, out: torch.Tensor) -> None:
-    """Lion Cub eq. 1, round half to even, shifted by L: out = clamp(round(x*s), -L, L) + L."""
-    y = torch.clamp(torch.round(x.to(scale.dtype) * scale), -levels, levels) + levels
-    out.copy_(y.to(torch.int32).to(torch.uint8))  # via int32: inductor's float->uint8 is slow
-
-
-def _k_quant_lanes(x2: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor, out: torch.Tensor,
-                   bits: int) -> None:
-    """_k_quant_v and the lane packing in one pass: x2 (words, lanes per word) -> packed words."""
+def _k_quant_blocks(x3: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor, out: torch.Tensor,
+                    bits: int) -> None:
+    """Lion Cub eq. 1 and the lane packing in one pass over whole blocks of the flat vector:
+    x3 (blocks, words per block, lanes per word); block b uses scale[b] (its segment's scale,
+    one per block, not per element) -> out (blocks, words per block)."""
+    s = scale.unsqueeze(1)
     v = []
-    for i in range(x2.shape[1]):
-        y = torch.clamp(torch.round(x2[:, i].to(scale.dtype) * scale), -levels, levels) + levels
+    for i in range(x3.shape[2]):
+        y = torch.clamp(torch.round(x3[:, :, i].to(scale.dtype) * s), -levels, levels) + levels
         v.append(y.to(torch.int32))
     out.copy_(_pack_groups(v, bits))
 
@@ -287,7 +330,7 @@ def _k_unpack(w2: torch.Tensor, mul: torch.Tensor, offset: torch.Tensor, out: to
     words; out: the result viewed as m integers of g*lanes*esize in {1, 4, 8} bytes, one word
     per row, so the lanes land with contiguous stores (inductor's C++ backend turns the strided
     stores of a (words, lanes) layout into scalar ones, and does not vectorise int16)."""
-    per = _lanes_per_word(bits)
+    per = lanes_per_word(bits)
     E = 8 * esize
     nbytes = w2.shape[1] * per * esize
     acc = torch.int64 if nbytes > 4 else torch.int32
@@ -326,63 +369,7 @@ def _k_majority(r: torch.Tensor, thr: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(acc.to(torch.uint8))
 
 
-_TWO128 = 2.0 ** 128
-
-
-def _fma32(a: torch.Tensor, b: float, c: torch.Tensor) -> torch.Tensor:
-    """Correctly rounded float32 fma(a, b, c) (b a float32 value): what eager computes for
-    c.add_(a, alpha=b). On CUDA inductor lowers add-with-alpha to a hardware fma itself (to match
-    eager CUDA); on CPU it has no fma, so it is computed exactly in float64 ops:
-
-    s = a*b + c in float64 (the product is exact); err = the rounding error of that sum (TwoSum).
-    float32(s) is the correct rounding of the exact value unless s lies exactly halfway between
-    two floats r and o (then o = 2s - r is a float) while err != 0: the exact value is then on
-    err's side of s, so the answer is whichever of r, o lies that way. Every product here is
-    exact, so a backend that contracts mul+add into fma changes nothing. r = inf at the overflow
-    threshold is clamped to 2**128 so the halfway test also covers FLT_MAX vs inf."""
-    if a.device.type == "cuda":
-        return torch.add(c, a, alpha=b)
-    p = a.to(torch.float64) * b
-    cd = c.to(torch.float64)
-    s = p + cd
-    r = s.to(torch.float32)
-    bb = s - p
-    err = (p - (s - bb)) + (cd - bb)
-    rd = r.to(torch.float64).clamp(-_TWO128, _TWO128)
-    other = 2.0 * s - rd
-    o32 = other.to(torch.float32)
-    # nested where: inductor's C++ backend makes `&` of float64 masks very slow
-    return torch.where((other - rd) * err > 0, torch.where(o32.to(torch.float64) == other, o32, r), r)
-
-
-def _k_direction(m: torch.Tensor, g: torch.Tensor, b1: float, a1: float, out: torch.Tensor) -> None:
-    """c = fl(m * b1) then fma(g, 1 - b1, c): optim.lion.lion_direction's rounding."""
-    out.copy_(_fma32(g, a1, m * b1))
-
-
-def _k_momentum(m: torch.Tensor, g: torch.Tensor, b2: float, a2: float) -> None:
-    """m = fma(g, 1 - b2, fl(m * b2)): optim.lion.momentum_update_'s rounding."""
-    m.copy_(_fma32(g, a2, m * b2))
-
-
-def _k_direction_momentum(m: torch.Tensor, g: torch.Tensor, b1: float, a1: float, b2: float,
-                          a2: float, out: torch.Tensor) -> None:
-    """Both of the above from the old m in one pass (m is not read between them in a step)."""
-    c = _fma32(g, a1, m * b1)
-    m2 = _fma32(g, a2, m * b2)
-    out.copy_(c)
-    m.copy_(m2)
-
-
-def _k_apply(p: torch.Tensor, u: torch.Tensor, s: float, alpha: float, u_is_sign: bool) -> None:
-    """p = fma(u, -lr, fl(p * (1 - lr*wd))); with u in {-1, 0, 1} the product is exact and a
-    plain add rounds identically."""
-    p1 = p * s
-    uf = u.to(torch.float32)
-    p.copy_(p1 + uf * alpha if u_is_sign else _fma32(uf, alpha, p1))
-
-
-_KERNELS: dict[tuple, _Kernel] = {}
+_KERNELS: dict[tuple, Kernel] = {}
 
 
 _BOUND_FN: Callable | None = None  # set in the globals of each copy of _bound (see _kernel)
@@ -393,7 +380,7 @@ def _bound(*args):
     return _BOUND_FN(*args, *_BOUND_STATIC)
 
 
-def _kernel(fn: Callable, *static) -> _Kernel:
+def compiled_kernel(fn: Callable, *static) -> Kernel:
     """The compiled kernel of `fn` with its trailing arguments fixed to `static` (lane width,
     flags). Dynamo keeps its compiled graphs per code object, and a code object past 8 graphs
     runs uncompiled (or, with fullgraph, raises), so every static tuple gets a code object of
@@ -411,11 +398,11 @@ def _kernel(fn: Callable, *static) -> _Kernel:
         if hasattr(code, "co_qualname"):
             code = code.replace(co_qualname=name)
         scope = {"_BOUND_FN": fn, "_BOUND_STATIC": static, "__name__": __name__, "__builtins__": __builtins__}
-        _KERNELS[key] = _Kernel("/".join(str(k) for k in key), types.FunctionType(code, scope, name))
+        _KERNELS[key] = Kernel("/".join(str(k) for k in key), types.FunctionType(code, scope, name))
     return _KERNELS[key]
 
 
-def _dt(t: torch.Tensor) -> str:
+def dtype_key(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
@@ -426,15 +413,15 @@ def sign_pack(x: torch.Tensor, step: int, length: int | None = None, *,
     default ceil(n/8)*8): byte j bit i = tb(x[8j+i]); == comm.vote.tb_packed(x, step, length)."""
     x = x.reshape(-1)
     n = x.numel()
-    length = _ceil_div(n, 8) * 8 if length is None else length
+    length = ceil_div(n, 8) * 8 if length is None else length
     if length % 8 or length < n:
         raise ValueError(f"sign_pack: length={length} must be a multiple of 8 and >= n={n}")
     nb = n // 8
-    if n < SMALL or not x.is_floating_point() or not _use_compiled(impl, x.device):
+    if n < SMALL or not x.is_floating_point() or not use_compiled(impl, x.device, "sign_pack"):
         return tb_packed(x, step, length)
     out = torch.empty(length // 8, dtype=torch.uint8, device=x.device)
-    _kernel(_k_sign_bits)((x.device.type, _dt(x)), x[:8 * nb].view(nb, 8),
-                    _const(bool(step % 2), torch.bool, x.device), out[:nb])
+    compiled_kernel(_k_sign_bits)((x.device.type, dtype_key(x)), x[:8 * nb].view(nb, 8),
+                    const(bool(step % 2), torch.bool, x.device), out[:nb])
     if length > 8 * nb:  # the partial byte and the zero padding: a few bytes, reference code
         out[nb:] = tb_packed(x[8 * nb:], step, length - 8 * nb)
     return out
@@ -496,11 +483,16 @@ def _check_quantize_args(levels: int, p: float | None, clip: float, bits: int, r
 
 
 def _segment_scales(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p: float, clip: float,
-                    scratch: torch.Tensor | None) -> torch.Tensor:
-    """Scale levels / (clip * M_p) of every segment, computed with the reference's own ops so it
-    is bit-identical (a reduction's rounding depends on its order). p = 1, the paper's choice,
-    reuses one |x| buffer instead of a fresh allocation per tensor (page faults dominate)."""
+                    scratch: torch.Tensor | None, plan: tuple | None = None) -> torch.Tensor:
+    """Scale levels / (clip * M_p) of every segment. p = inf with a block plan: one segmented
+    max over the whole vector (a max is exact in any order, so it equals the per-tensor max).
+    Otherwise per segment with the reference's own ops, so it is bit-identical (a sum's rounding
+    depends on its order); p = 1, the paper's choice, reuses one |x| buffer instead of a fresh
+    allocation per tensor (page faults dominate)."""
     mdt = torch.float64 if c.dtype == torch.float64 else torch.float32
+    if math.isinf(p) and plan is not None:
+        m = _segment_max_abs(c, len(segs), plan).to(mdt)
+        return torch.where(m > 0, levels / (clip * m.clamp_min(torch.finfo(m.dtype).tiny)), m.new_zeros(()))
     means = []
     for off, n in segs:
         seg = c[off:off + n]
@@ -518,13 +510,27 @@ def _segment_scales(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p
     return torch.where(m > 0, levels / (clip * m.clamp_min(torch.finfo(m.dtype).tiny)), m.new_zeros(()))
 
 
+def _segment_max_abs(c: torch.Tensor, nsegs: int, plan: tuple) -> torch.Tensor:
+    """max |c| of every segment as a segmented reduction: per whole block a min and a max (no
+    |c| temporary), reduced into the block's segment, and the gathered elements of the boundary
+    blocks reduced into theirs."""
+    nb, bseg, whole, elems, seg_of = plan[:5]
+    m = torch.zeros(nsegs, dtype=c.dtype, device=c.device)
+    if nb:
+        lo, hi = torch.aminmax(c[:nb * QBLOCK].view(nb, QBLOCK), dim=1)
+        m.scatter_reduce_(0, bseg[whole], torch.maximum(-lo, hi)[whole], "amax")
+    if elems.numel():
+        m.scatter_reduce_(0, seg_of, c[elems].abs(), "amax")
+    return m
+
+
 def _pack_v_into(v: torch.Tensor, bits: int, out: torch.Tensor) -> None:
     """Pack uint8 lane values v[n] into out (uint8, or int32 words for bits=16)."""
-    per = _lanes_per_word(bits)
+    per = lanes_per_word(bits)
     n = v.numel()
     full = n // per
     if full * per >= SMALL:
-        _kernel(_k_pack_v, bits)((v.device.type,), v[:full * per].view(full, per), out[:full])
+        compiled_kernel(_k_pack_v, bits)((v.device.type,), v[:full * per].view(full, per), out[:full])
     else:
         full = 0
     if full < out.numel():
@@ -533,46 +539,58 @@ def _pack_v_into(v: torch.Tensor, bits: int, out: torch.Tensor) -> None:
 
 
 _PLANS: dict[tuple, tuple] = {}
+QBLOCK = 1024  # elements per block of the one-pass quantizer (a multiple of every lanes-per-word)
 
 
-def _lane_plan(segs: list[tuple[int, int]], per: int, n: int, device: torch.device) -> tuple:
-    """How quantize_pack splits packed words between the kernel and the boundary pass, per layout:
-    (k, a, b) element ranges [a, b) of segment k on whole words, packed by the kernel, and for the
-    remaining words (a segment boundary inside the word, short segments, the last partial word)
-    the indices of their elements, each element's segment, its word slot and lane shift, and the
-    word positions. Cached: a run has one layout."""
+def _block_plan(segs: list[tuple[int, int]], per: int, n: int, device: torch.device) -> tuple:
+    """How quantize_pack covers the flat vector, once per layout (cached: a run has one): the
+    n // QBLOCK whole blocks go through one kernel, block b with the scale of segment bseg[b] (the
+    segment holding its first element); the words of blocks that hold a segment boundary, and
+    of the partial block at the end, are then rewritten by one gathered pass: for each of their
+    elements its index, its segment, its word slot and lane, and the word positions. The
+    gathered pass is at most (segments + 1) blocks long, whatever n is. whole[b]: block b lies
+    inside one segment."""
     key = (tuple(segs), per, n, device)
     if key not in _PLANS:
         if len(_PLANS) >= 8:
             _PLANS.pop(next(iter(_PLANS)))
-        inner, covered = [], torch.zeros(_ceil_div(n, per), dtype=torch.bool)
-        for k, (off, m) in enumerate(segs):
-            a, b = _ceil_div(off, per) * per, (off + m) // per * per
-            if b - a >= SMALL:
-                inner.append((k, a, b))
-                covered[a // per:b // per] = True
-        words = (~covered).nonzero().view(-1)
+        nb = n // QBLOCK
+        nb = nb if nb >= 2 else 0  # dynamo specialises a size-1 dimension: one block goes gathered
+        starts = torch.tensor([off for off, _ in segs], dtype=torch.int64)
+        ends = torch.tensor([off + m for off, m in segs], dtype=torch.int64)
+        first = torch.arange(nb, dtype=torch.int64) * QBLOCK
+        bseg = (torch.searchsorted(starts, first, right=True) - 1).clamp_min(0)
+        whole = ends[bseg] >= first + QBLOCK if nb else torch.zeros(0, dtype=torch.bool)
+        wpb = QBLOCK // per
+        fix = [b * wpb + torch.arange(wpb) for b in (~whole).nonzero().view(-1).tolist()]
+        fix.append(torch.arange(nb * wpb, ceil_div(n, per)))
+        words = torch.cat(fix)
         elems = (words.view(-1, 1) * per + torch.arange(per)).view(-1)
         slot = torch.arange(words.numel()).repeat_interleave(per)
         keep = elems < n  # the last word's padding lanes stay 0
         elems, slot = elems[keep], slot[keep]
-        starts = torch.tensor([off for off, _ in segs], dtype=torch.int64)
         seg_of = torch.searchsorted(starts, elems, right=True) - 1
-        _PLANS[key] = (inner, *(t.to(device) for t in (elems, seg_of, slot, elems % per, words)))
+        _PLANS[key] = tuple(t.to(device) if isinstance(t, torch.Tensor) else t
+                            for t in (nb, bseg, whole, elems, seg_of, slot, elems % per, words))
     return _PLANS[key]
 
 
 def _quantize_lanes(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p: float, clip: float,
                     bits: int, scratch: torch.Tensor | None, out: torch.Tensor) -> None:
-    """Nearest-rounding Lion Cub eq. 1 straight into packed lanes: one kernel per segment on the
-    words it fills alone, then one gathered pass over the words shared by segments."""
-    dev, per = c.device, _lanes_per_word(bits)
-    inner, elems, seg_of, slot, lane, words = _lane_plan(segs, per, c.numel(), dev)
-    scales = _segment_scales(c, segs, levels, p, clip, _scratch(c, segs, p, scratch))
-    lv = _const(float(levels), scales.dtype, dev)
-    for k, a, b in inner:
-        _kernel(_k_quant_lanes, bits)((dev.type, _dt(c)), c[a:b].view(-1, per), scales[k], lv,
-                                      out[a // per:b // per])
+    """Nearest-rounding Lion Cub eq. 1 straight into packed lanes, whatever the number of
+    tensors: the per-segment scales, then one kernel over the whole blocks of the flat vector and
+    one gathered pass over the words of boundary blocks (`_block_plan`); p = inf's norms are a
+    segmented reduction over the same plan."""
+    dev, per = c.device, lanes_per_word(bits)
+    plan = _block_plan(segs, per, c.numel(), dev)
+    nb, bseg, _, elems, seg_of, slot, lane, words = plan
+    scales = _segment_scales(c, segs, levels, p, clip, _scratch(c, segs, p, scratch), plan)
+    lv = const(float(levels), scales.dtype, dev)
+    if nb:
+        # the scale of each block gathered outside: inside, dynamo's duck shaping would tie the
+        # number of segments to the number of blocks whenever the two happen to be equal
+        compiled_kernel(_k_quant_blocks, bits)((dev.type, dtype_key(c)), c[:nb * QBLOCK].view(nb, -1, per),
+                                               scales[bseg], lv, out[:nb * QBLOCK // per].view(nb, -1))
     if words.numel():  # the same float ops as the kernel, so the same lane values
         y = torch.clamp(torch.round(c[elems].to(scales.dtype) * scales[seg_of]), -levels, levels) + levels
         vals = torch.zeros(words.numel(), dtype=torch.int32, device=dev)
@@ -609,28 +627,29 @@ def quantize_pack(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: 
     n = c.numel()
     segs = [(int(o), int(m)) for o, m in segments]
     _check_segments(segs, n)
-    if n < SMALL or not c.is_floating_point() or not _use_compiled(impl, c.device):
+    if n < SMALL or not c.is_floating_point() or not use_compiled(impl, c.device, "quantize_pack"):
         return wire_of(quantize_q(c, segs, levels, p, clip, rounding, generator, tie_step), levels, bits)
     dev = c.device
-    per = _lanes_per_word(bits)
-    words = _ceil_div(n, per)
+    per = lanes_per_word(bits)
+    words = ceil_div(n, per)
     out = torch.empty(words, dtype=torch.int32 if bits == 16 else torch.uint8, device=dev)
     if levels == 0:
         full = n // per
-        _kernel(_k_tb_lanes, bits)((dev.type, _dt(c)), c[:full * per].view(full, per),
-                                  _const(bool(tie_step % 2), torch.bool, dev), out[:full])
+        compiled_kernel(_k_tb_lanes, bits)((dev.type, dtype_key(c)), c[:full * per].view(full, per),
+                                  const(bool(tie_step % 2), torch.bool, dev), out[:full])
         if full < words:
             out[full:] = wire_of(quantize_q(c[full * per:], [], 0, None, tie_step=tie_step), 0, bits)
         return out
-    if p is not None and rounding == "nearest" and bits != 8:
+    if p is not None and rounding == "nearest":
         _quantize_lanes(c, segs, levels, float(p), clip, bits, scratch, out)
         return out
     v = out if bits == 8 else torch.empty(n, dtype=torch.uint8, device=dev)
     if p is None:
-        _kernel(_k_sign_v)((dev.type, _dt(c)), c, _const(levels, torch.int32, dev), v)
+        compiled_kernel(_k_sign_v)((dev.type, dtype_key(c)), c, const(levels, torch.int32, dev), v)
     else:
+        # stochastic rounding, segment by segment: the uniforms must come from the generator in the
+        # reference's per-tensor draws (on CUDA a draw's stream depends on its size)
         p = float(p)
-        stoch = rounding == "stochastic"
         big = [(k, s) for k, s in enumerate(segs) if s[1] >= SMALL]
         if big:
             bs = [s for _, s in big]
@@ -642,12 +661,9 @@ def quantize_pack(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: 
                 vk.copy_(lp_quantize(seg, levels, p, clip, rounding, generator).view(torch.uint8) + levels)
                 continue
             sc = scales[which[k]]
-            lv = _const(float(levels), sc.dtype, dev)
-            if stoch:
-                u = torch.rand(seg.shape, generator=generator, device=dev, dtype=sc.dtype)
-                _kernel(_k_quant_v_stoch)((dev.type, _dt(c)), seg, sc, u, lv, vk)
-            else:
-                _kernel(_k_quant_v)((dev.type, _dt(c)), seg, sc, lv, vk)
+            lv = const(float(levels), sc.dtype, dev)
+            u = torch.rand(seg.shape, generator=generator, device=dev, dtype=sc.dtype)
+            compiled_kernel(_k_quant_v_stoch)((dev.type, dtype_key(c)), seg, sc, u, lv, vk)
     if bits != 8:
         _pack_v_into(v, bits, out)
     return out
@@ -660,6 +676,22 @@ def unpack_sum_reference(wire: torch.Tensor, bits: int, n: int, levels: int, P: 
     return total.mul_(2).sub_(P) if levels == 0 else total.sub_(P * levels)
 
 
+def _sign_of_sum_eager(flat: torch.Tensor, bits: int, n: int, levels: int, P: int, rdt: torch.dtype,
+                       out: torch.Tensor | None) -> torch.Tensor:
+    """sign(unpack_sum_reference(...)) in `rdt` by comparing the one-byte lane values with the
+    offset, without the int32 sums: sign(v - P*L) for L >= 1; for signs only, sign(2v - P) is +1
+    for v >= floor(P/2) + 1 and -1 for v < ceil(P/2) (the same integer thresholds as the
+    majority, comm.vote.majority_threshold)."""
+    v = unpack_lanes(flat, bits, n)
+    if levels == 0:
+        plus, minus = v >= majority_threshold(P, 2), v < majority_threshold(P, 1)
+    else:
+        plus, minus = v > P * levels, v < P * levels
+    res = torch.empty(n, dtype=rdt, device=flat.device) if out is None else out
+    res.copy_(plus)
+    return res.masked_fill_(minus, -1)
+
+
 def unpack_sum(wire: torch.Tensor, bits: int, n: int, levels: int, P: int, *, sign: bool = False,
                dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
                impl: str | None = None) -> torch.Tensor:
@@ -669,7 +701,7 @@ def unpack_sum(wire: torch.Tensor, bits: int, n: int, levels: int, P: int, *, si
     if bits not in WIRE_BITS:
         raise ValueError(f"unpack_sum: bits={bits!r}; choose one of {WIRE_BITS}")
     rdt = (dtype or torch.float32) if sign else torch.int32
-    per = _lanes_per_word(bits)
+    per = lanes_per_word(bits)
     flat = wire.reshape(-1)
     want = torch.int32 if bits == 16 else torch.uint8
     if flat.dtype != want:
@@ -680,7 +712,9 @@ def unpack_sum(wire: torch.Tensor, bits: int, n: int, levels: int, P: int, *, si
         raise ValueError(f"unpack_sum: out must be a contiguous {rdt} tensor of {n} elements, got "
                          f"{out.dtype} of {out.numel()}")
     full = n // per
-    if full * per < SMALL or (sign and rdt not in _SIGN_BITS) or not _use_compiled(impl, flat.device):
+    if full * per < SMALL or (sign and rdt not in _SIGN_BITS) or not use_compiled(impl, flat.device, "unpack_sum"):
+        if sign and bits != 16:
+            return _sign_of_sum_eager(flat, bits, n, levels, P, rdt, out)
         total = unpack_sum_reference(flat, bits, n, levels, P)
         res = torch.sign(total).to(rdt) if sign else total
         return res if out is None else out.copy_(res)
@@ -697,8 +731,8 @@ def unpack_sum(wire: torch.Tensor, bits: int, n: int, levels: int, P: int, *, si
     acc = torch.int64 if g * per * esize > 4 else torch.int32
     # small integers as cached device scalars: dynamo would specialise the values 0 and 1
     mul, offset = (2, P) if levels == 0 else (1, P * levels)
-    _kernel(_k_unpack, bits, esize, plus, minus)((dev.type,), flat[:full].view(full // g, g),
-                                                 _const(mul, acc, dev), _const(offset, acc, dev),
+    compiled_kernel(_k_unpack, bits, esize, plus, minus)((dev.type,), flat[:full].view(full // g, g),
+                                                 const(mul, acc, dev), const(offset, acc, dev),
                                                  body.view(_WORD[g * per * esize]))
     if body.data_ptr() != res.data_ptr():
         res[:full * per].copy_(body.view(res.dtype) if body.dtype.itemsize == res.element_size() else body)
@@ -719,113 +753,38 @@ def unpack_majority(recv: torch.Tensor, P: int, step: int, *, impl: str | None =
     # P = 1 would get a graph of its own (dynamo specialises size-1 dimensions) for a vote that
     # never runs: comm/ skips the collective at world size 1
     # c > 255 >= P: dynamo's duck shaping would tie the symbols of P and c if they were equal
-    if c <= 255 or P == 1 or cdt != torch.uint8 or not _use_compiled(impl, recv.device):
-        return _local_majority(recv, P, step)
-    thr = (P + 1) // 2 if step % 2 else P // 2 + 1  # comm.vote.majority_flags
+    if c <= 255 or P == 1 or cdt != torch.uint8 or not use_compiled(impl, recv.device, "unpack_majority"):
+        return local_majority(recv, P, step)
+    thr = majority_threshold(P, step)
     out = torch.empty(c, dtype=torch.uint8, device=recv.device)
-    _kernel(_k_majority)((recv.device.type,), recv.reshape(P, c), _const(thr, cdt, recv.device), out)
+    compiled_kernel(_k_majority)((recv.device.type,), recv.reshape(P, c), const(thr, cdt, recv.device), out)
     return out
-
-
-# ---- the Lion passes ---------------------------------------------------------------------------
-def _lion_compiled(tensors: Sequence[torch.Tensor], impl: str | None) -> bool:
-    if not tensors:
-        return False
-    dev = tensors[0].device
-    # CUDA: Triton contracts a multiply with the add that follows it into one fma where the eager
-    # kernels round the product first (fl(m*b1), then fma(g, 1-b1, .)): compiled c, m and p were
-    # 1 ulp off eager on an H100 (torch 2.11, Triton 3.6). So the Lion passes stay on the foreach
-    # kernels there (the reference, and on CUDA already multi-tensor kernels), for every impl.
-    if dev.type == "cuda":
-        return False
-    # "auto" keeps the foreach kernels on CPU: the exact fma emulation makes the compiled passes
-    # slower there (bench.packing); "compiled" still compiles them
-    if dev.type == "cpu" and (_impl_default if impl is None else impl) == "auto":
-        return False
-    if not _use_compiled(impl, dev):
-        return False
-    return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
-
-
-def lion_direction_(exp_avgs: list[torch.Tensor], grads: list[torch.Tensor], beta1: float,
-                    out: list[torch.Tensor], *, impl: str | None = None) -> list[torch.Tensor]:
-    """c = b1 * m + (1 - b1) * g into `out` (e.g. views of a flat buffer); == optim.lion.
-    lion_direction(exp_avgs, grads, beta1, out=out) bit for bit."""
-    if not _lion_compiled(list(exp_avgs) + list(grads) + list(out), impl):
-        return _lion_direction_eager(exp_avgs, grads, beta1, out=out)
-    b1, a1 = _f32(beta1), _f32(1.0 - beta1)
-    for m, g, o in zip(exp_avgs, grads, out, strict=True):
-        if m.numel() < SMALL:
-            _lion_direction_eager([m], [g], beta1, out=[o])
-        else:
-            _kernel(_k_direction)((m.device.type,), m.view(-1), g.view(-1), b1, a1, o.view(-1))
-    return out
-
-
-def momentum_update_(exp_avgs: list[torch.Tensor], grads: list[torch.Tensor], beta2: float, *,
-                     impl: str | None = None) -> None:
-    """m = b2 * m + (1 - b2) * g; == optim.lion.momentum_update_ bit for bit."""
-    if not _lion_compiled(list(exp_avgs) + list(grads), impl):
-        return _momentum_update_eager(exp_avgs, grads, beta2)
-    b2, a2 = _f32(beta2), _f32(1.0 - beta2)
-    for m, g in zip(exp_avgs, grads, strict=True):
-        if m.numel() < SMALL:
-            _momentum_update_eager([m], [g], beta2)
-        else:
-            _kernel(_k_momentum)((m.device.type,), m.view(-1), g.view(-1), b2, a2)
-
-
-def lion_direction_momentum_(exp_avgs: list[torch.Tensor], grads: list[torch.Tensor], beta1: float,
-                             beta2: float, out: list[torch.Tensor], *,
-                             impl: str | None = None) -> list[torch.Tensor]:
-    """lion_direction_ then momentum_update_ in one pass over m and g: c (into out) from the old
-    m, then m updated. Exact as a reordering because nothing between the two passes of a Lion Cub
-    step reads m (Alg. 1: the vote needs c only)."""
-    if not _lion_compiled(list(exp_avgs) + list(grads) + list(out), impl):
-        _lion_direction_eager(exp_avgs, grads, beta1, out=out)
-        _momentum_update_eager(exp_avgs, grads, beta2)
-        return out
-    b1, a1, b2, a2 = _f32(beta1), _f32(1.0 - beta1), _f32(beta2), _f32(1.0 - beta2)
-    for m, g, o in zip(exp_avgs, grads, out, strict=True):
-        if m.numel() < SMALL:
-            _lion_direction_eager([m], [g], beta1, out=[o])
-            _momentum_update_eager([m], [g], beta2)
-        else:
-            _kernel(_k_direction_momentum)((m.device.type,), m.view(-1), g.view(-1), b1, a1, b2, a2, o.view(-1))
-    return out
-
-
-def apply_update_(params: list[torch.Tensor], updates: list[torch.Tensor], lr: float, weight_decay: float,
-                  *, u_is_sign: bool = False, impl: str | None = None) -> None:
-    """p = p * (1 - lr*wd) - lr * u; == optim.lion.apply_update_ bit for bit. u_is_sign: the
-    caller promises u in {-1, 0, +1} (a vote's sign; any dtype), which makes lr*u exact and
-    the pass cheaper; a mean of votes (D-Lion Avg) must leave it False."""
-    if not _lion_compiled(list(params), impl) or any(not u.is_contiguous() for u in updates):
-        return _apply_update_eager(params, updates, lr, weight_decay)
-    s, alpha = _f32(1.0 - lr * weight_decay), _f32(-lr)
-    for p, u in zip(params, updates, strict=True):
-        if p.numel() < SMALL or not (u.dtype == torch.float32 or (u_is_sign and u.dtype == torch.int8)):
-            _apply_update_eager([p], [u], lr, weight_decay)
-        else:
-            _kernel(_k_apply, u_is_sign)((p.device.type, _dt(u)), p.view(-1), u.view(-1), s, alpha)
 
 
 # ---- warm-up ---------------------------------------------------------------------------------
 def warmup(device: torch.device | str = "cpu", *, bits: Sequence[int] = (), levels: Sequence[int] = (),
            p: Sequence[float | None] = (), rounding: Sequence[str] = ("nearest",),
            world_sizes: Sequence[int] = (), sign_dtypes: Sequence[torch.dtype] = (torch.float32,),
-           lion: bool = True, impl: str | None = None, check: bool = True) -> float:
+           impl: str | None = None, check: bool = True, layout: Sequence[tuple[int, int]] | None = None,
+           clip: float = 2.0, repeats: int = 5) -> float:
     """Compile (and with check=True verify against the reference, on random, zero and tie inputs)
-    every kernel the given configuration will use, so no timed step pays compilation (lion: the
-    Lion passes too, unless "auto" leaves them eager on CPU). Returns the seconds spent. Raises RuntimeError when a compiled kernel disagrees with the reference
-    (impl='compiled'), or warns and switches the module to eager (impl='auto')."""
+    every wire kernel the given configuration will use, so no timed step pays compilation.
+    Returns the seconds spent. A compiled kernel that disagrees with the reference raises
+    RuntimeError (impl='compiled'), or warns and switches the module to eager (impl='auto');
+    `report_mismatch` is that policy, shared with optim.lion's warm-up of the Lion passes.
+
+    With impl="auto" and the run's `layout` ((offset, size) of its tensors in the flat vector),
+    each kernel the configuration uses is then timed against its eager reference on inputs of the
+    run's real size (`choose`): "auto" keeps the faster of the byte-identical candidates, per
+    kernel and device type. The 1-bit configuration (world_sizes, no bits) times sign_pack and
+    unpack_majority, the p-bit one (bits) quantize_pack and unpack_sum."""
     device = torch.device(device)
-    if not _use_compiled(impl, device):
+    if not use_compiled(impl, device):
         return 0.0
     t0 = time.perf_counter()
     gen = torch.Generator(device=device)
     gen.manual_seed(1234)
-    n = 4 * SMALL + 13
+    n = 2 * QBLOCK + 4 * SMALL + 13  # two whole quantizer blocks, one with a segment boundary
     x = torch.randn(n, generator=gen, device=device)
     x[::5] = 0.0
     segs = [(0, 2 * SMALL + 1), (2 * SMALL + 1, n - 2 * SMALL - 1)]
@@ -843,7 +802,7 @@ def warmup(device: torch.device | str = "cpu", *, bits: Sequence[int] = (), leve
         recv = torch.randint(0, 256, (P * 301,), generator=gen, device=device, dtype=torch.uint8)
         for step in (1, 2):
             same(f"unpack_majority[P={P}]", unpack_majority(recv, P, step, impl="compiled"),
-                 _local_majority(recv, P, step))
+                 local_majority(recv, P, step))
     for b in bits:
         for L in levels:
             for pp in (p or [1.0]):
@@ -859,45 +818,74 @@ def warmup(device: torch.device | str = "cpu", *, bits: Sequence[int] = (), leve
                     same(f"quantize_pack[bits={b},L={L},p={pp},{rnd}]", w,
                          wire_of(quantize_q(x, segs, L, pp, 2.0, rnd, g2, 1), L, b))
                     for P in world_sizes or (1,):
-                        if (P * 2 * L if L else P) > (1 << b) - 1:
+                        try:
+                            check_lanes(P, L, b)
+                        except ValueError:
                             continue
                         for sgn in (False, True):
                             ref = unpack_sum_reference(w, b, n, L, P)
                             same(f"unpack_sum[bits={b},L={L},sign={sgn}]",
                                  unpack_sum(w, b, n, L, P, sign=sgn, impl="compiled"),
                                  torch.sign(ref).to(torch.float32) if sgn else ref)
-    if lion and device.type != "cuda" and not (device.type == "cpu" and (_impl_default if impl is None else impl) == "auto"):
-        m = torch.randn(n, generator=gen, device=device)
-        g = torch.randn(n, generator=gen, device=device)
-        m[:7] = 0.0
-        o1, o2, m1, m2 = torch.empty_like(m), torch.empty_like(m), m.clone(), m.clone()
-        lion_direction_momentum_([m1], [g], 0.9, 0.99, [o1], impl="compiled")
-        _lion_direction_eager([m2], [g], 0.9, out=[o2])
-        _momentum_update_eager([m2], [g], 0.99)
-        same("lion_direction_momentum_", torch.stack([o1, m1]), torch.stack([o2, m2]))
-        lion_direction_([m1], [g], 0.9, [o1], impl="compiled")
-        _lion_direction_eager([m2], [g], 0.9, out=[o2])
-        momentum_update_([m1], [g], 0.99, impl="compiled")
-        _momentum_update_eager([m2], [g], 0.99)
-        same("lion_direction_/momentum_update_", torch.stack([o1, m1]), torch.stack([o2, m2]))
-        for u, sgn in ((torch.sign(g), True), (g, False), (torch.sign(g).to(torch.int8), True)):
-            p1, p2 = m.clone(), m.clone()
-            apply_update_([p1], [u], 1e-3, 0.1, u_is_sign=sgn, impl="compiled")
-            _apply_update_eager([p2], [u], 1e-3, 0.1)
-            same(f"apply_update_[{u.dtype},sign={sgn}]", p1, p2)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    if bad:
-        msg = (f"kernels.warmup: compiled kernels differ from the reference on {device}: "
-               f"{', '.join(sorted(set(bad)))}")
-        if (_impl_default if impl is None else impl) == "compiled":
-            raise RuntimeError(msg + "; use impl='eager'")
-        warnings.warn(msg + "; using the eager kernels", stacklevel=2)
-        set_impl("eager")
+    report_mismatch(bad, device, impl)
+    if layout is not None and resolve_impl(impl) == "auto" and not bad:
+        _measure(device, [(int(o), int(m)) for o, m in layout], bits, levels, p, rounding, world_sizes, clip,
+                 repeats)
     return time.perf_counter() - t0
 
 
-__all__ = ["IMPLS", "SMALL", "apply_update_", "compile_seconds", "compile_unavailable", "get_impl",
-           "lion_direction_", "lion_direction_momentum_", "momentum_update_", "quantize_pack",
-           "quantize_q", "set_impl", "sign_pack", "unpack_majority", "unpack_sum",
-           "unpack_sum_reference", "warmup", "wire_of"]
+def _measure(device: torch.device, segs: list[tuple[int, int]], bits: Sequence[int], levels: Sequence[int],
+             p: Sequence[float | None], rounding: Sequence[str], world_sizes: Sequence[int], clip: float,
+             repeats: int) -> None:
+    """`choose` for each kernel of the configuration, on random inputs of the layout's size."""
+    n = sum(m for _, m in segs)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(4321)
+    x = torch.randn(n, generator=gen, device=device)
+    P = max(world_sizes or (1,))
+    if not bits:
+        length = ceil_div(n, 8 * P) * 8 * P
+        choose("sign_pack", device, {"eager": lambda: tb_packed(x, 1, length),
+                                     "compiled": lambda: sign_pack(x, 1, length, impl="compiled")},
+               repeats=repeats, n=n)
+        if P > 1:
+            recv = torch.randint(0, 256, (length // 8,), generator=gen, device=device, dtype=torch.uint8)
+            choose("unpack_majority", device, {"eager": lambda: local_majority(recv, P, 1),
+                                               "compiled": lambda: unpack_majority(recv, P, 1, impl="compiled")},
+                   repeats=repeats, n=n)
+        return
+    b, L, pp, rnd = bits[0], (levels or (0,))[0], (p or (1.0,))[0], rounding[0]
+    seed = torch.Generator(device=device)
+
+    def fresh() -> torch.Generator:  # every candidate draws the same stochastic-rounding stream
+        return seed.manual_seed(99)
+
+    choose("quantize_pack", device,
+           {"eager": lambda: wire_of(quantize_q(x, segs, L, pp, clip, rnd, fresh(), 1), L, b),
+            "compiled": lambda: quantize_pack(x, segs, L, pp, clip, b, rnd, fresh(), 1, impl="compiled")},
+           repeats=repeats, n=n)
+    wire = quantize_pack(x, segs, L, pp, clip, b, rnd, fresh(), 1, impl="compiled")
+    choose("unpack_sum", device,
+           {"eager": lambda: unpack_sum(wire, b, n, L, P, sign=True, dtype=torch.int8, impl="eager"),
+            "compiled": lambda: unpack_sum(wire, b, n, L, P, sign=True, dtype=torch.int8, impl="compiled")},
+           reference=lambda: torch.sign(unpack_sum_reference(wire, b, n, L, P)).to(torch.int8), repeats=repeats, n=n)
+
+
+def report_mismatch(bad: Sequence[str], device: torch.device, impl: str | None) -> None:
+    """The warm-up's policy for compiled kernels whose bytes differ from the reference: raise
+    under impl='compiled', else warn and switch the module to eager."""
+    if not bad:
+        return
+    msg = (f"kernels.warmup: compiled kernels differ from the reference on {device}: "
+           f"{', '.join(sorted(set(bad)))}")
+    if resolve_impl(impl) == "compiled":
+        raise RuntimeError(msg + "; use impl='eager'")
+    warnings.warn(msg + "; using the eager kernels", stacklevel=3)
+    set_impl("eager")
+
+
+__all__ = ["IMPLS", "SMALL", "Kernel", "auto_choices", "choose", "compile_seconds", "compile_unavailable", "compiled_kernel", "const",
+           "dtype_key", "f32", "get_impl", "quantize_pack", "quantize_q", "report_mismatch", "set_impl", "sign_pack",
+           "unpack_majority", "unpack_sum", "unpack_sum_reference", "use_compiled", "warmup", "wire_of"]

@@ -1,0 +1,154 @@
+"""Are bench.advise's predictions right? Predicted vs measured step time per variant and rate.
+
+For each link rate: `bench.advise` under launch.netsim predicts every variant's step time (links,
+compute and local work measured, communication from the registry's alpha-beta models); then
+`bench.step_breakdown` trains each variant for a few steps under the same netsim links and
+measures its median step time. The report puts them side by side (ratio predicted / measured,
+target within 25 %) and says whether comm.mode=auto's pick (the fastest predicted variant among
+the allowed modes) is within 10 % of the measured-fastest allowed variant.
+
+    python -m bench.advise_check                                   # 1gbit and 100mbit, 4 ranks, tiny
+    python -m bench.advise_check --rates 1gbit --variants lion_fp32,lioncub_1bit --steps 3 --warmup 1
+
+Output in --out: advise_<rate>.json, measured/ (step_breakdown's own output), validation.csv and
+validation.md. Needs root and iproute2 (network namespaces).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from bench.step_breakdown import DEFAULT_OVERRIDES
+from bench.variants import ROOT
+
+DEFAULT_VARIANTS = ["lion_fp32", "lion_bf16", "adamw_fp32", "lioncub_1bit", "lioncub_4bit", "lioncub_8bit_l1",
+                    "dlion_mavo"]
+TARGET_RATIO = 0.25   # every prediction within 25 % of the measured step time
+TARGET_PICK = 0.10    # auto's pick within 10 % of the measured-fastest allowed variant
+
+
+def default_allow() -> list[str]:
+    from trainer.config import CommConfig
+
+    return CommConfig().auto_allow
+
+
+def join(advice: dict, measured: list[dict], rate: str, allow: Sequence[str]) -> tuple[list[dict], dict]:
+    """Rows (variant, mode, predicted, measured, ratio) and the pick summary for one rate."""
+    meas = {r["variant"]: r for r in measured if r["rate"] == rate and r.get("status") == "ok"}
+    rows = []
+    for a in advice["rows"]:
+        if a["status"] != "ok":
+            continue
+        m = meas.get(a["variant"])
+        pred_ms, meas_ms = 1e3 * a["step_s"], (float(m["step_ms"]) if m else None)
+        rows.append({"rate": rate, "variant": a["variant"], "mode": a["mode"], "predicted_ms": pred_ms,
+                     "measured_ms": meas_ms, "pred_over_meas": pred_ms / meas_ms if meas_ms else None,
+                     "compute_ms": 1e3 * a["compute_s"], "local_ms": 1e3 * a["local_s"],
+                     "comm_model_ms": 1e3 * a["comm_s"]})
+    allowed = [r for r in rows if r["mode"] in allow and r["measured_ms"]]
+    pick = min(allowed, key=lambda r: r["predicted_ms"]) if allowed else None
+    best = min(allowed, key=lambda r: r["measured_ms"]) if allowed else None
+    summary = {"rate": rate, "allow": list(allow), "pick": pick and pick["variant"],
+               "measured_fastest": best and best["variant"],
+               "pick_over_fastest": (pick["measured_ms"] / best["measured_ms"]) if pick and best else None}
+    return rows, summary
+
+
+def markdown(rows: list[dict], summaries: list[dict], meta: dict) -> str:
+    out = ["# bench.advise: predicted vs measured step time", "",
+           f"{meta['nproc']} ranks under launch.netsim, overrides `{meta['overrides']}`; measured: median of "
+           f"{meta['steps']} steps after {meta['warmup']} warm-up (bench.step_breakdown). Machine: {meta['machine']}; "
+           f"1-minute load before: {meta['load_before']}, after: {meta['load_after']}.", "",
+           "| rate | variant | mode | predicted (ms) | measured (ms) | predicted / measured | within 25 % | "
+           "compute (ms) | local (ms) | comm model (ms) |", "|---|---|---|---:|---:|---:|---|---:|---:|---:|"]
+    for r in rows:
+        q = r["pred_over_meas"]
+        out.append(f"| {r['rate']} | {r['variant']} | {r['mode']} | {r['predicted_ms']:.0f} | "
+                   f"{r['measured_ms']:.0f} | {q:.2f} | {'yes' if abs(q - 1) <= TARGET_RATIO else 'NO'} | "
+                   f"{r['compute_ms']:.0f} | {r['local_ms']:.0f} | {r['comm_model_ms']:.0f} |"
+                   if q is not None else f"| {r['rate']} | {r['variant']} | {r['mode']} | {r['predicted_ms']:.0f} | "
+                   f"not measured | - | - | | | |")
+    out += ["", "| rate | allowed modes | auto's pick | measured fastest | pick / fastest (measured) | within 10 % |",
+            "|---|---|---|---|---:|---|"]
+    for s in summaries:
+        q = s["pick_over_fastest"]
+        out.append(f"| {s['rate']} | {', '.join(s['allow'])} | {s['pick']} | {s['measured_fastest']} | "
+                   f"{q:.2f} | {'yes' if q is not None and q <= 1 + TARGET_PICK else 'NO'} |" if q is not None else
+                   f"| {s['rate']} | {', '.join(s['allow'])} | - | - | - | - |")
+    return "\n".join(out) + "\n"
+
+
+def _load() -> str:
+    return Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "?"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.advise_check", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rates", default="1gbit,100mbit")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--config-dir", default="configs/cpu_30m")
+    ap.add_argument("--overrides", default=" ".join(DEFAULT_OVERRIDES))
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--allow", default=",".join(default_allow()), help="the modes auto may pick")
+    ap.add_argument("--out", default="bench/out/advise_check")
+    ap.add_argument("--timeout", type=float, default=900.0)
+    args = ap.parse_args(argv)
+    from launch import netsim
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rates = [r for r in args.rates.split(",") if r]
+    overrides = args.overrides.split()
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": str(ROOT),
+           "WANDB_MODE": "disabled", "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1"}
+    meta = {"nproc": args.nproc, "overrides": args.overrides, "steps": args.steps, "warmup": args.warmup,
+            "machine": f"{os.uname().machine}, {os.cpu_count()} CPUs", "load_before": _load()}
+    base_cfg = str(ROOT / args.config_dir / "lion_fp32.yaml")
+    for rate in rates:
+        print(f"== {rate}: bench.advise", flush=True)
+        js = out / f"advise_{rate}.json"
+        codes = netsim.run(args.nproc, [sys.executable, "-m", "bench.advise", base_cfg, *overrides,
+                                        "--variants", args.variants, "--json", str(js)],
+                           rate=rate, timeout=args.timeout, cwd=str(ROOT), env=env, tag="advchk",
+                           log_dir=str(out / "logs" / rate))
+        if any(codes):
+            print(f"bench.advise failed at {rate}: rc={codes}; logs in {out / 'logs' / rate}", file=sys.stderr)
+            return 1
+    print(f"== measuring {args.variants} at {args.rates} (bench.step_breakdown)", flush=True)
+    rc = subprocess.run([sys.executable, "-m", "bench.step_breakdown", "--rates", args.rates, "--variants",
+                         args.variants, "--nproc", str(args.nproc), "--steps", str(args.steps), "--warmup",
+                         str(args.warmup), "--config-dir", args.config_dir, "--overrides", args.overrides,
+                         "--no-calibrate", "--out", str(out / "measured"), "--timeout", str(args.timeout)],
+                        cwd=ROOT, env={**os.environ, **env}).returncode
+    if rc:
+        print(f"bench.step_breakdown failed (rc={rc}); see {out / 'measured'}", file=sys.stderr)
+        return 1
+    measured = list(csv.DictReader((out / "measured" / "results.csv").open()))
+    allow = [m for m in args.allow.split(",") if m]
+    rows, summaries = [], []
+    for rate in rates:
+        r, s = join(json.loads((out / f"advise_{rate}.json").read_text()), measured, rate, allow)
+        rows += r
+        summaries.append(s)
+    meta["load_after"] = _load()
+    with (out / "validation.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["rate"])
+        w.writeheader()
+        w.writerows(rows)
+    md = markdown(rows, summaries, meta)
+    (out / "validation.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""bench.advise and comm.mode=auto: candidates merged over the user's config, the quality evidence,
+config errors, the pick and its survival across a resume, and (under launch.netsim, root and
+iproute2 only) the link measurement against a known rate and the pick at a slow link."""
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import pytest
+
+from bench import advise
+from launch import netsim
+from optim import sync
+from tests.dist import ROOT, torchrun
+from trainer.config import ConfigError, load_config
+
+try:
+    netsim.check_available(need_tc=True)
+    NETSIM_SKIP = None
+except netsim.NetsimUnavailable as e:
+    NETSIM_SKIP = f"netsim unavailable here: {e}"
+needs_netsim = pytest.mark.skipif(NETSIM_SKIP is not None, reason=NETSIM_SKIP or "")
+
+SMALL = ["model.preset=debug", "data.batch_size=2", "data.seq_len=32", "train.eval_every=0", "train.log_every=1",
+         "optim.warmup_steps=1", "train.ckpt_every=2"]
+
+
+def test_candidate_config_keeps_the_users_common_keys_and_drops_the_old_modes_options():
+    user = load_config(ROOT / "configs/default.yaml", ["comm.mode=pbit", "comm.bits=4", "optim.lr=3e-4",
+                                                       "comm.kernels=eager"]).to_dict()
+    cfg = advise.config_from_dict(advise.candidate_config(user, advise.load_variant("lioncub_1bit")))
+    assert cfg.comm.mode == "onebit" and cfg.optim.name == "lion"
+    assert cfg.optim.lr == 3e-4 and cfg.comm.kernels == "eager"       # the user's common keys stay
+    assert "bits" not in cfg.comm.options.field_names()               # pbit's option did not follow
+    dion = advise.config_from_dict(advise.candidate_config(user, advise.load_variant("dion_r16")))
+    assert dion.optim.name == "dion" and dion.optim.rank_fraction == 0.0625  # `extends:` resolved
+
+
+def test_quality_evidence_comes_from_the_committed_study():
+    ev = advise.quality_evidence()
+    assert ev["lion_fp32"].startswith("reference")
+    rows = {r["optimizer"]: r for r in __import__("csv").DictReader(advise.EVIDENCE_CSV.open())}
+    d = float(rows["adamw_fp32"]["val_loss_mean"]) - float(rows["lion_fp32"]["val_loss_mean"])
+    assert f"{d:+.2f}" in ev["adamw_fp32"] and "seeds" in ev["adamw_fp32"]
+
+
+def test_table_ranks_by_predicted_step_and_lists_inadmissible_last():
+    rows = [{"variant": "b", "status": "ok", "optimizer": "lion", "mode": "onebit", "step_s": 0.2, "compute_s": 0.1,
+             "local_s": 0.05, "comm_s": 0.05, "bytes_per_step": 1e6, "speedup_vs_fp32": 2.0, "evidence": "x"},
+            {"variant": "c", "status": "not admissible", "reason": "comm.bits: why"}]
+    md = advise.table_markdown({"rows": rows})
+    lines = md.splitlines()
+    assert lines[2].startswith("| 1 | b |") and "200.0" in lines[2] and "2.00x" in lines[2]
+    assert "not admissible: comm.bits: why" in lines[3]
+
+
+@pytest.mark.parametrize("override,match", [
+    ("comm.auto_allow=[fp32, nope]", r"comm.auto_allow: \['nope'\] not among the modes fp32, bf16, onebit"),
+    ("comm.auto_allow=[]", r"comm.auto_allow: \[\] not among the modes"),
+])
+def test_bad_auto_allow_entries_are_config_errors(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(ROOT / "configs/default.yaml", ["comm.mode=auto", override])
+
+
+def test_auto_allow_that_the_optimizer_cannot_run_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"optim.name=adamw runs on none of \['onebit'\]; allow one of fp32"):
+        load_config(ROOT / "configs/default.yaml", ["comm.mode=auto", "optim.name=adamw", "comm.auto_allow=[onebit]"])
+
+
+def test_auto_candidates_follow_the_optimizer_and_the_allow_list():
+    cfg = load_config(ROOT / "configs/default.yaml", ["comm.mode=auto", "comm.auto_allow=[onebit, pbit]"])
+    from trainer import automode
+
+    names = [c.name for c in automode.candidates(cfg)]
+    assert names and all(advise.load_variant(n).sections["comm"]["mode"] in ("onebit", "pbit") for n in names)
+    assert "lioncub_4bit_synchead" not in names  # momentum sync is a quality choice, not auto's
+
+
+@pytest.mark.slow
+def test_auto_picks_the_only_allowed_mode_logs_it_and_keeps_it_on_resume(tmp_path):
+    out = tmp_path / "run"
+    args = [str(ROOT / "configs/default.yaml"), *SMALL, "comm.mode=auto", "comm.auto_allow=[fp32]",
+            "train.max_steps=2", f"train.out_dir={out}"]
+    p = torchrun(2, ROOT / "train.py", *args, timeout=240)
+    assert "comm.mode=auto -> lion_fp32 (comm.mode=fp32; measured now" in p.stdout
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    ev = [r for r in recs if r.get("event") == "auto_mode"]
+    assert len(ev) == 1 and ev[0]["mode"] == "fp32" and ev[0]["table"][0]["variant"] == "lion_fp32"
+    assert json.loads((out / "auto_mode.json").read_text())["variant"] == "lion_fp32"
+    assert "mode: fp32" in (out / "config.yaml").read_text()
+    # resume: the stored decision is used, nothing is measured again
+    p = torchrun(2, ROOT / "train.py", *args[:-2], "train.max_steps=4", f"train.out_dir={out}",
+                 "train.resume=auto", timeout=240)
+    assert "kept from auto_mode.json" in p.stdout and "measuring links" not in p.stdout
+    assert "resumed from" in p.stdout
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["source"] for r in recs if r.get("event") == "auto_mode"] == ["measured", "stored"]
+
+
+@needs_netsim
+@pytest.mark.slow
+def test_link_measurement_recovers_the_simulated_rate(tmp_path):
+    """100 Mbit/s per link (tbf on both ends of every veth): the fitted bandwidth within 25 %."""
+    out = tmp_path / "links.json"
+    codes = netsim.run(2, [sys.executable, "-m", "bench.advise", str(ROOT / "configs/default.yaml"),
+                           "--links-only", "--json", str(out)], rate="100mbit", timeout=180, cwd=str(ROOT),
+                       env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "ERROR"},
+                       tag="tadvl", stream=io.StringIO())
+    assert codes == [0, 0]
+    gbit = json.loads(out.read_text())["links"]["world"]["gbit_s"]
+    assert 0.075 <= gbit <= 0.125, gbit
+
+
+@needs_netsim
+@pytest.mark.slow
+def test_auto_at_100mbit_picks_a_quantized_update_sync_mode(tmp_path):
+    out = tmp_path / "run"
+    allow = "[" + ", ".join(s.name for s in sync.schemes() if s.name != "hierarchical") + "]"
+    log = io.StringIO()
+    codes = netsim.run(2, [sys.executable, str(ROOT / "train.py"), str(ROOT / "configs/default.yaml"), *SMALL,
+                           "comm.mode=auto", f"comm.auto_allow={allow}", "train.max_steps=1", f"train.out_dir={out}"],
+                       rate="100mbit", timeout=300, cwd=str(ROOT),
+                       env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "ERROR",
+                            "WANDB_MODE": "disabled", "LIONCUB_KERNELS": "eager"}, tag="tadva", stream=log)
+    assert codes == [0, 0], log.getvalue()[-3000:]
+    mode = json.loads((out / "auto_mode.json").read_text())["mode"]
+    assert sync.get(mode).kind == sync.UPDATE and mode in ("onebit", "pbit", "ps"), mode

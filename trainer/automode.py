@@ -1,0 +1,114 @@
+"""comm.mode=auto: pick the communication mode from measurements at start, keep the decision.
+
+At start (every rank, before the model is built) bench.advise measures this run's links, its
+model's forward + backward and each candidate's local optimizer work, predicts every candidate's
+step time and picks the fastest. Candidates: the named variants (configs/variants) of the
+configured optimizer whose mode is in comm.auto_allow and that add no momentum synchronisation of
+their own (that is a quality choice, not a speed one; the user's comm.momentum_sync is kept).
+The decision, with the whole table, is written to <out_dir>/auto_mode.json and logged (console,
+metrics.jsonl, wandb). A resumed run (train.resume=auto with a checkpoint) reads it back instead of
+measuring, unless comm.auto_remeasure is set; there is no switching mid-run.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch.distributed as dist
+
+from .config import AUTO_MODE, Config
+from .dist import DistInfo
+
+DECISION = "auto_mode.json"
+
+
+def candidates(cfg: Config) -> list:
+    """The variants comm.mode=auto chooses among for cfg (bench.advise.Candidate)."""
+    from bench import advise
+
+    out = []
+    for name in advise.variant_names():
+        cand = advise.load_variant(name)
+        o, c = cand.sections.get("optim") or {}, cand.sections.get("comm") or {}
+        if o.get("name", "lion") != cfg.optim.name or c.get("mode", "fp32") not in cfg.comm.auto_allow:
+            continue
+        if (c.get("momentum_sync") or {}).get("every"):
+            continue
+        out.append(cand)
+    return out
+
+
+def stored_decision(out_dir: Path) -> dict | None:
+    path = Path(out_dir) / DECISION
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # unreadable: measured again, and rewritten
+
+
+def _has_checkpoint(out_dir: Path) -> bool:
+    return any((Path(out_dir) / "ckpt").glob("step_*/meta.json"))
+
+
+def resolve(cfg: Config, info: DistInfo, data_dir: Path, say: Callable[[str], None]) -> tuple[Config, dict]:
+    """(cfg with comm.mode and its options replaced by the chosen variant's, the decision).
+    Collective: every rank calls it; every rank returns the same choice (rank 0's)."""
+    from bench import advise
+
+    assert cfg.comm.mode == AUTO_MODE
+    decision = None
+    if info.is_main and cfg.train.resume == "auto" and not cfg.comm.auto_remeasure and _has_checkpoint(
+            Path(cfg.train.out_dir)):
+        decision = stored_decision(Path(cfg.train.out_dir))
+        if decision is not None:
+            decision = {**decision, "source": "stored"}
+    box = [decision]
+    if info.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    decision = box[0]
+    if decision is None:
+        cands = candidates(cfg)
+        if not cands:
+            from .config import ConfigError
+
+            raise ConfigError(f"comm.mode=auto: no variant of optim.name={cfg.optim.name} in configs/variants "
+                              f"runs on comm.auto_allow={cfg.comm.auto_allow}; widen comm.auto_allow")
+        say(f"comm.mode=auto: measuring links, model and {len(cands)} candidate(s) "
+            f"({', '.join(c.name for c in cands)})")
+        result = advise.advise(cfg, cands, info.device, data_dir, log=say)
+        ok = [r for r in result["rows"] if r["status"] == "ok"]
+        if not ok:
+            from .config import ConfigError
+
+            reasons = "; ".join(f"{r['variant']}: {r.get('reason')}" for r in result["rows"])
+            raise ConfigError(f"comm.mode=auto: no allowed variant can run this config ({reasons})")
+        best = ok[0]  # rows are sorted by predicted step time
+        decision = {"variant": best["variant"], "mode": best["mode"],
+                    "sections": next(c.sections for c in cands if c.name == best["variant"]),
+                    "predicted_step_s": best["step_s"], "world_size": info.world_size, "source": "measured",
+                    "table": result["rows"], "links": result["links"], "compute": result["compute"]}
+        box = [decision]
+        if info.world_size > 1:
+            dist.broadcast_object_list(box, src=0)  # every rank runs rank 0's pick
+        decision = box[0]
+        say(advise.table_markdown(result))
+    cand = advise.Candidate(decision["variant"], decision["sections"])
+    chosen = advise.config_from_dict(advise.candidate_config(cfg.to_dict(), cand))
+    say(f"comm.mode=auto -> {decision['variant']} (comm.mode={chosen.comm.mode}; "
+        f"{'kept from ' + DECISION if decision['source'] == 'stored' else 'measured now'}; "
+        f"predicted {1e3 * decision['predicted_step_s']:.0f} ms/step)")
+    return chosen, decision
+
+
+def write_decision(out_dir: Path, decision: dict) -> None:
+    path = Path(out_dir) / DECISION
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({**decision, "source": "measured"}, indent=1, default=str))
+    os.replace(tmp, path)  # a reader never sees half a decision
+
+
+__all__ = ["DECISION", "candidates", "resolve", "stored_decision", "write_decision"]
