@@ -11,6 +11,7 @@ process group; every run is a real Trainer whose steps are driven here:
   gathered in the shard group, is the same on all 4 ranks), and FSDP still writes its gradient
   into the optimizer's flat buffer;
 - bytes per step across the replicate axis equal the scheme's formula on N / S elements;
+- the divergence guard: a NaN in one rank's gradient shard stops the step on every rank;
 - the Lion Cub diagnostics at S = 2 are reduced over the shard group (the same on every rank);
 - pbit, bf16, the parameter server, LoCo, BinSGDM and 1-bit Adam run at S = 2 with identical
   replicas, the formula's bytes and a finite loss (3 steps say nothing of quality);
@@ -125,6 +126,27 @@ def check_memory(res: dict) -> None:
     assert abs(est.model_state - got["model_state"]) <= 0.15 * got["model_state"], (est, got)
 
 
+def check_guard(tmp: Path) -> None:
+    """A NaN in one rank's gradient shard (rank 1 only): every rank of every replica skips the step."""
+    cfg = load_config(ROOT / "configs/variants/lioncub_1bit.yaml",
+                      BASE + ["parallel.shard_size=2", f"train.out_dir={tmp / 'guard'}"])
+    tr = Trainer(cfg, INFO)
+    try:
+        before = full_params(tr)
+        opt = tr.optimizer
+        opt.zero_grad()
+        x = torch.randint(0, 1000, (2, 32))
+        tr.model(x, x)[1].backward()
+        if dist.get_rank() == 1:
+            next(iter(opt.grad_buffers.values()))[-1] = float("nan")
+        rep = opt.step(loss_finite=True)
+        assert rep.nonfinite and opt.steps_done == 0, "a NaN in one shard did not stop every rank"
+        assert all(torch.equal(a, b) for a, b in zip(before, full_params(tr)))
+    finally:
+        tr.logger.close()
+        tr.release()
+
+
 def main(tmp: str) -> None:
     global INFO
     INFO = init_distributed("cpu")
@@ -152,6 +174,7 @@ def main(tmp: str) -> None:
     assert 0 < diag["diag/sign_match"] < 1 and 0 < diag["diag/tie_rate"] < 1 and diag["diag/momentum_spread"] > 0, diag
     check_memory(res)
     same(hier, res, "onebit S=2 vs hierarchical node_size=2", signs=True, norms=False)  # update sync: local norms
+    check_guard(tmp_dir)
     # the other modes across replicas on shards: replicas identical every step (in run), bytes = formula
     for variant, extra, phase in MODES:
         res = run(variant, ["parallel.shard_size=2"] + extra, tmp_dir)
