@@ -453,8 +453,12 @@ class CommOptimizer(torch.optim.Optimizer):
         local_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b, dtype=torch.float32)
                                                            for b in bufs]))
         bad = torch.logical_not(torch.isfinite(local_norm)) | (not loss_finite)
-        if self.shard_group is not None:
-            bad = torch.as_tensor(comm.any_rank(bad, group=self.shard_group, stats=self.stats["guard"]))
+        if self.shard_group is not None:  # first over the other shards, on the device (no host sync)
+            t = bad.reshape(1).to(torch.int32)
+            with self.stats["guard"].call("any_shard", t.device if t.is_cuda else None) as timer:
+                with timer.coll(sent=t, recv=t):
+                    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.shard_group)
+            bad = t[0] > 0
         return comm.any_rank(bad, group=self.group, stats=self.stats["guard"])
 
     def _grad_norm(self, bufs: list[torch.Tensor]) -> torch.Tensor:
