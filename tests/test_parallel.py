@@ -25,6 +25,7 @@ def test_sharded_equals_replicated(tmp_path) -> None:
     ("dion", ["parallel.shard_size=2"], "optim.name=dion does not run on sharded parameters"),
     ("lioncub_hier", ["parallel.shard_size=2"], "comm.mode=hierarchical does not run across replicas"),
     ("lion_fp32", ["parallel.shard_size=2", "comm.bucket_mb=1"], "comm.bucket_mb"),
+    ("lion_fp32", ["parallel.shard_size=2", "train.mc_eval_file=items.jsonl"], "train.mc_eval_file"),
 ])
 def test_config_errors_name_the_key(variant, overrides, message) -> None:
     try:
@@ -40,6 +41,16 @@ def test_config_errors_name_the_key(variant, overrides, message) -> None:
 def test_sharded_checkpoint_resumes_exactly(tmp_path) -> None:
     proc = torchrun(4, "parallel_ckpt.py", str(tmp_path / "runs"), timeout=300)
     assert "parallel_ckpt: checks passed" in proc.stdout, proc.stdout
+    # the tools (eval, sample, export) read a sharded run's checkpoint: DCP shards -> whole tensors
+    import torch
+
+    from model import load_model
+
+    loaded = load_model(tmp_path / "runs" / "straight")
+    want = torch.load(tmp_path / "runs" / "straight_params.pt")
+    got = dict(loaded.model.named_parameters())
+    assert loaded.step == 4 and set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 @pytest.mark.parametrize("cmd", [["-m", "launch.netsim", "--nproc", "4", "--nodes", "3", "--", "true"],

@@ -517,6 +517,10 @@ def _parallel_problems(cfg: Config, world_size: int | None) -> list[str]:
         fits = [s.name for s in sync.schemes() if s.shards]
         p.append(f"parallel.shard_size: {S} but comm.mode={c.mode} does not run across replicas of a sharded "
                  f"model; use one of {', '.join(fits)} (hierarchical is onebit with shard_size = ranks per node)")
+    if S > 1 and cfg.train.mc_eval_file:
+        p.append(f"train.mc_eval_file: set with parallel.shard_size={S}; each rank scores its own items, so the ranks "
+                 f"of a shard group would run different forwards; leave train.mc_eval_file empty (score the "
+                 f"checkpoint with `python -m eval mc`)")
     if S > 1 and cfg.comm.bucket_mb:
         p.append(f"comm.bucket_mb: {cfg.comm.bucket_mb} with parallel.shard_size={S}: FSDP already overlaps its "
                  f"reduce-scatter with backward; set comm.bucket_mb=0 and comm.overlap=false")

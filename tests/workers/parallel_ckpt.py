@@ -67,6 +67,9 @@ def main(tmp: str) -> None:
     tmp_dir = Path(tmp)
     a = trainer(tmp_dir / "straight", ["train.resume=never"])
     fit(a)
+    whole = dict(zip(sorted(n for n, _ in a.model.named_parameters()), full(a)))
+    if INFO.is_main:  # for tests/test_parallel.py: model.load reads the sharded checkpoint
+        torch.save(whole, tmp_dir / "straight_params.pt")
     b = trainer(tmp_dir / "stopped", ["train.resume=never", "train.stop_after=2"])
     assert fit(b)["stopped"]
     saved = momenta(b)
