@@ -11,6 +11,7 @@ process group; every run is a real Trainer whose steps are driven here:
   gathered in the shard group, is the same on all 4 ranks), and FSDP still writes its gradient
   into the optimizer's flat buffer;
 - bytes per step across the replicate axis equal the scheme's formula on N / S elements;
+- momentum sync (Lion Cub §5) runs across replicas on the shards: afterwards they hold equal momenta;
 - the divergence guard: a NaN in one rank's gradient shard stops the step on every rank;
 - the Lion Cub diagnostics at S = 2 are reduced over the shard group (the same on every rank);
 - pbit, bf16, the parameter server, LoCo, BinSGDM and 1-bit Adam run at S = 2 with identical
@@ -175,6 +176,14 @@ def main(tmp: str) -> None:
     check_memory(res)
     same(hier, res, "onebit S=2 vs hierarchical node_size=2", signs=True, norms=False)  # update sync: local norms
     check_guard(tmp_dir)
+    # momentum sync of every layer every step: the replicas' momentum shards become equal (mean over replicas)
+    res = run("lioncub_syncall", ["parallel.shard_size=2", "comm.momentum_sync.every=1"], tmp_dir)
+    moms = torch.cat([res["opt"].momentum_of(e.param).reshape(-1) for e in res["opt"].layout.entries])
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, moms)
+    assert torch.equal(everyone[0], everyone[2]) and torch.equal(everyone[1], everyone[3])
+    assert not torch.equal(everyone[0][:everyone[1].numel()], everyone[1])  # different shards
+    assert res["reports"][-1].phases["momentum_sync"]["bytes_sent"] == 4 * moms.numel()  # fp32, N / S elements
     # the other modes across replicas on shards: replicas identical every step (in run), bytes = formula
     for variant, extra, phase in MODES:
         res = run(variant, ["parallel.shard_size=2"] + extra, tmp_dir)
