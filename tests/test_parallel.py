@@ -61,3 +61,14 @@ def test_nodes_must_divide_nproc(cmd) -> None:
 
     out = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--nodes 3 must" in out.stderr and "divide --nproc 4" in out.stderr, out.stderr
+
+
+def test_shard_group_must_fit_a_node(monkeypatch) -> None:
+    import torch
+
+    from trainer.parallel import make_mesh
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"parallel.shard_size: 4 does not divide the ranks per node \(LOCAL_WORLD_SIZE=2\)"):
+        make_mesh(4, 8, torch.device("cpu"))
+    assert not make_mesh(1, 8, torch.device("cpu")).sharded  # S = 1 builds nothing
