@@ -37,6 +37,19 @@ def report(e: BaseException, rank: int, shared: bool) -> None:
     print(f"error{where}: {e}", file=sys.stderr, flush=True)
 
 
+# what a collective raises when a peer process has exited (gloo, NCCL)
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
+             "ProcessGroupNCCL's watchdog", "remote process exited")
+
+
+def peer_failed(e: BaseException) -> bool:
+    """`e` is a collective failing because another rank went away (not a fault of this rank)."""
+    import torch.distributed as dist
+
+    return isinstance(e, RuntimeError) and (isinstance(e, getattr(dist, "DistNetworkError", ())) or
+                                            any(m in str(e) for m in PEER_GONE))
+
+
 def main(argv: list[str]) -> int:
     from trainer.config import ConfigError, describe, load_config
 
@@ -78,6 +91,14 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print(f"interrupted (rank {info.rank}): a second Ctrl-C; no checkpoint written", file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001
+        if not peer_failed(e):
+            raise
+        # another rank stopped (its own error, printed by that rank) and left this one's collective
+        # hanging up: say so in one line instead of the backend's traceback
+        print(f"error (rank {info.rank}): stopped because another rank left a collective; that rank's own "
+              f"'error (rank N)' message says why", file=sys.stderr, flush=True)
+        return 1
     finally:
         shutdown()
 

@@ -3,13 +3,18 @@
     python -m bench.packing [--n 25M] [--repeats 7] [--threads 1] [--P 4] [--device cpu]
 
 In one run, the median time of each hot path of the quantized schemes, eager reference vs the
-compiled kernels of comm.kernels (and optim.lion's fused passes), and its ratio to `copy_` of the n-element float32 input into
-a preallocated buffer (the memory-bandwidth floor of one read + one write):
+compiled kernels of comm.kernels (and optim.lion's fused passes), and its ratio to `copy_` of the
+n-element float32 input into a preallocated buffer (the memory-bandwidth floor of one read + one
+write). On a GPU (--device cuda) every call is timed with CUDA events and nothing inside a timed
+call syncs with the host:
 
     1-bit pack        tie-broken signs -> packed bits (comm.vote.tb_packed)
-    L1 4-bit / 8-bit  Lion Cub eq. 1 per tensor + q + L in 4- / 8-bit lanes (int_allreduce's wire)
+    L1 4-bit / 8-bit  Lion Cub eq. 1 per tensor + q + L in 4- / 8-bit lanes (int_allreduce's wire);
+                      Linf 8-bit the same with M_inf (a segmented max)
     majority          P packed chunks -> exact majority with tie break -> packed (n/8 bytes in)
-    sum, sum+sign     summed 4-bit wire -> int32 sums; -> sign of the sum (the applied update)
+    sum, sum+sign     summed 4-bit wire -> int32 sums; -> sign of the sum as float32 (eager: the
+                      int32 reference then torch.sign) and as the int8 update p-bit applies (eager:
+                      one-byte lanes against the offset)
     Lion passes       direction + momentum (+ the fused single pass), apply; foreach vs compiled
 
 The vector is split into tensors shaped like a small GPT (an embedding, matrices, a few tiny
@@ -25,6 +30,7 @@ so at small n the eager path wins.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import statistics
@@ -55,18 +61,9 @@ def segment_sizes(n: int) -> list[int]:
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
-    def once_ms(fn: Callable[[], object]) -> float:
-        if device.type == "cuda":  # events, not host timers: no sync inside the measured span
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    return once_ms
+    """ms of one call: CUDA events on a GPU, no host sync inside the span (comm.kernels.time_ms,
+    the timer of comm.kernels=auto's choice)."""
+    return lambda fn: kernels.time_ms(fn, device)
 
 
 def measure(fns: list[Callable[[], object] | None], repeats: int, device: torch.device) -> list[tuple]:
@@ -119,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     L4, L8 = max_levels(P, 4), max_levels(P, 8)
 
     t0 = time.perf_counter()
-    compile_s = kernels.warmup(dev, bits=(4, 8), levels=(L4, L8), p=(1.0,), world_sizes=(P,),
+    compile_s = kernels.warmup(dev, bits=(4, 8), levels=(L4, L8), p=(1.0, math.inf), world_sizes=(P,),
                                impl="compiled") + warmup_fused_passes(dev, impl="compiled")
     warm_wall = time.perf_counter() - t0
 
@@ -145,13 +142,14 @@ def main(argv: list[str] | None = None) -> dict:
     scratch = torch.empty(max(sizes), device=dev)
     sums = torch.empty(n, dtype=torch.int32, device=dev)  # the optimizer's reused update buffers
     upd = torch.empty(n, device=dev)
+    upd8 = torch.empty(n, dtype=torch.int8, device=dev)
     lr, wd, b1, b2 = 3e-4, 0.1, 0.9, 0.99
 
-    def q_eager(bits: int, L: int):
-        return lambda: kernels.wire_of(kernels.quantize_q(x, segs, L, 1.0, 2.0), L, bits)
+    def q_eager(bits: int, L: int, p: float = 1.0):
+        return lambda: kernels.wire_of(kernels.quantize_q(x, segs, L, p, 2.0), L, bits)
 
-    def q_comp(bits: int, L: int):
-        return lambda: kernels.quantize_pack(x, segs, L, 1.0, 2.0, bits, impl="compiled", scratch=scratch)
+    def q_comp(bits: int, L: int, p: float = 1.0):
+        return lambda: kernels.quantize_pack(x, segs, L, p, 2.0, bits, impl="compiled", scratch=scratch)
 
     def sum_eager(sign: bool):
         def f():
@@ -177,6 +175,10 @@ def main(argv: list[str] | None = None) -> dict:
          lambda: kernels.unpack_sum(wire4, 4, n, L4, P, out=sums, impl="compiled")),
         (f"unpack + sum + sign (4-bit, P={P})", sum_eager(True),
          lambda: kernels.unpack_sum(wire4, 4, n, L4, P, sign=True, out=upd, impl="compiled")),
+        (f"unpack + sign -> int8 update (4-bit, P={P})",
+         lambda: kernels.unpack_sum(wire4, 4, n, L4, P, sign=True, dtype=torch.int8, out=upd8, impl="eager"),
+         lambda: kernels.unpack_sum(wire4, 4, n, L4, P, sign=True, dtype=torch.int8, out=upd8, impl="compiled")),
+        (f"Linf quantize -> 8-bit lanes (L={L8})", q_eager(8, L8, math.inf), q_comp(8, L8, math.inf)),
         ("Lion direction c", lambda: lion_direction(mv, gv, b1, out=cv),
          lambda: fused_lion_direction_(mv, gv, b1, cv, impl="compiled")),
         ("Lion momentum m", lambda: momentum_update_(mv, gv, b2),
@@ -188,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # byte-identity of everything timed (the Lion passes on copies of the state)
     checks = {}
-    for name, fe, fc in rows[1:7]:
+    for name, fe, fc in rows[1:9]:
         checks[name] = torch.equal(fe(), fc())
     for name, run_e, run_c in (("Lion direction + momentum", lion_eager, lion_comp),):
         m0 = m.clone()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Iterable
 
@@ -39,11 +40,15 @@ def config_path(variant: str, config_dir: str | Path = "configs/cpu_30m") -> Pat
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """All records of a metrics.jsonl (blank lines skipped)."""
+    """All records of a metrics.jsonl (blank lines skipped; a line torn by a killed writer is
+    skipped with a note on stderr)."""
     out = []
-    for line in Path(path).read_text().splitlines():
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if line.strip():
-            out.append(json.loads(line))
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                print(f"{path}:{n}: skipped a torn record (a run killed while writing it)", file=sys.stderr)
     return out
 
 
@@ -89,15 +94,6 @@ def role_params(model_cfg: dict) -> dict[str, int]:
     for name, role in param_roles(m).items():
         out[role] = out.get(role, 0) + named[name].numel()
     return out
-
-
-def scheme_of(comm_cfg: dict):
-    """(sync scheme, its options) of a resolved `comm:` section (optim.sync registry)."""
-    from optim import sync
-
-    scheme = sync.get(comm_cfg["mode"])
-    opts = scheme.options(**{k: comm_cfg[k] for k in scheme.options.field_names() if k in comm_cfg})
-    return scheme, opts
 
 
 def build_optimizer_for(cfg: dict):

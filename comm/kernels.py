@@ -20,7 +20,10 @@ with the fused Lion passes, which live with Lion in optim/lion.py.
 Dispatch: every function takes impl="compiled" | "eager" | "auto" (None: the module default,
 `set_impl`, initially $LIONCUB_KERNELS or "eager"). "auto" compiles where a compiler exists and
 otherwise runs eager after a one-line warning; "compiled" raises instead, naming the reason
-(LIONCUB_NO_COMPILE=1, no C++ compiler, no Triton). Compiled kernels take dynamic shapes, so one
+(LIONCUB_NO_COMPILE=1, no C++ compiler, no Triton). Once `warmup(..., layout=...)` has timed a
+kernel on the run's sizes (`choose`), "auto" runs whichever of eager and compiled was faster
+there with identical bytes, per kernel and device type (compiled Triton lost to eager for sign
+packing and the majority on an H100). Compiled kernels take dynamic shapes, so one
 compilation serves every length of a given (kernel, dtype, device); `warmup()` pays it (and
 checks the compiled result against the reference) before the first timed step, and
 `compile_seconds()` reports it. Inputs shorter than SMALL elements, and dtypes a kernel does not
@@ -28,8 +31,11 @@ cover, run the reference: same bytes, and a kernel launch would cost more than t
 
 Exactness notes (why the compiled code looks the way it does):
 - M_p of Lion Cub eq. 1 is a reduction whose rounding depends on its summation order, so the
-  compiled path computes it with the reference's own eager ops (`abs` into a reused buffer, then
-  `.mean()`, or `comm.quantize.lp_mean`); everything after the norm is fused.
+  compiled path computes it per tensor with the reference's own eager ops (`abs` into a reused
+  buffer, then `.mean()`, or `comm.quantize.lp_mean`); only M_inf, a max, is exact in any order
+  and comes from one segmented reduction. Everything after the norm is one kernel over whole
+  blocks of the flat vector (the block's tensor's scale, gathered once per block) plus one
+  gathered pass over the blocks a tensor boundary cuts: no loop over tensors.
 - Stochastic rounding draws its uniforms with the reference's own `torch.rand` calls, segment by
   segment from the same generator, so the random stream is consumed identically.
 NaN payloads are not promised to match (NaN positions are).
@@ -189,7 +195,7 @@ def compile_seconds(detail: bool = False) -> float | dict[str, float]:
     return sum(_compile_seconds.values())
 
 
-def _time_ms(fn: Callable[[], object], device: torch.device) -> float:
+def time_ms(fn: Callable[[], object], device: torch.device) -> float:
     """Milliseconds of one call: CUDA events on a GPU (no host sync inside the span), the host
     clock on CPU."""
     if device.type == "cuda":
@@ -224,7 +230,7 @@ def choose(kernel: str, device: torch.device | str, candidates: dict[str, Callab
     times: dict[str, list[float]] = {name: [] for name in ok}
     for _ in range(repeats):
         for name, fn in ok.items():
-            times[name].append(_time_ms(fn, device))
+            times[name].append(time_ms(fn, device))
     ms = {name: statistics.median(t) for name, t in times.items()}
     chosen = min(ms, key=ms.get)
     _auto[(kernel, device.type)] = chosen
@@ -517,8 +523,10 @@ def _segment_max_abs(c: torch.Tensor, nsegs: int, plan: tuple) -> torch.Tensor:
     nb, bseg, whole, elems, seg_of = plan[:5]
     m = torch.zeros(nsegs, dtype=c.dtype, device=c.device)
     if nb:
-        lo, hi = torch.aminmax(c[:nb * QBLOCK].view(nb, QBLOCK), dim=1)
-        m.scatter_reduce_(0, bseg[whole], torch.maximum(-lo, hi)[whole], "amax")
+        blocks = c[:nb * QBLOCK].view(nb, QBLOCK)
+        lo, hi = blocks.amin(dim=1), blocks.amax(dim=1)  # torch's aminmax over rows is ~50x slower on CPU
+        # whole: the indices of the blocks inside one segment (a mask here would sync on a GPU)
+        m.scatter_reduce_(0, bseg.index_select(0, whole), torch.maximum(-lo, hi).index_select(0, whole), "amax")
     if elems.numel():
         m.scatter_reduce_(0, seg_of, c[elems].abs(), "amax")
     return m
@@ -549,7 +557,7 @@ def _block_plan(segs: list[tuple[int, int]], per: int, n: int, device: torch.dev
     of the partial block at the end, are then rewritten by one gathered pass: for each of their
     elements its index, its segment, its word slot and lane, and the word positions. The
     gathered pass is at most (segments + 1) blocks long, whatever n is. whole[b]: block b lies
-    inside one segment."""
+    inside one segment (kept as the indices of those blocks)."""
     key = (tuple(segs), per, n, device)
     if key not in _PLANS:
         if len(_PLANS) >= 8:
@@ -571,7 +579,7 @@ def _block_plan(segs: list[tuple[int, int]], per: int, n: int, device: torch.dev
         elems, slot = elems[keep], slot[keep]
         seg_of = torch.searchsorted(starts, elems, right=True) - 1
         _PLANS[key] = tuple(t.to(device) if isinstance(t, torch.Tensor) else t
-                            for t in (nb, bseg, whole, elems, seg_of, slot, elems % per, words))
+                            for t in (nb, bseg, whole.nonzero().view(-1), elems, seg_of, slot, elems % per, words))
     return _PLANS[key]
 
 
@@ -744,7 +752,7 @@ def unpack_sum(wire: torch.Tensor, bits: int, n: int, levels: int, P: int, *, si
 
 def unpack_majority(recv: torch.Tensor, P: int, step: int, *, impl: str | None = None) -> torch.Tensor:
     """recv: uint8[P * c] packed sign chunks, row r from rank r -> packed tb(2*plus - P, step),
-    the exact majority with tie break (== comm.vote._local_majority)."""
+    the exact majority with tie break (== comm.vote.local_majority)."""
     if recv.dtype != torch.uint8 or P < 1 or recv.numel() % P:
         raise ValueError(f"unpack_majority: need uint8 bytes in P={P} equal chunks, got "
                          f"{recv.numel()} {recv.dtype}")
@@ -886,6 +894,7 @@ def report_mismatch(bad: Sequence[str], device: torch.device, impl: str | None) 
     set_impl("eager")
 
 
-__all__ = ["IMPLS", "SMALL", "Kernel", "auto_choices", "choose", "compile_seconds", "compile_unavailable", "compiled_kernel", "const",
-           "dtype_key", "f32", "get_impl", "quantize_pack", "quantize_q", "report_mismatch", "set_impl", "sign_pack",
-           "unpack_majority", "unpack_sum", "unpack_sum_reference", "use_compiled", "warmup", "wire_of"]
+__all__ = ["IMPLS", "QBLOCK", "SMALL", "Kernel", "auto_choices", "choose", "compile_seconds", "compile_unavailable",
+           "compiled_kernel", "const", "dtype_key", "f32", "get_impl", "quantize_pack", "quantize_q", "report_mismatch",
+           "resolve_impl", "set_impl", "sign_pack", "time_ms", "unpack_majority", "unpack_sum", "unpack_sum_reference",
+           "use_compiled", "warmup", "wire_of"]

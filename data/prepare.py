@@ -56,7 +56,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from data.shards import (MANIFEST, SPLITS, DataError, ShardWriter, dtype_for_vocab, format_info, is_shard_name,
-                         write_manifest)
+                         read_header_info, write_manifest)
 from data.tokenizer import DEFAULT as DEFAULT_TOKENIZER
 from data.tokenizer import FILE_TOKENIZER, copy_tokenizer, eot_id, get_encoding, tokenizer_info
 
@@ -497,8 +497,13 @@ def _foreign_entries(d: Path) -> list[str]:
     out = []
     for e in sorted(d.iterdir()):
         name = e.name.removesuffix(".tokens")
-        if e.is_dir() or not (is_shard_name(name) or e.name in own):
+        if e.is_dir() or e.is_symlink() or not (is_shard_name(name) or e.name in own):
             out.append(e.name + ("/" if e.is_dir() else ""))
+        elif is_shard_name(e.name):  # named like a shard: only a valid header makes it one of ours
+            try:
+                read_header_info(e)
+            except DataError:
+                out.append(f"{e.name} (named like a shard, but its header is not one)")
     return out
 
 
@@ -518,6 +523,14 @@ def check_out(out: str | os.PathLike, overwrite: bool) -> None:
     if not (out / MANIFEST).is_file():
         raise PrepareError(f"--overwrite refuses to replace {out}: it holds no {MANIFEST}, so data.prepare did "
                            f"not make it; nothing was deleted — remove it yourself or pick another --out")
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        manifest = None
+    if not isinstance(manifest, dict) or not {"format", "splits", "tokenizer"} <= set(manifest):
+        raise PrepareError(f"--overwrite refuses to replace {out}: its {MANIFEST} is not one data.prepare wrote "
+                           f"(no format / splits / tokenizer); nothing was deleted — remove it yourself or pick "
+                           f"another --out")
     foreign = _foreign_entries(out)
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")

@@ -113,6 +113,15 @@ def _sh(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
+def unavailable_reason(need_tc: bool = True) -> str | None:
+    """Why the simulator cannot run here (for a skip message), or None when it can."""
+    try:
+        check_available(need_tc=need_tc)
+    except NetsimUnavailable as e:
+        return f"netsim unavailable here: {e}"
+    return None
+
+
 def check_available(need_tc: bool = True) -> None:
     """Raise NetsimUnavailable with the reason and what to do when the simulator cannot run here."""
     if os.name != "posix" or not sys.platform.startswith("linux"):

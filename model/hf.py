@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint_files import nonfinite_keys
 from .gpt import GPT, GPTConfig, model_from_state_dict
 
 WEIGHTS_NAME = "model.safetensors"
@@ -227,13 +228,28 @@ def read_hf_tensors(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     d = Path(hf_dir)
+
+    def read(f: Path) -> dict[str, torch.Tensor]:
+        try:  # safetensors holds tensors only: nothing in it can run
+            tensors = load_file(str(f))
+        except Exception as e:  # noqa: BLE001 - a damaged file is one line naming it
+            raise HFFormatError(f"{f} is unreadable, truncated or corrupt ({type(e).__name__}: "
+                                f"{(str(e).strip().splitlines() or [''])[0][:200]})") from None
+        bad = nonfinite_keys(tensors)
+        if bad:
+            raise HFFormatError(f"{f} holds non-finite values in {', '.join(bad[:3])}; it is damaged")
+        return tensors
+
     if (d / WEIGHTS_NAME).is_file():
-        return load_file(str(d / WEIGHTS_NAME))
+        return read(d / WEIGHTS_NAME)
     if (d / WEIGHTS_INDEX).is_file():
-        files = sorted(set(json.loads((d / WEIGHTS_INDEX).read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads((d / WEIGHTS_INDEX).read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise HFFormatError(f"{d / WEIGHTS_INDEX} is unreadable or has no weight_map ({e})") from None
         out: dict[str, torch.Tensor] = {}
         for f in files:
-            out.update(load_file(str(d / f)))
+            out.update(read(d / f))
         return out
     raise HFFormatError(f"{d} holds neither {WEIGHTS_NAME} nor {WEIGHTS_INDEX} (only safetensors weights are "
                         f"read; re-save a .bin checkpoint with save_pretrained(..., safe_serialization=True))")
@@ -251,6 +267,10 @@ def from_hf(hf_dir: str | os.PathLike, device: torch.device | str = "cpu", dtype
     if not is_hf_dir(d):
         raise HFFormatError(f"{d} has no config.json; expected a Hugging Face model directory "
                             f"(e.g. written by `python -m model.export`)")
-    cfg = config_from_hf(json.loads((d / "config.json").read_text()))
+    try:
+        hf = json.loads((d / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise HFFormatError(f"{d / 'config.json'} is unreadable or truncated ({e})") from None
+    cfg = config_from_hf(hf)
     sd = from_hf_state_dict(read_hf_tensors(d), cfg)
     return model_from_state_dict(cfg, sd, device, dtype)

@@ -61,6 +61,9 @@ class StepReport:
     nonfinite: bool = False
     """The divergence guard found a non-finite loss or gradient on some rank: nothing was exchanged
     or updated, and no optimizer state changed."""
+    stop: bool = False
+    """Some rank asked to stop (a signal): agreed by the same guard collective, so every rank learns
+    it at the same step."""
 
     def total(self, key: str) -> float:
         return sum(self.phases.get(p, {}).get(key, 0) for p in COMM_PHASES)
@@ -409,10 +412,12 @@ class CommOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, *, diagnose: bool = False,
-             loss_finite: bool | None = None) -> StepReport:
+             loss_finite: bool | None = None, stop: bool = False) -> StepReport:
         """One step. With `loss_finite` given (the divergence guard), every rank first checks its
         loss and local gradient for NaN / inf and all ranks agree (one tiny collective, the "guard"
-        phase); if any rank found one, nothing is exchanged or updated and the report says so."""
+        phase); if any rank found one, nothing is exchanged or updated and the report says so.
+        `stop` (this rank wants to stop, e.g. on a signal) rides on the same collective: the
+        report's `stop` is true on every rank when it was true on any."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -425,8 +430,9 @@ class CommOptimizer(torch.optim.Optimizer):
         # background exchange must never interleave with the main thread's collectives)
         self._bucket_results = self._buckets.finish(self._step + 1) if self._buckets is not None and self.overlap \
             else None
-        if loss_finite is not None and self._any_rank_nonfinite(loss_finite):
-            report = StepReport(step=self._step, loss=loss, nonfinite=True)
+        nonfinite, stopping = self._guard(loss_finite, stop) if loss_finite is not None else (False, stop)
+        if nonfinite:
+            report = StepReport(step=self._step, loss=loss, nonfinite=True, stop=stopping)
             report.seconds = self.clock.now() - t0
             report.phases = {phase: s.step_summary() for phase, s in self.stats.items()}
             return report
@@ -436,7 +442,7 @@ class CommOptimizer(torch.optim.Optimizer):
         if self.grad_clip > 0:
             self._clip_()
         out = self._update(t)
-        report = StepReport(step=t, loss=loss)
+        report = StepReport(step=t, loss=loss, stop=stopping)
         due = self.momentum_sync is not None and self.momentum_sync.due(t)
         if diagnose:
             report.diag_seconds += self._run_diagnostics(report, out, after_sync=False)
@@ -448,18 +454,20 @@ class CommOptimizer(torch.optim.Optimizer):
         report.phases = {phase: s.step_summary() for phase, s in self.stats.items()}
         return report
 
-    def _any_rank_nonfinite(self, loss_finite: bool) -> bool:
+    def _guard(self, loss_finite: bool, stop: bool) -> tuple[bool, bool]:
+        """(any rank saw a non-finite loss or gradient, any rank asked to stop): one SUM-allreduce of
+        one int32 with two lanes, the non-finite count in bits 0-15 and the stop count above (P <
+        2^15 ranks, so neither lane overflows)."""
         bufs = list(self.grad_buffers.values())
         local_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b, dtype=torch.float32)
                                                            for b in bufs]))
         bad = torch.logical_not(torch.isfinite(local_norm)) | (not loss_finite)
-        if self.shard_group is not None:  # first over the other shards, on the device (no host sync)
-            t = bad.reshape(1).to(torch.int32)
-            with self.stats["guard"].call("any_shard", t.device if t.is_cuda else None) as timer:
-                with timer.coll(sent=t, recv=t):
-                    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.shard_group)
-            bad = t[0] > 0
-        return comm.any_rank(bad, group=self.group, stats=self.stats["guard"])
+        word = bad.reshape(1).to(torch.int32) + (1 << 16 if stop else 0)
+        if self.shard_group is not None:  # hybrid sharding: first over the other shards (counts add up)
+            word = comm.allreduce_packed_(word, group=self.shard_group, stats=self.stats["guard"], name="guard_shards")
+        word = comm.allreduce_packed_(word, group=self.group, stats=self.stats["guard"], name="guard")
+        v = int(word.item())
+        return bool(v & 0xFFFF), bool(v >> 16)
 
     def _grad_norm(self, bufs: list[torch.Tensor]) -> torch.Tensor:
         """L2 norm of the gradient (fp32): of the flat buffers, summed over the shard group when the

@@ -197,7 +197,8 @@ def fused_lion_direction_momentum_(exp_avgs: list[torch.Tensor], grads: list[tor
             lion_direction([m], [g], beta1, out=[o])
             momentum_update_([m], [g], beta2)
         else:
-            kernels.compiled_kernel(_k_direction_momentum)((m.device.type,), m.view(-1), g.view(-1), b1, a1, b2, a2, o.view(-1))
+            kernels.compiled_kernel(_k_direction_momentum)((m.device.type,), m.view(-1), g.view(-1), b1, a1, b2, a2,
+                                                           o.view(-1))
     return out
 
 
@@ -213,7 +214,8 @@ def fused_apply_update_(params: list[torch.Tensor], updates: list[torch.Tensor],
         if p.numel() < kernels.SMALL or not (u.dtype == torch.float32 or (u_is_sign and u.dtype == torch.int8)):
             apply_update_([p], [u], lr, weight_decay)
         else:
-            kernels.compiled_kernel(_k_apply, u_is_sign)((p.device.type, kernels.dtype_key(u)), p.view(-1), u.view(-1), s, alpha)
+            kernels.compiled_kernel(_k_apply, u_is_sign)((p.device.type, kernels.dtype_key(u)), p.view(-1), u.view(-1),
+                                                         s, alpha)
 
 
 def warmup_fused_passes(device: torch.device | str = "cpu", *, impl: str | None = None, check: bool = True) -> float:

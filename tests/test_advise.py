@@ -15,11 +15,7 @@ from optim import sync
 from tests.dist import ROOT, torchrun
 from trainer.config import ConfigError, load_config
 
-try:
-    netsim.check_available(need_tc=True)
-    NETSIM_SKIP = None
-except netsim.NetsimUnavailable as e:
-    NETSIM_SKIP = f"netsim unavailable here: {e}"
+NETSIM_SKIP = netsim.unavailable_reason(need_tc=True)
 needs_netsim = pytest.mark.skipif(NETSIM_SKIP is not None, reason=NETSIM_SKIP or "")
 
 SMALL = ["model.preset=debug", "data.batch_size=2", "data.seq_len=32", "train.eval_every=0", "train.log_every=1",

@@ -13,11 +13,7 @@ import pytest
 from bench import quality, step_breakdown as sb, variants
 from launch import netsim
 
-try:
-    netsim.check_available(need_tc=False)
-    NETSIM_SKIP = None
-except netsim.NetsimUnavailable as e:
-    NETSIM_SKIP = f"netsim unavailable here: {e}"
+NETSIM_SKIP = netsim.unavailable_reason(need_tc=False)
 
 
 def _rec(step, step_ms, data, fwd, coll, pack, opt, nbytes=1000, **kw):

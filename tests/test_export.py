@@ -14,6 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from model import GPT, GPTConfig, from_hf, get_preset, load_model, pad_vocab, resolve_config  # noqa: E402
+from model.checkpoint_files import sha256_file  # noqa: E402
 from model.export import main as export_main  # noqa: E402
 from model.hf import HFFormatError, config_from_hf, save_hf  # noqa: E402
 
@@ -37,7 +38,8 @@ def make_run(run: Path, tie: bool, pos_emb: str = "rope", dataset: str = "builti
     ckpt.mkdir(parents=True)
     (run / "config.yaml").write_text(yaml.safe_dump(config))
     torch.save(trained_like(resolve_config(section, vocab_size)).state_dict(), ckpt / "model.pt")
-    (ckpt / "meta.json").write_text(json.dumps({"step": 10, "world_size": 1, "config": config}))
+    files = {"model.pt": sha256_file(ckpt / "model.pt")}  # checksums, as the trainer records them
+    (ckpt / "meta.json").write_text(json.dumps({"step": 10, "world_size": 1, "config": config, "files": files}))
     (run / "ckpt" / "latest").write_text("step_000010")
     return run
 

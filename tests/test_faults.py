@@ -229,9 +229,9 @@ def test_sigint_checkpoints_and_a_second_one_exits_at_once(tmp_path):
         while time.time() < deadline + 120 and not (run2 / "config.yaml").exists():
             time.sleep(0.2)
         time.sleep(1.0)
-        proc.send_signal(signal.SIGINT)  # log_every is huge: the first one waits for a log step...
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)  # ...the second leaves at once
+        proc.send_signal(signal.SIGINT)  # the first one stops at the next step and checkpoints...
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)  # ...a second one before that is done leaves at once
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()

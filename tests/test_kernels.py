@@ -502,8 +502,8 @@ def test_every_kernel_has_its_own_code_object_and_source_file():
     Each kernel is a distinct code object whose source file is comm/kernels.py."""
     import inspect
 
-    ks = [K.compiled_kernel(K._k_pack_v, b) for b in (1, 2, 4)] + [K.compiled_kernel(K._k_tb_lanes, 4), K.compiled_kernel(K._k_majority),
-                                                           K.compiled_kernel(K._k_unpack, 4, 4, None, None)]
+    ks = [K.compiled_kernel(K._k_pack_v, b) for b in (1, 2, 4)] + [
+        K.compiled_kernel(K._k_tb_lanes, 4), K.compiled_kernel(K._k_majority), K.compiled_kernel(K._k_unpack, 4, 4, None, None)]
     assert K.compiled_kernel(K._k_pack_v, 2) is ks[1]  # cached per (kernel, static arguments)
     assert len({id(k.fn.__code__) for k in ks}) == len(ks)
     for k in ks:

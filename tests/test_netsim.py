@@ -16,11 +16,7 @@ import pytest
 from launch import netsim
 from tests.dist import ROOT, WORKERS
 
-try:
-    netsim.check_available(need_tc=True)
-    SKIP_REASON = None
-except netsim.NetsimUnavailable as e:
-    SKIP_REASON = f"netsim unavailable here: {e}"
+SKIP_REASON = netsim.unavailable_reason(need_tc=True)
 needs_netsim = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "ERROR"}

@@ -323,6 +323,7 @@ def test_fig6_falls_back_to_roles():
 def test_final_matrix_weights(tmp_path):
     """Fig. 10's weight columns: attention and MLP matrices only, from the checkpoint of the final step."""
     from model import GPT, get_preset
+    from model.checkpoint_files import sha256_file
 
     with torch.device("meta"):
         model = GPT(get_preset("debug"))
@@ -335,7 +336,9 @@ def test_final_matrix_weights(tmp_path):
     for step in (4, 6):
         (ckpt / f"step_{step:06d}").mkdir(parents=True)
         torch.save(state, ckpt / f"step_{step:06d}" / "model.pt")
-        (ckpt / f"step_{step:06d}" / "meta.json").write_text(json.dumps({"step": step, "world_size": 1}))
+        files = {"model.pt": sha256_file(ckpt / f"step_{step:06d}" / "model.pt")}  # as the trainer records them
+        (ckpt / f"step_{step:06d}" / "meta.json").write_text(json.dumps({"step": step, "world_size": 1,
+                                                                          "files": files}))
     (ckpt / "latest").write_text("step_000006")
     finished = RunResult(Run("r", "x.yaml"), "ok", tmp_path, records=[{"step": 6, "params_identical": True}])
     mean, mag = studies.final_matrix_weights(finished, roles)

@@ -92,8 +92,19 @@ def test_existing_run_dir_is_not_overwritten(tmp_path):
                            "train.max_steps=2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "already exists" in proc.stderr and "train.resume=auto" in proc.stderr
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "notes.txt"]
-    train(1, run, "train.max_steps=2", "train.resume=overwrite")
-    assert not (run / "notes.txt").exists() and records(run, "train_loss")
+    proc = subprocess.run([sys.executable, "train.py", "configs/default.yaml", *TINY, f"train.out_dir={run}",
+                           "train.max_steps=2", "train.resume=overwrite"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)  # not made by the trainer (no marker): overwrite refuses, naming what is there
+    assert proc.returncode == 2 and "holds no .lioncub_run marker" in proc.stderr and "notes.txt" in proc.stderr
+    assert (run / "notes.txt").read_text() == "precious" and sorted(p.name for p in run.iterdir()) == [
+        "config.yaml", "notes.txt"]
+    (run / "notes.txt").unlink()
+    (run / "config.yaml").unlink()
+    train(1, run, "train.max_steps=2")
+    first = (run / ".lioncub_run").read_text()
+    train(1, run, "train.max_steps=2", "train.resume=overwrite")  # ours: replaced, the old run retired
+    assert records(run, "train_loss") and (run / ".lioncub_run").read_text() != first
+    assert not [p for p in run.iterdir() if p.name.startswith(".replaced-")]
 
 
 def test_sigterm_saves_a_loadable_checkpoint(tmp_path):
@@ -167,7 +178,7 @@ def test_resume_guards(tmp_path):
     other.mkdir()
     (other / "data.txt").write_text("keep")
     refused = _run1(other, "train.max_steps=2", "train.resume=overwrite")
-    assert refused.returncode == 2 and "does not look like a run directory" in refused.stderr
+    assert refused.returncode == 2 and "the trainer did not make it (data.txt)" in refused.stderr
     assert (other / "data.txt").read_text() == "keep"
 
 

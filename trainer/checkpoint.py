@@ -12,9 +12,11 @@ tensors, all ranks agree, and a non-finite value stops the save with a NonFinite
 (`keep`) deletes the oldest step directories but never the new one, and never the newest
 checkpoint whose meta says it was verified finite.
 
-On resume (`find_resumable`) candidates are tried newest first: each rank checks meta.json and the
-checksums of the files it will read; all ranks agree; a corrupt or incomplete checkpoint is
-reported by name and the next older one is tried. Leftover temp directories of killed saves are
+On resume and rollback (`find_resumable`) candidates are tried newest first: each rank checks
+meta.json and the checksums of the files it will read and loads them as model/checkpoint_files.py
+says (weights_only: a pickle that names code is refused, never run; finite); all ranks agree; a
+corrupt, incomplete or foreign checkpoint is reported by name and the next older one is tried.
+RNG states are stored as tensors and plain numbers so that a weights_only load reads them. Leftover temp directories of killed saves are
 removed at start (`clean_partial`). A full disk is reported as such (CheckpointError).
 """
 from __future__ import annotations
@@ -27,18 +29,18 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-META = "meta.json"
-MODEL = "model.pt"
+# the reading rule (checksums, weights_only loads, finiteness) has one home, shared with model/load.py
+from model.checkpoint_files import (META, MODEL, CheckpointError, candidates, load_verified, nonfinite_keys,
+                                    read_meta, sha256_file, step_dirs, verify)
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written or no intact one can be read; the message says which and why."""
+__all__ = ["META", "MODEL", "CheckpointError", "NonFiniteError", "candidates", "find_resumable", "read_meta",
+           "save_checkpoint", "sha256_file", "step_dirs", "verify"]
 
 
 class NonFiniteError(CheckpointError):
@@ -50,7 +52,12 @@ def rank_file(rank: int) -> str:
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every generator's state as tensors and plain numbers (what a weights_only load reads back)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"torch": torch.get_rng_state(),
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)},
+             "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -58,36 +65,14 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    npst = state["numpy"]
+    if isinstance(npst, dict):
+        npst = (npst["kind"], npst["keys"].numpy().astype(np.uint32), npst["pos"], npst["has_gauss"],
+                npst["cached_gaussian"])
+    np.random.set_state(npst)  # a tuple holding an ndarray: a checkpoint of an older version
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _tensors(obj: Any) -> Iterable[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-
-
-def nonfinite_keys(obj: Any, prefix: str = "") -> list[str]:
-    """Paths of floating tensors in a nested state holding NaN or inf (empty when all finite)."""
-    bad = []
-    if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point() and obj.numel() and not bool(torch.isfinite(obj).all()):
-            bad.append(prefix or "<tensor>")
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            bad += nonfinite_keys(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            bad += nonfinite_keys(v, f"{prefix}[{i}]")
-    return bad
 
 
 def _disk_error(path: Path, err: BaseException) -> CheckpointError:
@@ -117,14 +102,6 @@ def _write(obj: Any, path: Path) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _agree(flag: bool) -> bool:
     """True on every rank if `flag` is True on any rank (no process group: the flag itself)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -142,14 +119,6 @@ def _gather(obj: Any, world_size: int) -> list:
     out = [None] * world_size
     dist.all_gather_object(out, obj)
     return out
-
-
-def step_dirs(ckpt_root: Path) -> list[Path]:
-    """step_* directories in step order (numeric: names past 999,999 steps still sort right)."""
-    if not ckpt_root.is_dir():
-        return []
-    dirs = [p for p in ckpt_root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
-    return sorted(dirs, key=lambda p: int(p.name[5:]))
 
 
 def clean_partial(ckpt_root: Path) -> list[Path]:
@@ -248,52 +217,6 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def candidates(ckpt_root: Path) -> list[Path]:
-    """Checkpoint directories to try on resume, newest first (`latest`'s target first)."""
-    dirs = list(reversed(step_dirs(ckpt_root)))
-    pointer = ckpt_root / "latest"
-    if pointer.is_file():
-        named = ckpt_root / pointer.read_text().strip()
-        if named in dirs:
-            dirs.remove(named)
-            dirs.insert(0, named)
-    return dirs
-
-
-def read_meta(path: Path) -> dict:
-    """meta.json of a checkpoint, or CheckpointError naming what is wrong with it."""
-    f = path / META
-    if not f.is_file():
-        raise CheckpointError(f"{f} is missing (the save did not complete)")
-    try:
-        meta = json.loads(f.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{f} is unreadable or truncated ({e})") from None
-    if not isinstance(meta, dict) or "step" not in meta or "world_size" not in meta:
-        raise CheckpointError(f"{f} lacks step / world_size")
-    return meta
-
-
-def verify(path: Path, names: Iterable[str]) -> dict:
-    """meta.json, and the checksums of `names` against it; CheckpointError naming the first bad file."""
-    meta = read_meta(path)
-    sums = meta.get("files")
-    if not isinstance(sums, dict):
-        raise CheckpointError(f"{path / META} has no file checksums (written by an older version); "
-                              f"it cannot be verified")
-    for name in names:
-        f = path / name
-        if name not in sums:
-            raise CheckpointError(f"{f} is not listed in {path / META}")
-        if not f.is_file():
-            raise CheckpointError(f"{f} is missing")
-        got = sha256_file(f)
-        if got != sums[name]:
-            raise CheckpointError(f"{f} is corrupt: sha256 {got[:12]}... differs from the {sums[name][:12]}... "
-                                  f"recorded when it was written")
-    return meta
-
-
 def files_needed(meta: dict, rank: int, world_size: int) -> list[str]:
     """The files a rank reads: the model, and its own rank file, or every rank file of the saved
     run when the world size changed (their states are combined)."""
@@ -307,17 +230,22 @@ def files_needed(meta: dict, rank: int, world_size: int) -> list[str]:
 
 
 def find_resumable(ckpt_root: Path, rank: int, world_size: int,
-                   report: Callable[[str], None] = print) -> tuple[Path, dict] | None:
-    """The newest checkpoint every rank can verify (collective), or None when there is none at all.
-    Each corrupt or incomplete one is reported by name (rank 0) and skipped; CheckpointError when
-    step directories exist but none is intact."""
+                   report: Callable[[str], None] = print) -> tuple[Path, dict, dict[str, Any]] | None:
+    """The newest checkpoint every rank can verify and load (collective): (its directory, meta, the
+    files this rank reads, loaded by model.checkpoint_files.load_verified: checksums, weights_only,
+    finite), or None when there is none at all. Each corrupt, incomplete or foreign one is reported
+    by name (rank 0) and skipped; CheckpointError when step directories exist but none is intact."""
     tried = []
     for path in candidates(ckpt_root):
         problem = ""
         meta: dict = {}
+        files: dict[str, Any] = {}
         try:
             meta = read_meta(path)
-            verify(path, files_needed(meta, rank, world_size))
+            names = files_needed(meta, rank, world_size)
+            shards = [n for n in names if meta.get("sharded_model") and n.startswith(meta["sharded_model"] + "/")]
+            verify(path, shards)  # a sharded model's DCP files: checked here, read by trainer/sharded_checkpoint.py
+            files, meta = load_verified(path, [n for n in names if n not in shards])
         except CheckpointError as e:
             problem = str(e)
         problems = _gather(problem, world_size)
@@ -326,13 +254,9 @@ def find_resumable(ckpt_root: Path, rank: int, world_size: int,
             for skipped in tried:
                 if rank == 0:
                     report(f"skipped checkpoint {skipped}")
-            return path, meta
+            return path, meta, files
         tried.append(f"{path.name}: {bad[0]}")
     if tried:
         raise CheckpointError(f"train.resume=auto found no intact checkpoint in {ckpt_root}: "
                               + "; ".join(tried) + ". Restore a checkpoint, or pass train.resume=overwrite to start over")
     return None
-
-
-def load_files(path: Path, names: list[str]) -> dict[str, Any]:
-    return {n: torch.load(path / n, map_location="cpu", weights_only=False) for n in names}

@@ -205,6 +205,9 @@ class TrainConfig:
     """What a non-finite loss or gradient on any rank does (checked every step, all ranks agree; no
     update is applied): stop (exit non-zero naming the step), skip_step (go on without that update) or
     rollback (reload the last good checkpoint and skip the offending step's batches)."""
+    max_skipped_steps: int = 10
+    """With on_nonfinite=skip_step: stop (exit 3, the last good checkpoint kept) after this many
+    consecutive skipped steps; a run that skips step after step is diverging, not hiccuping."""
     mc_eval_file: str = ""
     """HellaSwag-format JSONL (ctx, endings, label) scored by completion log-likelihood at every
     evaluation (acc, acc_norm per byte, acc per token); empty = off. See README "Evaluation"."""
@@ -539,6 +542,7 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
                          ("data.grad_accum", d.grad_accum, 1), ("train.max_steps", t.max_steps, 1),
                          ("train.eval_steps", t.eval_steps, 1), ("train.log_every", t.log_every, 1),
                          ("train.keep_ckpts", t.keep_ckpts, 1), ("model.block_size", m.block_size, 0),
+                         ("train.max_skipped_steps", t.max_skipped_steps, 1),
                          ("train.eval_every", t.eval_every, 0), ("train.ckpt_every", t.ckpt_every, 0),
                          ("optim.warmup_steps", o.warmup_steps, 0), ("diag.every", dg.every, 0),
                          ("train.stop_after", t.stop_after, 0), ("train.mc_eval_items", t.mc_eval_items, 0)]:

@@ -55,6 +55,23 @@ def wandb_payload(record: dict) -> dict:
     return out
 
 
+def repair_torn_tail(path: Path) -> bool:
+    """End `path` with a newline if a killed writer left its last line torn, so the next record
+    starts a line of its own (readers skip the torn one) instead of being glued onto it; True if
+    it repaired the file."""
+    try:
+        with open(path, "rb+") as f:
+            if f.seek(0, os.SEEK_END) == 0:
+                return False
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) == b"\n":
+                return False
+            f.write(b"\n")
+            return True
+    except FileNotFoundError:
+        return False
+
+
 class RunLogger:
     def __init__(self, out_dir: Path, enabled: bool, wandb_mode: str, project: str, run_name: str,
                  group: str, config: dict, run_id: str | None = None) -> None:
@@ -65,7 +82,9 @@ class RunLogger:
             return
         # appended, never truncated: a resumed run adds its records after an "event": "resume" record, so a
         # step logged by the interrupted run after its last checkpoint appears again (readers keep the last)
-        self.file = open(out_dir / "metrics.jsonl", "a", buffering=1)
+        path = out_dir / "metrics.jsonl"
+        repair_torn_tail(path)
+        self.file = open(path, "a", buffering=1)
         if wandb_mode != "disabled":
             self.wandb = self._init_wandb(out_dir, wandb_mode, project, run_name, group, config,
                                           run_id or run_name.replace("/", "_"))

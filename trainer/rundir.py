@@ -1,8 +1,13 @@
 """The run directory policy: refuse, replace or resume `train.out_dir`, and the run's identity.
 
 - train.resume=never: an existing non-empty directory is refused (nothing is touched);
-- overwrite: only a directory that looks like a run (config.yaml, metrics.jsonl or ckpt/) and that
-  no live run holds is emptied and started afresh;
+- overwrite: only a directory the trainer made (its marker `.lioncub_run`, or the `run_id` file of
+  older versions) holding nothing but the trainer's own entries (RUN_ENTRIES), and that no live
+  run holds, is started afresh; any other entry is named and the directory refused. The replaced
+  run's entries are moved aside into `.replaced-<time>/` inside it, not deleted, and removed only
+  once the new run's first checkpoint is written and verified (`drop_replaced`);
+- auto on a non-empty directory the trainer did not make is refused as well (it would write its
+  config.yaml and metrics.jsonl over someone else's files);
 - auto: continue from the newest intact checkpoint (trainer/checkpoint.py verifies checksums and
   falls back to older ones); a checkpoint whose config differs in keys a resumed run may not
   change is refused, listing them. The world size may change (the trainer remaps the state).
@@ -10,13 +15,14 @@ Rank 0 decides and holds the directory's lock (trainer/runlock.py: one live run 
 for the run's life; every rank learns the outcome through one tiny collective. Temp directories
 of checkpoint saves that were killed are removed.
 
-A run's id (`run_id` in the directory) is made when the directory is (re)created: a hash of the
-resolved path and the creation time, so wandb runs are unique per directory and a replaced
+A run's id (in the marker, and in `run_id`) is made when the directory is (re)created: a hash of
+the resolved path and the creation time, so wandb runs are unique per directory and a replaced
 directory gets a new one; a resumed run reads it back.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import time
@@ -24,16 +30,23 @@ from pathlib import Path
 
 from .checkpoint import CheckpointError, clean_partial, latest_checkpoint, read_meta
 from .dist import DistInfo, all_agree
+from .automode import DECISION
 from .runlock import LOCK, LockError, RunLock
 
 # keys a resumed run may change; anything else must match the checkpoint's config
 RESUMABLE_KEYS = ("train.max_steps", "train.stop_after", "train.resume", "train.eval_every",
                   "train.eval_steps", "train.ckpt_every", "train.keep_ckpts", "train.log_every",
-                  "train.out_dir", "train.device", "train.mc_eval", "train.on_nonfinite", "data.cache_dir",
-                  "comm.timeout_s", "comm.init_timeout_s", "comm.kernels", "comm.fine_timing", "comm.auto_",
-                  "log.", "diag.",
+                  "train.out_dir", "train.device", "train.mc_eval", "train.on_nonfinite", "train.max_skipped_steps",
+                  "data.cache_dir", "comm.timeout_s", "comm.init_timeout_s", "comm.kernels", "comm.fine_timing",
+                  "comm.auto_", "log.", "diag.",
                   "parallel.")  # the mesh: trainer/state.py load decides what it can resume
-RUN_MARKERS = ("config.yaml", "metrics.jsonl", "ckpt")
+MARKER = ".lioncub_run"  # written by the trainer when it creates a run directory: {"run_id", "created"}
+LEGACY_MARKER = "run_id"  # what older versions wrote at creation
+REPLACED = ".replaced-"  # prefix of a replaced run's entries, kept until the new run's first verified checkpoint
+# every entry the trainer (and its logger, wandb, the memory profiler) writes in a run directory
+RUN_ENTRIES = (MARKER, LEGACY_MARKER, LOCK, "config.yaml", "metrics.jsonl", "ckpt", "wandb", "memory_snapshot.pickle",
+               DECISION, DECISION + ".tmp")
+CKPT_ENTRIES = ("latest", "latest.tmp")  # besides step_NNNNNN/ and the temp dirs of killed saves
 
 
 class RunDirError(RuntimeError):
@@ -91,36 +104,92 @@ def prepare_run_dir(out_dir: Path, resume: str, config: dict, info: DistInfo) ->
     return lock
 
 
+def is_ours(out_dir: Path) -> bool:
+    """The trainer made this directory (its marker, or an older version's run_id file)."""
+    return (out_dir / MARKER).is_file() or (out_dir / LEGACY_MARKER).is_file()
+
+
+def foreign_entries(out_dir: Path) -> list[str]:
+    """Entries of `out_dir` (and of its ckpt/) the trainer did not write, as paths relative to it."""
+    out = [p.name for p in out_dir.iterdir() if p.name not in RUN_ENTRIES and not p.name.startswith(REPLACED)]
+    ckpt = out_dir / "ckpt"
+    if ckpt.is_dir() and not ckpt.is_symlink():
+        out += [f"ckpt/{p.name}" for p in ckpt.iterdir()
+                if p.name not in CKPT_ENTRIES and not (p.name.startswith(("step_", ".tmp_step_", ".old_step_"))
+                                                       and p.is_dir() and not p.is_symlink())]
+    elif ckpt.exists():
+        out.append("ckpt (not a directory)")
+    return sorted(out)
+
+
 def _decide(out_dir: Path, resume: str, config: dict) -> tuple[str, RunLock | None]:
     exists = out_dir.exists() and any(p.name != LOCK for p in out_dir.iterdir())
-    looks_like_run = any((out_dir / n).exists() for n in RUN_MARKERS)
     if exists and resume == "never":
         return (f"run directory {out_dir} already exists and is not empty; pass train.resume=auto to continue it, "
                 f"train.resume=overwrite to replace it, or choose another train.out_dir"), None
-    if exists and resume == "overwrite" and not looks_like_run:
-        return (f"train.resume=overwrite refuses to delete {out_dir}: it holds no config.yaml, metrics.jsonl or ckpt/, "
-                f"so it does not look like a run directory"), None
+    if exists and not is_ours(out_dir):
+        names = sorted(p.name for p in out_dir.iterdir())
+        return (f"train.resume={resume} refuses {out_dir}: it is not empty and holds no {MARKER} marker, so the "
+                f"trainer did not make it ({', '.join(names[:8])}{' ...' if len(names) > 8 else ''}); nothing was "
+                f"touched. Choose another train.out_dir"), None
+    if exists and resume == "overwrite":
+        foreign = foreign_entries(out_dir)
+        if foreign:
+            return (f"train.resume=overwrite refuses to replace {out_dir}: it holds entries the trainer did not write: "
+                    f"{', '.join(foreign[:8])}{' ...' if len(foreign) > 8 else ''}; nothing was touched. Move them "
+                    f"out, or choose another train.out_dir"), None
     if resume == "auto":
         problem = resume_problem(out_dir / "ckpt", config)
         if problem:
             return problem, None
-    lock = RunLock(out_dir)
-    note = lock.acquire()  # LockError when a live run holds it: nothing below runs
+    try:
+        lock = RunLock(out_dir)
+        note = lock.acquire()  # LockError when a live run holds it: nothing below runs
+    except OSError as e:
+        return _unwritable(out_dir, e), None
     if note:
         print(f"{out_dir}: {note}", flush=True)
-    if exists and resume == "overwrite":  # only now: a live run's directory is never deleted
-        for p in out_dir.iterdir():
-            if p.name != LOCK:
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-    removed = clean_partial(out_dir / "ckpt")
-    if removed:
-        print(f"{out_dir}: removed {len(removed)} leftover temp file(s) of killed checkpoint saves: "
-              f"{', '.join(p.name for p in removed)}", flush=True)
-    if not (out_dir / "run_id").is_file():
-        (out_dir / "run_id").write_text(new_run_id(out_dir) + "\n")
+    try:
+        if exists and resume == "overwrite":  # only now: a live run's directory is never touched
+            aside = out_dir / f"{REPLACED}{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+            aside.mkdir()
+            moved = [p for p in out_dir.iterdir() if p.name != LOCK and p != aside and not p.name.startswith(REPLACED)]
+            for p in moved:
+                os.replace(p, aside / p.name)
+            print(f"{out_dir}: the replaced run's {len(moved)} entries were moved to {aside.name}/; they are "
+                  f"removed once this run's first checkpoint is verified", flush=True)
+        removed = clean_partial(out_dir / "ckpt")
+        if removed:
+            print(f"{out_dir}: removed {len(removed)} leftover temp file(s) of killed checkpoint saves: "
+                  f"{', '.join(p.name for p in removed)}", flush=True)
+        if not is_ours(out_dir):
+            rid = new_run_id(out_dir)
+            (out_dir / LEGACY_MARKER).write_text(rid + "\n")
+            (out_dir / MARKER).write_text(json.dumps({"run_id": rid, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                                      "by": "lioncub train.py"}) + "\n")
+    except OSError as e:
+        lock.release()
+        return _unwritable(out_dir, e), None
     return "", lock
 
 
+def _unwritable(out_dir: Path, e: OSError) -> str:
+    return (f"cannot write the run directory {out_dir}: {e.strerror or e} ({e.filename or out_dir}); point "
+            f"train.out_dir at a writable directory")
+
+
+def drop_replaced(out_dir: Path) -> list[Path]:
+    """Remove the entries of runs this directory's run replaced (call once its first checkpoint is
+    verified); returns what was removed."""
+    gone = [p for p in out_dir.iterdir() if p.name.startswith(REPLACED) and p.is_dir() and not p.is_symlink()]
+    for p in gone:
+        shutil.rmtree(p)
+    return gone
+
+
 def run_id(out_dir: Path) -> str:
-    path = out_dir / "run_id"
-    return path.read_text().strip() if path.is_file() else new_run_id(out_dir)
+    try:
+        return str(json.loads((out_dir / MARKER).read_text())["run_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        path = out_dir / LEGACY_MARKER
+        return path.read_text().strip() if path.is_file() else new_run_id(out_dir)

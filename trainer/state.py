@@ -8,10 +8,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from model.checkpoint_files import load_verified
+
 from . import sharded_checkpoint
-from .config import ConfigError
-from .checkpoint import (MODEL, files_needed, find_resumable, load_files, rank_file, rng_state, save_checkpoint,
+from .checkpoint import (MODEL, CheckpointError, find_resumable, rank_file, read_meta, rng_state, save_checkpoint,
                          set_rng_state, verify)
+from .config import ConfigError
+from .rundir import REPLACED, drop_replaced
 
 MAX_ROLLBACKS = 5
 
@@ -30,36 +33,47 @@ def save(trainer) -> Path:
         # optimizer state (per-replica state is per rank, never merged)
         sharded_checkpoint.check_finite(trainer.model, trainer.step)
         meta["sharded_model"] = sharded_checkpoint.MODEL_DIR
-        return save_checkpoint(trainer.ckpt_root, trainer.step, None, rank_state, meta, trainer.info.rank,
+        path = save_checkpoint(trainer.ckpt_root, trainer.step, None, rank_state, meta, trainer.info.rank,
                                trainer.info.world_size, trainer.cfg.train.keep_ckpts,
                                write_sharded=sharded_checkpoint.writer(trainer.model, trainer.info.rank))
-    return save_checkpoint(trainer.ckpt_root, trainer.step, trainer.model.state_dict(), rank_state, meta,
-                           trainer.info.rank, trainer.info.world_size, trainer.cfg.train.keep_ckpts)
+    else:
+        path = save_checkpoint(trainer.ckpt_root, trainer.step, trainer.model.state_dict(), rank_state, meta,
+                               trainer.info.rank, trainer.info.world_size, trainer.cfg.train.keep_ckpts)
+    if trainer.info.is_main and any(p.name.startswith(REPLACED) for p in trainer.out_dir.iterdir()):
+        verify(path, list(read_meta(path)["files"]))  # read back: only a verified checkpoint retires the old run
+        for gone in drop_replaced(trainer.out_dir):
+            trainer.logger.console(f"removed {gone} (the replaced run): checkpoint {path} is verified")
+    return path
 
 
-def load(trainer, path: Path, meta: dict) -> str:
-    """Restore `trainer` from a verified checkpoint; returns the line to print."""
+def load(trainer, path: Path, meta: dict, files: dict) -> str:
+    """Restore `trainer` from a verified checkpoint (find_resumable's result); returns the line to print."""
     rank, world = trainer.info.rank, trainer.info.world_size
     saved = int(meta["world_size"])
     shard, saved_shard = trainer.parallel.shard_size, int(meta.get("shard_size", 1))
     if (shard > 1 or saved_shard > 1) and (shard != saved_shard or saved != world):
-        return _load_remeshed(trainer, path, meta, saved_shard)
-    if meta.get("sharded_model"):
-        files = load_files(path, [rank_file(rank)])
-        sharded_checkpoint.load_model(trainer.model, path)
-    else:
-        files = load_files(path, files_needed(meta, rank, world))
-        trainer.model.load_state_dict(files[MODEL])
-    if saved == world:
-        mine = files[rank_file(rank)]
-        trainer.optimizer.load_state_dict(mine["optimizer"])
-        note = ""
-    else:
-        states = [files[rank_file(r)] for r in range(saved)]
-        mine = states[min(rank, saved - 1)]
-        trainer.optimizer.load_resharded([s["optimizer"] for s in states])
-        note = (f" (written by {saved} ranks, resumed on {world}: per-rank optimizer state averaged once, i.e. one "
-                f"momentum synchronisation; data continues at the same global token position)")
+        return _load_remeshed(trainer, path, meta, files, saved_shard)
+    try:
+        if meta.get("sharded_model"):
+            sharded_checkpoint.load_model(trainer.model, path)
+        else:
+            trainer.model.load_state_dict(files[MODEL])
+        if saved == world:
+            mine = files[rank_file(rank)]
+            trainer.optimizer.load_state_dict(mine["optimizer"])
+            note = ""
+        else:
+            states = [files[rank_file(r)] for r in range(saved)]
+            mine = states[min(rank, saved - 1)]
+            trainer.optimizer.load_resharded([s["optimizer"] for s in states])
+            note = (f" (written by {saved} ranks, resumed on {world}: per-rank optimizer state averaged once, i.e. "
+                    f"one momentum synchronisation; data continues at the same global token position)")
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:  # a state this run's optimizer cannot take
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        how = (f"resume on the {saved} rank(s) it was written with" if saved != world else
+               "resume with the optim / comm settings it was written with")
+        raise CheckpointError(f"checkpoint {path} cannot be restored by this run: {first}; {how}, or start a "
+                              f"new run (another train.out_dir, or train.resume=overwrite)") from None
     trainer.loader.load_state_dict(mine["loader"])  # a global position: the same in every rank's file
     if saved == world:
         set_rng_state(mine["rng"])
@@ -68,7 +82,7 @@ def load(trainer, path: Path, meta: dict) -> str:
     return f"resumed from {path} at step {trainer.step}{note}"
 
 
-def _load_remeshed(trainer, path: Path, meta: dict, saved_shard: int) -> str:
+def _load_remeshed(trainer, path: Path, meta: dict, files: dict, saved_shard: int) -> str:
     """Resume on another mesh (shard size or world size) where one side is sharded: the model from
     its DCP shards or model.pt, the optimizer state joined per old replica and cut for this rank
     (sharded_checkpoint.remesh_optimizer_state); a config error naming the saved mesh when the
@@ -76,8 +90,7 @@ def _load_remeshed(trainer, path: Path, meta: dict, saved_shard: int) -> str:
     rank, world, par = trainer.info.rank, trainer.info.world_size, trainer.parallel
     saved = int(meta["world_size"])
     names = [rank_file(r) for r in range(saved)]
-    verify(path, names)  # every old rank's file is read here: a damaged one is named
-    files = load_files(path, names)
+    files = {**files, **load_verified(path, [n for n in names if n not in files])[0]}  # every old rank's state
     try:
         opt = sharded_checkpoint.remesh_optimizer_state(
             [files[n]["optimizer"] for n in names], saved_shard, par.shard_size, par.replicas,
@@ -89,8 +102,8 @@ def _load_remeshed(trainer, path: Path, meta: dict, saved_shard: int) -> str:
     if meta.get("sharded_model"):
         sharded_checkpoint.load_model(trainer.model, path)
     else:
-        verify(path, [MODEL])
-        sharded_checkpoint.load_full_model(trainer.model, load_files(path, [MODEL])[MODEL])
+        model_state = files[MODEL] if MODEL in files else load_verified(path, [MODEL])[0][MODEL]
+        sharded_checkpoint.load_full_model(trainer.model, model_state)
     trainer.optimizer.load_state_dict(opt)
     mine = files[names[min(rank, saved - 1)]]
     trainer.loader.load_state_dict(mine["loader"])  # a global position: the same in every rank's file
@@ -109,9 +122,21 @@ def on_nonfinite(trainer, r: dict) -> None:
     policy, bad = trainer.cfg.train.on_nonfinite, trainer.step
     trainer.logger.log({"step": bad, "event": "nonfinite", "policy": policy, "train_loss": r["loss"]})
     if policy == "skip_step":
+        trainer.skipped_in_row = trainer.skipped_in_row + 1 if trainer.last_skipped == bad - 1 else 1
+        trainer.last_skipped = bad
+        cap = trainer.cfg.train.max_skipped_steps
+        if trainer.skipped_in_row >= cap:
+            raise DivergenceError(f"non-finite loss or gradient at {cap} consecutive steps (the last: step {bad}, "
+                                  f"loss here: {r['loss']}); train.on_nonfinite=skip_step gives up after "
+                                  f"train.max_skipped_steps={cap}: the run is diverging. No update was applied and "
+                                  f"the last good checkpoint is kept. Lower optim.lr or raise optim.warmup_steps")
         trainer.logger.console(f"step {bad}: non-finite loss or gradient on some rank; no update applied "
-                               f"(train.on_nonfinite=skip_step)")
+                               f"(train.on_nonfinite=skip_step, {trainer.skipped_in_row} in a row)")
         return
+    if policy == "rollback" and bad in trainer.skip_batches:
+        raise DivergenceError(f"non-finite loss or gradient at step {bad} again after a rollback that skipped its "
+                              f"batches (loss here: {r['loss']}): the data is not the cause, the run is diverging. "
+                              f"The last good checkpoint is kept. Lower optim.lr or raise optim.warmup_steps")
     found = find_resumable(trainer.ckpt_root, trainer.info.rank, trainer.info.world_size, trainer._say) \
         if policy == "rollback" and trainer.rollbacks < MAX_ROLLBACKS else None
     if found is None:

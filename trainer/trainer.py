@@ -28,7 +28,7 @@ from . import automode, parallel, state
 from .state import DivergenceError
 from .checkpoint import find_resumable
 from .config import AUTO_MODE, Config, ConfigError, validate
-from .dist import DistInfo, all_agree
+from .dist import DistInfo
 from .evaluation import Evaluator
 from .logger import RunLogger, banner, window_record
 from .param_groups import param_groups
@@ -91,6 +91,8 @@ class Trainer:
         self.step, self.train_time = 0, 0.0  # train_time: seconds in timed steps (loss vs wall-clock)
         self.skip_batches: set[int] = set()  # steps whose batches a rollback skips
         self.rollbacks = 0
+        self._stop_signal, self._signals = None, 0  # set by a signal handler (fit)
+        self.skipped_in_row, self.last_skipped = 0, -1  # train.on_nonfinite=skip_step's consecutive count
         self.lock = prepare_run_dir(self.out_dir, cfg.train.resume, cfg.to_dict(), info)
         try:
             found = find_resumable(self.ckpt_root, info.rank, info.world_size, self._say) \
@@ -115,7 +117,6 @@ class Trainer:
         if found is not None:
             self.logger.log({"step": self.step, "event": "resume", "checkpoint": str(found[0]),
                              "world_size": info.world_size})
-        self._stop_signal, self._signals = None, 0
 
     def _say(self, msg: str) -> None:
         if self.info.is_main:
@@ -156,7 +157,8 @@ class Trainer:
             loss_sum += loss.detach()
         t1 = self.clock.now()
         loss_val = (loss_sum / accum).item()
-        report = self.optimizer.step(diagnose=diagnose, loss_finite=math.isfinite(loss_val))
+        report = self.optimizer.step(diagnose=diagnose, loss_finite=math.isfinite(loss_val),
+                                     stop=self._stop_signal is not None)
         self.step += 1
         return {"loss": loss_val, "lr": lr, "step_s": t1 - t0 + report.seconds, "data_s": data_s,
                 "fwdbwd_s": t1 - t0 - data_s, "comm_s": report.comm_s, "coll_s": report.coll_s,
@@ -224,14 +226,16 @@ class Trainer:
             if self.step >= t.max_steps:
                 break  # the normal finish below: final eval, parameter check, checkpoint
             stop_after = t.stop_after and self.step - steps_at_start >= t.stop_after
-            # signals reach ranks at different moments: agree (a tiny collective) on log steps only
-            signalled = self.step % t.log_every == 0 and all_agree(self._stop_signal is not None, self.device)
+            # signals reach ranks at different moments: the stop flag rides on the step's guard
+            # collective, so every rank acts on it at the same step, whatever train.log_every is
+            signalled = r["report"].stop
             if signalled or stop_after:
                 if window:
                     self._log_window(window, start, steps_at_start)
                 if not saved:
                     path = self.save()
-                why = "train.stop_after" if stop_after else f"signal {self._stop_signal}"
+                why = "train.stop_after" if stop_after else (
+                    f"signal {self._stop_signal}" if self._stop_signal is not None else "a signal on another rank")
                 self.logger.console(f"stopping ({why}) at step {self.step}; checkpoint {path}; "
                                     f"continue with train.resume=auto")
                 return {"step": self.step, "stopped": True}
@@ -275,6 +279,9 @@ def run(cfg: Config, info: DistInfo) -> dict:
     trainer = Trainer(cfg, info)
     try:
         return trainer.fit()
+    except data.DataError as e:  # found mid-run (a shard the run reached): the run directory stays resumable
+        raise data.DataError(f"{e}. The run stopped at step {trainer.step}; {trainer.out_dir} keeps its checkpoints: "
+                             f"fix the data, then rerun with train.resume=auto to continue from the last one") from None
     finally:
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):  # a dying run must die on a signal
             signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)

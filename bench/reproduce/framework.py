@@ -350,8 +350,9 @@ def ensure_run(run: Run, scale: Scale, work: Path, *, restart: bool = False, rep
         return res
     else:
         resume = "auto" if same and has_checkpoint(run_dir) and not restart else "overwrite"
-        if run_dir.is_dir() and not any((run_dir / n).exists() for n in TRAINER_FILES):
-            for n in (SPEC_FILE, LOAD_FILE):  # a launch that died before the trainer wrote anything
+        if run_dir.is_dir() and (resume == "overwrite" or not any((run_dir / n).exists() for n in TRAINER_FILES)):
+            # ours, rewritten after the run; train.resume=overwrite replaces only what the trainer wrote
+            for n in (SPEC_FILE, LOAD_FILE):
                 (run_dir / n).unlink(missing_ok=True)
         if resume == "overwrite" and not (run_dir.is_dir() and any(run_dir.iterdir())):
             resume = "never"  # nothing to replace

@@ -207,13 +207,14 @@ def final_matrix_weights(r: RunResult, roles: dict[str, str]) -> tuple[float | N
     model) in the checkpoint of the run's final step: a tie always sent as +1 (or -1) moves every tied
     element the same way, so the fixed-sign arms end with a mean weight far from 0 (App. B.1's error
     accumulation, measured on the weights themselves). None without a finished run and its final checkpoint."""
-    from trainer.checkpoint import MODEL, latest_checkpoint, read_meta
+    from model.checkpoint_files import MODEL, load_verified
+    from trainer.checkpoint import latest_checkpoint, read_meta
     import torch
     finished, _ = r.series("params_identical")  # the trainer's last record, written at the final step
     path = latest_checkpoint(r.run_dir / "ckpt") if r.ok and finished else None
     if path is None or read_meta(path)["step"] != finished[-1]:
         return None, None
-    state = torch.load(path / MODEL, map_location="cpu", weights_only=False)
+    state = load_verified(path, [MODEL])[0][MODEL]  # checksums, weights_only: no code from a checkpoint
     ws = [v.float().flatten() for k, v in state.items() if roles.get(k) in MATRIX_ROLES]
     if not ws:
         return None, None
