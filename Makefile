@@ -9,7 +9,7 @@ CONFIG ?= configs/default.yaml
 # torch==2.13.0 is the CPU build verified on our machines; an importable torch is kept as is.
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install --quiet torch==2.13.0
-	@$(PYTHON) -m pip install --quiet -e ".[dev]"
+	@$(PYTHON) -m pip install --quiet -e ".[dev,hf,wandb,bench,eval]"  # the extras the test suite exercises
 
 # two pytest workers, one test file each at a time (--dist loadfile): the multi-process tests spend
 # much of their time starting processes and waiting on sockets, so two files share the 2 cores well

@@ -6,8 +6,9 @@
 
 Decoding uses the model's KV cache (model/gpt.py: one new position per token); --no-cache runs
 the whole context every token (the reference the tests compare against). --temperature 0 is
-greedy. The tokenizer is the one the run's dataset was prepared with (manifest.json; GPT-2 for
-the built-in corpus), or the export's own tokenizer files. Sampling stops at <|endoftext|>
+greedy; --top-k and --top-p (nucleus sampling) restrict the draw. The tokenizer is the one the
+run's dataset was prepared with (manifest.json; GPT-2 for the built-in corpus), or the export's
+own tokenizer files. Sampling stops at <|endoftext|>
 (--no-stop to go on), and never picks the padded ids past the tokenizer's vocabulary. An empty
 prompt starts from <|endoftext|>, i.e. from the beginning of a document.
 """
@@ -52,7 +53,11 @@ def load_codec(loaded: Loaded) -> TextCodec:
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         if cfg.get("lioncub_tokenizer"):
             return _tiktoken_codec(cfg["lioncub_tokenizer"])
-        from transformers import AutoTokenizer
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise ValueError(f"{loaded.weights} has a tokenizer of its own, read with transformers, which is not "
+                             f"installed: pip install -e '.[hf]' (or pass --tokenizer NAME)") from None
 
         tok = AutoTokenizer.from_pretrained(str(loaded.weights), local_files_only=True)
         eot = tok.eos_token_id if tok.eos_token_id is not None else 0
@@ -105,7 +110,7 @@ def load(src: str | Path, device: str = "auto", dtype: str | None = None,
 
 def generate_ids(model: GPT, codec: TextCodec, prompt: str, *, max_new_tokens: int = 200,
                  temperature: float = 0.8, top_k: int | None = 200, seed: int = 1337, num_samples: int = 1,
-                 use_cache: bool = True, stop: bool = True) -> list[list[int]]:
+                 use_cache: bool = True, stop: bool = True, top_p: float | None = None) -> list[list[int]]:
     """New token ids for each of `num_samples` continuations of `prompt` (reproducible per seed)."""
     device = model.transformer.wte.weight.device
     ids = codec.encode(prompt) or [codec.eot]
@@ -113,7 +118,7 @@ def generate_ids(model: GPT, codec: TextCodec, prompt: str, *, max_new_tokens: i
     gen = torch.Generator(device=device).manual_seed(seed)
     out = model.generate(idx, max_new_tokens, temperature, top_k, use_cache=use_cache, generator=gen,
                          stop_token=codec.eot if stop else None,
-                         vocab_limit=min(codec.n_vocab, model.config.vocab_size))
+                         vocab_limit=min(codec.n_vocab, model.config.vocab_size), top_p=top_p)
     rows = []
     for row in out[:, len(ids):].tolist():
         if stop and codec.eot in row:
@@ -130,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=200, help="sample among the k most likely tokens; 0 = all")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: the most likely tokens up to this total probability (default 1 = all)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
@@ -141,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.max_new_tokens < 0 or args.num_samples < 1:
         p.error("--max-new-tokens must be >= 0 and --num-samples >= 1")
+    if not 0 < args.top_p <= 1:
+        p.error(f"--top-p {args.top_p}: must be in (0, 1] (1 keeps every token)")
     try:
         model, codec, _ = load(args.src, args.device, args.dtype, args.tokenizer)
     except (FileNotFoundError, ValueError) as e:
@@ -148,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = generate_ids(model, codec, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                         top_k=args.top_k or None, seed=args.seed, num_samples=args.num_samples,
-                        use_cache=not args.no_cache, stop=not args.no_stop)
+                        use_cache=not args.no_cache, stop=not args.no_stop, top_p=args.top_p)
     for i, row in enumerate(rows):
         if i:
             print("\n---------------")

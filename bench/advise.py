@@ -421,8 +421,8 @@ def links_markdown(result: dict) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.advise", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("config", help="the run's YAML config")
-    ap.add_argument("overrides", nargs="*", help="section.key=value, as train.py takes them")
+    ap.add_argument("config", nargs="+", help="the run's YAML config file(s), then section.key=value overrides, "
+                                              "as train.py takes them")
     ap.add_argument("--variants", default="", help="comma list of configs/variants names (default: all)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per measurement (after one warm-up)")
     ap.add_argument("--json", default="", help="also write the table and the measurements here")
@@ -434,11 +434,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("LIONCUB_CACHE", str(ROOT / ".cache"))
     import data
-    from trainer.config import ConfigError, load_config
+    from trainer.config import ConfigError, load_config, split_config_args
     from trainer.dist import init_distributed
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        files, overrides = split_config_args(args.config)
+        cfg = load_config(files, overrides)
         names = [v for v in args.variants.split(",") if v] or variant_names()
         candidates = [load_variant(n) for n in names]
     except (ConfigError, ValueError, OSError) as e:

@@ -112,11 +112,13 @@ def main(argv: Sequence[str] | None = None) -> int:
            "WANDB_MODE": "disabled", "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1"}
     meta = {"nproc": args.nproc, "overrides": args.overrides, "steps": args.steps, "warmup": args.warmup,
             "machine": f"{os.uname().machine}, {os.cpu_count()} CPUs", "load_before": _load()}
-    base_cfg = str(ROOT / args.config_dir / "lion_fp32.yaml")
+    from bench.variants import config_files
+
+    base_cfg = [str(p) for p in config_files("lion_fp32", args.config_dir)]
     for rate in rates:
         print(f"== {rate}: bench.advise", flush=True)
         js = out / f"advise_{rate}.json"
-        codes = netsim.run(args.nproc, [sys.executable, "-m", "bench.advise", base_cfg, *overrides,
+        codes = netsim.run(args.nproc, [sys.executable, "-m", "bench.advise", *base_cfg, *overrides,
                                         "--variants", args.variants, "--json", str(js)],
                            rate=rate, timeout=args.timeout, cwd=str(ROOT), env=env, tag="advchk",
                            log_dir=str(out / "logs" / rate))

@@ -304,6 +304,9 @@ def write_reports(out: Path, rows: list[dict], calib: dict, meta: dict) -> None:
 
 
 def plot(path: Path, rows: list[dict], rate: str) -> None:
+    from bench import require
+
+    require("matplotlib")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -47,6 +47,9 @@ def _xy(records: list[dict], x: str, y: str) -> tuple[list[float], list[float]]:
 
 
 def _plt():
+    from bench import require
+
+    require("matplotlib")
     import matplotlib
 
     matplotlib.use("Agg")

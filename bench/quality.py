@@ -85,7 +85,7 @@ def quality_markdown(rows: list[dict]) -> str:
 def run_variant(args: argparse.Namespace, variant: str) -> int:
     run_dir = Path(args.out) / "runs" / variant
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           str(ROOT / "train.py"), str(variant_args(variant, args.config_dir)[0]), *args.overrides,
+           str(ROOT / "train.py"), *map(str, variant_args(variant, args.config_dir)[0]), *args.overrides,
            *variant_args(variant, args.config_dir)[1],
            f"train.max_steps={args.steps}", f"train.eval_every={args.eval_every}", "train.eval_steps=8",
            f"train.log_every={args.log_every}", f"diag.every={args.diag_every}", f"train.seed={args.seed}",

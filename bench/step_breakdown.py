@@ -336,6 +336,9 @@ def detail_markdown(rows: list[dict], rate: str, variants: list[str]) -> str:
 
 def plot_breakdown(path: Path, rows: list[dict], rates: list[str], variants: list[str]) -> None:
     """Fig. 7 style: one panel per rate, a stacked bar (compute / comm / other) per variant."""
+    from bench import require
+
+    require("matplotlib")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -403,11 +406,11 @@ def run_one(args: argparse.Namespace, rate: str, variant: str, net: object | Non
             import shutil
 
             shutil.rmtree(d)
-    cfg_file, extra = variant_args(variant, args.config_dir)
+    cfg_files, extra = variant_args(variant, args.config_dir)
     overrides = [*args.overrides, *extra,
                  f"train.max_steps={args.warmup + args.steps}", "train.log_every=1", "train.eval_every=0",
                  "train.eval_steps=1", "diag.every=0", "log.wandb=disabled", f"train.out_dir={run_dir}"]
-    train_cmd = [sys.executable, str(ROOT / "train.py"), str(cfg_file), *overrides]
+    train_cmd = [sys.executable, str(ROOT / "train.py"), *map(str, cfg_files), *overrides]
     if getattr(args, "shared_gpu", False):
         train_cmd = [sys.executable, "-m", "bench.step_breakdown", "--train-on-shared-gpu", "--", *train_cmd[1:]]
     cmd = [sys.executable, "-m", "bench.step_breakdown", "--rank-wrap", str(rss_dir / "rank{RANK}.json"), "--",

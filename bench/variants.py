@@ -26,17 +26,23 @@ BASELINE = "lion_fp32"
 OVERLAP_BASELINE = "lion_fp32+overlap"  # what DDP users run: bucketed allreduce during backward
 
 
-def config_path(variant: str, config_dir: str | Path = "configs/cpu_30m") -> Path:
-    """configs/<size>/<variant>.yaml; a clear error listing the presets when it does not exist."""
+def config_files(variant: str, config_dir: str | Path = "configs/cpu_30m") -> list[Path]:
+    """The config files of `variant` at a model size: <config_dir>/<variant>.yaml where a size keeps
+    its own version of the variant, else the size file <config_dir>.yaml composed with
+    configs/variants/<variant>.yaml. A clear error listing the variants when neither exists."""
     d = Path(config_dir)
     if not d.is_absolute():
         d = ROOT / d
-    path = d / f"{variant}.yaml"
-    if not path.is_file():
-        have = sorted(p.stem for p in d.glob("*.yaml") if p.stem != "base") if d.is_dir() else []
-        raise ValueError(f"no config for variant {variant!r}: {path} does not exist; variants in {d}: "
-                         f"{', '.join(have) or '(none: wrong --config-dir?)'}")
-    return path
+    own = d / f"{variant}.yaml"
+    if own.is_file():
+        return [own]
+    size, common = d.with_suffix(".yaml"), ROOT / "configs" / "variants" / f"{variant}.yaml"
+    if size.is_file() and common.is_file():
+        return [size, common]
+    have = sorted({p.stem for p in (ROOT / "configs" / "variants").glob("*.yaml")} | {p.stem for p in d.glob("*.yaml")})
+    raise ValueError(f"no config for variant {variant!r} at {d.name}: neither {own} nor {size} + {common} exist; "
+                     f"variants: {', '.join(have)}" + ("" if size.is_file() else f" (no size file {size})"))
+
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -140,15 +146,15 @@ def predict_step_comm_s(cfg: dict, world: int, alpha: float, beta: float, *, syn
     return t
 
 
-def variant_args(variant: str, config_dir: str | Path = "configs/cpu_30m") -> tuple[Path, list[str]]:
-    """A variant name -> (its config file, extra overrides). `name@section.key=value@...` adds
+def variant_args(variant: str, config_dir: str | Path = "configs/cpu_30m") -> tuple[list[Path], list[str]]:
+    """A variant name -> (its config files, extra overrides). `name@section.key=value@...` adds
     overrides; `name+overlap` is `name` with DDP-style buckets overlapped with backward
     (comm.bucket_mb=25, comm.overlap=true): the baseline real users run."""
     name, *extra = variant.split("@")
     if name.endswith("+overlap"):
         name = name.removesuffix("+overlap")
         extra = ["comm.bucket_mb=25", "comm.overlap=true", *extra]
-    return config_path(name, config_dir), extra
+    return config_files(name, config_dir), extra
 
 
 def median(xs: Iterable[float]) -> float:

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from data.tokenizer import EOT_TOKEN, GPT2_PAT_STR
+from util import replaced_from_temp
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out: str | os.PathLike, *, min_frequency: int = 2,
@@ -34,7 +35,6 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: str | os.PathLike, *, 
     tok.train_from_iterator(texts, trainer=trainer, length=length)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".partial")
-    tok.save(str(tmp))
-    os.replace(tmp, out)
+    with replaced_from_temp(out) as tmp:
+        tok.save(str(tmp))
     return out

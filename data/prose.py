@@ -335,7 +335,7 @@ PARTS: dict[str, Part] = {p.name: p for p in (
 
 def parse_roots(specs: Sequence[str] | None) -> dict[str, Path]:
     """--root PART=DIR values -> {part: dir}."""
-    from data.prepare import PrepareError
+    from data.shards import PrepareError
 
     roots: dict[str, Path] = {}
     for spec in specs or ():
@@ -348,7 +348,7 @@ def parse_roots(specs: Sequence[str] | None) -> dict[str, Path]:
 
 def corpus_files(parts: Sequence[str], roots: dict[str, Path] | None = None, seed: int = 2357) -> list[tuple[str, str]]:
     """[(part, file)] of the selected parts in the corpus order (a seeded shuffle of all files)."""
-    from data.prepare import PrepareError
+    from data.shards import PrepareError
 
     items: list[tuple[str, str]] = []
     for name in parts:
@@ -404,7 +404,10 @@ def prepare_prose(out: str | Path, *, parts: Sequence[str] = tuple(PARTS), roots
                   val_fraction: float = DEFAULT_VAL_FRACTION, seed: int = 2357, **kw: Any) -> dict:
     """Build the prose dataset in `out`: train the tokenizer unless one is given, then stream the
     documents through data.prepare (resumable). Returns the manifest."""
-    from data.prepare import PrepareError, check_out, held_out, prepare
+    from data.prepare import prepare
+    from data.shards import PrepareError
+    from data.sources import held_out
+    from data.writer import check_out
 
     out = Path(out)
     roots = roots or {}
@@ -447,7 +450,7 @@ def add_parser(sub: Any, common: Callable[[argparse.ArgumentParser, float | None
 
 
 def main(args: argparse.Namespace, kw: dict) -> dict:
-    from data.prepare import PrepareError
+    from data.shards import PrepareError
 
     if args.val_shards:
         raise PrepareError("prose holds out --val-fraction documents; --val-shards is for fineweb/text")

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from util import atomic_write, replaced_from_temp
+
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 # (magic, version) -> token dtype
@@ -38,6 +40,10 @@ _LLMC = re.compile(r"(.+)_(train|val)_(\d+)\.bin")
 class DataError(ValueError):
     """A problem with a dataset (missing, malformed, or not matching the model): one line that
     names the file, the value seen and the fix, for the trainer to print without a traceback."""
+
+
+class PrepareError(DataError):
+    """A user-facing problem with data.prepare's inputs or environment (printed without a traceback)."""
 
 
 def shard_name(split: str, index: int) -> str:
@@ -68,11 +74,9 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray, dtype: np.dtype | t
     header = np.zeros(HEADER_INTS, dtype=np.int32)
     header[:3] = (magic, version, tokens.size)
     path = Path(path)
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "wb") as f:
+    with replaced_from_temp(path) as tmp, open(tmp, "wb") as f:
         f.write(header.tobytes())
         f.write(tokens.astype(dtype, copy=False).tobytes())
-    os.replace(tmp, path)
 
 
 def read_header_info(path: str | os.PathLike) -> tuple[int, np.dtype]:
@@ -276,10 +280,7 @@ class ShardWriter:
 
 
 def write_manifest(out_dir: str | os.PathLike, manifest: dict) -> None:
-    path = Path(out_dir) / MANIFEST
-    tmp = path.with_name(MANIFEST + ".partial")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write(Path(out_dir) / MANIFEST, json.dumps(manifest, indent=2) + "\n")
 
 
 def read_manifest(data_dir: str | os.PathLike) -> dict | None:

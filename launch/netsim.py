@@ -45,6 +45,8 @@ import time
 from pathlib import Path
 from typing import IO, Sequence
 
+from util import pid_alive
+
 SUBNET = "10.213.0"                  # /24 used only inside namespaces we create
 NS_PREFIX = "lcnet"                  # every namespace we make is named lcnet<pid>_<tag>_...
 BRIDGE = "nsbr0"
@@ -153,14 +155,8 @@ def cleanup_stale(verbose: bool = True) -> list[str]:
         m = re.fullmatch(rf"{NS_PREFIX}(\d+)_.*", ns)
         if not m:
             continue
-        pid = int(m.group(1))
-        try:
-            os.kill(pid, 0)
+        if pid_alive(int(m.group(1))):
             continue                      # owner still alive: not stale
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
         _kill_ns_processes(ns)
         _sh(["ip", "netns", "del", ns], check=False)
         removed.append(ns)

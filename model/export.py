@@ -4,7 +4,9 @@
 
 RUN_DIR_OR_CKPT is a run directory (train.out_dir: config.yaml + the checkpoint ckpt/latest
 names) or one checkpoint directory (RUN/ckpt/step_NNNNNN). DIR receives config.json,
-generation_config.json, model.safetensors (sharded past 4 GiB) and the tokenizer files, so that
+generation_config.json, model.safetensors (sharded past 4 GiB), the tokenizer files (<|endoftext|>
+also pads, on the left) and README.md (a model card: architecture, tokens trained, optimizer and
+mode, final val loss, how to load it), all readable by others (0644 under umask 022), so that
 
     AutoModelForCausalLM.from_pretrained(DIR); AutoTokenizer.from_pretrained(DIR)
 
@@ -17,6 +19,7 @@ generation_config.json's suppress_tokens, so `generate` never emits an undecodab
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -26,7 +29,92 @@ from .load import load_model
 from .presets import pad_vocab
 
 EXPORT_FILES = {"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
-                "tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json"}
+                "tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json",
+                "README.md"}
+
+
+def run_facts(loaded) -> dict:
+    """What the checkpoint's run says about its training, for the model card: step, tokens trained
+    (recorded in meta.json; older checkpoints: step x tokens per step, marked approximate), optimizer,
+    comm mode, world size, dataset and the val loss of the last evaluation at or before the step."""
+    import json
+
+    ckpt = Path(loaded.weights).parent
+    meta = json.loads((ckpt / "meta.json").read_text()) if (ckpt / "meta.json").is_file() else {}
+    cfg = meta.get("config") or loaded.run_config or {}  # the checkpoint's own config first
+    step = loaded.step if loaded.step is not None else meta.get("step")
+    facts = {"step": step, "world_size": meta.get("world_size"), "optim": cfg.get("optim") or {},
+             "comm": cfg.get("comm") or {}, "dataset": (cfg.get("data") or {}).get("dataset", "builtin"),
+             "tokens": meta.get("tokens_seen"), "tokens_exact": "tokens_seen" in meta, "val_loss": None}
+    d = cfg.get("data") or {}
+    if facts["tokens"] is None and step is not None and meta.get("world_size") and d.get("batch_size"):
+        facts["tokens"] = step * d["batch_size"] * d.get("seq_len", 0) * d.get("grad_accum", 1) * meta["world_size"]
+    metrics = ckpt.parent.parent / "metrics.jsonl"
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a crash: the others still count
+            if rec.get("val_loss") is not None and (step is None or rec.get("step", 0) <= step):
+                facts["val_loss"], facts["val_step"] = rec["val_loss"], rec.get("step")
+    return facts
+
+
+def model_card(model, facts: dict, tokenizer: str, name: str) -> str:
+    """README.md of an export: architecture, training, final val loss, how to load and evaluate it."""
+    c = model.config
+    kv = getattr(c, "n_kv_head", c.n_head)
+    o, m = facts["optim"], facts["comm"]
+    tokens = (f"{facts['tokens']:,}" + ("" if facts["tokens_exact"] else " (step x tokens per step)")
+              if facts["tokens"] is not None else "not recorded")
+    val = (f"{facts['val_loss']:.4f} (step {facts['val_step']})" if facts["val_loss"] is not None
+           else "not recorded (no val_loss in the run's metrics.jsonl)")
+    rows = [
+        ("architecture", f"LlamaForCausalLM (GPT-2++: RMSNorm, SwiGLU, RoPE, no biases): {c.n_layer} layers, "
+                         f"width {c.n_embd}, {c.n_head} heads ({kv} key/value heads), MLP hidden {c.mlp_hidden}, "
+                         f"context {c.block_size}, vocabulary {c.vocab_size}, "
+                         f"{'tied' if c.tie_embeddings else 'untied'} embedding and head"),
+        ("parameters", f"{model.num_params():,}"),
+        ("tokenizer", f"{tokenizer} (`<|endoftext|>` is bos, eos and pad; ids past the tokenizer's are suppressed)"),
+        ("trained", f"{facts['step']} steps, {tokens} tokens, on {facts['dataset']}"),
+        ("optimizer", f"{o.get('name', '?')} (lr {o.get('lr', '?')}, {o.get('schedule', '?')} schedule), comm.mode "
+                      f"{m.get('mode', '?')}, {facts['world_size'] or '?'} rank(s)"),
+        ("final val loss", val),
+    ]
+    table = "\n".join(["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])
+    return f"""---
+library_name: transformers
+pipeline_tag: text-generation
+tags: [llama, lioncub-train]
+---
+# {name}
+
+A GPT-2++ trained with lioncub-train and exported by `python -m model.export`.
+
+{table}
+
+## Load
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{name}")
+tokenizer = AutoTokenizer.from_pretrained("{name}")
+batch = tokenizer(["The meaning of", "Once"], return_tensors="pt", padding=True)
+print(tokenizer.batch_decode(model.generate(**batch, max_new_tokens=20, do_sample=False)))
+```
+
+Or with lioncub-train: `python -m sample {name} --prompt "The meaning of"`; to train on from these
+weights, `model.init_from={name}`.
+
+## Evaluate
+
+```bash
+pip install "lm-eval[hf]"   # the harness with transformers, accelerate and peft
+lm_eval --model hf --model_args pretrained={name},dtype=float32 --tasks hellaswag --batch_size 16
+```
+"""
 
 
 def _is_our_export(d: Path) -> bool:
@@ -70,11 +158,21 @@ def export(src: str | Path, out: str | Path, *, dtype: str | None = None, tokeni
     save_hf(model, tmp, bos_token_id=eot, eos_token_id=eot, dtype=dtype,
             generation={"suppress_tokens": suppress} if suppress else None)
     write_hf_tokenizer(tmp, tokenizer, model_max_length=model.config.block_size)
+    (tmp / "README.md").write_text(model_card(model, run_facts(loaded), tokenizer, str(out)))
+    mode = 0o666 & ~_umask()  # safetensors writes 0600; an export is meant to be read by others
+    for f in tmp.iterdir():
+        f.chmod(mode)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
     return {"source": str(loaded.weights), "step": loaded.step, "out": str(out), "tokenizer": tokenizer,
             "params": model.num_params(), "vocab_size": model.config.vocab_size, "tokenizer_vocab": enc.n_vocab}
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -29,6 +30,8 @@ class GPTConfig:
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
+    n_kv_head: int = 0
+    """Key/value heads (grouped-query attention: n_head / n_kv_head query heads share one); 0 = n_head."""
     mlp_hidden: int = 0
     """SwiGLU hidden width; 0 = the multiple of 64 nearest to 8/3 * n_embd (same FLOPs as a 4x MLP)."""
     pos_emb: str = "rope"
@@ -49,8 +52,12 @@ class GPTConfig:
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
+        if self.n_kv_head < 0 or (self.n_kv_head and self.n_head % self.n_kv_head):
+            problems.append(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head} (0 = n_head)")
         if problems:
             raise ValueError("invalid GPTConfig: " + "; ".join(problems))
+        if self.n_kv_head == 0:
+            self.n_kv_head = self.n_head
         if self.mlp_hidden <= 0:
             self.mlp_hidden = 64 * max(1, round(8 * self.n_embd / 3 / 64))
 
@@ -109,8 +116,9 @@ class KVCache:
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        # rows: the query heads, then the key heads, then the value heads (n_kv_head each)
+        self.qkv = nn.Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=False)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.proj.residual_scale = True
 
@@ -119,20 +127,23 @@ class Attention(nn.Module):
         """`rope`: the (cos, sin) rows of x's positions. `kv`: (cache, layer index) when decoding
         incrementally; x then holds positions cache.length .. cache.length + T - 1."""
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hd)
+        hd, kv_dim = self.head_dim, self.n_kv_head * self.head_dim
+        q, k, v = self.qkv(x).split([C, kv_dim, kv_dim], dim=2)
+        q = q.view(B, T, self.n_head, hd).transpose(1, 2)  # (B, nh, T, hd)
+        k, v = (t.view(B, T, self.n_kv_head, hd).transpose(1, 2) for t in (k, v))  # (B, n_kv, T, hd)
         if rope is not None:
             cos, sin = rope
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv is None:
+            k, v = self._repeat_kv(k), self._repeat_kv(v)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             cache, layer = kv
             start = cache.length
-            k_buf, v_buf = cache.buffers(layer, k)
+            k_buf, v_buf = cache.buffers(layer, k)  # the cache holds the n_kv_head heads, unrepeated
             k_buf[:, :, start:start + T] = k
             v_buf[:, :, start:start + T] = v
-            k, v = k_buf[:, :, :start + T], v_buf[:, :, :start + T]
+            k, v = self._repeat_kv(k_buf[:, :, :start + T]), self._repeat_kv(v_buf[:, :, :start + T])
             if T == 1:  # one new query sees every cached position
                 y = F.scaled_dot_product_attention(q, k, v)
             elif start == 0:
@@ -142,6 +153,12 @@ class Attention(nn.Module):
                     torch.arange(start, start + T, device=x.device)[:, None]
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
         return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+    def _repeat_kv(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, n_kv, T, hd) -> (B, nh, T, hd): query head i attends with key/value head i // (nh / n_kv)
+        (Llama's repeat_kv layout, so the HF mapping needs no permutation)."""
+        rep = self.n_head // self.n_kv_head
+        return t if rep == 1 else t.repeat_interleave(rep, dim=1)
 
 
 class SwiGLU(nn.Module):
@@ -181,6 +198,9 @@ class GPT(nn.Module):
         if config.pos_emb == "learned":
             self.transformer["wpe"] = nn.Embedding(config.block_size, config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.activation_checkpointing = False
+        """Recompute each block's activations in backward (torch.utils.checkpoint, non-reentrant) while
+        training; the same gradients for less memory."""
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
         if config.pos_emb == "rope":
@@ -214,8 +234,9 @@ class GPT(nn.Module):
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         x, rope = self._embed(idx)
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for block in self.transformer.h:
-            x = block(x, rope)
+            x = checkpoint(block, x, rope, use_reentrant=False) if recompute else block(x, rope)
         x = self.transformer.norm_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None  # (B, 1, V): only the last position is needed
@@ -235,7 +256,7 @@ class GPT(nn.Module):
     def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """An empty KV cache for `batch_size` sequences of up to `max_len` (default block_size) positions."""
         cfg = self.config
-        return KVCache(cfg.n_layer, batch_size, cfg.n_head, min(max_len or cfg.block_size, cfg.block_size),
+        return KVCache(cfg.n_layer, batch_size, cfg.n_kv_head, min(max_len or cfg.block_size, cfg.block_size),
                        cfg.head_dim)
 
     def forward_cached(self, idx: torch.Tensor, cache: KVCache, last_only: bool = True) -> torch.Tensor:
@@ -275,9 +296,11 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, *, use_cache: bool = True, generator: torch.Generator | None = None,
-                 stop_token: int | None = None, vocab_limit: int | None = None) -> torch.Tensor:
+                 stop_token: int | None = None, vocab_limit: int | None = None,
+                 top_p: float | None = None) -> torch.Tensor:
         """Append up to `max_new_tokens` sampled tokens to idx (B, T). temperature 0 = greedy
-        (argmax); top_k keeps the k most likely tokens; `generator` seeds the sampling; sampling stops
+        (argmax); top_k keeps the k most likely tokens, top_p the most likely ones whose probabilities sum
+        to top_p (nucleus sampling; after top_k when both are given); `generator` seeds the sampling; sampling stops
         once every row has produced `stop_token`; ids >= `vocab_limit` (the padded part of the
         vocabulary, which no tokenizer can decode) are never sampled. Past block_size tokens the
         context is the last block_size tokens (a sliding window); with the KV cache that window is
@@ -293,7 +316,7 @@ class GPT(nn.Module):
             else:  # first step, or the window is full: (re)fill the cache with the last block tokens
                 cache.reset()
                 logits = self.forward_cached(idx[:, -block:], cache)
-            nxt = sample_next(logits[:, -1, :], temperature, top_k, generator, vocab_limit)
+            nxt = sample_next(logits[:, -1, :], temperature, top_k, generator, vocab_limit, top_p)
             if stop_token is not None:
                 nxt = torch.where(done, torch.full_like(nxt, stop_token), nxt)
                 done |= nxt == stop_token
@@ -321,9 +344,12 @@ def model_from_state_dict(config: GPTConfig, state: dict[str, torch.Tensor], dev
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-                generator: torch.Generator | None = None, vocab_limit: int | None = None) -> torch.Tensor:
+                generator: torch.Generator | None = None, vocab_limit: int | None = None,
+                top_p: float | None = None) -> torch.Tensor:
     """One token id per row of logits (B, V): argmax for temperature <= 0, else a draw from
-    softmax(logits / temperature) restricted to the top_k largest."""
+    softmax(logits / temperature) restricted to the top_k largest, then to the nucleus: the fewest
+    most likely tokens whose probability sums to at least top_p (Holtzman et al., "The Curious Case
+    of Neural Text Degeneration", §3.1; the most likely token always stays)."""
     logits = logits.float()
     if vocab_limit is not None and vocab_limit < logits.size(-1):
         logits = logits.clone()
@@ -334,6 +360,10 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
     if top_k is not None and top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
         logits = logits.masked_fill(logits < kth, -float("inf"))
+    if top_p is not None and 0 < top_p < 1:
+        probs, order = torch.sort(F.softmax(logits, dim=-1), dim=-1, descending=True)
+        outside = probs.cumsum(dim=-1) - probs >= top_p  # the mass before this token already reaches top_p
+        logits = logits.masked_fill(outside.scatter(-1, order, outside), -float("inf"))
     return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)[:, 0]
 
 

@@ -1,9 +1,10 @@
 """GPT-2++ <-> Hugging Face `LlamaForCausalLM`: parameter mapping, config.json, safetensors I/O.
 
 GPT-2++ is a Llama-architecture model: pre-norm RMSNorm, SwiGLU MLP, rotary embeddings, no biases,
-one key/value head per query head. The mapping is exact:
-- `attn.qkv` (3C x C) is [W_q; W_k; W_v] -> q_proj, k_proj, v_proj; heads are consecutive rows of
-  head_dim in both models.
+n_kv_head key/value heads (grouped-query attention when fewer than the query heads; query head i
+uses key/value head i // (n_head / n_kv_head), Llama's repeat_kv). The mapping is exact:
+- `attn.qkv` ((n_head + 2 n_kv_head) hd x C) is [W_q; W_k; W_v] -> q_proj, k_proj, v_proj; heads
+  are consecutive rows of head_dim in both models.
 - RoPE: ours rotates the two halves of each head (x1*cos - x2*sin, x1*sin + x2*cos with
   frequency base^(-2i/hd) for i < hd/2: GPT-NeoX's layout), which is exactly Llama's
   `rotate_half` with `cat(freqs, freqs)`, so q/k rows need no permutation (an interleaved-pair
@@ -48,7 +49,7 @@ def hf_config(cfg: GPTConfig, *, bos_token_id: int | None, eos_token_id: int | N
         "intermediate_size": cfg.mlp_hidden,
         "num_hidden_layers": cfg.n_layer,
         "num_attention_heads": cfg.n_head,
-        "num_key_value_heads": cfg.n_head,
+        "num_key_value_heads": cfg.n_kv_head,
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": cfg.block_size,
@@ -64,6 +65,7 @@ def hf_config(cfg: GPTConfig, *, bos_token_id: int | None, eos_token_id: int | N
         "tie_word_embeddings": cfg.tie_embeddings,
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
+        "pad_token_id": eos_token_id,  # padded batches (generate, lm-eval) pad with the end-of-text id
         "use_cache": True,
         "torch_dtype": dtype,
         "dtype": dtype,
@@ -76,9 +78,9 @@ def config_from_hf(hf: dict) -> GPTConfig:
     if hf.get("model_type") != "llama":
         problems.append(f"model_type is {hf.get('model_type')!r}, not 'llama'")
     n_head, C = hf.get("num_attention_heads"), hf.get("hidden_size")
-    if hf.get("num_key_value_heads", n_head) != n_head:
-        problems.append(f"grouped-query attention ({hf.get('num_key_value_heads')} key/value heads for "
-                        f"{n_head} query heads)")
+    n_kv = hf.get("num_key_value_heads") or n_head
+    if n_head and n_head % n_kv:
+        problems.append(f"num_key_value_heads {n_kv} does not divide num_attention_heads {n_head}")
     if C and n_head and hf.get("head_dim", C // n_head) != C // n_head:
         problems.append(f"head_dim {hf.get('head_dim')} != hidden_size / num_attention_heads = {C // n_head}")
     for key in ("attention_bias", "mlp_bias"):
@@ -95,7 +97,7 @@ def config_from_hf(hf: dict) -> GPTConfig:
         raise HFFormatError("cannot import this checkpoint into GPT-2++: " + "; ".join(problems))
     return GPTConfig(
         block_size=int(hf["max_position_embeddings"]), vocab_size=int(hf["vocab_size"]),
-        n_layer=int(hf["num_hidden_layers"]), n_head=int(n_head), n_embd=int(C),
+        n_layer=int(hf["num_hidden_layers"]), n_head=int(n_head), n_kv_head=int(n_kv), n_embd=int(C),
         mlp_hidden=int(hf["intermediate_size"]), pos_emb="rope",
         rope_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
@@ -107,12 +109,12 @@ def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     if cfg.pos_emb != "rope":
         hf_config(cfg, bos_token_id=None, eos_token_id=None)  # raises the explanation
     sd = {k: v.detach() for k, v in model.state_dict().items()}
-    C, H = cfg.n_embd, cfg.mlp_hidden
+    C, H, kv = cfg.n_embd, cfg.mlp_hidden, cfg.n_kv_head * cfg.head_dim
     out = {"model.embed_tokens.weight": sd["transformer.wte.weight"],
            "model.norm.weight": sd["transformer.norm_f.weight"]}
     for i in range(cfg.n_layer):
         ours, theirs = f"transformer.h.{i}.", f"model.layers.{i}."
-        q, k, v = sd[ours + "attn.qkv.weight"].split(C, dim=0)
+        q, k, v = sd[ours + "attn.qkv.weight"].split([C, kv, kv], dim=0)
         gate, up = sd[ours + "mlp.fc.weight"].split(H, dim=0)
         out.update({
             theirs + "input_layernorm.weight": sd[ours + "norm1.weight"],
@@ -196,7 +198,8 @@ def save_hf(model: GPT, out_dir: str | os.PathLike, *, bos_token_id: int | None,
     config = hf_config(model.config, bos_token_id=bos_token_id, eos_token_id=eos_token_id, dtype=dtype)
     written = [out / "config.json", out / "generation_config.json"]
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    gen = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, **(generation or {})}
+    gen = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": eos_token_id,
+           **(generation or {})}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
     groups: list[dict[str, torch.Tensor]] = [{}]
@@ -260,8 +263,8 @@ def is_hf_dir(path: str | os.PathLike) -> bool:
 
 
 def from_hf(hf_dir: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> GPT:
-    """A GPT-2++ holding the weights of a LlamaForCausalLM directory (ours or any Llama without GQA,
-    biases or RoPE scaling), ready for fine-tuning or continued pretraining. The parameters are the
+    """A GPT-2++ holding the weights of a LlamaForCausalLM directory (ours or any Llama, grouped-query
+    attention included, without biases or RoPE scaling), ready for fine-tuning or continued pretraining. The parameters are the
     stored ones exactly (in their stored dtype unless `dtype` is given)."""
     d = Path(hf_dir)
     if not is_hf_dir(d):

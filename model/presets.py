@@ -33,14 +33,19 @@ def get_preset(name: str, **overrides) -> GPTConfig:
         raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
     base = PRESETS[name]
     fields = {k: getattr(base, k) for k in base.__dataclass_fields__}
-    fields["mlp_hidden"] = 0 if "n_embd" in overrides else fields["mlp_hidden"]
+    fields["mlp_hidden"] = 0 if "n_embd" in overrides else fields["mlp_hidden"]  # derived: recompute
+    fields["n_kv_head"] = 0 if "n_head" in overrides else fields["n_kv_head"]
     fields.update(overrides)
     return GPTConfig(**fields)
 
 
 VOCAB_MULTIPLE = 64
 """Vocabulary sizes are padded up to a multiple of 64 (GPT-2's 50257 -> 50304) for fast matmuls."""
-SECTION_KEYS = ("preset", "tie_embeddings", "pos_emb", "block_size")
+SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden", "block_size", "rope_base", "norm_eps")
+"""GPTConfig fields a config's model section may set over its preset (0 keeps the preset's)."""
+SECTION_KEYS = ("preset", "tie_embeddings", "pos_emb", *SHAPE_KEYS)
+RUN_KEYS = ("init_from", "activation_checkpointing")
+"""model-section keys that are not the architecture (the trainer's; resolve_config ignores them)."""
 
 
 def pad_vocab(n: int, multiple: int = VOCAB_MULTIPLE) -> int:
@@ -52,12 +57,12 @@ def pad_vocab(n: int, multiple: int = VOCAB_MULTIPLE) -> int:
 
 def resolve_config(section: Mapping[str, Any] | Any, vocab_size: int | None = None) -> GPTConfig:
     """The GPTConfig a config's `model:` section describes: {preset, tie_embeddings (None = the
-    preset's), pos_emb (default rope), block_size (0 = the preset's)}, as a dict or the trainer's
-    dataclass. `vocab_size` (e.g. a dataset's tokenizer vocabulary) replaces the preset's, padded
-    up to a multiple of 64; None keeps the preset's (GPT-2, 50304)."""
+    preset's), pos_emb (default rope), the shape keys (SHAPE_KEYS; 0 or absent = the preset's)}, as
+    a dict or the trainer's dataclass. `vocab_size` (e.g. a dataset's tokenizer vocabulary) replaces
+    the preset's, padded up to a multiple of 64; None keeps the preset's (GPT-2, 50304)."""
     if dataclasses.is_dataclass(section) and not isinstance(section, type):
         section = dataclasses.asdict(section)
-    section = dict(section)
+    section = {k: v for k, v in dict(section).items() if k not in RUN_KEYS}
     unknown = sorted(set(section) - set(SECTION_KEYS))
     if unknown:
         raise ValueError(f"model section has unknown key(s) {unknown}; known: {list(SECTION_KEYS)}")
@@ -66,8 +71,9 @@ def resolve_config(section: Mapping[str, Any] | Any, vocab_size: int | None = No
     overrides: dict[str, Any] = {"pos_emb": section.get("pos_emb") or "rope"}
     if section.get("tie_embeddings") is not None:
         overrides["tie_embeddings"] = bool(section["tie_embeddings"])
-    if section.get("block_size"):
-        overrides["block_size"] = int(section["block_size"])
+    for key in SHAPE_KEYS:
+        if section.get(key):
+            overrides[key] = section[key]
     if vocab_size is not None:
         overrides["vocab_size"] = pad_vocab(int(vocab_size))
     return get_preset(section["preset"], **overrides)

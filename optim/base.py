@@ -61,6 +61,10 @@ class StepReport:
     nonfinite: bool = False
     """The divergence guard found a non-finite loss or gradient on some rank: nothing was exchanged
     or updated, and no optimizer state changed."""
+    grad_norms: torch.Tensor | None = None
+    """L2 norms of the gradient clipping sees (after a gradient exchange; this rank's own for update
+    sync), before clipping: one per role (`CommOptimizer.grad_norm_roles` order), then the global one.
+    A device tensor: reading it is left to the logging steps."""
     stop: bool = False
     """Some rank asked to stop (a signal): agreed by the same guard collective, so every rank learns
     it at the same step."""
@@ -439,10 +443,11 @@ class CommOptimizer(torch.optim.Optimizer):
         self._step += 1
         t = self._step
         self._exchange_gradients(t)
+        grad_norms = self._grad_norms()
         if self.grad_clip > 0:
             self._clip_()
         out = self._update(t)
-        report = StepReport(step=t, loss=loss, stop=stopping)
+        report = StepReport(step=t, loss=loss, grad_norms=grad_norms, stop=stopping)
         due = self.momentum_sync is not None and self.momentum_sync.due(t)
         if diagnose:
             report.diag_seconds += self._run_diagnostics(report, out, after_sync=False)
@@ -478,6 +483,23 @@ class CommOptimizer(torch.optim.Optimizer):
         sq = norm.square()
         torch.distributed.all_reduce(sq, group=self.shard_group)
         return sq.sqrt()
+
+    @property
+    def grad_norm_roles(self) -> list[str]:
+        return self.layout.roles
+
+    def _grad_norms(self) -> torch.Tensor:
+        """Per-role and global L2 norms of the gradient (fp32, on the device, no host sync); the global
+        one is torch.nn.utils.clip_grad_norm_'s total norm of the same gradients."""
+        grads = [self._grad_views[id(e.param)] for e in self.layout.entries]
+        sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square()  # one norm per tensor
+        if getattr(self, "_role_index", None) is None:  # built once: the layout is fixed
+            self._role_index = torch.tensor([self.layout.roles.index(e.role) for e in self.layout.entries],
+                                            device=sq.device)
+        roles = torch.zeros(len(self.layout.roles), device=sq.device).index_add_(0, self._role_index, sq)
+        if self.shard_group is not None:  # hybrid sharding: add the other shards' squares (whole tensors' norms)
+            torch.distributed.all_reduce(roles, group=self.shard_group)
+        return torch.cat([roles, roles.sum()[None]]).sqrt()
 
     def _clip_(self) -> None:
         bufs = list(self.grad_buffers.values())

@@ -116,7 +116,8 @@ def test_auto_at_100mbit_picks_a_quantized_update_sync_mode(tmp_path):
     allow = "[" + ", ".join(s.name for s in sync.schemes() if s.name != "hierarchical") + "]"
     log = io.StringIO()
     codes = netsim.run(2, [sys.executable, str(ROOT / "train.py"), str(ROOT / "configs/default.yaml"), *SMALL,
-                           "comm.mode=auto", f"comm.auto_allow={allow}", "train.max_steps=1", f"train.out_dir={out}"],
+                           "comm.mode=auto", f"comm.auto_allow={allow}", "train.max_steps=1", "optim.warmup_steps=0",
+                           f"train.out_dir={out}"],
                        rate="100mbit", timeout=300, cwd=str(ROOT),
                        env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "ERROR",
                             "WANDB_MODE": "disabled", "LIONCUB_KERNELS": "eager"}, tag="tadva", stream=log)

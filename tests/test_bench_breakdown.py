@@ -115,17 +115,17 @@ def test_variant_configs_and_levels():
     from optim.sync import effective_levels
     from trainer.config import load_config
 
-    four = load_config(str(variants.config_path("lioncub_4bit"))).comm
+    four = load_config(variants.config_files("lioncub_4bit")).comm
     assert (four.bits, four.quantizer, four.levels) == (4, "sign", 0)  # the paper's +-1 votes
-    eight = load_config(str(variants.config_path("lioncub_8bit_l1"))).comm
+    eight = load_config(variants.config_files("lioncub_8bit_l1")).comm
     assert effective_levels(eight.bits, 4, eight.levels) == 31 and effective_levels(eight.bits, 8, eight.levels) == 15
     for v in variants.DEFAULT_VARIANTS + quality.DEFAULT_VARIANTS:
-        path, extra = variants.variant_args(v)
-        assert path.is_file() and load_config(str(path), extra)
+        paths, extra = variants.variant_args(v)
+        assert all(p.is_file() for p in paths) and load_config(paths, extra)
     assert variants.variant_args("lion_fp32+overlap@train.seed=3")[1] == ["comm.bucket_mb=25", "comm.overlap=true",
                                                                           "train.seed=3"]
     with pytest.raises(ValueError, match="lioncub_4bit"):
-        variants.config_path("lioncub_3bit")
+        variants.config_files("lioncub_3bit")
 
 
 def test_quality_summary_on_synthetic_records():

@@ -13,7 +13,9 @@ CONFIGS = sorted(glob.glob(str(ROOT / "configs" / "**" / "*.yaml"), recursive=Tr
 
 
 def test_configs_exist():
-    assert len(CONFIGS) > 40 and any(p.endswith("default.yaml") for p in CONFIGS)
+    names = {str(Path(p).relative_to(ROOT / "configs")) for p in CONFIGS}
+    assert {"default.yaml", "gpt2_124m.yaml", "variants/lioncub_1bit.yaml", "gpt2_774m/lioncub_8bit_l1.yaml"} <= names
+    assert len([n for n in names if n.startswith("variants/")]) >= 15
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(Path(p).relative_to(ROOT)))
@@ -81,14 +83,20 @@ def test_help_text_covers_every_field():
     for line in text.splitlines():
         if line.startswith("  "):
             assert line.split(":", 1)[1].strip(), f"field without help: {line}"
-    assert "comm:" in text and "mode: What crosses the network" in text
+    assert "comm:" in text and "mode (str, default fp32): What crosses the network" in text
     # every registered scheme's and optimizer's options are listed, under the values that select them
     for scheme in sync.schemes():
         for key in scheme.options.field_names():
-            line = next(ln for ln in text.splitlines() if ln.startswith(f"  {key}: [comm.mode="))
+            line = next(ln for ln in text.splitlines() if ln.startswith(f"  {key} (") and "[comm.mode=" in ln)
             assert scheme.name in line.split("]")[0], (key, scheme.name, line)
-    assert "ps_aggregate: [comm.mode=ps]" in text and "bits: [comm.mode=pbit]" in text
+    assert "ps_aggregate (str, default vote): [comm.mode=ps]" in text
+    assert "bits (int, default 4): [comm.mode=pbit]" in text
     assert all(name in text for name in optimizer_names())
+    # each key's type and default, nested sections dotted
+    for expected in ("lr (float, default 0.0003):", "tie_embeddings (bool or null, default null):",
+                     "betas (list, default [0.9, 0.99]):", "max_steps (int, default 300):",
+                     "momentum_sync.layers (list, default [head]):", "wandb (str, default ''):"):
+        assert f"  {expected}" in text, expected
 
 
 def test_cli_reports_config_errors_without_traceback(tmp_path):
@@ -109,3 +117,82 @@ def test_review_gaps_are_config_errors():
     msg = str(e.value)
     for needle in ("start=10 is after stop=5", "layers: empty", "comm.p: -1.0 must be >= 0", "exceeds 127"):
         assert needle in msg, (needle, msg)
+
+
+def test_warmup_past_the_horizon_is_an_error_and_shipped_configs_stay_valid_when_shortened():
+    with pytest.raises(ConfigError, match=r"optim.warmup_steps: 20 >= train.max_steps=20: the lr would never leave"):
+        load_config(None, ["optim.warmup_steps=20", "train.max_steps=20"])
+    with pytest.raises(ConfigError, match=r"optim.warmup_steps: 50 >= optim.schedule_steps=40"):
+        load_config(None, ["optim.warmup_steps=50", "train.max_steps=100", "optim.schedule_steps=40"])
+    with pytest.raises(ConfigError, match=r"optim.decay_fraction: warmup \(10\) \+ decay \(10 steps\) exceed"):
+        load_config(None, ["optim.schedule=wsd", "optim.warmup_steps=10", "optim.decay_fraction=0.5",
+                           "train.max_steps=19"])
+    with pytest.raises(ConfigError, match="optim.decay_shape: 'exp' is not one of linear, cosine, sqrt"):
+        load_config(None, ["optim.schedule=wsd", "optim.decay_shape=exp"])
+    # the shipped configs give warmup as a fraction: a short smoke run keeps a valid schedule
+    from trainer.config import warmup_steps
+    for path, steps, warm in [("configs/default.yaml", 20, 1), ("configs/default.yaml", 300, 20),
+                              ("configs/default.yaml", 1, 0), ("configs/gpt2_124m/lion_fp32.yaml", 50, 1),
+                              ("configs/gpt2_124m/lion_fp32.yaml", 50000, 1000),
+                              ("configs/cpu_30m/lion_fp32.yaml", 300, 20), ("configs/cpu_30m/lion_fp32.yaml", 13, 0)]:
+        cfg = load_config(ROOT / path, [f"train.max_steps={steps}"])
+        assert warmup_steps(cfg.optim, steps) == warm, (path, steps)
+
+
+def test_a_checkpoint_written_before_a_key_existed_resumes_when_the_key_is_at_its_default(tmp_path):
+    import json
+
+    from trainer.rundir import flatten, resume_problem
+
+    now = load_config(ROOT / "configs/default.yaml").to_dict()
+    old = json.loads(json.dumps(now))
+    for key in ("decay_fraction", "decay_shape", "schedule_steps"):
+        del old["optim"][key]  # what a checkpoint written before these keys holds
+    ckpt = tmp_path / "ckpt" / "step_000004"
+    ckpt.mkdir(parents=True)
+    (ckpt / "meta.json").write_text(json.dumps({"step": 4, "world_size": 1, "config": old}))
+    assert resume_problem(tmp_path / "ckpt", now) == ""
+    changed = load_config(ROOT / "configs/default.yaml", ["optim.decay_fraction=0.5"]).to_dict()
+    assert "optim.decay_fraction: None -> 0.5" in resume_problem(tmp_path / "ckpt", changed)
+    assert set(flatten(now)) - set(flatten(old)) == {"optim.decay_fraction", "optim.decay_shape",
+                                                     "optim.schedule_steps"}
+
+
+def test_a_size_file_and_a_variant_file_compose_on_the_command_line():
+    from trainer.config import split_config_args
+
+    kept = load_config(ROOT / "configs/gpt2_774m/lioncub_8bit_l1.yaml").to_dict()
+    composed = load_config([ROOT / "configs/gpt2_774m.yaml", ROOT / "configs/variants/lioncub_8bit_l1.yaml"])
+    assert composed.to_dict() == kept                       # same keys, same run directory
+    assert composed.train.out_dir == "runs/gpt2_774m/lioncub_8bit_l1"
+    over = load_config([ROOT / "configs/gpt2_774m.yaml", ROOT / "configs/variants/lion_fp32.yaml"],
+                       ["train.out_dir=/tmp/x", "optim.lr=1e-4"])
+    assert over.train.out_dir == "/tmp/x" and over.optim.lr == 1e-4 and over.model.preset == "gpt2-774m"
+    assert load_config([ROOT / "configs/default.yaml"]).train.out_dir == "runs/default"  # one file: as written
+    assert split_config_args(["a.yaml", "b.yml", "x.y=1", "c.yaml"]) == (["a.yaml", "b.yml"], ["x.y=1", "c.yaml"])
+
+
+def test_every_variant_composes_with_every_size_file():
+    sizes = sorted((ROOT / "configs").glob("*.yaml"))
+    sizes = [s for s in sizes if s.name != "default.yaml"]
+    assert {s.stem for s in sizes} >= {"cpu_30m", "gpt2_124m", "gpt2_774m"}
+    problems = []
+    for size in sizes:
+        for variant in sorted((ROOT / "configs/variants").glob("*.yaml")):
+            try:
+                cfg = load_config([size, variant])
+            except ConfigError as e:
+                problems.append(f"{size.name} + {variant.name}: {e}")
+                continue
+            for world in (1, 2, 4, 8):  # legal at the world sizes our docs run it with
+                problems += [f"{size.name} + {variant.name} at {world}: {p}"
+                             for p in validate(cfg, world_size=world, raise_error=False)]
+    # the only pairs that may not compose: a head sync on a model that ties embedding and head
+    assert all("ties embedding and head" in p for p in problems), problems
+
+
+def test_train_py_wants_a_config_file_first(capsys):
+    import train
+
+    assert train.main(["optim.lr=1e-3"]) == 2
+    assert "expected a config file (*.yaml) first" in capsys.readouterr().err

@@ -52,11 +52,21 @@ def big_vocab_encoding():
                              special_tokens={"<|endoftext|>": 70000})
 
 
-def test_uint32_dataset_prepares_loads_and_trains_the_debug_model(tmp_path: Path, monkeypatch) -> None:
+def use_big_vocab(monkeypatch):
+    """Make the tokenizer name "big70k" resolve to big_vocab_encoding() in every module that tokenizes;
+    returns that encoding."""
+    import data.sources
+
     enc = big_vocab_encoding()
     real = tk.get_encoding
     monkeypatch.setattr(tk, "get_encoding", lambda name="gpt2": enc if name == "big70k" else real(name))
-    monkeypatch.setattr(dp, "get_encoding", tk.get_encoding)
+    for module in (dp, data.sources):
+        monkeypatch.setattr(module, "get_encoding", tk.get_encoding)
+    return enc
+
+
+def test_uint32_dataset_prepares_loads_and_trains_the_debug_model(tmp_path: Path, monkeypatch) -> None:
+    enc = use_big_vocab(monkeypatch)
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
     m = prepare_text(tmp_path / "out", [tmp_path / "docs.jsonl"], tokenizer="big70k", val_fraction=0,
                      val_shards=1, shard_tokens=64, num_proc=1, cache_dir=str(tmp_path / "hf"))

@@ -184,3 +184,47 @@ def test_missing_empty_and_too_small_data(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="rank=2 world_size=2"):
         ShardLoader(tmp_path / "small", "train", 1, 8, 2, 2, seed=0)
     assert resolve_dataset(str(tmp_path / "small")) == tmp_path / "small"
+
+
+def test_mix_proportions_within_one_batch_and_exact_resume(tmp_path: Path) -> None:
+    from data.loader import MixLoader
+
+    dirs = []
+    for k, lens in enumerate(([400, 300], [700], [90, 90, 90])):
+        d = tmp_path / f"src{k}"
+        d.mkdir()
+        for s, n in enumerate(lens):  # source k's tokens are k*20000 + shard*1000 + offset: each tells its source
+            write_shard(d / shard_name("train", s), np.arange(n, dtype=np.int64) + k * 20000 + s * 1000)
+        dirs.append(d)
+    weights = [5.0, 3.0, 2.0]
+    sources = [(f"s{k}", d, w) for k, (d, w) in enumerate(zip(dirs, weights))]
+
+    def mix(rank=0, world=2):
+        return MixLoader(sources, "train", 2, 8, rank, world, seed=3)
+
+    a, b = mix(0), mix(1)
+    counts = [0, 0, 0]
+    n_batches = 200
+    for k in range(1, n_batches + 1):
+        xa, _ = a.next_batch()
+        xb, _ = b.next_batch()
+        src = {int(t) // 20000 for t in torch.cat([xa, xb]).flatten()}
+        assert len(src) == 1  # a global batch comes from one source, the same on every rank
+        counts[src.pop()] += 1
+        # the stated bound: after any k batches, every source within one batch of its share
+        assert all(abs(c - w / 10 * k) <= 1 for c, w in zip(counts, weights)), (k, counts)
+    assert counts == [100, 60, 40]
+    # exact resume of the mix: a fresh loader restored from the state continues with the same batches
+    a_state = a.state_dict()
+    ref = [a.next_batch()[0] for _ in range(37)]
+    c = mix(0)
+    c.load_state_dict(a_state)
+    assert all(torch.equal(x, c.next_batch()[0]) for x in ref)
+    # ... on another world size too (the positions are global), and another mix is refused
+    d1 = MixLoader(sources, "train", 2, 8, 0, 1, seed=3)
+    d1.load_state_dict(a_state)
+    assert d1.taken == [s["taken"] for s in a_state["mix"]] and sum(d1.taken) == n_batches
+    with pytest.raises(DataError, match="resume with the same data.mix"):
+        MixLoader(sources[:2], "train", 2, 8, 0, 2, seed=3).load_state_dict(a_state)
+    with pytest.raises(DataError, match="data.mix run"):
+        ShardLoader(dirs[0], "train", 2, 8, 0, 2, seed=3).load_state_dict(a_state)

@@ -18,7 +18,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from data.prepare import PrepareError, PrepareStopped, held_out  # noqa: E402
+from data.shards import PrepareError  # noqa: E402
+from data.sources import held_out  # noqa: E402
+from data.writer import PrepareStopped  # noqa: E402
 from data.prose import PARTS, corpus_files, prepare_prose, rst_prose  # noqa: E402
 from data.shards import list_shards, open_shard  # noqa: E402
 

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import data.prepare as dp
+import data.writer as dw
 from data.prepare import PrepareError, PrepareStopped, prepare_fineweb, prepare_openwebtext
 from data.shards import list_shards, open_shard
 
@@ -106,9 +107,9 @@ def test_crashes_mid_shard_and_before_the_progress_record(source, tmp_path: Path
         monkeypatch.setattr(obj, name, f)
 
     # ShardWriter._flush: a shard's write fails; its tokens since the last record were only in memory.
-    # _fsync_write: the shard is on disk, but the progress record listing it is never written.
-    for obj, name, n in [(dp.ShardWriter, "_flush", 4), (dp, "_fsync_write", 6), (dp.ShardWriter, "_flush", 2),
-                         (dp, "_fsync_write", 3)]:
+    # atomic_write: the shard is on disk, but the progress record listing it is never written.
+    for obj, name, n in [(dw.ShardWriter, "_flush", 4), (dw, "atomic_write", 6), (dw.ShardWriter, "_flush", 2),
+                         (dw, "atomic_write", 3)]:
         crash_on_call(obj, name, n)
         with pytest.raises(OSError, match=f"injected failure in {name}"):
             prepare_openwebtext(tmp_path / "out", dataset=source(True), shard_tokens=120, num_proc=1, val_fraction=0.1)

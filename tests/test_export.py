@@ -128,8 +128,9 @@ def test_learned_positions_are_refused_and_foreign_configs_too(tmp_path: Path, c
     assert "Llama has no learned position table" in capsys.readouterr().err and not (tmp_path / "hf").exists()
     base = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1,
             "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 32}
-    with pytest.raises(HFFormatError, match=r"grouped-query attention \(2 key/value heads for 4 query heads\)"):
-        config_from_hf({**base, "num_key_value_heads": 2})
+    with pytest.raises(HFFormatError, match=r"num_key_value_heads 3 does not divide num_attention_heads 4"):
+        config_from_hf({**base, "num_key_value_heads": 3})
+    assert config_from_hf({**base, "num_key_value_heads": 2}).n_kv_head == 2
     with pytest.raises(HFFormatError, match="rope type 'llama3'"):
         config_from_hf({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
     assert config_from_hf(base).mlp_hidden == 128
@@ -177,3 +178,130 @@ def test_resolve_config_is_the_trainers_translation() -> None:
     assert resolve_config({"preset": "debug"}, vocab_size=50257).vocab_size == 50304
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['n_layers'\]"):
         resolve_config({"preset": "debug", "n_layers": 3})
+
+
+def test_export_pads_batches_is_readable_and_has_a_model_card(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    run = make_run(tmp_path / "run", tie=True)
+    meta = json.loads((run / "ckpt/step_000010/meta.json").read_text())
+    meta["config"].update(optim={"name": "lion", "lr": 0.001, "schedule": "wsd"}, comm={"mode": "onebit"})
+    meta.update(tokens_seen=20480, world_size=2)
+    (run / "ckpt/step_000010/meta.json").write_text(json.dumps(meta))
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"step": 5, "val_loss": 6.5}, {"step": 10, "val_loss": 5.25}, {"step": 12, "val_loss": 4.0}]) + "\n")
+    out = tmp_path / "hf"
+    old = os.umask(0o022)
+    try:
+        assert export_main([str(run), "--out", str(out)]) == 0
+    finally:
+        os.umask(old)
+    for f in out.iterdir():
+        assert f.stat().st_mode & 0o777 == 0o644, f.name  # safetensors alone would leave the weights 0600
+    card = (out / "README.md").read_text()
+    for expected in ("2 layers, width 64, 2 heads (2 key/value heads)", "10 steps, 20,480 tokens", "lion (lr 0.001, wsd",
+                     "comm.mode onebit, 2 rank(s)", "| final val loss | 5.2500 (step 10) |",
+                     f'AutoModelForCausalLM.from_pretrained("{out}")', 'pip install "lm-eval[hf]"'):
+        assert expected in card, expected
+    # a padded batch generates what each prompt generates alone
+    tok = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    model = hf_model(out)
+    assert tok.pad_token == "<|endoftext|>" and model.config.pad_token_id == tok.pad_token_id == 50256
+    assert model.generation_config.pad_token_id == 50256
+    prompts = ["The meaning of life is", "def"]
+    batch = tok(prompts, return_tensors="pt", padding=True)
+    assert batch["attention_mask"][1].tolist()[0] == 0  # left padding
+    together = model.generate(**batch, max_new_tokens=8, do_sample=False)[:, batch["input_ids"].shape[1]:]
+    for row, prompt in zip(together.tolist(), prompts):
+        alone = tok(prompt, return_tensors="pt")
+        ref = model.generate(**alone, max_new_tokens=8, do_sample=False)[0, alone["input_ids"].shape[1]:]
+        assert row == ref.tolist(), prompt
+
+
+MC_ITEMS = [
+    {"ctx": "A woman pours flour into a large bowl. She", "label": 0,
+     "endings": ["cracks two eggs over the flour and stirs.", "drives the bowl to the airport.",
+                 "paints the ceiling with the flour.", "sings the bowl to sleep."]},
+    {"ctx": "The function returns a list of", "label": 1,
+     "endings": ["bananas in the garden.", "strings, one per line.", "nothing at all, ever."]},
+    {"ctx": "To install the package, run", "label": 2,
+     "endings": ["away from the computer.", "a marathon tomorrow.", "pip install with the name."]},
+]
+
+
+@pytest.mark.slow
+def test_lm_eval_harness_scores_an_export_offline_like_our_eval(tmp_path: Path) -> None:
+    """README's `pip install lm-eval[hf]` line: lm-evaluation-harness's `--model hf` loads the export
+    offline and, on a local multiple-choice task, computes the same ending log-likelihoods (and so
+    the same accuracy) as eval.py's scorer."""
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness not installed (pip install -e '.[eval]')")
+    pytest.importorskip("accelerate", reason="lm-eval's hf model needs accelerate (pip install -e '.[eval]')")
+    import subprocess
+    import sys
+
+    import eval as mc_eval
+    from data.tokenizer import get_encoding
+
+    run = make_run(tmp_path / "run", tie=True)
+    out = tmp_path / "hf"
+    assert export_main([str(run), "--out", str(out)]) == 0
+    items = tmp_path / "items.jsonl"
+    items.write_text("".join(json.dumps(it) + "\n" for it in MC_ITEMS))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "mini.yaml").write_text(yaml.safe_dump({
+        "task": "lioncub_mini_mc", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(items)}},
+        "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "ctx", "doc_to_choice": "endings",
+        "doc_to_target": "label", "metric_list": [{"metric": "acc"}]}))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "HF_HOME": str(tmp_path / "hf_home"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+                           f"pretrained={out},dtype=float32", "--tasks", "lioncub_mini_mc", "--include_path",
+                           str(tasks), "--device", "cpu", "--batch_size", "4", "--log_samples", "--output_path",
+                           str(tmp_path / "results")], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    samples = [json.loads(line) for f in (tmp_path / "results").rglob("samples_lioncub_mini_mc_*.jsonl")
+               for line in f.read_text().splitlines()]
+    assert len(samples) == len(MC_ITEMS)
+    model = load_model(out).model
+    encode = get_encoding("gpt2").encode_ordinary
+    for s in sorted(samples, key=lambda s: s["doc_id"]):
+        item = MC_ITEMS[s["doc_id"]]
+        theirs = [float(r[0][0]) for r in s["resps"]]
+        ours = [ll for ll, _ in mc_eval.ending_logprobs(model, encode(item["ctx"]),
+                                                        [encode(" " + e) for e in item["endings"]], "cpu")]
+        assert theirs == pytest.approx(ours, abs=2e-3), (s["doc_id"], theirs, ours)
+
+
+def test_grouped_query_attention_round_trips_through_export_and_import(tmp_path: Path) -> None:
+    """n_kv_head < n_head: transformers' LlamaForCausalLM reads our export with our logits, from_hf
+    reads it back exactly, and a Llama with GQA written by transformers itself imports with its logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = GPTConfig(block_size=40, vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, tie_embeddings=False)
+    ours = trained_like(cfg)
+    assert ours.transformer.h[0].attn.qkv.weight.shape == ((4 + 2 * 2) * 16, 64)
+    save_hf(ours, tmp_path / "ours", bos_token_id=0, eos_token_id=0)
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["num_key_value_heads"] == 2
+    theirs = hf_model(tmp_path / "ours")
+    idx = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        a, b = ours.logits(idx), theirs(idx).logits
+    assert a.abs().max() > 1.0 and (a - b).abs().max().item() < 1e-4
+    back = from_hf(tmp_path / "ours")
+    assert back.config == cfg and all(torch.equal(p, q) for p, q in zip(ours.parameters(), back.parameters()))
+    # the KV cache holds n_kv_head heads and decodes the tokens of the full forward pass
+    prompt = idx[:1, :5]
+    assert ours.generate(prompt, 20, temperature=0).tolist() == \
+        ours.generate(prompt, 20, temperature=0, use_cache=False).tolist()
+    # a GQA Llama from transformers (1 key/value head for 4 query heads), imported
+    torch.manual_seed(0)
+    foreign = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=32,
+                                           rms_norm_eps=1e-5, tie_word_embeddings=False)).eval()
+    foreign.save_pretrained(str(tmp_path / "foreign"), safe_serialization=True)
+    mine = from_hf(tmp_path / "foreign")
+    assert mine.config.n_kv_head == 1 and mine.config.norm_eps == 1e-5
+    x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (mine.logits(x) - foreign(x).logits).abs().max().item() < 1e-4

@@ -94,3 +94,44 @@ def test_flops_per_token_matches_6n_rule():
     f = model.flops_per_token(1024)
     n_matmul = model.num_params(non_embedding=True) + 50304 * 768
     assert f == 6 * n_matmul + 12 * 12 * 768 * 1024
+
+
+def test_shape_keys_override_the_preset_and_gqa_shrinks_only_keys_and_values():
+    from model import resolve_config
+
+    cfg = resolve_config({"preset": "debug", "n_layer": 3, "n_head": 4, "n_kv_head": 1, "n_embd": 128,
+                          "mlp_hidden": 96, "init_from": "", "activation_checkpointing": True})
+    assert (cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.n_embd, cfg.mlp_hidden) == (3, 4, 1, 128, 96)
+    assert resolve_config({"preset": "debug", "n_head": 4}).n_kv_head == 4  # n_kv_head follows n_head unless set
+    assert resolve_config({"preset": "debug", "n_embd": 128}).mlp_hidden == 64 * round(8 * 128 / 3 / 64)
+    full, gqa = GPT(get_preset("debug", n_head=4)), GPT(get_preset("debug", n_head=4, n_kv_head=2))
+    # per block the key and value projections shrink from 64 to 32 rows each
+    assert full.num_params() - gqa.num_params() == 2 * 2 * 32 * 64
+    with pytest.raises(ValueError, match="n_kv_head=3 must divide n_head=4"):
+        get_preset("debug", n_head=4, n_kv_head=3)
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients():
+    torch.manual_seed(0)
+    model = GPT(get_preset("debug", n_head=4, n_kv_head=2))
+    x = torch.randint(0, 50257, (2, 64))
+    grads = []
+    for recompute in (False, True):
+        model.zero_grad()
+        model.activation_checkpointing = recompute
+        loss = model(x, x)[1]
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (l0, g0), (l1, g1) = grads
+    assert torch.equal(l0, l1) and all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(g0, g1))
+    assert all(a.abs().sum() > 0 for a in g0)
+    # it recomputes: the checkpointed forward keeps fewer saved tensors (each block's inputs only)
+    saved = []
+    for recompute in (False, True):
+        model.activation_checkpointing = recompute
+        count = [0]
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: count.__setitem__(0, count[0] + 1) or t,
+                                                      lambda t: t):
+            model(x, x)
+        saved.append(count[0])
+    assert saved[1] < saved[0] / 2, saved

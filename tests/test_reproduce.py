@@ -277,6 +277,154 @@ def test_shared_run_names_and_specs():
 
 
 # ---------------------------------------------------------------------------------------------
+# settings, the no-repeat check, the lr sweep, wire bytes
+
+
+def test_setting_is_in_the_run_key_and_its_own_directory():
+    """--setting / --set overrides replace the scale's value of the same key, enter every run's spec (the store
+    key), and send results and runs to a directory of the setting's own."""
+    base, prose = Options(), Options(setting="study-prose")
+    extra = Options(setting="study-prose", sets=("optim.warmup_steps=5",))
+    t2 = STUDIES["table2"]
+    specs = {}
+    for o in (base, prose, extra):
+        sc = t2.scale(o)
+        run = t2.build(sc, [1], o)[0]
+        specs[o.setting_name()] = framework.run_spec(run, sc)["overrides"]
+    assert "model.preset=tiny" in specs["tiny-builtin"] and "data.dataset=data/prose" not in specs["tiny-builtin"]
+    pro = specs["study-prose"]
+    assert "model.preset=study" in pro and "model.preset=tiny" not in pro and "data.dataset=data/prose" in pro
+    ext = next(v for k, v in specs.items() if k.startswith("study-prose+"))
+    assert "optim.warmup_steps=5" in ext and "optim.warmup_steps=20" not in ext
+    assert len(set(map(tuple, specs.values()))) == 3
+    assert base.results_dir() == framework.ROOT / framework.DEFAULT_RESULTS
+    assert prose.results_dir() == framework.ROOT / framework.DEFAULT_RESULTS / "study-prose"
+    assert extra.results_dir().name.startswith("study-prose+") and extra.results_dir() != prose.results_dir()
+    assert "study-prose" in str(prose.work_dir("table2")) and t2.scale(prose).setting == "study-prose"
+    with pytest.raises(StudyUnavailable, match="unknown setting"):
+        Options(setting="nope").setting_overrides()
+
+
+def test_no_repeat_check_refuses_before_launching(tmp_path, monkeypatch, capsys):
+    """A study whose runs would read a training token twice launches nothing and says why, with the numbers;
+    a run that fits records 'tokens seen / tokens available' in its raw record and the report."""
+    calls: list = []
+    monkeypatch.setattr(framework, "_launch", _fake_launch(calls))
+    out, work = tmp_path / "results", tmp_path / "work"
+    # 2 ranks x 2 x 32 tokens a step: 100000 steps read ~12.8M tokens of the ~110K-token built-in corpus
+    assert main(["dion_ef", "--quick", "--steps", "100000", "--out", str(out), "--work", str(work)]) == 2
+    err = capsys.readouterr().err
+    assert "would read training tokens twice" in err and "--allow-repeat" in err and calls == []
+    assert main(["dion_ef", "--quick", "--out", str(out), "--work", str(work)]) == 0 and len(calls) == 2
+    recs = [json.loads(x) for x in open(out / "dion_ef_runs.jsonl")]
+    from data import resolve_dataset
+    from data.loader import split_shards, open_shard
+    avail = sum(len(open_shard(p)) for p in split_shards(resolve_dataset("builtin"), "train"))
+    assert {(r["train_tokens_read"], r["train_tokens_available"]) for r in recs} == {(6 * 2 * 2 * 32 + 1, avail)}
+    assert f"tokens seen / tokens available = 769 / {avail:,}" in (out / "dion_ef.md").read_text()
+    stored = framework.load_stored(out / "store", recs[0]["name"])
+    assert stored["tokens"] == {"read": 769, "available": avail}
+    # --allow-repeat launches it and says how many times over it reads the corpus
+    calls.clear()
+    assert main(["dion_ef", "--quick", "--steps", "100000", "--allow-repeat", "--out", str(tmp_path / "r2"),
+                 "--work", str(tmp_path / "w2")]) == 0 and len(calls) == 2
+    assert "reads the training split" in (tmp_path / "r2" / "dion_ef.md").read_text()
+
+
+def _lr_launch(calls: list, best: float):
+    """A fake trainer whose final val loss is smallest at lr `best` (log distance)."""
+    def launch(run, scale, run_dir, resume, log):
+        calls.append(run.name)
+        lr = next(float(o.split("=")[1]) for o in reversed([*scale.overrides, *run.overrides])
+                  if o.startswith(("optim.lr=", "optim.matrix_lr=")))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text("model: {preset: debug}\n")
+        loss = 3.0 + abs(math.log10(lr / best))
+        recs = [{"step": 1, "train_loss": loss + 1, "val_loss": loss + 1}, {"step": scale.steps, "train_loss": loss,
+                "val_loss": loss}, {"step": scale.steps, "params_identical": True}]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        return 0
+    return launch
+
+
+def test_lr_sweep_best_lr_feeds_the_other_studies(tmp_path, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(framework, "_launch", _lr_launch(calls, 3e-4))
+    out, work = tmp_path / "results", tmp_path / "work"
+    assert main(["lr_sweep", "--quick", "--out", str(out), "--work", str(work)]) == 0
+    rows = list(csv.DictReader(open(out / "lr_sweep.csv")))
+    key, values = studies.SWEEP_ARMS["lion_fp32"]
+    assert sorted(float(r["lr"]) for r in rows) == sorted(values) and len(calls) == 3
+    assert all(2.5 < b / a < 4 for a, b in zip(sorted(values), sorted(values)[1:]))  # about 3x apart
+    assert [float(r["lr"]) for r in rows if r["best"]] == [3e-4] and not any(r["edge"] for r in rows)
+    best = json.loads((out / framework.BEST_LR_FILE).read_text())
+    assert best["best"] == {"lion_fp32": {"key": "optim.lr", "value": 3e-4, "val_loss": 3.0, "edge": False}}
+    assert best["overrides"] == list(STUDIES["lr_sweep"].scale(Options(quick=True)).overrides)
+    assert (out / "lr_sweep.png").stat().st_size > 5_000
+
+    # table2 --lr from-sweep: every arm needs a swept lr; with one arm only, it refuses and names the missing arm
+    with pytest.raises(StudyUnavailable, match="no arm 'lioncub_1bit'"):
+        STUDIES["table2"].execute(Options(quick=True, out=out, work=work, lr=framework.FROM_SWEEP))
+    best["best"].update({a: {"key": "optim.lr", "value": v, "val_loss": 3.0, "edge": False}
+                         for a, v in (("lioncub_1bit", 1e-4), ("lioncub_8bit_l1", 1e-3))})
+    (out / framework.BEST_LR_FILE).write_text(json.dumps(best))
+    calls.clear()
+    assert main(["table2", "--quick", "--lr", framework.FROM_SWEEP, "--out", str(out), "--work", str(work)]) == 0
+    recs = {r["labels"]["arm"]: r for r in map(json.loads, open(out / "table2_runs.jsonl"))}
+    assert {a: [o for o in r["overrides"] if o.startswith("optim.lr=")][-1] for a, r in recs.items()} == {
+        "fp32": "optim.lr=0.0003", "1bit": "optim.lr=0.0001", "8bit_l1": "optim.lr=0.001"}
+    assert recs["fp32"]["name"].endswith("_lr0.0003") and len(calls) == 3
+    assert "lr_sweep study (--lr from-sweep): lion_fp32 optim.lr=0.0003, lioncub_1bit optim.lr=0.0001" in \
+        (out / "table2.md").read_text()
+    # a sweep of another setting is refused
+    assert main(["table2", "--quick", "--lr", framework.FROM_SWEEP, "--set", "optim.warmup_steps=1",
+                 "--out", str(out), "--work", str(work)]) == 2
+    # the full table2 drops its fixed-lr control under --lr from-sweep
+    arms = {r.label("arm") for r in studies.table2_runs(full_scale(300), [1], Options(lr=framework.FROM_SWEEP))}
+    assert "fp32_lr3e-4" not in arms and "8bit_linf" in arms
+    # every arm the issue names is swept: the Lion family, the Adam family, the compressors, Dion and Muon
+    assert set(studies.SWEEP_ARMS) >= {"lion_fp32", "adamw_fp32", "lioncub_1bit", "lioncub_8bit_l1", "onebit_adam",
+                                       "binsgdm", "loco_adamw", "dion", "muon"}
+
+
+def test_fig5_embedding_head_arm_and_dion_convention():
+    """Fig. 5 syncs the embedding and the head (the paper's arm) beside the head only, in every setting but the
+    committed tiny-builtin one; that setting's Dion runs pin the transpose_wide convention they trained under."""
+    def arms(o: Options):
+        st = STUDIES["fig5"]
+        return {r.label("arm"): r for r in st.build(st.scale(o), [1], o)}
+    prose = arms(Options(setting="study-prose"))
+    emb = next(r for a, r in prose.items() if a.startswith("sync_emb_head"))
+    assert "comm.momentum_sync.layers=[embedding,head]" in emb.overrides
+    assert any(a.startswith("sync_head") for a in prose) and len(prose) == 4
+    assert not any(a.startswith("sync_emb") for a in arms(Options()))
+    assert any(a.startswith("sync_emb") for a in arms(Options(quick=True)))
+    for o, pinned in ((Options(), True), (Options(setting="study-prose"), False)):
+        st = STUDIES["dion_ef"]
+        runs = st.build(st.scale(o), [1], o)
+        assert all(("optim.transpose_wide=false" in r.overrides) == pinned for r in runs)
+    comp = {r.label("optimizer") for r in studies.compressors_runs(full_scale(300, setting="study-prose"), [1],
+                                                                   Options())}
+    assert {"muon", "dion"} <= comp
+    # the committed Dion runs say which convention they trained under
+    entry = framework.load_stored(framework.ROOT / framework.DEFAULT_RESULTS / "store", "dion_r0.25_ef1_p4_s1338")
+    assert "optim.transpose_wide=false" in entry["spec"]["overrides"]
+
+
+def test_wire_bytes_per_algorithm():
+    """Wire / buffer from each scheme's cost model: a ring allreduce sends 2(P-1)/P of its buffer; the
+    all-to-all + all-gather exchanges keep a rank's own chunk (below 1 at P = 2) and approach 2 as P grows."""
+    tiny = {"model": {"preset": "tiny"}}
+    for p in (2, 4, 8):
+        f, wire = framework.wire_factor({**tiny, "comm": {"mode": "fp32"}}, p)
+        assert f == pytest.approx(2 * (p - 1) / p) and "ring allreduce" in wire
+    comp = [framework.wire_factor({**tiny, "comm": {"mode": "compressed", "compressor": "scaled_sign"}}, p)[0]
+            for p in (2, 4, 8)]
+    assert comp[0] < 1 < comp[1] < comp[2] < 2
+    assert framework.wire_factor({**tiny, "comm": {"mode": "fp32"}}, 1)[0] is None  # one rank sends nothing
+
+
+# ---------------------------------------------------------------------------------------------
 # Fig. 6: per-tensor keys when logged, per-role otherwise
 
 
@@ -420,21 +568,22 @@ EXPECTED_COLUMNS = {
               "w_mean", "w_abs", "status"},
     "fig5": {"beta2", "arm", "val_loss_mean", "val_loss_std", "delta_vs_sync_mean", "status"},
     "fig6_17": {"layer", "granularity", "role", "spread_0.95", "spread_0.99", "ratio_0.95", "ratio_0.99"},
-    "compressors": {"optimizer", "val_loss_mean", "bytes_per_step", "status"},
+    "compressors": {"optimizer", "val_loss_mean", "bytes_per_step", "wire_bytes_per_step", "wire_factor", "status"},
     "dion_ef": {"rank_fraction", "error_feedback", "val_loss_mean", "gap_off_minus_on_mean", "status"},
+    "lr_sweep": {"arm", "key", "lr", "val_loss_mean", "best", "edge", "status"},
 }
 
 
 @pytest.mark.slow
 def test_quick_training_studies_end_to_end(tmp_path):
     out, work = tmp_path / "results", tmp_path / "work"
-    for name in ["table2", "table3", "fig10", "fig5", "fig6_17", "compressors", "dion_ef"]:
+    for name in ["table2", "table3", "fig10", "fig5", "fig6_17", "compressors", "dion_ef", "lr_sweep"]:
         assert main([name, "--quick", "--out", str(out), "--work", str(work)]) == 0, name
         rows = list(csv.DictReader(open(out / f"{name}.csv")))
         assert rows and EXPECTED_COLUMNS[name] <= set(rows[0]), (name, rows[:1])
         assert (out / f"{name}.png").stat().st_size > 5_000
         md = (out / f"{name}.md").read_text()
-        assert md.startswith(("# Lion Cub", "# Dion")) and "|---" in md and "Machine (this report):" in md and "Runs trained on" in md
+        assert md.startswith(("# Lion Cub", "# Dion", "# Learning-rate")) and "tokens seen / tokens available" in md and "|---" in md and "Machine (this report):" in md and "Runs trained on" in md
         meta = json.loads((out / f"{name}_meta.json").read_text())
         assert meta["machine"]["cpu_count"] and meta["scale"]["quick"] is True
         runs = [json.loads(x) for x in open(out / f"{name}_runs.jsonl")]
@@ -474,11 +623,19 @@ def test_quick_training_studies_end_to_end(tmp_path):
         recs = map(json.loads, open(work / "runs" / run / "metrics.jsonl"))
         return [r["comm_bytes"] for r in recs if "comm_bytes" in r]
     assert min(bytes_of("b0.95_sync_head_every_2_p2_s1337")) > max(bytes_of("b0.95_none_p2_s1337"))
+    # and the paper's arm, embedding + head, more than the head alone (untied: two matrices of the same size)
+    assert max(bytes_of("b0.95_sync_emb_head_every_2_p2_s1337")) > max(bytes_of("b0.95_sync_head_every_2_p2_s1337"))
+    # lr_sweep: three values of one arm, the best written for --lr from-sweep
+    assert len(list(csv.DictReader(open(out / "lr_sweep.csv")))) == 3
+    assert set(json.loads((out / framework.BEST_LR_FILE).read_text())["best"]) == {"lion_fp32"}
     # compressors: every optimizer ran, and 1-bit Adam's exchanges (after its one fp32 warm-up step) send far
     # fewer bytes than AdamW's fp32 mean
     comp = {r["optimizer"]: r for r in csv.DictReader(open(out / "compressors.csv"))}
     assert set(comp) == {"adamw_fp32", "onebit_adam"} and all(r["status"] == "ok" for r in comp.values()), comp
     assert float(comp["onebit_adam"]["bytes_per_step"]) < 0.1 * float(comp["adamw_fp32"]["bytes_per_step"])
+    # wire bytes at P = 2: a ring allreduce sends its buffer once (2(P-1)/P = 1); the all-to-all keeps half at home
+    assert float(comp["adamw_fp32"]["wire_factor"]) == 1.0 and float(comp["onebit_adam"]["wire_factor"]) < 1
+    assert float(comp["adamw_fp32"]["wire_bytes_per_step"]) == float(comp["adamw_fp32"]["bytes_per_step"])
     # dion_ef: both arms, and the gap column filled on the "off" row
     dion = {r["error_feedback"]: r for r in csv.DictReader(open(out / "dion_ef.csv"))}
     assert {(r["rank_fraction"], ef) for ef, r in dion.items()} == {("0.0625", "on"), ("0.0625", "off")}

@@ -93,3 +93,35 @@ def test_cli_from_run_checkpoint_and_export_agree(tmp_path: Path, capsys) -> Non
     assert texts[0] == texts[1] == texts[2] == "The meaning of" + codec.decode(ids) + "\n"
     assert sample.main([str(tmp_path / "nothing"), "--prompt", "x"]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_top_p_keeps_the_smallest_nucleus() -> None:
+    # probabilities 0.5, 0.25, 0.125, 0.0625, 0.0625 (ids 3, 0, 4, 1, 2)
+    probs = torch.tensor([[0.25, 0.0625, 0.0625, 0.5, 0.125]])
+    logits = probs.log()
+    for top_p, allowed in [(0.5, {3}), (0.6, {3, 0}), (0.75, {3, 0}), (0.8, {3, 0, 4}), (1.0, {0, 1, 2, 3, 4})]:
+        g = torch.Generator().manual_seed(0)
+        drawn = {int(sample_next(logits, 1.0, None, g, top_p=top_p)) for _ in range(400)}
+        assert drawn == allowed, (top_p, drawn)
+    # the kept tokens keep their relative odds: with top_p 0.75, id 3 twice as often as id 0
+    g = torch.Generator().manual_seed(1)
+    draws = sample_next(logits.expand(20000, 5), 1.0, None, g, top_p=0.75)
+    assert abs((draws == 3).float().mean().item() - 2 / 3) < 0.02
+    # after top_k: top_k=1 leaves one token whatever top_p says
+    assert {int(sample_next(logits, 1.0, 1, torch.Generator().manual_seed(s), top_p=0.99)) for s in range(20)} == {3}
+
+
+def test_cli_top_p(tmp_path: Path, capsys) -> None:
+    run = make_run(tmp_path / "run", tie=True)
+    model, codec, _ = sample.load(run, "cpu")
+    # a nucleus too small for a second token is greedy decoding
+    greedy = sample.generate_ids(model, codec, "Once", max_new_tokens=8, temperature=0)[0]
+    assert sample.generate_ids(model, codec, "Once", max_new_tokens=8, temperature=1.0, top_p=1e-6)[0] == greedy
+    wide = {tuple(sample.generate_ids(model, codec, "Once", max_new_tokens=8, temperature=1.0, top_p=0.9,
+                                      seed=s)[0]) for s in range(4)}
+    assert len(wide) > 1
+    assert sample.main([str(run), "--prompt", "Once", "--max-new-tokens", "4", "--top-p", "0.9", "--device",
+                        "cpu"]) == 0
+    with pytest.raises(SystemExit):
+        sample.main([str(run), "--top-p", "1.5"])
+    assert "--top-p 1.5: must be in (0, 1]" in capsys.readouterr().err

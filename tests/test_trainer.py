@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from model import GPT, get_preset
 from tests.dist import ROOT, torchrun
@@ -220,14 +221,10 @@ def test_wandb_run_id_is_unique_per_run_directory_and_renewed_on_overwrite(tmp_p
 
 
 def test_model_vocabulary_follows_a_uint32_dataset(tmp_path, monkeypatch):
-    from tests.test_data_formats import DOCS, big_vocab_encoding
+    from tests.test_data_formats import DOCS, use_big_vocab
     import data.prepare as dp
-    import data.tokenizer as tk
 
-    enc = big_vocab_encoding()
-    real = tk.get_encoding
-    monkeypatch.setattr(tk, "get_encoding", lambda name="gpt2": enc if name == "big70k" else real(name))
-    monkeypatch.setattr(dp, "get_encoding", tk.get_encoding)
+    use_big_vocab(monkeypatch)
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS * 20))
     dp.prepare_text(tmp_path / "ds", [tmp_path / "docs.jsonl"], tokenizer="big70k", val_fraction=0, val_shards=1,
                     shard_tokens=512, num_proc=1, cache_dir=str(tmp_path / "hf"))
@@ -264,3 +261,64 @@ def test_wandb_payload_groups_panels():
                                                      "5_+optimizer")] == [1.0, 11.0, 15.0, 17.0, 20.0]
     assert p["diag/sign_match"] == 0.9 and p["diag_momentum_spread/block.0"] == 0.1
     assert p["diag_sign_flip/tensor.lm_head.weight"] == 0.01 and "params_identical" not in p
+
+
+def test_resume_with_more_steps_keeps_the_schedule_unless_told(tmp_path):
+    from trainer.schedule import lr_at
+
+    kept, stretched = tmp_path / "kept", tmp_path / "stretched"
+    for run in (kept, stretched):
+        assert _run1(run, "train.max_steps=4", "optim.schedule=linear", "optim.min_lr_ratio=0.25").returncode == 0
+    more = _run1(kept, "train.max_steps=6", "optim.schedule=linear", "optim.min_lr_ratio=0.25", "train.resume=auto")
+    assert more.returncode == 0, more.stderr[-2000:]
+    assert "train.max_steps=6 but this run's lr schedule ends at step 4" in more.stdout
+    lrs = {r["step"]: r["lr"] for r in records(kept, "train_loss")}
+    # default.yaml's warmup_fraction 0.0667 gives no warmup step at 4 steps (nor at 6)
+    assert [lrs[s] for s in range(1, 7)] == [lr_at(s, 1e-3, 4, 0, "linear", 0.25) for s in range(6)]
+    assert lrs[5] == lrs[6] == 0.25e-3  # past the kept horizon: the final lr, not a re-stretched decay
+    again = _run1(stretched, "train.max_steps=6", "optim.schedule=linear", "optim.min_lr_ratio=0.25",
+                  "optim.schedule_steps=6", "train.resume=auto")
+    assert again.returncode == 0 and "schedule ends" not in again.stdout
+    lrs = {r["step"]: r["lr"] for r in records(stretched, "train_loss")}
+    assert [lrs[5], lrs[6]] == [lr_at(s, 1e-3, 6, 0, "linear", 0.25) for s in (4, 5)]
+    assert lrs[6] > 0.25e-3
+
+
+def test_fine_tuning_from_an_export_or_a_run_starts_at_its_val_loss(tmp_path):
+    from model.export import main as export_main
+
+    base = tmp_path / "base"
+    assert _run1(base, "train.max_steps=3", "model.n_layer=1", "model.n_kv_head=1").returncode == 0
+    final = records(base, "val_loss")[-1]
+    assert final["step"] == 3
+    assert export_main([str(base), "--out", str(tmp_path / "export")]) == 0
+    for name, source in (("from_export", tmp_path / "export"), ("from_run", base)):
+        run = tmp_path / name
+        proc = _run1(run, "train.max_steps=1", f"model.init_from={source}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        first = records(run, "val_loss")[0]
+        assert first["step"] == 0 and abs(first["val_loss"] - final["val_loss"]) < 1e-5, (name, first, final)
+        shape = yaml.safe_load((run / "config.yaml").read_text())["model"]
+        assert (shape["n_layer"], shape["n_head"], shape["n_kv_head"], shape["n_embd"]) == (1, 2, 1, 64)
+    # a shape key that contradicts the source is an error naming it, before any run directory exists
+    bad = _run1(tmp_path / "bad", "train.max_steps=1", f"model.init_from={tmp_path / 'export'}", "model.n_layer=2")
+    assert bad.returncode == 2 and "model.n_layer: 2, but model.init_from" in bad.stderr
+    assert "Traceback" not in bad.stderr and not (tmp_path / "bad").exists()
+
+
+def test_data_mix_trains_and_resumes_exactly(tmp_path):
+    from data import resolve_dataset
+
+    builtin = resolve_dataset("builtin")  # the same corpus under a second name: a two-source mix
+    mix = f"data.mix={{builtin: 2, {builtin}: 1}}"
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert _run1(straight, "train.max_steps=4", mix).returncode == 0
+    assert _run1(split, "train.max_steps=4", "train.stop_after=2", mix).returncode == 0
+    again = _run1(split, "train.max_steps=4", "train.resume=auto", mix)
+    assert again.returncode == 0, again.stderr[-2000:]
+    loss = {run: [r["train_loss"] for r in records(run, "train_loss")] for run in (straight, split)}
+    assert len(loss[straight]) == 4 and loss[split][-2:] == loss[straight][-2:]
+    state = torch.load(split / "ckpt" / "step_000004" / "rank_00000.pt", weights_only=False)["loader"]
+    assert [(s["dataset"], s["taken"]) for s in state["mix"]] == [("builtin", 3), (str(builtin), 1)]
+    other = _run1(split, "train.max_steps=6", "train.resume=auto", f"data.mix={{builtin: 1, {builtin}: 1}}")
+    assert other.returncode == 2 and "data.mix" in other.stderr

@@ -12,11 +12,12 @@ measuring, unless comm.auto_remeasure is set; there is no switching mid-run.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Callable
 
 import torch.distributed as dist
+
+from util import atomic_write
 
 from .config import AUTO_MODE, Config
 from .dist import DistInfo
@@ -105,10 +106,7 @@ def resolve(cfg: Config, info: DistInfo, data_dir: Path, say: Callable[[str], No
 
 
 def write_decision(out_dir: Path, decision: dict) -> None:
-    path = Path(out_dir) / DECISION
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({**decision, "source": "measured"}, indent=1, default=str))
-    os.replace(tmp, path)  # a reader never sees half a decision
+    atomic_write(Path(out_dir) / DECISION, json.dumps({**decision, "source": "measured"}, indent=1, default=str))
 
 
 __all__ = ["DECISION", "candidates", "resolve", "stored_decision", "write_decision"]

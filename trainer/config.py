@@ -31,6 +31,8 @@ from model import ROLES
 from optim import sync
 from optim.registry import compatibility_problem, optimizer_names
 
+from .schedule import DECAY_SHAPES, SCHEDULES, decay_steps
+
 LAYER_SELECTORS = ROLES + ("all",)
 
 
@@ -51,6 +53,32 @@ class ModelConfig:
     """Position encoding: rope or learned."""
     block_size: int = 0
     """Context length override; 0 keeps the preset's block size."""
+    n_layer: int = 0
+    """Transformer blocks; 0 keeps the preset's. The shape keys (n_layer, n_head, n_kv_head, n_embd,
+    mlp_hidden, block_size, rope_base, norm_eps) override the preset one by one."""
+    n_head: int = 0
+    """Query heads; 0 keeps the preset's."""
+    n_kv_head: int = 0
+    """Key/value heads (grouped-query attention; must divide n_head); 0 = n_head (the preset's when
+    n_head is not set either)."""
+    n_embd: int = 0
+    """Model width; 0 keeps the preset's."""
+    mlp_hidden: int = 0
+    """SwiGLU hidden width; 0 = the preset's, or about 8/3 n_embd when n_embd is set."""
+    rope_base: float = 0.0
+    """RoPE frequency base (Llama's rope_theta); 0 = 10000."""
+    norm_eps: float = 0.0
+    """RMSNorm epsilon; 0 = 1e-6."""
+    init_from: str = ""
+    """Start from these weights instead of a random init: a run directory, a checkpoint directory
+    (RUN/ckpt/step_N) or a Hugging Face Llama-architecture directory (our export, or a Llama with
+    grouped-query attention). The architecture is the source's (the shape keys are filled from it; one
+    set to something else is an error); the step count, optimizer state and data position start fresh,
+    and the source's val loss is logged at step 0. A resume continues from the run's own checkpoint (the
+    source is read again for its architecture, so it must still be there)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of keeping them (torch.utils.checkpoint,
+    non-reentrant): less memory, about one more forward's compute; the same gradients."""
 
 
 @dataclass
@@ -66,6 +94,11 @@ class DataConfig:
     """Micro-batches accumulated per optimizer step on each rank."""
     cache_dir: str = ""
     """Where the built-in corpus and tokenizer cache live; empty = <repo>/.cache."""
+    mix: dict = field(default_factory=dict)
+    """Train on several prepared datasets by weight, e.g. {builtin: 0.3, data/owt: 0.7} (weights are
+    normalised): each global batch comes from one source, the one furthest behind its share, so after
+    any k batches each source has given within one batch of its weight times k; a resume continues
+    every source where it stopped. data.dataset is then the validation set. Empty = data.dataset only."""
 
 
 @dataclass
@@ -85,11 +118,24 @@ class OptimConfig:
     """Clip the gradient to this global L2 norm before the step; 0 disables. Update-sync modes
     clip each rank's local gradient."""
     schedule: str = "cosine"
-    """LR schedule after warmup: cosine (to min_lr_ratio * lr) or constant."""
+    """LR schedule after warmup (trainer/schedule.py): cosine or linear decay to min_lr_ratio * lr over the
+    run; wsd (warmup-stable-decay: the peak lr, then decay over the last decay_fraction of the run in
+    decay_shape); or constant."""
     warmup_steps: int = 0
-    """Linear warmup steps from 0 to lr."""
+    """Linear warmup steps from 0 to lr; must be below train.max_steps."""
+    warmup_fraction: float = 0.0
+    """Warmup as a fraction of the schedule's horizon (rounded down), so any train.max_steps keeps a
+    valid schedule; used when warmup_steps is 0."""
     min_lr_ratio: float = 0.1
-    """Final LR of the cosine schedule as a fraction of lr."""
+    """Final LR of the decaying schedules as a fraction of lr; 0 decays to zero."""
+    decay_fraction: float = 0.2
+    """wsd: the fraction of the horizon spent decaying, at its end."""
+    decay_shape: str = "linear"
+    """wsd: the decay's shape: linear (1 - p), cosine ((1 + cos pi p) / 2) or sqrt (1 - sqrt p)."""
+    schedule_steps: int = 0
+    """The schedule's horizon (the step where the decay ends). 0 = train.max_steps of the run's first
+    start, kept on resume: raising train.max_steps then extends the run at the final lr instead of
+    re-stretching the schedule (the console says so); set this to re-stretch it."""
     embedding_lr_mult: float = 1.0
     """LR multiplier of the token embedding (Lion Cub App. F.3: 3e-2 / 3e-5 = 1000)."""
     head_lr_mult: float = 1.0
@@ -217,9 +263,9 @@ class TrainConfig:
 
 @dataclass
 class LogConfig:
-    wandb: str = "disabled"
-    """online, offline (no network; sync later with `wandb sync`) or disabled. online without an API
-    key falls back to offline with a warning."""
+    wandb: str = ""
+    """online, offline (no network; sync later with `wandb sync`) or disabled; unset (empty): what
+    $WANDB_MODE says, else disabled. online without an API key falls back to offline with a warning."""
     project: str = "lioncub"
     """wandb project."""
     run_name: str = ""
@@ -306,23 +352,44 @@ def describe() -> str:
     regs = _registries()
     for sec in dataclasses.fields(Config):
         lines.append(f"{sec.name}:")
-        cls = sec.default_factory().__class__
+        default = sec.default_factory()
+        cls = default.__class__
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
             if f.name != "options":
-                lines.append(f"  {f.name}: {docs.get(f.name, '')}")
+                value = getattr(default, f.name)
+                lines.append(f"  {f.name} ({_type_and_default(cls, f.name, value)}): {docs.get(f.name, '')}")
+                if dataclasses.is_dataclass(value):  # a nested section: its keys, dotted
+                    sub = field_docs(type(value))
+                    lines += [f"  {f.name}.{g.name} ({_type_and_default(type(value), g.name, getattr(value, g.name))}): "
+                              f"{sub.get(g.name, '')}" for g in dataclasses.fields(value)]
         if sec.name in regs:
             selector, entries = regs[sec.name]
             owners: dict[str, list[str]] = {}
             helps: dict[str, str] = {}
             for name, ocls in entries:
                 d = field_docs(ocls)
+                defaults = {f.name: f for f in dataclasses.fields(ocls)}
                 for key in ocls.field_names():
                     owners.setdefault(key, []).append(name)
-                    helps.setdefault(key, d.get(key, ""))
+                    f = defaults[key]
+                    value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                    helps.setdefault(key, f"({_type_and_default(ocls, key, value)}) {d.get(key, '')}")
             for key, names in owners.items():
-                lines.append(f"  {key}: [{sec.name}.{selector}={'|'.join(names)}] {helps[key]}")
+                lines.append(f"  {key} {helps[key].split(') ', 1)[0]}): [{sec.name}.{selector}={'|'.join(names)}] "
+                             f"{helps[key].split(') ', 1)[1]}")
     return "\n".join(lines)
+
+
+def _type_and_default(cls, name: str, value: Any) -> str:
+    """'float, default 0.0003' for --help-config: the key's type as the YAML takes it, and its default."""
+    tp = typing.get_type_hints(cls).get(name)
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    tname = (getattr(args[0], "__name__", str(args[0])) + " or null") if len(args) == 1 and \
+        type(None) in typing.get_args(tp) else getattr(tp, "__name__", str(tp))
+    if dataclasses.is_dataclass(value):
+        return "section"
+    return f"{tname}, default {yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()!s}"
 
 
 # ---------------------------------------------------------------- loading and merging
@@ -402,6 +469,8 @@ def _type_ok(value: Any, tp) -> bool:
         return isinstance(value, list)
     if tp is str:
         return isinstance(value, str)
+    if tp is dict or origin is dict:
+        return isinstance(value, dict)
     return True
 
 
@@ -472,10 +541,33 @@ def _split_options(section: str, data: dict, fixed: list[str], registry, problem
     return rest, _build(ocls, mine, section + ".", problems)
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """Read YAML (following `extends:`), apply overrides, build and validate the Config."""
-    raw = _read_yaml(Path(path)) if path else {}
-    raw = _merge(raw, parse_overrides(overrides or []))
+def split_config_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """A command line's leading config files (*.yaml / *.yml, no '=') and the key=value overrides after them."""
+    files = []
+    for a in args:
+        if "=" in a or not a.endswith((".yaml", ".yml")):
+            break
+        files.append(a)
+    return files, args[len(files):]
+
+
+def load_config(path: str | Path | list | tuple | None, overrides: list[str] | None = None) -> Config:
+    """Read YAML (following `extends:`), apply overrides, build and validate the Config.
+
+    `path` may be several files, merged in order (a size file, then a variant file:
+    `configs/gpt2_124m.yaml configs/variants/lioncub_1bit.yaml`). With several files the run
+    directory defaults to the merged train.out_dir joined with the last file's name
+    (runs/gpt2_124m/lioncub_1bit), unless a file after the first or an override sets it."""
+    paths = [Path(p) for p in (path if isinstance(path, (list, tuple)) else [path] if path else [])]
+    raw: dict = {}
+    for p in paths:
+        raw = _merge(raw, _read_yaml(p))
+    over = parse_overrides(overrides or [])
+    if len(paths) > 1 and "out_dir" in (raw.get("train") or {}) and not any(
+            "out_dir" in (_read_yaml(p).get("train") or {}) for p in paths[1:]) \
+            and "out_dir" not in (over.get("train") or {}):
+        raw["train"] = {**raw["train"], "out_dir": str(Path(raw["train"]["out_dir"]) / paths[-1].stem)}
+    raw = _merge(raw, over)
     problems: list[str] = []
     names = [f.name for f in dataclasses.fields(Config)]
     for key in list(raw):
@@ -494,6 +586,29 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if problems:
         raise ConfigError(_format(problems))
     return cfg
+
+
+def wandb_problems(setting: str, environ: dict | None = None) -> list[str]:
+    """log.wandb (or $WANDB_MODE) asks for wandb, an optional package, and it is not installed: a
+    config error on every rank before anything starts, not a traceback on rank 0 mid-start."""
+    import importlib.util
+
+    from .logger import resolve_wandb_mode
+
+    try:
+        mode = resolve_wandb_mode(setting, environ)
+    except ValueError as e:
+        return [f"log.wandb: unset, and {e}"]
+    if mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        where = f"log.wandb={setting}" if setting else f"log.wandb unset and WANDB_MODE={mode}"
+        return [f"{where}, but wandb is not installed: pip install -e '.[wandb]', or set log.wandb=disabled"]
+    return []
+
+
+def warmup_steps(optim: OptimConfig, horizon: int) -> int:
+    """optim.warmup_steps, or optim.warmup_fraction of the schedule's horizon rounded down (so always
+    below the horizon)."""
+    return optim.warmup_steps or math.floor(round(optim.warmup_fraction * horizon, 9))  # 0.02 * 50000 is 1000
 
 
 def _format(problems: list[str]) -> str:
@@ -547,13 +662,44 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
                          ("optim.warmup_steps", o.warmup_steps, 0), ("diag.every", dg.every, 0),
                          ("train.stop_after", t.stop_after, 0), ("train.mc_eval_items", t.mc_eval_items, 0)]:
         at_least(p, key, val, lo)
+    for key in ("n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden", "rope_base", "norm_eps"):
+        at_least(p, f"model.{key}", getattr(m, key), 0)
+    if m.init_from and not Path(m.init_from).expanduser().is_dir():
+        p.append(f"model.init_from: {m.init_from} is not a directory; give a run directory, a checkpoint directory "
+                 f"(RUN/ckpt/step_N) or a Hugging Face Llama directory")
     if m.preset in PRESETS:
+        from model import resolve_config
+
+        try:  # the shape keys over the preset must make a valid model (heads divide the width, ...)
+            resolve_config(m)
+        except ValueError as e:
+            p.append(f"model: {e}; fix the model.n_* keys")
         block = m.block_size or PRESETS[m.preset].block_size
         if d.seq_len > block:
             p.append(f"data.seq_len: {d.seq_len} exceeds the model's block size {block}; "
                      f"lower data.seq_len or set model.block_size")
+    for name, weight in d.mix.items():
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            p.append(f"data.mix: weight of {name!r} is {weight!r}; give each dataset a number > 0")
     choice(p, "optim.name", o.name, optimizer_names())
-    choice(p, "optim.schedule", o.schedule, ["cosine", "constant"])
+    choice(p, "optim.schedule", o.schedule, list(SCHEDULES))
+    choice(p, "optim.decay_shape", o.decay_shape, list(DECAY_SHAPES))
+    at_least(p, "optim.schedule_steps", o.schedule_steps, 0)
+    if not 0 <= o.warmup_fraction < 1:
+        p.append(f"optim.warmup_fraction: {o.warmup_fraction} must be in [0, 1)")
+    if not 0 < o.decay_fraction <= 1:
+        p.append(f"optim.decay_fraction: {o.decay_fraction} must be in (0, 1]")
+    horizon = o.schedule_steps or t.max_steps
+    where = "optim.schedule_steps" if o.schedule_steps else "train.max_steps"
+    warm = warmup_steps(o, horizon)
+    if horizon >= 1 and warm >= horizon:
+        p.append(f"optim.warmup_steps: {warm} >= {where}={horizon}: the lr would never leave warmup (and never "
+                 f"decay); lower optim.warmup_steps (e.g. {max(0, horizon // 10)}), use optim.warmup_fraction, "
+                 f"or raise {where}")
+    elif o.schedule == "wsd" and horizon >= 1 and 0 < o.decay_fraction <= 1 and \
+            warm + decay_steps(horizon, o.decay_fraction) > horizon:
+        p.append(f"optim.decay_fraction: warmup ({warm}) + decay ({decay_steps(horizon, o.decay_fraction)} steps) "
+                 f"exceed {where}={horizon}; lower optim.warmup_steps or optim.decay_fraction")
     if not (o.lr > 0 and math.isfinite(o.lr)):
         p.append(f"optim.lr: {o.lr} must be a positive number")
     if len(o.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas):
@@ -612,7 +758,9 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
     choice(p, "train.on_nonfinite", t.on_nonfinite, ["stop", "skip_step", "rollback"])
     choice(p, "train.device", t.device, ["auto", "cpu", "cuda"])
     choice(p, "train.dtype", t.dtype, ["bfloat16", "float32"])
-    choice(p, "log.wandb", lg.wandb, ["online", "offline", "disabled"])
+    if lg.wandb:  # empty follows $WANDB_MODE (trainer/logger.py resolve_wandb_mode)
+        choice(p, "log.wandb", lg.wandb, ["online", "offline", "disabled"])
+    p += wandb_problems(lg.wandb)
     if not t.out_dir:
         p.append("train.out_dir: empty; name a run directory")
     if p and raise_error:

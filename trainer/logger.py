@@ -27,7 +27,8 @@ WANDB_KEYS = {
     "coll_ms": "step_time_ms/collectives", "pack_ms": "step_time_ms/pack", "opt_ms": "step_time_ms/optimizer",
     "comm_ms": "comm/ms", "comm_bytes": "comm/bytes_sent", "comm_bytes_recv": "comm/bytes_recv",
     "tokens_per_s": "throughput/tokens_per_s", "mfu": "throughput/mfu", "peak_mem_gib": "memory/peak_gib",
-    "train_time_s": "throughput/train_time_s",
+    "train_time_s": "throughput/train_time_s", "tokens": "throughput/tokens", "peak_rss_gib": "memory/peak_rss_gib",
+    "grad_norm": "grad_norm/global",
 }
 # the step-time breakdown as a stacked chart: each line is the running sum of the parts before it
 STACK = (("data_ms", "1_data"), ("fwdbwd_ms", "2_+fwd_bwd"), ("coll_ms", "3_+collectives"),
@@ -45,6 +46,8 @@ def wandb_payload(record: dict) -> dict:
         if k.startswith("diag/"):
             _, metric, *rest = k.split("/")
             out[f"diag_{metric}/{'.'.join(rest)}" if rest and metric != "vote_table" else k] = v
+        elif k.startswith("grad_norm/"):
+            out[k] = v  # grad_norm/<role>: its own panel section beside grad_norm/global
         else:
             out[WANDB_KEYS.get(k, k)] = v
     if all(k in record for k, _ in STACK):
@@ -53,6 +56,22 @@ def wandb_payload(record: dict) -> dict:
             total += record[k]
             out[f"step_time_stacked_ms/{name}"] = total
     return out
+
+
+# $WANDB_MODE spellings wandb itself accepts, mapped onto ours
+_WANDB_ENV = {"online": "online", "run": "online", "offline": "offline", "dryrun": "offline",
+              "disabled": "disabled"}
+
+
+def resolve_wandb_mode(setting: str, environ: dict | None = None) -> str:
+    """log.wandb, or when it is unset (""), what $WANDB_MODE says (online, offline, disabled; wandb's
+    aliases run and dryrun too); disabled when neither says anything."""
+    if setting:
+        return setting
+    env = (os.environ if environ is None else environ).get("WANDB_MODE", "").strip().lower()
+    if env and env not in _WANDB_ENV:
+        raise ValueError(f"WANDB_MODE={env!r} is not one of {', '.join(_WANDB_ENV)}; fix it or set log.wandb")
+    return _WANDB_ENV.get(env, "disabled")
 
 
 def repair_torn_tail(path: Path) -> bool:
@@ -85,6 +104,7 @@ class RunLogger:
         path = out_dir / "metrics.jsonl"
         repair_torn_tail(path)
         self.file = open(path, "a", buffering=1)
+        wandb_mode = resolve_wandb_mode(wandb_mode)
         if wandb_mode != "disabled":
             self.wandb = self._init_wandb(out_dir, wandb_mode, project, run_name, group, config,
                                           run_id or run_name.replace("/", "_"))
@@ -126,7 +146,8 @@ class RunLogger:
         comm_share = 100.0 * rec["comm_ms"] / rec["step_ms"] if rec["step_ms"] else 0.0
         return (f"step {rec['step']:>6}/{max_steps} | loss {rec['train_loss']:.4f} | lr {rec['lr']:.2e} | "
                 f"{rec['tokens_per_s']:,.0f} tok/s | {rec['step_ms']:.0f} ms/step "
-                f"(comm {comm_share:.0f}%) | {rec['comm_bytes'] / 2**20:.2f} MiB/step | ETA {_fmt_time(eta)}")
+                f"(comm {comm_share:.0f}%) | {rec['comm_bytes'] / 2**20:.2f} MiB/step"
+                + (f" | grad norm {rec['grad_norm']:.3g}" if "grad_norm" in rec else "") + f" | ETA {_fmt_time(eta)}")
 
     def close(self) -> None:
         if self.file:
@@ -141,6 +162,14 @@ WINDOW_KEYS = ("loss", "step_s", "data_s", "fwdbwd_s", "comm_s", "coll_s", "pack
                "bytes_recv")
 
 
+def peak_rss_gib() -> float:
+    """This process's peak resident memory (the CPU counterpart of CUDA's max_memory_allocated)."""
+    import resource
+
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return kib / (2**30 if sys.platform == "darwin" else 2**20)
+
+
 def peak_flops(device) -> float | None:
     if device.type != "cuda":
         return None
@@ -153,20 +182,29 @@ def peak_flops(device) -> float | None:
 def window_record(trainer, window: list[dict]) -> dict:
     """The metrics.jsonl train record of a window of steps: rank means of every timing and byte
     count (ranks wait for each other in collectives, so means are representative)."""
+    import torch
+
     from .dist import mean_over_ranks
 
     n = len(window)
     local = [sum(r[k] for r in window) / n for k in WINDOW_KEYS]
-    m = dict(zip(WINDOW_KEYS, mean_over_ranks(local, trainer.device)))
+    norms = [r["grad_norms"] for r in window if r.get("grad_norms") is not None]
+    if norms:  # one host read per logged window; update sync: the rank mean of local norms
+        local += torch.stack(norms).mean(dim=0).tolist()
+    means = mean_over_ranks(local, trainer.device)
+    m = dict(zip(WINDOW_KEYS, means))
     rec = {"step": trainer.step, "train_loss": m["loss"], "lr": window[-1]["lr"],
            "step_ms": 1e3 * m["step_s"], "comm_ms": 1e3 * m["comm_s"], "comm_bytes": int(m["bytes_sent"]),
            "comm_bytes_recv": int(m["bytes_recv"]), "data_ms": 1e3 * m["data_s"],
            "fwdbwd_ms": 1e3 * m["fwdbwd_s"], "coll_ms": 1e3 * m["coll_s"], "pack_ms": 1e3 * m["pack_s"],
            "opt_ms": 1e3 * m["opt_s"], "tokens_per_s": trainer.tokens_per_step / max(m["step_s"], 1e-9),
-           "train_time_s": trainer.train_time}
-    if trainer.device.type == "cuda":
-        import torch
-
+           "train_time_s": trainer.train_time, "tokens": trainer.tokens_seen}
+    if norms:
+        *roles, rec["grad_norm"] = means[len(WINDOW_KEYS):]
+        rec.update({f"grad_norm/{role}": v for role, v in zip(trainer.optimizer.grad_norm_roles, roles)})
+    if trainer.device.type != "cuda":
+        rec["peak_rss_gib"] = peak_rss_gib()
+    else:
         rec["peak_mem_gib"] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
         peak = peak_flops(trainer.device)
         if peak:

@@ -38,7 +38,8 @@ RESUMABLE_KEYS = ("train.max_steps", "train.stop_after", "train.resume", "train.
                   "train.eval_steps", "train.ckpt_every", "train.keep_ckpts", "train.log_every",
                   "train.out_dir", "train.device", "train.mc_eval", "train.on_nonfinite", "train.max_skipped_steps",
                   "data.cache_dir", "comm.timeout_s", "comm.init_timeout_s", "comm.kernels", "comm.fine_timing",
-                  "comm.auto_", "log.", "diag.",
+                  "comm.auto_", "log.", "diag.", "optim.schedule_steps", "model.init_from",
+                  "model.activation_checkpointing",
                   "parallel.")  # the mesh: trainer/state.py load decides what it can resume
 MARKER = ".lioncub_run"  # written by the trainer when it creates a run directory: {"run_id", "created"}
 LEGACY_MARKER = "run_id"  # what older versions wrote at creation
@@ -74,8 +75,12 @@ def resume_problem(ckpt_root: Path, config: dict) -> str:
     except CheckpointError:
         return ""  # reported, with the fallback, when loading
     old, new = flatten(meta.get("config", {})), flatten(config)
+    from .config import Config
+
+    defaults = flatten(Config().to_dict())  # a key added since the checkpoint was written, at its default, is no change
     changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
-               if old.get(k) != new.get(k) and not k.startswith(RESUMABLE_KEYS)]
+               if old.get(k) != new.get(k) and not k.startswith(RESUMABLE_KEYS)
+               and not (k not in old and k in defaults and new.get(k) == defaults[k])]
     if changed:
         return (f"train.resume=auto: this config differs from checkpoint {path} in keys a resumed run cannot "
                 f"change: {'; '.join(changed)}. Restore them, or start a new run (another train.out_dir)")
@@ -111,7 +116,8 @@ def is_ours(out_dir: Path) -> bool:
 
 def foreign_entries(out_dir: Path) -> list[str]:
     """Entries of `out_dir` (and of its ckpt/) the trainer did not write, as paths relative to it."""
-    out = [p.name for p in out_dir.iterdir() if p.name not in RUN_ENTRIES and not p.name.startswith(REPLACED)]
+    out = [p.name for p in out_dir.iterdir()
+           if p.name not in RUN_ENTRIES and not p.name.startswith((REPLACED, LOCK + "."))]  # .lock.PID.tmp: a takeover
     ckpt = out_dir / "ckpt"
     if ckpt.is_dir() and not ckpt.is_symlink():
         out += [f"ckpt/{p.name}" for p in ckpt.iterdir()

@@ -15,7 +15,7 @@ import socket
 import time
 from pathlib import Path
 
-from data.prepare import pid_alive
+from util import atomic_write, pid_alive
 
 LOCK = ".lock"
 
@@ -91,9 +91,7 @@ class RunLock:
                 raise LockError(f"run directory {self.path.parent} is in use by {who} (lock {self.path}); wait "
                                 f"for that run to finish or stop it. If you know it is gone (e.g. it ran on another "
                                 f"machine), delete {self.path} and retry") from None
-            tmp = self.path.with_name(f"{LOCK}.{rec['pid']}.tmp")
-            tmp.write_text(json.dumps(rec))
-            os.replace(tmp, self.path)
+            atomic_write(self.path, json.dumps(rec), suffix=f".{rec['pid']}.tmp")
             self.held = True
             return f"took over the lock of a dead run ({why})"
         with os.fdopen(fd, "w") as f:

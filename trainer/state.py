@@ -26,8 +26,10 @@ class DivergenceError(RuntimeError):
 def save(trainer) -> Path:
     rank_state = {"optimizer": trainer.optimizer.state_dict(), "loader": trainer.loader.state_dict(),
                   "rng": rng_state(), "step": trainer.step, "train_time": trainer.train_time,
-                  "skip_batches": sorted(trainer.skip_batches)}
+                  "skip_batches": sorted(trainer.skip_batches), "schedule_steps": trainer.schedule_steps,
+                  "tokens_seen": trainer.tokens_seen}
     meta = {"step": trainer.step, "world_size": trainer.info.world_size, "config": trainer.cfg.to_dict(),
+            "tokens_seen": trainer.tokens_seen,
             "time": time.strftime("%Y-%m-%d %H:%M:%S"), "shard_size": trainer.parallel.shard_size}
     if trainer.parallel.sharded:  # every rank writes its model shards (DCP); its file holds its shards'
         # optimizer state (per-replica state is per rank, never merged)
@@ -79,6 +81,9 @@ def load(trainer, path: Path, meta: dict, files: dict) -> str:
         set_rng_state(mine["rng"])
     trainer.step, trainer.train_time = int(mine["step"]), float(mine.get("train_time", 0.0))
     trainer.skip_batches = set(mine.get("skip_batches", []))
+    trainer.tokens_seen = int(mine.get("tokens_seen", trainer.step * trainer.tokens_per_step))
+    if "schedule_steps" in mine and not trainer.cfg.optim.schedule_steps:  # keep the run's lr schedule
+        trainer.schedule_steps = int(mine["schedule_steps"])
     return f"resumed from {path} at step {trainer.step}{note}"
 
 

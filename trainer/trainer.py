@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import data
 from comm import Clock
-from data.loader import ShardLoader
+from data.loader import MixLoader, ShardLoader
 from model import GPT, resolve_config
 from optim import build_optimizer
 from optim.base import digest
@@ -27,7 +27,7 @@ from optim.base import digest
 from . import automode, parallel, state
 from .state import DivergenceError
 from .checkpoint import find_resumable
-from .config import AUTO_MODE, Config, ConfigError, validate
+from .config import AUTO_MODE, Config, ConfigError, validate, warmup_steps
 from .dist import DistInfo
 from .evaluation import Evaluator
 from .logger import RunLogger, banner, window_record
@@ -48,15 +48,22 @@ class Trainer:
             box = [str(self.data_dir) if self.data_dir else None]
             dist.broadcast_object_list(box, src=0)
             self.data_dir = Path(box[0])
+        self.mix_dirs = resolve_mix(cfg, info, self.data_dir) if cfg.data.mix else None
+        # the model's vocabulary follows the dataset's tokenizer (GPT-2 for the built-in corpus)
+        vocab = data.dataset_vocab_size(self.data_dir)
+        source = init_source(cfg, vocab) if cfg.model.init_from else None  # fills cfg.model's shape keys
         self.auto_decision = None
         if cfg.comm.mode == AUTO_MODE:  # measured before the seed below, so model init is unchanged
             cfg, self.auto_decision = automode.resolve(cfg, info, self.data_dir, self._say)
             validate(cfg, world_size=info.world_size)
             self.cfg = cfg
         torch.manual_seed(cfg.train.seed)  # same init on every rank
-        # the model's vocabulary follows the dataset's tokenizer (GPT-2 for the built-in corpus)
-        self.model_config = resolve_config(vars(cfg.model), vocab_size=data.dataset_vocab_size(self.data_dir))
+        self.model_config = resolve_config(vars(cfg.model), vocab_size=vocab)
         self.model = GPT(self.model_config).to(self.device)
+        if source is not None:
+            self.model.load_state_dict(source.model.state_dict())  # cast to the model's dtype, exact in fp32
+            del source
+        self.model.activation_checkpointing = cfg.model.activation_checkpointing
         o, c = cfg.optim, cfg.comm
         # hybrid sharding (trainer/parallel.py): the optimizer sees local shards and the replicate group
         self.parallel = parallel.make_mesh(cfg.parallel.shard_size, info.world_size, self.device)
@@ -79,8 +86,13 @@ class Trainer:
             parallel.route_grads(self.model, self.aliases)
 
         d = cfg.data
-        self.loader = ShardLoader(self.data_dir, "train", d.batch_size, d.seq_len, info.rank, info.world_size,
-                                  cfg.train.seed, vocab_size=self.model_config.vocab_size)
+        if self.mix_dirs:
+            self.loader = MixLoader([(name, self.mix_dirs[name], w) for name, w in d.mix.items()], "train",
+                                    d.batch_size, d.seq_len, info.rank, info.world_size, cfg.train.seed,
+                                    vocab_size=self.model_config.vocab_size)
+        else:
+            self.loader = ShardLoader(self.data_dir, "train", d.batch_size, d.seq_len, info.rank, info.world_size,
+                                      cfg.train.seed, vocab_size=self.model_config.vocab_size)
         self.tokens_per_step = d.batch_size * d.seq_len * d.grad_accum * info.world_size
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                          if self.device.type == "cuda" and cfg.train.dtype == "bfloat16" else contextlib.nullcontext())
@@ -89,6 +101,9 @@ class Trainer:
         self.clock = Clock(self.device)
 
         self.step, self.train_time = 0, 0.0  # train_time: seconds in timed steps (loss vs wall-clock)
+        self.tokens_seen = 0  # tokens of the steps applied, all ranks (trainer/state.py keeps it on resume)
+        # the lr schedule's horizon: a resumed run keeps its first one (trainer/state.py restores it)
+        self.schedule_steps = cfg.optim.schedule_steps or cfg.train.max_steps
         self.skip_batches: set[int] = set()  # steps whose batches a rollback skips
         self.rollbacks = 0
         self._stop_signal, self._signals = None, 0  # set by a signal handler (fit)
@@ -99,6 +114,8 @@ class Trainer:
                 if cfg.train.resume == "auto" else None
             if found is not None:
                 self._say(state.load(self, *found))
+                if self.schedule_steps != cfg.train.max_steps:
+                    self._say(schedule_note(self.schedule_steps, cfg.train.max_steps))
             if info.is_main:  # only now: a config that fails while building leaves no run directory behind
                 (self.out_dir / "config.yaml").write_text(cfg.dump())
                 if self.auto_decision is not None:
@@ -128,8 +145,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def set_lr(self) -> float:
-        o = self.cfg.optim
-        lr = lr_at(self.step, o.lr, self.cfg.train.max_steps, o.warmup_steps, o.schedule, o.min_lr_ratio)
+        o, horizon = self.cfg.optim, self.schedule_steps
+        lr = lr_at(self.step, o.lr, horizon, warmup_steps(o, horizon), o.schedule, o.min_lr_ratio, o.decay_fraction,
+                   o.decay_shape)
         for g in self.optimizer.param_groups:
             g["lr"] = lr * g["lr_mult"]
         return lr
@@ -163,7 +181,25 @@ class Trainer:
         return {"loss": loss_val, "lr": lr, "step_s": t1 - t0 + report.seconds, "data_s": data_s,
                 "fwdbwd_s": t1 - t0 - data_s, "comm_s": report.comm_s, "coll_s": report.coll_s,
                 "pack_s": report.pack_s, "opt_s": max(0.0, report.seconds - report.comm_s),
-                "bytes_sent": report.bytes_sent, "bytes_recv": report.bytes_recv, "report": report}
+                "bytes_sent": report.bytes_sent, "bytes_recv": report.bytes_recv, "report": report,
+                "grad_norms": report.grad_norms}
+
+    def compile_model(self) -> float:
+        """Compile the model's training forward and backward on a batch of zeros, before any timed
+        step, so the compile time is reported apart and never lands in a step's timing. The gradients
+        are returned by autograd.grad, not accumulated: no .grad, optimizer state or backward hook (a
+        comm.overlap bucket) sees them, and the parameters are untouched. Returns seconds."""
+        d = self.cfg.data
+        x = torch.zeros(d.batch_size, d.seq_len, dtype=torch.long, device=self.device)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.model.train()
+        t0 = time.perf_counter()
+        with self.autocast:
+            _, loss = self.forward(x, torch.zeros_like(x))  # x and y distinct: aliasing would be another graph
+        torch.autograd.grad(loss, params)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
 
     def param_digests(self) -> list[str]:
         """sha256 of this rank's parameters, gathered from every rank (the invariant: all equal)."""
@@ -201,6 +237,12 @@ class Trainer:
             self.logger.console(f"run {self.out_dir} is already complete at step {self.step} "
                                 f"(train.max_steps={t.max_steps}); raise train.max_steps to train further")
             return {"step": self.step, "stopped": False, "already_complete": True}
+        if cfg.train.compile:
+            model_s = self.compile_model()
+            self.logger.console(f"model: torch.compile paid in {model_s:.1f} s before the first timed step")
+            self.logger.log({"step": self.step, "event": "compile", "compile_s": model_s})
+        if cfg.model.init_from and self.step == 0:  # the starting point's val loss, e.g. the export's own
+            self._eval_and_log()
         window: list[dict] = []
         start, steps_at_start = time.perf_counter(), self.step
         while self.step < t.max_steps:
@@ -210,6 +252,7 @@ class Trainer:
                 state.on_nonfinite(self, r)
                 continue
             self.train_time += r["step_s"]
+            self.tokens_seen += self.tokens_per_step
             window.append(r)
             if self.step % t.log_every == 0 or self.step == t.max_steps:
                 self._log_window(window, start, steps_at_start)
@@ -267,6 +310,67 @@ class Trainer:
         self.logger.log(rec)
         self.logger.console(self.logger.train_line(rec, self.cfg.train.max_steps, time.perf_counter() - start,
                                                    self.step - steps_at_start))
+
+
+def resolve_mix(cfg: Config, info: DistInfo, val_dir: Path) -> dict[str, Path]:
+    """data.mix's sources as directories (rank 0 prepares the built-in corpus, the others wait); all
+    must share the validation set's vocabulary."""
+    names = list(cfg.data.mix)
+    dirs = [str(data.resolve_dataset(n, cfg.data.cache_dir or None)) for n in names] if info.is_main else None
+    if info.world_size > 1:
+        box = [dirs]
+        dist.broadcast_object_list(box, src=0)
+        dirs = box[0]
+    out = {n: Path(p) for n, p in zip(names, dirs)}
+    want = data.dataset_vocab_size(val_dir)
+    other = {n: data.dataset_vocab_size(p) for n, p in out.items() if data.dataset_vocab_size(p) != want}
+    if other:
+        raise ConfigError(f"data.mix: {other} have another vocabulary than data.dataset={cfg.data.dataset} ({want}); "
+                          f"mix datasets prepared with one tokenizer")
+    return out
+
+
+def init_source(cfg: Config, vocab_size: int | None):
+    """The model of model.init_from (model.load_model: run, checkpoint or HF Llama directory), after
+    filling cfg.model's architecture keys from it; a key set to something else, or a vocabulary that
+    is not the dataset tokenizer's, is a ConfigError."""
+    from model import PRESETS, load_model, pad_vocab
+    from model.presets import SHAPE_KEYS
+
+    m = cfg.model
+    try:
+        loaded = load_model(m.init_from)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"model.init_from: {e}") from None
+    src = loaded.model.config
+    problems = []
+    want = pad_vocab(vocab_size) if vocab_size else PRESETS[m.preset].vocab_size  # None: GPT-2's, as resolve_config
+    if src.vocab_size != want:
+        problems.append(f"model.init_from: {m.init_from} has a vocabulary of {src.vocab_size} ids but the dataset's "
+                        f"tokenizer gives {want}; train on data prepared with the model's tokenizer")
+    for key in SHAPE_KEYS:
+        mine = getattr(m, key)
+        if mine and mine != getattr(src, key):
+            problems.append(f"model.{key}: {mine}, but model.init_from={m.init_from} has {getattr(src, key)}; "
+                            f"remove model.{key} (the architecture is the source's)")
+        else:
+            setattr(m, key, getattr(src, key))
+    if m.tie_embeddings is not None and m.tie_embeddings != src.tie_embeddings:
+        problems.append(f"model.tie_embeddings: {m.tie_embeddings}, but model.init_from has {src.tie_embeddings}")
+    m.tie_embeddings, m.pos_emb = src.tie_embeddings, src.pos_emb
+    if cfg.data.seq_len > src.block_size:
+        problems.append(f"data.seq_len: {cfg.data.seq_len} exceeds model.init_from's block size {src.block_size}")
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return loaded
+
+
+def schedule_note(horizon: int, max_steps: int) -> str:
+    """The console line of a resumed run whose train.max_steps differs from its schedule's horizon."""
+    what = (f"the lr stays at the schedule's final value from step {horizon} to {max_steps}" if max_steps > horizon
+            else f"the run stops at step {max_steps}, before the schedule's decay ends")
+    return (f"schedule: train.max_steps={max_steps} but this run's lr schedule ends at step {horizon} (kept from the "
+            f"run's start); {what}. Set optim.schedule_steps={max_steps} to stretch the schedule to the new length")
 
 
 def kernel_impl(setting: str) -> str:

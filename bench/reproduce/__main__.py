@@ -42,6 +42,20 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--import-raw", type=Path, nargs="+", default=None, metavar="RUNS_JSONL",
                     help="rebuild run-store entries (loss curves only) from <study>_runs.jsonl files written before "
                          "the store existed, into the --out (or default) results directory's store/, and exit")
+    ap.add_argument("--setting", default=framework.DEFAULT_SETTING, choices=list(framework.SETTINGS),
+                    help="the model / corpus every run uses: " + "; ".join(
+                        f"{n}: {st.description}" for n, st in framework.SETTINGS.items())
+                    + f". Results and runs of a setting other than {framework.DEFAULT_SETTING} go to a directory of "
+                      "its own (docs/results/reproduction/<setting>/, bench/out/reproduce/<setting>/)")
+    ap.add_argument("--set", dest="sets", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                    help="section.key=value overrides after the setting's, for every run of the study (in the run "
+                         "store's key and the report; their digest names the results directory)")
+    ap.add_argument("--lr", default="shared", choices=["shared", framework.FROM_SWEEP],
+                    help=f"shared: every arm at the setting's optim.lr; {framework.FROM_SWEEP}: each arm at its best "
+                         f"value from the lr_sweep study of the same setting ({framework.BEST_LR_FILE})")
+    ap.add_argument("--allow-repeat", action="store_true",
+                    help="launch runs that read a training token twice (refused otherwise: data.loader."
+                         "check_no_repeat); the tiny-builtin setting's committed runs did")
     ap.add_argument("--alphas", type=_floats, default=None, help="toy only: noise tail indices (default 2,1.5,1,0.5)")
     ap.add_argument("--bits", type=_ints, default=None, help="toy only: bit widths (default 2,4,8)")
     return ap
@@ -77,7 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # no-sync runs, the compressors' Lion rows = table2's) are trained once: later studies find them in the
         # run store. A study that fails does not stop the others; the exit status says so.
         failed = []
-        for name in STUDIES:
+        # the lr sweep first: --lr from-sweep studies read its best lr per arm
+        for name in sorted(STUDIES, key=lambda n: STUDIES[n].lr_from_sweep if args.lr == framework.FROM_SWEEP else 0):
             print(f"== {name}", flush=True)
             if run_study(name, args, [name, *argv[1:]]) != 0:
                 failed.append(name)
@@ -91,7 +106,8 @@ def run_study(name: str, args: argparse.Namespace, argv: list[str]) -> int:
     """Execute one study; 0 when it wrote its results and none of its runs failed."""
     opts = Options(quick=args.quick, seeds=args.seeds, out=args.out, work=args.work, steps=args.steps,
                    nproc=args.nproc, restart=args.restart, report_only=args.report_only, argv=argv,
-                   extra={"alphas": args.alphas, "bits": args.bits})
+                   extra={"alphas": args.alphas, "bits": args.bits}, setting=args.setting, sets=tuple(args.sets),
+                   lr=args.lr, allow_repeat=args.allow_repeat)
     try:
         paths = STUDIES[name].execute(opts)
     except StudyUnavailable as e:

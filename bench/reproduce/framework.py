@@ -45,6 +45,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from util import replaced_from_temp
+
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_WORK = Path("bench/out/reproduce")
 DEFAULT_RESULTS = Path("docs/results/reproduction")
@@ -87,6 +89,12 @@ class Scale:
     diag_every: int = 0
     ckpt_every: int = 0          # > 0 lets an interrupted full run resume instead of restarting
     nproc: int = 4
+    setting: str = "tiny-builtin"   # which model / corpus setting the overrides are (see SETTINGS)
+
+    @property
+    def legacy(self) -> bool:
+        """The committed full-size setting (tiny preset, built-in corpus) whose runs predate the prose setting."""
+        return self.setting == DEFAULT_SETTING and not self.quick
 
 
 QUICK_OVERRIDES = ("model.preset=debug", "data.batch_size=2", "data.seq_len=32", "optim.lr=1e-3",
@@ -94,6 +102,35 @@ QUICK_OVERRIDES = ("model.preset=debug", "data.batch_size=2", "data.seq_len=32",
 # the README's quality setting (tiny GPT-2++, built-in corpus), a little more data per step
 FULL_OVERRIDES = ("model.preset=tiny", "data.batch_size=4", "data.seq_len=128", "optim.lr=1e-3",
                   "optim.warmup_steps=20")
+
+
+DEFAULT_SETTING = "tiny-builtin"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A model / corpus setting every study can run on: overrides placed after the scale's own (same key:
+    the setting's value replaces the scale's). Its name is part of the results and work directories, so the
+    runs and tables of two settings never share a store or a table."""
+    name: str
+    description: str
+    full: tuple[str, ...] = ()
+    quick: tuple[str, ...] = ()
+
+
+SETTINGS: dict[str, Setting] = {s.name: s for s in (
+    Setting(DEFAULT_SETTING, "tiny preset (GPT-2 vocabulary, 94 % embedding and head), built-in corpus (~110K "
+                             "tokens: a 300-step run at 4 ranks reads it about five times)"),
+    Setting("study-prose", "study preset (8 x 320, 79 % attn / mlp matrices), prose corpus (data/prose: "
+                           "`python -m data.prepare prose --out data/prose`), its 8192-id BPE",
+            full=("model.preset=study", "data.dataset=data/prose"), quick=("data.dataset=data/prose",)),
+)}
+
+
+def merge_overrides(base: Sequence[str], extra: Sequence[str]) -> tuple[str, ...]:
+    """`base` with every key that `extra` sets removed, then `extra`: one value per key in the spec."""
+    keys = {o.partition("=")[0] for o in extra}
+    return (*(o for o in base if o.partition("=")[0] not in keys), *extra)
 
 
 def quick_scale(steps: int = 6, **kw: Any) -> Scale:
@@ -214,6 +251,7 @@ class RunResult:
     extras: dict = field(default_factory=dict)   # a study's values kept in the store (see Study.extras)
     source: str = "trained"          # a store entry's origin: trained, or imported (losses only)
     machine: dict | None = None      # the host it trained on (stored runs: as the entry recorded it, if it did)
+    tokens: dict | None = None       # {"read", "available"} training tokens (token_budget); None: not recorded
 
     @property
     def ok(self) -> bool:
@@ -262,10 +300,9 @@ def store_file(store: Path, name: str) -> Path:
 def _write_gz_json(path: Path, obj: dict) -> None:
     """gzip without a timestamp, written atomically: the same entry gives the same bytes (no git churn)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
+    with replaced_from_temp(path, ".tmp") as tmp, open(tmp, "wb") as raw, \
+            gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
         f.write((json.dumps(obj, separators=(",", ":")) + "\n").encode())
-    os.replace(tmp, path)
 
 
 def load_stored(store: Path | None, name: str) -> dict | None:
@@ -285,6 +322,8 @@ def save_stored(store: Path, res: RunResult, spec: dict, extras: dict | None = N
     entry = {"name": res.run.name, "spec": spec, "source": res.source, "seed": res.run.seed,
              "wall_s": res.wall_s, "load_before": res.load_before, "load_after": res.load_after,
              "config": res.config, "extras": extras or {}, "records": res.records}
+    if res.tokens is not None:  # entries from before the no-repeat check have none
+        entry["tokens"] = res.tokens
     old = load_stored(store, res.run.name)
     if old is not None and {k: v for k, v in old.items() if k not in ("saved", "machine")} == entry:
         return None
@@ -344,7 +383,7 @@ def ensure_run(run: Run, scale: Scale, work: Path, *, restart: bool = False, rep
         return RunResult(run, "reused", run_dir, records=entry["records"], config=entry["config"],
                          wall_s=entry["wall_s"], load_before=entry["load_before"], load_after=entry["load_after"],
                          how="stored", extras=entry.get("extras") or {}, source=entry.get("source", "trained"),
-                         machine=entry.get("machine"))
+                         machine=entry.get("machine"), tokens=entry.get("tokens"))
     elif report_only:
         res.status = "failed: not run (--report-only)"
         return res
@@ -382,6 +421,186 @@ def ensure_run(run: Run, scale: Scale, work: Path, *, restart: bool = False, rep
         stored = json.loads((run_dir / LOAD_FILE).read_text())
         res.load_before, res.load_after, res.wall_s = stored["load_before"], stored["load_after"], stored["wall_s"]
     return res
+
+
+# ---------------------------------------------------------------------------------------------
+# the setting's guards: training tokens read vs available, the lr of each arm, bytes on the wire
+
+
+def run_config(run: Run, scale: Scale):
+    """The trainer's resolved Config of `run` (through the public load_config; ConfigError on a bad override)."""
+    from trainer.config import load_config
+
+    return load_config(ROOT / run.config, trainer_overrides(run, scale))
+
+
+def token_budget(run: Run, scale: Scale, allow_repeat: bool = False) -> dict:
+    """{"read", "available"}: the training tokens `run` reads and its corpus holds (data.loader.check_no_repeat).
+    Raises StudyUnavailable with the loader's one-line reason when the run would read a token twice, unless
+    `allow_repeat` (then "repeats" records how many times over it reads the corpus)."""
+    from data import DataError, resolve_dataset
+    from data.loader import check_no_repeat, split_shards, open_shard, train_tokens_read
+
+    from trainer.config import ConfigError
+
+    try:
+        cfg = run_config(run, scale)
+    except ConfigError as e:
+        raise StudyUnavailable(f"run {run.name}: {' '.join(str(e).split())}") from None
+    d = cfg.data
+    try:
+        data_dir = resolve_dataset(d.dataset, d.cache_dir or None)
+        available = sum(len(open_shard(p)) for p in split_shards(data_dir, "train"))
+        read = train_tokens_read(d.batch_size, d.seq_len, run.nproc, cfg.train.max_steps, d.grad_accum)
+        if not allow_repeat:
+            check_no_repeat(data_dir, d.batch_size, d.seq_len, run.nproc, cfg.train.max_steps, d.grad_accum)
+    except DataError as e:
+        raise StudyUnavailable(f"run {run.name}: {e}" + ("" if "twice" not in str(e) else
+                               " (or pass --allow-repeat to train on repeated tokens, as the tiny-builtin "
+                               "setting's committed runs did)")) from None
+    out = {"read": read, "available": available}
+    if read > available:
+        out["repeats"] = round(read / max(available, 1), 2)
+    return out
+
+
+def tokens_read(r: RunResult) -> int | None:
+    """Training tokens the run read: recorded at launch, else from its resolved config (stored runs)."""
+    if r.tokens:
+        return r.tokens["read"]
+    c = r.config or {}
+    try:
+        d, t = c["data"], c["train"]
+        return t["max_steps"] * d.get("grad_accum", 1) * r.run.nproc * d["batch_size"] * d["seq_len"] + 1
+    except (KeyError, TypeError):
+        return None
+
+
+def tokens_line(results: Sequence[RunResult]) -> str:
+    """'tokens seen / tokens available' over the finished runs (the largest reader), for a report."""
+    done = [r for r in results if r.ok]
+    have = [r for r in done if r.tokens]
+    if have:
+        top = max(have, key=lambda r: r.tokens["read"] / max(r.tokens["available"], 1))
+        rd, av = top.tokens["read"], top.tokens["available"]
+        line = (f"tokens seen / tokens available = {rd:,} / {av:,} ({100 * rd / max(av, 1):.1f} %, run "
+                f"{top.run.name}, the largest share of {len(have)} run(s) counted at launch)")
+        if rd > av:
+            line += f": it reads the training split {rd / av:.2f} times over (--allow-repeat)"
+    else:
+        line = "tokens seen / tokens available not recorded (runs trained before the suite counted them)"
+    rest = [tokens_read(r) for r in done if not r.tokens]
+    rest = [x for x in rest if x is not None]
+    if rest and have:
+        line += f"; {len(rest)} run(s) not counted at launch read up to {max(rest):,} tokens each"
+    elif rest:
+        line += f"; from their configs, each run read up to {max(rest):,} tokens"
+    return line
+
+
+def lr_line(results: Sequence[RunResult], study: "Study") -> str:
+    """Which lr each arm ran at: the setting's shared optim.lr, or the sweep's best per arm (--lr from-sweep)."""
+    per = {}
+    for r in results:
+        if r.run.label("best_lr"):
+            per[study.lr_alias.get(preset_of(r.run), preset_of(r.run))] = r.run.label("best_lr")
+    if not per:
+        return "the setting's optim.lr for every arm, unless a row says otherwise (--lr shared)"
+    return "each arm at its best value from the lr_sweep study (--lr from-sweep): " + ", ".join(
+        f"{a} {v}" for a, v in per.items())
+
+
+FROM_SWEEP = "from-sweep"
+BEST_LR_FILE = "lr_sweep_best.json"   # written by the lr_sweep study into the setting's results directory
+
+
+def read_best_lr(opts: Options, scale: Scale) -> dict:
+    """The lr sweep's best value per arm for this setting: {arm: {"key", "value", ...}}. Refuses a sweep run
+    on another setting (other model / corpus / batch overrides) or a missing one."""
+    path = opts.results_dir() / BEST_LR_FILE
+    if not path.is_file():
+        raise StudyUnavailable(f"--lr {FROM_SWEEP}: {path} does not exist; run `python -m bench.reproduce lr_sweep` "
+                               "with the same --setting / --set / --out first")
+    best = json.loads(path.read_text())
+    if list(best["overrides"]) != list(scale.overrides):
+        raise StudyUnavailable(f"--lr {FROM_SWEEP}: {path} was swept with overrides {' '.join(best['overrides'])}, "
+                               f"this study runs {' '.join(scale.overrides)}; rerun lr_sweep on this setting")
+    return best["best"]
+
+
+def preset_of(run: Run) -> str:
+    return Path(run.config).stem
+
+
+def at_best_lr(runs: Sequence[Run], best: dict, study: "Study") -> list[Run]:
+    """Each run at its arm's best lr from the sweep (the arm = its preset, or the study's lr_alias of it): the
+    swept key appended to its overrides, and the value in its name (a store entry is per name, so a run at the
+    shared lr and one at the sweep's lr never overwrite each other). Runs that set the swept key themselves (a
+    fixed-lr control) are left out: the sweep replaces them."""
+    out = []
+    for run in runs:
+        arm = study.lr_alias.get(preset_of(run), preset_of(run))
+        if arm not in best:
+            raise StudyUnavailable(f"--lr {FROM_SWEEP}: the lr sweep has no arm {arm!r} (run {run.name}); its arms: "
+                                   f"{', '.join(best)}")
+        key, value = best[arm]["key"], best[arm]["value"]
+        if any(o.partition("=")[0] == key for o in run.overrides):
+            continue
+        out.append(replace(run, name=f"{run.name}_lr{value:g}", overrides=(*run.overrides, f"{key}={value:g}"),
+                           labels=(*run.labels, ("best_lr", f"{key}={value:g}"))))
+    return out
+
+
+def run_wire_factor(r: RunResult, scale: Scale) -> tuple[float | None, str]:
+    """wire_factor of a run: its recorded config, or (an entry imported without one) its config resolved now."""
+    import dataclasses
+
+    return wire_factor(r.config or dataclasses.asdict(run_config(r.run, scale)), r.run.nproc)
+
+
+def wire_factor(config: dict, nproc: int) -> tuple[float | None, str]:
+    """(bytes the collective puts on the wire per rank) / (buffer bytes CommStats counts), and what the scheme
+    sends, for the run's comm.mode at P = nproc: the sync scheme's own alpha-beta cost model (its `predict` at
+    alpha = 0, beta = 1 byte, which counts a ring's forwarding: 2(P-1)/P for a ring allreduce, (P-1)/P for an
+    all-to-all, (P-1) chunks for an all-gather, the server's fan-in and fan-out for a parameter server) over its
+    exact buffer count (`bytes_per_call`), both for the run's parameter count."""
+    import dataclasses
+
+    from optim.sync import registry
+
+    comm = dict(config.get("comm") or {})
+    try:
+        scheme = registry.get(comm.get("mode", "fp32"))
+    except ValueError:
+        return None, "unknown"
+    names = {f.name for f in dataclasses.fields(scheme.options)}
+    opts = scheme.options(**{k: v for k, v in comm.items() if k in names})
+    n = param_count(config)
+    if not n or nproc < 2:
+        return None, scheme.wire
+    buf = scheme.bytes_per_call(opts, nproc, n)[0]
+    return (scheme.predict(opts, nproc, n, 0.0, 1 / 8) / buf if buf else None), scheme.wire
+
+
+def param_count(config: dict) -> int | None:
+    """Parameters of the run's model preset (meta device) at the preset's vocabulary: the wire / buffer ratio
+    depends on n only through a chunk's padding, and the preset's size keeps a summary independent of whether
+    the run's dataset (whose tokenizer may resize the vocabulary) is on this machine."""
+    m = (config or {}).get("model")
+    if not m:
+        return None
+    return _param_count(tuple(sorted((k, v) for k, v in m.items() if k in ("preset", "tie_embeddings", "pos_emb",
+                                                                            "block_size"))))
+
+
+@functools.lru_cache(maxsize=None)
+def _param_count(section: tuple) -> int:
+    import torch
+
+    from model import GPT, resolve_config
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(resolve_config(dict(section))).parameters())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,16 +701,41 @@ class Options:
     argv: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)   # study-specific (--alphas, --bits for the toy)
     failed: list[str] = field(default_factory=list)  # filled by Study.execute: runs that failed or were not run
+    setting: str = DEFAULT_SETTING   # a SETTINGS name (--setting)
+    sets: tuple[str, ...] = ()       # --set key=value ...: after the setting's overrides
+    lr: str = "shared"               # "shared" (the scale's optim.lr for every arm) or FROM_SWEEP
+    allow_repeat: bool = False       # --allow-repeat: launch runs that read a training token twice
+
+    def setting_overrides(self) -> tuple[str, ...]:
+        if self.setting not in SETTINGS:
+            raise StudyUnavailable(f"unknown setting {self.setting!r}; known: {', '.join(SETTINGS)}")
+        bad = [x for x in self.sets if "=" not in x or "." not in x.partition("=")[0]]
+        if bad:
+            raise StudyUnavailable(f"--set {' '.join(bad)}: expected section.key=value, e.g. --set optim.warmup_steps=40")
+        st = SETTINGS[self.setting]
+        return merge_overrides(st.quick if self.quick else st.full, self.sets)
+
+    def setting_name(self) -> str:
+        """The setting's name, plus a digest of the --set overrides when there are any: the directory name of
+        its results and runs."""
+        if not self.sets:
+            return self.setting
+        import hashlib
+
+        return f"{self.setting}+{hashlib.sha256(chr(10).join(self.sets).encode()).hexdigest()[:8]}"
+
+    def _under_setting(self, d: Path) -> Path:
+        return d if self.setting_name() == DEFAULT_SETTING else d / self.setting_name()
 
     def results_dir(self) -> Path:
-        d = self.out or (QUICK_RESULTS if self.quick else DEFAULT_RESULTS)
+        d = self.out or self._under_setting(QUICK_RESULTS if self.quick else DEFAULT_RESULTS)
         return d if d.is_absolute() else ROOT / d
 
     def store_dir(self) -> Path:
         return self.results_dir() / STORE_DIR
 
     def work_dir(self, study: str) -> Path:
-        d = self.work or (DEFAULT_WORK / ("quick" if self.quick else "") / study)
+        d = self.work or self._under_setting(DEFAULT_WORK / ("quick" if self.quick else "")) / study
         return d if d.is_absolute() else ROOT / d
 
 
@@ -525,6 +769,11 @@ class Study:
     # values the summary reads from files the store does not keep (checkpoints), computed from a finished
     # run directory and stored with the run; the summary reads them from RunResult.extras when present
     extras: Callable[[RunResult], dict] | None = None
+    # more files from the summary (the lr sweep's best lr per arm): (summary, results, scale, results dir) -> paths
+    outputs: Callable[[Summary, list[RunResult], Scale, Path], list[Path]] | None = None
+    # --lr from-sweep: a preset with no sweep arm of its own runs at another arm's best lr (preset -> arm)
+    lr_alias: dict[str, str] = field(default_factory=dict)
+    lr_from_sweep: bool = True      # False for the sweep itself: --lr from-sweep leaves its runs alone
 
     def scale(self, opts: Options) -> Scale:
         s = self.quick if opts.quick else self.full
@@ -535,7 +784,7 @@ class Study:
                         ckpt_every=0 if s.quick else max(1, opts.steps // 4))
         if opts.nproc:
             s = replace(s, nproc=opts.nproc)
-        return s
+        return replace(s, overrides=merge_overrides(s.overrides, opts.setting_overrides()), setting=opts.setting_name())
 
     def check_available(self, available: Callable[[str], bool] = optimizer_available) -> None:
         missing = [n for n in self.requires if not available(n)]
@@ -552,16 +801,24 @@ class Study:
         scale = self.scale(opts)
         seeds = opts.seeds or (self.quick_seeds if opts.quick else self.seeds)
         runs = self.build(scale, seeds, opts)
+        if opts.lr == FROM_SWEEP and self.lr_from_sweep:
+            runs = at_best_lr(runs, read_best_lr(opts, scale), self)
         names = [r.name for r in runs]
         if len(set(names)) != len(names):
             raise ValueError(f"study {self.name}: duplicate run names {sorted(n for n in names if names.count(n) > 1)}")
         work = opts.work_dir(self.name)
         started = time.strftime("%Y-%m-%d %H:%M:%S")
         store = opts.store_dir()
+        # every run's training tokens against the corpus, before anything launches (a summary of stored runs
+        # needs no corpus): a run that would read a token twice refuses the whole study
+        tokens = {} if opts.report_only else {run.name: token_budget(run, scale, opts.allow_repeat) for run in runs
+                                              if all(map(optimizer_available, run.requires))}  # else pending
         results = []
         for run in runs:
             r = ensure_run(run, scale, work, restart=opts.restart, report_only=opts.report_only, echo=echo,
                            store=store)
+            if r.how != "stored" and run.name in tokens:
+                r.tokens = tokens[run.name]
             # keep every finished run (trained now or earlier) beyond its run directory, as soon as it is
             # finished: a study interrupted later (a machine shut down) keeps the runs it had
             if r.ok and r.how != "stored":
@@ -578,6 +835,8 @@ class Study:
         out = opts.results_dir()
         out.mkdir(parents=True, exist_ok=True)
         paths = write_results(self, summary, results, scale, out, opts, started)
+        if self.outputs:
+            paths += self.outputs(summary, results, scale, out)
         png = out / f"{self.name}.png"
         self.plot(results, png)
         paths.append(png)
@@ -596,6 +855,7 @@ def run_record(r: RunResult, scale: Scale) -> dict:
             "load_after": r.load_after, "run_dir": os.path.relpath(r.run_dir, ROOT),
             "final_val_loss": r.final("val_loss"), "final_train_loss": r.final("train_loss"),
             "train_time_s": r.final("train_time_s"), "cpu": host_label(r),
+            "train_tokens_read": tokens_read(r), "train_tokens_available": (r.tokens or {}).get("available"),
             "val_loss": [list(p) for p in zip(*r.series("val_loss"))],
             "train_loss": [list(p) for p in zip(*r.series("train_loss"))]}
 
@@ -657,6 +917,9 @@ def write_results(study: Study, summary: Summary, results: Sequence[RunResult], 
            f"torch {mach['torch']}, python {mach['python']}; 1-minute load average "
            + (f"{lr[0]:.2f}-{lr[1]:.2f}" if lr else "not recorded") + " around the runs. Runs trained on (CPU, "
            f"run count): {hosts_line(results)}.",
+           f"Setting name: **{scale.setting}**" + (" (quick: its corpus, the debug model)" if scale.quick else "")
+           + f" (results of another setting are in another directory, never in this table). Learning rate: "
+           f"{lr_line(results, study)}. Training tokens: {tokens_line(results)}.",
            f"Raw: {runs_path.name} (per run: overrides, status, wall time, load, curves), {csv_path.name}, "
            f"{meta_path.name}; run directories under {os.path.relpath(opts.work_dir(name), ROOT)}/runs; every finished "
            f"run's spec, config and metrics in {STORE_DIR}/<run>.json.gz (how = stored: summarized from there)."]
@@ -669,6 +932,9 @@ def write_results(study: Study, summary: Summary, results: Sequence[RunResult], 
 
 
 def pyplot():
+    from bench import require
+
+    require("matplotlib")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -13,8 +13,9 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
-from .framework import (Column, Options, Run, RunResult, Scale, Study, Summary, full_scale, group_runs, mean_curve,
-                        mean_std, paired_stats, pyplot, quick_scale, register, seed_stats, status_of)
+from .framework import (BEST_LR_FILE, DEFAULT_SETTING, FROM_SWEEP, Column, Options, Run, RunResult, Scale, Study,
+                        Summary, full_scale, group_runs, mean_curve, mean_std, paired_stats, pyplot, quick_scale,
+                        register, run_wire_factor, seed_stats, status_of)
 
 FULL_SEEDS = [1337, 1338, 1339]
 QUICK_SEEDS = [1337]
@@ -114,9 +115,10 @@ def table2_run(arm: str, nproc: int, seed: int, labels: tuple) -> Run:
 
 
 def table2_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
+    # --lr from-sweep: every arm at its own best lr, so the fixed-lr control has nothing left to control
     return [table2_run(arm, scale.nproc, seed, (("arm", arm), ("label", label), ("paper", paper)))
             for arm, label, _, _, paper in TABLE2_ARMS if not scale.quick or arm in TABLE2_QUICK
-            for seed in seeds]
+            if not (opts.lr == FROM_SWEEP and arm in TABLE2_CONTROLS) for seed in seeds]
 
 
 def table2_summary(results: list[RunResult], scale: Scale) -> Summary:
@@ -296,7 +298,9 @@ register(Study(
     # P = 4. One seed: the finding is a divergence, not a small difference (--seeds adds more).
     quick=quick_scale(6, diag_every=3), full=full_scale(1000, diag_every=50, nproc=2), seeds=[1337],
     quick_seeds=QUICK_SEEDS, build=fig10_runs, summarize=fig10_summary, plot=fig10_plot,
-    extras=fig10_extras))
+    extras=fig10_extras,
+    # --lr from-sweep: the exact-zero reference is the same Lion update with another tie rule: the 1-bit arm's lr
+    lr_alias={"lioncub_4bit": "lioncub_1bit"}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,11 +410,15 @@ def fig5_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
     arms = [("none", "lioncub_1bit", ()),
             (f"sync_head_every_{every}", "lioncub_1bit",
              (f"comm.momentum_sync.every={every}", "comm.momentum_sync.layers=[head]")),
+            # the paper's arm (§5: the input and the final layers), beside head-only
+            (f"sync_emb_head_every_{every}", "lioncub_1bit",
+             (f"comm.momentum_sync.every={every}", "comm.momentum_sync.layers=[embedding,head]")),
             ("l1_8bit", "lioncub_8bit_l1", ())]
-    # --quick: "none" at both beta2 (what fig6_17 reuses) and the head sync at 0.95; the 8-bit L1 path runs
-    # in table2's quick mode
+    # --quick: "none" at both beta2 (what fig6_17 reuses) and both syncs at 0.95; the 8-bit L1 path runs in
+    # table2's quick mode. The committed tiny-builtin results predate the embedding + head arm: that setting's
+    # full study keeps its three arms (its table rebuilds from the store), every other setting runs all four
     keep = (lambda b2, arm: arm == "none" or (b2 == 0.95 and arm.startswith("sync"))) if scale.quick else \
-        (lambda b2, arm: True)
+        (lambda b2, arm: not arm.startswith("sync_emb")) if scale.legacy else (lambda b2, arm: True)
     return [Run(run_name(arm, scale.nproc, seed, b2), variant(preset), (UNTIED, *ov, betas(b2)), seed, scale.nproc,
                 (("beta2", b2), ("arm", arm)))
             for b2 in (0.95, 0.99) for arm, preset, ov in arms if keep(b2, arm) for seed in seeds]
@@ -421,16 +429,23 @@ def fig5_summary(results: list[RunResult], scale: Scale) -> Summary:
     groups = group_runs(results, "beta2", "arm")
     for (b2, arm), group in groups.items():
         sync = next((g for (b, a), g in groups.items() if b == b2 and a.startswith("sync_head")), [])
+        both = next((g for (b, a), g in groups.items() if b == b2 and a.startswith("sync_emb_head")), [])
         rows.append({"beta2": b2, "arm": arm, "status": status_of(group), **seed_stats(group, _val, "val_loss"),
-                     **paired_stats(group, sync, _val, "delta_vs_sync"), **seed_stats(group, _train_tail, "train_loss")})
+                     **paired_stats(group, sync, _val, "delta_vs_sync"), **seed_stats(group, _train_tail, "train_loss"),
+                     **(paired_stats(group, both, _val, "delta_vs_emb_head") if both else {})})
     cols = [Column("beta2", "beta2", ".2f"), Column("arm", "arm", align="left"),
             Column("val_loss_mean", "final val loss"), Column("val_loss_std", "± std"),
             Column("val_loss_n", "seeds", "d"),
             Column("delta_vs_sync_mean", "Δ vs sync head (paired)", "+.4f"), Column("delta_vs_sync_std", "± std", ".4f"),
+            *([Column("delta_vs_emb_head_mean", "Δ vs sync embedding + head (paired)", "+.4f"),
+               Column("delta_vs_emb_head_std", "± std", ".4f")] if any("delta_vs_emb_head_mean" in r for r in rows)
+              else []),
             Column("train_loss_mean", "train loss (last 10 %)"),
             Column("status", "status", align="left")]
     notes = ["none: 1-bit Lion Cub, per-rank momenta never synchronized; sync_head: the head's momentum "
-             "mean-allreduced every k steps (Lion Cub §5); l1_8bit: 8-bit L1 votes, no sync. Untied embedding and "
+             "mean-allreduced every k steps; sync_emb_head: the embedding's and the head's (the paper's choice, "
+             "Lion Cub §5: the input and final layers; runs in every setting but the committed tiny-builtin one); "
+             "l1_8bit: 8-bit L1 votes, no sync. Untied embedding and "
              "head in every arm. Δ: final val loss minus the head-sync arm's of the same seed and beta2, mean ± std over "
              "seeds. The paper expects at beta2 = 0.95: none worse than sync, l1_8bit close to sync; "
              "at 0.99: all close."]
@@ -601,15 +616,25 @@ COMPRESSORS_FROM_TABLE2 = {"lion_fp32": "fp32", "lioncub_1bit": "1bit", "lioncub
 COMPRESSED_QUICK = ("onebit_adam",)
 
 
+# the matrix optimizers beside them (not in Lion Cub's Fig. 20): they need a model whose matrices dominate, so
+# they run in every setting but the committed tiny-builtin one (94 % embedding and head)
+MATRIX_OPTIMIZERS = ("muon", "dion")
+
+
 def compressors_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
     now = ["adamw_fp32"] if scale.quick else ["adamw_fp32", *COMPRESSORS_FROM_TABLE2]
+    if opts.lr == FROM_SWEEP:  # every arm at its own best lr: no fixed-lr control
+        now = [v for v in now if COMPRESSORS_FROM_TABLE2.get(v) not in TABLE2_CONTROLS]
     compressed = COMPRESSED_QUICK if scale.quick else COMPRESSED
+    if not scale.quick and not scale.legacy:
+        compressed = (*compressed, *MATRIX_OPTIMIZERS)
     # 1-bit Adam freezes its variance after 15 % of the run (its preset's ratio), here of this run
     freeze = [f"optim.freeze_step={max(1, int(0.15 * scale.steps))}"]
     return [table2_run(COMPRESSORS_FROM_TABLE2[v], scale.nproc, seed, (("optimizer", v),))
             if v in COMPRESSORS_FROM_TABLE2 else
-            Run(run_name(v, scale.nproc, seed), variant(v), tuple(freeze if v == "onebit_adam" else ()), seed,
-                scale.nproc, (("optimizer", v),))
+            Run(run_name(v, scale.nproc, seed), variant(v),
+                tuple(freeze if v == "onebit_adam" else DION_CONVENTION if v == "dion" and
+                      scale.setting == DEFAULT_SETTING else ()), seed, scale.nproc, (("optimizer", v),))
             for v in [*now, *compressed] for seed in seeds]
 
 
@@ -619,18 +644,33 @@ def _bytes_per_step(r: RunResult) -> float | None:
 
 
 def compressors_summary(results: list[RunResult], scale: Scale) -> Summary:
-    rows = []
+    rows, wires = [], {}
     for (opt,), group in group_runs(results, "optimizer").items():
         m, _, _ = mean_std(_bytes_per_step(r) for r in group if r.ok)
+        factor, wire = next((run_wire_factor(r, scale) for r in group if r.ok), (None, ""))
+        wires[opt] = wire
         rows.append({"optimizer": opt, "status": status_of(group), **seed_stats(group, _val, "val_loss"),
-                     "bytes_per_step": m, "train_time_s": mean_std(r.final("train_time_s") for r in group if r.ok)[0]})
+                     "bytes_per_step": m, "wire_factor": factor,
+                     "wire_bytes_per_step": m * factor if None not in (m, factor) else None,
+                     "train_time_s": mean_std(r.final("train_time_s") for r in group if r.ok)[0]})
     cols = [Column("optimizer", "optimizer", align="left"), Column("val_loss_mean", "final val loss"),
             Column("val_loss_std", "± std"), Column("val_loss_n", "seeds", "d"),
-            Column("bytes_per_step", "bytes sent / rank / step", ",.0f"),
+            Column("bytes_per_step", "buffer bytes / rank / step (handed to collectives)", ",.0f"),
+            Column("wire_bytes_per_step", f"wire bytes / rank / step (P = {scale.nproc}, the scheme's algorithm)",
+                   ",.0f"),
+            Column("wire_factor", "wire ÷ buffer", ".3f"),
             Column("train_time_s", "train time (s)", ".0f"),
             Column("status", "status", align="left")]
     notes = ["1-bit Adam runs exact AdamW for the first 15 % of the steps (optim.freeze_step), then exchanges "
-             "1-bit momenta; bytes per step are the median over the run (the warm-up's fp32 steps included)."]
+             "1-bit momenta; bytes per step are the median over the run (past the warm-up's fp32 steps, whose "
+             "ring allreduce the wire factor of the compressed exchange does not describe).",
+             "Buffer bytes: the tensors each rank hands to its collectives per step (CommStats' count, "
+             "`comm_bytes`). Wire bytes: what the collective puts on the network per rank for the algorithm the "
+             "run's comm.mode uses, from that sync scheme's own cost model (optim.sync registry: `predict` at "
+             "alpha = 0 over `bytes_per_call`, both at P ranks): ring allreduce 2(P-1)/P x the buffer (fp32 at "
+             "P = 4: 1.5x), all-to-all (P-1)/P (a rank's own chunk stays), ring all-gather (P-1) chunks, a "
+             "parameter server its fan-in and fan-out. What each row's scheme sends: "
+             + "; ".join(f"{opt}: {w}" for opt, w in wires.items() if w) + "."]
     return Summary(rows, cols, notes)
 
 
@@ -649,13 +689,20 @@ register(Study(
 # Dion §4.1: error feedback on / off across ranks
 
 DION_RANKS = (0.5, 0.25, 0.0625)
+# The tiny-builtin setting's Dion runs trained before optim.transpose_wide existed, under the convention it now
+# names false (P = B Q on the fan_out side for every shape); its default became true (Q on the shorter side). The
+# run store identifies a run by its config and overrides, so the setting's Dion runs pin the old convention: their
+# committed entries (whose specs say so) stay valid, and a run under the new default is a different run. Every
+# other setting trains under the default.
+DION_CONVENTION = ("optim.transpose_wide=false",)
 
 
 def dion_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
     # quick: the lowest rank only (the on / off pair; the gap-vs-rank summary has its own unit test)
     ranks = (0.0625,) if scale.quick else DION_RANKS
+    pin = DION_CONVENTION if scale.setting == DEFAULT_SETTING else ()
     return [Run(run_name(f"dion_r{r:g}_ef{int(ef)}", scale.nproc, seed), variant("dion"),
-                (f"optim.rank_fraction={r}", f"optim.error_feedback={'true' if ef else 'false'}"), seed,
+                (f"optim.rank_fraction={r}", f"optim.error_feedback={'true' if ef else 'false'}", *pin), seed,
                 scale.nproc, (("rank_fraction", r), ("error_feedback", ef)))
             for r in ranks for ef in (True, False) for seed in seeds]
 
@@ -691,3 +738,86 @@ register(Study(
     "d/4, while Dion with error feedback stays stable.",
     quick=quick_scale(6), full=full_scale(300), seeds=FULL_SEEDS, quick_seeds=QUICK_SEEDS,
     build=dion_runs, summarize=dion_summary, plot=dion_plot))
+
+
+# ---------------------------------------------------------------------------------------------
+# learning-rate sweep: every arm at its own best lr
+
+LION_LRS = (1e-4, 3e-4, 1e-3)     # Lion's best lr is typically 3-10x below AdamW's (Chen et al., Lion §5)
+ADAM_LRS = (3e-4, 1e-3, 3e-3)
+MATRIX_LRS = (0.006, 0.02, 0.06)  # Muon / Dion: the matrices' lr (the Dion paper tunes it over 0.01-0.05)
+SWEEP_ARMS = {  # preset (configs/variants) -> (the swept key, its values, about 3x apart)
+    "lion_fp32": ("optim.lr", LION_LRS), "lioncub_1bit": ("optim.lr", LION_LRS),
+    "lioncub_8bit_l1": ("optim.lr", LION_LRS), "adamw_fp32": ("optim.lr", ADAM_LRS),
+    "onebit_adam": ("optim.lr", ADAM_LRS), "binsgdm": ("optim.lr", ADAM_LRS), "loco_adamw": ("optim.lr", ADAM_LRS),
+    "dion": ("optim.matrix_lr", MATRIX_LRS), "muon": ("optim.matrix_lr", MATRIX_LRS),
+}
+SWEEP_SEED = 7            # not one of the comparison seeds: the lr is not chosen on the runs it is then judged by
+SWEEP_QUICK = ("lion_fp32",)  # --quick: one arm's three values (the summary is the same for all)
+
+
+def lr_sweep_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
+    arms = SWEEP_QUICK if scale.quick else tuple(SWEEP_ARMS)
+    freeze = f"optim.freeze_step={max(1, int(0.15 * scale.steps))}"
+    out = []
+    for preset in arms:
+        key, values = SWEEP_ARMS[preset]
+        extra = (freeze,) if preset == "onebit_adam" else \
+            DION_CONVENTION if preset == "dion" and scale.setting == DEFAULT_SETTING else ()
+        out += [Run(run_name(f"sweep_{preset}_lr{v:g}", scale.nproc, seed), variant(preset), (*extra, f"{key}={v:g}"),
+                    seed, scale.nproc, (("arm", preset), ("key", key), ("lr", v)))
+                for v in values for seed in seeds]
+    return out
+
+
+def lr_sweep_summary(results: list[RunResult], scale: Scale) -> Summary:
+    rows = []
+    for (arm, key), group in group_runs(results, "arm", "key").items():
+        by_lr = group_runs(group, "lr")
+        vals = {lr: seed_stats(g, _val, "val_loss")["val_loss_mean"] for (lr,), g in by_lr.items()}
+        have = {lr: v for lr, v in vals.items() if v is not None}
+        best = min(have, key=have.get) if have else None
+        lrs = sorted(vals)
+        for (lr,), g in by_lr.items():
+            rows.append({"arm": arm, "key": key, "lr": lr, "status": status_of(g), **seed_stats(g, _val, "val_loss"),
+                         **seed_stats(g, _train_tail, "train_loss"), "best": "best" if lr == best else "",
+                         # the minimum at the grid's edge: the true best may lie beyond it (extend the grid)
+                         "edge": "edge" if lr == best and len(have) == len(vals) and lr in (lrs[0], lrs[-1]) else ""})
+    cols = [Column("arm", "arm (preset)", align="left"), Column("key", "swept", align="left"),
+            Column("lr", "value", ".0e"), Column("val_loss_mean", "final val loss"), Column("val_loss_n", "seeds", "d"),
+            Column("train_loss_mean", "train loss (last 10 %)"), Column("best", "best", align="left"),
+            Column("edge", "at grid edge", align="left"), Column("status", "status", align="left")]
+    notes = [f"One seed ({SWEEP_SEED}, not a comparison seed), {scale.steps} steps per run; best = lowest final "
+             "validation loss of the arm. `--lr from-sweep` runs the other studies (Table 2, Fig. 20 compressors, "
+             f"Dion's ablation, ...) with each arm at its best value, read from {BEST_LR_FILE} in this results "
+             "directory (written only when every value of the arm finished). A best at the grid's edge means the "
+             "grid should be extended before the comparison is trusted. The Lion family sweeps 1e-4-1e-3, the "
+             "AdamW family 3e-4-3e-3 (Lion's best lr is typically 3-10x below AdamW's); Muon and Dion sweep the "
+             "matrices' lr (their AdamW part on embedding, head and 1-D parameters keeps the setting's optim.lr)."]
+    return Summary(rows, cols, notes)
+
+
+def lr_sweep_best(summary: Summary, results: list[RunResult], scale: Scale, out: Path) -> list[Path]:
+    """BEST_LR_FILE: the best value per arm whose every swept value finished, with the setting it holds for."""
+    import json
+
+    done = {a for (a,), g in group_runs(results, "arm").items() if all(r.ok for r in g)}
+    best = {r["arm"]: {"key": r["key"], "value": r["lr"], "val_loss": r["val_loss_mean"], "edge": bool(r["edge"])}
+            for r in summary.rows if r["best"] and r["arm"] in done}
+    path = out / BEST_LR_FILE
+    path.write_text(json.dumps({"setting": scale.setting, "overrides": list(scale.overrides), "steps": scale.steps,
+                                "nproc": scale.nproc, "best": best}, indent=1) + "\n")
+    return [path]
+
+
+def lr_sweep_plot(results: list[RunResult], path: Path) -> None:
+    _loss_panels(results, path, "arm", "lr", "lr sweep", keys=("train_loss", "val_loss"))
+
+
+register(Study(
+    "lr_sweep", "Learning-rate sweep: each optimizer arm at three values about 3x apart (one seed)",
+    "Lion (Chen et al.) §5 and Lion Cub §4 tune the learning rate per optimizer (Lion's 3-10x below AdamW's); "
+    "Dion §3 tunes Dion's and Muon's over 0.01-0.05. Not a paper figure: the lr each comparison's arm runs at.",
+    quick=quick_scale(4), full=full_scale(300), seeds=[SWEEP_SEED], quick_seeds=[SWEEP_SEED],
+    build=lr_sweep_runs, summarize=lr_sweep_summary, plot=lr_sweep_plot, outputs=lr_sweep_best,
+    lr_from_sweep=False))
