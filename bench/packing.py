@@ -1,4 +1,4 @@
-"""Quantize/pack/unpack and Lion-pass throughput against a copy of the input (issue 12 targets).
+"""Quantize/pack/unpack and Lion-pass throughput against a copy of the input (the fast-path targets).
 
     python -m bench.packing [--n 25M] [--repeats 7] [--threads 1] [--P 4] [--device cpu]
 

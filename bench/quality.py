@@ -1,4 +1,4 @@
-"""Lion Cub quality experiment (issue 5 "Report in your note"): same model, data, steps and seed for
+"""Lion Cub quality experiment: same model, data, steps and seed for
 every variant on P ranks; final validation loss and the Lion Cub diagnostics averaged over the run.
 
     python -m bench.quality                                   # 6 variants, 4 ranks, tiny untied GPT

@@ -185,7 +185,7 @@ def add_relative(rows: list[dict], baseline: str = BASELINE, overlapped: str = O
     return rows
 
 
-# issue 12: speedups at 1 Gbit/s over the non-overlapped fp32 baseline, 1-bit at 100 Mbit/s
+# the fast-path targets: speedups at 1 Gbit/s over the non-overlapped fp32 baseline, 1-bit at 100 Mbit/s
 FAST_TARGETS = {("1gbit", "lioncub_1bit"): 2.5, ("1gbit", "lioncub_4bit"): 2.0, ("1gbit", "lioncub_8bit_l1"): 1.5,
                 ("100mbit", "lioncub_1bit"): 10.0}
 
@@ -249,7 +249,7 @@ def add_prediction(row: dict, pred_s: float, alpha: float, beta: float) -> dict:
 
 def check_targets(rows: list[dict], baseline: str = BASELINE, share: float = 0.70, speedup: float = 3.0,
                   reduction: float = 10.0, model_ratio: float = 1.5) -> list[str]:
-    """The issue-6 performance targets, evaluated at every rate where the baseline's comm share >= 70 %:
+    """The slow-link performance targets, evaluated at every rate where the baseline's comm share >= 70 %:
     the best Lion Cub variant's step >= 3x faster and its comm time >= 10x smaller than the baseline's,
     and every variant's collective time within 1.5x (either way) of the cost model. One line per check."""
     lines = []
@@ -380,8 +380,8 @@ def write_reports(out: Path, rows: list[dict], rates: list[str], variants: list[
           "## Table 4 style", "", table4_markdown(rows, rates, variants), ""]
     for rate in rates:
         md += [f"## {rate}", "", detail_markdown(rows, rate, variants), ""]
-    md += ["## Issue-6 targets", "", *[f"- {ln}" for ln in check_targets(rows)], ""]
-    md += ["## Fast-path targets (issue 12)", "", *[f"- {ln}" for ln in check_fast_path_targets(rows)], ""]
+    md += ["## Slow-link targets", "", *[f"- {ln}" for ln in check_targets(rows)], ""]
+    md += ["## Fast-path targets", "", *[f"- {ln}" for ln in check_fast_path_targets(rows)], ""]
     (out / "results.md").write_text("\n".join(md))
     if any(r.get("status") == "ok" for r in rows):
         plot_breakdown(out / "breakdown.png", rows, rates, variants)

@@ -19,7 +19,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Lion Cub Fig. 7 / Table 4 rows, plus the baselines (issue 6).
+# Lion Cub Fig. 7 / Table 4 rows, plus the baselines.
 DEFAULT_VARIANTS = ["lion_fp32", "lion_fp32+overlap", "adamw_fp32", "adamw_fp32+overlap", "lion_bf16", "dlion_mavo",
                     "lioncub_1bit", "lioncub_4bit", "lioncub_4bit_synchead", "lioncub_8bit_l1"]
 BASELINE = "lion_fp32"
