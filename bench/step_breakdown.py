@@ -504,6 +504,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma list of presets in --config-dir")
     ap.add_argument("--rates", default=",".join(DEFAULT_RATES), help="comma list: unlimited, 1gbit, 100mbit, ...")
     ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--nodes", type=int, default=0,
+                    help="emulated nodes (netsim): ranks of one node share an unlimited loopback, the rate limits "
+                         "only links between nodes; 0 = one namespace per rank")
     ap.add_argument("--steps", type=int, default=10, help="measured steps per run")
     ap.add_argument("--warmup", type=int, default=3, help="steps run first and discarded")
     ap.add_argument("--config-dir", default="configs/cpu_30m")
@@ -528,6 +531,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.overrides = args.overrides.split()
     if args.steps < 1 or args.warmup < 0:
         ap.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    if args.nodes and (args.nodes < 1 or args.nproc % args.nodes):
+        ap.error(f"--nodes {args.nodes} must divide --nproc {args.nproc}")
     if args.launcher == "torchrun" and any(r != "unlimited" for r in args.rates):
         ap.error(f"--launcher torchrun cannot limit bandwidth; rates {args.rates} need --launcher netsim")
     return args
@@ -563,7 +568,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.launcher == "netsim":
             from launch.netsim import Netsim
 
-            net = Netsim(args.nproc, None).up()
+            net = Netsim(args.nproc, None, ranks_per_ns=args.nproc // args.nodes if args.nodes else 1).up()
         try:
             for rate in args.rates:
                 if net is not None:
@@ -584,7 +589,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 net.down()
     rows = collect_rows(args, calib)
     meta = {"machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or ''}".strip(", "),
-            "nproc": args.nproc, "overrides": args.overrides, "config_dir": args.config_dir, "steps": args.steps,
+            "nproc": args.nproc, "nodes": args.nodes or args.nproc, "overrides": args.overrides, "config_dir": args.config_dir, "steps": args.steps,
             "warmup": args.warmup, "rates": args.rates, "variants": args.variants, "launcher": args.launcher,
             "shared_gpu": args.shared_gpu, "gpu": _gpu_name(),
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

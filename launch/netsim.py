@@ -22,7 +22,8 @@ alpha = that value to its cost-model predictions (measured times are never padde
 
 `--ranks-per-ns K` puts K ranks in each namespace (one emulated node with one NIC): traffic between
 ranks of the same node goes over that namespace's loopback (unlimited), traffic between nodes over
-the rate-limited links; LOCAL_RANK / LOCAL_WORLD_SIZE then describe the node.
+the rate-limited links; LOCAL_RANK / LOCAL_WORLD_SIZE then describe the node. `--nodes M` says the
+same as `--ranks-per-ns nproc/M` (two nodes of 2 ranks: `--nproc 4 --nodes 2`).
 
 Python API: `run(nproc, cmd, rate, timeout) -> list[int]` for one command, or
 `with Netsim(nproc, rate) as net: net.run(cmd); net.set_rate("100mbit"); net.run(cmd)` to reuse a
@@ -449,6 +450,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--latency-model", type=parse_seconds, default=None, metavar="SECONDS",
                     help="per-message latency to MODEL (exported as NETSIM_LATENCY_MODEL_S; not emulated)")
     ap.add_argument("--ranks-per-ns", type=int, default=1, help="ranks per namespace (= per emulated node)")
+    ap.add_argument("--nodes", type=int, default=None,
+                    help="emulated nodes (= --ranks-per-ns nproc / nodes): unlimited loopback inside a node, the rate "
+                         "limit only between nodes (hybrid sharding: parallel.shard_size = ranks per node)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds before each rank is killed")
     ap.add_argument("--master-port", type=int, default=29500)
     ap.add_argument("--log-dir", default=None, help="also write rank N's output to LOG_DIR/rankN.log")
@@ -464,6 +468,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if not args.nproc or not cmd:
             ap.error("need --nproc N and a command after --")
+        if args.nodes is not None:
+            if args.nodes < 1 or args.nproc % args.nodes:
+                ap.error(f"--nodes {args.nodes} must be >= 1 and divide --nproc {args.nproc}")
+            args.ranks_per_ns = args.nproc // args.nodes
         codes = run(args.nproc, cmd, args.rate, args.timeout, burst=args.burst, ranks_per_ns=args.ranks_per_ns,
                     master_port=args.master_port, log_dir=args.log_dir, latency_model=args.latency_model,
                     verbose=True)

@@ -154,6 +154,31 @@ def load_verified(path: Path, names: Iterable[str]) -> tuple[dict[str, Any], dic
     return files, meta
 
 
+def load_model_state(path: Path) -> tuple[dict, dict]:
+    """(model state dict, meta) of checkpoint `path`: model.pt through `load_verified`, or, from a
+    sharded run (meta["sharded_model"] names the directory), its torch.distributed.checkpoint
+    shard files, each verified against its checksum, gathered into whole tensors (no process
+    group needed; a weight tied to the embedding is stored once) and checked finite."""
+    meta = read_meta(path)
+    sub = meta.get("sharded_model")
+    if not sub:
+        files, meta = load_verified(path, [MODEL])
+        return files[MODEL], meta
+    verify(path, [n for n in meta.get("files", {}) if n.startswith(sub + "/")])
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(path / sub, Path(tmp) / MODEL)
+        state = torch.load(Path(tmp) / MODEL, map_location="cpu", weights_only=True)
+    state = state.get("model", state)
+    bad = nonfinite_keys(state)
+    if bad:
+        raise CheckpointError(f"{path / sub} holds non-finite values in {', '.join(bad[:3])}")
+    return state, meta
+
+
 def newest_intact_model(ckpt_root: Path, report: Callable[[str], None]) -> tuple[Path, dict, dict]:
     """(checkpoint dir, model state dict, meta) of the newest checkpoint under `ckpt_root` whose
     model.pt verifies; each newer damaged one is reported (`report`) with its problem.
@@ -161,7 +186,7 @@ def newest_intact_model(ckpt_root: Path, report: Callable[[str], None]) -> tuple
     tried = []
     for path in candidates(ckpt_root):
         try:
-            files, meta = load_verified(path, [MODEL])
+            state, meta = load_model_state(path)
         except CheckpointError as e:
             tried.append(f"{path.name}: {e}")
             continue
@@ -169,7 +194,7 @@ def newest_intact_model(ckpt_root: Path, report: Callable[[str], None]) -> tuple
             report(f"skipped checkpoint {t}")
         if tried:
             report(f"using checkpoint {path} (the newest intact one)")
-        return path, files[MODEL], meta
+        return path, state, meta
     if tried:
         raise CheckpointError(f"no intact checkpoint in {ckpt_root}: " + "; ".join(tried))
     raise CheckpointError(f"{ckpt_root} holds no checkpoint (no step_* directory); train with "

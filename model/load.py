@@ -4,7 +4,8 @@ or a Hugging Face export. Used by export, sampling and evaluation.
 - run dir (`train.out_dir`): the checkpoint `ckpt/latest` names, or the newest intact one before
   it when that one is damaged (each skipped one is named on stderr), with the config in its
   meta.json (the run's config.yaml when meta.json has none).
-- checkpoint dir (`ckpt/step_NNNNNN`): model.pt, with the config in meta.json.
+- checkpoint dir (`ckpt/step_NNNNNN`): model.pt (a sharded run's: model/, DCP shards), with the
+  config in meta.json.
 - HF dir (config.json + safetensors, from `python -m model.export`): `model.hf.from_hf`.
 Checkpoint files are read as model/checkpoint_files.py says (sha256 against meta.json,
 weights_only, finite); every failure is a CheckpointError (a ValueError) of one line. The
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint_files import META, MODEL, CheckpointError, load_verified, newest_intact_model
+from .checkpoint_files import META, MODEL, CheckpointError, load_model_state, newest_intact_model
 from .gpt import GPT, model_from_state_dict
 from .presets import resolve_config
 
@@ -78,8 +79,7 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> L
     if kind == "run":
         where, sd, meta = newest_intact_model(where / "ckpt", _report)
     else:
-        files, meta = load_verified(where, [MODEL])
-        sd = files[MODEL]
+        sd, meta = load_model_state(where)
     run_config = meta.get("config")
     if not run_config and kind == "run" and (Path(path) / "config.yaml").is_file():
         import yaml
@@ -93,6 +93,8 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> L
         raise ValueError(f"{where / MODEL} holds no transformer.wte.weight; not a GPT-2++ state dict")
     vocab = sd["transformer.wte.weight"].shape[0]
     cfg = dataclasses.replace(resolve_config(run_config["model"]), vocab_size=vocab)
+    if cfg.tie_embeddings:  # a sharded run's checkpoint stores the tied weight once
+        sd.setdefault("lm_head.weight", sd["transformer.wte.weight"])
     try:
         model = model_from_state_dict(cfg, sd, device)
     except (RuntimeError, KeyError, TypeError) as e:  # tensors of the wrong names or shapes
@@ -100,4 +102,5 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> L
         raise CheckpointError(f"{where / MODEL} does not fit the model its run config describes ({why[:240]})") \
             from None
     step = int(where.name[5:]) if where.name.startswith("step_") and where.name[5:].isdigit() else None
-    return Loaded(model.eval(), kind, where / MODEL, step, run_config)
+    weights = where / (meta.get("sharded_model") or MODEL)
+    return Loaded(model.eval(), kind, weights, step, run_config)

@@ -19,6 +19,7 @@ _SHAPES = {
     "gpt2-350m": (24, 16, 1024, 1024),
     "gpt2-774m": (36, 20, 1280, 1024),
     "gpt2-1558m": (48, 25, 1600, 1024),
+    "gpt-7b": (32, 32, 4096, 2048),    # the 7B class (Llama-2-7B's shape; 6.6B parameters tied): memory planning
 }
 
 PRESETS: dict[str, GPTConfig] = {

@@ -210,8 +210,13 @@ class CommOptimizer(torch.optim.Optimizer):
                  scheme_options: sync.SchemeOptions | dict | None = None, group=None, grad_clip: float = 0.0,
                  momentum_sync: MomentumSync | dict | None = None,
                  param_order: list[torch.nn.Parameter] | None = None, kernels: str = "eager",
-                 fine_timing: bool = True, bucket_mb: float = 0.0, overlap: bool = False) -> None:
+                 fine_timing: bool = True, bucket_mb: float = 0.0, overlap: bool = False,
+                 shard_group=None) -> None:
         super().__init__(param_groups, defaults)
+        # hybrid sharding (trainer/parallel.py): the parameters are this rank's local shards,
+        # `group` the replicate group; per-tensor reductions (norms, the guard) also sum over the
+        # shard group, which holds the other shards
+        self.shard_group = shard_group
         self.scheme = sync.get(scheme) if isinstance(scheme, str) else scheme
         if scheme_options is None or isinstance(scheme_options, dict):
             scheme_options = self.scheme.options(**(scheme_options or {}))
@@ -463,9 +468,21 @@ class CommOptimizer(torch.optim.Optimizer):
                                                            for b in bufs]))
         bad = torch.logical_not(torch.isfinite(local_norm)) | (not loss_finite)
         word = bad.reshape(1).to(torch.int32) + (1 << 16 if stop else 0)
+        if self.shard_group is not None:  # hybrid sharding: first over the other shards (counts add up)
+            word = comm.allreduce_packed_(word, group=self.shard_group, stats=self.stats["guard"], name="guard_shards")
         word = comm.allreduce_packed_(word, group=self.group, stats=self.stats["guard"], name="guard")
         v = int(word.item())
         return bool(v & 0xFFFF), bool(v >> 16)
+
+    def _grad_norm(self, bufs: list[torch.Tensor]) -> torch.Tensor:
+        """L2 norm of the gradient (fp32): of the flat buffers, summed over the shard group when the
+        parameters are shards (both replicas' groups then hold the same whole gradient's norm)."""
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b, dtype=torch.float32) for b in bufs]))
+        if self.shard_group is None:
+            return norm
+        sq = norm.square()
+        torch.distributed.all_reduce(sq, group=self.shard_group)
+        return sq.sqrt()
 
     @property
     def grad_norm_roles(self) -> list[str]:
@@ -480,11 +497,13 @@ class CommOptimizer(torch.optim.Optimizer):
             self._role_index = torch.tensor([self.layout.roles.index(e.role) for e in self.layout.entries],
                                             device=sq.device)
         roles = torch.zeros(len(self.layout.roles), device=sq.device).index_add_(0, self._role_index, sq)
+        if self.shard_group is not None:  # hybrid sharding: add the other shards' squares (whole tensors' norms)
+            torch.distributed.all_reduce(roles, group=self.shard_group)
         return torch.cat([roles, roles.sum()[None]]).sqrt()
 
     def _clip_(self) -> None:
         bufs = list(self.grad_buffers.values())
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b, dtype=torch.float32) for b in bufs]))
+        norm = self._grad_norm(bufs)
         scale = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
         for b in bufs:
             b.mul_(scale.to(b.dtype))
@@ -511,7 +530,7 @@ class CommOptimizer(torch.optim.Optimizer):
             if moms:
                 prefix = "diag/momentum_spread_after_sync" if after_sync else "diag/momentum_spread"
                 report.diagnostics.update(momentum_spread(moms, world_size=self.world_size, group=self.group,
-                                                          stats=stats, prefix=prefix))
+                                                          stats=stats, prefix=prefix, shard_group=self.shard_group))
         return self.clock.now() - t0
 
     def _sync_momenta(self) -> None:

@@ -134,4 +134,5 @@ register_optimizer(OptimizerSpec(
     state="m, b (fp32; per rank; a second b with optim.t0 >= 0), the m/b buffer, the worker error (fp32) and "
           "the server error (fp32, 1/P of it)",
     help="BinSGDM Alg. 1: m/b quantized to 1 bit with worker and server error feedback; beta = optim.betas[0]",
-    scheme_problems=_compressor_problems))
+    scheme_problems=_compressor_problems,
+    state_words=lambda o, s, role: 2.0 + (o.t0 >= 0), shards=True))  # m, b_hat, b (u: the exchanged vector, a buffer)

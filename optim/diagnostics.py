@@ -71,8 +71,12 @@ def _aggregate(per_entry: list[Any], entries: Sequence, combine) -> list[tuple[s
 
 @torch.no_grad()
 def vote_diagnostics(c_flat: torch.Tensor, update: torch.Tensor, layout, *, world_size: int, group=None,
-                     stats: "comm.CommStats | None" = None) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-    """Compare the applied `update` (flat, role order) with exact Lion and the plain vote."""
+                     stats: "comm.CommStats | None" = None,
+                     shard_group=None) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """Compare the applied `update` (flat, role order) with exact Lion and the plain vote. With
+    hybrid sharding (`shard_group`: the ranks holding the other shards; `group` the replicas) the
+    per-tensor counts are summed over the shard group, so every rank reports the numbers of the
+    whole tensors; the histograms sample this rank's shards."""
     stats = comm.CommStats() if stats is None else stats
     exact = torch.sign(comm.allreduce_mean(c_flat.to(torch.float32), wire_dtype=torch.float32, group=group,
                                            stats=stats)).to(torch.int8)
@@ -86,7 +90,10 @@ def vote_diagnostics(c_flat: torch.Tensor, update: torch.Tensor, layout, *, worl
     code = (exact + 1).mul_(9).add_((applied + 1).mul_(3)).add_(vote + 1).view(torch.uint8)
     entries = layout.entries
     hists = torch.stack([torch.bincount(code[e.offset:e.offset + e.numel], minlength=27)
-                         for e in entries]).to(torch.float64).view(-1, 3, 3, 3).cpu()
+                         for e in entries]).to(torch.float64)
+    if shard_group is not None:
+        _sum_fp64(hists, 2, shard_group, stats)  # exact: counts below 2^53
+    hists = hists.view(-1, 3, 3, 3).cpu()
     out: dict[str, float] = {}
     for suffix, h in _aggregate(list(hists), entries, lambda hs: sum(hs)):
         total = float(h.sum()) or 1.0
@@ -109,10 +116,12 @@ def vote_diagnostics(c_flat: torch.Tensor, update: torch.Tensor, layout, *, worl
 
 @torch.no_grad()
 def momentum_spread(momenta: list[tuple[Any, torch.Tensor]], *, world_size: int, group=None,
-                    stats: "comm.CommStats | None" = None, prefix: str = "diag/momentum_spread") -> dict[str, float]:
+                    stats: "comm.CommStats | None" = None, prefix: str = "diag/momentum_spread",
+                    shard_group=None) -> dict[str, float]:
     """Max over elements of the std across ranks of the momentum, overall, per role, per block and
     per tensor. `momenta` are (layout entry, momentum tensor) pairs; every rank passes the same
-    entries in the same order (one fp64 SUM allreduce of [m, m^2])."""
+    entries in the same order (one fp64 SUM allreduce of [m, m^2]). With hybrid sharding the
+    momenta are shards, `group` the replicas, and the per-tensor maxima are maxed over `shard_group`."""
     stats = comm.CommStats() if stats is None else stats
     if not momenta:
         return {}
@@ -128,6 +137,12 @@ def momentum_spread(momenta: list[tuple[Any, torch.Tensor]], *, world_size: int,
         k = m.numel()
         maxima.append(var[off:off + k].max() if k else var.new_zeros(()))
         off += k
-    per_entry = torch.stack(maxima).cpu().tolist()
+    maxima = torch.stack(maxima)
+    if shard_group is not None:
+        device = maxima.device if maxima.is_cuda else None
+        with stats.call("momentum_spread_max", device) as timer:
+            with timer.coll(sent=maxima, recv=maxima):
+                torch.distributed.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX, group=shard_group)
+    per_entry = maxima.cpu().tolist()
     return {prefix + suffix: math.sqrt(v) for suffix, v in
             _aggregate(per_entry, [e for e, _ in momenta], max)}

@@ -49,7 +49,7 @@ import comm
 from . import sync
 from .diagnostics import _aggregate, _sum_fp64
 from .dion_math import DEFAULT_RANK_FRACTION, dion_factor_rows, dion_rank, dion_step_, init_dion_q
-from .muon import MatrixOptimizer, MatrixOptions, _gradient_mean, is_matrix
+from .muon import MatrixOptimizer, MatrixOptions, _gradient_mean, _matrix_state_words, is_matrix
 from .options import choice
 from .orthogonal import ORTHO_METHODS
 from .registry import OptimizerSpec, register_optimizer
@@ -304,7 +304,9 @@ register_optimizer(OptimizerSpec(
           "wire dtype)",
     state="matrices: momentum M (param dtype, per rank) + Q (min(m, n) x r fp32); others: AdamW m, v or Lion m",
     help="Dion (low-rank orthonormal updates, error feedback; Dion Alg. 2) on the hidden matrices, AdamW or Lion "
-         "on the rest; only P, R and the non-matrix gradients cross the network"))
+         "on the rest; only P, R and the non-matrix gradients cross the network",
+    # Q (n x r) is r / m of a matrix's elements: not counted per element
+    state_words=lambda o, s, role: _matrix_state_words(o, role, 1.0)))
 
 
 __all__ = ["Dion", "DionOptions", "matrix_seed"]

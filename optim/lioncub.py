@@ -108,7 +108,7 @@ class DistributedLion(CommOptimizer):
 
     def _diagnostics(self, out: dict | None):
         return vote_diagnostics(out["c"], out["update"], self.layout, world_size=self.world_size, group=self.group,
-                                stats=self.stats["diag"])
+                                stats=self.stats["diag"], shard_group=self.shard_group)
 
 
 def _sign_schemes() -> list[str]:

@@ -290,6 +290,14 @@ class Muon(MatrixOptimizer):
         return {"diag/muon_update_rms" + k: v for k, v in rms.items()}, {}
 
 
+def _matrix_state_words(o: MatrixOptions, role: str, matrix_words: float) -> float:
+    """fp32 words per element: `matrix_words` on the hidden matrices, the scalar optimizer's on the
+    embedding, head and 1-D parameters (AdamW m, v; Lion m)."""
+    if role not in NON_MATRIX_ROLES:
+        return matrix_words
+    return 2.0 if o.scalar_opt == "adamw" else 1.0
+
+
 def _gradient_mean(s: sync.SyncScheme) -> bool:
     return s.kind == sync.GRADIENT and s.result == sync.MEAN
 
@@ -303,7 +311,8 @@ register_optimizer(OptimizerSpec(
     needs="a gradient-sync mean (its matrices are orthogonalised from the mean gradient)",
     state="matrices: momentum (param dtype); others: AdamW m, v or Lion m",
     help="Muon (Newton-Schulz orthogonalised momentum) on the hidden matrices, AdamW or Lion on the rest; "
-         "fp32/bf16 gradient allreduce"))
+         "fp32/bf16 gradient allreduce",
+    state_words=lambda o, s, role: _matrix_state_words(o, role, 1.0)))
 
 
 __all__ = ["MatrixOptimizer", "MatrixOptions", "Muon", "MuonOptions", "NON_MATRIX_ROLES", "SCALAR_OPTS",

@@ -196,4 +196,5 @@ register_optimizer(OptimizerSpec(
     state="m, v (fp32); after freeze_step m and the frozen denominator, plus the worker error (fp32) and "
           "the server error (fp32, 1/P of it)",
     help="1-bit Adam: AdamW warm-up with fp32 gradients, then frozen variance and 1-bit momenta with error feedback",
-    scheme_problems=_compressor_problems))
+    scheme_problems=_compressor_problems,
+    state_words=lambda o, s, role: 2.0, shards=True))  # m, v; after freeze_step m and the frozen denominator

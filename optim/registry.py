@@ -40,6 +40,13 @@ class OptimizerSpec:
     scheme_problems: Callable[[sync.SchemeOptions], list[str]] | None = None
     """Problems with the selected scheme's options for this optimizer (e.g. a compressor it cannot
     use), each naming the comm.* key; None = any options of an accepted scheme."""
+    state_words: Callable[[OptimOptions, sync.SyncScheme, str], float] | None = None
+    """fp32 words of optimizer state per element of a parameter of role `role`:
+    state_words(options, scheme, role) (model.memory; the exchange's own state is the scheme's
+    `state_bytes`). None = unknown (the memory model says so)."""
+    shards: bool = False
+    """Runs on the local shards of a sharded model (parallel.shard_size > 1): its math is element-wise
+    on the flat layout, so the shards of a parameter need no view of the whole tensor."""
 
 
 _OPTIMIZERS: dict[str, OptimizerSpec] = {}
@@ -106,13 +113,15 @@ def _build_adamw(groups, *, betas, eps, options, **comm_kwargs):
 register_optimizer(OptimizerSpec(
     name="adamw", options=NoOptions, build=_build_adamw, accepts=_gradient_mean,
     needs="a gradient-sync scheme", state="m, v (fp32)",
-    help="AdamW (torch's kernel) on the mean gradient"))
+    help="AdamW (torch's kernel) on the mean gradient",
+    state_words=lambda o, s, role: 2.0, shards=True))
 register_optimizer(OptimizerSpec(
     name="lion", options=NoOptions, build=_build_lion,
     accepts=lambda s: _gradient_mean(s) or (s.kind == sync.UPDATE and s.result == sync.SIGN),
     needs="a gradient-sync scheme (global Lion) or an update-sync sign aggregate (Distributed Lion / Lion Cub)",
     state="m (fp32; per rank with update sync)",
-    help="Lion; with an update-sync scheme, Distributed Lion / Lion Cub (per-rank momentum)"))
+    help="Lion; with an update-sync scheme, Distributed Lion / Lion Cub (per-rank momentum)",
+    state_words=lambda o, s, role: 1.0, shards=True))
 
 
 def optimizers_table() -> str:
@@ -131,10 +140,13 @@ def build_optimizer(name: str, param_groups: list[dict], *, betas: tuple[float, 
                     optim_options: dict | OptimOptions | None = None, momentum_sync: dict | MomentumSync | None = None,
                     grad_clip: float = 0.0, group=None,
                     param_order: list[torch.nn.Parameter] | None = None, kernels: str = "eager",
-                    fine_timing: bool = True, bucket_mb: float = 0.0, overlap: bool = False) -> CommOptimizer:
+                    fine_timing: bool = True, bucket_mb: float = 0.0, overlap: bool = False,
+                    shard_group=None) -> CommOptimizer:
     """Build optimizer `name` for `param_groups` (dicts with params, names, role, lr, weight_decay,
     lr_mult; optionally layers) on sync scheme `comm_mode`. Raises ValueError naming the bad value
-    and the valid ones. `param_order` (the model's parameter order) fixes the flat gradient layout."""
+    and the valid ones. `param_order` (the model's parameter order) fixes the flat gradient layout.
+    With hybrid sharding the parameters are local shards, `group` the replicate group and
+    `shard_group` the group holding the other shards (its optimizer must declare `shards`)."""
     spec = get_optimizer(name)
     scheme = sync.get(comm_mode)
     problem = compatibility_problem(name, comm_mode)
@@ -145,6 +157,10 @@ def build_optimizer(name: str, param_groups: list[dict], *, betas: tuple[float, 
     if problem:
         raise ValueError(problem)
     options = _options(spec.options, optim_options, "optim")
+    if shard_group is not None and not (spec.shards and scheme.shards):
+        raise ValueError(f"parallel.shard_size > 1: optim.name={name} on comm.mode={comm_mode} does not run on "
+                         f"sharded parameters; use parallel.shard_size=1")
+    extra = {"shard_group": shard_group} if shard_group is not None else {}
     for g in param_groups:
         for key in ("params", "lr", "weight_decay"):
             if key not in g:
@@ -153,7 +169,7 @@ def build_optimizer(name: str, param_groups: list[dict], *, betas: tuple[float, 
     return spec.build(param_groups, betas=tuple(betas), eps=eps, options=options, scheme=scheme,
                       scheme_options=scheme_options, group=group, grad_clip=grad_clip, momentum_sync=momentum_sync,
                       param_order=param_order, kernels=kernels, fine_timing=fine_timing, bucket_mb=bucket_mb,
-                      overlap=overlap)
+                      overlap=overlap, **extra)
 
 
 def _options(cls, given, section: str):

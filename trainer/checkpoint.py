@@ -132,10 +132,14 @@ def clean_partial(ckpt_root: Path) -> list[Path]:
     return leftovers
 
 
-def save_checkpoint(ckpt_root: Path, step: int, model_state: dict, rank_state: dict, meta: dict,
-                    rank: int, world_size: int, keep: int) -> Path:
-    """Write checkpoint `step` (collective over the default group); returns its directory."""
-    bad = nonfinite_keys(model_state, "model") if rank == 0 else []
+def save_checkpoint(ckpt_root: Path, step: int, model_state: dict | None, rank_state: dict, meta: dict,
+                    rank: int, world_size: int, keep: int,
+                    write_sharded: Callable[[Path], dict[str, str]] | None = None) -> Path:
+    """Write checkpoint `step` (collective over the default group); returns its directory.
+    `write_sharded(tmp)` (every rank; trainer/sharded_checkpoint.py) writes a sharded model into
+    the temp directory and returns {relative file name: sha256} of the files this rank wrote;
+    model_state is then None (no model.pt)."""
+    bad = nonfinite_keys(model_state, "model") if rank == 0 and model_state is not None else []
     bad += nonfinite_keys(rank_state, f"rank {rank}")
     if _agree(bool(bad)):
         raise NonFiniteError(f"refusing to save checkpoint step {step}: non-finite values in "
@@ -151,8 +155,10 @@ def save_checkpoint(ckpt_root: Path, step: int, model_state: dict, rank_state: d
             raise _disk_error(tmp, e) from None
     _barrier(world_size)
     files = {}
-    if rank == 0:
+    if rank == 0 and model_state is not None:
         files[MODEL] = _write(model_state, tmp / MODEL)
+    if write_sharded is not None:
+        files.update(write_sharded(tmp))
     files[rank_file(rank)] = _write(rank_state, tmp / rank_file(rank))
     all_files = {k: v for d in _gather(files, world_size) for k, v in d.items()}
     if rank == 0:
@@ -215,6 +221,9 @@ def files_needed(meta: dict, rank: int, world_size: int) -> list[str]:
     """The files a rank reads: the model, and its own rank file, or every rank file of the saved
     run when the world size changed (their states are combined)."""
     saved = int(meta["world_size"])
+    if meta.get("sharded_model"):  # every rank verifies its share of the model's shard files
+        shards = sorted(n for n in meta.get("files", {}) if n.startswith(meta["sharded_model"] + "/"))
+        return shards[rank::world_size] + ([rank_file(rank)] if rank < saved else [])
     if saved == world_size:
         return [MODEL, rank_file(rank)]
     return [MODEL] + [rank_file(r) for r in range(saved)]
@@ -233,7 +242,10 @@ def find_resumable(ckpt_root: Path, rank: int, world_size: int,
         files: dict[str, Any] = {}
         try:
             meta = read_meta(path)
-            files, meta = load_verified(path, files_needed(meta, rank, world_size))
+            names = files_needed(meta, rank, world_size)
+            shards = [n for n in names if meta.get("sharded_model") and n.startswith(meta["sharded_model"] + "/")]
+            verify(path, shards)  # a sharded model's DCP files: checked here, read by trainer/sharded_checkpoint.py
+            files, meta = load_verified(path, [n for n in names if n not in shards])
         except CheckpointError as e:
             problem = str(e)
         problems = _gather(problem, world_size)

@@ -46,7 +46,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     preset: str = "tiny"
-    """Size preset from model.PRESETS (debug, tiny, cpu-30m, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1558m)."""
+    """Size preset from model.PRESETS (debug, tiny, cpu-30m, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1558m, gpt-7b)."""
     tie_embeddings: bool | None = None
     """Share token embedding and output head; null keeps the preset's choice (tied)."""
     pos_emb: str = "rope"
@@ -284,6 +284,14 @@ class DiagConfig:
 
 
 @dataclass
+class ParallelConfig:
+    shard_size: int = 1
+    """Ranks that shard one copy of the model (FSDP2 inside the group, over the fast links: consecutive
+    ranks of one node); the optimizer's comm.mode runs across the world / shard_size replicas on the
+    local shards. 1 = every rank holds the whole model (replicated). Must divide the world size."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -292,6 +300,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
     diag: DiagConfig = field(default_factory=DiagConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def to_dict(self) -> dict:
         """Plain nested dict as in the YAML files: registry options flat in their section."""
@@ -606,6 +615,36 @@ def _format(problems: list[str]) -> str:
     return f"{len(problems)} config problem(s):\n" + "\n".join(f"  - {p}" for p in problems)
 
 
+def _parallel_problems(cfg: Config, world_size: int | None) -> list[str]:
+    """parallel.shard_size: >= 1, divides the world size; S > 1 needs an optimizer and a comm.mode
+    that run on local shards (their registry entries' `shards`)."""
+    from optim.registry import get_optimizer
+
+    S, c, o = cfg.parallel.shard_size, cfg.comm, cfg.optim
+    if S < 1:
+        return [f"parallel.shard_size: {S} must be >= 1 (1 = replicated)"]
+    p = []
+    if world_size is not None and world_size % S:
+        p.append(f"parallel.shard_size: {S} does not divide the world size {world_size}; choose a divisor "
+                 f"(the ranks per node, typically)")
+    if S > 1 and o.name in optimizer_names() and not get_optimizer(o.name).shards:
+        fits = [n for n in optimizer_names() if get_optimizer(n).shards]
+        p.append(f"parallel.shard_size: {S} but optim.name={o.name} does not run on sharded parameters yet; "
+                 f"use parallel.shard_size=1 or one of optim.name={', '.join(fits)}")
+    if S > 1 and c.mode in sync.names() and not sync.get(c.mode).shards:
+        fits = [s.name for s in sync.schemes() if s.shards]
+        p.append(f"parallel.shard_size: {S} but comm.mode={c.mode} does not run across replicas of a sharded "
+                 f"model; use one of {', '.join(fits)} (hierarchical is onebit with shard_size = ranks per node)")
+    if S > 1 and cfg.train.mc_eval_file:
+        p.append(f"train.mc_eval_file: set with parallel.shard_size={S}; each rank scores its own items, so the ranks "
+                 f"of a shard group would run different forwards; leave train.mc_eval_file empty (score the "
+                 f"checkpoint with `python -m eval mc`)")
+    if S > 1 and cfg.comm.bucket_mb:
+        p.append(f"comm.bucket_mb: {cfg.comm.bucket_mb} with parallel.shard_size={S}: FSDP already overlaps its "
+                 f"reduce-scatter with backward; set comm.bucket_mb=0 and comm.overlap=false")
+    return p
+
+
 def validate(cfg: Config, world_size: int | None = None, raise_error: bool = True) -> list[str]:
     """Check ranges and combinations. With world_size, also the checks that depend on it."""
     from model import PRESETS  # the trainer sees everything; config validation needs the presets
@@ -685,9 +724,11 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
         problem = compatibility_problem(o.name, c.mode, c.options)
         if problem:
             p.append(problem)
-    for opts in (c.options, o.options):  # the selected entries' own checks (world-size ones too)
+    S = cfg.parallel.shard_size
+    replicas = world_size // S if world_size is not None and S >= 1 and world_size % S == 0 else world_size
+    for opts in (c.options, o.options):  # the selected entries' own checks (world-size ones: across replicas)
         if opts is not None:
-            p += opts.problems(world_size) + opts.run_problems(t.max_steps)
+            p += opts.problems(replicas) + opts.run_problems(t.max_steps)
     choice(p, "comm.kernels", c.kernels, ["auto", "compiled", "eager"])
     if c.bucket_mb < 0:
         p.append(f"comm.bucket_mb: {c.bucket_mb} must be >= 0 (0 = one bucket: the whole vector)")
@@ -712,6 +753,7 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
     if ms.every and "head" in ms.layers and m.tie_embeddings is not False and len(ms.layers) == 1:
         p.append("comm.momentum_sync.layers: [head] but the model ties embedding and head (the shared weight "
                  "is the 'embedding' layer); set model.tie_embeddings=false or select embedding")
+    p += _parallel_problems(cfg, world_size)
     choice(p, "train.resume", t.resume, ["never", "auto", "overwrite"])
     choice(p, "train.on_nonfinite", t.on_nonfinite, ["stop", "skip_step", "rollback"])
     choice(p, "train.device", t.device, ["auto", "cpu", "cuda"])

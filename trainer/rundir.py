@@ -39,7 +39,8 @@ RESUMABLE_KEYS = ("train.max_steps", "train.stop_after", "train.resume", "train.
                   "train.out_dir", "train.device", "train.mc_eval", "train.on_nonfinite", "train.max_skipped_steps",
                   "data.cache_dir", "comm.timeout_s", "comm.init_timeout_s", "comm.kernels", "comm.fine_timing",
                   "comm.auto_", "log.", "diag.", "optim.schedule_steps", "model.init_from",
-                  "model.activation_checkpointing")
+                  "model.activation_checkpointing",
+                  "parallel.")  # the mesh: trainer/state.py load decides what it can resume
 MARKER = ".lioncub_run"  # written by the trainer when it creates a run directory: {"run_id", "created"}
 LEGACY_MARKER = "run_id"  # what older versions wrote at creation
 REPLACED = ".replaced-"  # prefix of a replaced run's entries, kept until the new run's first verified checkpoint

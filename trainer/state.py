@@ -8,8 +8,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from model.checkpoint_files import load_verified
+
+from . import sharded_checkpoint
 from .checkpoint import (MODEL, CheckpointError, find_resumable, rank_file, read_meta, rng_state, save_checkpoint,
                          set_rng_state, verify)
+from .config import ConfigError
 from .rundir import REPLACED, drop_replaced
 
 MAX_ROLLBACKS = 5
@@ -26,9 +30,17 @@ def save(trainer) -> Path:
                   "tokens_seen": trainer.tokens_seen}
     meta = {"step": trainer.step, "world_size": trainer.info.world_size, "config": trainer.cfg.to_dict(),
             "tokens_seen": trainer.tokens_seen,
-            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    path = save_checkpoint(trainer.ckpt_root, trainer.step, trainer.model.state_dict(), rank_state, meta,
-                           trainer.info.rank, trainer.info.world_size, trainer.cfg.train.keep_ckpts)
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "shard_size": trainer.parallel.shard_size}
+    if trainer.parallel.sharded:  # every rank writes its model shards (DCP); its file holds its shards'
+        # optimizer state (per-replica state is per rank, never merged)
+        sharded_checkpoint.check_finite(trainer.model, trainer.step)
+        meta["sharded_model"] = sharded_checkpoint.MODEL_DIR
+        path = save_checkpoint(trainer.ckpt_root, trainer.step, None, rank_state, meta, trainer.info.rank,
+                               trainer.info.world_size, trainer.cfg.train.keep_ckpts,
+                               write_sharded=sharded_checkpoint.writer(trainer.model, trainer.info.rank))
+    else:
+        path = save_checkpoint(trainer.ckpt_root, trainer.step, trainer.model.state_dict(), rank_state, meta,
+                               trainer.info.rank, trainer.info.world_size, trainer.cfg.train.keep_ckpts)
     if trainer.info.is_main and any(p.name.startswith(REPLACED) for p in trainer.out_dir.iterdir()):
         verify(path, list(read_meta(path)["files"]))  # read back: only a verified checkpoint retires the old run
         for gone in drop_replaced(trainer.out_dir):
@@ -40,8 +52,14 @@ def load(trainer, path: Path, meta: dict, files: dict) -> str:
     """Restore `trainer` from a verified checkpoint (find_resumable's result); returns the line to print."""
     rank, world = trainer.info.rank, trainer.info.world_size
     saved = int(meta["world_size"])
+    shard, saved_shard = trainer.parallel.shard_size, int(meta.get("shard_size", 1))
+    if (shard > 1 or saved_shard > 1) and (shard != saved_shard or saved != world):
+        return _load_remeshed(trainer, path, meta, files, saved_shard)
     try:
-        trainer.model.load_state_dict(files[MODEL])
+        if meta.get("sharded_model"):
+            sharded_checkpoint.load_model(trainer.model, path)
+        else:
+            trainer.model.load_state_dict(files[MODEL])
         if saved == world:
             mine = files[rank_file(rank)]
             trainer.optimizer.load_state_dict(mine["optimizer"])
@@ -67,6 +85,40 @@ def load(trainer, path: Path, meta: dict, files: dict) -> str:
     if "schedule_steps" in mine and not trainer.cfg.optim.schedule_steps:  # keep the run's lr schedule
         trainer.schedule_steps = int(mine["schedule_steps"])
     return f"resumed from {path} at step {trainer.step}{note}"
+
+
+def _load_remeshed(trainer, path: Path, meta: dict, files: dict, saved_shard: int) -> str:
+    """Resume on another mesh (shard size or world size) where one side is sharded: the model from
+    its DCP shards or model.pt, the optimizer state joined per old replica and cut for this rank
+    (sharded_checkpoint.remesh_optimizer_state); a config error naming the saved mesh when the
+    optimizer's state cannot be mapped."""
+    rank, world, par = trainer.info.rank, trainer.info.world_size, trainer.parallel
+    saved = int(meta["world_size"])
+    names = [rank_file(r) for r in range(saved)]
+    files = {**files, **load_verified(path, [n for n in names if n not in files])[0]}  # every old rank's state
+    try:
+        opt = sharded_checkpoint.remesh_optimizer_state(
+            [files[n]["optimizer"] for n in names], saved_shard, par.shard_size, par.replicas,
+            rank // par.shard_size, rank % par.shard_size, rank // par.shard_size if par.sharded else rank)
+    except ValueError as e:
+        raise ConfigError(f"checkpoint {path} (parallel.shard_size={saved_shard} on {saved} ranks) cannot resume on "
+                          f"parallel.shard_size={par.shard_size} on {world} ranks: {e}; resume with "
+                          f"parallel.shard_size={saved_shard} on {saved} ranks") from None
+    if meta.get("sharded_model"):
+        sharded_checkpoint.load_model(trainer.model, path)
+    else:
+        model_state = files[MODEL] if MODEL in files else load_verified(path, [MODEL])[0][MODEL]
+        sharded_checkpoint.load_full_model(trainer.model, model_state)
+    trainer.optimizer.load_state_dict(opt)
+    mine = files[names[min(rank, saved - 1)]]
+    trainer.loader.load_state_dict(mine["loader"])  # a global position: the same in every rank's file
+    trainer.step, trainer.train_time = int(mine["step"]), float(mine.get("train_time", 0.0))
+    trainer.skip_batches = set(mine.get("skip_batches", []))
+    old_r, new_r = saved // saved_shard, par.replicas
+    how = "each replica's state as saved" if old_r == new_r else \
+        "per-replica optimizer state averaged once over the saved replicas (one momentum synchronisation)"
+    return (f"resumed from {path} at step {trainer.step} (written as {old_r} x {saved_shard} (replicas x shard size), "
+            f"resumed as {new_r} x {par.shard_size}: {how})")
 
 
 def on_nonfinite(trainer, r: dict) -> None:

@@ -24,7 +24,7 @@ from model import GPT, resolve_config
 from optim import build_optimizer
 from optim.base import digest
 
-from . import automode, state
+from . import automode, parallel, state
 from .state import DivergenceError
 from .checkpoint import find_resumable
 from .config import AUTO_MODE, Config, ConfigError, validate, warmup_steps
@@ -65,15 +65,25 @@ class Trainer:
             del source
         self.model.activation_checkpointing = cfg.model.activation_checkpointing
         o, c = cfg.optim, cfg.comm
+        # hybrid sharding (trainer/parallel.py): the optimizer sees local shards and the replicate group
+        self.parallel = parallel.make_mesh(cfg.parallel.shard_size, info.world_size, self.device)
+        groups, order = param_groups(self.model, o), list(self.model.parameters())
+        if self.parallel.sharded:
+            parallel.shard_model(self.model, self.parallel)
+            self.aliases = parallel.local_aliases(self.model)
+            groups = parallel.localize_groups(param_groups(self.model, o), self.aliases)
+            order = [self.aliases[id(p)] for p in self.model.parameters()]
         try:
             self.optimizer = build_optimizer(
-                o.name, param_groups(self.model, o), betas=tuple(o.betas), eps=o.eps, comm_mode=c.mode,
+                o.name, groups, betas=tuple(o.betas), eps=o.eps, comm_mode=c.mode,
                 comm_options=c.options, optim_options=o.options, grad_clip=o.grad_clip,
-                momentum_sync=vars(c.momentum_sync), param_order=list(self.model.parameters()),
+                momentum_sync=vars(c.momentum_sync), param_order=order,
                 kernels=kernel_impl(c.kernels), fine_timing=c.fine_timing, bucket_mb=c.bucket_mb,
-                overlap=c.overlap)
+                overlap=c.overlap, group=self.parallel.replicate_group, shard_group=self.parallel.shard_group)
         except ValueError as e:  # an option combination validate() does not know about
             raise ConfigError(f"optim/comm: {e}") from None
+        if self.parallel.sharded:
+            parallel.route_grads(self.model, self.aliases)
 
         d = cfg.data
         if self.mix_dirs:
@@ -194,7 +204,11 @@ class Trainer:
     def param_digests(self) -> list[str]:
         """sha256 of this rank's parameters, gathered from every rank (the invariant: all equal)."""
         out = [None] * self.info.world_size
-        dist.all_gather_object(out, digest(p for _, p in sorted(self.model.named_parameters())))
+        params = (p for _, p in sorted(self.model.named_parameters()))
+        if self.parallel.sharded:  # the whole tensors (gathered in the shard group): equal iff the replicas are
+            parallel.reshard(self.model)
+            params = [p.full_tensor() for p in params]
+        dist.all_gather_object(out, digest(params))
         return out
 
     def save(self) -> Path:
@@ -283,6 +297,8 @@ class Trainer:
     def _eval_and_log(self) -> float:
         val = self.evaluator.val_loss(self.model, self.forward)
         mc = self.evaluator.multiple_choice(self.model)
+        if self.parallel.sharded:
+            parallel.reshard(self.model)
         self.logger.log({"step": self.step, "val_loss": val, **mc, "train_time_s": self.train_time})
         self.logger.console(f"step {self.step:>6} | val loss {val:.4f}"
                             + (f" | mc acc {mc['mc_acc']:.4f} acc_norm {mc['mc_acc_norm']:.4f} ({mc['mc_items']} items)"

@@ -341,7 +341,8 @@ LOCO = register(SyncScheme(
     predict=lambda o, P, n, a, b, rows=1: _predict(o.comp(), 1, P, n, a, b),
     wire="the flat gradient in 4 bits with a scale per block and LoCo's moving-average error feedback "
          "(all-to-all, owner re-compresses, all-gather)",
-    help="LoCo: 4-bit gradient mean with moving-average error compensation, errors kept in 8 bits (gradient sync)"))
+    help="LoCo: 4-bit gradient mean with moving-average error compensation, errors kept in 8 bits (gradient sync)",
+    state_bytes=lambda o, P, n: _loco_state_bytes(o.comp(), P, n)))
 
 
 COMPRESSED = register(SyncScheme(
@@ -350,4 +351,10 @@ COMPRESSED = register(SyncScheme(
     predict=lambda o, P, n, a, b, rows=1: _predict(o.comp(), o.ef_node_size, P, n, a, b),
     wire="an optimizer's vector (1-bit Adam's momentum, BinSGDM's m/b), compressed with worker and server "
          "error feedback: all-to-all, owner re-compresses, all-gather",
-    help="error-feedback compressed mean of an update-sync vector (1-bit Adam, BinSGDM Alg. 1 / §4)"))
+    help="error-feedback compressed mean of an update-sync vector (1-bit Adam, BinSGDM Alg. 1 / §4)",
+    state_bytes=lambda o, P, n: 4 * sum(comm.ef_buffer_sizes(n, P, o.comp(), node_size=o.node()))))
+
+
+def _loco_state_bytes(comp: Compressor, P: int, n: int) -> int:
+    """LoCo's errors in 8 bits: int8 codes and a fp32 scale per block, worker and server (_LocoErrors)."""
+    return sum(k + 4 * comm.ceil_div(k, comp.block) for k in comm.ef_buffer_sizes(n, P, comp))

@@ -123,6 +123,12 @@ class SyncScheme:
     predict: Callable[..., float]
     wire: str
     help: str
+    state_bytes: Callable[[SchemeOptions, int, int], int] | None = None
+    """Bytes of the exchange's own state (error feedback) for a vector of n elements over P ranks:
+    state_bytes(options, P, n) (model.memory); None = a stateless exchange."""
+    shards: bool = True
+    """Runs across the replicate axis on local shards (parallel.shard_size > 1). False where the
+    scheme has its own notion of nodes (hierarchical), which the mesh replaces."""
 
     def __post_init__(self) -> None:
         if self.kind not in (GRADIENT, UPDATE):

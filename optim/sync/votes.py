@@ -255,4 +255,7 @@ HIERARCHICAL = register(SyncScheme(
     predict=lambda o, P, n, a, b, rows=1: (cost_model.hierarchical_onebit(
         P, n, 32, a, b, node_size=comm.resolve_node_size(o.node_size or None, P)) + _mask_time(o, P, rows, a, b, True)),
     wire="fp32 sums inside a node, 1-bit vote across nodes (BinSGDM §4)",
-    help="hierarchical 1-bit vote: exact sums inside a node, 1-bit vote between nodes (update sync)"))
+    help="hierarchical 1-bit vote: exact sums inside a node, 1-bit vote between nodes (update sync)",
+    # with parallel.shard_size = ranks per node the mesh does its intra-node part (the gradient
+    # mean inside the shard group) and comm.mode=onebit its vote across the replicas
+    shards=False))

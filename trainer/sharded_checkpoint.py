@@ -1,0 +1,152 @@
+"""The model of a sharded run (parallel.shard_size > 1) in a checkpoint, through
+torch.distributed.checkpoint (DCP).
+
+Every rank writes its own shards of the model into `<step>/model/` (DCP's `__<rank>_<i>.distcp`
+files, rank 0 also `.metadata`) in parallel; DCP writes each model shard once although every replica
+holds it (the replicas' shards are bit-identical). Each rank returns the sha256 of the files it
+wrote, so meta.json (trainer/checkpoint.py) lists every file with its checksum, the resume verifies
+them (each rank its share, all ranks agree) and falls back to the previous intact checkpoint.
+
+The optimizer state is not in here: every rank's file (rank_*.pt) holds its own shards' state,
+momenta and error feedback included, which differ across replicas and are never deduplicated.
+
+Loading: DCP fills the model's DTensors from whichever files hold their shards (so the model part
+would load at another mesh as well); a replicated checkpoint's model.pt loads into a sharded
+model (`parallel.load_full_state_dict`)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from . import parallel
+from .checkpoint import NonFiniteError, _agree, nonfinite_keys, sha256_file
+
+MODEL_DIR = "model"
+
+
+def _model_state(model: torch.nn.Module) -> dict:
+    """{"model": state dict} with a weight shared by two names (the tied embedding / head) once:
+    DCP would write it under both names."""
+    parallel.reshard(model)
+    out, seen = {}, set()
+    for k, v in model.state_dict(keep_vars=True).items():
+        if id(v) not in seen:
+            seen.add(id(v))
+            out[k] = v.detach()
+    return {"model": out}
+
+
+def check_finite(model: torch.nn.Module, step: int) -> None:
+    """Every rank checks its local shards; all agree; NonFiniteError when any holds NaN / inf."""
+    local = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in model.state_dict().items()}
+    bad = nonfinite_keys(local, "model")
+    if _agree(bool(bad)):
+        raise NonFiniteError(f"refusing to save checkpoint step {step}: non-finite values in "
+                             f"{', '.join(bad[:5]) or 'another rank'}; the last good checkpoint is kept")
+
+
+def writer(model: torch.nn.Module, rank: int):
+    """The `write_sharded` callback of checkpoint.save_checkpoint: DCP-save the model into
+    tmp/model and return {model/<file>: sha256} of the files this rank wrote."""
+
+    def write(tmp: Path) -> dict[str, str]:
+        import torch.distributed.checkpoint as dcp
+
+        out = tmp / MODEL_DIR
+        dcp.save(_model_state(model), storage_writer=dcp.FileSystemWriter(str(out), sync_files=True))
+        # .metadata is written by the coordinator (rank 0) after every rank's files
+        mine = [f for f in out.iterdir() if f.name.startswith(f"__{rank}_") or (rank == 0 and f.name == ".metadata")]
+        return {f"{MODEL_DIR}/{f.name}": sha256_file(f) for f in sorted(mine)}
+
+    return write
+
+
+def load_model(model: torch.nn.Module, path: Path) -> None:
+    """Fill the sharded model from checkpoint `path`'s DCP files (collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = _model_state(model)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path / MODEL_DIR)))
+    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    tied = set(model.state_dict()) - set(state["model"])
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"checkpoint {path}: model keys missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
+
+
+def load_full_model(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """A whole (replicated run's model.pt) state into the model, sharded or not: every rank keeps
+    its own dim-0 chunk of each tensor."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    if missing:
+        raise ValueError(f"model state lacks {missing}")
+    with torch.no_grad():
+        for k, v in own.items():
+            if hasattr(v, "to_local"):
+                mesh = v.device_mesh
+                v.to_local().copy_(_rows(state[k], mesh.size(), mesh.get_local_rank()))
+            else:
+                v.copy_(state[k])
+
+
+def _per_param(opt_state: dict) -> tuple[dict, list[str]]:
+    """(the torch-style {"state": {index: {key: tensor}}} part of an optimizer state, its path), or
+    ValueError when the state holds anything a mesh change cannot map (flat-layout vectors,
+    exchange state)."""
+    path = []
+    node = opt_state
+    if "inner" in node:  # optim/adamw.py and the matrix optimizers keep torch's optimizer inside
+        path, node = ["inner"], node["inner"]
+    extra = sorted(set(opt_state) - {"state", "param_groups", "comm", "inner"})
+    exchange = (opt_state.get("comm") or {}).get("exchange")
+    if extra or exchange or "state" not in node:
+        raise ValueError(f"its optimizer state holds {extra or 'exchange state'}, which is laid out over the saved "
+                         f"mesh's flat vector")
+    return node, path
+
+
+def _rows(t: torch.Tensor, shards: int, index: int) -> torch.Tensor:
+    """FSDP2's dim-0 chunk `index` of `shards` (ceil(rows / shards) rows each; trailing ones may be empty)."""
+    chunk = -(-t.shape[0] // shards)
+    return t[index * chunk:(index + 1) * chunk]
+
+
+def remesh_optimizer_state(states: list[dict], saved_shard: int, shard: int, replicas: int, replica: int,
+                           shard_index: int, group_rank: int) -> dict:
+    """This rank's optimizer state on a new mesh, from every rank's saved state (`states`, old rank
+    order, `saved_shard` ranks per model copy). Per-parameter tensors (dim-0 shards) are joined
+    into each old replica's whole tensors; with as many replicas as before, replica r takes old
+    replica r's state exactly; otherwise every per-replica tensor is the mean over the old replicas
+    (one momentum synchronisation, as `CommOptimizer.load_resharded` does for a world-size change).
+    Then this rank's dim-0 chunk is cut. Scalars (step counts) are kept. ValueError for state that
+    is not per parameter."""
+    old_replicas = len(states) // saved_shard
+    parts = [_per_param(s) for s in states]
+    whole = []  # per old replica: {index: {key: tensor}}
+    for r in range(old_replicas):
+        group = [parts[r * saved_shard + k][0]["state"] for k in range(saved_shard)]
+        whole.append({i: {key: (torch.cat([g[i][key] for g in group]) if torch.is_tensor(v) and v.ndim else v)
+                          for key, v in st.items()} for i, st in group[0].items()})
+    if old_replicas == replicas:
+        mine = whole[replica]
+    else:
+        mine = {i: {key: (torch.stack([w[i][key].to(torch.float32) for w in whole]).mean(0).to(v.dtype)
+                          if torch.is_tensor(v) and v.ndim and v.is_floating_point() else v)
+                    for key, v in st.items()} for i, st in whole[0].items()}
+    local = {i: {key: (_rows(v, shard, shard_index).clone() if torch.is_tensor(v) and v.ndim else v)
+                 for key, v in st.items()} for i, st in mine.items()}
+    base, path = parts[0]
+    node = {**base, "state": local}
+    out = dict(states[0])
+    if path:
+        out[path[0]] = node
+    else:
+        out.update(node)
+    comm = dict(out.get("comm") or {})
+    comm.update(world_size=replicas, rank=group_rank, exchange={})
+    out["comm"] = comm
+    return out
+
+
+__all__ = ["MODEL_DIR", "check_finite", "load_full_model", "load_model", "remesh_optimizer_state", "writer"]
