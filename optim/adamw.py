@@ -14,6 +14,8 @@ class AdamW(CommOptimizer):
     own kernel, run on an inner torch.optim.AdamW over the same parameters; lr and weight_decay are
     copied from this optimizer's groups before every step, so schedulers act on this object."""
 
+    optim_name = "adamw"
+
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, **comm_kwargs) -> None:
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), **comm_kwargs)

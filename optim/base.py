@@ -39,6 +39,7 @@ from comm import kernels as _kernels
 from . import overlap as _overlap
 from . import sync
 from .diagnostics import momentum_spread
+from .options import common_problems
 
 PHASES = ("grad_sync", "update_sync", "momentum_sync", "diag", "guard", "overlapped")
 COMM_PHASES = ("grad_sync", "update_sync", "momentum_sync")  # what the step's comm time and bytes count
@@ -206,6 +207,10 @@ class MomentumSync:
 class CommOptimizer(torch.optim.Optimizer):
     """Base of every optimizer of the project; see the module docstring."""
 
+    optim_name: str | None = None
+    """The registry entry (`optim.name`) that builds this class: an optimizer built directly, not
+    through build_optimizer, is checked against that entry's `accepts` (the rule's one home)."""
+
     def __init__(self, param_groups: Iterable, defaults: dict, *, scheme: str | sync.SyncScheme = "fp32",
                  scheme_options: sync.SchemeOptions | dict | None = None, group=None, grad_clip: float = 0.0,
                  momentum_sync: MomentumSync | dict | None = None,
@@ -223,6 +228,14 @@ class CommOptimizer(torch.optim.Optimizer):
         self.scheme_options = scheme_options
         self.group = group
         self.world_size, self.rank = comm.world(group)
+        if isinstance(momentum_sync, dict):
+            momentum_sync = MomentumSync(**momentum_sync)
+        every = momentum_sync.every if momentum_sync is not None else 0
+        problems = self._registry_problems() + common_problems(grad_clip=grad_clip) + self.scheme.run_problems(
+            self.scheme_options, self.world_size, bucket_mb=bucket_mb, overlap=overlap, grad_clip=grad_clip,
+            momentum_sync_every=every, shard_size=comm.world(shard_group)[0] if shard_group is not None else 1)
+        if problems:
+            raise ValueError("; ".join(problems))
         self.layout = FlatLayout(self.param_groups)
         if not self.layout.entries:
             raise ValueError("the optimizer got no trainable parameter")
@@ -239,21 +252,11 @@ class CommOptimizer(torch.optim.Optimizer):
             raise ValueError(f"comm.kernels={kernels!r}; choose one of {', '.join(_kernels.IMPLS)}")
         self.kernels = kernels
         self.stats = {phase: CommStats(timing=fine_timing) for phase in PHASES}
-        problems = self.scheme_options.problems(self.world_size)
-        if problems:
-            raise ValueError("; ".join(problems))
         self.grad_buffers = attach_flat_grads(self._grad_order(order))
         self._grad_views = {id(p): p.grad for p in order}
-        if not grad_clip >= 0:
-            raise ValueError(f"optim.grad_clip={grad_clip}; need >= 0 (0 disables clipping)")
         self.grad_clip = float(grad_clip)
-        if isinstance(momentum_sync, dict):
-            momentum_sync = MomentumSync(**momentum_sync)
         self.momentum_sync = momentum_sync if momentum_sync is not None and momentum_sync.every > 0 else None
         if self.momentum_sync is not None:
-            if self.scheme.kind != sync.UPDATE:
-                raise ValueError(f"comm.momentum_sync applies to update-sync modes; with comm.mode={self.scheme.name} "
-                                 "every rank already holds the same state. Set comm.momentum_sync.every=0.")
             if not any(self.momentum_sync.selects(r) for r in self.layout.roles):
                 raise ValueError(f"comm.momentum_sync.layers={self.momentum_sync.layers} selects no parameter; roles "
                                  f"present: {self.layout.roles} (a head tied to the embedding has role 'embedding')")
@@ -267,9 +270,6 @@ class CommOptimizer(torch.optim.Optimizer):
             segments=self.layout.segments, rows=[e.rows for e in self.layout.entries], device=device, seed=seed,
             kernels=kernels)
         self.exchange = self.scheme.build(self.scheme_options, self.ctx)
-        if self.bucket_bytes > 0 and not self.exchange.parts:
-            raise ValueError(f"comm.bucket_mb / comm.overlap: comm.mode={self.scheme.name} exchanges its vector as a "
-                             f"whole (its state or its scales span it); set comm.bucket_mb=0 and comm.overlap=false")
         self._step = 0
         self._bucket_results = None
         self._buckets = self._make_buckets(order) if self.bucket_bytes > 0 else None
@@ -279,21 +279,22 @@ class CommOptimizer(torch.optim.Optimizer):
     """Which vector this optimizer can exchange in buckets: "gradient" (the base's gradient
     exchange), "update" (the subclass's own vector: `_bucket_vector`), or None (not at all)."""
 
+    def _registry_problems(self) -> list[str]:
+        if self.optim_name is None:
+            return []
+        from .registry import compatibility_problem  # the registry imports the optimizers' modules
+
+        problem = compatibility_problem(self.optim_name, self.scheme.name, self.scheme_options)
+        return [problem] if problem else []
+
     def _check_buckets(self, bucket_mb: float, overlap: bool, grad_clip: float) -> None:
-        if not bucket_mb >= 0:
-            raise ValueError(f"comm.bucket_mb={bucket_mb}; need >= 0 (0 = one bucket: the whole vector)")
-        if overlap and not bucket_mb > 0:
-            raise ValueError("comm.overlap=true needs buckets: set comm.bucket_mb > 0 (e.g. 25, DDP's default)")
+        """The optimizer's side of buckets (the scheme's, `bucketable`, is in its run_problems)."""
         if bucket_mb <= 0:
             return
-        kind = self.scheme.kind
-        wants = "gradient" if kind == sync.GRADIENT else "update"
+        wants = "gradient" if self.scheme.kind == sync.GRADIENT else "update"
         if self.bucketed != wants:
             raise ValueError(f"comm.bucket_mb / comm.overlap: {type(self).__name__} on comm.mode={self.scheme.name} "
                              f"cannot exchange its vector in buckets; set comm.bucket_mb=0 and comm.overlap=false")
-        if overlap and kind == sync.UPDATE and grad_clip > 0:
-            raise ValueError("comm.overlap=true with an update-sync mode needs optim.grad_clip=0: a bucket's update is "
-                             "launched during backward, before the whole gradient's norm is known")
 
     def _make_buckets(self, order: list[torch.nn.Parameter]) -> _overlap.Overlap:
         if self.scheme.kind == sync.GRADIENT:

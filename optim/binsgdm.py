@@ -27,6 +27,7 @@ import torch
 from . import sync
 from .base import CommOptimizer
 from .lion import apply_update_
+from .options import common_problems
 from .registry import OptimizerSpec, OptimOptions, register_optimizer
 
 
@@ -46,17 +47,14 @@ class BinSGDM(CommOptimizer):
     """BinSGDM Alg. 1 (module docstring) with per-rank m, b_hat (and b when t0 >= 0) as flat fp32
     vectors in the role-ordered layout. `scheme` must be an update-sync mean (comm.mode=compressed)."""
 
+    optim_name = "binsgdm"
+
     def __init__(self, params: Iterable, lr: float = 1e-4, beta: float = 0.9, weight_decay: float = 0.0, *,
                  t0: int = -1, scheme: str | sync.SyncScheme = "compressed", **comm_kwargs) -> None:
-        s = sync.get(scheme) if isinstance(scheme, str) else scheme
-        if s.kind != sync.UPDATE or s.result != sync.MEAN:
-            raise ValueError(f"comm.mode={s.name} is a {s.kind}-sync scheme returning a {s.result}; BinSGDM "
-                             f"exchanges m/b through an update-sync mean: comm.mode=compressed")
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"BinSGDM: beta={beta}; need 0 <= beta < 1 (the paper uses 0.9 and 0.95)")
-        if t0 < -1:
-            raise ValueError(f"optim.t0={t0}; need >= 0, or -1 for no max rule")
-        super().__init__(params, dict(lr=lr, beta=beta, weight_decay=weight_decay), scheme=s, **comm_kwargs)
+        problems = common_problems(lr=lr, beta1=beta, weight_decay=weight_decay) + BinSGDMOptions(t0=t0).problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+        super().__init__(params, dict(lr=lr, beta=beta, weight_decay=weight_decay), scheme=scheme, **comm_kwargs)
         self.t0 = int(t0)
         lay = self.layout
         self.m = torch.zeros(lay.numel, dtype=torch.float32, device=lay.device)

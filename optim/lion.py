@@ -33,6 +33,7 @@ import torch
 from comm import kernels
 
 from .base import CommOptimizer
+from .options import common_problems
 
 
 def lion_direction(exp_avgs: list[torch.Tensor], grads: list[torch.Tensor], beta1: float,
@@ -261,14 +262,13 @@ class Lion(CommOptimizer):
     """Lion on one shared state (gradient sync, or one process): every rank averages its gradient
     through the scheme (fp32 / bf16 allreduce), then takes the same step."""
 
+    optim_name = "lion"
+
     def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, **comm_kwargs) -> None:
-        if not lr >= 0.0:
-            raise ValueError(f"Lion: lr={lr}; need lr >= 0")
-        if not (0.0 <= betas[0] <= 1.0 and 0.0 <= betas[1] <= 1.0):
-            raise ValueError(f"Lion: betas={betas}; both must lie in [0, 1] (the papers use (0.9, 0.99))")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"Lion: weight_decay={weight_decay}; need >= 0")
+        problems = common_problems(lr=lr, betas=betas, weight_decay=weight_decay)
+        if problems:
+            raise ValueError("; ".join(problems))
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), **comm_kwargs)
 
     def momentum_of(self, p: torch.nn.Parameter) -> torch.Tensor | None:

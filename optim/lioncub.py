@@ -20,6 +20,7 @@ import torch
 from . import sync
 from .base import CommOptimizer
 from .diagnostics import vote_diagnostics
+from .options import common_problems
 from .lion import fused_apply_update_, fused_lion_direction_, fused_momentum_update_, warmup_fused_passes
 
 
@@ -30,14 +31,17 @@ class DistributedLion(CommOptimizer):
     per-layer diagnostics), "names" and "layers"; lr and weight_decay are read from the group every
     step. Steps are counted from 1 (the t of the tie break)."""
 
+    optim_name = "lion"
+
     def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, *, scheme: str | sync.SyncScheme = "onebit", **comm_kwargs) -> None:
-        if not (0.0 <= betas[0] <= 1.0 and 0.0 <= betas[1] <= 1.0):
-            raise ValueError(f"Lion: betas={betas}; both must lie in [0, 1]")
+        problems = common_problems(lr=lr, betas=betas, weight_decay=weight_decay)
+        if problems:
+            raise ValueError("; ".join(problems))
         s = sync.get(scheme) if isinstance(scheme, str) else scheme
-        if s.kind != sync.UPDATE or s.result != sync.SIGN:
-            raise ValueError(f"comm.mode={s.name} is a {s.kind}-sync scheme returning a {s.result}; distributed "
-                             f"Lion needs an update-sync sign aggregate: one of {_sign_schemes()}")
+        if not s.per_rank_state:  # which update-sync schemes fit is the registry's entry "lion" (the base asks it)
+            raise ValueError(f"DistributedLion keeps a momentum per rank and needs an update-sync comm.mode, not "
+                             f"{s.name}; build_optimizer('lion', ...) builds Lion for gradient sync")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), scheme=s,
                          **comm_kwargs)
         self._c: torch.Tensor | None = None
@@ -109,7 +113,3 @@ class DistributedLion(CommOptimizer):
     def _diagnostics(self, out: dict | None):
         return vote_diagnostics(out["c"], out["update"], self.layout, world_size=self.world_size, group=self.group,
                                 stats=self.stats["diag"], shard_group=self.shard_group)
-
-
-def _sign_schemes() -> list[str]:
-    return [s.name for s in sync.schemes() if s.kind == sync.UPDATE and s.result == sync.SIGN]

@@ -42,7 +42,7 @@ from . import sync
 from .base import CommOptimizer, Entry
 from .diagnostics import _aggregate
 from .lion import apply_update_, lion_group_step_
-from .options import choice
+from .options import choice, common_problems
 from .orthogonal import MUON_SCALES, NS_STEPS, muon_scale, muon_update
 from .registry import OptimizerSpec, OptimOptions, register_optimizer
 
@@ -117,20 +117,16 @@ class MatrixOptimizer(CommOptimizer):
     network in one step, for the byte formula)."""
 
     options_class: type[MatrixOptions] = MatrixOptions
+    optim_name = "muon"  # a subclass with its own registry entry names it (Dion: "dion")
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, options: MatrixOptions | dict | None = None,
                  scheme: str | sync.SyncScheme = "fp32", **comm_kwargs) -> None:
         name = type(self).__name__
         s = sync.get(scheme) if isinstance(scheme, str) else scheme
-        if s.kind != sync.GRADIENT or s.result != sync.MEAN:
-            fits = [x.name for x in sync.schemes() if x.kind == sync.GRADIENT and x.result == sync.MEAN]
-            raise ValueError(f"comm.mode={s.name} is a {s.kind}-sync scheme returning a {s.result}; {name} needs a "
-                             f"mean-allreduce scheme: set comm.mode to one of {', '.join(fits)}")
-        if not lr >= 0.0:
-            raise ValueError(f"{name}: lr={lr}; need lr >= 0")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"{name}: betas={betas}; both must lie in [0, 1)")
+        problems = common_problems(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        if problems:
+            raise ValueError("; ".join(problems))
         # set before the base runs: a subclass's _grad_order (Dion) reads the options
         self.options = _options(self.options_class, options)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), scheme=s,

@@ -67,16 +67,15 @@ class OneBitAdam(AdamW):
     """1-bit Adam (module docstring). `scheme` must be an update-sync scheme returning a mean
     (comm.mode=compressed); the warm-up's fp32 gradient allreduce is built here."""
 
+    optim_name = "onebit_adam"
+
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, freeze_step: int = 100,
                  scheme: str | sync.SyncScheme = "compressed", **comm_kwargs) -> None:
-        s = sync.get(scheme) if isinstance(scheme, str) else scheme
-        if s.kind != sync.UPDATE or s.result != sync.MEAN:
-            raise ValueError(f"comm.mode={s.name} is a {s.kind}-sync scheme returning a {s.result}; 1-bit Adam "
-                             f"exchanges its momentum through an update-sync mean: comm.mode=compressed")
-        if freeze_step < 1:
-            raise ValueError(f"optim.freeze_step={freeze_step}; need >= 1")
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, scheme=s, **comm_kwargs)
+        problems = OneBitAdamOptions(freeze_step=freeze_step).problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, scheme=scheme, **comm_kwargs)
         self.freeze_step = int(freeze_step)
         fp32 = sync.get("fp32")
         self.grad_exchange = fp32.build(fp32.default_options(), sync.ExchangeContext(

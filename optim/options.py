@@ -10,6 +10,7 @@ dependent checks run when `world_size` is given.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, ClassVar, Iterable
 
 
@@ -48,3 +49,23 @@ def choice(problems: list[str], key: str, value: Any, allowed: Iterable) -> None
 def at_least(problems: list[str], key: str, value: float, low: float) -> None:
     if value < low:
         problems.append(f"{key}: {value} must be >= {low}")
+
+
+def common_problems(*, lr: float | None = None, betas=None, eps: float | None = None,
+                    weight_decay: float | None = None, grad_clip: float | None = None,
+                    beta1: float | None = None) -> list[str]:
+    """Problems of the optim.* keys every optimizer takes (those given), each rule written once: the
+    config validates a run with it and an optimizer built directly checks its arguments with it."""
+    p: list[str] = []
+    if lr is not None and not (isinstance(lr, (int, float)) and lr > 0 and math.isfinite(lr)):
+        p.append(f"optim.lr: {lr} must be a positive number")
+    if betas is not None and (len(betas) != 2 or not all(
+            isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
+        p.append(f"optim.betas: {list(betas)} must be two numbers in [0, 1) (beta = 1 would never update the "
+                 f"momentum; the papers use (0.9, 0.99) for Lion, (0.9, 0.95) for AdamW)")
+    if beta1 is not None and not 0 <= beta1 < 1:  # an optimizer with one factor: optim.betas[0]
+        p.append(f"optim.betas: [0] is {beta1}; it must be in [0, 1)")
+    for key, val in (("eps", eps), ("weight_decay", weight_decay), ("grad_clip", grad_clip)):
+        if val is not None and not val >= 0:
+            p.append(f"optim.{key}: {val} must be >= 0" + (" (0 disables clipping)" if key == "grad_clip" else ""))
+    return p

@@ -11,6 +11,8 @@ from typing import Callable
 
 import torch
 
+import comm
+
 from . import sync
 from .adamw import AdamW
 from .base import CommOptimizer, MomentumSync
@@ -91,6 +93,27 @@ def compatibility_problem(name: str, mode: str, comm_options: sync.SchemeOptions
             + (f"; {mode} works with optim.name={' or '.join(users)}" if users else ""))
 
 
+def run_problems(name: str, mode: str, comm_options: sync.SchemeOptions | None = None,
+                 world_size: int | None = None, **run) -> list[str]:
+    """Every problem of running optimizer `name` on comm.mode `mode`: whether the entry accepts the
+    scheme (and its options), whether both run on shards (`run["shard_size"]` > 1), and the scheme's
+    own `run_problems` at `world_size` with the `run` settings (bucket_mb, overlap, grad_clip,
+    momentum_sync_every, shard_size). The config's validation and build_optimizer both ask this."""
+    problem = compatibility_problem(name, mode, comm_options)
+    if problem:
+        return [problem]
+    spec, scheme = get_optimizer(name), sync.get(mode)
+    p = []
+    S = run.get("shard_size", 1)
+    if S > 1 and not spec.shards:
+        fits = [o.name for o in optimizers() if o.shards]
+        p.append(f"parallel.shard_size: {S} but optim.name={name} does not run on sharded parameters yet; use "
+                 f"parallel.shard_size=1 or one of optim.name={', '.join(fits)}")
+    if comm_options is not None:
+        p += scheme.run_problems(comm_options, world_size, **run)
+    return p
+
+
 def _gradient_mean(s: sync.SyncScheme) -> bool:
     return s.kind == sync.GRADIENT and s.result == sync.MEAN
 
@@ -153,13 +176,13 @@ def build_optimizer(name: str, param_groups: list[dict], *, betas: tuple[float, 
     if problem:
         raise ValueError(problem)
     scheme_options = _options(scheme.options, comm_options, "comm")
-    problem = compatibility_problem(name, comm_mode, scheme_options)
-    if problem:
-        raise ValueError(problem)
+    every = momentum_sync.get("every", 0) if isinstance(momentum_sync, dict) else getattr(momentum_sync, "every", 0)
+    problems = run_problems(name, comm_mode, scheme_options, comm.world(group)[0], bucket_mb=bucket_mb,
+                            overlap=overlap, grad_clip=grad_clip, momentum_sync_every=every,
+                            shard_size=comm.world(shard_group)[0] if shard_group is not None else 1)
+    if problems:
+        raise ValueError("; ".join(problems))
     options = _options(spec.options, optim_options, "optim")
-    if shard_group is not None and not (spec.shards and scheme.shards):
-        raise ValueError(f"parallel.shard_size > 1: optim.name={name} on comm.mode={comm_mode} does not run on "
-                         f"sharded parameters; use parallel.shard_size=1")
     extra = {"shard_group": shard_group} if shard_group is not None else {}
     for g in param_groups:
         for key in ("params", "lr", "weight_decay"):

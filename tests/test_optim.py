@@ -201,7 +201,7 @@ def test_build_optimizer_registry_and_errors():
         optim.build_optimizer("adamw", _groups(model), comm_mode="onebit", **kw)
     with pytest.raises(ValueError, match=r"unknown comm options \['bitz'\]"):
         optim.build_optimizer("lion", _groups(model), comm_mode="pbit", comm_options={"bitz": 4})
-    with pytest.raises(ValueError, match="momentum_sync applies to update-sync modes"):
+    with pytest.raises(ValueError, match="momentum sync applies to update-sync modes"):
         optim.build_optimizer("lion", _groups(model), comm_mode="fp32", momentum_sync={"every": 10, "layers": ["head"]})
     with pytest.raises(ValueError, match=r"selects no parameter.*\['mlp', 'norm'\]"):
         optim.build_optimizer("lion", _groups(model), comm_mode="onebit", momentum_sync={"every": 10, "layers": ["head"]})

@@ -25,11 +25,11 @@ from typing import Any
 
 import yaml
 
-from optim.options import at_least, choice
+from optim.options import at_least, choice, common_problems
 
 from model import ROLES
 from optim import sync
-from optim.registry import compatibility_problem, optimizer_names
+from optim.registry import compatibility_problem, optimizer_names, run_problems
 
 from .schedule import DECAY_SHAPES, SCHEDULES, decay_steps
 
@@ -616,25 +616,15 @@ def _format(problems: list[str]) -> str:
 
 
 def _parallel_problems(cfg: Config, world_size: int | None) -> list[str]:
-    """parallel.shard_size: >= 1, divides the world size; S > 1 needs an optimizer and a comm.mode
-    that run on local shards (their registry entries' `shards`)."""
-    from optim.registry import get_optimizer
-
-    S, c, o = cfg.parallel.shard_size, cfg.comm, cfg.optim
+    """parallel.shard_size: >= 1, divides the world size, and what the trainer cannot do on shards
+    (whether the optimizer and comm.mode run on shards is theirs to say: optim.registry.run_problems)."""
+    S = cfg.parallel.shard_size
     if S < 1:
         return [f"parallel.shard_size: {S} must be >= 1 (1 = replicated)"]
     p = []
     if world_size is not None and world_size % S:
         p.append(f"parallel.shard_size: {S} does not divide the world size {world_size}; choose a divisor "
                  f"(the ranks per node, typically)")
-    if S > 1 and o.name in optimizer_names() and not get_optimizer(o.name).shards:
-        fits = [n for n in optimizer_names() if get_optimizer(n).shards]
-        p.append(f"parallel.shard_size: {S} but optim.name={o.name} does not run on sharded parameters yet; "
-                 f"use parallel.shard_size=1 or one of optim.name={', '.join(fits)}")
-    if S > 1 and c.mode in sync.names() and not sync.get(c.mode).shards:
-        fits = [s.name for s in sync.schemes() if s.shards]
-        p.append(f"parallel.shard_size: {S} but comm.mode={c.mode} does not run across replicas of a sharded "
-                 f"model; use one of {', '.join(fits)} (hierarchical is onebit with shard_size = ranks per node)")
     if S > 1 and cfg.train.mc_eval_file:
         p.append(f"train.mc_eval_file: set with parallel.shard_size={S}; each rank scores its own items, so the ranks "
                  f"of a shard group would run different forwards; leave train.mc_eval_file empty (score the "
@@ -700,12 +690,8 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
             warm + decay_steps(horizon, o.decay_fraction) > horizon:
         p.append(f"optim.decay_fraction: warmup ({warm}) + decay ({decay_steps(horizon, o.decay_fraction)} steps) "
                  f"exceed {where}={horizon}; lower optim.warmup_steps or optim.decay_fraction")
-    if not (o.lr > 0 and math.isfinite(o.lr)):
-        p.append(f"optim.lr: {o.lr} must be a positive number")
-    if len(o.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas):
-        p.append(f"optim.betas: {o.betas} must be two numbers in [0, 1)")
-    for key, val in [("optim.weight_decay", o.weight_decay), ("optim.grad_clip", o.grad_clip),
-                     ("optim.eps", o.eps), ("optim.embedding_lr_mult", o.embedding_lr_mult),
+    p += common_problems(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, grad_clip=o.grad_clip)
+    for key, val in [("optim.embedding_lr_mult", o.embedding_lr_mult),
                      ("optim.head_lr_mult", o.head_lr_mult), ("optim.scalar_lr_mult", o.scalar_lr_mult)]:
         at_least(p, key, val, 0)
     if not 0 <= o.min_lr_ratio <= 1:
@@ -719,24 +705,21 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
             compatibility_problem(o.name, m) for m in c.auto_allow):
         p.append(f"comm.auto_allow: optim.name={o.name} runs on none of {c.auto_allow}; allow one of "
                  f"{', '.join(m for m in sync.names() if not compatibility_problem(o.name, m))}")
-    known = c.mode in sync.names() and o.name in optimizer_names()
-    if known:
-        problem = compatibility_problem(o.name, c.mode, c.options)
-        if problem:
-            p.append(problem)
     S = cfg.parallel.shard_size
     replicas = world_size // S if world_size is not None and S >= 1 and world_size % S == 0 else world_size
-    for opts in (c.options, o.options):  # the selected entries' own checks (world-size ones: across replicas)
-        if opts is not None:
-            p += opts.problems(replicas) + opts.run_problems(t.max_steps)
+    ms = c.momentum_sync
+    if c.mode in sync.names() and o.name in optimizer_names() and c.options is not None:
+        # whether this optimizer runs on this mode with these options and settings: the registries
+        # decide (world-size checks across the replicas); comm.mode=auto is checked once resolved
+        p += run_problems(o.name, c.mode, c.options, replicas, bucket_mb=c.bucket_mb, overlap=c.overlap,
+                          grad_clip=o.grad_clip, momentum_sync_every=ms.every, shard_size=max(S, 1))
+    if c.options is not None:
+        p += c.options.run_problems(t.max_steps)
+    if o.options is not None:
+        p += o.options.problems(replicas) + o.options.run_problems(t.max_steps)
     choice(p, "comm.kernels", c.kernels, ["auto", "compiled", "eager"])
-    if c.bucket_mb < 0:
-        p.append(f"comm.bucket_mb: {c.bucket_mb} must be >= 0 (0 = one bucket: the whole vector)")
-    if c.overlap and not c.bucket_mb > 0:
-        p.append("comm.overlap: true needs buckets; set comm.bucket_mb > 0 (e.g. 25, DDP's default)")
     if c.timeout_s <= 0 or c.init_timeout_s <= 0:
         p.append(f"comm.timeout_s: {c.timeout_s}, comm.init_timeout_s: {c.init_timeout_s}; both must be > 0")
-    ms = c.momentum_sync
     if ms.every < 0 or ms.start < 0 or ms.stop < 0:
         p.append("comm.momentum_sync: every, start and stop must be >= 0")
     if ms.stop and ms.start > ms.stop:
@@ -746,10 +729,6 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
     bad = [x for x in ms.layers if x not in LAYER_SELECTORS]
     if bad:
         p.append(f"comm.momentum_sync.layers: {bad} not among {', '.join(LAYER_SELECTORS)}")
-    if ms.every and c.mode in sync.names() and sync.get(c.mode).kind != sync.UPDATE:
-        update_modes = [s.name for s in sync.schemes() if s.kind == sync.UPDATE]
-        p.append(f"comm.momentum_sync.every: {ms.every} but comm.mode={c.mode} already shares one state "
-                 f"(gradient sync); momentum sync applies to update-sync modes: {', '.join(update_modes)}")
     if ms.every and "head" in ms.layers and m.tie_embeddings is not False and len(ms.layers) == 1:
         p.append("comm.momentum_sync.layers: [head] but the model ties embedding and head (the shared weight "
                  "is the 'embedding' layer); set model.tie_embeddings=false or select embedding")

@@ -21,8 +21,6 @@ class MeanOptions(SchemeOptions):
 class MeanAllreduce(Exchange):
     """In-place mean over ranks of a flat buffer, `wire_dtype` on the wire."""
 
-    parts = True  # element-wise: a bucket's mean is the mean of the bucket
-
     def __init__(self, wire_dtype: torch.dtype, ctx: ExchangeContext) -> None:
         self.wire_dtype, self.ctx = wire_dtype, ctx
 
@@ -64,7 +62,7 @@ def _scheme(name: str, dtype: torch.dtype, bits: int, wire: str) -> SyncScheme:
         build=lambda o, ctx: MeanAllreduce(dtype, ctx),
         wire_bytes=lambda o, P, n, rank, rows: (nbytes * n, nbytes * n),
         predict=lambda o, P, n, alpha, beta, rows=1: cost_model.ring_allreduce(P, n, bits, alpha, beta),
-        wire=wire,
+        wire=wire, bucketable=True,  # element-wise: a bucket's mean is the mean of the bucket
         help=f"mean-allreduce of the flat gradient in {name} (gradient sync)")
 
 

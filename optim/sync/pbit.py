@@ -169,4 +169,5 @@ PBIT = register(SyncScheme(
     name="pbit", kind=UPDATE, result=SIGN, options=PBitOptions,
     build=lambda o, ctx: PBit(o, ctx), wire_bytes=_pbit_bytes, predict=_pbit_predict,
     wire="quantized updates (Lp, eq. 1) summed in packed bits-wide integer lanes (Lion Cub §3, App. F.1)",
-    help="Lion Cub p-bit direct allreduce of quantized local updates (update sync)"))
+    help="Lion Cub p-bit direct allreduce of quantized local updates (update sync)",
+    bucketable=True))  # per-tensor scales, and a bucket holds whole tensors

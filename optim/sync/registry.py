@@ -80,13 +80,8 @@ class ExchangeContext:
 
 class Exchange:
     """One built exchange. Call it with the flat vector of this step; it returns the aggregate
-    (identical on every rank). Stateful exchanges save and restore their state.
-
-    `parts`: True when the exchange may be called on parts of the vector (buckets, optim.overlap)
-    with the same result element by element; a mean exchange then also has `start(x, step)`
-    (asynchronous), a sign exchange takes `ctx=` (the part's ExchangeContext.restrict)."""
-
-    parts = False
+    (identical on every rank). Stateful exchanges save and restore their state. Whether it may be
+    called on parts of the vector is its scheme's `bucketable`."""
 
     def __call__(self, x: torch.Tensor, step: int) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
@@ -129,6 +124,11 @@ class SyncScheme:
     shards: bool = True
     """Runs across the replicate axis on local shards (parallel.shard_size > 1). False where the
     scheme has its own notion of nodes (hierarchical), which the mesh replaces."""
+    bucketable: bool = False
+    """Its exchange may run on parts of the vector (buckets of whole tensors: comm.bucket_mb,
+    comm.overlap) with the same result element by element; False = whole-vector (its state or
+    its scales span the vector). A bucketable mean exchange also has `start(x, step)`
+    (asynchronous), a bucketable sign exchange takes `ctx=` (the part's ExchangeContext.restrict)."""
 
     def __post_init__(self) -> None:
         if self.kind not in (GRADIENT, UPDATE):
@@ -140,6 +140,46 @@ class SyncScheme:
 
     def default_options(self) -> SchemeOptions:
         return self.options()
+
+    @property
+    def stateful(self) -> bool:
+        """Its exchange keeps state across calls (error feedback), sized for the vector it was built
+        on: declared by `state_bytes`."""
+        return self.state_bytes is not None
+
+    @property
+    def per_rank_state(self) -> bool:
+        """Every rank keeps its own optimizer state (UPDATE kind), so momenta can drift apart and
+        momentum sync applies."""
+        return self.kind == UPDATE
+
+    def run_problems(self, options: SchemeOptions, world_size: int | None = None, *, bucket_mb: float = 0.0,
+                     overlap: bool = False, grad_clip: float = 0.0, momentum_sync_every: int = 0,
+                     shard_size: int = 1) -> list[str]:
+        """Every problem of running this scheme with `options` at `world_size` ranks (None: the checks
+        that need it are skipped) and these run settings. The one place these rules live: the
+        config's validation and every optimizer's constructor ask it."""
+        p = list(options.problems(world_size))
+        if not bucket_mb >= 0:
+            p.append(f"comm.bucket_mb: {bucket_mb} must be >= 0 (0 = one bucket: the whole vector)")
+        elif bucket_mb > 0 and not self.bucketable:
+            p.append(f"comm.bucket_mb / comm.overlap: comm.mode={self.name} exchanges its vector as a whole (its "
+                     f"state or its scales span it); set comm.bucket_mb=0 and comm.overlap=false")
+        if overlap and not bucket_mb > 0:
+            p.append("comm.overlap: true needs buckets; set comm.bucket_mb > 0 (e.g. 25, DDP's default)")
+        elif overlap and self.per_rank_state and grad_clip > 0:
+            p.append(f"comm.overlap: true with comm.mode={self.name} (update sync) needs optim.grad_clip=0: a bucket's "
+                     f"update is launched during backward, before the whole gradient's norm is known")
+        if momentum_sync_every and not self.per_rank_state:
+            fits = [s.name for s in _REGISTRY.values() if s.per_rank_state]
+            p.append(f"comm.momentum_sync.every: {momentum_sync_every} but comm.mode={self.name} already shares one "
+                     f"state (gradient sync); momentum sync applies to update-sync modes: {', '.join(fits)}; set "
+                     f"comm.momentum_sync.every=0 or choose one of them")
+        if shard_size > 1 and not self.shards:
+            fits = [s.name for s in _REGISTRY.values() if s.shards]
+            p.append(f"parallel.shard_size: {shard_size} but comm.mode={self.name} does not run across replicas of a "
+                     f"sharded model; use one of {', '.join(fits)}, or parallel.shard_size=1")
+        return p
 
     def bytes_per_call(self, options: SchemeOptions, P: int, n: int, rank: int = 0, rows: int = 1) -> tuple[int, int]:
         """(sent, received) payload bytes of one exchange of n elements on `rank` (0 at P = 1)."""

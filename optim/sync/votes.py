@@ -82,7 +82,6 @@ class VoteExchange(Exchange):
     """Shared frame: aggregate, then mask rows that are zero everywhere if asked and needed."""
 
     exact_zeros = False  # True where the aggregate already maps an all-zero row to 0
-    parts = True  # element-wise votes (p-bit: per-tensor scales, and buckets hold whole tensors)
 
     def __init__(self, options: VoteOptions, ctx: ExchangeContext) -> None:
         self.o, self.ctx = options, ctx
@@ -141,7 +140,8 @@ ONEBIT = register(SyncScheme(
     build=lambda o, ctx: OneBit(o, ctx), wire_bytes=_onebit_bytes,
     predict=lambda o, P, n, a, b, rows=1: cost_model.onebit_allreduce(P, n, 1, a, b) + _mask_time(o, P, rows, a, b, True),
     wire="1-bit signs: all-to-all, local majority vote, all-gather (Lion Cub §3)",
-    help="Lion Cub 1-bit compressed allreduce of the local update signs (update sync)"))
+    help="Lion Cub 1-bit compressed allreduce of the local update signs (update sync)",
+    bucketable=True))  # element-wise votes
 
 
 # ---- ps: Distributed Lion Alg. 1 ------------------------------------------------------------------
@@ -204,7 +204,8 @@ PS = register(SyncScheme(
     name="ps", kind=UPDATE, result=SIGN, options=PSOptions,
     build=lambda o, ctx: ParameterServer(o, ctx), wire_bytes=_ps_bytes, predict=_ps_predict,
     wire="signs to a parameter server (rank 0) and the aggregate back (Distributed Lion Alg. 1, eq. 5)",
-    help="Distributed Lion: per-rank signs aggregated by a parameter server (update sync)"))
+    help="Distributed Lion: per-rank signs aggregated by a parameter server (update sync)",
+    bucketable=True))
 
 
 # ---- hierarchical: BinSGDM §4 ---------------------------------------------------------------------
@@ -258,4 +259,4 @@ HIERARCHICAL = register(SyncScheme(
     help="hierarchical 1-bit vote: exact sums inside a node, 1-bit vote between nodes (update sync)",
     # with parallel.shard_size = ranks per node the mesh does its intra-node part (the gradient
     # mean inside the shard group) and comm.mode=onebit its vote across the replicas
-    shards=False))
+    shards=False, bucketable=True))
