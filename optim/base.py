@@ -39,7 +39,7 @@ from comm import kernels as _kernels
 from . import overlap as _overlap
 from . import sync
 from .diagnostics import momentum_spread
-from .options import common_problems
+from .options import choice, common_problems
 
 PHASES = ("grad_sync", "update_sync", "momentum_sync", "diag", "guard", "overlapped")
 COMM_PHASES = ("grad_sync", "update_sync", "momentum_sync")  # what the step's comm time and bytes count
@@ -248,8 +248,10 @@ class CommOptimizer(torch.optim.Optimizer):
         if self.bucket_bytes > 0 and self.scheme.kind == sync.UPDATE:
             # the update-sync vector in bucket order, so every bucket is one contiguous part
             self.layout = FlatLayout(self.param_groups, [p for b in _overlap.plan(order, self.bucket_bytes) for p in b])
-        if kernels not in _kernels.IMPLS:
-            raise ValueError(f"comm.kernels={kernels!r}; choose one of {', '.join(_kernels.IMPLS)}")
+        problems = []
+        choice(problems, "comm.kernels", kernels, _kernels.IMPLS)
+        if problems:
+            raise ValueError(problems[0])
         self.kernels = kernels
         self.stats = {phase: CommStats(timing=fine_timing) for phase in PHASES}
         self.grad_buffers = attach_flat_grads(self._grad_order(order))

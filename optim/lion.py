@@ -270,6 +270,9 @@ class Lion(CommOptimizer):
         if problems:
             raise ValueError("; ".join(problems))
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), **comm_kwargs)
+        if self.scheme.per_rank_state:  # which schemes fit "lion" is its registry entry's to say (the base asks it)
+            raise ValueError(f"Lion steps one shared state and needs a gradient-sync comm.mode, not {self.scheme.name}; "
+                             f"build_optimizer('lion', ...) builds DistributedLion for update sync")
 
     def momentum_of(self, p: torch.nn.Parameter) -> torch.Tensor | None:
         return self.state[p].get("exp_avg")

@@ -27,6 +27,7 @@ import yaml
 
 from optim.options import at_least, choice, common_problems
 
+from comm.kernels import IMPLS as kernel_impls
 from model import ROLES
 from optim import sync
 from optim.registry import compatibility_problem, optimizer_names, run_problems
@@ -717,7 +718,7 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
         p += c.options.run_problems(t.max_steps)
     if o.options is not None:
         p += o.options.problems(replicas) + o.options.run_problems(t.max_steps)
-    choice(p, "comm.kernels", c.kernels, ["auto", "compiled", "eager"])
+    choice(p, "comm.kernels", c.kernels, kernel_impls)
     if c.timeout_s <= 0 or c.init_timeout_s <= 0:
         p.append(f"comm.timeout_s: {c.timeout_s}, comm.init_timeout_s: {c.init_timeout_s}; both must be > 0")
     if ms.every < 0 or ms.start < 0 or ms.stop < 0:
