@@ -44,7 +44,7 @@ from .diagnostics import _aggregate
 from .lion import apply_update_, lion_group_step_
 from .options import choice, common_problems
 from .orthogonal import MUON_SCALES, NS_STEPS, muon_scale, muon_update
-from .registry import OptimizerSpec, OptimOptions, register_optimizer
+from .registry import OptimizerSpec, OptimOptions, _gradient_mean, register_optimizer
 
 SCALAR_OPTS = ("adamw", "lion")
 NON_MATRIX_ROLES = ("embedding", "head", "norm")
@@ -292,10 +292,6 @@ def _matrix_state_words(o: MatrixOptions, role: str, matrix_words: float) -> flo
     if role not in NON_MATRIX_ROLES:
         return matrix_words
     return 2.0 if o.scalar_opt == "adamw" else 1.0
-
-
-def _gradient_mean(s: sync.SyncScheme) -> bool:
-    return s.kind == sync.GRADIENT and s.result == sync.MEAN
 
 
 def _build_muon(groups, *, betas, eps, options, **comm_kwargs) -> Muon:
