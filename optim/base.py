@@ -243,7 +243,7 @@ class CommOptimizer(torch.optim.Optimizer):
         order = [p for p in (param_order or []) if id(p) in trainable]
         if len(order) != len(trainable):  # no (complete) model order given: role order
             order = [e.param for e in self.layout.entries]
-        self._check_buckets(bucket_mb, overlap, grad_clip)
+        self._check_buckets(bucket_mb)
         self.bucket_bytes, self.overlap = bucket_mb * 2 ** 20, overlap
         if self.bucket_bytes > 0 and self.scheme.kind == sync.UPDATE:
             # the update-sync vector in bucket order, so every bucket is one contiguous part
@@ -289,7 +289,7 @@ class CommOptimizer(torch.optim.Optimizer):
         problem = compatibility_problem(self.optim_name, self.scheme.name, self.scheme_options)
         return [problem] if problem else []
 
-    def _check_buckets(self, bucket_mb: float, overlap: bool, grad_clip: float) -> None:
+    def _check_buckets(self, bucket_mb: float) -> None:
         """The optimizer's side of buckets (the scheme's, `bucketable`, is in its run_problems)."""
         if bucket_mb <= 0:
             return
