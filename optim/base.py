@@ -231,7 +231,12 @@ class CommOptimizer(torch.optim.Optimizer):
         if isinstance(momentum_sync, dict):
             momentum_sync = MomentumSync(**momentum_sync)
         every = momentum_sync.every if momentum_sync is not None else 0
-        problems = self._registry_problems() + common_problems(grad_clip=grad_clip) + self.scheme.run_problems(
+        # the registries' rules, not restated by any constructor: the entry's accepts, the common
+        # optim.* keys of `defaults`, and the scheme's own run_problems
+        problems = self._registry_problems() + common_problems(
+            lr=defaults.get("lr"), betas=defaults.get("betas"), eps=defaults.get("eps"),
+            weight_decay=defaults.get("weight_decay"), grad_clip=grad_clip, beta1=defaults.get("beta"))
+        problems += self.scheme.run_problems(
             self.scheme_options, self.world_size, bucket_mb=bucket_mb, overlap=overlap, grad_clip=grad_clip,
             momentum_sync_every=every, shard_size=comm.world(shard_group)[0] if shard_group is not None else 1)
         if problems:

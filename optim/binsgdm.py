@@ -27,7 +27,6 @@ import torch
 from . import sync
 from .base import CommOptimizer
 from .lion import apply_update_
-from .options import common_problems
 from .registry import OptimizerSpec, OptimOptions, register_optimizer
 
 
@@ -51,7 +50,7 @@ class BinSGDM(CommOptimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-4, beta: float = 0.9, weight_decay: float = 0.0, *,
                  t0: int = -1, scheme: str | sync.SyncScheme = "compressed", **comm_kwargs) -> None:
-        problems = common_problems(lr=lr, beta1=beta, weight_decay=weight_decay) + BinSGDMOptions(t0=t0).problems()
+        problems = BinSGDMOptions(t0=t0).problems()
         if problems:
             raise ValueError("; ".join(problems))
         super().__init__(params, dict(lr=lr, beta=beta, weight_decay=weight_decay), scheme=scheme, **comm_kwargs)

@@ -33,7 +33,6 @@ import torch
 from comm import kernels
 
 from .base import CommOptimizer
-from .options import common_problems
 
 
 def lion_direction(exp_avgs: list[torch.Tensor], grads: list[torch.Tensor], beta1: float,
@@ -266,9 +265,6 @@ class Lion(CommOptimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, **comm_kwargs) -> None:
-        problems = common_problems(lr=lr, betas=betas, weight_decay=weight_decay)
-        if problems:
-            raise ValueError("; ".join(problems))
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), **comm_kwargs)
         if self.scheme.per_rank_state:  # which schemes fit "lion" is its registry entry's to say (the base asks it)
             raise ValueError(f"Lion steps one shared state and needs a gradient-sync comm.mode, not {self.scheme.name}; "

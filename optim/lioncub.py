@@ -20,7 +20,6 @@ import torch
 from . import sync
 from .base import CommOptimizer
 from .diagnostics import vote_diagnostics
-from .options import common_problems
 from .lion import fused_apply_update_, fused_lion_direction_, fused_momentum_update_, warmup_fused_passes
 
 
@@ -35,9 +34,6 @@ class DistributedLion(CommOptimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, *, scheme: str | sync.SyncScheme = "onebit", **comm_kwargs) -> None:
-        problems = common_problems(lr=lr, betas=betas, weight_decay=weight_decay)
-        if problems:
-            raise ValueError("; ".join(problems))
         s = sync.get(scheme) if isinstance(scheme, str) else scheme
         if not s.per_rank_state:  # which update-sync schemes fit is the registry's entry "lion" (the base asks it)
             raise ValueError(f"DistributedLion keeps a momentum per rank and needs an update-sync comm.mode, not "

@@ -42,9 +42,9 @@ from . import sync
 from .base import CommOptimizer, Entry
 from .diagnostics import _aggregate
 from .lion import apply_update_, lion_group_step_
-from .options import choice, common_problems
+from .options import choice
 from .orthogonal import MUON_SCALES, NS_STEPS, muon_scale, muon_update
-from .registry import OptimizerSpec, OptimOptions, _gradient_mean, register_optimizer
+from .registry import OptimizerSpec, OptimOptions, register_optimizer
 
 SCALAR_OPTS = ("adamw", "lion")
 NON_MATRIX_ROLES = ("embedding", "head", "norm")
@@ -124,9 +124,6 @@ class MatrixOptimizer(CommOptimizer):
                  scheme: str | sync.SyncScheme = "fp32", **comm_kwargs) -> None:
         name = type(self).__name__
         s = sync.get(scheme) if isinstance(scheme, str) else scheme
-        problems = common_problems(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        if problems:
-            raise ValueError("; ".join(problems))
         # set before the base runs: a subclass's _grad_order (Dion) reads the options
         self.options = _options(self.options_class, options)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), scheme=s,
@@ -292,6 +289,10 @@ def _matrix_state_words(o: MatrixOptions, role: str, matrix_words: float) -> flo
     if role not in NON_MATRIX_ROLES:
         return matrix_words
     return 2.0 if o.scalar_opt == "adamw" else 1.0
+
+
+def _gradient_mean(s: sync.SyncScheme) -> bool:
+    return s.kind == sync.GRADIENT and s.result == sync.MEAN
 
 
 def _build_muon(groups, *, betas, eps, options, **comm_kwargs) -> Muon:
