@@ -709,11 +709,13 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
     S = cfg.parallel.shard_size
     replicas = world_size // S if world_size is not None and S >= 1 and world_size % S == 0 else world_size
     ms = c.momentum_sync
-    if c.mode in sync.names() and o.name in optimizer_names() and c.options is not None:
+    if c.mode in sync.names() and c.options is not None:
         # whether this optimizer runs on this mode with these options and settings: the registries
         # decide (world-size checks across the replicas); comm.mode=auto is checked once resolved
-        p += run_problems(o.name, c.mode, c.options, replicas, bucket_mb=c.bucket_mb, overlap=c.overlap,
-                          grad_clip=o.grad_clip, momentum_sync_every=ms.every, shard_size=max(S, 1))
+        run = dict(bucket_mb=c.bucket_mb, overlap=c.overlap, grad_clip=o.grad_clip, momentum_sync_every=ms.every,
+                   shard_size=max(S, 1))
+        p += run_problems(o.name, c.mode, c.options, replicas, **run) if o.name in optimizer_names() else \
+            sync.get(c.mode).run_problems(c.options, replicas, **run)
     if c.options is not None:
         p += c.options.run_problems(t.max_steps)
     if o.options is not None:
