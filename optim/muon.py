@@ -282,17 +282,33 @@ class MatrixOptimizer(CommOptimizer):
         self._diag_out: dict | None = None
         # hybrid sharding: the matrices' whole shapes and owners over the shard group; the shard
         # axis's bytes (gathers, scatters, factor sums) are booked in shard_stats
+        self._build_shards()
+
+    def _build_shards(self) -> None:
+        """self.shards (MatrixShards over the hidden matrices, None when not sharded) and
+        self.shard_stats; once (Dion needs them while the base constructor orders the gradients)."""
+        if hasattr(self, "shards"):
+            return
         self.shard_stats = CommStats(timing=False)
         self.shards: MatrixShards | None = None
+        idx = [k for k, e in enumerate(self.layout.entries) if is_matrix(e)]
+        self._shard_pos = {k: i for i, k in enumerate(idx)}
         if self.shard_group is not None:
-            self.shards = MatrixShards([entries[k].param for k in self.matrix_idx], self.shard_group,
+            self.shards = MatrixShards([self.layout.entries[k].param for k in idx], self.shard_group,
                                        self.shard_stats)
 
     def matrix_shape(self, k: int) -> tuple[int, int]:
         """The whole (m, n) of matrix entry k (its local shard's shape when not sharded)."""
         if self.shards is None:
             return tuple(self.layout.entries[k].param.shape)
-        return self.shards.shape(self.matrix_idx.index(k))
+        return self.shards.shape(self._shard_pos[k])
+
+    def row_start(self, k: int) -> int:
+        """First row of this rank's block of matrix entry k in the whole matrix (0 unsharded)."""
+        if self.shards is None:
+            return 0
+        i = self._shard_pos[k]
+        return self.shards.me * self.shards.chunk[i] if self.shards.rows[i][self.shards.me] else self.shards.m[i]
 
     # ---- learning rates -----------------------------------------------------------------------
     def matrix_lr(self, group: dict) -> float:

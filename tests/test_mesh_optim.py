@@ -9,7 +9,7 @@ import pytest
 from tests.dist import torchrun
 
 
-@pytest.mark.parametrize("name,S", [("muon", 2), ("muon", 4)])
+@pytest.mark.parametrize("name,S", [("muon", 2), ("muon", 4), ("dion", 2), ("dion", 4)])
 def test_matrix_optimizer_on_mesh_equals_replicated(name, S) -> None:
     proc = torchrun(4, "mesh_optim.py", name, str(S), timeout=180)
     assert "mesh_optim: checks passed" in proc.stdout, proc.stdout + proc.stderr
