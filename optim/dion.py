@@ -407,9 +407,10 @@ def _build_dion(groups, *, betas, eps, options, **comm_kwargs) -> Dion:
 
 register_optimizer(OptimizerSpec(
     name="dion", options=DionOptions, build=_build_dion,
-    # P and R go through the scheme's exchange twice per step: it must be a plain mean-allreduce
-    # (fp32 or bf16), not one that keeps error-feedback state sized for the gradient (loco)
-    accepts=lambda s: _gradient_mean(s) and s.name in ("fp32", "bf16"),
+    # P and R go through the scheme's exchange twice per step: it must be a stateless
+    # mean-allreduce (fp32, bf16), not one that keeps error-feedback state sized for the gradient
+    # (loco): the scheme's capabilities say which, not its name
+    accepts=lambda s: _gradient_mean(s) and s.state_bytes is None,
     needs="a mean-allreduce scheme for its P and R factors and the non-matrix gradients (comm.mode picks their "
           "wire dtype)",
     state="matrices: momentum M (param dtype, per rank) + Q (min(m, n) x r fp32); others: AdamW m, v or Lion m",

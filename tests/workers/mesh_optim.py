@@ -36,6 +36,9 @@ shard group): about 1e-7 relative per step, amplified by the orthonormalisation;
 block or owner moves a parameter by lr * scale ~ 1e-2, 500x this."""
 DIMS = [(24, 40), (40, 33), (33, 64), (64, 20)]
 """(in, out) of each layer: weights (40, 24), (33, 40), (64, 33), (20, 64)."""
+DIAG_RTOL = 1e-3
+"""Dion's residual diagnostics come from ||B||^2 - 2 <B^T P, R> + ||R||^2 (float64 sums of fp32
+products); here they are ~0.5 of ||B||, far from the cancellation limit."""
 
 
 class Stack(torch.nn.Module):
@@ -57,15 +60,16 @@ def groups(model: torch.nn.Module, aliases: dict | None = None) -> list[dict]:
              "weight_decay": 0.01, "lr_mult": 1.0}]
 
 
-def run(name: str, S: int, options: dict, rank: int, world: int):
-    model = Stack()
+def build(name: str, S: int, options: dict, world: int, model: torch.nn.Module | None = None):
+    model = model if model is not None else Stack()
     par = parallel.make_mesh(S, world, torch.device("cpu"))
     if par.sharded:
-        for layer in model.h:
-            from torch.distributed.fsdp import fully_shard
-            fully_shard(layer, mesh=par.shard_mesh)
         from torch.distributed.fsdp import fully_shard
-        fully_shard(model, mesh=par.shard_mesh)
+
+        if not hasattr(model, "reshard"):  # not yet sharded
+            for layer in model.h:
+                fully_shard(layer, mesh=par.shard_mesh)
+            fully_shard(model, mesh=par.shard_mesh)
         aliases = parallel.local_aliases(model)
         opt = build_optimizer(name, groups(model, aliases), comm_mode="fp32", optim_options=options,
                               group=par.replicate_group, shard_group=par.shard_group,
@@ -74,24 +78,96 @@ def run(name: str, S: int, options: dict, rank: int, world: int):
     else:
         opt = build_optimizer(name, groups(model), comm_mode="fp32", optim_options=options,
                               param_order=list(model.parameters()))
-    gen = torch.Generator().manual_seed(100 + rank)
-    shas, sent = [], []
-    for _ in range(STEPS):
+    return model, opt, par
+
+
+def whole(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a row block `t` of parameter p (a DTensor when sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return t.detach().clone()
+    return DTensor.from_local(t.detach(), device_mesh=p.device_mesh, placements=p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride()).full_tensor().detach()
+
+
+def full_params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [whole(p.to_local() if hasattr(p, "to_local") else p, p) for p in model.parameters()]
+
+
+def train(name: str, model, opt, gen: torch.Generator, steps: int, world: int, diagnose_last: bool = False):
+    """`steps` steps; returns (bytes sent per axis in the last step, the last step's diagnostics,
+    the expected Dion residuals {name: (res^2, ||B||^2) of this rank's B} of the last step)."""
+    entries = {e.name: e for e in opt.layout.entries}
+    named = dict(model.named_parameters())
+    expected = {}
+    for k in range(steps):
         opt.zero_grad()
         x = torch.randn(8, DIMS[0][0], generator=gen)
         model(x).square().mean().backward()
-        before = opt.shard_stats.totals()["bytes_sent"] if hasattr(opt, "shard_stats") else 0
+        diag = diagnose_last and k == steps - 1
+        if diag and name == "dion":  # B = M + G per matrix, this rank's (its replica's), before the step
+            pre = {n: whole(opt.state[e.param]["momentum"] + e.param.grad, named[n])
+                   for n, e in entries.items() if e.param.ndim == 2}
+        before = opt.shard_stats.totals()["bytes_sent"]
         rep_before = sum(opt.stats[ph].totals()["bytes_sent"] for ph in ("grad_sync", "update_sync"))
-        opt.step()
-        sent.append((opt.shard_stats.totals()["bytes_sent"] - before,
-                     sum(opt.stats[ph].totals()["bytes_sent"] for ph in ("grad_sync", "update_sync")) - rep_before))
-        full = [(p.full_tensor() if par.sharded else p).detach().clone() for p in model.parameters()]
-        h = hashlib.sha256(b"".join(t.contiguous().numpy().tobytes() for t in full)).hexdigest()
+        report = opt.step(diagnose=diag)
+        sent = (opt.shard_stats.totals()["bytes_sent"] - before,
+                sum(opt.stats[ph].totals()["bytes_sent"] for ph in ("grad_sync", "update_sync")) - rep_before)
+        h = hashlib.sha256(b"".join(t.contiguous().numpy().tobytes() for t in full_params(model))).hexdigest()
         got = [None] * world
         dist.all_gather_object(got, h)
-        assert len(set(got)) == 1, f"{name} S={S}: ranks differ after a step: {got}"
-        shas.append(h)
-    return full, opt, sent
+        assert len(set(got)) == 1, f"{name}: ranks differ after a step: {got}"
+        if diag and name == "dion":  # P R^T = (B - M_after) / (1 - mu): the residual B - P R^T exactly
+            mu = opt.options.mu
+            for n, B in pre.items():
+                after = whole(opt.state[entries[n].param]["momentum"], named[n])
+                res = B - (B - after) / (1.0 - mu)
+                expected[n] = (float(res.double().square().sum()), float(B.double().square().sum()))
+    return sent, report.diagnostics, expected
+
+
+def check_diagnostics(name: str, diag: dict, expected: dict, world: int, label: str) -> None:
+    if name != "dion":
+        return
+    every = [None] * world
+    dist.all_gather_object(every, expected)  # the mean over ranks = the mean over replicas
+    for n in expected:
+        res = sum(e[n][0] for e in every) / world
+        b = sum(e[n][1] for e in every) / world
+        got_res, got_rel = diag[f"diag/dion_residual/tensor/{n}"], diag[f"diag/dion_rel_error/tensor/{n}"]
+        want_res, want_rel = res ** 0.5, (res / b) ** 0.5
+        assert abs(got_res - want_res) <= DIAG_RTOL * want_res and abs(got_rel - want_rel) <= DIAG_RTOL * want_rel, \
+            f"{label} {n}: residual {got_res:.6g} / rel {got_rel:.6g}, formed explicitly {want_res:.6g} / {want_rel:.6g}"
+
+
+def table1(opt, S: int) -> tuple[int, int]:
+    """Bytes per step from the papers' formulas and the shapes alone (not the optimizer's own
+    formula): Dion Table 1 for a matrix whose Q side is the sharded fan_out ((n + 1) r on the
+    shard axis, P (n r) and this rank's R rows across replicas), the all-gathered P (ceil(m / S) r)
+    and summed R (n r) for one whose P side is; Muon: 2 (S - 1) ceil(m / S) n words summed over the
+    shard group; plus the mean-allreduce of the local flat gradient (Muon) or of the non-matrix
+    gradients (Dion) across replicas."""
+    from optim.dion_math import dion_rank
+
+    R = dist.get_world_size(opt.group) if opt.group is not None else 1
+    shard, rep = 0, 0
+    mats = [(e, e.param.shape[0]) for e in opt.layout.entries if e.param.ndim == 2]
+    for (i, o), (e, mj) in zip(DIMS, mats):
+        m, n, c = o, i, -(-o // S)
+        if opt.options.__class__.__name__ == "MuonOptions":
+            shard += 2 * (S - 1) * c * n * 4
+            continue
+        r = dion_rank(m, n, rank_fraction=opt.options.rank_fraction)
+        if m < n:  # wide: the power iteration on the transpose, Q on the sharded rows
+            shard += (n + 1) * r * 4
+            rep += (n * r + mj * r) * 4 * (R > 1)
+        else:
+            shard += (c + n) * r * 4 * S  # summed over the group like Muon's
+            rep += (mj * r + n * r) * 4 * (R > 1)
+    vec = sum(e.numel for e in opt.layout.entries if e.param.ndim == 1 or opt.options.__class__.__name__ == "MuonOptions")
+    rep += vec * 4 * (R > 1)
+    return shard, rep
 
 
 def main() -> None:
@@ -99,19 +175,54 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     options = {"rank_fraction": 0.25} if name == "dion" else {}
-    ref, _, _ = run(name, 1, options, rank, world)
-    got, opt, sent = run(name, S, options, rank, world)
+    model, opt, _ = build(name, 1, options, world)
+    _, ref_diag, expected = train(name, model, opt, torch.Generator().manual_seed(100 + rank), STEPS, world, True)
+    check_diagnostics(name, ref_diag, expected, world, "replicated")
+    ref = full_params(model)
+    model, opt, par = build(name, S, options, world)
+    gen = torch.Generator().manual_seed(100 + rank)
+    (shard_bytes, rep_bytes), diag, expected = train(name, model, opt, gen, STEPS, world, True)
+    got = full_params(model)
     err = max(float((a - b).abs().max()) for a, b in zip(ref, got))
     moved = max(float((a - b.detach()).abs().max()) for a, b in zip(ref, Stack().parameters()))
     assert err < TOL, f"{name} S={S}: max |S - replicated| = {err:.3g} >= {TOL}"
-    # bytes counted from the collectives against the docstrings' formulas
-    shard_bytes, rep_bytes = sent[-1]
-    want_shard, want_rep = opt.mesh_bytes_per_step()
-    assert (shard_bytes, rep_bytes) == (want_shard, want_rep), \
-        f"{name} S={S} rank {rank}: sent {shard_bytes} B shard, {rep_bytes} B replicate; formula {want_shard}, {want_rep}"
+    # diagnostics reduced over the shards: the whole matrices' values
+    check_diagnostics(name, diag, expected, world, f"S={S}")
+    if name == "muon":
+        keys = [k for k in ref_diag if k.startswith("diag/muon_update_rms")]
+        assert keys and all(abs(diag[k] - ref_diag[k]) <= 1e-5 * ref_diag[k] for k in keys), \
+            {k: (diag[k], ref_diag[k]) for k in keys}
+    # bytes counted from the collectives against the optimizer's formula and against the papers'
+    assert (shard_bytes, rep_bytes) == opt.mesh_bytes_per_step(), \
+        f"{name} S={S} rank {rank}: sent {shard_bytes} B shard, {rep_bytes} B replicate; formula {opt.mesh_bytes_per_step()}"
+    group_shard = torch.tensor([shard_bytes])
+    dist.all_reduce(group_shard, group=par.shard_group)
+    want_shard, want_rep = table1(opt, S)
+    if name == "dion":  # flipped matrices: every rank sends its (n + 1) r; the others counted per group
+        flipped = sum((i + 1) * -(-min(o, i) // 4) * 4 for i, o in DIMS if o < i)
+        mine = shard_bytes
+        assert mine - flipped == (want_shard - flipped) // S, (mine, want_shard, flipped)
+    else:
+        assert int(group_shard) == want_shard, (int(group_shard), want_shard)
+    assert rep_bytes == want_rep, (rep_bytes, want_rep)
+    # exact resume at the same mesh: a fresh optimizer loading the state continues bit for bit
+    import copy
+    saved = copy.deepcopy(opt.state_dict())
+    params = [p.to_local().detach().clone() for p in model.parameters()]
+    state = gen.get_state()
+    train(name, model, opt, gen, 2, world)
+    straight = full_params(model)
+    with torch.no_grad():
+        for p, t in zip(model.parameters(), params):
+            p.to_local().copy_(t)
+    model, opt, _ = build(name, S, options, world, model)
+    opt.load_state_dict(saved)
+    gen.set_state(state)
+    train(name, model, opt, gen, 2, world)
+    assert all(torch.equal(a, b) for a, b in zip(straight, full_params(model))), f"{name} S={S}: resume differs"
     if rank == 0:
         print(f"mesh_optim {name} S={S}: max |diff| {err:.3g} (weights moved up to {moved:.3g}); "
-              f"bytes/step shard {shard_bytes}, replicate {rep_bytes}")
+              f"bytes/step shard {shard_bytes}, replicate {rep_bytes}; diagnostics and resume match")
     dist.barrier()
     if rank == 0:
         print("mesh_optim: checks passed")
