@@ -28,6 +28,27 @@ side and Q on the shorter; optim.transpose_wide=false keeps P = B Q on the fan_o
 shape (the convention of this project's runs before the switch; their checkpoints resume only
 with it).
 
+Hybrid sharding (parallel.shard_size = S > 1; dion_math.dion_mesh_step_). FSDP2 gives each rank of
+a shard group a dim-0 row block (fan_out rows) of X, M and the gradient. Dion Alg. 2 shards the
+side of Q and R; here that is the fan_out side exactly where the power iteration runs on the
+transpose (wide matrices under the default convention; every matrix with transpose_wide would not
+matter, as it only flips wide ones): P = Orthonormalize(sum over shards of B_j^T Q_j) (n x r),
+R_j = B_j P and Q_j on the local rows, column norms summed over the shard axis. Where the
+power iteration is not transposed (square and tall matrices, or transpose_wide=false), P = B Q lies
+on the sharded rows: its row blocks are all-gathered over the shard group before the
+orthonormalization and R = sum over shards of B_j^T P_j is summed there. Bytes per step a rank
+sends, fp32 words times 4, r each matrix's rank, c = ceil(m / S), m_j its local rows:
+  replicate axis  the grad_sync slice of its local rows (non-matrix and full-gradient matrices), and
+                  per low-rank matrix P then R: n r + m_j r transposed, m_j r + n r otherwise
+                  (summed over the shard group (m + S n) r or (S n + m) r: Dion Table 1's (m + n) r
+                  per shard rank of the unsharded side);
+  shard axis      per matrix (n + 1) r transposed (P and the column norms: Dion Table 1's
+                  (m + 1) r with its m the side of P), c r + n r otherwise (the P gather and the
+                  R sum); 2 words for the clipping norm with optim.grad_clip > 0 (`_shard_bytes`,
+                  booked in shard_stats; FSDP's all-gather and reduce-scatter come on top).
+Q of a transposed matrix is the rank's rows of the whole seeded Q; the diagnostics sum each rank's
+share of ||B - P R^T||^2 and ||B||^2 over the shard group first (the whole matrices' values).
+
 State per matrix: M (param dtype, per rank), Q (min(m, n) x r by default, n x r with
 optim.transpose_wide=false; float32 - float64 for float64 params -, identical on all ranks, drawn
 from a seed derived from the parameter's name by dion_math.init_dion_q, so no broadcast is
@@ -395,7 +416,9 @@ class Dion(MatrixOptimizer):
                 other = (dion_factor_rows(m, n, not tw)[1], r)
                 fix = (f"it was saved with optim.transpose_wide={str(not tw).lower()}; resume with that setting"
                        if tuple(Q.shape) == other else
-                       "resume with the optim.rank / optim.rank_fraction it was saved with")
+                       "resume with the optim.rank / optim.rank_fraction it was saved with, and with the "
+                       "parallel.shard_size it was saved with (a whole Q, of a matrix whose P lies on the sharded "
+                       "rows, is not cut into row blocks by a resume on another mesh)")
                 raise ValueError(f"Dion.load_state_dict: Q of {e.name} {(m, n)} has shape "
                                  f"{tuple(Q.shape)}, this run expects {want} (optim.transpose_wide="
                                  f"{str(tw).lower()}): {fix}")
