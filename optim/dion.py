@@ -31,8 +31,7 @@ with it).
 Hybrid sharding (parallel.shard_size = S > 1; dion_math.dion_mesh_step_). FSDP2 gives each rank of
 a shard group a dim-0 row block (fan_out rows) of X, M and the gradient. Dion Alg. 2 shards the
 side of Q and R; here that is the fan_out side exactly where the power iteration runs on the
-transpose (wide matrices under the default convention; every matrix with transpose_wide would not
-matter, as it only flips wide ones): P = Orthonormalize(sum over shards of B_j^T Q_j) (n x r),
+transpose (the wide matrices with the default optim.transpose_wide=true; none with false): P = Orthonormalize(sum over shards of B_j^T Q_j) (n x r),
 R_j = B_j P and Q_j on the local rows, column norms summed over the shard axis. Where the
 power iteration is not transposed (square and tall matrices, or transpose_wide=false), P = B Q lies
 on the sharded rows: its row blocks are all-gathered over the shard group before the
