@@ -415,9 +415,8 @@ class Dion(MatrixOptimizer):
                 other = (dion_factor_rows(m, n, not tw)[1], r)
                 fix = (f"it was saved with optim.transpose_wide={str(not tw).lower()}; resume with that setting"
                        if tuple(Q.shape) == other else
-                       "resume with the optim.rank / optim.rank_fraction it was saved with, and with the "
-                       "parallel.shard_size it was saved with (a whole Q, of a matrix whose P lies on the sharded "
-                       "rows, is not cut into row blocks by a resume on another mesh)")
+                       "resume with the optim.rank / optim.rank_fraction and the parallel.shard_size it was saved "
+                       "with (Dion's Q does not move to another mesh)")
                 raise ValueError(f"Dion.load_state_dict: Q of {e.name} {(m, n)} has shape "
                                  f"{tuple(Q.shape)}, this run expects {want} (optim.transpose_wide="
                                  f"{str(tw).lower()}): {fix}")

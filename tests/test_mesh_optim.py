@@ -14,3 +14,9 @@ def test_matrix_optimizer_on_mesh_equals_replicated(name, S) -> None:
     proc = torchrun(4, "mesh_optim.py", name, str(S), timeout=180)
     assert "mesh_optim: checks passed" in proc.stdout, proc.stdout + proc.stderr
     print(proc.stdout)
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_resumes_muon_and_dion_exactly(tmp_path) -> None:
+    proc = torchrun(4, "mesh_ckpt.py", str(tmp_path / "runs"), timeout=300)
+    assert "mesh_ckpt: checks passed" in proc.stdout, proc.stdout + proc.stderr
