@@ -146,6 +146,7 @@ class MatrixShards:
         self.me = dist.get_rank(group)
         self.stats = stats if stats is not None else CommStats(timing=False)
         device = params[0].device if params else torch.device("cpu")
+        self.device = device
         local = torch.tensor([p.shape[0] for p in params], dtype=torch.int64, device=device)
         got = [torch.empty_like(local) for _ in range(self.S)]
         dist.all_gather(got, local, group=group)
@@ -192,7 +193,7 @@ class MatrixShards:
                 x = local[k].reshape(-1)
                 pieces += [x, x.new_zeros(self._padded(k) - x.numel())]
         dtype = local[0].dtype if local else torch.float32
-        send = torch.cat(pieces) if pieces else torch.zeros(0, dtype=dtype)
+        send = torch.cat(pieces) if pieces else torch.zeros(0, dtype=dtype, device=self.device)
         in_splits = [sum(self._padded(k) for k in self.by_owner[j]) for j in range(self.S)]
         mine = sum(self._padded(k) for k in self.owned)
         recv = self._exchange(send, in_splits, [mine] * self.S, "shard_gather").view(self.S, mine)
@@ -213,7 +214,7 @@ class MatrixShards:
                 chunk = whole[k][j * c:(j + 1) * c].reshape(-1)
                 pieces += [chunk, chunk.new_zeros(c * n - chunk.numel())]
         dtype = like[0].dtype if like else torch.float32
-        send = torch.cat(pieces).to(dtype) if pieces else torch.zeros(0, dtype=dtype)
+        send = torch.cat(pieces).to(dtype) if pieces else torch.zeros(0, dtype=dtype, device=self.device)
         mine = sum(self._padded(k) for k in self.owned)
         out_splits = [sum(self._padded(k) for k in self.by_owner[j]) for j in range(self.S)]
         recv = self._exchange(send, [mine] * self.S, out_splits, "shard_scatter")
@@ -479,7 +480,7 @@ class Muon(MatrixOptimizer):
         if not self._diagnose:
             return None
         # the whole matrices' sums of squares: the shards' summed over the shard group
-        sq = torch.stack(sq_sums) if sq_sums else torch.zeros(0, dtype=torch.float64)
+        sq = torch.stack(sq_sums) if sq_sums else torch.zeros(0, dtype=torch.float64, device=self.shards.device)
         torch.distributed.all_reduce(sq, group=self.shard_group)
         order = [k for ks in self._matrix_groups().values() for k in ks]
         return {"entries": [entries[k] for k in order], "sq_sums": sq.cpu().tolist(),
