@@ -1,8 +1,10 @@
 """Checkpoints of Muon and Dion on the hybrid-sharding mesh (launched by tests/test_mesh_optim.py):
 4 ranks, parallel.shard_size=2, debug model. For each: a run stopped at step 2 (train.stop_after)
 and resumed from its sharded checkpoint ends bit-identical to an uninterrupted 4-step run, and every
-rank's matrix state (Muon's momentum rows; Dion's M rows and Q) equals what it saved. Dion on
-another mesh (2 x 2 -> 1 x 4) is refused with an error naming parallel.shard_size.
+rank's matrix state (Muon's momentum rows; Dion's M rows and Q) equals what it saved. On another mesh
+(2 x 2 -> 1 x 4) Muon resumes with every rank's momentum its chunk of the whole momentum (identical on
+the replicas: it follows the mean gradient) and trains on; Dion is refused with an error naming
+parallel.shard_size.
 Prints "mesh_ckpt: checks passed"."""
 from __future__ import annotations
 
@@ -47,6 +49,16 @@ def matrix_state(tr: Trainer) -> list[torch.Tensor]:
             if torch.is_tensor(v)]
 
 
+def gather_matrix_momenta(tr: Trainer) -> list[list[torch.Tensor]]:
+    """Per matrix, the momentum row blocks of the shard group of rank 0 (replica 0), in order."""
+    opt = tr.optimizer
+    mine = [opt.momentum_of(opt.layout.entries[k].param).detach().clone() for k in opt.matrix_idx]
+    out = [None] * INFO.world_size
+    dist.all_gather_object(out, mine)
+    S = tr.parallel.shard_size
+    return [[out[s][i] for s in range(S)] for i in range(len(mine))]
+
+
 def main(tmp: str) -> None:
     global INFO
     INFO = init_distributed("cpu")
@@ -63,6 +75,16 @@ def main(tmp: str) -> None:
         assert all(torch.equal(x, y) for x, y in zip(matrix_state(c), saved)), f"{variant}: state changed on load"
         fit(c)
         assert all(torch.equal(x, y) for x, y in zip(full(a), full(c))), f"{variant}: resumed run differs"
+        if variant == "muon":  # another mesh, 2 x 2 -> 1 x 4: the momentum rows move like Lion's
+            whole = [torch.cat(rows) for rows in gather_matrix_momenta(c)]
+            e = trainer(tmp_dir / "muon_stopped", ["train.resume=auto", "parallel.shard_size=4", "train.max_steps=5"],
+                        variant)
+            assert e.step == 4 and all(torch.equal(x, y) for x, y in zip(full(a), full(e)))
+            for k, w in zip(e.optimizer.matrix_idx, whole):
+                chunk = -(-w.shape[0] // 4)
+                got = e.optimizer.momentum_of(e.optimizer.layout.entries[k].param)
+                assert torch.equal(got, w[INFO.rank * chunk:(INFO.rank + 1) * chunk]), k
+            fit(e)
     try:
         trainer(tmp_dir / "dion_stopped", ["train.resume=auto", "parallel.shard_size=4", "train.max_steps=5"], "dion")
         raise AssertionError("Dion's whole Q was resumed on another mesh")
