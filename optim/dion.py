@@ -338,6 +338,7 @@ class Dion(MatrixOptimizer):
         buf = torch.stack([torch.stack(out["res_sq"]), torch.stack(out["b_sq"])], dim=1).to(torch.float64)
         if self.shard_group is not None:  # each rank's share of the whole matrices' squares
             torch.distributed.all_reduce(buf, group=self.shard_group)
+            buf[:, 0].clamp_(min=0.0)  # the cancellation near full rank (dion_step_ clamps per matrix too)
         buf = _sum_fp64(buf.reshape(-1).contiguous(), self.world_size, self.group, self.stats["diag"])
         pairs = list(buf.div_(self.world_size).view(-1, 2).cpu())
         d: dict[str, float] = {}
