@@ -28,6 +28,26 @@ side and Q on the shorter; optim.transpose_wide=false keeps P = B Q on the fan_o
 shape (the convention of this project's runs before the switch; their checkpoints resume only
 with it).
 
+Hybrid sharding (parallel.shard_size = S > 1; dion_math.dion_mesh_step_). FSDP2 gives each rank of
+a shard group a dim-0 row block (fan_out rows) of X, M and the gradient. Dion Alg. 2 shards the
+side of Q and R; here that is the fan_out side exactly where the power iteration runs on the
+transpose (the wide matrices with the default optim.transpose_wide=true; none with false): P = Orthonormalize(sum over shards of B_j^T Q_j) (n x r),
+R_j = B_j P and Q_j on the local rows, column norms summed over the shard axis. Where the
+power iteration is not transposed (square and tall matrices, or transpose_wide=false), P = B Q lies
+on the sharded rows: its row blocks are all-gathered over the shard group before the
+orthonormalization and R = sum over shards of B_j^T P_j is summed there. Bytes per step a rank
+sends, fp32 words times 4, r each matrix's rank, c = ceil(m / S), m_j its local rows:
+  replicate axis  the grad_sync slice of its local rows (non-matrix and full-gradient matrices), and
+                  per low-rank matrix P then R: n r + m_j r transposed, m_j r + n r otherwise
+                  (summed over the shard group (m + S n) r or (S n + m) r: Dion Table 1's (m + n) r
+                  per shard rank of the unsharded side);
+  shard axis      per matrix (n + 1) r transposed (P and the column norms: Dion Table 1's
+                  (m + 1) r with its m the side of P), c r + n r otherwise (the P gather and the
+                  R sum); 2 words for the clipping norm with optim.grad_clip > 0 (`_shard_bytes`,
+                  booked in shard_stats; FSDP's all-gather and reduce-scatter come on top).
+Q of a transposed matrix is the rank's rows of the whole seeded Q; the diagnostics sum each rank's
+share of ||B - P R^T||^2 and ||B||^2 over the shard group first (the whole matrices' values).
+
 State per matrix: M (param dtype, per rank), Q (min(m, n) x r by default, n x r with
 optim.transpose_wide=false; float32 - float64 for float64 params -, identical on all ranks, drawn
 from a seed derived from the parameter's name by dion_math.init_dion_q, so no broadcast is
@@ -48,7 +68,9 @@ import comm
 
 from . import sync
 from .diagnostics import _aggregate, _sum_fp64
-from .dion_math import DEFAULT_RANK_FRACTION, dion_factor_rows, dion_rank, dion_step_, init_dion_q
+from .dion_math import (DEFAULT_RANK_FRACTION, dion_factor_rows, dion_mesh_step_, dion_rank, dion_step_,
+                        dion_transposed, init_dion_q)
+from .orthogonal import dion_scale
 from .muon import MatrixOptimizer, MatrixOptions, _gradient_mean, _matrix_state_words, is_matrix
 from .options import choice
 from .orthogonal import ORTHO_METHODS
@@ -125,25 +147,27 @@ class Dion(MatrixOptimizer):
         (model order within each), so the synced part of every dtype's buffer is one leading slice."""
         entries = self.layout.entries
         o = self.options
+        self._build_shards()  # hybrid sharding: the whole shapes of the row blocks
         self.ranks: dict[int, int] = {}
         too_big = []
         for k, e in enumerate(entries):
             if not is_matrix(e):
                 continue
-            m, n = e.param.shape
+            m, n = self.matrix_shape(k)
             if o.rank > min(m, n):
-                too_big.append(f"{e.name} {tuple(e.param.shape)}")
+                too_big.append(f"{e.name} {(m, n)}")
                 continue
             self.ranks[k] = dion_rank(m, n, rank_fraction=o.rank_fraction, rank=o.rank or None)
         if too_big:
-            smallest = min(min(e.param.shape) for e in entries if is_matrix(e))
+            smallest = min(min(self.matrix_shape(k)) for k in self.ranks.keys() | {k for k, e in enumerate(entries)
+                                                                                   if is_matrix(e)})
             which = ", ".join(too_big[:3]) + (f" and {len(too_big) - 3} more" if len(too_big) > 3 else "")
             raise ValueError(f"optim.rank={o.rank} exceeds min(fan_out, fan_in) of {which}; set optim.rank <= "
                              f"{smallest} (the smallest matrix side), or optim.rank=0 to use optim.rank_fraction "
                              "in (0, 1]")
         # factorise only where the factors are smaller than the gradient: (m + n) r < m n
         self.lowrank_idx = [k for k, r in self.ranks.items()
-                            if sum(entries[k].param.shape) * r < entries[k].numel]
+                            if sum(self.matrix_shape(k)) * r < math.prod(self.matrix_shape(k))]
         self.fullgrad_idx = [k for k in self.ranks if k not in set(self.lowrank_idx)]
         local = {id(entries[k].param) for k in self.lowrank_idx}
         synced = [p for p in order if id(p) not in local]
@@ -175,6 +199,12 @@ class Dion(MatrixOptimizer):
             n = self._synced_numel.get(dtype, 0)
             synced_sq += torch.linalg.vector_norm(buf[:n], dtype=torch.float32).square()
             local_sq += torch.linalg.vector_norm(buf[n:], dtype=torch.float32).square()
+        if self.shard_group is not None:  # hybrid sharding: the whole tensors' squares
+            both = torch.stack([synced_sq, local_sq])
+            torch.distributed.all_reduce(both, group=self.shard_group)
+            self.shard_stats.add_bytes("clip_norm", both.numel() * both.element_size(),
+                                       both.numel() * both.element_size())
+            synced_sq, local_sq = both[0], both[1]
         if self.world_size > 1 and self.lowrank_idx:
             local_sq = comm.allreduce_mean(local_sq.reshape(1), wire_dtype=torch.float32, group=self.group,
                                            stats=self.stats["grad_sync"])[0]
@@ -197,12 +227,54 @@ class Dion(MatrixOptimizer):
         if "momentum" not in state:
             state["momentum"] = torch.zeros_like(e.param, memory_format=torch.preserve_format)
             dtype = torch.float64 if e.param.dtype == torch.float64 else torch.float32
-            rows = dion_factor_rows(*e.param.shape, self.options.transpose_wide)[1]
-            state["Q"] = init_dion_q(rows, self.ranks[k], seed=matrix_seed(e.name), dtype=dtype,
-                                     device=e.param.device)
+            m, n = self.matrix_shape(k)
+            rows = dion_factor_rows(m, n, self.options.transpose_wide)[1]
+            Q = init_dion_q(rows, self.ranks[k], seed=matrix_seed(e.name), dtype=dtype, device=e.param.device)
+            if self.shards is not None and dion_transposed(m, n, self.options.transpose_wide):
+                start = self.row_start(k)  # Q lies on the sharded rows: this rank's block
+                Q = Q[start:start + e.param.shape[0]].clone()
+            state["Q"] = Q
         return state["momentum"], state["Q"]
 
+    def _shard_sum(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Sum over the shard group of every tensor, in ONE all_reduce (booked in shard_stats)."""
+        if not tensors:
+            return []
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        torch.distributed.all_reduce(flat, group=self.shard_group)
+        nbytes = flat.numel() * flat.element_size()
+        self.shard_stats.add_bytes("shard_sum", nbytes, nbytes)
+        return [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+    def _shard_gather(self, idx: list[int]):
+        """All-gather over the shard group of the row blocks (m_j, r) of the matrices `idx` (layout
+        indices), each padded to ceil(m / S) rows, in ONE call; returns the whole (m, r) tensors."""
+        sh = self.shards
+
+        def gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+            if not tensors:
+                return []
+            pos = [self._shard_pos[k] for k in idx]
+            pieces = []
+            for i, t in zip(pos, tensors):
+                pieces += [t.reshape(-1), t.new_zeros((sh.chunk[i] - t.shape[0]) * t.shape[1])]
+            flat = torch.cat(pieces)
+            out = [torch.empty_like(flat) for _ in range(sh.S)]
+            torch.distributed.all_gather(out, flat, group=self.shard_group)
+            nbytes = flat.numel() * flat.element_size()
+            self.shard_stats.add_bytes("shard_gather", nbytes, nbytes * (sh.S - 1))
+            full = torch.stack(out)
+            res, off = [], 0
+            for i, t in zip(pos, tensors):
+                size = sh.chunk[i] * t.shape[1]
+                res.append(full[:, off:off + size].reshape(sh.S * sh.chunk[i], t.shape[1])[:sh.m[i]])
+                off += size
+            return res
+        return gather
+
     def _matrix_update(self, step: int) -> dict | None:
+        if self.shards is not None:
+            return self._mesh_matrix_update(step)
         o, entries = self.options, self.layout.entries
         diag: dict | None = {"entries": [], "res_sq": [], "b_sq": []} if self._diagnose else None
         # full-gradient matrices first (their gradients are already the mean: no reduce), then the
@@ -226,6 +298,33 @@ class Dion(MatrixOptimizer):
                 diag["res_sq"] += [f.residual_norm.square() for f in factors]
         return diag
 
+    def _mesh_matrix_update(self, step: int) -> dict | None:
+        """Dion Alg. 2 on the row blocks of the hybrid-sharding mesh (dion_math.dion_mesh_step_):
+        the full-gradient matrices with shard collectives only (their gradients are the replicas'
+        mean already), then the low-rank ones with the replica means of P and R as well."""
+        o, entries = self.options, self.layout.entries
+        diag: dict | None = {"entries": [], "res_sq": [], "b_sq": []} if self._diagnose else None
+        for idx, reduce_mean in ((self.fullgrad_idx, None), (self.lowrank_idx, self._reduce_mean(step))):
+            if not idx:
+                continue
+            params = [entries[k].param for k in idx]
+            moms, qs = zip(*(self._state_of(k) for k in idx))
+            groups = [self.param_groups[entries[k].group] for k in idx]
+            shapes = [self.matrix_shape(k) for k in idx]
+            flip = [dion_transposed(m, n, o.transpose_wide) for m, n in shapes]
+            factors = dion_mesh_step_(
+                params, [p.grad for p in params], list(moms), list(qs), flip=flip,
+                row_start=[self.row_start(k) for k in idx], lr=[self.matrix_lr(g) for g in groups],
+                weight_decay=[float(g["weight_decay"]) for g in groups], scale=[dion_scale(m, n) for m, n in shapes],
+                shard_sum=self._shard_sum, shard_gather=self._shard_gather([k for k, f in zip(idx, flip) if not f]),
+                reduce_mean=reduce_mean, mu=o.mu, ortho=o.ortho, diagnostics=diag is not None,
+                error_feedback=o.error_feedback)
+            if diag is not None:
+                diag["entries"] += [entries[k] for k in idx]
+                diag["res_sq"] += [f.residual_norm for f in factors]
+                diag["b_sq"] += [f.rel_error for f in factors]
+        return diag
+
     def _diagnostics(self, out: dict | None) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         """Per matrix tensor, role, block and overall, averaged over ranks (one fp64 allreduce in the
         diag phase): diag/dion_rel_error = sqrt(mean_i ||B_i - P R^T||^2 / mean_i ||B_i||^2), the
@@ -237,6 +336,9 @@ class Dion(MatrixOptimizer):
         if not out or not out["entries"]:
             return {}, {}
         buf = torch.stack([torch.stack(out["res_sq"]), torch.stack(out["b_sq"])], dim=1).to(torch.float64)
+        if self.shard_group is not None:  # each rank's share of the whole matrices' squares
+            torch.distributed.all_reduce(buf, group=self.shard_group)
+            buf[:, 0].clamp_(min=0.0)  # the cancellation near full rank (dion_step_ clamps per matrix too)
         buf = _sum_fp64(buf.reshape(-1).contiguous(), self.world_size, self.group, self.stats["diag"])
         pairs = list(buf.div_(self.world_size).view(-1, 2).cpu())
         d: dict[str, float] = {}
@@ -249,11 +351,38 @@ class Dion(MatrixOptimizer):
     # ---- bytes per step -----------------------------------------------------------------------------
     def factor_shapes(self) -> list[tuple[int, int, int]]:
         """(m, n, r) of every low-rank matrix, in exchange order (dion_math.dion_wire_elements)."""
-        return [(*self.layout.entries[k].param.shape, self.ranks[k]) for k in self.lowrank_idx]
+        return [(*self.matrix_shape(k), self.ranks[k]) for k in self.lowrank_idx]
+
+    def _local_factor_rows(self, k: int) -> tuple[int, int]:
+        """(rows of P, rows of R) this rank exchanges across replicas for matrix entry k: the
+        factors' rows, where the side on FSDP2's dim 0 holds only this rank's block."""
+        m, n = self.matrix_shape(k)
+        mj = self.layout.entries[k].param.shape[0]
+        return (n, mj) if dion_transposed(m, n, self.options.transpose_wide) else (mj, n)
+
+    def _shard_bytes(self) -> int:
+        """Bytes this rank sends on the shard axis in one step (dion_mesh_step_'s collectives, in the
+        compute dtype): per flipped matrix (n + 1) r (P and the column norms, Dion Table 1), per
+        other matrix c r + n r (its padded P block to the all-gather, R's sum); plus 2 words for the
+        clipping norm when clipping."""
+        if self.shards is None:
+            return 0
+        total = 0
+        for k in self.fullgrad_idx + self.lowrank_idx:
+            m, n = self.matrix_shape(k)
+            r = self.ranks[k]
+            item = 8 if self.layout.entries[k].param.dtype == torch.float64 else 4
+            c = self.shards.chunk[self._shard_pos[k]]
+            total += item * ((n + 1) * r if dion_transposed(m, n, self.options.transpose_wide) else (c + n) * r)
+        return total + (8 if self.grad_clip > 0 else 0)
 
     def _exchanged(self) -> list[tuple[str, int, int]]:
         out = [("grad_sync", n, 1) for n in self._synced_numel.values() if n]
-        if self.lowrank_idx:
+        if self.lowrank_idx and self.shards is not None:
+            rows = [(*self._local_factor_rows(k), self.ranks[k]) for k in self.lowrank_idx]
+            out += [("update_sync", sum(p * r for p, _, r in rows), 1),
+                    ("update_sync", sum(q * r for _, q, r in rows), 1)]
+        elif self.lowrank_idx:
             rows = [(*dion_factor_rows(m, n, self.options.transpose_wide), r) for m, n, r in self.factor_shapes()]
             out += [("update_sync", sum(p * r for p, _, r in rows), 1),   # every P, one call
                     ("update_sync", sum(q * r for _, q, r in rows), 1)]   # every R, one call
@@ -280,13 +409,16 @@ class Dion(MatrixOptimizer):
             Q = self.state.get(e.param, {}).get("Q")
             if Q is None:
                 continue
-            want = (dion_factor_rows(*e.param.shape, tw)[1], r)
+            m, n = self.matrix_shape(k)
+            sharded_q = self.shards is not None and dion_transposed(m, n, tw)
+            want = (e.param.shape[0] if sharded_q else dion_factor_rows(m, n, tw)[1], r)
             if tuple(Q.shape) != want:
-                other = (dion_factor_rows(*e.param.shape, not tw)[1], r)
+                other = (dion_factor_rows(m, n, not tw)[1], r)
                 fix = (f"it was saved with optim.transpose_wide={str(not tw).lower()}; resume with that setting"
                        if tuple(Q.shape) == other else
-                       "resume with the optim.rank / optim.rank_fraction it was saved with")
-                raise ValueError(f"Dion.load_state_dict: Q of {e.name} {tuple(e.param.shape)} has shape "
+                       "resume with the optim.rank / optim.rank_fraction and the parallel.shard_size it was saved "
+                       "with (Dion's Q does not move to another mesh)")
+                raise ValueError(f"Dion.load_state_dict: Q of {e.name} {(m, n)} has shape "
                                  f"{tuple(Q.shape)}, this run expects {want} (optim.transpose_wide="
                                  f"{str(tw).lower()}): {fix}")
 
@@ -297,16 +429,17 @@ def _build_dion(groups, *, betas, eps, options, **comm_kwargs) -> Dion:
 
 register_optimizer(OptimizerSpec(
     name="dion", options=DionOptions, build=_build_dion,
-    # P and R go through the scheme's exchange twice per step: it must be a plain mean-allreduce
-    # (fp32 or bf16), not one that keeps error-feedback state sized for the gradient (loco)
-    accepts=lambda s: _gradient_mean(s) and s.name in ("fp32", "bf16"),
+    # P and R go through the scheme's exchange twice per step: it must be a stateless
+    # mean-allreduce (fp32, bf16), not one that keeps error-feedback state sized for the gradient
+    # (loco): the scheme's capabilities say which, not its name
+    accepts=lambda s: _gradient_mean(s) and s.state_bytes is None,
     needs="a mean-allreduce scheme for its P and R factors and the non-matrix gradients (comm.mode picks their "
           "wire dtype)",
     state="matrices: momentum M (param dtype, per rank) + Q (min(m, n) x r fp32); others: AdamW m, v or Lion m",
     help="Dion (low-rank orthonormal updates, error feedback; Dion Alg. 2) on the hidden matrices, AdamW or Lion "
          "on the rest; only P, R and the non-matrix gradients cross the network",
     # Q (n x r) is r / m of a matrix's elements: not counted per element
-    state_words=lambda o, s, role: _matrix_state_words(o, role, 1.0)))
+    state_words=lambda o, s, role: _matrix_state_words(o, role, 1.0), shards=True))
 
 
 __all__ = ["Dion", "DionOptions", "matrix_seed"]

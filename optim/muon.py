@@ -20,6 +20,17 @@ Every rank orthogonalises every matrix: nothing but the gradient crosses the net
 (modded-nanogpt spreads the Newton-Schulz work over the ranks and all-gathers the updates, which
 costs a second collective of the same size; on a slow network we keep one).
 
+On the hybrid-sharding mesh (parallel.shard_size = S > 1; MatrixShards) each rank holds dim-0 row
+blocks of every matrix. The momentum and u are element-wise on the rows; then each matrix's u goes
+to one owner rank of its shard group (matrices spread so every rank orthonormalizes about the same
+number of elements), which runs Newton-Schulz and the scale on the whole matrix, and the update's
+rows go back. Bytes one rank sends per step, with c_k = ceil(m_k / S) and w the parameter's size:
+    replicate axis  the scheme's mean-allreduce of the local flat gradient (N / S elements)
+    shard axis      sum over matrices it does not own of c_k n_k w (gather) + sum over those it
+                    owns of (S - 1) c_k n_k w (scatter): 2 (S - 1) / S * sum_k m_k n_k w summed
+                    over a shard group, one all_to_all each way (FSDP's own all-gather and
+                    reduce-scatter come on top).
+
 Learning rates. The common optim.lr (times the embedding/head/scalar multipliers) is the rate of
 the AdamW/Lion part, as in modded-nanogpt and microsoft/dion, where the embedding and head run
 AdamW at their own rate. optim.matrix_lr is the peak rate of the matrices; the trainer's schedule
@@ -37,13 +48,14 @@ from typing import Iterable
 import torch
 
 from comm import cost_model
+from comm.stats import CommStats
 
 from . import sync
 from .base import CommOptimizer, Entry
 from .diagnostics import _aggregate
 from .lion import apply_update_, lion_group_step_
 from .options import choice
-from .orthogonal import MUON_SCALES, NS_STEPS, muon_scale, muon_update
+from .orthogonal import MUON_SCALES, NS_STEPS, muon_scale, muon_update, newton_schulz
 from .registry import OptimizerSpec, OptimOptions, register_optimizer
 
 SCALAR_OPTS = ("adamw", "lion")
@@ -109,6 +121,113 @@ def _options(cls: type[MatrixOptions], given: MatrixOptions | dict | None) -> Ma
     return opts
 
 
+class MatrixShards:
+    """The hidden matrices of a model sharded over a shard group (hybrid sharding): their whole
+    shapes, FSDP2's dim-0 chunks, and one owner rank each.
+
+    FSDP2 splits dim 0 of every parameter as torch.chunk does: rank j of the S shard ranks holds
+    rows [j c, min((j + 1) c, m)) with c = ceil(m / S) (the last ranks may hold fewer or none).
+    The constructor learns each matrix's m from one all_gather of the local row counts and checks
+    that layout. Owners: the matrices in decreasing size, each to the rank with the fewest elements
+    so far (ties: the lowest rank), so every rank orthonormalizes about the same number of elements
+    (the same assignment on every rank and replica: it depends on the shapes only).
+
+    `gather` and `scatter` move every owned matrix in ONE all_to_all_single each over the shard
+    group, every shard padded to c rows: a rank sends sum_k c_k n_k (S - 1) / S elements to the
+    others in each direction (its shards of the matrices it does not own, then the owner's chunks of
+    the matrices it owns), booked in `stats` (the shard axis; CommStats of the replicate axis stay
+    the optimizer's phases)."""
+
+    def __init__(self, params: list[torch.Tensor], group, stats: CommStats | None = None) -> None:
+        import torch.distributed as dist
+
+        self.group = group
+        self.S = dist.get_world_size(group)
+        self.me = dist.get_rank(group)
+        self.stats = stats if stats is not None else CommStats(timing=False)
+        device = params[0].device if params else torch.device("cpu")
+        self.device = device
+        local = torch.tensor([p.shape[0] for p in params], dtype=torch.int64, device=device)
+        got = [torch.empty_like(local) for _ in range(self.S)]
+        dist.all_gather(got, local, group=group)
+        rows = torch.stack(got).cpu()  # (S, K)
+        self.m = [int(v) for v in rows.sum(0).tolist()] if params else []
+        self.n = [int(p.shape[1]) for p in params]
+        self.chunk = [-(-m // self.S) for m in self.m]
+        self.rows = [[min(c, max(0, m - j * c)) for j in range(self.S)] for m, c in zip(self.m, self.chunk)]
+        for k, want in enumerate(self.rows):
+            if rows[:, k].tolist() != want:
+                raise RuntimeError(f"MatrixShards: matrix {k} of {self.m[k]} rows is split {rows[:, k].tolist()} over "
+                                   f"the shard group, not FSDP2's dim-0 chunks {want}")
+        load = [0] * self.S
+        self.owner = [0] * len(params)
+        for k in sorted(range(len(params)), key=lambda k: (-self.m[k] * self.n[k], k)):
+            j = min(range(self.S), key=lambda j: (load[j], j))
+            self.owner[k] = j
+            load[j] += self.m[k] * self.n[k]
+        self.owned = [k for k in range(len(params)) if self.owner[k] == self.me]
+        self.by_owner = [[k for k in range(len(params)) if self.owner[k] == j] for j in range(self.S)]
+
+    def shape(self, k: int) -> tuple[int, int]:
+        return self.m[k], self.n[k]
+
+    def _padded(self, k: int) -> int:
+        return self.chunk[k] * self.n[k]
+
+    def _exchange(self, send: torch.Tensor, in_splits: list[int], out_splits: list[int], name: str) -> torch.Tensor:
+        import torch.distributed as dist
+
+        recv = send.new_empty(sum(out_splits))
+        dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.group)
+        item = send.element_size()
+        self.stats.add_bytes(name, (sum(in_splits) - in_splits[self.me]) * item,
+                             (sum(out_splits) - out_splits[self.me]) * item)
+        return recv
+
+    def gather(self, local: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Every rank's shard of the matrices this rank owns -> {k: whole (m, n) matrix}; `local`
+        holds this rank's (rows, n) shard of every matrix (one dtype)."""
+        pieces = []
+        for j in range(self.S):
+            for k in self.by_owner[j]:
+                x = local[k].reshape(-1)
+                pieces += [x, x.new_zeros(self._padded(k) - x.numel())]
+        dtype = local[0].dtype if local else torch.float32
+        send = torch.cat(pieces) if pieces else torch.zeros(0, dtype=dtype, device=self.device)
+        in_splits = [sum(self._padded(k) for k in self.by_owner[j]) for j in range(self.S)]
+        mine = sum(self._padded(k) for k in self.owned)
+        recv = self._exchange(send, in_splits, [mine] * self.S, "shard_gather").view(self.S, mine)
+        out, off = {}, 0
+        for k in self.owned:
+            block = recv[:, off:off + self._padded(k)].reshape(self.S * self.chunk[k], self.n[k])
+            out[k] = block[:self.m[k]]
+            off += self._padded(k)
+        return out
+
+    def scatter(self, whole: dict[int, torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The inverse of `gather`: {k: whole matrix} on its owner -> this rank's (rows, n) shard of
+        every matrix (`like`: this rank's shards, for shapes and dtype)."""
+        pieces = []
+        for j in range(self.S):
+            for k in self.owned:
+                c, n = self.chunk[k], self.n[k]
+                chunk = whole[k][j * c:(j + 1) * c].reshape(-1)
+                pieces += [chunk, chunk.new_zeros(c * n - chunk.numel())]
+        dtype = like[0].dtype if like else torch.float32
+        send = torch.cat(pieces).to(dtype) if pieces else torch.zeros(0, dtype=dtype, device=self.device)
+        mine = sum(self._padded(k) for k in self.owned)
+        out_splits = [sum(self._padded(k) for k in self.by_owner[j]) for j in range(self.S)]
+        recv = self._exchange(send, [mine] * self.S, out_splits, "shard_scatter")
+        out: list[torch.Tensor | None] = [None] * len(like)
+        off = 0
+        for j in range(self.S):
+            for k in self.by_owner[j]:
+                rows = self.rows[k][self.me]
+                out[k] = recv[off:off + rows * self.n[k]].view(rows, self.n[k])
+                off += self._padded(k)
+        return out
+
+
 class MatrixOptimizer(CommOptimizer):
     """Base of Muon and Dion: hidden matrices get the subclass's update (`_matrix_update`), the
     other parameters AdamW or Lion; lr and weight_decay are read from the param groups every step.
@@ -155,6 +274,35 @@ class MatrixOptimizer(CommOptimizer):
                                            **({"fused": True} if on_cuda else {"foreach": True}))
         self._diagnose = False
         self._diag_out: dict | None = None
+        # hybrid sharding: the matrices' whole shapes and owners over the shard group; the shard
+        # axis's bytes (gathers, scatters, factor sums) are booked in shard_stats
+        self._build_shards()
+
+    def _build_shards(self) -> None:
+        """self.shards (MatrixShards over the hidden matrices, None when not sharded) and
+        self.shard_stats; once (Dion needs them while the base constructor orders the gradients)."""
+        if hasattr(self, "shards"):
+            return
+        self.shard_stats = CommStats(timing=False)
+        self.shards: MatrixShards | None = None
+        idx = [k for k, e in enumerate(self.layout.entries) if is_matrix(e)]
+        self._shard_pos = {k: i for i, k in enumerate(idx)}
+        if self.shard_group is not None:
+            self.shards = MatrixShards([self.layout.entries[k].param for k in idx], self.shard_group,
+                                       self.shard_stats)
+
+    def matrix_shape(self, k: int) -> tuple[int, int]:
+        """The whole (m, n) of matrix entry k (its local shard's shape when not sharded)."""
+        if self.shards is None:
+            return tuple(self.layout.entries[k].param.shape)
+        return self.shards.shape(self._shard_pos[k])
+
+    def row_start(self, k: int) -> int:
+        """First row of this rank's block of matrix entry k in the whole matrix (0 unsharded)."""
+        if self.shards is None:
+            return 0
+        i = self._shard_pos[k]
+        return self.shards.me * self.shards.chunk[i] if self.shards.rows[i][self.shards.me] else self.shards.m[i]
 
     # ---- learning rates -----------------------------------------------------------------------
     def matrix_lr(self, group: dict) -> float:
@@ -213,6 +361,23 @@ class MatrixOptimizer(CommOptimizer):
         return st.get("momentum", st.get("exp_avg"))
 
     # ---- bytes and time per step ------------------------------------------------------------------
+    def mesh_bytes_per_step(self) -> tuple[int, int]:
+        """(bytes this rank sends on the shard axis, on the replicate axis) in one step, as the
+        collectives book them (shard_stats; the grad_sync and update_sync phases)."""
+        rep = sum(v[0] for ph, v in self.wire_bytes_per_step().items() if ph in ("grad_sync", "update_sync"))
+        return self._shard_bytes(), rep
+
+    def _shard_bytes(self) -> int:
+        """Muon's shard axis: the gather sends this rank's padded shard (c_k n_k elements, c_k =
+        ceil(m_k / S)) of every matrix it does not own, the scatter (S - 1) padded chunks of every
+        matrix it owns, in the momentum's dtype (the parameter's)."""
+        sh = self.shards
+        if sh is None:
+            return 0
+        item = [self.layout.entries[k].param.element_size() for k in self.matrix_idx]
+        return sum(sh.chunk[i] * sh.n[i] * item[i] * ((sh.S - 1) if sh.owner[i] == sh.me else 1)
+                   for i in range(len(item)))
+
     # ---- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         sd = super().state_dict()  # matrix state and Lion momenta (self.state), groups, comm
@@ -236,9 +401,11 @@ class MatrixOptimizer(CommOptimizer):
         return f"{super().describe()} | {type(self).__name__}: {opts}"
 
     @staticmethod
-    def _role_rms(entries: list[Entry], sq_sums: list[float]) -> dict[str, float]:
-        """sqrt(sum of squares / elements) per tensor, per role, per block and overall."""
-        pairs = [torch.tensor([s, float(e.numel)], dtype=torch.float64) for e, s in zip(entries, sq_sums)]
+    def _role_rms(entries: list[Entry], sq_sums: list[float], numels: list[int] | None = None) -> dict[str, float]:
+        """sqrt(sum of squares / elements) per tensor, per role, per block and overall (`numels`:
+        the whole tensors' element counts where the entries are shards)."""
+        numels = numels if numels is not None else [e.numel for e in entries]
+        pairs = [torch.tensor([s, float(n)], dtype=torch.float64) for n, s in zip(numels, sq_sums)]
         return {suffix: math.sqrt(v[0].item() / v[1].item()) if v[1] > 0 else 0.0
                 for suffix, v in _aggregate(pairs, entries, lambda vs: sum(vs))}
 
@@ -250,6 +417,8 @@ class Muon(MatrixOptimizer):
     options_class = MuonOptions
 
     def _matrix_update(self, step: int) -> dict | None:
+        if self.shards is not None:
+            return self._sharded_matrix_update()
         o = self.options
         entries = self.layout.entries
         sq_sums: list[float] = []
@@ -273,13 +442,50 @@ class Muon(MatrixOptimizer):
         order = [k for ks in self._matrix_groups().values() for k in ks]
         return {"entries": [entries[k] for k in order], "sq_sums": sq_sums}
 
+    def _sharded_matrix_update(self) -> dict | None:
+        """Muon on dim-0 shards (hybrid sharding): the momentum and the Nesterov direction u on the
+        local rows (element-wise), then every u to its owner (MatrixShards.gather, one all_to_all),
+        Newton-Schulz and muon_scale of the whole matrix there, the update's rows back to their ranks
+        (MatrixShards.scatter, one all_to_all) and applied to the local shard. Every rank of a
+        replicate group holds the same mean gradient rows, so replicas stay bit-identical."""
+        o, entries, sh = self.options, self.layout.entries, self.shards
+        us = []
+        for k in self.matrix_idx:
+            p = entries[k].param
+            state = self.state[p]
+            if "momentum" not in state:
+                state["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            m = state["momentum"]
+            m.lerp_(p.grad.to(m.dtype), 1.0 - o.momentum)
+            us.append(p.grad.to(m.dtype).lerp(m, o.momentum) if o.nesterov else m)
+        whole = sh.gather(us)
+        for i, u in whole.items():
+            whole[i] = newton_schulz(u, steps=o.ns_steps).mul_(muon_scale(*sh.shape(i), o.scale))
+        updates = sh.scatter(whole, us)
+        pos = {k: i for i, k in enumerate(self.matrix_idx)}
+        sq_sums: list[torch.Tensor] = []
+        for gi, ks in self._matrix_groups().items():
+            group = self.param_groups[gi]
+            ups = [updates[pos[k]] for k in ks]
+            apply_update_([entries[k].param for k in ks], ups, self.matrix_lr(group), float(group["weight_decay"]))
+            if self._diagnose:
+                sq_sums += [torch.linalg.vector_norm(u, dtype=torch.float64).square() for u in ups]
+        if not self._diagnose:
+            return None
+        # the whole matrices' sums of squares: the shards' summed over the shard group
+        sq = torch.stack(sq_sums) if sq_sums else torch.zeros(0, dtype=torch.float64, device=self.shards.device)
+        torch.distributed.all_reduce(sq, group=self.shard_group)
+        order = [k for ks in self._matrix_groups().values() for k in ks]
+        return {"entries": [entries[k] for k in order], "sq_sums": sq.cpu().tolist(),
+                "numels": [math.prod(self.matrix_shape(k)) for k in order]}
+
     def _diagnostics(self, out: dict | None) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         """diag/muon_update_rms[/<role>|/block/<i>|/tensor/<name>]: element RMS of the applied
         direction muon_scale * O, before the learning rate (an exact orthogonal O of an (m, n)
         matrix has RMS 1/sqrt(max(m, n)); Newton-Schulz lands within its [0.68, 1.2] band of that)."""
         if not out or not out["entries"]:
             return {}, {}
-        rms = self._role_rms(out["entries"], out["sq_sums"])
+        rms = self._role_rms(out["entries"], out["sq_sums"], out.get("numels"))
         return {"diag/muon_update_rms" + k: v for k, v in rms.items()}, {}
 
 
@@ -305,8 +511,8 @@ register_optimizer(OptimizerSpec(
     state="matrices: momentum (param dtype); others: AdamW m, v or Lion m",
     help="Muon (Newton-Schulz orthogonalised momentum) on the hidden matrices, AdamW or Lion on the rest; "
          "fp32/bf16 gradient allreduce",
-    state_words=lambda o, s, role: _matrix_state_words(o, role, 1.0)))
+    state_words=lambda o, s, role: _matrix_state_words(o, role, 1.0), shards=True))
 
 
-__all__ = ["MatrixOptimizer", "MatrixOptions", "Muon", "MuonOptions", "NON_MATRIX_ROLES", "SCALAR_OPTS",
+__all__ = ["MatrixOptimizer", "MatrixOptions", "MatrixShards", "Muon", "MuonOptions", "NON_MATRIX_ROLES", "SCALAR_OPTS",
            "is_matrix"]

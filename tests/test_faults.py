@@ -222,19 +222,31 @@ def test_sigint_checkpoints_and_a_second_one_exits_at_once(tmp_path):
     assert proc.returncode == 0 and "stopping (signal 2)" in out, err[-2000:]
     assert (run / "ckpt" / "latest").is_file()
     run2 = tmp_path / "run2"
-    proc = subprocess.Popen([sys.executable, "train.py", "configs/default.yaml", *TINY, f"train.out_dir={run2}",
+    # steps of ~0.5 s (tiny model, 8 x 128 tokens), so the second Ctrl-C lands inside the step the first one
+    # ends; it is sent once the first was handled (its message is read): two signals that arrive while the
+    # main thread is inside one C call would reach Python as one
+    slow = [a for a in TINY if not a.startswith(("model.preset", "data.batch_size", "data.seq_len"))]
+    proc = subprocess.Popen([sys.executable, "train.py", "configs/default.yaml", *slow, "model.preset=tiny",
+                             "data.batch_size=8", "data.seq_len=128", f"train.out_dir={run2}",
                              "train.max_steps=100000", "train.log_every=100000"], cwd=ROOT, env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         while time.time() < deadline + 120 and not (run2 / "config.yaml").exists():
             time.sleep(0.2)
         time.sleep(1.0)
-        proc.send_signal(signal.SIGINT)  # the first one stops at the next step and checkpoints...
-        time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)  # the first one stops at the end of this step and checkpoints...
+        first = ""
+        while "received" not in first:  # lines written before it (warnings) are skipped
+            line = proc.stderr.readline()
+            if not line:
+                break
+            first = line
         proc.send_signal(signal.SIGINT)  # ...a second one before that is done leaves at once
         _, err = proc.communicate(timeout=60)
+        err = first + err
     finally:
         proc.kill()
+    assert "signal 2 received: checkpointing at the end of this step" in first, first
     assert proc.returncode == 130 and "a second Ctrl-C" in err, err[-2000:]
 
 

@@ -3,7 +3,7 @@ parallel_dist.py (fp32 sync at S = 2, 4 equals the replicated run; onebit at S =
 hierarchical vote with 2 ranks per node; the other modes run with the formula's bytes; replicas
 bit-identical every step; the memory model within 15 %), tests/workers/parallel_ckpt.py (DCP
 checkpoints: exact resume, per-replica momenta, a damaged shard file -> the previous checkpoint),
-and the config errors."""
+and the config errors (muon and dion on the mesh: tests/test_mesh_optim.py)."""
 from __future__ import annotations
 
 import pytest
@@ -21,8 +21,6 @@ def test_sharded_equals_replicated(tmp_path) -> None:
 @pytest.mark.parametrize("variant,overrides,message", [
     ("lioncub_1bit", ["parallel.shard_size=3"], "parallel.shard_size: 3 does not divide the world size 4"),
     ("lioncub_1bit", ["parallel.shard_size=0"], "parallel.shard_size: 0 must be >= 1"),
-    ("muon", ["parallel.shard_size=2"], "optim.name=muon does not run on sharded parameters"),
-    ("dion", ["parallel.shard_size=2"], "optim.name=dion does not run on sharded parameters"),
     ("lioncub_hier", ["parallel.shard_size=2"], "comm.mode=hierarchical does not run across replicas"),
     ("lion_fp32", ["parallel.shard_size=2", "comm.bucket_mb=1"], "comm.bucket_mb"),
     ("lion_fp32", ["parallel.shard_size=2", "train.mc_eval_file=items.jsonl"], "train.mc_eval_file"),

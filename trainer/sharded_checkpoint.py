@@ -90,20 +90,20 @@ def load_full_model(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> N
                 v.copy_(state[k])
 
 
-def _per_param(opt_state: dict) -> tuple[dict, list[str]]:
-    """(the torch-style {"state": {index: {key: tensor}}} part of an optimizer state, its path), or
-    ValueError when the state holds anything a mesh change cannot map (flat-layout vectors,
-    exchange state)."""
-    path = []
-    node = opt_state
-    if "inner" in node:  # optim/adamw.py and the matrix optimizers keep torch's optimizer inside
-        path, node = ["inner"], node["inner"]
+def _per_param(opt_state: dict) -> list[tuple[dict, list[str]]]:
+    """Every torch-style {"state": {index: {key: tensor}}} part of an optimizer state with its path
+    (the optimizer's own, and the torch optimizer inside it: optim/adamw.py, the matrix optimizers'
+    AdamW), or ValueError when the state holds anything a mesh change cannot map (flat-layout
+    vectors, exchange state)."""
+    nodes = [(opt_state, [])] if "state" in opt_state else []
+    if "inner" in opt_state:
+        nodes.append((opt_state["inner"], ["inner"]))
     extra = sorted(set(opt_state) - {"state", "param_groups", "comm", "inner"})
     exchange = (opt_state.get("comm") or {}).get("exchange")
-    if extra or exchange or "state" not in node:
+    if extra or exchange or not nodes or any("state" not in node for node, _ in nodes):
         raise ValueError(f"its optimizer state holds {extra or 'exchange state'}, which is laid out over the saved "
                          f"mesh's flat vector")
-    return node, path
+    return nodes
 
 
 def _rows(t: torch.Tensor, shards: int, index: int) -> torch.Tensor:
@@ -123,26 +123,26 @@ def remesh_optimizer_state(states: list[dict], saved_shard: int, shard: int, rep
     is not per parameter."""
     old_replicas = len(states) // saved_shard
     parts = [_per_param(s) for s in states]
-    whole = []  # per old replica: {index: {key: tensor}}
-    for r in range(old_replicas):
-        group = [parts[r * saved_shard + k][0]["state"] for k in range(saved_shard)]
-        whole.append({i: {key: (torch.cat([g[i][key] for g in group]) if torch.is_tensor(v) and v.ndim else v)
-                          for key, v in st.items()} for i, st in group[0].items()})
-    if old_replicas == replicas:
-        mine = whole[replica]
-    else:
-        mine = {i: {key: (torch.stack([w[i][key].to(torch.float32) for w in whole]).mean(0).to(v.dtype)
-                          if torch.is_tensor(v) and v.ndim and v.is_floating_point() else v)
-                    for key, v in st.items()} for i, st in whole[0].items()}
-    local = {i: {key: (_rows(v, shard, shard_index).clone() if torch.is_tensor(v) and v.ndim else v)
-                 for key, v in st.items()} for i, st in mine.items()}
-    base, path = parts[0]
-    node = {**base, "state": local}
     out = dict(states[0])
-    if path:
-        out[path[0]] = node
-    else:
-        out.update(node)
+    for j, (base, path) in enumerate(parts[0]):
+        whole = []  # per old replica: {index: {key: tensor}}
+        for r in range(old_replicas):
+            group = [parts[r * saved_shard + k][j][0]["state"] for k in range(saved_shard)]
+            whole.append({i: {key: (torch.cat([g[i][key] for g in group]) if torch.is_tensor(v) and v.ndim else v)
+                              for key, v in st.items()} for i, st in group[0].items()})
+        if old_replicas == replicas:
+            mine = whole[replica]
+        else:
+            mine = {i: {key: (torch.stack([w[i][key].to(torch.float32) for w in whole]).mean(0).to(v.dtype)
+                              if torch.is_tensor(v) and v.ndim and v.is_floating_point() else v)
+                        for key, v in st.items()} for i, st in whole[0].items()}
+        local = {i: {key: (_rows(v, shard, shard_index).clone() if torch.is_tensor(v) and v.ndim else v)
+                     for key, v in st.items()} for i, st in mine.items()}
+        node = {**base, "state": local}
+        if path:
+            out[path[0]] = node
+        else:
+            out.update(node)
     comm = dict(out.get("comm") or {})
     comm.update(world_size=replicas, rank=group_rank, exchange={})
     out["comm"] = comm

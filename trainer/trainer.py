@@ -219,6 +219,10 @@ class Trainer:
         self._signals += 1
         if signum == signal.SIGINT and self._signals > 1:  # a second Ctrl-C: leave at once
             raise KeyboardInterrupt
+        if self._stop_signal is None:  # os.write: safe inside a handler (print could re-enter buffered I/O)
+            more = "; Ctrl-C again to leave at once without one" if signum == signal.SIGINT else ""
+            os.write(2, f"rank {self.info.rank}: signal {signum} received: checkpointing at the end of this "
+                        f"step, then stopping{more}\n".encode())
         self._stop_signal = signum
 
     def fit(self) -> dict:

@@ -1,0 +1,104 @@
+"""Checkpoints of Muon and Dion on the hybrid-sharding mesh (launched by tests/test_mesh_optim.py):
+4 ranks, parallel.shard_size=2, debug model. For each: a run stopped at step 2 (train.stop_after)
+and resumed from its sharded checkpoint ends bit-identical to an uninterrupted 4-step run, and every
+rank's matrix state (Muon's momentum rows; Dion's M rows and Q) equals what it saved. On another mesh
+(2 x 2 -> 1 x 4) Muon resumes with every rank's momentum its chunk of the whole momentum (identical on
+the replicas: it follows the mean gradient) and trains on; Dion is refused with an error naming
+parallel.shard_size.
+Prints "mesh_ckpt: checks passed"."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from trainer.config import load_config  # noqa: E402
+from trainer.dist import init_distributed, shutdown  # noqa: E402
+from trainer.trainer import Trainer  # noqa: E402
+
+BASE = ["model.preset=debug", "data.batch_size=2", "data.seq_len=32", "train.max_steps=4", "train.eval_every=0",
+        "train.eval_steps=1", "log.wandb=disabled", "optim.lr=1e-3", "comm.kernels=eager", "train.ckpt_every=1",
+        "train.keep_ckpts=5", "parallel.shard_size=2", "train.log_every=1"]
+
+
+def trainer(out: Path, extra: list[str], variant: str) -> Trainer:
+    return Trainer(load_config(ROOT / f"configs/variants/{variant}.yaml", BASE + [f"train.out_dir={out}"] + extra),
+                   INFO)
+
+
+def fit(tr: Trainer) -> dict:
+    try:
+        return tr.fit()
+    finally:
+        tr.logger.close()
+        tr.release()
+
+
+def full(tr: Trainer) -> list[torch.Tensor]:
+    return [p.full_tensor().detach().clone() for _, p in sorted(tr.model.named_parameters())]
+
+
+def matrix_state(tr: Trainer) -> list[torch.Tensor]:
+    opt = tr.optimizer
+    return [v.detach().clone() for k in opt.matrix_idx for _, v in sorted(opt.state[opt.layout.entries[k].param].items())
+            if torch.is_tensor(v)]
+
+
+def gather_matrix_momenta(tr: Trainer) -> list[list[torch.Tensor]]:
+    """Per matrix, the momentum row blocks of the shard group of rank 0 (replica 0), in order."""
+    opt = tr.optimizer
+    mine = [opt.momentum_of(opt.layout.entries[k].param).detach().clone() for k in opt.matrix_idx]
+    out = [None] * INFO.world_size
+    dist.all_gather_object(out, mine)
+    S = tr.parallel.shard_size
+    return [[out[s][i] for s in range(S)] for i in range(len(mine))]
+
+
+def main(tmp: str) -> None:
+    global INFO
+    INFO = init_distributed("cpu")
+    tmp_dir = Path(tmp)
+    for variant in ("muon", "dion"):
+        a = trainer(tmp_dir / f"{variant}_straight", ["train.resume=never"], variant)
+        fit(a)
+        b = trainer(tmp_dir / f"{variant}_stopped", ["train.resume=never", "train.stop_after=2"], variant)
+        assert fit(b)["stopped"]
+        saved = matrix_state(b)
+        assert saved, f"{variant}: no matrix state"
+        c = trainer(tmp_dir / f"{variant}_stopped", ["train.resume=auto"], variant)
+        assert c.step == 2
+        assert all(torch.equal(x, y) for x, y in zip(matrix_state(c), saved)), f"{variant}: state changed on load"
+        fit(c)
+        assert all(torch.equal(x, y) for x, y in zip(full(a), full(c))), f"{variant}: resumed run differs"
+        if variant == "muon":  # another mesh, 2 x 2 -> 1 x 4: the momentum rows move like Lion's
+            whole = [torch.cat(rows) for rows in gather_matrix_momenta(c)]
+            e = trainer(tmp_dir / "muon_stopped", ["train.resume=auto", "parallel.shard_size=4", "train.max_steps=5"],
+                        variant)
+            assert e.step == 4 and all(torch.equal(x, y) for x, y in zip(full(a), full(e)))
+            for k, w in zip(e.optimizer.matrix_idx, whole):
+                chunk = -(-w.shape[0] // 4)
+                got = e.optimizer.momentum_of(e.optimizer.layout.entries[k].param)
+                assert torch.equal(got, w[INFO.rank * chunk:(INFO.rank + 1) * chunk]), k
+            fit(e)
+    try:
+        trainer(tmp_dir / "dion_stopped", ["train.resume=auto", "parallel.shard_size=4", "train.max_steps=5"], "dion")
+        raise AssertionError("Dion's whole Q was resumed on another mesh")
+    except ValueError as err:
+        assert "parallel.shard_size" in str(err), err
+        if INFO.is_main:
+            print(f"dion on another mesh: {err}", flush=True)
+    dist.barrier()
+    if INFO.is_main:
+        print("mesh_ckpt: checks passed", flush=True)
+    shutdown()
+
+
+if __name__ == "__main__":
+    from _exit import exit_cleanly  # tests/workers/ is the script's directory
+    main(sys.argv[1])
+    exit_cleanly()

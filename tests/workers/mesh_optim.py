@@ -1,0 +1,249 @@
+"""The matrix optimizers on the hybrid-sharding mesh (launched by tests/test_mesh_optim.py), 4 gloo
+ranks, a stack of nn.Linear layers of shapes m > n, m < n and row counts that S does not divide
+(33 rows: 17 + 16 at S = 2, 9 + 9 + 9 + 6 at S = 4), `fully_shard`ed over the shard axis as
+trainer/parallel.py does, a few steps:
+
+- the run at parallel.shard_size S equals the replicated run (S = 1, the world as the optimizer's
+  group) on the same per-rank data within TOL after STEPS steps;
+- every replica holds bit-identical parameters after every step;
+- the bytes each rank sends on the shard axis (the optimizer's shard_stats) and on the replicate
+  axis (its CommStats phases) equal the formulas in the optimizers' docstrings, counted from the
+  collectives.
+
+argv: optimizer name, S[, Dion's rank fraction (0.7: three matrices where (m + n) r >= m n, whose
+gradients are synced instead of their factors, and one low-rank)]. Asserts and exits non-zero on failure; prints "checks passed".
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from optim.registry import build_optimizer  # noqa: E402
+from trainer import parallel  # noqa: E402
+
+STEPS = 4
+TOL = 2e-5
+"""Max |difference| of any parameter after STEPS steps at lr 0.02 between runs that differ in the fp32
+reduction order of the gradient mean (FSDP's reduce-scatter in the shard group, then the mean across
+replicas, instead of one allreduce) and, for Dion, of B Q and B^T P (row blocks summed over the
+shard group): about 1e-7 relative per step, amplified by the orthonormalisation; a wrong row
+block or owner moves a parameter by lr * scale ~ 1e-2, 500x this."""
+DIMS = [(24, 40), (40, 33), (33, 64), (64, 20)]
+"""(in, out) of each layer: weights (40, 24), (33, 40), (64, 33), (20, 64)."""
+DIAG_RTOL = 1e-3
+"""Dion's residual diagnostics come from ||B||^2 - 2 <B^T P, R> + ||R||^2 (float64 sums of fp32
+products): relative 1e-3 where they are large (~0.5 of ||B|| at rank 1/4), plus DIAG_FLOOR ||B||, the
+formula's resolution sqrt(max(m, n) u) ~ 1e-3 (dion.Dion._diagnostics), where they are small."""
+DIAG_FLOOR = 3e-3
+
+
+class Stack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.h = torch.nn.ModuleList(torch.nn.Linear(i, o) for i, o in DIMS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.h:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def groups(model: torch.nn.Module, aliases: dict | None = None) -> list[dict]:
+    named = list(model.named_parameters())
+    pick = (lambda p: aliases[id(p)]) if aliases else (lambda p: p)
+    return [{"params": [pick(p) for _, p in named], "names": [n for n, _ in named], "role": "mlp", "lr": 0.02,
+             "weight_decay": 0.01, "lr_mult": 1.0}]
+
+
+DTYPE = torch.float32
+
+
+def build(name: str, S: int, options: dict, world: int, model: torch.nn.Module | None = None):
+    model = model if model is not None else Stack().to(DTYPE)
+    par = parallel.make_mesh(S, world, torch.device("cpu"))
+    if par.sharded:
+        from torch.distributed.fsdp import fully_shard
+
+        if not hasattr(model, "reshard"):  # not yet sharded
+            for layer in model.h:
+                fully_shard(layer, mesh=par.shard_mesh)
+            fully_shard(model, mesh=par.shard_mesh)
+        aliases = parallel.local_aliases(model)
+        opt = build_optimizer(name, groups(model, aliases), comm_mode="fp32", optim_options=options,
+                              group=par.replicate_group, shard_group=par.shard_group,
+                              param_order=[aliases[id(p)] for p in model.parameters()])
+        parallel.route_grads(model, aliases)
+    else:
+        opt = build_optimizer(name, groups(model), comm_mode="fp32", optim_options=options,
+                              param_order=list(model.parameters()))
+    return model, opt, par
+
+
+def whole(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a row block `t` of parameter p (a DTensor when sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return t.detach().clone()
+    return DTensor.from_local(t.detach(), device_mesh=p.device_mesh, placements=p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride()).full_tensor().detach()
+
+
+def full_params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [whole(p.to_local() if hasattr(p, "to_local") else p, p) for p in model.parameters()]
+
+
+def train(name: str, model, opt, gen: torch.Generator, steps: int, world: int, diagnose_last: bool = False):
+    """`steps` steps; returns (bytes sent per axis in the last step, the last step's diagnostics,
+    the expected Dion residuals {name: (res^2, ||B||^2) of this rank's B} of the last step)."""
+    entries = {e.name: e for e in opt.layout.entries}
+    named = dict(model.named_parameters())
+    expected = {}
+    for k in range(steps):
+        opt.zero_grad()
+        x = torch.randn(8, DIMS[0][0], generator=gen, dtype=DTYPE)
+        model(x).square().mean().backward()
+        diag = diagnose_last and k == steps - 1
+        if diag and name == "dion":  # B = M + G per matrix, this rank's (its replica's), before the step
+            pre = {n: whole(opt.state[e.param]["momentum"], named[n]) if e.param in opt.state else None
+                   for n, e in entries.items() if e.param.ndim == 2}
+        before = opt.shard_stats.totals()["bytes_sent"]
+        rep_before = sum(opt.stats[ph].totals()["bytes_sent"] for ph in ("grad_sync", "update_sync"))
+        report = opt.step(diagnose=diag)
+        sent = (opt.shard_stats.totals()["bytes_sent"] - before,
+                sum(opt.stats[ph].totals()["bytes_sent"] for ph in ("grad_sync", "update_sync")) - rep_before)
+        h = hashlib.sha256(b"".join(t.contiguous().numpy().tobytes() for t in full_params(model))).hexdigest()
+        got = [None] * world
+        dist.all_gather_object(got, h)
+        assert len(set(got)) == 1, f"{name}: ranks differ after a step: {got}"
+        if diag and name == "dion":  # P R^T = (B - M_after) / (1 - mu): the residual B - P R^T exactly
+            mu = opt.options.mu
+            for n, M in pre.items():
+                # B = M + G with G as step() used it: the replicas' mean where the gradient is synced
+                # (matrices with (m + n) r >= m n), this rank's otherwise (no clipping here)
+                G = whole(entries[n].param.grad, named[n])
+                B = G if M is None else M + G
+                after = whole(opt.state[entries[n].param]["momentum"], named[n])
+                res = B - (B - after) / (1.0 - mu)
+                expected[n] = (float(res.double().square().sum()), float(B.double().square().sum()))
+    return sent, report.diagnostics, expected
+
+
+def check_diagnostics(name: str, diag: dict, expected: dict, world: int, label: str) -> None:
+    if name != "dion":
+        return
+    every = [None] * world
+    dist.all_gather_object(every, expected)  # the mean over ranks = the mean over replicas
+    for n in expected:
+        res = sum(e[n][0] for e in every) / world
+        b = sum(e[n][1] for e in every) / world
+        got_res, got_rel = diag[f"diag/dion_residual/tensor/{n}"], diag[f"diag/dion_rel_error/tensor/{n}"]
+        want_res, want_rel = res ** 0.5, (res / b) ** 0.5
+        floor = DIAG_FLOOR * b ** 0.5  # the cheap formula's resolution, in units of ||B||
+        assert abs(got_res - want_res) <= DIAG_RTOL * want_res + floor and \
+            abs(got_rel - want_rel) <= DIAG_RTOL * want_rel + DIAG_FLOOR, \
+            f"{label} {n}: residual {got_res:.6g} / rel {got_rel:.6g}, formed explicitly {want_res:.6g} / {want_rel:.6g}"
+
+
+def table1(opt, S: int) -> tuple[int, int]:
+    """Bytes per step from the papers' formulas and the shapes alone (not the optimizer's own
+    formula): Dion Table 1 for a matrix whose Q side is the sharded fan_out ((n + 1) r on the
+    shard axis, P (n r) and this rank's R rows across replicas), the all-gathered P (ceil(m / S) r)
+    and summed R (n r) for one whose P side is; Muon: 2 (S - 1) ceil(m / S) n words summed over the
+    shard group; plus the mean-allreduce of the local flat gradient (Muon) or of the non-matrix
+    gradients (Dion) across replicas."""
+    from optim.dion_math import dion_rank
+
+    R = dist.get_world_size(opt.group) if opt.group is not None else 1
+    W = DTYPE.itemsize  # fp32 words
+    shard, rep = 0, 0
+    mats = [(e, e.param.shape[0]) for e in opt.layout.entries if e.param.ndim == 2]
+    for (i, o), (e, mj) in zip(DIMS, mats):
+        m, n, c = o, i, -(-o // S)
+        if opt.options.__class__.__name__ == "MuonOptions":
+            shard += 2 * (S - 1) * c * n * W
+            continue
+        r = dion_rank(m, n, rank_fraction=opt.options.rank_fraction)
+        # replicas: P and R of a low-rank matrix, the gradient rows of one that is not ((m + n) r >= m n)
+        rep += ((n * r + mj * r) if (m + n) * r < m * n else mj * n) * W * (R > 1)
+        if m < n:  # wide: the power iteration on the transpose, Q on the sharded rows
+            shard += (n + 1) * r * W
+        else:
+            shard += (c + n) * r * W * S  # summed over the group like Muon's
+    vec = sum(e.numel for e in opt.layout.entries if e.param.ndim == 1 or opt.options.__class__.__name__ == "MuonOptions")
+    rep += vec * W * (R > 1)
+    return shard, rep
+
+
+def main() -> None:
+    name, S = sys.argv[1], int(sys.argv[2])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    options = {"rank_fraction": float(sys.argv[3]) if len(sys.argv) > 3 else 0.25} if name == "dion" else {}
+
+    model, opt, _ = build(name, 1, options, world)
+    _, ref_diag, expected = train(name, model, opt, torch.Generator().manual_seed(100 + rank), STEPS, world, True)
+    check_diagnostics(name, ref_diag, expected, world, "replicated")
+    ref = full_params(model)
+    model, opt, par = build(name, S, options, world)
+    gen = torch.Generator().manual_seed(100 + rank)
+    (shard_bytes, rep_bytes), diag, expected = train(name, model, opt, gen, STEPS, world, True)
+    got = full_params(model)
+    err = max(float((a - b).abs().max()) for a, b in zip(ref, got))
+    moved = max(float((a - b.detach().to(DTYPE)).abs().max()) for a, b in zip(ref, Stack().parameters()))
+    assert err < TOL, f"{name} S={S}: max |S - replicated| = {err:.3g} >= {TOL}"
+    # diagnostics reduced over the shards: the whole matrices' values
+    check_diagnostics(name, diag, expected, world, f"S={S}")
+    if name == "muon":
+        keys = [k for k in ref_diag if k.startswith("diag/muon_update_rms")]
+        assert keys and all(abs(diag[k] - ref_diag[k]) <= 1e-5 * ref_diag[k] for k in keys), \
+            {k: (diag[k], ref_diag[k]) for k in keys}
+    # bytes counted from the collectives against the optimizer's formula and against the papers'
+    assert (shard_bytes, rep_bytes) == opt.mesh_bytes_per_step(), \
+        f"{name} S={S} rank {rank}: sent {shard_bytes} B shard, {rep_bytes} B replicate; formula {opt.mesh_bytes_per_step()}"
+    group_shard = torch.tensor([shard_bytes])
+    dist.all_reduce(group_shard, group=par.shard_group)
+    want_shard, want_rep = table1(opt, S)
+    if name == "dion":  # flipped matrices: every rank sends its (n + 1) r; the others counted per group
+        flipped = sum((i + 1) * math.ceil(options["rank_fraction"] * min(o, i)) * DTYPE.itemsize for i, o in DIMS
+                      if o < i)
+        mine = shard_bytes
+        assert mine - flipped == (want_shard - flipped) // S, (mine, want_shard, flipped)
+    else:
+        assert int(group_shard) == want_shard, (int(group_shard), want_shard)
+    assert rep_bytes == want_rep, (rep_bytes, want_rep)
+    # exact resume at the same mesh: a fresh optimizer loading the state continues bit for bit
+    import copy
+    saved = copy.deepcopy(opt.state_dict())
+    params = [p.to_local().detach().clone() for p in model.parameters()]
+    state = gen.get_state()
+    train(name, model, opt, gen, 2, world)
+    straight = full_params(model)
+    with torch.no_grad():
+        for p, t in zip(model.parameters(), params):
+            p.to_local().copy_(t)
+    model, opt, _ = build(name, S, options, world, model)
+    opt.load_state_dict(saved)
+    gen.set_state(state)
+    train(name, model, opt, gen, 2, world)
+    assert all(torch.equal(a, b) for a, b in zip(straight, full_params(model))), f"{name} S={S}: resume differs"
+    if rank == 0:
+        print(f"mesh_optim {name} S={S}: max |diff| {err:.3g} (weights moved up to {moved:.3g}); "
+              f"bytes/step shard {shard_bytes}, replicate {rep_bytes}; diagnostics and resume match")
+    dist.barrier()
+    if rank == 0:
+        print("mesh_optim: checks passed")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
