@@ -71,7 +71,8 @@ from .diagnostics import _aggregate, _sum_fp64
 from .dion_math import (DEFAULT_RANK_FRACTION, dion_factor_rows, dion_mesh_step_, dion_rank, dion_step_,
                         dion_transposed, init_dion_q)
 from .orthogonal import dion_scale
-from .muon import MatrixOptimizer, MatrixOptions, _gradient_mean, _matrix_state_words, is_matrix
+from .muon import MatrixOptimizer, MatrixOptions, _matrix_state_words, is_matrix
+from .registry import gradient_mean
 from .options import choice
 from .orthogonal import ORTHO_METHODS
 from .registry import OptimizerSpec, register_optimizer
@@ -129,6 +130,7 @@ class Dion(MatrixOptimizer):
     """Dion Alg. 2 on the hidden matrices (see the module docstring), AdamW or Lion on the rest."""
 
     bucketed = None  # exchanges a leading slice and its own factors: no buckets
+    optim_name = "dion"  # its own registry entry (MatrixOptimizer's is muon's)
 
     options_class = DionOptions
 
@@ -432,7 +434,7 @@ register_optimizer(OptimizerSpec(
     # P and R go through the scheme's exchange twice per step: it must be a stateless
     # mean-allreduce (fp32, bf16), not one that keeps error-feedback state sized for the gradient
     # (loco): the scheme's capabilities say which, not its name
-    accepts=lambda s: _gradient_mean(s) and s.state_bytes is None,
+    accepts=lambda s: gradient_mean(s) and not s.stateful,
     needs="a mean-allreduce scheme for its P and R factors and the non-matrix gradients (comm.mode picks their "
           "wire dtype)",
     state="matrices: momentum M (param dtype, per rank) + Q (min(m, n) x r fp32); others: AdamW m, v or Lion m",

@@ -47,7 +47,6 @@ from typing import Iterable
 
 import torch
 
-from comm import cost_model
 from comm.stats import CommStats
 
 from . import sync
@@ -56,7 +55,7 @@ from .diagnostics import _aggregate
 from .lion import apply_update_, lion_group_step_
 from .options import choice
 from .orthogonal import MUON_SCALES, NS_STEPS, muon_scale, muon_update, newton_schulz
-from .registry import OptimizerSpec, OptimOptions, register_optimizer
+from .registry import OptimizerSpec, OptimOptions, gradient_mean, register_optimizer
 
 SCALAR_OPTS = ("adamw", "lion")
 NON_MATRIX_ROLES = ("embedding", "head", "norm")
@@ -497,16 +496,12 @@ def _matrix_state_words(o: MatrixOptions, role: str, matrix_words: float) -> flo
     return 2.0 if o.scalar_opt == "adamw" else 1.0
 
 
-def _gradient_mean(s: sync.SyncScheme) -> bool:
-    return s.kind == sync.GRADIENT and s.result == sync.MEAN
-
-
 def _build_muon(groups, *, betas, eps, options, **comm_kwargs) -> Muon:
     return Muon(groups, betas=betas, eps=eps, options=options, **comm_kwargs)
 
 
 register_optimizer(OptimizerSpec(
-    name="muon", options=MuonOptions, build=_build_muon, accepts=_gradient_mean,
+    name="muon", options=MuonOptions, build=_build_muon, accepts=gradient_mean,
     needs="a gradient-sync mean (its matrices are orthogonalised from the mean gradient)",
     state="matrices: momentum (param dtype); others: AdamW m, v or Lion m",
     help="Muon (Newton-Schulz orthogonalised momentum) on the hidden matrices, AdamW or Lion on the rest; "

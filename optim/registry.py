@@ -114,7 +114,8 @@ def run_problems(name: str, mode: str, comm_options: sync.SchemeOptions | None =
     return p
 
 
-def _gradient_mean(s: sync.SyncScheme) -> bool:
+def gradient_mean(s: sync.SyncScheme) -> bool:
+    """The scheme averages gradients (one shared state): what gradient optimizers accept."""
     return s.kind == sync.GRADIENT and s.result == sync.MEAN
 
 
@@ -134,13 +135,13 @@ def _build_adamw(groups, *, betas, eps, options, **comm_kwargs):
 
 
 register_optimizer(OptimizerSpec(
-    name="adamw", options=NoOptions, build=_build_adamw, accepts=_gradient_mean,
+    name="adamw", options=NoOptions, build=_build_adamw, accepts=gradient_mean,
     needs="a gradient-sync scheme", state="m, v (fp32)",
     help="AdamW (torch's kernel) on the mean gradient",
     state_words=lambda o, s, role: 2.0, shards=True))
 register_optimizer(OptimizerSpec(
     name="lion", options=NoOptions, build=_build_lion,
-    accepts=lambda s: _gradient_mean(s) or (s.kind == sync.UPDATE and s.result == sync.SIGN),
+    accepts=lambda s: gradient_mean(s) or (s.kind == sync.UPDATE and s.result == sync.SIGN),
     needs="a gradient-sync scheme (global Lion) or an update-sync sign aggregate (Distributed Lion / Lion Cub)",
     state="m (fp32; per rank with update sync)",
     help="Lion; with an update-sync scheme, Distributed Lion / Lion Cub (per-rank momentum)",

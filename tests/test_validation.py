@@ -113,3 +113,14 @@ def test_scheme_run_problems_are_what_the_optimizer_raises():
     assert run_problems("lion", "loco", sync.get("loco").default_options(), 4, bucket_mb=1.0) == [
         "comm.bucket_mb / comm.overlap: comm.mode=loco exchanges its vector as a whole (its state or its scales "
         "span it); set comm.bucket_mb=0 and comm.overlap=false"]
+
+
+def test_dion_built_directly_is_checked_against_its_own_entry():
+    import torch
+
+    from optim.dion import Dion
+
+    p = torch.nn.Parameter(torch.zeros(8, 8))
+    groups = [{"params": [p], "names": ["w"], "role": "attn", "lr": 1e-3, "weight_decay": 0.0, "lr_mult": 1.0}]
+    with pytest.raises(ValueError, match=r"comm.mode: loco .* optim.name=dion needs a mean-allreduce scheme"):
+        Dion(groups, lr=1e-3, scheme="loco")  # muon's entry accepts loco: Dion must be checked against its own
