@@ -125,7 +125,7 @@ def estimate(cfg, world: int, shard_size: int = 1, *, device: str = "cuda", mode
         mem.notes.append(f"optim.name={spec.name} declares no state_words: its state is not counted")
     n = mem.local_elements
     mem.params = mem.grads = 4 * n
-    if scheme.state_bytes is not None:
+    if scheme.stateful:
         mem.optim_state += scheme.state_bytes(cfg.comm.options, replicas, n)
     sent, recv = scheme.bytes_per_call(cfg.comm.options, replicas, n)
     mem.comm_buffers = sent + recv + (4 * n if scheme.kind == sync.UPDATE else 0)
