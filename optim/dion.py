@@ -275,57 +275,49 @@ class Dion(MatrixOptimizer):
         return gather
 
     def _matrix_update(self, step: int) -> dict | None:
-        if self.shards is not None:
-            return self._mesh_matrix_update(step)
-        o, entries = self.options, self.layout.entries
+        """The full-gradient matrices first (their gradients are already the mean: no reduce), then the
+        low-rank ones with their two batched exchanges; on the hybrid-sharding mesh each group runs Dion
+        Alg. 2 on its row blocks (dion_math.dion_mesh_step_), else Alg. 1 (dion_step_)."""
+        entries = self.layout.entries
         diag: dict | None = {"entries": [], "res_sq": [], "b_sq": []} if self._diagnose else None
-        # full-gradient matrices first (their gradients are already the mean: no reduce), then the
-        # low-rank ones with their two batched exchanges
+        step_of = self._mesh_step if self.shards is not None else self._local_step
         for idx, reduce_mean in ((self.fullgrad_idx, None), (self.lowrank_idx, self._reduce_mean(step))):
             if not idx:
                 continue
             params = [entries[k].param for k in idx]
-            grads = [p.grad for p in params]
             moms, qs = zip(*(self._state_of(k) for k in idx))
             groups = [self.param_groups[entries[k].group] for k in idx]
-            if diag is not None:  # ||B_i||^2 with B_i = M_i + G_i rounded as dion_step_ forms it
-                diag["b_sq"] += [torch.linalg.vector_norm(m + g, dtype=torch.float64).square()
-                                 for m, g in zip(moms, grads)]
-            factors = dion_step_(params, grads, list(moms), list(qs), lr=[self.matrix_lr(g) for g in groups], mu=o.mu,
-                                 weight_decay=[float(g["weight_decay"]) for g in groups], reduce_mean=reduce_mean,
-                                 ortho=o.ortho, diagnostics=diag is not None, error_feedback=o.error_feedback,
-                                 transpose_wide=o.transpose_wide)
+            step_of(idx, params, list(moms), list(qs), groups, reduce_mean, diag)
             if diag is not None:
                 diag["entries"] += [entries[k] for k in idx]
-                diag["res_sq"] += [f.residual_norm.square() for f in factors]
         return diag
 
-    def _mesh_matrix_update(self, step: int) -> dict | None:
-        """Dion Alg. 2 on the row blocks of the hybrid-sharding mesh (dion_math.dion_mesh_step_):
-        the full-gradient matrices with shard collectives only (their gradients are the replicas'
-        mean already), then the low-rank ones with the replica means of P and R as well."""
-        o, entries = self.options, self.layout.entries
-        diag: dict | None = {"entries": [], "res_sq": [], "b_sq": []} if self._diagnose else None
-        for idx, reduce_mean in ((self.fullgrad_idx, None), (self.lowrank_idx, self._reduce_mean(step))):
-            if not idx:
-                continue
-            params = [entries[k].param for k in idx]
-            moms, qs = zip(*(self._state_of(k) for k in idx))
-            groups = [self.param_groups[entries[k].group] for k in idx]
-            shapes = [self.matrix_shape(k) for k in idx]
-            flip = [dion_transposed(m, n, o.transpose_wide) for m, n in shapes]
-            factors = dion_mesh_step_(
-                params, [p.grad for p in params], list(moms), list(qs), flip=flip,
-                row_start=[self.row_start(k) for k in idx], lr=[self.matrix_lr(g) for g in groups],
-                weight_decay=[float(g["weight_decay"]) for g in groups], scale=[dion_scale(m, n) for m, n in shapes],
-                shard_sum=self._shard_sum, shard_gather=self._shard_gather([k for k, f in zip(idx, flip) if not f]),
-                reduce_mean=reduce_mean, mu=o.mu, ortho=o.ortho, diagnostics=diag is not None,
-                error_feedback=o.error_feedback)
-            if diag is not None:
-                diag["entries"] += [entries[k] for k in idx]
-                diag["res_sq"] += [f.residual_norm for f in factors]
-                diag["b_sq"] += [f.rel_error for f in factors]
-        return diag
+    def _local_step(self, idx, params, moms, qs, groups, reduce_mean, diag) -> None:
+        o = self.options
+        grads = [p.grad for p in params]
+        if diag is not None:  # ||B_i||^2 with B_i = M_i + G_i rounded as dion_step_ forms it
+            diag["b_sq"] += [torch.linalg.vector_norm(m + g, dtype=torch.float64).square() for m, g in zip(moms, grads)]
+        factors = dion_step_(params, grads, moms, qs, lr=[self.matrix_lr(g) for g in groups], mu=o.mu,
+                             weight_decay=[float(g["weight_decay"]) for g in groups], reduce_mean=reduce_mean,
+                             ortho=o.ortho, diagnostics=diag is not None, error_feedback=o.error_feedback,
+                             transpose_wide=o.transpose_wide)
+        if diag is not None:
+            diag["res_sq"] += [f.residual_norm.square() for f in factors]
+
+    def _mesh_step(self, idx, params, moms, qs, groups, reduce_mean, diag) -> None:
+        o = self.options
+        shapes = [self.matrix_shape(k) for k in idx]
+        flip = [dion_transposed(m, n, o.transpose_wide) for m, n in shapes]
+        factors = dion_mesh_step_(
+            params, [p.grad for p in params], moms, qs, flip=flip,
+            row_start=[self.row_start(k) for k in idx], lr=[self.matrix_lr(g) for g in groups],
+            weight_decay=[float(g["weight_decay"]) for g in groups], scale=[dion_scale(m, n) for m, n in shapes],
+            shard_sum=self._shard_sum, shard_gather=self._shard_gather([k for k, f in zip(idx, flip) if not f]),
+            reduce_mean=reduce_mean, mu=o.mu, ortho=o.ortho, diagnostics=diag is not None,
+            error_feedback=o.error_feedback)
+        if diag is not None:
+            diag["res_sq"] += [f.residual_norm for f in factors]
+            diag["b_sq"] += [f.rel_error for f in factors]
 
     def _diagnostics(self, out: dict | None) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         """Per matrix tensor, role, block and overall, averaged over ranks (one fp64 allreduce in the

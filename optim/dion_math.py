@@ -331,20 +331,15 @@ def dion_mesh_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
             factors.residual_norm = b2 - 2.0 * cross + r2
             factors.rel_error = b2
         norms = sq[i].sqrt()
-        if flip[i]:  # R_j (m_j, r) and Q_j on the rows; P (n, r)
-            if error_feedback:
-                M.addmm_(R.to(M.dtype), P.mT.to(M.dtype), alpha=-(1.0 - mu))
-            Q_update = R / (norms + eps)
-            Q.copy_(torch.where(norms > 0, R / norms.clamp_min(torch.finfo(R.dtype).tiny), Q.to(R.dtype)))
-            X.addmm_(Q_update.to(X.dtype), P.mT.to(X.dtype), beta=1.0 - lr[i] * weight_decay[i],
-                     alpha=-lr[i] * scale[i])
-        else:  # P_j (m_j, r) on the rows; R, Q (n, r) whole
-            if error_feedback:
-                M.addmm_(P.to(M.dtype), R.mT.to(M.dtype), alpha=-(1.0 - mu))
-            Q_update = R / (norms + eps)
-            Q.copy_(torch.where(norms > 0, R / norms.clamp_min(torch.finfo(R.dtype).tiny), Q.to(R.dtype)))
-            X.addmm_(P.to(X.dtype), Q_update.mT.to(X.dtype), beta=1.0 - lr[i] * weight_decay[i],
-                     alpha=-lr[i] * scale[i])
+        # flipped: R_j (m_j, r) and Q_j on the rows, P (n, r); else P_j (m_j, r) on the rows, R and Q (n, r)
+        # whole. The row-side factor is the left operand of both outer products.
+        if error_feedback:
+            left, right = (R, P) if flip[i] else (P, R)
+            M.addmm_(left.to(M.dtype), right.mT.to(M.dtype), alpha=-(1.0 - mu))
+        Q_update = R / (norms + eps)
+        Q.copy_(torch.where(norms > 0, R / norms.clamp_min(torch.finfo(R.dtype).tiny), Q.to(R.dtype)))
+        left, right = (Q_update, P) if flip[i] else (P, Q_update)
+        X.addmm_(left.to(X.dtype), right.mT.to(X.dtype), beta=1.0 - lr[i] * weight_decay[i], alpha=-lr[i] * scale[i])
         out.append(factors)
     return out
 
