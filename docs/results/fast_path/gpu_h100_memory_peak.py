@@ -3,9 +3,13 @@
 # bytes and groups the blocks live at the peak by their innermost project frames.
 #     python docs/results/fast_path/gpu_h100_memory_peak.py SNAPSHOT.pickle[.gz] ...
 import gzip, pickle, sys, collections
+class _PlainData(pickle.Unpickler):
+    """A snapshot holds only dicts, lists, strings and numbers: refuse any class or function it names."""
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"snapshot names {module}.{name}; refused (only plain data is read)")
 def load(p):
     with (gzip.open(p) if p.endswith(".gz") else open(p, "rb")) as f:
-        return pickle.load(f)
+        return _PlainData(f).load()
 def where(frames):
     for fr in frames:
         fn = fr.get("filename", "")
