@@ -440,6 +440,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         files, overrides = split_config_args(args.config)
         cfg = load_config(files, overrides)
+        if cfg.parallel.shard_size > 1:
+            raise ConfigError(f"parallel.shard_size={cfg.parallel.shard_size}: bench.advise predicts replicated "
+                              f"runs only (per-rank shards and the replicate axis are not modelled yet); run it "
+                              f"with parallel.shard_size=1")
         names = [v for v in args.variants.split(",") if v] or variant_names()
         candidates = [load_variant(n) for n in names]
     except (ConfigError, ValueError, OSError) as e:

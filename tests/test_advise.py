@@ -60,6 +60,12 @@ def test_bad_auto_allow_entries_are_config_errors(override, match):
         load_config(ROOT / "configs/default.yaml", ["comm.mode=auto", override])
 
 
+def test_auto_with_sharding_is_a_config_error_not_a_wrong_prediction():
+    with pytest.raises(ConfigError, match=r"comm.mode=auto with parallel.shard_size=2: the advisor .* replicated"):
+        load_config(ROOT / "configs/default.yaml", ["comm.mode=auto", "parallel.shard_size=2"])
+    assert advise.main([str(ROOT / "configs/default.yaml"), "parallel.shard_size=2"]) == 2
+
+
 def test_auto_allow_that_the_optimizer_cannot_run_is_a_config_error():
     with pytest.raises(ConfigError, match=r"optim.name=adamw runs on none of \['onebit'\]; allow one of fp32"):
         load_config(ROOT / "configs/default.yaml", ["comm.mode=auto", "optim.name=adamw", "comm.auto_allow=[onebit]"])

@@ -706,6 +706,10 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
             compatibility_problem(o.name, m) for m in c.auto_allow):
         p.append(f"comm.auto_allow: optim.name={o.name} runs on none of {c.auto_allow}; allow one of "
                  f"{', '.join(m for m in sync.names() if not compatibility_problem(o.name, m))}")
+    if c.mode == AUTO_MODE and cfg.parallel.shard_size > 1:  # bench.advise predicts replicated runs only
+        p.append(f"comm.mode=auto with parallel.shard_size={cfg.parallel.shard_size}: the advisor measures and "
+                 f"predicts replicated runs only; pick comm.mode yourself (python -m bench.advise on the "
+                 f"replicated config ranks the modes) or set parallel.shard_size=1")
     S = cfg.parallel.shard_size
     replicas = world_size // S if world_size is not None and S >= 1 and world_size % S == 0 else world_size
     ms = c.momentum_sync

@@ -73,3 +73,19 @@ def poison_model(ckpt: Path) -> None:
     sd["transformer.wte.weight"][0, :8] = float("nan")
     torch.save(sd, ckpt / "model.pt")
     _reseal(ckpt, "model.pt")
+
+
+def fit_until_divergence(trainer) -> dict:
+    """trainer.fit()'s result, with a DivergenceError kept as result["error"] (None when it ends well);
+    the logger is closed and the run lock released either way (for in-process fault workers)."""
+    from trainer.trainer import DivergenceError
+
+    result = {"error": None}
+    try:
+        result.update(trainer.fit())
+    except DivergenceError as e:
+        result["error"] = str(e)
+    finally:
+        trainer.logger.close()
+        trainer.release()
+    return result

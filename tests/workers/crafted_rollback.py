@@ -13,10 +13,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.faults.common import craft  # noqa: E402
+from tests.faults.common import craft, fit_until_divergence  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.dist import init_distributed, shutdown  # noqa: E402
-from trainer.trainer import DivergenceError, Trainer  # noqa: E402
+from trainer.trainer import Trainer  # noqa: E402
 
 
 def main(out: str, sentinel: str) -> None:
@@ -40,14 +40,7 @@ def main(out: str, sentinel: str) -> None:
         return path
 
     trainer.forward, trainer.save = poisoned, save_then_craft
-    result = {"error": None}
-    try:
-        result.update(trainer.fit())
-    except DivergenceError as e:
-        result["error"] = str(e)
-    finally:
-        trainer.logger.close()
-        trainer.release()
+    result = fit_until_divergence(trainer)
     (Path(out) / "result.json").write_text(json.dumps(result))
     shutdown()
 

@@ -12,9 +12,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from tests.faults.common import fit_until_divergence  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.dist import init_distributed, shutdown  # noqa: E402
-from trainer.trainer import DivergenceError, Trainer  # noqa: E402
+from trainer.trainer import Trainer  # noqa: E402
 
 
 def main(out: str, policy: str, bad_step: int, bad_rank: int) -> None:
@@ -34,14 +35,7 @@ def main(out: str, policy: str, bad_step: int, bad_rank: int) -> None:
         return logits, loss
 
     trainer.forward = poisoned
-    result = {"error": None}
-    try:
-        result.update(trainer.fit())
-    except DivergenceError as e:
-        result["error"] = str(e)
-    finally:
-        trainer.logger.close()
-        trainer.release()
+    result = fit_until_divergence(trainer)
     params = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
     result["finite"] = bool(torch.isfinite(params).all())
     result["digest"] = __import__("optim.base", fromlist=["digest"]).digest([params])
