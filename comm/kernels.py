@@ -31,9 +31,11 @@ cover, run the reference: same bytes, and a kernel launch would cost more than t
 
 Exactness notes (why the compiled code looks the way it does):
 - M_p of Lion Cub eq. 1 is a reduction whose rounding depends on its summation order, so the
-  compiled path computes it per tensor with the reference's own eager ops (`abs` into a reused
-  buffer, then `.mean()`, or `comm.quantize.lp_mean`); only M_inf, a max, is exact in any order
-  and comes from one segmented reduction. Everything after the norm is one kernel over whole
+  compiled path and the reference `quantize_q` both take it from `comm.quantize.segment_lp_means`:
+  the tensors of one size reduced together as the rows of a matrix (ATen reduces each row as it
+  reduces a vector of that length, so on CPU each value is `lp_mean`'s bit for bit; on CUDA the
+  function defines the norms), a few calls per distinct size, not per tensor. M_inf, a max, is
+  exact in any order and comes from one segmented reduction over the block plan. Everything after the norm is one kernel over whole
   blocks of the flat vector (the block's tensor's scale, gathered once per block) plus one
   gathered pass over the blocks a tensor boundary cuts: no loop over tensors.
 - Stochastic rounding draws its uniforms with the reference's own `torch.rand` calls, segment by
@@ -58,7 +60,7 @@ import torch
 
 from .allreduce import check_lanes
 from .packing import ceil_div, lanes_per_word, pack_lanes, pack_words16, unpack_lanes, unpack_words16
-from .quantize import MAX_LEVELS, ROUNDINGS, lp_mean, lp_quantize
+from .quantize import MAX_LEVELS, ROUNDINGS, lp_quantize, segment_lp_means
 from .vote import count_dtype, local_majority, majority_threshold, tb_packed
 
 IMPLS = ("auto", "compiled", "eager")
@@ -450,7 +452,9 @@ def quantize_q(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: int
                tie_step: int = 1) -> torch.Tensor:
     """The reference quantized votes q (int8[n]) of the p-bit scheme (Lion Cub §4.2 eq. 1, App.
     F.1): levels == 0 -> tb(c, tie_step) in {-1, +1}; p None -> sign(c) (the "sign" quantizer);
-    else lp_quantize per segment (offset, size), each parameter tensor with its own M_p."""
+    else lp_quantize per segment (offset, size), each parameter tensor with its own M_p, the M_p of
+    all segments from comm.quantize.segment_lp_means (lp_mean's bits on CPU; its definition of
+    the per-tensor norms on CUDA)."""
     c = c.reshape(-1)
     if levels == 0:  # signs only, 0 forced by the tie break (Lion Cub App. F.1, "1/-1 values")
         fill = torch.tensor(1 if tie_step % 2 == 1 else -1, dtype=torch.int8, device=c.device)
@@ -458,8 +462,9 @@ def quantize_q(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: int
     if p is None:
         return torch.sign(c).to(torch.int8)
     q = torch.empty(c.numel(), dtype=torch.int8, device=c.device)
-    for off, n in segments:
-        q[off:off + n] = lp_quantize(c[off:off + n], levels, p, clip, rounding, generator)
+    means = segment_lp_means(c, segments, p)  # on CPU == lp_mean per segment, bit for bit
+    for k, (off, n) in enumerate(segments):
+        q[off:off + n] = lp_quantize(c[off:off + n], levels, p, clip, rounding, generator, mean=means[k])
     return q
 
 
@@ -492,27 +497,19 @@ def _segment_scales(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p
                     scratch: torch.Tensor | None, plan: tuple | None = None) -> torch.Tensor:
     """Scale levels / (clip * M_p) of every segment. p = inf with a block plan: one segmented
     max over the whole vector (a max is exact in any order, so it equals the per-tensor max).
-    Otherwise per segment with the reference's own ops, so it is bit-identical (a sum's rounding
-    depends on its order); p = 1, the paper's choice, reuses one |x| buffer instead of a fresh
-    allocation per tensor (page faults dominate)."""
+    Otherwise comm.quantize.segment_lp_means, as the reference quantize_q computes them: a few
+    calls per distinct tensor size, each value bit-identical to lp_mean on CPU."""
     mdt = torch.float64 if c.dtype == torch.float64 else torch.float32
     if math.isinf(p) and plan is not None:
         m = _segment_max_abs(c, len(segs), plan).to(mdt)
-        return torch.where(m > 0, levels / (clip * m.clamp_min(torch.finfo(m.dtype).tiny)), m.new_zeros(()))
-    means = []
-    for off, n in segs:
-        seg = c[off:off + n]
-        if p == 1.0 and n:
-            a = scratch[:n]
-            if seg.dtype == mdt:
-                torch.abs(seg, out=a)
-            else:
-                a.copy_(seg).abs_()
-            means.append(a.mean())  # == lp_mean(seg, 1): same values, same contiguous layout
-        else:
-            means.append(lp_mean(seg, p))
-    m = torch.stack(means)
-    # the expression of optim.quantize.lp_quantize, elementwise over the segments
+    else:
+        m = segment_lp_means(c, segs, p, scratch)
+    return _scales_of(m, levels, clip)
+
+
+def _scales_of(m: torch.Tensor, levels: int, clip: float) -> torch.Tensor:
+    """levels / (clip * M_p), 0 where M_p = 0: the expression of comm.quantize.lp_quantize,
+    elementwise over the segments."""
     return torch.where(m > 0, levels / (clip * m.clamp_min(torch.finfo(m.dtype).tiny)), m.new_zeros(()))
 
 
@@ -592,7 +589,7 @@ def _quantize_lanes(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p
     dev, per = c.device, lanes_per_word(bits)
     plan = _block_plan(segs, per, c.numel(), dev)
     nb, bseg, _, elems, seg_of, slot, lane, words = plan
-    scales = _segment_scales(c, segs, levels, p, clip, _scratch(c, segs, p, scratch), plan)
+    scales = _segment_scales(c, segs, levels, p, clip, scratch, plan)
     lv = const(float(levels), scales.dtype, dev)
     if nb:
         # the scale of each block gathered outside: inside, dynamo's duck shaping would tie the
@@ -604,18 +601,6 @@ def _quantize_lanes(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p
         vals = torch.zeros(words.numel(), dtype=torch.int32, device=dev)
         vals.index_add_(0, slot, y.to(torch.int32) << (lane.to(torch.int32) * bits))
         out[words] = vals.to(out.dtype)
-
-
-def _scratch(c: torch.Tensor, segs: list[tuple[int, int]], p: float,
-             scratch: torch.Tensor | None) -> torch.Tensor | None:
-    """The caller's |c| buffer when it fits (p = 1 only), else a new one."""
-    if p != 1.0 or not segs:
-        return None
-    mdt = torch.float64 if c.dtype == torch.float64 else torch.float32
-    need = max(m for _, m in segs)
-    if scratch is None or scratch.numel() < need or scratch.dtype != mdt or scratch.device != c.device:
-        scratch = torch.empty(need, dtype=mdt, device=c.device)
-    return scratch
 
 
 def quantize_pack(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: int, p: float | None,
@@ -658,17 +643,15 @@ def quantize_pack(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: 
         # stochastic rounding, segment by segment: the uniforms must come from the generator in the
         # reference's per-tensor draws (on CUDA a draw's stream depends on its size)
         p = float(p)
-        big = [(k, s) for k, s in enumerate(segs) if s[1] >= SMALL]
-        if big:
-            bs = [s for _, s in big]
-            scales = _segment_scales(c, bs, levels, p, clip, _scratch(c, bs, p, scratch))
-        which = {k: i for i, (k, _) in enumerate(big)}
+        means = segment_lp_means(c, segs, p, scratch)  # the reference's norms (quantize_q)
+        scales = _scales_of(means, levels, clip)
         for k, (off, m) in enumerate(segs):  # in order: stochastic draws follow the reference
             seg, vk = c[off:off + m], v[off:off + m]
-            if k not in which:
-                vk.copy_(lp_quantize(seg, levels, p, clip, rounding, generator).view(torch.uint8) + levels)
+            if m < SMALL:
+                vk.copy_(lp_quantize(seg, levels, p, clip, rounding, generator, mean=means[k]).view(torch.uint8)
+                         + levels)
                 continue
-            sc = scales[which[k]]
+            sc = scales[k]
             lv = const(float(levels), sc.dtype, dev)
             u = torch.rand(seg.shape, generator=generator, device=dev, dtype=sc.dtype)
             compiled_kernel(_k_quant_v_stoch)((dev.type, dtype_key(c)), seg, sc, u, lv, vk)
