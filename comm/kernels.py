@@ -317,6 +317,20 @@ def _k_quant_blocks(x3: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor,
     out.copy_(_pack_groups(v, bits))
 
 
+def _k_quant_blocks_stoch(x3: torch.Tensor, scale: torch.Tensor, u3: torch.Tensor, levels: torch.Tensor,
+                          out: torch.Tensor, bits: int) -> None:
+    """_k_quant_blocks with stochastic rounding: u3, shaped like x3, holds each element's uniform
+    (the rounding of comm.quantize.lp_quantize, as _k_quant_v_stoch)."""
+    s = scale.unsqueeze(1)
+    v = []
+    for i in range(x3.shape[2]):
+        y = x3[:, :, i].to(scale.dtype) * s
+        low = torch.floor(y)
+        y = low + (u3[:, :, i] < (y - low)).to(y.dtype)
+        v.append((torch.clamp(y, -levels, levels) + levels).to(torch.int32))
+    out.copy_(_pack_groups(v, bits))
+
+
 def _k_quant_v_stoch(x: torch.Tensor, scale: torch.Tensor, u: torch.Tensor, levels: torch.Tensor,
                      out: torch.Tensor) -> None:
     """Stochastic rounding of optim.quantize.lp_quantize with its uniforms u, shifted by L."""
@@ -603,6 +617,52 @@ def _quantize_lanes(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p
         out[words] = vals.to(out.dtype)
 
 
+STOCH_CHUNK = 256  # whole blocks per draw of uniforms on CPU (1 MiB of float32)
+
+
+def _quantize_lanes_stochastic(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p: float, clip: float,
+                               bits: int, scratch: torch.Tensor | None, generator: torch.Generator | None,
+                               out: torch.Tensor) -> None:
+    """Stochastic-rounding Lion Cub eq. 1 straight into packed lanes on CPU, whatever the number
+    of tensors. ATen's CPU generator fills a tensor serially, one draw per element, so uniforms
+    drawn chunk after chunk in flat order are the reference's per-tensor draws (same values, same
+    generator state after). Each chunk of STOCH_CHUNK whole blocks is one kernel call, and its
+    share of the boundary words (`_block_plan`) one gathered pass; the uniforms live in one
+    chunk-sized buffer, never one of the vector's length."""
+    dev, per, n = c.device, lanes_per_word(bits), c.numel()
+    plan = _block_plan(segs, per, n, dev)
+    nb, bseg, _, elems, seg_of, slot, lane, words = plan
+    scales = _segment_scales(c, segs, levels, p, clip, scratch, plan)
+    dt = scales.dtype
+    lv = const(float(levels), dt, dev)
+    cuts = list(range(0, nb, STOCH_CHUNK)) + [nb] if nb else [0, 0]
+    if len(cuts) > 2 and cuts[-1] - cuts[-2] == 1:  # no chunk of one block (dynamo specialises size 1)
+        del cuts[-2]
+    bounds = [b * QBLOCK for b in cuts[:-1]] + [n]
+    lo = torch.searchsorted(elems, torch.tensor(bounds, device=dev)).tolist()
+    first = slot[[i for i in lo[:-1] if i < elems.numel()]].tolist()
+    u = torch.empty(max(b - a for a, b in zip(bounds, bounds[1:])), dtype=dt, device=dev)
+    bscale = scales[bseg]
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        ui = u[:b - a].uniform_(generator=generator)  # == the reference's torch.rand, in flat order
+        b0, b1 = cuts[i], cuts[i + 1]
+        if b1 > b0:
+            compiled_kernel(_k_quant_blocks_stoch, bits)(
+                (dev.type, dtype_key(c)), c[b0 * QBLOCK:b1 * QBLOCK].view(b1 - b0, -1, per), bscale[b0:b1],
+                ui[:(b1 - b0) * QBLOCK].view(b1 - b0, -1, per), lv,
+                out[b0 * QBLOCK // per:b1 * QBLOCK // per].view(b1 - b0, -1))
+        if lo[i + 1] > lo[i]:  # this chunk's boundary words: the kernel's float ops, gathered
+            e = elems[lo[i]:lo[i + 1]]
+            y = c[e].to(dt) * scales[seg_of[lo[i]:lo[i + 1]]]
+            low = torch.floor(y)
+            y = torch.clamp(low + (ui[e - a] < (y - low)).to(dt), -levels, levels) + levels
+            s0 = first[i]
+            sl = slot[lo[i]:lo[i + 1]] - s0
+            vals = torch.zeros(int(sl[-1]) + 1, dtype=torch.int32, device=dev)
+            vals.index_add_(0, sl, y.to(torch.int32) << (lane[lo[i]:lo[i + 1]].to(torch.int32) * bits))
+            out[words[s0:s0 + vals.numel()]] = vals.to(out.dtype)
+
+
 def quantize_pack(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: int, p: float | None,
                   clip: float = 2.0, bits: int = 4, rounding: str = "nearest",
                   generator: torch.Generator | None = None, tie_step: int = 1, *,
@@ -636,12 +696,16 @@ def quantize_pack(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: 
     if p is not None and rounding == "nearest":
         _quantize_lanes(c, segs, levels, float(p), clip, bits, scratch, out)
         return out
+    if p is not None and dev.type == "cpu":  # stochastic: one stream over the flat vector
+        _quantize_lanes_stochastic(c, segs, levels, float(p), clip, bits, scratch, generator, out)
+        return out
     v = out if bits == 8 else torch.empty(n, dtype=torch.uint8, device=dev)
     if p is None:
         compiled_kernel(_k_sign_v)((dev.type, dtype_key(c)), c, const(levels, torch.int32, dev), v)
     else:
-        # stochastic rounding, segment by segment: the uniforms must come from the generator in the
-        # reference's per-tensor draws (on CUDA a draw's stream depends on its size)
+        # stochastic rounding on CUDA, segment by segment: the uniforms must come from the
+        # generator in the reference's per-tensor draws (Philox gives each call its own offset
+        # and counters, so one draw over the flat vector would not be their concatenation)
         p = float(p)
         means = segment_lp_means(c, segs, p, scratch)  # the reference's norms (quantize_q)
         scales = _scales_of(means, levels, clip)

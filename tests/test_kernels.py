@@ -362,6 +362,46 @@ def test_quantize_pack_stochastic_consumes_the_same_randoms(bits, levels, dev):
     assert torch.equal(g1.get_state(), g2.get_state())
 
 
+@compiled
+@pytest.mark.parametrize("bits,levels", [(2, 1), (4, 7), (16, 127)])
+def test_quantize_pack_stochastic_one_stream_over_the_flat_vector(bits, levels, monkeypatch):
+    """On CPU stochastic rounding draws its uniforms chunk by chunk over the flat vector (chunks
+    of 2 blocks here, so many chunks and boundaries): the bytes and the generator state equal the
+    reference's per-tensor draws, for mixed, tiny/huge-norm, zero and 300-small-tensor layouts and
+    p = 0, 1, 2, inf; and the kernel calls follow the chunks, not the tensors."""
+    monkeypatch.setattr(K, "STOCH_CHUNK", 2)
+    B = K.QBLOCK
+    sizes = [3 * B + 1, 7, B - 3, 2 * B + 5, 1, B, 129, 5 * B + 11, 0, 9000]
+    mixed = _values("random", sum(sizes), seed=3)
+    mixed[:3 * B + 1] *= 1e-30
+    mixed[3 * B + 8:4 * B + 5] *= 1e30
+    mixed[4 * B + 5:6 * B + 10] = 0.0
+    small = torch.randint(1, 60, (300,), generator=_gen(4)).tolist()
+    for c, segs in ((mixed, _layout(sizes)), (_values("random", sum(small), seed=5), _layout(small))):
+        for p in (0.0, 1.0, 2.0, math.inf):
+            g1, g2 = _gen(42), _gen(42)
+            for _ in range(2):
+                got = K.quantize_pack(c, segs, levels, p, 2.0, bits, "stochastic", g1, impl="compiled")
+                ref = K.wire_of(K.quantize_q(c, segs, levels, p, 2.0, "stochastic", g2), levels, bits)
+                assert torch.equal(got, ref), (len(segs), p)
+            assert torch.equal(g1.get_state(), g2.get_state())
+    calls = []
+    real = K.compiled_kernel
+
+    def counting(fn, *static):
+        k = real(fn, *static)
+        return lambda *a: (calls.append(fn.__name__), k(*a))[1]
+
+    monkeypatch.setattr(K, "compiled_kernel", counting)
+    monkeypatch.setattr(K, "STOCH_CHUNK", 256)
+    for ntensors in (1, 40, 400):
+        sz = [257 + 31 * i for i in range(ntensors)] if ntensors > 1 else [4099]
+        c = _values("random", sum(sz), seed=ntensors)
+        calls.clear()
+        K.quantize_pack(c, _layout(sz), levels, 1.0, 2.0, bits, "stochastic", _gen(1), impl="compiled")
+        assert calls == ["_k_quant_blocks_stoch"] * -(-(sum(sz) // B) // 256), (ntensors, calls)
+
+
 def test_quantize_pack_bad_arguments():
     c = torch.randn(100)
     with pytest.raises(ValueError, match="segments"):
