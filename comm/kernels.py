@@ -38,8 +38,11 @@ Exactness notes (why the compiled code looks the way it does):
   exact in any order and comes from one segmented reduction over the block plan. Everything after the norm is one kernel over whole
   blocks of the flat vector (the block's tensor's scale, gathered once per block) plus one
   gathered pass over the blocks a tensor boundary cuts: no loop over tensors.
-- Stochastic rounding draws its uniforms with the reference's own `torch.rand` calls, segment by
-  segment from the same generator, so the random stream is consumed identically.
+- Stochastic rounding consumes the random stream as the reference's per-tensor `torch.rand`
+  calls do. On CPU ATen's generator fills a tensor serially, one draw per element, so one
+  stream drawn chunk by chunk over the flat vector is those draws in the same order, and the
+  quantizer runs like the nearest one (a kernel per chunk of whole blocks, the boundary words
+  gathered). On CUDA (Philox: each call has its own offset) it draws segment by segment.
 NaN payloads are not promised to match (NaN positions are).
 """
 from __future__ import annotations
