@@ -134,6 +134,8 @@ def segment_lp_means(c: torch.Tensor, segments: Sequence[tuple[int, int]], p: fl
     per-tensor norms of the p-bit wire (comm.kernels.quantize_q and quantize_pack both use it).
     """
     c = c.reshape(-1)
+    if c.stride(0) != 1:  # the rows are strided views of contiguous storage
+        c = c.contiguous()
     p = float(p)
     mdt = torch.float64 if c.dtype == torch.float64 else torch.float32
     segs = tuple((int(o), int(m)) for o, m in segments)
@@ -153,7 +155,12 @@ def segment_lp_means(c: torch.Tensor, segments: Sequence[tuple[int, int]], p: fl
         else:
             if (j, c.device) not in index:
                 index[(j, c.device)] = torch.tensor(offs, device=c.device)
-            rows = c.unfold(0, m, 1).index_select(0, index[(j, c.device)])
+            rows = c.unfold(0, m, 1)  # every window of m elements; the chunk's are gathered
+            if c.dtype == mdt and a.is_contiguous():
+                torch.index_select(rows, 0, index[(j, c.device)], out=a).abs_()
+                means.append(_rows_lp_mean(a, p))
+                continue
+            rows = rows.index_select(0, index[(j, c.device)])
         if rows.dtype == mdt:
             torch.abs(rows, out=a)
         else:
