@@ -26,6 +26,7 @@ MAX_LEVELS = 127  # quantized votes travel as int8 (comm.int_allreduce takes int
 # ATen splits a reduction or an elementwise loop across intra-op threads only from this many
 # elements on (at::internal::GRAIN_SIZE); below it, or on one thread, each runs serially
 _GRAIN = 32768
+CPU_CHUNK = 1 << 18  # elements of |x| per reduction call on CPU (1 MiB of float32: cache-resident)
 # exponents whose elementwise work ATen does identically in its vectorized loop and its scalar
 # tail loop (|x|, x / s, x * x, sqrt: all correctly rounded); log (p = 0) and a general pow are
 # not (measured: pow(x, 1.5) differs in 2 % of elements), so their rows must keep each element
@@ -82,9 +83,9 @@ def _rows_lp_mean(a: torch.Tensor, p: float) -> torch.Tensor:
 _GROUPS: dict[tuple, list] = {}
 
 
-def _segment_groups(segs: tuple, p: float, serial: bool) -> tuple[list, list[int] | None, int, dict]:
-    """The chunks `segment_lp_means` reduces, once per (layout, p, threading): segments of one
-    size m, up to `budget` elements of rows per chunk (the largest segment, at least 64 Ki), as
+def _segment_groups(segs: tuple, p: float, serial: bool, budget: int) -> tuple[list, list[int] | None, int, dict]:
+    """The chunks `segment_lp_means` reduces, once per (layout, p, threading, budget): segments
+    of one size m, up to `budget` elements of rows per chunk (at least one row), as
     (m, row stride in the buffer, segment indices, offsets, common offset step or None); the
     order of the segments over all chunks (None: in order, none empty); the buffer elements a
     chunk needs; a cache of index tensors per device. Rows that hold a
@@ -92,12 +93,11 @@ def _segment_groups(segs: tuple, p: float, serial: bool) -> tuple[list, list[int
     a loop of its own; a chunk has one row where ATen would split the reference's own reduction
     or loop across threads (serial False: rows from _GRAIN elements, or any row for p outside
     _EXACT_P)."""
-    key = (segs, p, serial)
+    key = (segs, p, serial, budget)
     if key not in _GROUPS:
         if len(_GROUPS) >= 16:
             _GROUPS.pop(next(iter(_GROUPS)))
         exact = p in _EXACT_P
-        budget = max([m for _, m in segs] + [1 << 16])
         by_size: dict[int, list[int]] = {}
         for i, (_, m) in enumerate(segs):
             if m:
@@ -139,8 +139,12 @@ def segment_lp_means(c: torch.Tensor, segments: Sequence[tuple[int, int]], p: fl
     p = float(p)
     mdt = torch.float64 if c.dtype == torch.float64 else torch.float32
     segs = tuple((int(o), int(m)) for o, m in segments)
-    serial = c.device.type != "cpu" or torch.get_num_threads() == 1
-    chunks, order, need, index = _segment_groups(segs, p, serial)
+    cpu = c.device.type == "cpu"
+    serial = not cpu or torch.get_num_threads() == 1
+    # a chunk's |x| is written, then read back: on CPU a chunk that stays in the L2 cache reads
+    # back at cache speed, a larger one from memory; on a GPU fewer, larger chunks save launches
+    budget = CPU_CHUNK if cpu else max([m for _, m in segs] + [CPU_CHUNK])
+    chunks, order, need, index = _segment_groups(segs, p, serial, budget)
     if not chunks:
         return torch.zeros(len(segs), dtype=mdt, device=c.device)
     if scratch is None or scratch.numel() < need or scratch.dtype != mdt or scratch.device != c.device:
