@@ -236,8 +236,8 @@ def test_quantize_pack_one_pass_matches_the_per_tensor_reference(bits, levels, d
 
 @compiled
 def test_quantize_pack_launches_do_not_grow_with_the_number_of_tensors(monkeypatch):
-    """The quantize-and-pack pass is one kernel call whatever the number of tensors (the norms
-    are the reference's per-tensor reductions, see comm.kernels' exactness notes)."""
+    """The quantize-and-pack pass is one kernel call whatever the number of tensors (the norms'
+    calls: test_norm_calls_do_not_grow_with_the_number_of_tensors)."""
     calls = []
     real = K.compiled_kernel
 
@@ -753,8 +753,9 @@ def test_pack_and_unpack_allocate_at_most_one_byte_per_element():
     """No pack or unpack path of the wire, compiled or eager, allocates a float32 / int32 (or any
     4-byte) temporary of the vector's length: every allocation is at most n bytes (int8 signs,
     one-byte lanes, packed words). The one exception, checked apart: Lp with p = 1 keeps |c| of the
-    largest tensor in a float buffer, because M_1 must be the reference's own per-tensor .mean()
-    to give its bytes (a caller may pass that buffer in as `scratch` and reuse it)."""
+    largest tensor (or of a 1 MiB chunk of smaller ones) in a float buffer, because M_1 must be
+    the reference's own .mean() over each tensor's |c| to give its bytes (a caller may pass that
+    buffer in as `scratch` and reuse it)."""
     n, P = 3_000_017, 4  # more than the cache-blocked loops' fixed 1 MiB buffers (comm.packing.CPU_BLOCK)
     x = _values("random", n, seed=1)
     sizes = [900_001, 7, 750_000, 129, n - 1_650_137]
