@@ -35,9 +35,10 @@ Exactness notes (why the compiled code looks the way it does):
   the tensors of one size reduced together as the rows of a matrix (ATen reduces each row as it
   reduces a vector of that length, so on CPU each value is `lp_mean`'s bit for bit; on CUDA the
   function defines the norms), a few calls per distinct size, not per tensor. M_inf, a max, is
-  exact in any order and comes from one segmented reduction over the block plan. Everything after the norm is one kernel over whole
-  blocks of the flat vector (the block's tensor's scale, gathered once per block) plus one
-  gathered pass over the blocks a tensor boundary cuts: no loop over tensors.
+  exact in any order and comes from one segmented reduction over the block plan. Everything
+  after the norm is one kernel over whole blocks of the flat vector (the block's tensor's
+  scale, gathered once per block) plus one gathered pass over the blocks a tensor boundary
+  cuts: no loop over tensors.
 - Stochastic rounding consumes the random stream as the reference's per-tensor `torch.rand`
   calls do. On CPU ATen's generator fills a tensor serially, one draw per element, so one
   stream drawn chunk by chunk over the flat vector is those draws in the same order, and the

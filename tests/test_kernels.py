@@ -325,9 +325,10 @@ class _CountOps(TorchDispatchMode):
 
 def test_norm_calls_do_not_grow_with_the_number_of_tensors(monkeypatch):
     """A transformer-like layout of 1, 40 and 400 tensors (sizes repeating per layer): the norms
-    of every tensor take the same number of ATen calls for 40 tensors as for 400 (they grow with
-    the distinct sizes, and with the elements past one buffer of max(largest tensor, 64 Ki), not
-    with the tensors), no per-tensor lp_mean runs, and the values stay lp_mean's. The per-tensor loop this replaces made 5+ calls per tensor."""
+    of every tensor take the same number of ATen calls for 40 tensors as for 400, and fewer than
+    one per tensor (they grow with the distinct sizes and with the elements past one CPU chunk,
+    comm.quantize.CPU_CHUNK, not with the tensors; the per-tensor loop this replaces made 5+
+    calls per tensor), no per-tensor lp_mean runs, and the values stay lp_mean's."""
     per_tensor = []
     monkeypatch.setattr(Q, "lp_mean", lambda *a: per_tensor.append(1) or lp_mean(*a))
     for p in (0.0, 1.0, 2.0):
