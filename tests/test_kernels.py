@@ -260,7 +260,9 @@ def _norm_cases() -> list[tuple[str, torch.Tensor, list[tuple[int, int]]]]:
     """(name, c, layout) for segment_lp_means: tensors of tiny (1e-30), huge (1e30), zero and
     tie (+-1) values and odd lengths side by side; 300 small tensors of random lengths; a
     transformer-like layout (sizes repeating per layer, evenly spaced: strided rows); equal sizes
-    unevenly spaced (gathered rows); rows from ATen's thread-split size (32768) up."""
+    unevenly spaced (gathered rows); rows from ATen's thread-split size (32768) up; 70 tensors of
+    one size (70 rows: ATen's vectorized loop, not its scalar tail, would take most of the means'
+    final pow / exp, and round differently from lp_mean's 0-d tensors)."""
     sizes = [3073, 7, 1021, 0, 2053, 1, 1024, 129, 5131]
     scale = [1e-30, 1.0, 1e30, 0.0, 0.0, 3.0, -1.0, 1e-3, 1e3]
     parts = []
@@ -271,7 +273,7 @@ def _norm_cases() -> list[tuple[str, torch.Tensor, list[tuple[int, int]]]]:
     layers = [768, 2305, 768, 3 * 1001] * 12
     uneven = [5, 7, 5, 7, 9, 5, 13, 7, 5, 70_000, 33_000, 70_000, 1, 33_000]
     out = [("mixed", torch.cat(parts), _layout(sizes))]
-    for name, sz in (("300 small", small), ("layers", layers), ("uneven", uneven)):
+    for name, sz in (("300 small", small), ("layers", layers), ("uneven", uneven), ("70 equal", [97] * 70)):
         c = _values("random", sum(sz), seed=len(sz))
         c[:sz[0]] *= 1e-30
         out.append((name, c, _layout(sz)))
