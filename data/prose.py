@@ -28,7 +28,8 @@ Parts (each one package; its licence goes into the manifest):
   cross-reference braces and the per-sense source tags ([1913 Webster]) are dropped; runs of
   consecutive entries of about 32 KB are one document, each entry in exactly one.
 
-Every file (of a SWORD module: every compressed block, a chapter or a book) is one document. The
+Every file (of a SWORD module: every compressed block, a chapter or a book; of austen: a chapter;
+of gcide: a run of entries) is one document. The
 documents of all parts are put in one order by a seeded shuffle (a run that reads a prefix of the
 stream sees every part), then streamed like the hub sources:
 one `datasets.IterableDataset` shard per file, so an interrupted prepare resumes from the

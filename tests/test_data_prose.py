@@ -260,25 +260,30 @@ def test_prepare_writes_the_reference_tokens_and_resumes_byte_identically(sample
     enc = get_encoding(str(out / "tokenizer.json"))
     items = corpus_files(list(PARTS), sample, seed=7)
     n_gcide = len(PARTS["gcide"].files(sample["gcide"]))
-    assert len(items) == 12 + 10 + 1 + 5 * 2 + 4 + n_gcide  # the translation is not part of the corpus
-    ref = {"train": [], "val": []}
+    assert len(items) == 12 + 10 + 1 + 5 * 2 + 5 + n_gcide  # the translation is not part of the corpus
+    ref, longest = {"train": [], "val": []}, 0
     for i, (part, path) in enumerate(items):
         text = PARTS[part].read(Path(path))
         ids = enc.encode_ordinary(text) + [enc.eot_token] if text else []
         ref["val" if held_out(i, 7, 0.2) else "train"] += ids
+        longest = max(longest, len(ids))
+    assert longest > 2 * 1500  # a document spans shards: the resume below stops twice inside it
     for split in ("train", "val"):
         assert read_split(out, split).tolist() == ref[split] and ref[split]
         assert m["splits"][split]["tokens"] == len(ref[split])
     assert len(list_shards(out, "train")) > 2  # several shards, so the resume below stops mid-corpus
     # interrupted after every shard, resumed each time: the same bytes and the same tokenizer
     out2, stops = tmp_path / "prose2", 0
-    while True:
+    n_shards = len(list_shards(out, "train")) + len(list_shards(out, "val"))
+    for _ in range(n_shards + 1):
         try:
             prepare_prose(out2, roots=sample, vocab_size=400, val_fraction=0.2, seed=7, shard_tokens=1500,
                           stop_after_shards=1)
             break
         except PrepareStopped:
             stops += 1
+    else:
+        pytest.fail(f"{stops} resumes did not finish {n_shards} shards")
     assert stops >= 2
     for f in sorted(out.iterdir()):
         if f.name != "manifest.json":
