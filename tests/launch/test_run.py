@@ -6,7 +6,7 @@ import os
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUN_SH = ROOT / "launch" / "run.sh"
 
 

@@ -18,7 +18,7 @@ from data.prepare import PrepareError, main, prepare_fineweb, prepare_openwebtex
 from data.shards import list_shards, open_shard, read_header
 from data.tokenizer import get_encoding
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EOT = "<|endoftext|>"
 DOCS = [f"Document {i}: the {'quick ' * (i % 4)}brown fox #{i * 37} jumps; naïve café №{i}." for i in range(24)]
 

@@ -17,7 +17,7 @@ import eval as ev
 from data.shards import shard_name, write_shard
 from model import GPT, get_preset
 
-FIXTURE = Path(__file__).parent / "fixtures" / "hellaswag_mini.jsonl"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "hellaswag_mini.jsonl"
 
 
 # ----------------------------------------------------------------------------- hand-made fixture
@@ -175,7 +175,7 @@ def test_val_loss_equals_cross_entropy_over_the_val_stream(tmp_path: Path) -> No
 
 
 def test_cli_val_and_mc(tmp_path: Path, capsys) -> None:
-    from tests.test_export import make_run
+    from tests.model.test_export import make_run
 
     run = make_run(tmp_path / "run", tie=True)
     make_val_data(tmp_path / "d", 600)

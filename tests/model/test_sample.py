@@ -9,7 +9,7 @@ import torch
 
 import sample
 from model import get_preset, sample_next
-from tests.test_export import make_run, trained_like
+from tests.model.test_export import make_run, trained_like
 
 
 @pytest.mark.parametrize("pos_emb", ["rope", "learned"])

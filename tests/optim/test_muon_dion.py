@@ -23,7 +23,7 @@ from optim.dion import Dion, matrix_seed
 from optim.dion_math import dion_factor_rows, dion_step_, init_dion_q
 from optim.muon import Muon
 from tests.dist import ROOT, torchrun
-from tests.test_trainer import records, train
+from tests.trainer.test_trainer import records, train
 from trainer.config import ConfigError, load_config
 
 U32 = torch.finfo(torch.float32).eps / 2

@@ -221,7 +221,7 @@ def test_wandb_run_id_is_unique_per_run_directory_and_renewed_on_overwrite(tmp_p
 
 
 def test_model_vocabulary_follows_a_uint32_dataset(tmp_path, monkeypatch):
-    from tests.test_data_formats import DOCS, use_big_vocab
+    from tests.data.test_formats import DOCS, use_big_vocab
     import data.prepare as dp
 
     use_big_vocab(monkeypatch)

@@ -24,7 +24,7 @@ from data.writer import PrepareStopped  # noqa: E402
 from data.prose import PARTS, corpus_files, prepare_prose, rst_prose  # noqa: E402
 from data.shards import list_shards, open_shard  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORDS = ("the union commerce treasury navy congress peace revenue nation citizens duty law court war "
          "kernel driver memory process thread lock device interrupt buffer page module scheduler").split()
 

@@ -16,7 +16,7 @@ from data.loader import ShardLoader, val_batches
 from data.shards import list_shards, open_shard
 from data.tokenizer import get_encoding
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EOT = "<|endoftext|>"
 
 

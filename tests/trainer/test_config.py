@@ -8,7 +8,7 @@ import pytest
 from optim import optimizer_names, sync
 from trainer.config import ConfigError, describe, load_config, validate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(glob.glob(str(ROOT / "configs" / "**" / "*.yaml"), recursive=True))
 
 

@@ -26,7 +26,7 @@ import pytest
 from tests.dist import torchrun
 from tests.golden.record import host_fingerprint
 
-GOLDEN_DIR = Path(__file__).parent / "golden"
+GOLDEN_DIR = Path(__file__).parents[1] / "golden"
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,9 @@ import pytest
 import yaml
 
 from tests.dist import free_port
-from tests.slurm_cluster import TERMINAL_STATES, SlurmCluster, missing_requirements
+from tests.launch.slurm_cluster import TERMINAL_STATES, SlurmCluster, missing_requirements
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "launch" / "slurm" / "train.sbatch"
 # The tiny model with small batches: a few steps take seconds on a shared 2-core CPU.
 TINY = ["model.preset=debug", "data.batch_size=4", "data.seq_len=64", "train.eval_steps=2",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # our own top-level packages and modules: every folder with an __init__.py, and the scripts at the root
 OURS = ({p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
         | {p.stem for p in ROOT.glob("*.py")})
