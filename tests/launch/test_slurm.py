@@ -1,4 +1,4 @@
-"""launch/slurm/train.sbatch on a real one-node Slurm cluster (tests/slurm_cluster.py), CPU + gloo.
+"""launch/slurm/train.sbatch on a real one-node Slurm cluster (tests/launch/slurm_cluster.py), CPU + gloo.
 
 The cluster (munged, slurmctld, slurmd) lives in a temp dir for this module and is killed by PID
 afterwards; the tests skip, saying why, only where it cannot exist (not root, or the Debian

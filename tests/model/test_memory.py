@@ -1,6 +1,6 @@
 """The memory model (model/memory.py): its parameter + gradient + optimizer-state prediction against
 the tensors real steps leave behind, for several optimizers and modes on the debug and tiny
-presets (replicated here; sharded meshes in tests/test_parallel.py), and the command line."""
+presets (replicated here; sharded meshes in tests/trainer/test_parallel.py), and the command line."""
 from __future__ import annotations
 
 import subprocess

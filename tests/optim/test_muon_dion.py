@@ -4,7 +4,7 @@ config errors, bytes per step of the debug model, the distributed checks at P = 
 (tests/workers/muon_dion_dist.py) and train.py end to end on two ranks.
 
 (Newton-Schulz against the SVD and Dion's math against float64 recomputations live in
-tests/test_orthogonal.py and tests/test_dion_math.py.)
+tests/optim/test_orthogonal.py and tests/optim/test_dion_math.py.)
 """
 from __future__ import annotations
 
@@ -246,7 +246,7 @@ def test_dion_diagnostics_full_rank_and_low_rank():
     """rel_error = ||B - P R^T|| / ||B||: ~0 at full rank (P spans B's columns), and between 0 and 1 at
     rank 1, where it is at least the best rank-1 error (Eckart-Young) of B = G (the first step: M = 0).
     At full rank the diagnostic's cheap form ||B||^2 - 2 <B^T P, R> + ||R||^2 cancels: its rounding
-    (P's orthogonality error O(m r u) and R's gamma_m, as in tests/test_dion_math.py) leaves
+    (P's orthogonality error O(m r u) and R's gamma_m, as in tests/optim/test_dion_math.py) leaves
     O(K u) ||B||^2 (K = max(m, n)), i.e. a floor of sqrt(10 K u32) relative (~1e-3 here)."""
     for opts in ({"rank_fraction": 1.0}, {"rank": 1}):
         params, opt = make("dion", opts)

@@ -15,7 +15,7 @@ file is checked against it, any other host against digests.json.
 The suite checks P = 1 and 4 (`make test` must stay under 15 minutes on the 2-core development
 machine; the golden runs are its longest tests). P = 2's digests are kept and checked with
 LIONCUB_GOLDEN_NPROC=1,2,4: every scheme's P = 2 collectives are also compared with independent
-references in tests/test_lioncub.py, test_comm.py and test_overlap.py.
+references in tests/optim/test_lioncub.py, test_comm.py and test_overlap.py.
 """
 import json
 import os

@@ -3,7 +3,7 @@ parallel_dist.py (fp32 sync at S = 2, 4 equals the replicated run; onebit at S =
 hierarchical vote with 2 ranks per node; the other modes run with the formula's bytes; replicas
 bit-identical every step; the memory model within 15 %), tests/workers/parallel_ckpt.py (DCP
 checkpoints: exact resume, per-replica momenta, a damaged shard file -> the previous checkpoint),
-and the config errors (muon and dion on the mesh: tests/test_mesh_optim.py)."""
+and the config errors (muon and dion on the mesh: tests/optim/test_mesh_optim.py)."""
 from __future__ import annotations
 
 import pytest

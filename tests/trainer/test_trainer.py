@@ -33,7 +33,7 @@ def train(nproc: int, out: Path, *overrides: str, timeout: float = 240):
     return torchrun(nproc, ROOT / "train.py", *args, timeout=timeout)
 
 
-# both optimizers and both wire dtypes (the other two pairings train in tests/test_golden.py)
+# both optimizers and both wire dtypes (the other two pairings train in tests/trainer/test_golden.py)
 @pytest.mark.parametrize("optim,mode", [("adamw", "bf16"), ("lion", "fp32")])
 def test_two_ranks_loss_falls_and_params_identical(tmp_path, optim, mode):
     train(2, tmp_path / "run", f"optim.name={optim}", f"comm.mode={mode}", "optim.lr=3e-3", "train.max_steps=20")

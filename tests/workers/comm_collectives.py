@@ -1,5 +1,5 @@
 """Per-rank checks of every comm/ collective against references built from all_gather of the raw
-inputs, plus CommStats byte formulas. Launched by tests/test_comm.py at P = 1, 2, 3, 4.
+inputs, plus CommStats byte formulas. Launched by tests/comm/test_comm.py at P = 1, 2, 3, 4.
 
 Asserts and exits non-zero on the first failure; rank 0 prints a summary line on success.
 """
@@ -318,7 +318,7 @@ def tree_bytes(n: int, agg: str) -> tuple[int, int]:
 
 
 def test_cost_model_calibrate() -> None:
-    # the fit recovers known parameters from exact model times (more cases: tests/test_comm.py)
+    # the fit recovers known parameters from exact model times (more cases: tests/comm/test_comm.py)
     sizes = (1 << 10, 1 << 16, 1 << 22)
     for Pm in (2, 3, 8):
         times = [cost_model.ring_allreduce(Pm, s // 4, 32, 3e-5, 1e-9) for s in sizes]

@@ -1,6 +1,6 @@
 """Per-rank checks of comm.ef_compressed_allreduce against a single-process simulation of the P
 workers written here from the contract (chunk routing, padding, draw order, error updates), run
-under torchrun at P = 1, 2, 3, 4 by tests/test_comm_compressed.py.
+under torchrun at P = 1, 2, 3, 4 by tests/comm/test_compressed.py.
 
     python -m torch.distributed.run --standalone --nproc_per_node=4 \\
         tests/workers/comm_compressed.py [--bench N]

@@ -1,4 +1,4 @@
-"""Per-rank checks of distributed Dion, Dion Alg. 2 (launched by tests/test_dion_math.py).
+"""Per-rank checks of distributed Dion, Dion Alg. 2 (launched by tests/optim/test_dion_math.py).
 
 Every rank draws its own gradients (seeded by rank and step) for several matrices of different
 shapes and ranks and runs T steps of optim.dion_math.dion_step_ with a data-parallel

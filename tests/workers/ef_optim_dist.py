@@ -1,7 +1,7 @@
 """Per-rank checks of the error-feedback optimizers (onebit_adam, binsgdm, adamw / lion on loco)
 against a single-process simulation of all P workers written here from torch ops and the
 documented semantics of comm.ef_compressed_allreduce, run under torchrun at P = 2 and 4 by
-tests/test_ef_optim.py:
+tests/optim/test_ef_optim.py:
 
 - parameters, momenta and error states (and LoCo's 8-bit codes) bitwise equal to the simulation
   after every step, and identical on every rank;

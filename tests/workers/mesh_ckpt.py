@@ -1,4 +1,4 @@
-"""Checkpoints of Muon and Dion on the hybrid-sharding mesh (launched by tests/test_mesh_optim.py):
+"""Checkpoints of Muon and Dion on the hybrid-sharding mesh (launched by tests/optim/test_mesh_optim.py):
 4 ranks, parallel.shard_size=2, debug model. For each: a run stopped at step 2 (train.stop_after)
 and resumed from its sharded checkpoint ends bit-identical to an uninterrupted 4-step run, and every
 rank's matrix state (Muon's momentum rows; Dion's M rows and Q) equals what it saved. On another mesh

@@ -1,4 +1,4 @@
-"""The matrix optimizers on the hybrid-sharding mesh (launched by tests/test_mesh_optim.py), 4 gloo
+"""The matrix optimizers on the hybrid-sharding mesh (launched by tests/optim/test_mesh_optim.py), 4 gloo
 ranks, a stack of nn.Linear layers of shapes m > n, m < n and row counts that S does not divide
 (33 rows: 17 + 16 at S = 2, 9 + 9 + 9 + 6 at S = 4), `fully_shard`ed over the shard axis as
 trainer/parallel.py does, a few steps:

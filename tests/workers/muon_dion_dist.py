@@ -1,4 +1,4 @@
-"""Per-rank checks of the Dion and Muon optimizers over gloo (launched by tests/test_muon_dion.py).
+"""Per-rank checks of the Dion and Muon optimizers over gloo (launched by tests/optim/test_muon_dion.py).
 
 Parameters with the trainer's roles (embedding, head, norm: AdamW; attn, mlp matrices: Dion or
 Muon), fed synthetic gradients drawn per rank and step (no model: the gradients do not depend on

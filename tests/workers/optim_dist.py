@@ -1,4 +1,4 @@
-"""Per-rank checks of update-sync distributed Lion (launched by tests/test_lioncub.py).
+"""Per-rank checks of update-sync distributed Lion (launched by tests/optim/test_lioncub.py).
 
 For the world size it runs at: every comm mode keeps parameters bit-identical on all ranks after
 every step and makes the loss fall; at P = 1 the exact-sign modes equal plain Lion step for step;

@@ -1,7 +1,7 @@
 """Buckets and overlap (optim/overlap.py): for every registered sync scheme, training the debug
 GPT for a few steps with comm.overlap on and off (same buckets) ends with bit-identical
 parameters on every rank; schemes that cannot be split into buckets refuse with a clear error.
-Launched by tests/test_overlap.py; asserts and exits non-zero on failure."""
+Launched by tests/optim/test_overlap.py; asserts and exits non-zero on failure."""
 from __future__ import annotations
 
 import sys

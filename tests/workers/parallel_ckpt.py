@@ -1,4 +1,4 @@
-"""Checkpoints of a sharded run (launched by tests/test_parallel.py): 4 ranks, parallel.shard_size=2,
+"""Checkpoints of a sharded run (launched by tests/trainer/test_parallel.py): 4 ranks, parallel.shard_size=2,
 Lion Cub onebit. A run stopped at step 2 (train.stop_after) and resumed ends bit-identical to an
 uninterrupted 4-step run; before the save the replicas' momenta differ (per-replica state) and after
 the load every rank's momenta equal what it saved; every rank writes a model shard file (DCP); a
@@ -68,7 +68,7 @@ def main(tmp: str) -> None:
     a = trainer(tmp_dir / "straight", ["train.resume=never"])
     fit(a)
     whole = dict(zip(sorted(n for n, _ in a.model.named_parameters()), full(a)))
-    if INFO.is_main:  # for tests/test_parallel.py: model.load reads the sharded checkpoint
+    if INFO.is_main:  # for tests/trainer/test_parallel.py: model.load reads the sharded checkpoint
         torch.save(whole, tmp_dir / "straight_params.pt")
     b = trainer(tmp_dir / "stopped", ["train.resume=never", "train.stop_after=2"])
     assert fit(b)["stopped"]

@@ -1,4 +1,4 @@
-"""Hybrid sharding on 4 ranks (launched by tests/test_parallel.py), debug model, a few steps, in one
+"""Hybrid sharding on 4 ranks (launched by tests/trainer/test_parallel.py), debug model, a few steps, in one
 process group; every run is a real Trainer whose steps are driven here:
 
 - fp32 gradient sync (adamw, and global lion) at parallel.shard_size 2 and 4 equals the replicated
