@@ -1,5 +1,5 @@
 """comm/ collectives under torchrun (gloo) at P = 1, 2, 3, 4: one launch per world size runs
-every check in tests/workers/comm_collectives.py (references from all_gather of raw inputs,
+tests/workers/comm_collectives.py, one item per check (references from all_gather of raw inputs,
 identical results on every rank, lane-overflow rule, CommStats byte formulas), and
 comm.cost_model.fit_alpha_beta on synthetic sweeps (token bucket, CPU-load noise)."""
 from __future__ import annotations
@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from comm import cost_model
-from tests.dist import torchrun
+from tests.checks import Worker
+
+COLLECTIVES = Worker("comm_collectives.py", timeout=180)
 
 
-@pytest.mark.parametrize("nproc", [1, 2, 3, 4])
-def test_comm_collectives(nproc: int) -> None:
-    proc = torchrun(nproc, "comm_collectives.py", timeout=180)
-    assert f"comm_collectives P={nproc}:" in proc.stdout and "checks passed" in proc.stdout, proc.stdout
+@pytest.mark.parametrize("nproc,check", COLLECTIVES.cases([1, 2, 3, 4]))
+def test_comm_collectives(nproc: int, check: str) -> None:
+    COLLECTIVES.check(nproc, check)
 
 
 # ------------------------------------------------------------------------------------------------
