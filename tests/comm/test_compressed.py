@@ -11,13 +11,14 @@ import torch
 
 import comm
 from comm import Compressor
-from tests.dist import torchrun
+from tests.checks import Worker
+
+COMPRESSED = Worker("comm_compressed.py", timeout=240)
 
 
-@pytest.mark.parametrize("nproc", [1, 2, 3, 4])
-def test_comm_compressed(nproc: int) -> None:
-    proc = torchrun(nproc, "comm_compressed.py", timeout=240)
-    assert f"comm_compressed P={nproc}:" in proc.stdout and "checks passed" in proc.stdout, proc.stdout
+@pytest.mark.parametrize("nproc,check", COMPRESSED.cases([1, 2, 3, 4]))
+def test_comm_compressed(nproc: int, check: str) -> None:
+    COMPRESSED.check(nproc, check)
 
 
 def _run(x: torch.Tensor, comp, calls: int = 1, **kw) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:

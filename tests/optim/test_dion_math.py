@@ -15,7 +15,7 @@ import torch
 
 from optim.dion_math import (DionFactors, dion_factor_rows, dion_rank, dion_scale, dion_step_, dion_transposed,
                              dion_wire_bytes, dion_wire_elements, init_dion_q, low_rank_residual, make_reduce_mean)
-from tests.dist import torchrun
+from tests.checks import Worker
 
 U32 = torch.finfo(torch.float32).eps / 2
 
@@ -334,7 +334,9 @@ def test_many_matrices_two_reduce_calls_and_wire_formula():
 
 
 # ---- (d) Dion Alg. 2 over gloo -------------------------------------------------------------------
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_distributed_equals_centralized_on_mean_gradient(nproc):
-    proc = torchrun(nproc, "dion_dist.py", timeout=240)
-    assert "dion_dist OK" in proc.stdout
+DION_DIST = Worker("dion_dist.py", timeout=240)
+
+
+@pytest.mark.parametrize("nproc,check", DION_DIST.cases([2, 4]))
+def test_distributed_equals_centralized_on_mean_gradient(nproc, check):
+    DION_DIST.check(nproc, check)

@@ -22,7 +22,8 @@ from model import GPT, get_preset, param_roles
 from optim.dion import Dion, matrix_seed
 from optim.dion_math import dion_factor_rows, dion_step_, init_dion_q
 from optim.muon import Muon
-from tests.dist import ROOT, torchrun
+from tests.checks import Worker
+from tests.dist import ROOT
 from tests.trainer.test_trainer import records, train
 from trainer.config import ConfigError, load_config
 
@@ -416,10 +417,12 @@ def test_dion_factor_calls_follow_the_orientation():
 
 
 # ---- multi-process ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_distributed_dion_and_muon(nproc):
-    proc = torchrun(nproc, "muon_dion_dist.py", timeout=300)
-    assert "muon_dion_dist OK" in proc.stdout
+MUON_DION_DIST = Worker("muon_dion_dist.py", timeout=300)
+
+
+@pytest.mark.parametrize("nproc,check", MUON_DION_DIST.cases([2, 4]))
+def test_distributed_dion_and_muon(nproc, check):
+    MUON_DION_DIST.check(nproc, check)
 
 
 @pytest.mark.parametrize("name", ["dion", "muon"])

@@ -37,13 +37,14 @@ class Checks:
             raise ValueError(f"check {name!r} ran twice")
         return _Check(self, name)
 
-    def run(self, name: str, fn, *args) -> None:
-        """`fn(*args)` as check `name`; rank 0 prints its time."""
-        t = time.time()
+    def run(self, name: str, fn, *args):
+        """`fn(*args)` as check `name`; rank 0 prints its time. Returns what `fn` returns (None when it failed)."""
+        t, out = time.time(), None
         with self(name):
-            fn(*args)
+            out = fn(*args)
         if self.rank == 0:
             print(f"{name}: {time.time() - t:.1f}s", flush=True)
+        return out
 
     def _record(self, entry: dict) -> None:
         self.results.append(entry)
