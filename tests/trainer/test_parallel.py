@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import pytest
 
+from tests.checks import Worker
 from tests.dist import ROOT, torchrun
 from trainer.config import ConfigError, load_config, validate
 
+PARALLEL_DIST = Worker("parallel_dist.py", "{tmp}/runs", timeout=300)
+
 
 @pytest.mark.slow
-def test_sharded_equals_replicated(tmp_path) -> None:
-    proc = torchrun(4, "parallel_dist.py", str(tmp_path / "runs"), timeout=300)
-    assert "parallel_dist: checks passed" in proc.stdout, proc.stdout
+@pytest.mark.parametrize("nproc,check", PARALLEL_DIST.cases([4]))
+def test_sharded_equals_replicated(nproc, check) -> None:
+    PARALLEL_DIST.check(nproc, check)
 
 
 @pytest.mark.parametrize("variant,overrides,message", [
