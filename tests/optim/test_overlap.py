@@ -6,19 +6,20 @@ from __future__ import annotations
 import pytest
 
 from optim import sync
-from tests.dist import torchrun
+from tests.checks import Worker, declared_checks
 from trainer.config import ConfigError, load_config
 from trainer.trainer import Trainer  # noqa: F401  (the trainer wires expect_backward)
 
+OVERLAP_DIST = Worker("overlap_dist.py", timeout=600)
 
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_overlap_is_bit_identical_for_every_scheme(nproc):
-    proc = torchrun(nproc, "overlap_dist.py", timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(f"P={nproc} ")]
-    assert {ln.split()[1] for ln in lines} == set(sync.names()), proc.stdout
-    # the gradient means and Lion Cub's votes are split; the error-feedback schemes keep state that spans the vector
-    split = {ln.split()[1] for ln in lines if "overlap == no overlap" in ln}
-    assert split >= {"fp32", "bf16", "onebit", "ps", "hierarchical", "pbit"}, proc.stdout
+
+def test_overlap_worker_checks_every_registered_scheme():
+    assert sorted(declared_checks("overlap_dist.py")) == sorted(sync.names())
+
+
+@pytest.mark.parametrize("nproc,check", OVERLAP_DIST.cases([2, 4]))
+def test_overlap_is_bit_identical_for_every_scheme(nproc, check):
+    OVERLAP_DIST.check(nproc, check)
 
 
 def test_overlap_config_errors():
