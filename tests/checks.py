@@ -65,7 +65,8 @@ class Worker:
                 for c in (*[c for c in self.names if self.applies(c, n)], EXIT)]
 
     def run(self, nproc: int) -> dict:
-        """The records of the worker's launch at `nproc` ranks (launched on first use)."""
+        """The worker's launch at `nproc` ranks (launched on first use): its CompletedProcess, each
+        rank's records by check name, and `tmp`, the folder "{tmp}" in the arguments named."""
         if nproc not in self._runs:
             tmp = Path(tempfile.mkdtemp(prefix=f"checks_{Path(self.script).stem}_{nproc}_"))
             atexit.register(shutil.rmtree, tmp, True)
@@ -80,7 +81,7 @@ class Worker:
             for r in range(nproc):
                 f = tmp / f"rank{r}.json"
                 ranks[r] = {c["name"]: c for c in json.loads(f.read_text())["checks"]} if f.exists() else {}
-            self._runs[nproc] = {"proc": proc, "ranks": ranks}
+            self._runs[nproc] = {"proc": proc, "ranks": ranks, "tmp": tmp}
         return self._runs[nproc]
 
     def _tail(self, proc: subprocess.CompletedProcess) -> str:

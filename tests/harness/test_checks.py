@@ -27,6 +27,15 @@ def test_a_failing_check_fails_its_own_item_on_several_ranks() -> None:
     assert "exit code 1" in _fails(w, 2, EXIT)
 
 
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_failing_step_of_a_sequence_fails_its_item_and_stops_the_rest(nproc: int) -> None:
+    w = Worker("checks_probe.py", "second", "fail", env={"CHECKS_PROBE": "sequence"})
+    w.check(nproc, "first")
+    assert "deliberate failure of second" in _fails(w, nproc, "second")
+    assert "after the failure of second (rank 0)" in _fails(w, nproc, "third")
+    _fails(w, nproc, EXIT)
+
+
 def test_one_rank_goes_on_after_a_failure() -> None:
     w = Worker("checks_probe.py", "first", "fail")
     assert "deliberate failure of first" in _fails(w, 1, "first")

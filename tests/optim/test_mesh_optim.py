@@ -9,18 +9,24 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist import torchrun
+from tests.checks import Worker
 
 
-@pytest.mark.parametrize("name,S,extra", [("muon", 2, []), ("muon", 4, []), ("dion", 2, []), ("dion", 4, []),
-                                          ("dion", 2, ["0.7"])])
-def test_matrix_optimizer_on_mesh_equals_replicated(name, S, extra) -> None:
-    proc = torchrun(4, "mesh_optim.py", name, str(S), *extra, timeout=180)
-    assert "mesh_optim: checks passed" in proc.stdout, proc.stdout + proc.stderr
-    print(proc.stdout)
+# one launch per (optimizer, S[, rank fraction]), one item per check of tests/workers/mesh_optim.py
+MESH = {"-".join(args): Worker("mesh_optim.py", *args, timeout=180)
+        for args in (("muon", "2"), ("muon", "4"), ("dion", "2"), ("dion", "4"), ("dion", "2", "0.7"))}
+
+
+@pytest.mark.parametrize("run,check", [pytest.param(run, check, id=f"{run}-{check}") for run, w in MESH.items()
+                                       for _, check in (p.values for p in w.cases([4]))])
+def test_matrix_optimizer_on_mesh_equals_replicated(run, check) -> None:
+    MESH[run].check(4, check)
+
+
+MESH_CKPT = Worker("mesh_ckpt.py", "{tmp}/runs", timeout=300)
 
 
 @pytest.mark.slow
-def test_sharded_checkpoint_resumes_muon_and_dion_exactly(tmp_path) -> None:
-    proc = torchrun(4, "mesh_ckpt.py", str(tmp_path / "runs"), timeout=300)
-    assert "mesh_ckpt: checks passed" in proc.stdout, proc.stdout + proc.stderr
+@pytest.mark.parametrize("nproc,check", MESH_CKPT.cases([4]))
+def test_sharded_checkpoint_resumes_muon_and_dion_exactly(nproc, check) -> None:
+    MESH_CKPT.check(nproc, check)

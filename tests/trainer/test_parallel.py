@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.checks import Worker
-from tests.dist import ROOT, torchrun
+from tests.dist import ROOT
 from trainer.config import ConfigError, load_config, validate
 
 PARALLEL_DIST = Worker("parallel_dist.py", "{tmp}/runs", timeout=300)
@@ -38,17 +38,26 @@ def test_config_errors_name_the_key(variant, overrides, message) -> None:
         validate(cfg, world_size=4)
 
 
+PARALLEL_CKPT = Worker("parallel_ckpt.py", "{tmp}/runs", timeout=300)
+
+
 @pytest.mark.slow
-def test_sharded_checkpoint_resumes_exactly(tmp_path) -> None:
-    proc = torchrun(4, "parallel_ckpt.py", str(tmp_path / "runs"), timeout=300)
-    assert "parallel_ckpt: checks passed" in proc.stdout, proc.stdout
-    # the tools (eval, sample, export) read a sharded run's checkpoint: DCP shards -> whole tensors
+@pytest.mark.parametrize("nproc,check", PARALLEL_CKPT.cases([4]))
+def test_sharded_checkpoint_resumes_exactly(nproc, check) -> None:
+    PARALLEL_CKPT.check(nproc, check)
+
+
+@pytest.mark.slow
+def test_tools_read_a_sharded_checkpoint() -> None:
+    """eval, sample and export read a sharded run's checkpoint: DCP shards -> whole tensors."""
     import torch
 
     from model import load_model
 
-    loaded = load_model(tmp_path / "runs" / "straight")
-    want = torch.load(tmp_path / "runs" / "straight_params.pt")
+    PARALLEL_CKPT.check(4, "straight")
+    runs = PARALLEL_CKPT.run(4)["tmp"] / "runs"
+    loaded = load_model(runs / "straight")
+    want = torch.load(runs / "straight_params.pt")
     got = dict(loaded.model.named_parameters())
     assert loaded.step == 4 and set(got) == set(want)
     assert all(torch.equal(got[k], want[k]) for k in want)

@@ -2,7 +2,8 @@
 
 A worker declares its check names in a literal tuple `CHECKS` (tests/checks.py reads it from the
 source at collection time, so each name is a pytest item of its own) and runs each one inside
-`with checks("name"):`. Every rank writes what it saw to `$LIONCUB_CHECKS_DIR/rank<r>.json` after
+`with checks("name"):` (or `checks.run("name", fn, *args)`; a worker whose checks are steps of one
+sequence marks where each starts with `checks.begin("name")` inside `checks.guard(main)`). Every rank writes what it saw to `$LIONCUB_CHECKS_DIR/rank<r>.json` after
 each check (replaced atomically, so a crash leaves the checks before it on record): name, passed,
 the failure's message and where it was raised, seconds.
 
@@ -29,6 +30,7 @@ class Checks:
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.out = os.environ.get("LIONCUB_CHECKS_DIR")
         self.results: list[dict] = []
+        self._open: _Check | None = None
 
     def __call__(self, name: str) -> "_Check":
         if name not in self.names:
@@ -45,6 +47,32 @@ class Checks:
         if self.rank == 0:
             print(f"{name}: {time.time() - t:.1f}s", flush=True)
         return out
+
+    def begin(self, name: str) -> None:
+        """Check `name` starts here; the one begun before it passed."""
+        self.end()
+        self._open = self(name)
+        self._open.__enter__()
+
+    def end(self) -> None:
+        """The check begun last passed."""
+        if self._open is not None:
+            self._open, check = None, self._open
+            check.__exit__(None, None, None)
+
+    def guard(self, fn, *args) -> None:
+        """`fn(*args)`, whose exception fails the check begun last (one raised before any check is
+        begun propagates: the worker crashes loudly)."""
+        try:
+            fn(*args)
+        except Exception as e:
+            if self._open is None:
+                raise
+            self._open, check = None, self._open
+            if not check.__exit__(type(e), e, e.__traceback__):
+                raise
+            return
+        self.end()
 
     def _record(self, entry: dict) -> None:
         self.results.append(entry)

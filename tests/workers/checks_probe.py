@@ -1,6 +1,7 @@
 """A worker for tests/harness/test_checks.py: three named checks, no process group. argv[1] names
 the check that fails on purpose ("-": none); argv[2] = "crash" leaves with exit code 3 before it
-instead; argv[3] (optional) limits either to that rank."""
+instead; argv[3] (optional) limits either to that rank. With CHECKS_PROBE=sequence the checks are
+steps of one function marked with `checks.begin` (run through `checks.guard`)."""
 import os
 import sys
 
@@ -18,7 +19,16 @@ def run(name: str) -> None:
         assert 1 + 1 == 3, f"deliberate failure of {name}"
 
 
+def sequence(checks: Checks) -> None:
+    for name in CHECKS:
+        checks.begin(name)
+        run(name)
+
+
 if __name__ == "__main__":
     checks = Checks(CHECKS)
-    for name in CHECKS:
-        checks.run(name, run, name)
+    if os.environ.get("CHECKS_PROBE") == "sequence":
+        checks.guard(sequence, checks)
+    else:
+        for name in CHECKS:
+            checks.run(name, run, name)
