@@ -85,10 +85,12 @@ class Worker:
         return self._runs[nproc]
 
     def _tail(self, proc: subprocess.CompletedProcess) -> str:
-        return (f"--- stdout ---\n{(proc.stdout or '')[-3000:]}\n--- stderr ---\n{(proc.stderr or '')[-5000:]}")
+        return f"--- stdout ---\n{(proc.stdout or '')[-3000:]}\n--- stderr ---\n{(proc.stderr or '')[-5000:]}"
 
     def check(self, nproc: int, name: str) -> None:
         """Fail with the check's own message (or the reason it has none) unless every rank passed it."""
+        if name != EXIT and not (name in self.names and self.applies(name, nproc)):
+            raise ValueError(f"{self.script} has no check {name!r} at P={nproc} (CHECKS: {self.names})")
         run = self.run(nproc)
         proc, ranks = run["proc"], run["ranks"]
         who = f"{Path(self.script).name} P={nproc}"
@@ -106,6 +108,6 @@ class Worker:
         missing = [r for r, rec in ranks.items() if name not in rec]
         if missing:
             before = sorted({f"{c} (rank {r})" for r, rec in ranks.items() for c, e in rec.items() if not e["passed"]})
-            why = f"it stopped after the failure of {', '.join(before)}" if before else "it crashed before it"
+            why = f"it stopped after the failure of {', '.join(before)}" if before else "it ended (crashed or timed out) before it"
             raise AssertionError(f"{who}: check {name} was never recorded by rank(s) {missing}: {why}; "
                                  f"exit code {proc.returncode}\n{self._tail(proc)}")

@@ -2,9 +2,15 @@
 own name and message, a check the worker never reached as a failure that says why."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 from tests.checks import EXIT, Worker, declared_checks
+from tests.dist import ROOT
 
 
 def _fails(worker: Worker, nproc: int, name: str) -> str:
@@ -49,7 +55,7 @@ def test_a_crash_fails_every_check_it_cut_off_with_the_output() -> None:
     w.check(2, "first")
     for name in ("second", "third"):
         msg = _fails(w, 2, name)
-        assert "never recorded by rank(s) [0, 1]: it crashed before it; exit code 3" in msg and "--- stderr ---" in msg
+        assert "never recorded by rank(s) [0, 1]: it ended (crashed or timed out) before it; exit code 3" in msg and "--- stderr ---" in msg
     assert "exit code 3" in _fails(w, 2, EXIT)
 
 
@@ -69,3 +75,32 @@ def test_when_and_undeclared_names() -> None:
     assert "differ from ['first', 'second']" in _fails(w, 1, EXIT)
     with pytest.raises(ValueError, match="does not declare"):
         Worker("checks_probe.py", when={"fourth": lambda P: True})
+    with pytest.raises(ValueError, match="no check 'third' at P=1"):
+        w.check(1, "third")
+
+
+def test_pytest_reports_each_check_under_its_own_item(tmp_path) -> None:
+    """The items a test file declares through Worker.cases pass and fail one by one in pytest's own report."""
+    (tmp_path / "test_probe.py").write_text(textwrap.dedent("""
+        import pytest
+        from tests.checks import Worker
+
+        PROBE = Worker("checks_probe.py", "second", "fail", "1")
+
+        @pytest.mark.parametrize("nproc,check", PROBE.cases([2]))
+        def test_probe(nproc, check):
+            PROBE.check(nproc, check)
+    """))
+    # plain processes: the probe imports no torch, so a zygote would cost more than it saves
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "test_probe.py"],
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT), "LIONCUB_TEST_FORK": "0", "COLUMNS": "400"},
+                          capture_output=True, text=True, timeout=120)
+    out = proc.stdout
+    assert proc.returncode == 1 and "3 failed, 1 passed" in out, out[-3000:]
+    assert "PASSED test_probe.py::test_probe[P2-first]" in out, out[-3000:]
+    assert "FAILED test_probe.py::test_probe[P2-second] - AssertionError: checks_probe.py P=2: check second failed" \
+        in out, out[-3000:]
+    assert "rank 1: AssertionError: deliberate failure of second" in out
+    assert "FAILED test_probe.py::test_probe[P2-third] - AssertionError: checks_probe.py P=2: check third was never " \
+        "recorded by rank(s) [1]" in out, out[-3000:]
+    assert "FAILED test_probe.py::test_probe[P2-exit]" in out
