@@ -36,7 +36,7 @@ def encode(bad: torch.Tensor, stop: bool) -> torch.Tensor:
 
 def decode(word: int) -> Verdict:
     """The agreement from the summed word."""
-    return Verdict(nonfinite=bool(word & ((1 << STOP_SHIFT) - 1)), stop=bool(word >> STOP_SHIFT))
+    return Verdict(nonfinite=bool(word % (1 << STOP_SHIFT)), stop=bool(word >> STOP_SHIFT))
 
 
 class Guard:
