@@ -45,7 +45,7 @@ from .accounting import predict_seconds as _predict_seconds
 from .accounting import wire_bytes as _wire_bytes
 from .diagnostics import momentum_spread
 from .guard import Guard, Verdict
-from .layout import Entry, FlatLayout, GradBuffers, attach_flat_grads, model_order
+from .layout import Entry, FlatLayout, GradBuffers, attach_flat_grads, flat_norm, model_order
 from .options import choice, common_problems
 
 
@@ -295,7 +295,7 @@ class CommOptimizer(torch.optim.Optimizer):
     def _grad_norm(self, bufs: list[torch.Tensor]) -> torch.Tensor:
         """L2 norm of the gradient (fp32): of the flat buffers, summed over the shard group when the
         parameters are shards (both replicas' groups then hold the same whole gradient's norm)."""
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b, dtype=torch.float32) for b in bufs]))
+        norm = flat_norm(bufs)
         if self.shard_group is None:
             return norm
         sq = norm.square()

@@ -169,8 +169,12 @@ class GradBuffers:
 
     def local_norm(self) -> torch.Tensor:
         """L2 norm (fp32, on the device) of this rank's buffers."""
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b, dtype=torch.float32)
-                                                     for b in self.buffers.values()]))
+        return flat_norm(list(self.buffers.values()))
 
 
-__all__ = ["Entry", "FlatLayout", "GradBuffers", "attach_flat_grads", "model_order", "role_order"]
+def flat_norm(bufs: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm (fp32, on the device) of the concatenation of `bufs`: the norm of the per-buffer norms."""
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b, dtype=torch.float32) for b in bufs]))
+
+
+__all__ = ["Entry", "FlatLayout", "GradBuffers", "attach_flat_grads", "flat_norm", "model_order", "role_order"]
