@@ -309,7 +309,8 @@ class CommOptimizer(torch.optim.Optimizer):
     def _grad_norms(self) -> torch.Tensor:
         """Per-role and global L2 norms of the gradient (fp32, on the device, no host sync); the global
         one is torch.nn.utils.clip_grad_norm_'s total norm of the same gradients."""
-        grads = [self.grads.view(e.param) for e in self.layout.entries]
+        views = self.grads.views
+        grads = [views[id(e.param)] for e in self.layout.entries]
         sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square()  # one norm per tensor
         roles = torch.zeros(len(self.layout.roles), device=sq.device).index_add_(0, self.layout.role_index(), sq)
         if self.shard_group is not None:  # hybrid sharding: add the other shards' squares (whole tensors' norms)

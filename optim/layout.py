@@ -145,10 +145,8 @@ class GradBuffers:
     def __init__(self, params: list[torch.nn.Parameter]) -> None:
         self.order = list(params)
         self.buffers = attach_flat_grads(self.order)
-        self._views = {id(p): p.grad for p in self.order}
-
-    def view(self, p: torch.nn.Parameter) -> torch.Tensor:
-        return self._views[id(p)]
+        self.views: dict[int, torch.Tensor] = {id(p): p.grad for p in self.order}
+        """id(parameter) -> the view of its gradient."""
 
     def zero_(self) -> None:
         for buf in self.buffers.values():
@@ -157,7 +155,7 @@ class GradBuffers:
     def adopt(self) -> None:
         """A .grad replaced from outside (assigned, or set to None) is copied back into its view."""
         for p in self.order:
-            view = self._views[id(p)]
+            view = self.views[id(p)]
             g = p.grad
             if g is view:
                 continue
