@@ -610,7 +610,7 @@ COMPRESSORS_FROM_TABLE2 = {"lion_fp32": "fp32", "lioncub_1bit": "1bit", "lioncub
 
 
 # --quick trains one compressed optimizer, 1-bit Adam (the one with a per-run override, its freeze step):
-# BinSGDM and LoCo train end to end in tests/test_ef_optim.py, and the study's summary is the same for all
+# BinSGDM and LoCo train end to end in tests/optim/test_ef_optim.py, and the study's summary is the same for all
 COMPRESSED_QUICK = ("onebit_adam",)
 
 
