@@ -129,7 +129,7 @@ def matrix_seed(name: str) -> int:
 class Dion(MatrixOptimizer):
     """Dion Alg. 2 on the hidden matrices (see the module docstring), AdamW or Lion on the rest."""
 
-    bucketed = None  # exchanges a leading slice and its own factors: no buckets
+    bucketed = False  # exchanges a leading slice and its own factors: no buckets
     optim_name = "dion"  # its own registry entry (MatrixOptimizer's is muon's)
 
     options_class = DionOptions
@@ -137,6 +137,7 @@ class Dion(MatrixOptimizer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """The arguments of MatrixOptimizer (options: DionOptions or a dict of its fields)."""
         super().__init__(*args, **kwargs)
+        self._order_grads(self._grad_order(self.grads.order))
         # the P and R exchanges: the same scheme, booked in update_sync
         self.factor_exchange = self.scheme.build(self.scheme_options, sync.ExchangeContext(
             world_size=self.world_size, rank=self.rank, group=self.group, stats=self.stats["update_sync"],
@@ -144,12 +145,11 @@ class Dion(MatrixOptimizer):
 
     # ---- layout: which gradients cross the network ------------------------------------------------
     def _grad_order(self, order: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
-        """Called by the base constructor: decide each matrix's rank and whether it is factorised,
+        """Called by the constructor: decide each matrix's rank and whether it is factorised,
         then order the flat gradient as [non-matrix, full-gradient matrices | low-rank matrices]
         (model order within each), so the synced part of every dtype's buffer is one leading slice."""
         entries = self.layout.entries
         o = self.options
-        self._build_shards()  # hybrid sharding: the whole shapes of the row blocks
         self.ranks: dict[int, int] = {}
         too_big = []
         for k, e in enumerate(entries):

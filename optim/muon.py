@@ -242,10 +242,10 @@ class MatrixOptimizer(CommOptimizer):
                  scheme: str | sync.SyncScheme = "fp32", **comm_kwargs) -> None:
         name = type(self).__name__
         s = sync.get(scheme) if isinstance(scheme, str) else scheme
-        # set before the base runs: a subclass's _grad_order (Dion) reads the options
-        self.options = _options(self.options_class, options)
+        options = _options(self.options_class, options)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), scheme=s,
                          **comm_kwargs)
+        self.options = options
         entries = self.layout.entries
         self.matrix_idx = [k for k, e in enumerate(entries) if is_matrix(e)]
         self.scalar_idx = [k for k, e in enumerate(entries) if not is_matrix(e)]
@@ -279,9 +279,7 @@ class MatrixOptimizer(CommOptimizer):
 
     def _build_shards(self) -> None:
         """self.shards (MatrixShards over the hidden matrices, None when not sharded) and
-        self.shard_stats; once (Dion needs them while the base constructor orders the gradients)."""
-        if hasattr(self, "shards"):
-            return
+        self.shard_stats."""
         self.shard_stats = CommStats(timing=False)
         self.shards: MatrixShards | None = None
         idx = [k for k, e in enumerate(self.layout.entries) if is_matrix(e)]
