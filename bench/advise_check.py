@@ -9,6 +9,7 @@ the allowed modes) is within 10 % of the measured-fastest allowed variant.
 
     python -m bench.advise_check                                   # 1gbit and 100mbit, 4 ranks, tiny
     python -m bench.advise_check --rates 1gbit --variants lion_fp32,lioncub_1bit --steps 3 --warmup 1
+    python -m bench.advise_check --nodes 2                         # two nodes of 2 ranks: rate between nodes
 
 Output in --out: advise_<rate>.json, measured/ (step_breakdown's own output), validation.csv and
 validation.md. Needs root and iproute2 (network namespaces).
@@ -63,7 +64,7 @@ def join(advice: dict, measured: list[dict], rate: str, allow: Sequence[str]) ->
 
 def markdown(rows: list[dict], summaries: list[dict], meta: dict) -> str:
     out = ["# bench.advise: predicted vs measured step time", "",
-           f"{meta['nproc']} ranks under launch.netsim, overrides `{meta['overrides']}`; measured: median of "
+           f"{meta['nproc']} ranks under launch.netsim ({_layout(meta)}), config dir `{meta['config_dir']}`, overrides `{meta['overrides']}`; measured: median of "
            f"{meta['steps']} steps after {meta['warmup']} warm-up (bench.step_breakdown). Machine: {meta['machine']}; "
            f"1-minute load before: {meta['load_before']}, after: {meta['load_after']}.", "",
            "| rate | variant | mode | predicted (ms) | measured (ms) | predicted / measured | within 25 % | "
@@ -85,6 +86,12 @@ def markdown(rows: list[dict], summaries: list[dict], meta: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _layout(meta: dict) -> str:
+    n = meta.get("nodes") or 0
+    return (f"{n} nodes of {meta['nproc'] // n} ranks: unlimited loopback inside a node, the rate on each node's link"
+            if n else "one namespace per rank: the rate on every rank's link")
+
+
 def _load() -> str:
     return Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "?"
 
@@ -94,6 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rates", default="1gbit,100mbit")
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--nodes", type=int, default=0,
+                    help="emulated nodes (launch.netsim --nodes): ranks of one node share an unlimited loopback, the "
+                         "rate limits only the links between nodes; 0 = one namespace per rank")
     ap.add_argument("--config-dir", default="configs/cpu_30m")
     ap.add_argument("--overrides", default=" ".join(DEFAULT_OVERRIDES))
     ap.add_argument("--steps", type=int, default=6)
@@ -102,6 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/out/advise_check")
     ap.add_argument("--timeout", type=float, default=900.0)
     args = ap.parse_args(argv)
+    if args.nodes < 0 or (args.nodes and args.nproc % args.nodes):
+        ap.error(f"--nodes {args.nodes} must divide --nproc {args.nproc} (0 = one namespace per rank)")
     from launch import netsim
 
     out = Path(args.out)
@@ -110,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = args.overrides.split()
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": str(ROOT),
            "WANDB_MODE": "disabled", "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1"}
-    meta = {"nproc": args.nproc, "overrides": args.overrides, "steps": args.steps, "warmup": args.warmup,
+    meta = {"nproc": args.nproc, "nodes": args.nodes, "config_dir": args.config_dir, "overrides": args.overrides, "steps": args.steps, "warmup": args.warmup,
             "machine": f"{os.uname().machine}, {os.cpu_count()} CPUs", "load_before": _load()}
     from bench.variants import config_files
 
@@ -121,13 +133,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         codes = netsim.run(args.nproc, [sys.executable, "-m", "bench.advise", *base_cfg, *overrides,
                                         "--variants", args.variants, "--json", str(js)],
                            rate=rate, timeout=args.timeout, cwd=str(ROOT), env=env, tag="advchk",
+                           ranks_per_ns=args.nproc // args.nodes if args.nodes else 1,
                            log_dir=str(out / "logs" / rate))
         if any(codes):
             print(f"bench.advise failed at {rate}: rc={codes}; logs in {out / 'logs' / rate}", file=sys.stderr)
             return 1
     print(f"== measuring {args.variants} at {args.rates} (bench.step_breakdown)", flush=True)
     rc = subprocess.run([sys.executable, "-m", "bench.step_breakdown", "--rates", args.rates, "--variants",
-                         args.variants, "--nproc", str(args.nproc), "--steps", str(args.steps), "--warmup",
+                         args.variants, "--nproc", str(args.nproc), "--nodes", str(args.nodes), "--steps", str(args.steps), "--warmup",
                          str(args.warmup), "--config-dir", args.config_dir, "--overrides", args.overrides,
                          "--no-calibrate", "--out", str(out / "measured"), "--timeout", str(args.timeout)],
                         cwd=ROOT, env={**os.environ, **env}).returncode
