@@ -41,7 +41,8 @@ def default_allow() -> list[str]:
 
 
 def join(advice: dict, measured: list[dict], rate: str, allow: Sequence[str]) -> tuple[list[dict], dict]:
-    """Rows (variant, mode, predicted, measured, ratio) and the pick summary for one rate."""
+    """Rows (variant, mode, predicted, measured, ratio, the 1-minute loads of both) and the pick
+    summary for one rate."""
     meas = {r["variant"]: r for r in measured if r["rate"] == rate and r.get("status") == "ok"}
     rows = []
     for a in advice["rows"]:
@@ -52,7 +53,8 @@ def join(advice: dict, measured: list[dict], rate: str, allow: Sequence[str]) ->
         rows.append({"rate": rate, "variant": a["variant"], "mode": a["mode"], "predicted_ms": pred_ms,
                      "measured_ms": meas_ms, "pred_over_meas": pred_ms / meas_ms if meas_ms else None,
                      "compute_ms": 1e3 * a["compute_s"], "local_ms": 1e3 * a["local_s"],
-                     "comm_model_ms": 1e3 * a["comm_s"]})
+                     "comm_model_ms": 1e3 * a["comm_s"], "coll_ms": _float(m, "coll_ms"),
+                     "advise_load1": advice.get("load1"), "measured_load1": _float(m, "load1")})
     allowed = [r for r in rows if r["mode"] in allow and r["measured_ms"]]
     pick = min(allowed, key=lambda r: r["predicted_ms"]) if allowed else None
     best = min(allowed, key=lambda r: r["measured_ms"]) if allowed else None
@@ -62,20 +64,33 @@ def join(advice: dict, measured: list[dict], rate: str, allow: Sequence[str]) ->
     return rows, summary
 
 
+def _float(row: dict | None, key: str) -> float | None:
+    try:
+        return float(row[key]) if row and row.get(key) not in (None, "") else None
+    except ValueError:
+        return None
+
+
+def _num(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
 def markdown(rows: list[dict], summaries: list[dict], meta: dict) -> str:
     out = ["# bench.advise: predicted vs measured step time", "",
            f"{meta['nproc']} ranks under launch.netsim ({_layout(meta)}), config dir `{meta['config_dir']}`, overrides `{meta['overrides']}`; measured: median of "
            f"{meta['steps']} steps after {meta['warmup']} warm-up (bench.step_breakdown). Machine: {meta['machine']}; "
            f"1-minute load before: {meta['load_before']}, after: {meta['load_after']}.", "",
            "| rate | variant | mode | predicted (ms) | measured (ms) | predicted / measured | within 25 % | "
-           "compute (ms) | local (ms) | comm model (ms) |", "|---|---|---|---:|---:|---:|---|---:|---:|---:|"]
+           "compute (ms) | local (ms) | comm model (ms) | collectives measured (ms) | load: advise / training |",
+           "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---|"]
     for r in rows:
         q = r["pred_over_meas"]
         out.append(f"| {r['rate']} | {r['variant']} | {r['mode']} | {r['predicted_ms']:.0f} | "
                    f"{r['measured_ms']:.0f} | {q:.2f} | {'yes' if abs(q - 1) <= TARGET_RATIO else 'NO'} | "
-                   f"{r['compute_ms']:.0f} | {r['local_ms']:.0f} | {r['comm_model_ms']:.0f} |"
+                   f"{r['compute_ms']:.0f} | {r['local_ms']:.0f} | {r['comm_model_ms']:.0f} | "
+                   f"{_num(r['coll_ms'], '.0f')} | {_num(r['advise_load1'], '.1f')} / {_num(r['measured_load1'], '.1f')} |"
                    if q is not None else f"| {r['rate']} | {r['variant']} | {r['mode']} | {r['predicted_ms']:.0f} | "
-                   f"not measured | - | - | | | |")
+                   f"not measured | - | - | | | | | |")
     out += ["", "| rate | allowed modes | auto's pick | measured fastest | pick / fastest (measured) | within 10 % |",
             "|---|---|---|---|---:|---|"]
     for s in summaries:
@@ -135,6 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                            rate=rate, timeout=args.timeout, cwd=str(ROOT), env=env, tag="advchk",
                            ranks_per_ns=args.nproc // args.nodes if args.nodes else 1,
                            log_dir=str(out / "logs" / rate))
+        if js.is_file() and _load() != "?":  # the load while bench.advise measured compute and local work
+            js.write_text(json.dumps({**json.loads(js.read_text()), "load1": float(_load())}, indent=1))
         if any(codes):
             print(f"bench.advise failed at {rate}: rc={codes}; logs in {out / 'logs' / rate}", file=sys.stderr)
             return 1
