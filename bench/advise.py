@@ -200,8 +200,10 @@ def predict_comm(opt, links: dict, P: int) -> float:
     already is the inter-node link's (launch.netsim --nodes 2, 100 Mbit/s: world 0.094 Gbit/s,
     all-gather measured / ring model 0.99), whereas the inter-node axis is measured with its
     node_size groups sharing the ports at once (0.049 Gbit/s, the share the vote of a
-    hierarchical exchange gets) and the all-to-all moves L(P-L)/(P-1) times a flat rank's bytes
-    through a port (measured / flat model 1.33 at 2 x 2)."""
+    hierarchical exchange gets). An all-to-all puts L(P-L)/(P-1) times a flat rank's bytes
+    through a port, a bound the flat model breaks (2 x 2, 4 MB: measured 1.00-1.07 x the layout
+    model; onebit's collectives in training 0.97 x its layout prediction, 1.10 x the flat one),
+    and a naive server's port carries P-L payloads (docs/results/advise/two_nodes_*)."""
     from comm import cost_model
 
     world = links["world"]

@@ -218,7 +218,8 @@ def test_advise_check_passes_nodes_to_both_netsim_launches(monkeypatch, tmp_path
 @pytest.mark.slow
 def test_two_node_links_match_the_layout_model(tmp_path):
     """launch.netsim --nodes 2 at 100 Mbit/s between nodes: the world's ring fit is the inter-node
-    rate, and the all-to-all needs the layout's correction (flat model 4/3 too fast at 2 x 2)."""
+    rate, and the all-to-all takes at least what the layout puts through a node's port (L(P-L)/P of
+    the buffer: 4/3 of the flat model's bytes at 2 x 2)."""
     out = tmp_path / "links.json"
     codes = netsim.run(4, [sys.executable, "-m", "bench.advise", str(ROOT / "configs/default.yaml"),
                            "--links-only", "--json", str(out)], rate="100mbit", ranks_per_ns=2, timeout=180,
