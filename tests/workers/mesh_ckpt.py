@@ -1,11 +1,10 @@
-"""Checkpoints of Muon and Dion on the hybrid-sharding mesh (launched by tests/test_mesh_optim.py):
+"""Checkpoints of Muon and Dion on the hybrid-sharding mesh (launched by tests/optim/test_mesh_optim.py):
 4 ranks, parallel.shard_size=2, debug model. For each: a run stopped at step 2 (train.stop_after)
 and resumed from its sharded checkpoint ends bit-identical to an uninterrupted 4-step run, and every
 rank's matrix state (Muon's momentum rows; Dion's M rows and Q) equals what it saved. On another mesh
 (2 x 2 -> 1 x 4) Muon resumes with every rank's momentum its chunk of the whole momentum (identical on
 the replicas: it follows the mean gradient) and trains on; Dion is refused with an error naming
-parallel.shard_size.
-Prints "mesh_ckpt: checks passed"."""
+parallel.shard_size. Each is a named check (CHECKS; tests/workers/_checks.py records its outcome)."""
 from __future__ import annotations
 
 import sys
@@ -24,6 +23,7 @@ from trainer.trainer import Trainer  # noqa: E402
 BASE = ["model.preset=debug", "data.batch_size=2", "data.seq_len=32", "train.max_steps=4", "train.eval_every=0",
         "train.eval_steps=1", "log.wandb=disabled", "optim.lr=1e-3", "comm.kernels=eager", "train.ckpt_every=1",
         "train.keep_ckpts=5", "parallel.shard_size=2", "train.log_every=1"]
+CHECKS = ("muon_resume_exact", "muon_another_mesh", "dion_resume_exact", "dion_refused_on_another_mesh")
 
 
 def trainer(out: Path, extra: list[str], variant: str) -> Trainer:
@@ -64,6 +64,7 @@ def main(tmp: str) -> None:
     INFO = init_distributed("cpu")
     tmp_dir = Path(tmp)
     for variant in ("muon", "dion"):
+        checks.begin(f"{variant}_resume_exact")
         a = trainer(tmp_dir / f"{variant}_straight", ["train.resume=never"], variant)
         fit(a)
         b = trainer(tmp_dir / f"{variant}_stopped", ["train.resume=never", "train.stop_after=2"], variant)
@@ -76,6 +77,7 @@ def main(tmp: str) -> None:
         fit(c)
         assert all(torch.equal(x, y) for x, y in zip(full(a), full(c))), f"{variant}: resumed run differs"
         if variant == "muon":  # another mesh, 2 x 2 -> 1 x 4: the momentum rows move like Lion's
+            checks.begin("muon_another_mesh")
             whole = [torch.cat(rows) for rows in gather_matrix_momenta(c)]
             e = trainer(tmp_dir / "muon_stopped", ["train.resume=auto", "parallel.shard_size=4", "train.max_steps=5"],
                         variant)
@@ -85,6 +87,7 @@ def main(tmp: str) -> None:
                 got = e.optimizer.momentum_of(e.optimizer.layout.entries[k].param)
                 assert torch.equal(got, w[INFO.rank * chunk:(INFO.rank + 1) * chunk]), k
             fit(e)
+    checks.begin("dion_refused_on_another_mesh")
     try:
         trainer(tmp_dir / "dion_stopped", ["train.resume=auto", "parallel.shard_size=4", "train.max_steps=5"], "dion")
         raise AssertionError("Dion's whole Q was resumed on another mesh")
@@ -92,13 +95,14 @@ def main(tmp: str) -> None:
         assert "parallel.shard_size" in str(err), err
         if INFO.is_main:
             print(f"dion on another mesh: {err}", flush=True)
+    checks.end()
     dist.barrier()
-    if INFO.is_main:
-        print("mesh_ckpt: checks passed", flush=True)
     shutdown()
 
 
 if __name__ == "__main__":
-    from _exit import exit_cleanly  # tests/workers/ is the script's directory
-    main(sys.argv[1])
+    from _checks import Checks  # tests/workers/ is the script's directory
+    from _exit import exit_cleanly
+    checks = Checks(CHECKS)
+    checks.guard(main, sys.argv[1])
     exit_cleanly()

@@ -1,4 +1,4 @@
-"""The matrix optimizers on the hybrid-sharding mesh (launched by tests/test_mesh_optim.py), 4 gloo
+"""The matrix optimizers on the hybrid-sharding mesh (launched by tests/optim/test_mesh_optim.py), 4 gloo
 ranks, a stack of nn.Linear layers of shapes m > n, m < n and row counts that S does not divide
 (33 rows: 17 + 16 at S = 2, 9 + 9 + 9 + 6 at S = 4), `fully_shard`ed over the shard axis as
 trainer/parallel.py does, a few steps:
@@ -11,7 +11,8 @@ trainer/parallel.py does, a few steps:
   collectives.
 
 argv: optimizer name, S[, Dion's rank fraction (0.7: three matrices where (m + n) r >= m n, whose
-gradients are synced instead of their factors, and one low-rank)]. Asserts and exits non-zero on failure; prints "checks passed".
+gradients are synced instead of their factors, and one low-rank)]. Each step is a named check
+(CHECKS; tests/workers/_checks.py records its outcome).
 """
 from __future__ import annotations
 
@@ -184,15 +185,20 @@ def table1(opt, S: int) -> tuple[int, int]:
     return shard, rep
 
 
-def main() -> None:
+CHECKS = ("replicated_diagnostics", "equals_replicated", "sharded_diagnostics", "bytes", "resume")
+
+
+def main(checks) -> None:
     name, S = sys.argv[1], int(sys.argv[2])
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     options = {"rank_fraction": float(sys.argv[3]) if len(sys.argv) > 3 else 0.25} if name == "dion" else {}
 
+    checks.begin("replicated_diagnostics")
     model, opt, _ = build(name, 1, options, world)
     _, ref_diag, expected = train(name, model, opt, torch.Generator().manual_seed(100 + rank), STEPS, world, True)
     check_diagnostics(name, ref_diag, expected, world, "replicated")
+    checks.begin("equals_replicated")
     ref = full_params(model)
     model, opt, par = build(name, S, options, world)
     gen = torch.Generator().manual_seed(100 + rank)
@@ -201,12 +207,14 @@ def main() -> None:
     err = max(float((a - b).abs().max()) for a, b in zip(ref, got))
     moved = max(float((a - b.detach().to(DTYPE)).abs().max()) for a, b in zip(ref, Stack().parameters()))
     assert err < TOL, f"{name} S={S}: max |S - replicated| = {err:.3g} >= {TOL}"
+    checks.begin("sharded_diagnostics")
     # diagnostics reduced over the shards: the whole matrices' values
     check_diagnostics(name, diag, expected, world, f"S={S}")
     if name == "muon":
         keys = [k for k in ref_diag if k.startswith("diag/muon_update_rms")]
         assert keys and all(abs(diag[k] - ref_diag[k]) <= 1e-5 * ref_diag[k] for k in keys), \
             {k: (diag[k], ref_diag[k]) for k in keys}
+    checks.begin("bytes")
     # bytes counted from the collectives against the optimizer's formula and against the papers'
     assert (shard_bytes, rep_bytes) == opt.mesh_bytes_per_step(), \
         f"{name} S={S} rank {rank}: sent {shard_bytes} B shard, {rep_bytes} B replicate; formula {opt.mesh_bytes_per_step()}"
@@ -221,6 +229,7 @@ def main() -> None:
     else:
         assert int(group_shard) == want_shard, (int(group_shard), want_shard)
     assert rep_bytes == want_rep, (rep_bytes, want_rep)
+    checks.begin("resume")
     # exact resume at the same mesh: a fresh optimizer loading the state continues bit for bit
     import copy
     saved = copy.deepcopy(opt.state_dict())
@@ -239,11 +248,12 @@ def main() -> None:
     if rank == 0:
         print(f"mesh_optim {name} S={S}: max |diff| {err:.3g} (weights moved up to {moved:.3g}); "
               f"bytes/step shard {shard_bytes}, replicate {rep_bytes}; diagnostics and resume match")
+    checks.end()
     dist.barrier()
-    if rank == 0:
-        print("mesh_optim: checks passed")
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    from _checks import Checks  # tests/workers/ is the script's directory
+    checks = Checks(CHECKS)
+    checks.guard(main, checks)
