@@ -433,7 +433,7 @@ register_optimizer(OptimizerSpec(
     help="Dion (low-rank orthonormal updates, error feedback; Dion Alg. 2) on the hidden matrices, AdamW or Lion "
          "on the rest; only P, R and the non-matrix gradients cross the network",
     # Q (n x r) is r / m of a matrix's elements: not counted per element
-    state_words=lambda o, s, role: _matrix_state_words(o, role, 1.0), shards=True))
+    state_words=lambda o, s, matrix: _matrix_state_words(o, matrix, 1.0), shards=True))
 
 
 __all__ = ["Dion", "DionOptions", "matrix_seed"]

@@ -27,6 +27,9 @@ class Entry:
     param: torch.nn.Parameter
     offset: int
     numel: int
+    matrix: bool = False
+    """A hidden matrix (what Muon and Dion orthonormalize): the group's `matrix` flag, which the model's
+    parameter groups set (model.MATRIX_ROLES); a group without the flag counts its 2-D weights."""
 
     @property
     def rows(self) -> int:
@@ -76,7 +79,9 @@ class FlatLayout:
         self.entries: list[Entry] = []
         off = 0
         for gi, role, name, layer, p in raw:
-            self.entries.append(Entry(gi, role, name, layer, p, off, p.numel()))
+            flag = param_groups[gi].get("matrix")
+            matrix = p.ndim == 2 and (flag is None or bool(flag))
+            self.entries.append(Entry(gi, role, name, layer, p, off, p.numel(), matrix))
             off += p.numel()
         self.numel = off
         self.by_role: dict[str, list[Entry]] = {}

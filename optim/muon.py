@@ -58,14 +58,13 @@ from .orthogonal import MUON_SCALES, NS_STEPS, muon_scale, muon_update, newton_s
 from .registry import OptimizerSpec, OptimOptions, gradient_mean, register_optimizer
 
 SCALAR_OPTS = ("adamw", "lion")
-NON_MATRIX_ROLES = ("embedding", "head", "norm")
 
 
 def is_matrix(entry: Entry) -> bool:
-    """A hidden matrix: a 2-D weight outside the embedding, the head and the 1-D scalars (Muon and
-    Dion are defined for matrices; the embedding and head are left to AdamW/Lion as in
-    modded-nanogpt and the Dion paper §3). Parameters of a group without a role count by shape."""
-    return entry.param.ndim == 2 and entry.role not in NON_MATRIX_ROLES
+    """A hidden matrix (Muon and Dion are defined for matrices; the embedding and head are left to
+    AdamW/Lion as in modded-nanogpt and the Dion paper §3): the parameter group's `matrix` flag, set by
+    the trainer's parameter groups from the model's roles; a group without it counts 2-D weights."""
+    return entry.matrix
 
 
 @dataclass
@@ -486,10 +485,10 @@ class Muon(MatrixOptimizer):
         return {"diag/muon_update_rms" + k: v for k, v in rms.items()}, {}
 
 
-def _matrix_state_words(o: MatrixOptions, role: str, matrix_words: float) -> float:
+def _matrix_state_words(o: MatrixOptions, matrix: bool, matrix_words: float) -> float:
     """fp32 words per element: `matrix_words` on the hidden matrices, the scalar optimizer's on the
     embedding, head and 1-D parameters (AdamW m, v; Lion m)."""
-    if role not in NON_MATRIX_ROLES:
+    if matrix:
         return matrix_words
     return 2.0 if o.scalar_opt == "adamw" else 1.0
 
@@ -504,8 +503,8 @@ register_optimizer(OptimizerSpec(
     state="matrices: momentum (param dtype); others: AdamW m, v or Lion m",
     help="Muon (Newton-Schulz orthogonalised momentum) on the hidden matrices, AdamW or Lion on the rest; "
          "fp32/bf16 gradient allreduce",
-    state_words=lambda o, s, role: _matrix_state_words(o, role, 1.0), shards=True))
+    state_words=lambda o, s, matrix: _matrix_state_words(o, matrix, 1.0), shards=True))
 
 
-__all__ = ["MatrixOptimizer", "MatrixOptions", "MatrixShards", "Muon", "MuonOptions", "NON_MATRIX_ROLES", "SCALAR_OPTS",
+__all__ = ["MatrixOptimizer", "MatrixOptions", "MatrixShards", "Muon", "MuonOptions", "SCALAR_OPTS",
            "is_matrix"]

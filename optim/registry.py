@@ -42,9 +42,9 @@ class OptimizerSpec:
     scheme_problems: Callable[[sync.SchemeOptions], list[str]] | None = None
     """Problems with the selected scheme's options for this optimizer (e.g. a compressor it cannot
     use), each naming the comm.* key; None = any options of an accepted scheme."""
-    state_words: Callable[[OptimOptions, sync.SyncScheme, str], float] | None = None
-    """fp32 words of optimizer state per element of a parameter of role `role`:
-    state_words(options, scheme, role) (model.memory; the exchange's own state is the scheme's
+    state_words: Callable[[OptimOptions, sync.SyncScheme, bool], float] | None = None
+    """fp32 words of optimizer state per element of a parameter, hidden matrix or not:
+    state_words(options, scheme, matrix) (model.memory; the exchange's own state is the scheme's
     `state_bytes`). None = unknown (the memory model says so)."""
     shards: bool = False
     """Runs on the local shards of a sharded model (parallel.shard_size > 1): its math is element-wise
@@ -138,14 +138,14 @@ register_optimizer(OptimizerSpec(
     name="adamw", options=NoOptions, build=_build_adamw, accepts=gradient_mean,
     needs="a gradient-sync scheme", state="m, v (fp32)",
     help="AdamW (torch's kernel) on the mean gradient",
-    state_words=lambda o, s, role: 2.0, shards=True))
+    state_words=lambda o, s, matrix: 2.0, shards=True))
 register_optimizer(OptimizerSpec(
     name="lion", options=NoOptions, build=_build_lion,
     accepts=lambda s: gradient_mean(s) or (s.kind == sync.UPDATE and s.result == sync.SIGN),
     needs="a gradient-sync scheme (global Lion) or an update-sync sign aggregate (Distributed Lion / Lion Cub)",
     state="m (fp32; per rank with update sync)",
     help="Lion; with an update-sync scheme, Distributed Lion / Lion Cub (per-rank momentum)",
-    state_words=lambda o, s, role: 1.0, shards=True))
+    state_words=lambda o, s, matrix: 1.0, shards=True))
 
 
 def optimizers_table() -> str:
