@@ -234,11 +234,9 @@ def test_quantize_pack_one_pass_matches_the_per_tensor_reference(bits, levels, d
                 assert torch.equal(want, K.wire_of(spec, levels, bits)), (p, len(segs))
 
 
-@compiled
-def test_quantize_pack_launches_do_not_grow_with_the_number_of_tensors(monkeypatch):
-    """The quantize-and-pack pass is one kernel call whatever the number of tensors (the norms'
-    calls: test_norm_calls_do_not_grow_with_the_number_of_tensors)."""
-    calls = []
+def _count_kernel_calls(monkeypatch) -> list[str]:
+    """The names of the compiled kernels called from now on (appended as they run)."""
+    calls: list[str] = []
     real = K.compiled_kernel
 
     def counting(fn, *static):
@@ -246,6 +244,14 @@ def test_quantize_pack_launches_do_not_grow_with_the_number_of_tensors(monkeypat
         return lambda *a: (calls.append(fn.__name__), k(*a))[1]
 
     monkeypatch.setattr(K, "compiled_kernel", counting)
+    return calls
+
+
+@compiled
+def test_quantize_pack_launches_do_not_grow_with_the_number_of_tensors(monkeypatch):
+    """The quantize-and-pack pass is one kernel call whatever the number of tensors (the norms'
+    calls: test_norm_calls_do_not_grow_with_the_number_of_tensors)."""
+    calls = _count_kernel_calls(monkeypatch)
     for ntensors in (1, 40, 400):
         sizes = [257 + 31 * i for i in range(ntensors)] if ntensors > 1 else [4099]
         c = _values("random", sum(sizes), seed=ntensors)
@@ -392,14 +398,7 @@ def test_quantize_pack_stochastic_one_stream_over_the_flat_vector(bits, levels, 
                 ref = K.wire_of(K.quantize_q(c, segs, levels, p, 2.0, "stochastic", g2), levels, bits)
                 assert torch.equal(got, ref), (len(segs), p)
             assert torch.equal(g1.get_state(), g2.get_state())
-    calls = []
-    real = K.compiled_kernel
-
-    def counting(fn, *static):
-        k = real(fn, *static)
-        return lambda *a: (calls.append(fn.__name__), k(*a))[1]
-
-    monkeypatch.setattr(K, "compiled_kernel", counting)
+    calls = _count_kernel_calls(monkeypatch)
     monkeypatch.setattr(K, "STOCH_CHUNK", 256)
     for ntensors in (1, 40, 400):
         sz = [257 + 31 * i for i in range(ntensors)] if ntensors > 1 else [4099]
