@@ -21,7 +21,7 @@ import data
 from comm import Clock
 from data.loader import MixLoader, ShardLoader
 from model import GPT, resolve_config
-from optim import build_optimizer
+from optim import build_optimizer, shard_dims
 from optim.base import digest
 
 from . import automode, parallel, state
@@ -68,8 +68,9 @@ class Trainer:
         # hybrid sharding (trainer/parallel.py): the optimizer sees local shards and the replicate group
         self.parallel = parallel.make_mesh(cfg.parallel.shard_size, info.world_size, self.device)
         groups, order = param_groups(self.model, o), list(self.model.parameters())
-        if self.parallel.sharded:
-            parallel.shard_model(self.model, self.parallel)
+        if self.parallel.sharded:  # each parameter on the dimension its optimizer asks for (Dion: its Q side)
+            parallel.shard_model(self.model, self.parallel,
+                                 shard_dims(o.name, o.options, groups, self.parallel.shard_size))
             self.aliases = parallel.local_aliases(self.model)
             groups = parallel.localize_groups(param_groups(self.model, o), self.aliases)
             order = [self.aliases[id(p)] for p in self.model.parameters()]
@@ -79,7 +80,8 @@ class Trainer:
                 comm_options=c.options, optim_options=o.options, grad_clip=o.grad_clip,
                 momentum_sync=vars(c.momentum_sync), param_order=order,
                 kernels=kernel_impl(c.kernels), fine_timing=c.fine_timing, bucket_mb=c.bucket_mb,
-                overlap=c.overlap, group=self.parallel.replicate_group, shard_group=self.parallel.shard_group)
+                overlap=c.overlap, group=self.parallel.replicate_group, shard_group=self.parallel.shard_group,
+                shard_dims=parallel.local_dims(self.model, self.aliases) if self.parallel.sharded else None)
         except ValueError as e:  # an option combination validate() does not know about
             raise ConfigError(f"optim/comm: {e}") from None
         if self.parallel.sharded:
