@@ -28,25 +28,33 @@ side and Q on the shorter; optim.transpose_wide=false keeps P = B Q on the fan_o
 shape (the convention of this project's runs before the switch; their checkpoints resume only
 with it).
 
-Hybrid sharding (parallel.shard_size = S > 1; dion_math.dion_mesh_step_). FSDP2 gives each rank of
-a shard group a dim-0 row block (fan_out rows) of X, M and the gradient. Dion Alg. 2 shards the
-side of Q and R; here that is the fan_out side exactly where the power iteration runs on the
-transpose (the wide matrices with the default optim.transpose_wide=true; none with false): P = Orthonormalize(sum over shards of B_j^T Q_j) (n x r),
-R_j = B_j P and Q_j on the local rows, column norms summed over the shard axis. Where the
-power iteration is not transposed (square and tall matrices, or transpose_wide=false), P = B Q lies
-on the sharded rows: its row blocks are all-gathered over the shard group before the
+Hybrid sharding (parallel.shard_size = S > 1; dion_math.dion_mesh_step_). Dion Alg. 2 shards the
+side of Q and R (the paper's n columns), so Dion declares where FSDP2 shards each matrix
+(`Dion.shard_dim`, asked by the trainer through optim.shard_dims before sharding): dim 0 (fan_out)
+of a matrix whose power iteration runs on the transpose (wide ones with optim.transpose_wide=true:
+Q is on fan_out), dim 1 (fan_in) of the others (tall and square; every matrix with
+transpose_wide=false) where S divides fan_in; FSDP2 splits a dimension other than 0 only evenly,
+so where S does not divide fan_in the matrix stays on dim 0 and P's side is sharded instead (the
+fallback below). The non-matrix parameters stay on dim 0. On Q's side, with the local block B_j:
+P = Orthonormalize(mean over replicas of sum over shards of B_j Q_j) (whole, m x r with m P's side),
+R_j = B_j^T P and Q_j on the local block, column norms summed over the shard axis. In the fallback
+P = B Q lies on the sharded rows: its row blocks are all-gathered over the shard group before the
 orthonormalization and R = sum over shards of B_j^T P_j is summed there. Bytes per step a rank
-sends, fp32 words times 4, r each matrix's rank, c = ceil(m / S), m_j its local rows:
-  replicate axis  the grad_sync slice of its local rows (non-matrix and full-gradient matrices), and
-                  per low-rank matrix P then R: n r + m_j r transposed, m_j r + n r otherwise
-                  (summed over the shard group (m + S n) r or (S n + m) r: Dion Table 1's (m + n) r
-                  per shard rank of the unsharded side);
-  shard axis      per matrix (n + 1) r transposed (P and the column norms: Dion Table 1's
-                  (m + 1) r with its m the side of P), c r + n r otherwise (the P gather and the
-                  R sum); 2 words for the clipping norm with optim.grad_clip > 0 (`_shard_bytes`,
-                  booked in shard_stats; FSDP's all-gather and reduce-scatter come on top).
-Q of a transposed matrix is the rank's rows of the whole seeded Q; the diagnostics sum each rank's
-share of ||B - P R^T||^2 and ||B||^2 over the shard group first (the whole matrices' values).
+sends, fp32 words times 4, r each matrix's rank, m its P side, n its Q side, s_j the rank's share
+of the sharded side, c = ceil(m / S):
+  replicate axis  the grad_sync slice of its local shards (non-matrix and full-gradient matrices), and
+                  per low-rank matrix P then R: m r + s_j r on Q's side (summed over the shard group
+                  (S m + n) r: Dion Table 1's (m + n) r per shard rank of the unsharded side),
+                  s_j r + n r in the fallback;
+  shard axis      per matrix (m + 1) r on Q's side (the partial P and the column norms: Dion Table 1),
+                  c r + n r in the fallback (the P gather and the R sum); 2 words for the clipping
+                  norm with optim.grad_clip > 0 (`_shard_bytes`, booked in shard_stats and logged as
+                  shard_bytes; FSDP's all-gather and reduce-scatter come on top).
+Q on Q's side is the rank's block of the whole seeded Q; the diagnostics sum each rank's share of
+||B - P R^T||^2 and ||B||^2 over the shard group first (the whole matrices' values). Checkpoints
+record how M and Q are split (`state_shard_dims`), so a resume on another mesh joins and re-cuts
+them (trainer/sharded_checkpoint.py); its clipping norm (`_clip_`) includes the spread of the
+replicas' matrix gradients, so with optim.grad_clip > 0 it depends on the replica count.
 
 State per matrix: M (param dtype, per rank), Q (min(m, n) x r by default, n x r with
 optim.transpose_wide=false; float32 - float64 for float64 params -, identical on all ranks, drawn

@@ -177,6 +177,9 @@ class Trainer:
             loss_sum += loss.detach()
         t1 = self.clock.now()
         loss_val = (loss_sum / accum).item()
+        # the matrix optimizers' collectives inside the shard group (optim/muon.py shard_stats)
+        shard_stats = getattr(self.optimizer, "shard_stats", None)
+        shard_before = shard_stats.totals()["bytes_sent"] if shard_stats is not None else 0
         report = self.optimizer.step(diagnose=diagnose, loss_finite=math.isfinite(loss_val),
                                      stop=self._stop_signal is not None)
         self.step += 1
@@ -184,7 +187,8 @@ class Trainer:
                 "fwdbwd_s": t1 - t0 - data_s, "comm_s": report.comm_s, "coll_s": report.coll_s,
                 "pack_s": report.pack_s, "opt_s": max(0.0, report.seconds - report.comm_s),
                 "bytes_sent": report.bytes_sent, "bytes_recv": report.bytes_recv, "report": report,
-                "grad_norms": report.grad_norms}
+                "grad_norms": report.grad_norms,
+                "shard_bytes": shard_stats.totals()["bytes_sent"] - shard_before if shard_stats is not None else 0}
 
     def compile_model(self) -> float:
         """Compile the model's training forward and backward on a batch of zeros, before any timed
