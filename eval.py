@@ -29,6 +29,7 @@ world_size=)` at eval steps; each rank scores items[rank::world_size] and return
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -163,6 +164,20 @@ def multiple_choice(model: GPT, items: list[MCItem], encode: Callable[[str], lis
 
 
 @torch.no_grad()
+def mean_batch_loss(forward: Callable, batches, device: torch.device | str,
+                    autocast: contextlib.AbstractContextManager | None = None) -> tuple[float, int]:
+    """The validation loss rule, in one place (used here and by the trainer's evaluation): the mean
+    over batches of `forward(x, y)`'s mean next-token cross-entropy, and the number of batches."""
+    total, count = 0.0, 0
+    for x, y in batches:
+        with autocast if autocast is not None else contextlib.nullcontext():
+            _, loss = forward(x.to(device), y.to(device))
+        total += float(loss)
+        count += 1
+    return total / max(count, 1), count
+
+
+@torch.no_grad()
 def val_loss(model: GPT, data_dir: str | os.PathLike, batch_size: int, seq_len: int,
              n_batches: int | None = None, device: torch.device | str = "cpu") -> dict:
     """Mean next-token cross-entropy over the first `n_batches` (None: all) val batches of a
@@ -171,15 +186,11 @@ def val_loss(model: GPT, data_dir: str | os.PathLike, batch_size: int, seq_len: 
 
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0
     try:
-        for x, y in val_batches(data_dir, batch_size, seq_len, 0, 1, n_batches, vocab_size=model.config.vocab_size):
-            _, loss = model(x.to(device), y.to(device))
-            total += float(loss)
-            count += 1
+        batches = val_batches(data_dir, batch_size, seq_len, 0, 1, n_batches, vocab_size=model.config.vocab_size)
+        loss, count = mean_batch_loss(model, batches, device)
     finally:
         model.train(was_training)
-    loss = total / count
     return {"loss": loss, "ppl": math.exp(loss), "batches": count, "tokens": count * batch_size * seq_len}
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ._groups import device_of, world
-from .packing import LANE_BITS, pack_lanes, pack_words16, unpack_lanes, unpack_words16
+from .packing import LANE_BITS, lane_max, pack_lanes, pack_words16, unpack_lanes, unpack_words16
 from .stats import CommStats, default_stats
 
 INT_BITS = LANE_BITS + (16,)
@@ -33,7 +33,7 @@ def max_levels(P: int, bits: int) -> int:
     """Largest L with P * 2L <= 2**bits - 1 (0 = only the 0/1 sign encoding fits, -1 = nothing)."""
     if bits not in INT_BITS:
         raise ValueError(f"bits must be one of {INT_BITS}, got {bits}")
-    top = (1 << bits) - 1
+    top = lane_max(bits)
     if P > top:
         return -1
     return top // (2 * P)
@@ -45,13 +45,13 @@ def check_lanes(P: int, levels: int, bits: int) -> None:
         raise ValueError(f"int_allreduce: bits must be one of {INT_BITS}, got {bits}")
     if levels < 0:
         raise ValueError(f"int_allreduce: levels must be >= 0, got {levels}")
-    top = (1 << bits) - 1
+    top = lane_max(bits)
     if levels == 0:
-        if P > top:
+        if max_levels(P, bits) < 0:
             raise ValueError(f"int_allreduce: the 0/1 sign encoding (levels=0) sums to at most "
                              f"P={P} per lane, more than 2**{bits}-1={top}; use more bits or "
                              f"fewer ranks")
-    elif P * 2 * levels > top:
+    elif levels > max_levels(P, bits):
         raise ValueError(f"int_allreduce: P * 2 * levels = {P} * 2 * {levels} = {P * 2 * levels} "
                          f"exceeds the {bits}-bit lane maximum 2**{bits}-1={top}; use "
                          f"levels <= {max_levels(P, bits)} or more bits")

@@ -57,7 +57,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .allreduce import check_lanes
-from .packing import ceil_div, lanes_per_word, pack_lanes, pack_words16, unpack_lanes, unpack_words16
+from .packing import ceil_div, lane_max, lanes_per_word, pack_lanes, pack_words16, unpack_lanes, unpack_words16
 from .quantize import MAX_LEVELS, ROUNDINGS, lp_mean, lp_quantize
 from .vote import count_dtype, local_majority, majority_threshold, tb_packed
 
@@ -346,12 +346,12 @@ def _k_unpack(w2: torch.Tensor, mul: torch.Tensor, offset: torch.Tensor, out: to
         wi = w.to(torch.int64) & 0xFFFFFFFF if bits == 16 else w.to(acc)  # int32 carrier may be < 0
         for lane in range(per):
             k = gi * per + lane
-            t = ((wi >> (lane * bits)) & ((1 << bits) - 1)).to(acc) * mul - offset
+            t = ((wi >> (lane * bits)) & lane_max(bits)).to(acc) * mul - offset
             if plus is not None:
                 t = torch.where(t > 0, plus, torch.where(t < 0, minus, 0)).to(acc)
             # two's complement lanes: the top lane signed (cannot overflow), the others masked
             top = k == w2.shape[1] * per - 1
-            term = t if top else t & ((1 << E) - 1)
+            term = t if top else t & lane_max(E)
             term = term * (1 << (k * E)) if k else term
             word = term if word is None else word + term
     out.copy_(word.to(out.dtype))

@@ -32,6 +32,12 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def lane_max(bits: int) -> int:
+    """The largest value a `bits`-wide unsigned lane holds, 2**bits - 1: the lane rule's one home (the
+    p-bit allreduce's levels, comm.max_levels, and every lane mask are written through it)."""
+    return (1 << bits) - 1
+
+
 def lanes_per_word(bits: int) -> int:
     """Lanes per wire word (the project's one lane rule): 8 / bits per byte for bits in {1, 2, 4,
     8}; bits = 16 travels as int32 words of two lanes (neither gloo nor NCCL reduces int16)."""
@@ -45,7 +51,7 @@ def _lut(bits: int, device: torch.device, signs: bool = False) -> torch.Tensor:
     if key not in _LUTS:
         per = 8 // bits
         byte = torch.arange(256, dtype=torch.int64).unsqueeze(1)
-        lanes = (byte >> (torch.arange(per) * bits)) & ((1 << bits) - 1)
+        lanes = (byte >> (torch.arange(per) * bits)) & lane_max(bits)
         lanes = (2 * lanes - 1).to(torch.int8) if signs else lanes.to(torch.uint8)
         word = {1: torch.int64, 2: torch.int32, 4: torch.int16}[bits]
         _LUTS[key] = lanes.contiguous().view(word).view(256).to(device)
@@ -169,9 +175,9 @@ def pack_lanes(v: torch.Tensor, bits: int, check: bool = True) -> torch.Tensor:
     v = v.reshape(-1)
     if check and v.numel() and bits < 8:
         vmax = int(v.max())
-        if vmax >= (1 << bits):
+        if vmax > lane_max(bits):
             raise ValueError(f"pack_lanes: value {vmax} does not fit a {bits}-bit lane "
-                             f"(max {(1 << bits) - 1})")
+                             f"(max {lane_max(bits)})")
     if bits == 8:
         return v.clone() if check else v
     if bits == 1:

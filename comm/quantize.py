@@ -41,6 +41,14 @@ def lp_mean(x: torch.Tensor, p: float) -> torch.Tensor:
     return amax * (a / safe).pow(p).mean().pow(1.0 / p)
 
 
+def levels_for_bits(bits: int) -> int:
+    """L = 2^(bits-1) - 1 of eq. (1): the levels one value of `bits` bits (sign and magnitude) holds,
+    for a quantizer with no lane sum to fit (the p-bit allreduce's lane-sum rule is comm.max_levels)."""
+    if bits < 2:
+        raise ValueError(f"bits={bits}: eq. (1) needs >= 2 bits for at least one level (1 bit is the sign vote)")
+    return (1 << (bits - 1)) - 1
+
+
 def lp_quantize(x: torch.Tensor, levels: int, p: float, clip: float = 2.0, rounding: str = "nearest",
                 generator: torch.Generator | None = None) -> torch.Tensor:
     """Quantize `x` to int8 values in [-levels, levels] by Lion Cub eq. (1).

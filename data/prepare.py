@@ -54,6 +54,7 @@ from data.hub import OFFLINE_VARS, configure_hub_access, env_offline, load_hub
 from data.sources import IndexedSource, collect_files, StreamSource, count_tokens, load_local, tokenize
 from data.writer import LOCK, PROGRESS, PrepareStopped, Writer, check_out, open_work
 from data.tokenizer import copy_tokenizer, eot_id, get_encoding, tokenizer_info
+from util import replace_dir
 
 OWT_VAL_FRACTION = 0.0005  # nanoGPT data/openwebtext/prepare.py
 OWT_SEED = 2357
@@ -195,11 +196,9 @@ def prepare(ds: Any, out: str | os.PathLike, *, source: dict, field: str = "text
     except PrepareError as e:
         (work / LOCK).unlink(missing_ok=True)
         raise PrepareError(f"{e} (the finished dataset is in {work})") from None
-    if out.exists():
-        shutil.rmtree(out)
     (work / PROGRESS).unlink()
     (work / LOCK).unlink(missing_ok=True)
-    os.rename(work, out)
+    replace_dir(work, out)
     return manifest
 
 

@@ -24,6 +24,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from util import replace_dir
+
 from .hf import DTYPES, HFFormatError, save_hf
 from .load import load_model
 from .presets import pad_vocab
@@ -162,9 +164,7 @@ def export(src: str | Path, out: str | Path, *, dtype: str | None = None, tokeni
     mode = 0o666 & ~_umask()  # safetensors writes 0600; an export is meant to be read by others
     for f in tmp.iterdir():
         f.chmod(mode)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    replace_dir(tmp, out)  # checked above: absent, or an export of ours with --overwrite
     return {"source": str(loaded.weights), "step": loaded.step, "out": str(out), "tokenizer": tokenizer,
             "params": model.num_params(), "vocab_size": model.config.vocab_size, "tokenizer_vocab": enc.n_vocab}
 

@@ -3,6 +3,6 @@
 The implementation is comm.quantize, the reference of the p-bit wire that comm.kernels fuses;
 this module is its public name for optimizers and tools (docs/architecture.md).
 """
-from comm.quantize import MAX_LEVELS, ROUNDINGS, lp_mean, lp_quantize
+from comm.quantize import MAX_LEVELS, ROUNDINGS, levels_for_bits, lp_mean, lp_quantize
 
-__all__ = ["MAX_LEVELS", "ROUNDINGS", "lp_mean", "lp_quantize"]
+__all__ = ["MAX_LEVELS", "ROUNDINGS", "levels_for_bits", "lp_mean", "lp_quantize"]

@@ -124,3 +124,80 @@ def test_no_private_name_imported_from_another_package():
             if private:
                 bad.append(f"{m} line {line}: {target} {name}".strip())
     assert not bad
+
+
+# ---------------------------------------------------------------------------------------------
+# One home per rule: the lane maximum 2**bits - 1, the lane-sum levels (2**bits - 1) // (2 P) and
+# eq. (1)'s levels 2**(bits-1) - 1 are each written in exactly one function; everything else calls it.
+
+FORMULA_HOMES = {
+    "lane maximum 2**b - 1": ("comm/packing.py", "lane_max"),
+    "eq. (1) levels 2**(b-1) - 1": ("comm/quantize.py", "levels_for_bits"),
+    "lane-sum levels top // (2 P)": ("comm/allreduce.py", "max_levels"),
+}
+
+
+def _is_power_of_two_of(node: ast.AST) -> ast.AST | None:
+    """E when `node` is `1 << E` or `2 ** E` with a non-constant E (constants such as 2**63 are not a rule)."""
+    if isinstance(node, ast.BinOp) and isinstance(node.right, ast.AST) and not isinstance(node.right, ast.Constant):
+        if isinstance(node.op, ast.LShift) and isinstance(node.left, ast.Constant) and node.left.value == 1:
+            return node.right
+        if isinstance(node.op, ast.Pow) and isinstance(node.left, ast.Constant) and node.left.value == 2:
+            return node.right
+    return None
+
+
+def _formula(node: ast.AST) -> str | None:
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub) \
+            and isinstance(node.right, ast.Constant) and node.right.value == 1:
+        e = _is_power_of_two_of(node.left)
+        if e is not None:
+            minus_one = isinstance(e, ast.BinOp) and isinstance(e.op, ast.Sub) \
+                and isinstance(e.right, ast.Constant) and e.right.value == 1
+            return "eq. (1) levels 2**(b-1) - 1" if minus_one else "lane maximum 2**b - 1"
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv) and isinstance(node.right, ast.BinOp) \
+            and isinstance(node.right.op, ast.Mult) \
+            and any(isinstance(s, ast.Constant) and s.value == 2 for s in (node.right.left, node.right.right)):
+        return "lane-sum levels top // (2 P)"
+    return None
+
+
+def formula_sites(source: str, filename: str = "<src>") -> list[tuple[str, str, int]]:
+    """(rule, enclosing function or "", line) of every place `source` writes one of the rules."""
+    tree = ast.parse(source, filename)
+    found = []
+
+    def visit(node: ast.AST, func: str) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            func = node.name
+        rule = _formula(node)
+        if rule:
+            found.append((rule, func, node.lineno))
+        for child in ast.iter_child_nodes(node):
+            visit(child, func)
+
+    visit(tree, "")
+    return found
+
+
+def test_formula_scanner_finds_each_rule():
+    src = ("def a(bits, P):\n    top = (1 << bits) - 1\n    return top // (2 * P)\n"
+           "def b(n):\n    return 2 ** (n - 1) - 1\n"
+           "SEED = 2 ** 63 - 1\n")
+    assert sorted((r, f) for r, f, _ in formula_sites(src)) == sorted([
+        ("lane maximum 2**b - 1", "a"), ("lane-sum levels top // (2 P)", "a"), ("eq. (1) levels 2**(b-1) - 1", "b")])
+
+
+def test_each_levels_and_lanes_rule_has_one_home():
+    sites: dict[str, list[str]] = {rule: [] for rule in FORMULA_HOMES}
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in ("tests",) or rel.parts[0].startswith(".") or "site-packages" in rel.parts:
+            continue
+        for rule, func, line in formula_sites(path.read_text(), str(path)):
+            sites[rule].append(f"{rel.as_posix()}:{line} ({func or 'module level'})")
+    for rule, (home_file, home_func) in FORMULA_HOMES.items():
+        others = [s for s in sites[rule] if not s.startswith(f"{home_file}:") or f"({home_func})" not in s]
+        assert not others, (f"the {rule} rule is written again at {others}; call {home_file.replace('/', '.')[:-3]}."
+                            f"{home_func} instead")
+        assert any(s.startswith(f"{home_file}:") for s in sites[rule]), f"{rule}: its home {home_file} lost it"

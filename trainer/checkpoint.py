@@ -38,6 +38,7 @@ import torch.distributed as dist
 # the reading rule (checksums, weights_only loads, finiteness) has one home, shared with model/load.py
 from model.checkpoint_files import (META, MODEL, CheckpointError, candidates, load_verified, nonfinite_keys,
                                     read_meta, sha256_file, step_dirs, verify)
+from util import atomic_write, replace_dir
 
 __all__ = ["META", "MODEL", "CheckpointError", "NonFiniteError", "candidates", "find_resumable", "read_meta",
            "save_checkpoint", "sha256_file", "step_dirs", "verify"]
@@ -167,17 +168,9 @@ def save_checkpoint(ckpt_root: Path, step: int, model_state: dict | None, rank_s
             (tmp / META).write_text(json.dumps(meta, indent=2))  # last: its presence marks a complete save
         except OSError as e:
             raise _disk_error(tmp / META, e) from None
-        aside = None
-        if final.exists():  # a re-save of the same step: keep the old copy until the new one is in place
-            aside = ckpt_root / f".old_step_{step:06d}"
-            shutil.rmtree(aside, ignore_errors=True)
-            os.replace(final, aside)
-        os.replace(tmp, final)
-        latest_tmp = ckpt_root / "latest.tmp"
-        latest_tmp.write_text(final.name)
-        os.replace(latest_tmp, ckpt_root / "latest")
-        if aside is not None:
-            shutil.rmtree(aside, ignore_errors=True)
+        # a re-save of the same step keeps the old copy aside until the new one is in place
+        replace_dir(tmp, final, aside=ckpt_root / f".old_step_{step:06d}")
+        atomic_write(ckpt_root / "latest", final.name, suffix=".tmp")
         _rotate(ckpt_root, keep, final)
     _barrier(world_size)
     return final

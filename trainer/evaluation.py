@@ -39,16 +39,14 @@ class Evaluator:
 
     @torch.no_grad()
     def val_loss(self, model, forward) -> float:
+        import eval as evaluation
+
         model.eval()
-        total, n = 0.0, 0
         d = self.cfg.data
-        for x, y in val_batches(self.data_dir, d.batch_size, d.seq_len, self.info.rank, self.info.world_size,
-                                self.steps, vocab_size=self.vocab_size):
-            with self.autocast:
-                _, loss = forward(x.to(self.info.device), y.to(self.info.device))
-            total += loss.item()
-            n += 1
-        return mean_over_ranks([total / max(n, 1)], self.info.device)[0]
+        batches = val_batches(self.data_dir, d.batch_size, d.seq_len, self.info.rank, self.info.world_size,
+                              self.steps, vocab_size=self.vocab_size)
+        loss, _ = evaluation.mean_batch_loss(forward, batches, self.info.device, self.autocast)
+        return mean_over_ranks([loss], self.info.device)[0]
 
     @torch.no_grad()
     def multiple_choice(self, model) -> dict:

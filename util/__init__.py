@@ -1,9 +1,11 @@
 """Small rules every package needs, in one place (imports nothing of ours; any package may import it):
-writing a file so that a reader never sees half of it, and whether a process is alive."""
+writing a file (or replacing a directory) so that a reader never sees half of it, and whether a process is
+alive."""
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,6 +40,29 @@ def atomic_write(path: str | os.PathLike, data: str | bytes, *, fsync: bool = Fa
                 os.fsync(f.fileno())
 
 
+def replace_dir(src: str | os.PathLike, dest: str | os.PathLike, aside: str | os.PathLike | None = None) -> None:
+    """Put the finished directory `src` at `dest`, replacing what is there, so that at every moment one
+    of the two complete directories exists: an existing `dest` is first renamed to `aside` (default
+    `.<name>.old` beside it), `src` renamed to `dest`, then `aside` deleted. A crash leaves either the
+    old directory at `dest` or the new one, and at worst a stale `aside` to delete. The caller decides
+    whether `dest` may be replaced (it must be ours); this only moves directories on one file system."""
+    src, dest = Path(src), Path(dest)
+    old = Path(aside) if aside is not None else dest.with_name(f".{dest.name}.old")
+    moved = False
+    if dest.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dest, old)
+        moved = True
+    try:
+        os.replace(src, dest)
+    except BaseException:
+        if moved and not dest.exists():
+            os.replace(old, dest)  # put the old one back
+        raise
+    if moved:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process `pid` exists on this host (one we may not signal counts as alive)."""
     if pid <= 0:
@@ -51,4 +76,4 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-__all__ = ["atomic_write", "pid_alive", "replaced_from_temp"]
+__all__ = ["atomic_write", "pid_alive", "replace_dir", "replaced_from_temp"]

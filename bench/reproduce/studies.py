@@ -13,6 +13,8 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
+import comm
+
 from .framework import (BEST_LR_FILE, DEFAULT_SETTING, FROM_SWEEP, Column, Options, Run, RunResult, Scale, Study,
                         Summary, full_scale, group_runs, mean_curve, mean_std, paired_stats, pyplot, quick_scale,
                         register, run_wire_factor, seed_stats, status_of)
@@ -160,7 +162,7 @@ def table2_summary(results: list[RunResult], scale: Scale) -> Summary:
              "diagnostic steps in the second half of training (update-sync arms only); a zero update where exact "
              "Lion moves counts as neither match nor flip. Per role: the same rate over the embedding (tied with the "
              "head here) and over the attention / MLP matrices; the whole-model rate is mostly the embedding's.",
-             f"8-bit lanes at P = {scale.nproc}: L = 255 // (2P) = {255 // (2 * scale.nproc)} levels "
+             f"8-bit lanes at P = {scale.nproc}: L = 255 // (2P) = {comm.max_levels(scale.nproc, 8)} levels "
              "(the paper's 8 workers: 15)."]
     return Summary(rows, cols, notes)
 
@@ -183,7 +185,7 @@ register(Study(
 
 def exact_zero_bits(nproc: int) -> int:
     """Narrowest lane of the p-bit allreduce that sums P sign votes (P <= 2^bits - 1)."""
-    return next(b for b in (2, 4, 8, 16) if 2 ** b - 1 >= nproc)
+    return next(b for b in (2, 4, 8, 16) if comm.max_levels(nproc, b) >= 0)
 
 
 def fig10_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:

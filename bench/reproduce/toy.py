@@ -38,7 +38,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from optim.quantize import lp_mean, lp_quantize
+from optim.quantize import levels_for_bits, lp_mean, lp_quantize
 
 from .framework import Column, Options, Study, fmt_ms, loadavg, machine, markdown_table, mean_std, pyplot, register
 
@@ -83,13 +83,6 @@ class ToyResult:
             return math.inf
         k = max(1, len(self.loss) // 10)
         return float(np.mean(self.loss[-k:]))
-
-
-def levels_for_bits(bits: int) -> int:
-    """L = 2^(bits-1) - 1 of Lion Cub eq. (1) (no lane-sum constraint in the toy)."""
-    if bits < 2:
-        raise ValueError(f"bits={bits}: eq. (1) needs >= 2 bits for at least one level (1 bit is the sign vote)")
-    return 2 ** (bits - 1) - 1
 
 
 # ---------------------------------------------------------------------------------------------

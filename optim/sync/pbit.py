@@ -75,21 +75,22 @@ class PBitOptions(VoteOptions):
         return p
 
     def _world_problems(self, world: int) -> list[str]:
-        lanes = 2 ** self.bits - 1
+        lanes = comm.lane_max(self.bits)
         L = effective_levels(self.bits, world, self.levels)
-        if L == 0 and world > lanes:
-            better = next((b for b in (2, 4, 8, 16) if 2 ** b - 1 >= world), None)
+        if L == 0 and comm.max_levels(world, self.bits) < 0:
+            better = next((b for b in (2, 4, 8, 16) if comm.max_levels(world, b) >= 0), None)
             return [f"{self.key('bits')}: {self.bits}-bit sign lanes hold at most {lanes} ranks, world size is "
                     f"{world}; use {self.key('bits')}={better}"
                     + (" (Lion Cub uses 8-bit with L1 beyond 15 ranks)" if self.bits == 4 else "")]
         if L == 0 and self.quantizer != "sign":
-            better = next((b for b in (2, 4, 8, 16) if (2 ** b - 1) // (2 * world) >= 1), None)
+            better = next((b for b in (2, 4, 8, 16) if comm.max_levels(world, b) >= 1), None)
             return [f"{self.key('bits')}: {self.bits}-bit lanes leave no quantization level for "
                     f"{self.key('quantizer')}={self.quantizer} at {world} ranks (need P*2L <= {lanes}); use "
                     f"{self.key('bits')}={better} or {self.key('quantizer')}=sign"]
-        if world * 2 * L > lanes:
+        if L > comm.max_levels(world, self.bits):
             return [f"{self.key('levels')}: {L} levels x {world} ranks overflow {self.bits}-bit lanes "
-                    f"(P*2L = {world * 2 * L} > {lanes}); use {self.key('levels')}={lanes // (2 * world)} or more bits"]
+                    f"(P*2L = {world * 2 * L} > {lanes}); use {self.key('levels')}={comm.max_levels(world, self.bits)} "
+                    f"or more bits"]
         if self.quantizer == "linf" and self.rounding == "nearest" and L >= 1 and L / self.clip <= 0.5:
             # eq. (1) with M = max|x| maps every element into [-L/clip, L/clip]: all round to 0
             return [f"{self.key('quantizer')}: linf with {L} level(s) and clip {self.clip} rounds every element to 0 "
