@@ -136,9 +136,10 @@ class MatrixShards:
     [j c, min((j + 1) c, size)) of it with c = ceil(size / S) (the last ranks may hold fewer or none;
     d > 0 only evenly). The constructor learns every matrix's whole shape from one all_gather of the
     local shapes and checks that layout; `rule(m, n)`, the optimizer's shard_dim, must give d for
-    the whole shape (else the model was sharded for another optimizer: an error). Owners: the matrices in decreasing size, each to the rank with the
-    fewest elements so far (ties: the lowest rank), so every rank orthonormalizes about the same
-    number of elements (the same assignment on every rank and replica: it depends on the shapes only).
+    the whole shape (else the model was sharded for another optimizer: an error). Owners: the
+    matrices in decreasing size, each to the rank with the fewest elements so far (ties: the lowest
+    rank), so every rank orthonormalizes about the same number of elements (the same assignment on
+    every rank and replica: it depends on the shapes only).
 
     `gather` and `scatter` (Muon; dim-0 shards) move every owned matrix in ONE all_to_all_single
     each over the shard group, every shard padded to c rows: a rank sends sum_k c_k n_k (S - 1) / S

@@ -7,8 +7,9 @@ setting of Dion §1 and LoCo's abstract; Lion Cub's vote is what crosses between
   same shard index on every group.
 - The model: every transformer block and then the root are `fully_shard`ed over the 1-D shard
   sub-mesh, each parameter on the dimension its optimizer declares (optim.registry `shard_dims`:
-  dim 0 unless the optimizer says otherwise; Dion puts the side of its Q factor there), so FSDP all-gathers parameters for forward/backward and reduce-scatters gradients
-  (their mean over the shard group) inside the group only; FSDP runs no all-reduce across replicas.
+  dim 0 unless the optimizer says otherwise; Dion puts the side of its Q factor there), so FSDP
+  all-gathers parameters for forward/backward and reduce-scatters gradients (their mean over the
+  shard group) inside the group only; FSDP runs no all-reduce across replicas.
 - The optimizer sees local shards: for every DTensor parameter p a plain Parameter aliasing
   p's local tensor (same storage, so an in-place update is the update of p's shard). The
   optimizer's flat gradient buffer is built over these aliases (optim/base.py attach_flat_grads),
