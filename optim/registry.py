@@ -205,6 +205,9 @@ def build_optimizer(name: str, param_groups: list[dict], *, betas: tuple[float, 
     options = _options(spec.options, optim_options, "optim")
     extra = {"shard_group": shard_group} if shard_group is not None else {}
     if spec.shard_dim is not None:  # it asked for its placements: it is told what they are
+        if shard_group is not None and shard_dims is None:
+            raise ValueError(f"optim.name={name} on a sharded model needs the placements it asked for: shard the "
+                             f"model with optim.shard_dims and pass shard_dims (trainer.parallel.local_dims)")
         extra["shard_dims"] = dict(shard_dims or {})
     elif any((shard_dims or {}).values()):
         raise ValueError(f"optim.name={name} runs on dim-0 shards only; shard the model with optim.shard_dims")

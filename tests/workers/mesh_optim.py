@@ -252,6 +252,21 @@ def main() -> None:
     gen.set_state(state)
     train(name, model, opt, gen, 2, world)
     assert all(torch.equal(a, b) for a, b in zip(straight, full_params(model))), f"{name} S={S}: resume differs"
+    if name == "dion":  # Dion must be told the placements it asked for
+        aliases = parallel.local_aliases(model)
+        kwargs = dict(comm_mode="fp32", optim_options=options, group=par.replicate_group, shard_group=par.shard_group,
+                      param_order=[aliases[id(p)] for p in model.parameters()])
+        try:
+            build_optimizer(name, groups(model, aliases), **kwargs)
+            raise AssertionError("Dion was built on a sharded model without its placements")
+        except ValueError as e:
+            assert "pass shard_dims" in str(e), e
+        if S == 2:  # told dim 0 everywhere, it finds a tall matrix's columns read as rows
+            try:
+                build_optimizer(name, groups(model, aliases), shard_dims={id(a): 0 for a in aliases.values()}, **kwargs)
+                raise AssertionError("Dion was built on placements it did not ask for")
+            except RuntimeError as e:
+                assert "is sharded on dim 0, but this optimizer shards it on dim 1" in str(e), e
     if rank == 0:
         print(f"mesh_optim {name} S={S}: max |diff| {err:.3g} (weights moved up to {moved:.3g}); "
               f"bytes/step shard {shard_bytes}, replicate {rep_bytes}; diagnostics and resume match")
