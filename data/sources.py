@@ -187,8 +187,11 @@ class StreamSource:
             for _ in itertools.islice(it, skip):
                 pass
             first += skip
+        # until the iterator yields its first row, state_dict() is the initial state, not the
+        # loaded one: a stop inside the first batch after a resume must save the loaded state
+        loaded = cursor["state"] if cursor and not skip else None
         while True:
-            state = self.ds.state_dict()
+            state, loaded = loaded or self.ds.state_dict(), None
             want = self.batch_docs if self.max_docs is None else min(self.batch_docs, self.max_docs - first)
             rows = list(itertools.islice(it, max(want, 0)))
             if not rows:

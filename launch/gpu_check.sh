@@ -57,7 +57,7 @@ $PY -c "from data.builtin import prepare_builtin; prepare_builtin()" || { echo "
 stage env 20 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; \
   $PY -c \"import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())\""
 
-stage tests ${TESTS_LIMIT:-100} $PY -m pytest -q -p no:cacheprovider -o addopts= tests/test_kernels.py tests/test_optim.py -k cuda -rf
+stage tests ${TESTS_LIMIT:-100} $PY -m pytest -q -p no:cacheprovider -o addopts= tests/optim/test_kernels.py tests/optim/test_optim.py -k cuda -rf
 
 TRAIN_VARIANTS=${TRAIN_VARIANTS:-lion_fp32,adamw_fp32,lioncub_1bit,lioncub_8bit_l1}
 stage train ${TRAIN_LIMIT:-200} $PY -m bench.step_breakdown --launcher torchrun --rates unlimited --nproc 1 --no-calibrate \

@@ -373,6 +373,8 @@ def estimate_mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float)
 
 
 ROLES = ("embedding", "head", "attn", "mlp", "norm")
+IO_ROLES = ("embedding", "head")  # the input and output layers (Lion Cub §5 syncs their momentum)
+MATRIX_ROLES = ("attn", "mlp")  # the hidden matrices (what Muon and Dion orthonormalize)
 
 
 def param_roles(model: nn.Module) -> dict[str, str]:

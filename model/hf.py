@@ -8,7 +8,7 @@ uses key/value head i // (n_head / n_kv_head), Llama's repeat_kv). The mapping i
 - RoPE: ours rotates the two halves of each head (x1*cos - x2*sin, x1*sin + x2*cos with
   frequency base^(-2i/hd) for i < hd/2: GPT-NeoX's layout), which is exactly Llama's
   `rotate_half` with `cat(freqs, freqs)`, so q/k rows need no permutation (an interleaved-pair
-  RoPE would need one; the logits test in tests/test_export.py pins this down).
+  RoPE would need one; the logits test in tests/model/test_export.py pins this down).
 - `mlp.fc` (2H x C) is [W_gate; W_up] (we chunk gate first) -> gate_proj, up_proj; `mlp.proj` ->
   down_proj; norm1/norm2/norm_f -> input_layernorm / post_attention_layernorm / model.norm.
 - A tied head is `tie_word_embeddings: true` with no lm_head tensor stored.

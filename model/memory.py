@@ -16,7 +16,7 @@ sharding one copy of the model (parallel.shard_size; replicate = N / S):
 - activations (estimate): what one micro-batch's forward keeps for backward, train.dtype wide
   (bfloat16 on CUDA), residual stream and logits in fp32.
 
-Parameters, gradients and optimizer state are exact tensor sizes (tests/test_memory.py compares
+Parameters, gradients and optimizer state are exact tensor sizes (tests/model/test_memory.py compares
 them with the tensors a step leaves behind); buffers and activations are estimates.
 
 This module sits above the rest of model/: it reads a config (trainer.config) and asks the

@@ -14,7 +14,7 @@ imported torch and torch._dynamo) instead of starting a new interpreter, which s
 in every rank of every launch. When a launch's environment differs from its zygote's in a variable
 read when torch is imported (`FORK_SENSITIVE`), the zygote is replaced by one started with the new
 values (or, while ranks of the old one still run, the rank is started as a plain process); every
-rank is a plain process when LIONCUB_TEST_FORK=0 (tests/test_dist_launcher.py checks the two agree).
+rank is a plain process when LIONCUB_TEST_FORK=0 (tests/harness/test_dist_launcher.py checks the two agree).
 """
 from __future__ import annotations
 

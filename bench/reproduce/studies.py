@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 import comm
+from model import IO_ROLES, MATRIX_ROLES, ROLES
 
 from .framework import (BEST_LR_FILE, DEFAULT_SETTING, FROM_SWEEP, Column, Options, Run, RunResult, Scale, Study,
                         Summary, full_scale, group_runs, mean_curve, mean_std, paired_stats, pyplot, quick_scale,
@@ -201,9 +202,6 @@ def fig10_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
     return [Run(run_name(arm, scale.nproc, seed, b2), variant(preset), (*ov, betas(b2)), seed, scale.nproc,
                 (("beta2", b2), ("arm", arm)))
             for b2 in beta2s for arm, preset, ov in arms for seed in seeds]
-
-
-MATRIX_ROLES = ("attn", "mlp")
 
 
 def final_matrix_weights(r: RunResult, roles: dict[str, str]) -> tuple[float | None, float | None]:
@@ -473,8 +471,6 @@ register(Study(
 
 TENSOR_PREFIX = "diag/momentum_spread/tensor/"
 BLOCK_PREFIX = "diag/momentum_spread/block/"
-ROLES = ("embedding", "head", "attn", "mlp", "norm")
-IO_ROLES = ("embedding", "head")
 
 
 def fig6_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
@@ -614,7 +610,7 @@ COMPRESSORS_FROM_TABLE2 = {"lion_fp32": "fp32", "lioncub_1bit": "1bit", "lioncub
 
 
 # --quick trains one compressed optimizer, 1-bit Adam (the one with a per-run override, its freeze step):
-# BinSGDM and LoCo train end to end in tests/test_ef_optim.py, and the study's summary is the same for all
+# BinSGDM and LoCo train end to end in tests/optim/test_ef_optim.py, and the study's summary is the same for all
 COMPRESSED_QUICK = ("onebit_adam",)
 
 

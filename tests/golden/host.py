@@ -1,6 +1,6 @@
 """Which float rounding this host's torch CPU kernels produce: the key of a host's golden digests.
 
-Bit-identical training (tests/test_golden.py) holds per host, not across hosts: torch picks its CPU
+Bit-identical training (tests/trainer/test_golden.py) holds per host, not across hosts: torch picks its CPU
 kernels by the host's vector width (AVX2, AVX-512), MKL picks its GEMM kernels by the CPU, and a
 vectorized reduction or exp adds and rounds in another order on another host. The same code and
 seed then give parameters that differ in the last bits after one step. So the golden digests are

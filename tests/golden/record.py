@@ -6,7 +6,7 @@ Checks out the commit the first digests were recorded on (PRE_REFACTOR, into a t
 worktree), runs its tests/workers/golden_digests.py at P = 1, 2 and 4 on this host, renames the
 Distributed Lion keys as tests/golden/digests.json does (their tie-broken server vote is now
 `comm.ps_aggregate=vote_tiebreak`), and writes tests/golden/digests_<fingerprint>.json for this
-host's fingerprint (tests/golden/host.py). tests/test_golden.py then checks the current code
+host's fingerprint (tests/golden/host.py). tests/trainer/test_golden.py then checks the current code
 against the old code's digests on the same kind of host. An existing file is kept unless --force.
 """
 from __future__ import annotations

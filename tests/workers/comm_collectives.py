@@ -1,7 +1,7 @@
 """Per-rank checks of every comm/ collective against references built from all_gather of the raw
-inputs, plus CommStats byte formulas. Launched by tests/test_comm.py at P = 1, 2, 3, 4.
+inputs, plus CommStats byte formulas. Launched by tests/comm/test_comm.py at P = 1, 2, 3, 4.
 
-Asserts and exits non-zero on the first failure; rank 0 prints a summary line on success.
+Each `test_*` function is one named check (CHECKS; tests/workers/_checks.py records its outcome).
 """
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ dist.init_process_group("gloo")
 P, RANK = dist.get_world_size(), dist.get_rank()
 LARGE = 100_003
 LENGTHS = (0, 1, 7, 8 * P - 1, 8 * P + 1, LARGE)
-CHECKS = 0
+ASSERTIONS = 0
+CHECKS = ("sign_vote", "hierarchical", "int_allreduce", "allreduce_mean", "stats", "subgroup",
+          "cost_model_calibrate")
 
 
 def gather(t: torch.Tensor) -> list[torch.Tensor]:
@@ -35,8 +37,8 @@ def tb(v: torch.Tensor, step: int) -> torch.Tensor:
 
 
 def check(cond: bool, msg: str) -> None:
-    global CHECKS
-    CHECKS += 1
+    global ASSERTIONS
+    ASSERTIONS += 1
     assert cond, f"[rank {RANK}/{P}] {msg}"
 
 
@@ -318,7 +320,7 @@ def tree_bytes(n: int, agg: str) -> tuple[int, int]:
 
 
 def test_cost_model_calibrate() -> None:
-    # the fit recovers known parameters from exact model times (more cases: tests/test_comm.py)
+    # the fit recovers known parameters from exact model times (more cases: tests/comm/test_comm.py)
     sizes = (1 << 10, 1 << 16, 1 << 22)
     for Pm in (2, 3, 8):
         times = [cost_model.ring_allreduce(Pm, s // 4, 32, 3e-5, 1e-9) for s in sizes]
@@ -376,16 +378,13 @@ def test_subgroup() -> None:
 
 
 if __name__ == "__main__":
-    from _exit import exit_cleanly  # tests/workers/ is the script's directory
-    t0 = time.time()
-    for fn in (test_sign_vote, test_hierarchical, test_int_allreduce, test_allreduce_mean,
-               test_stats, test_subgroup, test_cost_model_calibrate):
-        t = time.time()
-        fn()
-        if RANK == 0:
-            print(f"{fn.__name__}: {time.time() - t:.1f}s", flush=True)
+    from _checks import Checks  # tests/workers/ is the script's directory
+    from _exit import exit_cleanly
+    checks, t0 = Checks(CHECKS), time.time()
+    for name in CHECKS:
+        checks.run(name, globals()[f"test_{name}"])
     dist.barrier()
     if RANK == 0:
-        print(f"comm_collectives P={P}: {CHECKS} checks passed in {time.time() - t0:.1f}s", flush=True)
+        print(f"comm_collectives P={P}: {ASSERTIONS} assertions in {time.time() - t0:.1f}s", flush=True)
     dist.destroy_process_group()
     exit_cleanly()

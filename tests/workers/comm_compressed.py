@@ -1,12 +1,12 @@
 """Per-rank checks of comm.ef_compressed_allreduce against a single-process simulation of the P
 workers written here from the contract (chunk routing, padding, draw order, error updates), run
-under torchrun at P = 1, 2, 3, 4 by tests/test_comm_compressed.py.
+under torchrun at P = 1, 2, 3, 4 by tests/comm/test_compressed.py.
 
     python -m torch.distributed.run --standalone --nproc_per_node=4 \\
         tests/workers/comm_compressed.py [--bench N]
 
 --bench N times one call at n = N per compressor against comm.allreduce_mean fp32 instead.
-Asserts and exits non-zero on the first failure; rank 0 prints a summary line on success.
+Each `test_*` function is one named check (CHECKS; tests/workers/_checks.py records its outcome).
 """
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ from ef_sim import layout, sim_call, sim_exchange  # noqa: E402  (this folder is
 dist.init_process_group("gloo")
 P, RANK = dist.get_world_size(), dist.get_rank()
 LENGTHS = (0, 1, 7, 8 * P - 1, 8 * P + 1, 1000, 100_003)
-CHECKS = 0
+ASSERTIONS = 0
+CHECKS = ("flat_against_simulation", "small_cache_pieces", "hierarchical_against_simulation",
+          "error_feedback_is_real", "bytes_formula", "subgroup")
 
 # every compressor option the collective has, each at least once
 VARIANTS: dict[str, tuple[Compressor, float]] = {
@@ -38,8 +40,8 @@ VARIANTS: dict[str, tuple[Compressor, float]] = {
 
 
 def check(cond: bool, msg: str) -> None:
-    global CHECKS
-    CHECKS += 1
+    global ASSERTIONS
+    ASSERTIONS += 1
     assert cond, f"[rank {RANK}/{P}] {msg}"
 
 
@@ -267,15 +269,12 @@ if __name__ == "__main__":
     if "--bench" in sys.argv:
         bench(int(float(sys.argv[sys.argv.index("--bench") + 1])))
     else:
-        for fn in (test_flat_against_simulation, test_small_cache_pieces,
-                   test_hierarchical_against_simulation,
-                   test_error_feedback_is_real, test_bytes_formula, test_subgroup):
-            t = time.time()
-            fn()
-            if RANK == 0:
-                print(f"{fn.__name__}: {time.time() - t:.1f}s", flush=True)
+        from _checks import Checks
+        checks = Checks(CHECKS)
+        for name in CHECKS:
+            checks.run(name, globals()[f"test_{name}"])
     dist.barrier()
     if RANK == 0:
-        print(f"comm_compressed P={P}: {CHECKS} checks passed in {time.time() - t0:.1f}s", flush=True)
+        print(f"comm_compressed P={P}: {ASSERTIONS} assertions in {time.time() - t0:.1f}s", flush=True)
     dist.destroy_process_group()
     exit_cleanly()

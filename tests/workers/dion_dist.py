@@ -1,4 +1,4 @@
-"""Per-rank checks of distributed Dion, Dion Alg. 2 (launched by tests/test_dion_math.py).
+"""Per-rank checks of distributed Dion, Dion Alg. 2 (launched by tests/optim/test_dion_math.py).
 
 Every rank draws its own gradients (seeded by rank and step) for several matrices of different
 shapes and ranks and runs T steps of optim.dion_math.dion_step_ with a data-parallel
@@ -25,7 +25,7 @@ T * A * eps, a first-order model:
         ColumnNormalize's (|d(x/|x|)| <= 2 |dx| / |x|).
   Steps add (first order; a step's fresh gradient dominates B, so an earlier error is not
   re-amplified as a product).
-Asserts and exits non-zero on failure; prints "dion_dist OK" on rank 0.
+Each run is a named check (CHECKS; tests/workers/_checks.py records its outcome).
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ SHAPES = [(24, 40, 6), (48, 16, 4), (32, 32, 8), (20, 12, 12)]  # (m, n, r): r =
 T = 3
 MU, WD = 0.9, 0.1
 LRS = [0.05, 0.04, 0.05, 0.03]
+CHECKS = ("fp64", "fp32", "bf16_wire")
 
 
 def gamma(k: int, u: float) -> float:
@@ -160,13 +161,14 @@ def main() -> None:
     rank, P = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     ref = reference(P)
-    lines = [run("fp64", torch.float64, torch.float64, rank, P, ref),
-             run("fp32", torch.float32, torch.float32, rank, P, ref),
-             run("bf16 wire", torch.float32, torch.bfloat16, rank, P, ref)]
+    from _checks import Checks  # tests/workers/ is the script's directory
+    checks = Checks(CHECKS)
+    lines = [checks.run("fp64", run, "fp64", torch.float64, torch.float64, rank, P, ref),
+             checks.run("fp32", run, "fp32", torch.float32, torch.float32, rank, P, ref),
+             checks.run("bf16_wire", run, "bf16 wire", torch.float32, torch.bfloat16, rank, P, ref)]
     dist.barrier()
     if rank == 0:
-        print(f"P={P}: " + "; ".join(lines))
-        print("dion_dist OK")
+        print(f"P={P}: " + "; ".join(map(str, lines)))
     dist.destroy_process_group()
 
 

@@ -1,7 +1,7 @@
 """Per-rank checks of the error-feedback optimizers (onebit_adam, binsgdm, adamw / lion on loco)
 against a single-process simulation of all P workers written here from torch ops and the
 documented semantics of comm.ef_compressed_allreduce, run under torchrun at P = 2 and 4 by
-tests/test_ef_optim.py:
+tests/optim/test_ef_optim.py:
 
 - parameters, momenta and error states (and LoCo's 8-bit codes) bitwise equal to the simulation
   after every step, and identical on every rank;
@@ -31,7 +31,9 @@ from optim.base import digest
 from ef_sim import sim_call  # this folder is the script's sys.path[0]
 
 P = RANK = 0
-CHECKS = 0
+ASSERTIONS = 0
+# one pytest item each (tests/workers/_checks.py); binsgdm_hierarchical_m2 runs at even P only
+CHECKS = ("onebit_adam", "binsgdm_flat", "binsgdm_flat_t0_2", "loco_adamw", "loco_lion", "binsgdm_hierarchical_m2")
 STEPS = 8
 # (role, shape, weight decay): one parameter per group; role order = group order, so the flat
 # layout (and the flat gradient buffer) is the concatenation in this order
@@ -40,8 +42,8 @@ LR = 2e-3
 
 
 def check(cond: bool, msg: str) -> None:
-    global CHECKS
-    CHECKS += 1
+    global ASSERTIONS
+    ASSERTIONS += 1
     assert cond, f"[rank {RANK}/{P}] {msg}"
 
 
@@ -369,20 +371,18 @@ def main() -> None:
     global P, RANK
     dist.init_process_group("gloo")
     P, RANK = dist.get_world_size(), dist.get_rank()
-    t0 = time.time()
-    cases = [("onebit_adam", test_onebit_adam, ()), ("binsgdm flat", test_binsgdm, (1, -1)),
-             ("binsgdm flat t0=2", test_binsgdm, (1, 2)), ("loco adamw", test_loco, ("adamw",)),
-             ("loco lion", test_loco, ("lion",))]
+    from _checks import Checks
+    checks, t0 = Checks(CHECKS), time.time()
+    cases = [("onebit_adam", test_onebit_adam, ()), ("binsgdm_flat", test_binsgdm, (1, -1)),
+             ("binsgdm_flat_t0_2", test_binsgdm, (1, 2)), ("loco_adamw", test_loco, ("adamw",)),
+             ("loco_lion", test_loco, ("lion",))]
     if P % 2 == 0:
-        cases.append(("binsgdm hierarchical m=2", test_binsgdm, (2, -1)))
+        cases.append(("binsgdm_hierarchical_m2", test_binsgdm, (2, -1)))
     for name, fn, args in cases:
-        t = time.time()
-        fn(*args)
-        if RANK == 0:
-            print(f"{name}: {time.time() - t:.1f}s", flush=True)
+        checks.run(name, fn, *args)
     dist.barrier()
     if RANK == 0:
-        print(f"ef_optim_dist P={P}: {CHECKS} checks passed in {time.time() - t0:.1f}s", flush=True)
+        print(f"ef_optim_dist P={P}: {ASSERTIONS} assertions in {time.time() - t0:.1f}s", flush=True)
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # gloo worker threads occasionally abort at interpreter exit (tests/workers/comm_collectives.py)

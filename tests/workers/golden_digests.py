@@ -2,7 +2,7 @@
 and write {variant: parameter sha256} (rank 0) to the JSON path given as argv[1].
 
 Used twice: once on the code before a refactor to record tests/golden/digests.json, and by
-tests/test_golden.py on the current code, which must reproduce every digest bit for bit.
+tests/trainer/test_golden.py on the current code, which must reproduce every digest bit for bit.
 """
 from __future__ import annotations
 

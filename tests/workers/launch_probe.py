@@ -1,4 +1,4 @@
-"""Report how this rank was started (tests/test_dist_launcher.py): argv, module name, sys.path[0], working
+"""Report how this rank was started (tests/harness/test_dist_launcher.py): argv, module name, sys.path[0], working
 directory, an environment variable, whether torch was already imported, str hash order and random
 seeds; then exit with the code argv[1] asks for ('raise' raises; 'sleep' writes its pid to argv[2] and
 waits to be signalled)."""

@@ -1,4 +1,4 @@
-"""Checkpoints of Muon and Dion on the hybrid-sharding mesh (launched by tests/test_mesh_optim.py):
+"""Checkpoints of Muon and Dion on the hybrid-sharding mesh (launched by tests/optim/test_mesh_optim.py):
 4 ranks, parallel.shard_size=2, debug model. For each: a run stopped at step 2 (train.stop_after)
 and resumed from its sharded checkpoint ends bit-identical to an uninterrupted 4-step run, and every
 rank's matrix state (Muon's momentum rows; Dion's M and Q shards) equals what it saved. On another mesh
@@ -6,8 +6,8 @@ rank's matrix state (Muon's momentum rows; Dion's M and Q shards) equals what it
 the replicas: it follows the mean gradient) and trains on. Dion's step-2 checkpoint resumes at
 S = 4 (1 x 4: the replicas' momenta averaged once, M and Q re-cut) and at S = 1 (4 x 1: whole M and
 Q on every rank) and ends within TOL of the uninterrupted S = 2 run (Dion Thm. 2.1: the step depends
-on the replicas' mean momentum only; the meshes differ in fp32 reduction order).
-Prints "mesh_ckpt: checks passed"."""
+on the replicas' mean momentum only; the meshes differ in fp32 reduction order). Each is a named
+check (CHECKS; tests/workers/_checks.py records its outcome)."""
 from __future__ import annotations
 
 import shutil
@@ -24,6 +24,7 @@ from trainer.config import load_config  # noqa: E402
 from trainer.dist import init_distributed, shutdown  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
 
+CHECKS = ("muon_resume_exact", "muon_another_mesh", "dion_resume_exact", "dion_another_mesh")
 TOL = 2e-5
 """Max |difference| of any parameter between the remeshed Dion resumes and the uninterrupted run
 (fp32 reduction orders, as tests/workers/mesh_optim.py's TOL; a wrong cut of M or Q moves a weight by
@@ -74,6 +75,7 @@ def main(tmp: str) -> None:
     INFO = init_distributed("cpu")
     tmp_dir = Path(tmp)
     for variant in ("muon", "dion"):
+        checks.begin(f"{variant}_resume_exact")
         a = trainer(tmp_dir / f"{variant}_straight", ["train.resume=never"], variant)
         fit(a)
         b = trainer(tmp_dir / f"{variant}_stopped", ["train.resume=never", "train.stop_after=2"], variant)
@@ -90,6 +92,7 @@ def main(tmp: str) -> None:
         fit(c)
         assert all(torch.equal(x, y) for x, y in zip(full(a), full(c))), f"{variant}: resumed run differs"
         if variant == "muon":  # another mesh, 2 x 2 -> 1 x 4: the momentum rows move like Lion's
+            checks.begin("muon_another_mesh")
             whole = [torch.cat(rows) for rows in gather_matrix_momenta(c)]
             e = trainer(tmp_dir / "muon_stopped", ["train.resume=auto", "parallel.shard_size=4", "train.max_steps=5"],
                         variant)
@@ -100,6 +103,7 @@ def main(tmp: str) -> None:
                 assert torch.equal(got, w[INFO.rank * chunk:(INFO.rank + 1) * chunk]), k
             fit(e)
         if variant == "dion":  # another mesh: S = 4 (dims kept, one replica) and S = 1 (replicated)
+            checks.begin("dion_another_mesh")
             for S in (4, 1):
                 e = trainer(tmp_dir / f"dion_at_{S}", ["train.resume=auto", f"parallel.shard_size={S}"], variant)
                 assert e.step == 2, e.step
@@ -109,13 +113,14 @@ def main(tmp: str) -> None:
                 assert err < TOL, f"dion resumed at S={S}: max |diff| {err:.3g} to the uninterrupted S=2 run"
                 if INFO.is_main:
                     print(f"dion S=2 -> S={S}: max |diff| {err:.3g} after 2 steps", flush=True)
+    checks.end()
     dist.barrier()
-    if INFO.is_main:
-        print("mesh_ckpt: checks passed", flush=True)
     shutdown()
 
 
 if __name__ == "__main__":
-    from _exit import exit_cleanly  # tests/workers/ is the script's directory
-    main(sys.argv[1])
+    from _checks import Checks  # tests/workers/ is the script's directory
+    from _exit import exit_cleanly
+    checks = Checks(CHECKS)
+    checks.guard(main, sys.argv[1])
     exit_cleanly()

@@ -1,4 +1,4 @@
-"""The matrix optimizers on the hybrid-sharding mesh (launched by tests/test_mesh_optim.py), 4 gloo
+"""The matrix optimizers on the hybrid-sharding mesh (launched by tests/optim/test_mesh_optim.py), 4 gloo
 ranks, a stack of nn.Linear layers of shapes m > n, m < n, m = n and row counts that S does not divide
 (33 rows: 17 + 16 at S = 2, 9 + 9 + 9 + 6 at S = 4), `fully_shard`ed over the shard axis as
 trainer/parallel.py does, each parameter on the dimension its optimizer declares (optim.shard_dims:
@@ -13,7 +13,8 @@ the (64, 33) one, whose 33 columns FSDP2 cannot split evenly), a few steps:
   collectives.
 
 argv: optimizer name, S[, Dion's rank fraction (0.7: three matrices where (m + n) r >= m n, whose
-gradients are synced instead of their factors, and one low-rank)]. Asserts and exits non-zero on failure; prints "checks passed".
+gradients are synced instead of their factors, and one low-rank)]. Each step is a named check
+(CHECKS; tests/workers/_checks.py records its outcome).
 """
 from __future__ import annotations
 
@@ -202,15 +203,20 @@ def table1(opt, S: int, shard_index: int) -> tuple[int, int]:
     return shard, rep
 
 
-def main() -> None:
+CHECKS = ("replicated_diagnostics", "equals_replicated", "sharded_diagnostics", "bytes", "resume", "placements")
+
+
+def main(checks) -> None:
     name, S = sys.argv[1], int(sys.argv[2])
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     options = {"rank_fraction": float(sys.argv[3]) if len(sys.argv) > 3 else 0.25} if name == "dion" else {}
 
+    checks.begin("replicated_diagnostics")
     model, opt, _ = build(name, 1, options, world)
     _, ref_diag, expected = train(name, model, opt, torch.Generator().manual_seed(100 + rank), STEPS, world, True)
     check_diagnostics(name, ref_diag, expected, world, "replicated")
+    checks.begin("equals_replicated")
     ref = full_params(model)
     model, opt, par = build(name, S, options, world)
     gen = torch.Generator().manual_seed(100 + rank)
@@ -220,12 +226,14 @@ def main() -> None:
     moved = max(float((a - b.detach().to(DTYPE)).abs().max()) for a, b in zip(ref, Stack().parameters()))
     assert err < TOL, f"{name} S={S}: max |S - replicated| = {err:.3g} >= {TOL}; per parameter " + \
         ", ".join(f"{n} {float((a - b).abs().max()):.2g}" for (n, _), a, b in zip(model.named_parameters(), ref, got))
+    checks.begin("sharded_diagnostics")
     # diagnostics reduced over the shards: the whole matrices' values
     check_diagnostics(name, diag, expected, world, f"S={S}")
     if name == "muon":
         keys = [k for k in ref_diag if k.startswith("diag/muon_update_rms")]
         assert keys and all(abs(diag[k] - ref_diag[k]) <= 1e-5 * ref_diag[k] for k in keys), \
             {k: (diag[k], ref_diag[k]) for k in keys}
+    checks.begin("bytes")
     # bytes counted from the collectives against the optimizer's formula and against the papers'
     assert (shard_bytes, rep_bytes) == opt.mesh_bytes_per_step(), \
         f"{name} S={S} rank {rank}: sent {shard_bytes} B shard, {rep_bytes} B replicate; formula {opt.mesh_bytes_per_step()}"
@@ -237,6 +245,7 @@ def main() -> None:
     else:
         assert int(group_shard) == want_shard, (int(group_shard), want_shard)
     assert rep_bytes == want_rep, (rep_bytes, want_rep)
+    checks.begin("resume")
     # exact resume at the same mesh: a fresh optimizer loading the state continues bit for bit
     import copy
     saved = copy.deepcopy(opt.state_dict())
@@ -252,10 +261,17 @@ def main() -> None:
     gen.set_state(state)
     train(name, model, opt, gen, 2, world)
     assert all(torch.equal(a, b) for a, b in zip(straight, full_params(model))), f"{name} S={S}: resume differs"
+    checks.begin("placements")
+    aliases = parallel.local_aliases(model)
+    kwargs = dict(comm_mode="fp32", optim_options=options, group=par.replicate_group, shard_group=par.shard_group,
+                  param_order=[aliases[id(p)] for p in model.parameters()])
+    if name == "muon":  # dim-0 shards only: told of another placement, it refuses
+        try:
+            build_optimizer(name, groups(model, aliases), shard_dims={id(a): 1 for a in aliases.values()}, **kwargs)
+            raise AssertionError("Muon was built on dim-1 shards")
+        except ValueError as e:
+            assert "runs on dim-0 shards only" in str(e), e
     if name == "dion":  # Dion must be told the placements it asked for
-        aliases = parallel.local_aliases(model)
-        kwargs = dict(comm_mode="fp32", optim_options=options, group=par.replicate_group, shard_group=par.shard_group,
-                      param_order=[aliases[id(p)] for p in model.parameters()])
         try:
             build_optimizer(name, groups(model, aliases), **kwargs)
             raise AssertionError("Dion was built on a sharded model without its placements")
@@ -270,11 +286,12 @@ def main() -> None:
     if rank == 0:
         print(f"mesh_optim {name} S={S}: max |diff| {err:.3g} (weights moved up to {moved:.3g}); "
               f"bytes/step shard {shard_bytes}, replicate {rep_bytes}; diagnostics and resume match")
+    checks.end()
     dist.barrier()
-    if rank == 0:
-        print("mesh_optim: checks passed")
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    from _checks import Checks  # tests/workers/ is the script's directory
+    checks = Checks(CHECKS)
+    checks.guard(main, checks)

@@ -1,4 +1,4 @@
-"""Per-rank checks of the Dion and Muon optimizers over gloo (launched by tests/test_muon_dion.py).
+"""Per-rank checks of the Dion and Muon optimizers over gloo (launched by tests/optim/test_muon_dion.py).
 
 Parameters with the trainer's roles (embedding, head, norm: AdamW; attn, mlp matrices: Dion or
 Muon), fed synthetic gradients drawn per rank and step (no model: the gradients do not depend on
@@ -18,7 +18,7 @@ first-order bound (see `adamw_reference`). Runs: fp32 at rank 1/2 (a mix of fact
 full-gradient matrices), bf16 at rank 1/4, fp32 with clipping (the clipping norm of Dion._clip_
 recomputed here in float64). A state_dict round trip mid-run (through torch.save) continues bit
 for bit. Muon: ranks bit-identical, one gradient collective of 4 N (fp32) / 2 N (bf16) bytes.
-Asserts and exits non-zero on failure; prints "muon_dion_dist OK" on rank 0.
+Each run is a named check (CHECKS; tests/workers/_checks.py records its outcome).
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ PARAMS = {"emb.weight": ((20, 8), "embedding", 0.1), "attn.a": ((24, 40), "attn"
 MATRICES = [n for n, (_, role, _) in PARAMS.items() if role in ("attn", "mlp")]
 SCALARS = [n for n in PARAMS if n not in MATRICES]
 ROLES = ["embedding", "head", "attn", "mlp", "norm"]
+CHECKS = ("dion_fp32_rank_half", "dion_bf16_rank_quarter", "dion_fp32_clipped", "dion_round_trip", "muon")
 
 
 def sched(t: int) -> float:
@@ -312,15 +313,16 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, P = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    lines = [check_dion(rank, P, "fp32", {"rank_fraction": 0.5}, 0.0),
-             check_dion(rank, P, "bf16", {"rank_fraction": 0.25}, 0.0),
-             check_dion(rank, P, "fp32", {"rank_fraction": 0.25}, 2.0)]
-    check_round_trip(rank, P)
-    check_muon(rank, P)
+    from _checks import Checks  # tests/workers/ is the script's directory
+    checks = Checks(CHECKS)
+    lines = [checks.run("dion_fp32_rank_half", check_dion, rank, P, "fp32", {"rank_fraction": 0.5}, 0.0),
+             checks.run("dion_bf16_rank_quarter", check_dion, rank, P, "bf16", {"rank_fraction": 0.25}, 0.0),
+             checks.run("dion_fp32_clipped", check_dion, rank, P, "fp32", {"rank_fraction": 0.25}, 2.0)]
+    checks.run("dion_round_trip", check_round_trip, rank, P)
+    checks.run("muon", check_muon, rank, P)
     dist.barrier()
     if rank == 0:
-        print(f"P={P}: " + "; ".join(lines))
-        print("muon_dion_dist OK")
+        print(f"P={P}: " + "; ".join(map(str, lines)))
     dist.destroy_process_group()
 
 

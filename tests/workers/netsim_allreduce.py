@@ -1,4 +1,4 @@
-"""Per-rank worker for tests/test_netsim.py: time a gloo allreduce of a known size over netsim links.
+"""Per-rank worker for tests/launch/test_netsim.py: time a gloo allreduce of a known size over netsim links.
 
 Usage (under launch.netsim, which sets RANK/WORLD_SIZE/MASTER_ADDR/GLOO_SOCKET_IFNAME):
     netsim_allreduce.py OUT_DIR N_ELEMENTS

@@ -1,4 +1,4 @@
-"""Divergence-guard checks (launched by tests/test_faults.py): the debug model trains in-process on
+"""Divergence-guard checks (launched by tests/faults/test_faults.py): the debug model trains in-process on
 2 ranks; the model's forward is wrapped so that ONE rank returns a NaN loss (and NaN gradients) at
 one step. Usage: nonfinite.py OUT_DIR POLICY BAD_STEP BAD_RANK. Rank 0 writes OUT_DIR/result.json."""
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""Per-rank checks of update-sync distributed Lion (launched by tests/test_lioncub.py).
+"""Per-rank checks of update-sync distributed Lion (launched by tests/optim/test_lioncub.py).
 
 For the world size it runs at: every comm mode keeps parameters bit-identical on all ranks after
 every step and makes the loss fall; at P = 1 the exact-sign modes equal plain Lion step for step;
 never-seen embedding rows are only weight-decayed when masked; momentum sync equalises exactly the
 selected layers on the scheduled steps; diagnostics on constructed gradients give the expected
 rates; diagnostic bytes stay out of the default CommStats; per-rank state round-trips.
-Asserts and exits non-zero on failure.
+Each is a named check (CHECKS; tests/workers/_checks.py records its outcome).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import optim
 
 VOCAB, USED = 32, 24  # rows USED..VOCAB-1 of the embedding never appear in the data
+CHECKS = ("bits_error", "diagnostics", "momentum_sync", "state_round_trip", "modes")
 
 
 class TinyNet(torch.nn.Module):
@@ -108,6 +109,7 @@ def modes(P: int) -> list[tuple[str, dict, bool]]:
 
 def check_modes(rank: int, P: int, steps: int = 16) -> None:
     lr, mult = 0.01, 0.5  # the trainer's schedule: group["lr"] changes between steps
+    assert len(modes(P)) >= 15, f"only {len(modes(P))} comm modes to check"
     for mode, opts, exact in modes(P):
         model = TinyNet()
         opt = build(model, mode, opts)
@@ -295,11 +297,13 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, P = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    check_bits_error(P)
-    check_diagnostics(rank, P)
-    check_momentum_sync(rank, P)
-    check_state_round_trip(rank, P)
-    check_modes(rank, P)
+    from _checks import Checks  # tests/workers/ is the script's directory
+    checks = Checks(CHECKS)
+    checks.run("bits_error", check_bits_error, P)
+    checks.run("diagnostics", check_diagnostics, rank, P)
+    checks.run("momentum_sync", check_momentum_sync, rank, P)
+    checks.run("state_round_trip", check_state_round_trip, rank, P)
+    checks.run("modes", check_modes, rank, P)
     dist.barrier()
     dist.destroy_process_group()
 

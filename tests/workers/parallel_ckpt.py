@@ -1,12 +1,12 @@
-"""Checkpoints of a sharded run (launched by tests/test_parallel.py): 4 ranks, parallel.shard_size=2,
+"""Checkpoints of a sharded run (launched by tests/trainer/test_parallel.py): 4 ranks, parallel.shard_size=2,
 Lion Cub onebit. A run stopped at step 2 (train.stop_after) and resumed ends bit-identical to an
 uninterrupted 4-step run; before the save the replicas' momenta differ (per-replica state) and after
 the load every rank's momenta equal what it saved; every rank writes a model shard file (DCP); a
 damaged shard file is found by its checksum and the previous checkpoint used, again ending exactly
 where the straight run does; on another mesh (2 x 2 -> 1 x 4) every rank's momentum is its chunk of
 the mean of the replicas' whole momenta; AdamW's state moves 2 x 2 -> 4 x 1 exactly; a flat-vector
-state (binsgdm) on another mesh is a config error naming the saved mesh.
-Prints "parallel_ckpt: checks passed"."""
+state (binsgdm) on another mesh is a config error naming the saved mesh. Each is a named check
+(CHECKS; tests/workers/_checks.py records its outcome)."""
 from __future__ import annotations
 
 import sys
@@ -25,6 +25,8 @@ from trainer.trainer import Trainer  # noqa: E402
 BASE = ["model.preset=debug", "data.batch_size=2", "data.seq_len=32", "train.max_steps=4", "train.eval_every=0",
         "train.eval_steps=1", "log.wandb=disabled", "optim.lr=1e-3", "comm.kernels=eager", "train.ckpt_every=1", "train.keep_ckpts=5",
         "parallel.shard_size=2", "train.log_every=1"]
+CHECKS = ("straight", "stop_and_resume_exact", "damaged_shard_falls_back", "lioncub_another_mesh",
+          "adamw_another_mesh", "binsgdm_refused_on_another_mesh")
 
 
 def trainer(out: Path, extra: list[str], variant: str = "lioncub_1bit") -> Trainer:
@@ -65,11 +67,13 @@ def main(tmp: str) -> None:
     global INFO
     INFO = init_distributed("cpu")
     tmp_dir = Path(tmp)
+    checks.begin("straight")
     a = trainer(tmp_dir / "straight", ["train.resume=never"])
     fit(a)
     whole = dict(zip(sorted(n for n, _ in a.model.named_parameters()), full(a)))
-    if INFO.is_main:  # for tests/test_parallel.py: model.load reads the sharded checkpoint
+    if INFO.is_main:  # for tests/trainer/test_parallel.py: model.load reads the sharded checkpoint
         torch.save(whole, tmp_dir / "straight_params.pt")
+    checks.begin("stop_and_resume_exact")
     b = trainer(tmp_dir / "stopped", ["train.resume=never", "train.stop_after=2"])
     assert fit(b)["stopped"]
     saved = momenta(b)
@@ -80,6 +84,7 @@ def main(tmp: str) -> None:
     assert c.step == 2 and torch.equal(momenta(c), saved), "momenta changed across save and load"
     fit(c)
     assert all(torch.equal(x, y) for x, y in zip(full(a), full(c))), "resumed run differs from the straight one"
+    checks.begin("damaged_shard_falls_back")
     # a damaged shard file of the newest checkpoint: found by its checksum, the previous one is used
     step4 = tmp_dir / "stopped" / "ckpt" / "step_000004"
     shard_files = sorted((step4 / "model").glob("__*.distcp"))
@@ -96,6 +101,7 @@ def main(tmp: str) -> None:
     assert d.step == 3, f"resumed at step {d.step}, expected the fallback to step 3"
     fit(d)
     assert all(torch.equal(x, y) for x, y in zip(full(a), full(d))), "run resumed from the fallback differs"
+    checks.begin("lioncub_another_mesh")
     # another mesh: 2 replicas x 2 -> 1 x 4 (Lion Cub: the replicas' momenta averaged once, cut in 4)
     old = gather_entries(d)
     e = trainer(tmp_dir / "stopped", ["train.resume=auto", "parallel.shard_size=4", "train.max_steps=5"])
@@ -106,6 +112,7 @@ def main(tmp: str) -> None:
         assert torch.equal(e.optimizer.momentum_of(entry.param), want.view_as(entry.param)), entry.name
     assert all(torch.equal(x, y) for x, y in zip(full(d), full(e))), "model changed on the new mesh"
     fit(e)  # trains on: parameters identical on every rank (checked by fit)
+    checks.begin("adamw_another_mesh")
     # AdamW (one shared state): 2 x 2 -> 4 x 1 (replicated) carries the state over exactly
     f = trainer(tmp_dir / "adamw", ["train.resume=never", "train.stop_after=2"], "adamw_fp32")
     fit(f)
@@ -116,19 +123,21 @@ def main(tmp: str) -> None:
         want = torch.cat([old[s][k] for s in range(2)])
         assert torch.equal(g.optimizer.momentum_of(entry.param), want.view_as(entry.param)), entry.name
     fit(g)
+    checks.begin("binsgdm_refused_on_another_mesh")
     try:  # state laid out over the saved mesh's flat vector cannot move
         fit(trainer(tmp_dir / "bsgdm", ["train.resume=never", "train.stop_after=1"], "binsgdm"))
         trainer(tmp_dir / "bsgdm", ["train.resume=auto", "parallel.shard_size=4"], "binsgdm")
         raise AssertionError("binsgdm's flat state was resumed on another mesh")
     except ConfigError as err:
         assert "parallel.shard_size=2 on 4 ranks" in str(err), err
+    checks.end()
     dist.barrier()
-    if INFO.is_main:
-        print("parallel_ckpt: checks passed", flush=True)
     shutdown()
 
 
 if __name__ == "__main__":
-    from _exit import exit_cleanly  # tests/workers/ is the script's directory
-    main(sys.argv[1])
+    from _checks import Checks  # tests/workers/ is the script's directory
+    from _exit import exit_cleanly
+    checks = Checks(CHECKS)
+    checks.guard(main, sys.argv[1])
     exit_cleanly()

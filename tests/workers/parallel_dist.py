@@ -1,4 +1,4 @@
-"""Hybrid sharding on 4 ranks (launched by tests/test_parallel.py), debug model, a few steps, in one
+"""Hybrid sharding on 4 ranks (launched by tests/trainer/test_parallel.py), debug model, a few steps, in one
 process group; every run is a real Trainer whose steps are driven here:
 
 - fp32 gradient sync (adamw, and global lion) at parallel.shard_size 2 and 4 equals the replicated
@@ -17,7 +17,7 @@ process group; every run is a real Trainer whose steps are driven here:
 - pbit, bf16, the parameter server, LoCo, BinSGDM and 1-bit Adam run at S = 2 with identical
   replicas, the formula's bytes and a finite loss (3 steps say nothing of quality);
 - the memory model's parameter + gradient + optimizer-state bytes are within 15 % of the tensors.
-Asserts and exits non-zero on failure; prints one line per run and "checks passed".
+Each is a named check (CHECKS; tests/workers/_checks.py records its outcome).
 """
 from __future__ import annotations
 
@@ -53,6 +53,9 @@ MODES = [("lioncub_4bit", [], "update_sync"), ("lion_bf16", [], "grad_sync"), ("
 BASE = ["model.preset=debug", "data.batch_size=2", "data.seq_len=32", "train.max_steps=10", "train.eval_every=0",
         "train.eval_steps=1", "log.wandb=disabled", f"optim.lr={LR}", "optim.warmup_steps=0", "comm.kernels=eager",
         "train.resume=overwrite"]
+CHECKS = ("adamw_clips_by_the_global_norm", "adamw_S2_equals_replicated", "adamw_S4_equals_replicated",
+          "lion_S2_equals_replicated", "onebit_S2_equals_hierarchical", "guard", "momentum_sync_across_replicas",
+          "lioncub_4bit_S2", "lion_bf16_S2", "dlion_avg_S2", "loco_adamw_S2", "binsgdm_S2", "onebit_adam_S2")
 
 
 def full_params(tr: Trainer) -> list[torch.Tensor]:
@@ -149,51 +152,72 @@ def check_guard(tmp: Path) -> None:
 
 
 def main(tmp: str) -> None:
+    from _checks import Checks  # tests/workers/ is the script's directory
     global INFO
     INFO = init_distributed("cpu")
-    tmp_dir = Path(tmp)
+    checks, tmp_dir = Checks(CHECKS), Path(tmp)
     clip = ["optim.grad_clip=0.05"]  # below the gradient norm: every step clips (by the global norm)
-    ref = run("adamw_fp32", clip, tmp_dir)
-    assert all(abs(g - 0.05) < 1e-4 for g in ref["gnorms"]), ref["gnorms"]
-    check_memory(ref)
-    for S in (2, 4):
+    refs = {}
+
+    def adamw_replicated() -> None:
+        ref = refs["adamw"] = run("adamw_fp32", clip, tmp_dir)
+        assert all(abs(g - 0.05) < 1e-4 for g in ref["gnorms"]), ref["gnorms"]
+        check_memory(ref)
+
+    def adamw_sharded(S: int) -> None:
         res = run("adamw_fp32", [f"parallel.shard_size={S}"] + clip, tmp_dir)
         check_bytes(res, "grad_sync")
         check_memory(res)
-        same(ref, res, f"adamw fp32 S={S} vs replicated")
-    ref = run("lion_fp32", [], tmp_dir)
-    same(ref, run("lion_fp32", ["parallel.shard_size=2"], tmp_dir), "lion fp32 S=2 vs replicated", signs=True)
-    # no clipping: the hierarchical run clips every rank's own gradient, the sharded one the group's mean
-    hier = run("lioncub_hier", ["comm.node_size=2", "optim.grad_clip=0"], tmp_dir)
-    res = run("lioncub_1bit", ["parallel.shard_size=2", "optim.grad_clip=0"], tmp_dir, diagnose=True)
-    check_bytes(res, "update_sync")
-    # diagnostics on shards: reduced over the shard group, the same numbers on every rank
-    diag = res["reports"][-1].diagnostics
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, diag)
-    assert all(d == everyone[0] for d in everyone), "diagnostics differ across the ranks of a shard group"
-    assert 0 < diag["diag/sign_match"] < 1 and 0 < diag["diag/tie_rate"] < 1 and diag["diag/momentum_spread"] > 0, diag
-    check_memory(res)
-    same(hier, res, "onebit S=2 vs hierarchical node_size=2", signs=True, norms=False)  # update sync: local norms
-    check_guard(tmp_dir)
-    # momentum sync of every layer every step: the replicas' momentum shards become equal (mean over replicas)
-    res = run("lioncub_syncall", ["parallel.shard_size=2", "comm.momentum_sync.every=1"], tmp_dir)
-    moms = torch.cat([res["opt"].momentum_of(e.param).reshape(-1) for e in res["opt"].layout.entries])
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, moms)
-    assert torch.equal(everyone[0], everyone[2]) and torch.equal(everyone[1], everyone[3])
-    assert not torch.equal(everyone[0][:everyone[1].numel()], everyone[1])  # different shards
-    assert res["reports"][-1].phases["momentum_sync"]["bytes_sent"] == 4 * moms.numel()  # fp32, N / S elements
-    # the other modes across replicas on shards: replicas identical every step (in run), bytes = formula
-    for variant, extra, phase in MODES:
+        same(refs["adamw"], res, f"adamw fp32 S={S} vs replicated")
+
+    def lion_sharded() -> None:
+        ref = run("lion_fp32", [], tmp_dir)
+        same(ref, run("lion_fp32", ["parallel.shard_size=2"], tmp_dir), "lion fp32 S=2 vs replicated", signs=True)
+
+    def onebit_sharded() -> None:
+        # no clipping: the hierarchical run clips every rank's own gradient, the sharded one the group's mean
+        hier = run("lioncub_hier", ["comm.node_size=2", "optim.grad_clip=0"], tmp_dir)
+        res = run("lioncub_1bit", ["parallel.shard_size=2", "optim.grad_clip=0"], tmp_dir, diagnose=True)
+        check_bytes(res, "update_sync")
+        # diagnostics on shards: reduced over the shard group, the same numbers on every rank
+        diag = res["reports"][-1].diagnostics
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, diag)
+        assert all(d == everyone[0] for d in everyone), "diagnostics differ across the ranks of a shard group"
+        assert 0 < diag["diag/sign_match"] < 1 and 0 < diag["diag/tie_rate"] < 1 and \
+            diag["diag/momentum_spread"] > 0, diag
+        check_memory(res)
+        same(hier, res, "onebit S=2 vs hierarchical node_size=2", signs=True, norms=False)  # update sync: local norms
+
+    def momentum_sync() -> None:
+        # momentum sync of every layer every step: the replicas' momentum shards become equal (mean over replicas)
+        res = run("lioncub_syncall", ["parallel.shard_size=2", "comm.momentum_sync.every=1"], tmp_dir)
+        moms = torch.cat([res["opt"].momentum_of(e.param).reshape(-1) for e in res["opt"].layout.entries])
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, moms)
+        assert torch.equal(everyone[0], everyone[2]) and torch.equal(everyone[1], everyone[3])
+        assert not torch.equal(everyone[0][:everyone[1].numel()], everyone[1])  # different shards
+        assert res["reports"][-1].phases["momentum_sync"]["bytes_sent"] == 4 * moms.numel()  # fp32, N / S elements
+
+    def other_mode(variant: str, extra: list[str], phase: str) -> None:
+        # the other modes across replicas on shards: replicas identical every step (in run), bytes = formula
         res = run(variant, ["parallel.shard_size=2"] + extra, tmp_dir)
         check_bytes(res, phase)
         assert all(map(math.isfinite, res["losses"])), res["losses"]
         print(f"rank {dist.get_rank()} {variant} {extra} S=2: losses {res['losses']}", flush=True)
+
+    checks.run("adamw_clips_by_the_global_norm", adamw_replicated)
+    checks.run("adamw_S2_equals_replicated", adamw_sharded, 2)
+    checks.run("adamw_S4_equals_replicated", adamw_sharded, 4)
+    checks.run("lion_S2_equals_replicated", lion_sharded)
+    checks.run("onebit_S2_equals_hierarchical", onebit_sharded)
+    checks.run("guard", check_guard, tmp_dir)
+    checks.run("momentum_sync_across_replicas", momentum_sync)
+    for variant, extra, phase in MODES:
+        checks.run(f"{variant}_S2", other_mode, variant, extra, phase)
     dist.barrier()
     if INFO.is_main:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        print("parallel_dist: checks passed", flush=True)
     shutdown()
 
 

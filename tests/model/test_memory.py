@@ -1,0 +1,72 @@
+"""The memory model (model/memory.py): its parameter + gradient + optimizer-state prediction against
+the tensors real steps leave behind, for several optimizers and modes on the debug and tiny
+presets (replicated here; sharded meshes in tests/trainer/test_parallel.py), and the command line."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from model import GPT, resolve_config
+from model.memory import estimate, local_numel, measure
+from optim import build_optimizer
+from tests.dist import ROOT
+from trainer.config import load_config
+from trainer.param_groups import param_groups
+
+CASES = [("configs/variants/lioncub_1bit.yaml", []), ("configs/variants/adamw_fp32.yaml", []),
+         ("configs/variants/loco_adamw.yaml", []), ("configs/variants/binsgdm.yaml", []),
+         ("configs/variants/onebit_adam.yaml", ["optim.freeze_step=1"]), ("configs/variants/muon.yaml", [])]
+
+
+def one_step(cfg) -> dict[str, int]:
+    torch.manual_seed(0)
+    model = GPT(resolve_config(vars(cfg.model)))
+    o, c = cfg.optim, cfg.comm
+    opt = build_optimizer(o.name, param_groups(model, o), betas=tuple(o.betas), eps=o.eps, comm_mode=c.mode,
+                          comm_options=c.options, optim_options=o.options, grad_clip=o.grad_clip,
+                          param_order=list(model.parameters()))
+    for _ in range(2):  # 1-bit Adam's error buffers appear on its first compressed step, after freeze_step
+        x = torch.randint(0, 1000, (2, 32))
+        opt.zero_grad()
+        model(x, x)[1].backward()
+        opt.step()
+    return measure(model, opt)
+
+
+@pytest.mark.parametrize("preset,path,extra", [("debug", p, e) for p, e in CASES] + [("tiny", p, e) for p, e in CASES[:2]],
+                         ids=[f"debug-{p.split('/')[-1][:-5]}" for p, _ in CASES] + ["tiny-lioncub_1bit", "tiny-adamw_fp32"])
+def test_prediction_within_15_percent_of_measured(preset, path, extra) -> None:
+    cfg = load_config(ROOT / path, [f"model.preset={preset}", *extra])
+    got = one_step(cfg)
+    mem = estimate(cfg, world=1, shard_size=1)
+    assert mem.params == got["params"] and mem.grads == got["grads"]  # exact: fp32, one flat buffer
+    assert abs(mem.model_state - got["model_state"]) <= 0.15 * got["model_state"], (mem, got)
+    assert abs(mem.optim_state - got["optim_state"]) <= 0.15 * got["optim_state"], (mem, got)
+
+
+def test_local_numel_follows_fsdp_chunks() -> None:
+    assert [local_numel((10, 3), 4, i) for i in range(4)] == [9, 9, 9, 3]  # chunks of ceil(10/4) = 3 rows
+    assert [local_numel((2,), 4, i) for i in range(4)] == [1, 1, 0, 0]
+    assert sum(local_numel((50304, 64), 8, i) for i in range(8)) == 50304 * 64
+
+
+def test_sharding_divides_model_state() -> None:
+    cfg = load_config(ROOT / "configs/variants/lioncub_1bit.yaml", ["model.preset=gpt2-124m"])
+    full, quarter = estimate(cfg, world=8, shard_size=1), estimate(cfg, world=8, shard_size=4)
+    assert quarter.model_state <= 0.26 * full.model_state
+    assert quarter.comm_buffers > 0 and quarter.activations == full.activations
+
+
+def test_command_line(tmp_path) -> None:
+    run = [sys.executable, "-m", "model.memory", "configs/variants/adamw_fp32.yaml", "model.preset=gpt-7b",
+           "data.batch_size=1", "data.seq_len=2048"]
+    out = subprocess.run(run + ["--world", "8", "--shard-size", "8"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "world 8, shard size 8" in out.stdout and ": fits" in out.stdout, out.stdout
+    out = subprocess.run(run + ["--world", "8", "--shard-size", "1"], cwd=ROOT, capture_output=True, text=True)
+    assert "does NOT fit" in out.stdout, out.stdout
+    bad = subprocess.run(run + ["--world", "8", "--shard-size", "3"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "--shard-size 3 must be >= 1 and divide --world 8" in bad.stderr
