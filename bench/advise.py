@@ -17,8 +17,9 @@ Under the launcher the run would use (same ranks, same links), in seconds:
    at the real P, measured without the network.
 4. Prediction: step = compute + local + the variant's own alpha-beta communication model
    (`CommOptimizer.predict_comm_seconds`, each scheme's formula from the optim.sync registry) at
-   the world axis's alpha and beta; bytes per step from the same registry
-   (`wire_bytes_per_step`).
+   the world axis's alpha and beta; on several nodes under comm.cost_model.NodeLayout, which
+   corrects the collectives that cross the nodes' ports differently from a ring (predict_comm);
+   bytes per step from the same registry (`wire_bytes_per_step`).
 The table ranks variants by predicted step time, with the speedup over the fp32 baseline and the
 quality evidence we measured for each (docs/results/reproduction/compressors.csv: mean final
 validation loss against fp32 Lion, seeds). `--json PATH` writes it. `comm.mode=auto` in training
@@ -150,9 +151,12 @@ def _time_collective(kind: str, nbytes: int, group, device: torch.device, repeat
     return float(times.min())
 
 
-def measure_link(group, device: torch.device, sizes: Sequence[int] = LINK_SIZES, repeats: int = 3) -> dict:
+def measure_link(group, device: torch.device, sizes: Sequence[int] = LINK_SIZES, repeats: int = 3,
+                 node_size: int = 1) -> dict:
     """alpha [s] and beta [s/bit] of one axis from an fp32 allreduce sweep (comm.cost_model's fit),
-    then all-to-all and all-gather at the largest size against their alpha-beta rows."""
+    then all-to-all and all-gather at the largest size against their alpha-beta rows: the model
+    the predictions use (with node_size > 1 ranks per node, comm.cost_model.NodeLayout's) and the
+    one flat network's (model_flat_s)."""
     from comm import cost_model
 
     P = dist.get_world_size(group)
@@ -162,23 +166,65 @@ def measure_link(group, device: torch.device, sizes: Sequence[int] = LINK_SIZES,
     seconds = [_time_collective("allreduce", s, group, device, repeats) for s in nbytes]
     alpha, beta = cost_model.fit_alpha_beta(P, nbytes, seconds)
     big = nbytes[-1]
-    checks = {"allreduce": (seconds[-1], cost_model.ring_allreduce(P, big // 4, 32, alpha, beta))}
-    for kind, model in (("all_to_all", cost_model.all_to_all_time), ("all_gather", cost_model.all_gather_time)):
-        t = _time_collective(kind, big, group, device, repeats)
-        checks[kind] = (t, model(P, 8 * big, alpha, beta))
+    layout = cost_model.NodeLayout(P, node_size) if node_size > 1 else None
+    checks = {}
+    for kind, model in (("allreduce", cost_model.allreduce_time), ("all_to_all", cost_model.all_to_all_time),
+                        ("all_gather", cost_model.all_gather_time)):
+        t = seconds[-1] if kind == "allreduce" else _time_collective(kind, big, group, device, repeats)
+        with cost_model.node_layout(layout):
+            m = model(P, 8 * big, alpha, beta)
+        checks[kind] = {"measured_s": t, "model_s": m, "measured_over_model": t / m if m > 0 else None,
+                        "model_flat_s": model(P, 8 * big, alpha, beta)}
     return {"P": P, "alpha_s": alpha, "beta_s_per_bit": beta, "gbit_s": (1 / beta / 1e9) if beta > 0 else math.inf,
-            "sizes": nbytes, "allreduce_s": seconds,
-            "checks": {k: {"measured_s": t, "model_s": m, "measured_over_model": t / m if m > 0 else None}
-                       for k, (t, m) in checks.items()}}
+            "node_size": node_size, "sizes": nbytes, "allreduce_s": seconds, "checks": checks}
+
+
+def node_layout(links: dict, P: int):
+    """comm.cost_model.NodeLayout of the measured axes (None on one node): the world's ring fit
+    feeds the formulas, the intra- and inter-node fits the phases that run inside / across nodes."""
+    from comm import cost_model
+
+    L = links["world"].get("node_size", 1)
+    if not 1 < L < P:
+        return None
+    pick = (lambda k: (links[k]["alpha_s"], links[k]["beta_s_per_bit"]) if k in links else None)
+    return cost_model.NodeLayout(P, L, intra=pick("intra-node"), inter=pick("inter-node"))
+
+
+def predict_comm(opt, links: dict, P: int) -> float:
+    """Seconds of one step's communication of optimizer `opt` on the measured links: the
+    registry's formulas at the world axis's ring fit, with the layout's corrections for the
+    collectives that cross the nodes' ports differently from a ring (comm.cost_model docstring).
+    Why the world fit and not the inter-node axis: a ring over all ranks in rank order crosses
+    every node's port once each way with a flat ring's volume, so on two nodes the world fit
+    already is the inter-node link's (launch.netsim --nodes 2, 100 Mbit/s: world 0.094 Gbit/s,
+    all-gather measured / ring model 0.99), whereas the inter-node axis is measured with its
+    node_size groups sharing the ports at once (0.049 Gbit/s, the share the vote of a
+    hierarchical exchange gets). An all-to-all puts L(P-L)/(P-1) times a flat rank's bytes
+    through a port, a bound the flat model breaks (2 x 2, 4 MB: measured 1.00-1.07 x the layout
+    model; onebit's collectives in training 0.97 x its layout prediction, 1.10 x the flat one),
+    and a naive server's port carries P-L payloads (docs/results/advise/two_nodes_*)."""
+    from comm import cost_model
+
+    world = links["world"]
+    with cost_model.node_layout(node_layout(links, P)):
+        return opt.predict_comm_seconds(world["alpha_s"], world["beta_s_per_bit"], P)
+
+
+def launcher_node_size(P: int) -> int:
+    """Ranks per node from the launcher (LOCAL_WORLD_SIZE) when the P ranks span several nodes of
+    that size, else 1 (one node, or a layout that is not contiguous equal nodes)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", P))
+    return local if 1 < local < P and P % local == 0 else 1
 
 
 def link_axes() -> dict:
     """The groups whose links a run uses: the world; with several nodes (LOCAL_WORLD_SIZE < world)
     also the ranks of one node and one rank per node (collective: every rank creates every group)."""
     P = dist.get_world_size()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", P))
+    local = launcher_node_size(P)
     axes = {"world": None}
-    if 1 < local < P and P % local == 0:
+    if local > 1:
         nodes = P // local
         rank = dist.get_rank()
         for i in range(nodes):
@@ -190,6 +236,14 @@ def link_axes() -> dict:
             if rank % local == j:
                 axes["inter-node"] = g
     return axes
+
+
+def measure_links(device: torch.device, sizes: Sequence[int] = LINK_SIZES) -> dict:
+    """measure_link on every axis of link_axes (collective); the world's checks on several nodes
+    against the node layout's model."""
+    local = launcher_node_size(dist.get_world_size())
+    return {name: measure_link(g, device, sizes, node_size=local if name == "world" else 1)
+            for name, g in link_axes().items()}
 
 
 def _slowest(seconds: float, device: torch.device) -> float:
@@ -346,8 +400,7 @@ def advise(user_cfg, candidates: list[Candidate], device: torch.device, data_dir
 
     P = dist.get_world_size()
     t0 = time.perf_counter()
-    links = {name: measure_link(g, device, link_sizes) for name, g in link_axes().items()}
-    world = links["world"]
+    links = measure_links(device, link_sizes)
     log(f"advise: links measured in {time.perf_counter() - t0:.1f} s: "
         + "; ".join(f"{k} P={v['P']} alpha {v['alpha_s'] * 1e6:.0f} us, {v['gbit_s']:.3g} Gbit/s"
                     for k, v in links.items()))
@@ -371,7 +424,7 @@ def advise(user_cfg, candidates: list[Candidate], device: torch.device, data_dir
             rows.append(row)
             continue
         opt = local.pop("predictor")
-        comm_s = opt.predict_comm_seconds(world["alpha_s"], world["beta_s_per_bit"], P)
+        comm_s = predict_comm(opt, links, P)
         sent = sum(s for s, _ in opt.wire_bytes_per_step(P, dist.get_rank()).values())
         row.update(status="ok", optimizer=cfg.optim.name, mode=cfg.comm.mode,
                    options=cfg.comm.options.as_dict() if cfg.comm.options is not None else {},
@@ -385,7 +438,9 @@ def advise(user_cfg, candidates: list[Candidate], device: torch.device, data_dir
         (r for r in ok if r["mode"] == "fp32"), None)
     for r in ok:
         r["speedup_vs_fp32"] = base["step_s"] / r["step_s"] if base else None
+    layout = node_layout(links, P)
     return {"world_size": P, "device": str(device), "links": links, "compute": compute,
+            "node_size": layout.node_size if layout else 1,
             "baseline": base["variant"] if base else None,
             "rows": ok + [r for r in rows if r["status"] != "ok"]}
 
@@ -457,7 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log = print if info.is_main else (lambda *a, **k: None)
         if args.links_only:
             result = {"world_size": info.world_size, "device": str(info.device), "rows": [],
-                      "links": {name: measure_link(g, info.device) for name, g in link_axes().items()}}
+                      "links": measure_links(info.device)}
         else:
             result = advise(cfg, candidates, info.device, Path(box[0]), steps=args.steps, log=log)
         if info.is_main:

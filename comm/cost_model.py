@@ -26,15 +26,28 @@ The bandwidth terms are Table 1's:
 pipelining). Which formula a communication mode uses, with which b, is declared by the mode's
 entry in the sync-scheme registry (optim.sync): this module knows collectives, not modes.
 
+Several nodes (`NodeLayout`, applied with `with node_layout(layout):`): P ranks on P/L nodes of L
+contiguous ranks, one network port per node, a fast link inside a node. The (alpha, beta) a formula
+receives is then the fit of a ring allreduce over all ranks: a ring in rank order crosses every
+node's port once each way with a flat ring's per-hop volume, so ring collectives (allreduce,
+reduce-scatter, all-gather) keep the flat formulas at that fit. What a ring does not see is
+corrected where the collective crosses the ports differently: an all-to-all sends L (P-L)/P of its
+buffer through each port (flat: (P-1)/P, so its bandwidth term x L(P-L)/(P-1)); a naive parameter
+server receives P-L payloads on its port (flat: P-1); `hierarchical_onebit` with node_size = L runs
+its intra-node phases at the layout's intra-node link and its vote at the inter-node one.
+
 `calibrate` fits alpha and beta on the live group from a message-size sweep of fp32 allreduce
 (1 KB .. 32 MB by default, min over calls) against ring_allreduce's formula: beta from the slope
 of the large sizes, alpha from the latency-dominated small ones (fit_alpha_beta explains why).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import math
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,6 +57,61 @@ from ._groups import world
 
 def _log2(P: int) -> float:
     return math.log2(P) if P > 1 else 0.0
+
+
+# ---- several nodes: which link a collective crosses ------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class NodeLayout:
+    """world_size ranks on world_size / node_size nodes of node_size contiguous ranks, one network
+    port per node. intra: (alpha, beta) of the ranks of one node; inter: (alpha, beta) of one rank
+    per node, measured with all node_size such groups at once (they share the ports, as the
+    cross-node phase of a hierarchical exchange does). None: not measured (the formulas that need
+    it keep the flat model)."""
+    world_size: int
+    node_size: int
+    intra: tuple[float, float] | None = None
+    inter: tuple[float, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.node_size < 1 or self.world_size % self.node_size:
+            raise ValueError(f"NodeLayout: node_size={self.node_size} must be >= 1 and divide world_size="
+                             f"{self.world_size}")
+
+    def spans_nodes(self, P: int) -> bool:
+        """A collective over P ranks is one over the whole layout, and that has several nodes."""
+        return P == self.world_size and 1 < self.node_size < P
+
+    def all_to_all_factor(self) -> float:
+        """Bytes through one node's port over a flat rank's bytes in an all-to-all of the world."""
+        P, L = self.world_size, self.node_size
+        return L * (P - L) / (P - 1)
+
+    def server_factor(self) -> float:
+        """Payloads through the server node's port over a flat server's in a naive gather/scatter."""
+        P, L = self.world_size, self.node_size
+        return (P - L) / (P - 1)
+
+
+_LAYOUT: contextvars.ContextVar[NodeLayout | None] = contextvars.ContextVar("cost_model_layout", default=None)
+
+
+@contextlib.contextmanager
+def node_layout(layout: NodeLayout | None) -> Iterator[NodeLayout | None]:
+    """The formulas evaluated inside this block model `layout` (None: one flat network)."""
+    token = _LAYOUT.set(layout)
+    try:
+        yield layout
+    finally:
+        _LAYOUT.reset(token)
+
+
+def current_layout() -> NodeLayout | None:
+    return _LAYOUT.get()
+
+
+def _spanning(P: int) -> NodeLayout | None:
+    layout = _LAYOUT.get()
+    return layout if layout is not None and layout.spans_nodes(P) else None
 
 
 # ---- primitive collectives (bits on the wire per rank) --------------------------------------------
@@ -63,8 +131,12 @@ def all_gather_time(P: int, bits: float, alpha: float, beta: float) -> float:
 
 
 def all_to_all_time(P: int, bits: float, alpha: float, beta: float) -> float:
-    """All-to-all of a `bits`-bit buffer (P chunks, one kept): (P-1) alpha + (P-1)/P bits beta."""
-    return 0.0 if P <= 1 else (P - 1) * alpha + (P - 1) / P * bits * beta
+    """All-to-all of a `bits`-bit buffer (P chunks, one kept): (P-1) alpha + (P-1)/P bits beta;
+    across the nodes of the active NodeLayout the bandwidth term x L(P-L)/(P-1) (module docstring)."""
+    if P <= 1:
+        return 0.0
+    layout = _spanning(P)
+    return (P - 1) * alpha + (P - 1) / P * bits * beta * (layout.all_to_all_factor() if layout else 1.0)
 
 
 # ---- Lion Cub Table 1 rows --------------------------------------------------------------------------
@@ -91,10 +163,14 @@ def direct_allreduce(P: int, N: int, b: float | None, alpha: float, beta: float)
 
 def onebit_allreduce(P: int, N: int, b: float, alpha: float, beta: float) -> float:
     """1-bit compressed allreduce: all-to-all + all-gather of packed signs (Table 1 row 4).
-    b is accepted for a uniform signature and ignored (the payload is 1 bit per element)."""
+    b is accepted for a uniform signature and ignored (the payload is 1 bit per element). Across
+    the nodes of the active NodeLayout plus the bytes its all-to-all puts through a node's port
+    beyond a flat rank's ((L(P-L) - (P-1))/P N bits)."""
     if P <= 1:
         return 0.0
-    return 2 * (P - 1) * alpha + (1 + (P - 1) / P) * N * beta
+    layout = _spanning(P)
+    extra = (layout.all_to_all_factor() - 1) * (P - 1) / P if layout else 0.0
+    return 2 * (P - 1) * alpha + (1 + (P - 1) / P + extra) * N * beta
 
 
 def ring_allreduce(P: int, N: int, b: float, alpha: float, beta: float) -> float:
@@ -105,22 +181,29 @@ def ring_allreduce(P: int, N: int, b: float, alpha: float, beta: float) -> float
 def hierarchical_onebit(P: int, N: int, b: float, alpha: float, beta: float,
                         node_size: int = 1) -> float:
     """BinSGDM §4 on one flat network: intra-node reduce-scatter of b-bit words, a 1-bit
-    compressed allreduce of N/m elements across P/m nodes, intra-node all-gather of 1-bit."""
+    compressed allreduce of N/m elements across P/m nodes, intra-node all-gather of 1-bit. Under a
+    NodeLayout of node_size ranks per node the intra-node phases run at its intra link and the
+    vote at its inter link (where measured)."""
     if P <= 1:
         return 0.0
     m, k = node_size, P // node_size
-    return (reduce_scatter_time(m, N * b, alpha, beta) + onebit_allreduce(k, N / m, 1, alpha, beta)
-            + all_gather_time(m, N, alpha, beta))
+    layout = _spanning(P)
+    ai, bi = layout.intra if layout and layout.node_size == m and layout.intra else (alpha, beta)
+    ax, bx = layout.inter if layout and layout.node_size == m and layout.inter else (alpha, beta)
+    return (reduce_scatter_time(m, N * b, ai, bi) + onebit_allreduce(k, N / m, 1, ax, bx)
+            + all_gather_time(m, N, ai, bi))
 
 
 def ps_naive_packed(P: int, N: int, alpha: float, beta: float, up: int = 1, back: int = 1) -> float:
     """Our ps_vote(topology="naive") on links limited at each rank: the server's ingress carries
     P-1 payloads of `up` bits per element, then its egress P-1 result payloads of `back` bits
     (tie-broken vote: 1 and 1; exact eq. 5 sign: 2 and 2; avg: 1 and ceil(log2(P+1))). Table 1's
-    2PNb counts the server's own payload too."""
+    2PNb counts the server's own payload too. Across the nodes of the active NodeLayout the
+    server's port carries P-L payloads each way (its own node's arrive over the intra link)."""
     if P <= 1:
         return 0.0
-    return 2 * (P - 1) * alpha + (P - 1) * N * (up + back) * beta
+    layout = _spanning(P)
+    return 2 * (P - 1) * alpha + (P - 1) * N * (up + back) * beta * (layout.server_factor() if layout else 1.0)
 
 
 def _planes(c: int) -> int:
@@ -132,7 +215,8 @@ def ps_tree_packed(P: int, N: int, alpha: float, beta: float, unit: int = 1, bac
     partial sums (ceil(log2(unit*s+1)) planes for a subtree of s ranks, `unit` the largest value
     one rank sends) concurrently on its ingress after the slower child finished, then the result
     (`back` planes) flows down with each parent sending to its children concurrently on its
-    egress. Critical path in the alpha-beta model."""
+    egress. Critical path in the alpha-beta model; one flat network also under a NodeLayout (the
+    tree's edges are not mapped onto the nodes' ports)."""
     if P <= 1:
         return 0.0
 

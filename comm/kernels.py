@@ -31,13 +31,19 @@ cover, run the reference: same bytes, and a kernel launch would cost more than t
 
 Exactness notes (why the compiled code looks the way it does):
 - M_p of Lion Cub eq. 1 is a reduction whose rounding depends on its summation order, so the
-  compiled path computes it per tensor with the reference's own eager ops (`abs` into a reused
-  buffer, then `.mean()`, or `comm.quantize.lp_mean`); only M_inf, a max, is exact in any order
-  and comes from one segmented reduction. Everything after the norm is one kernel over whole
-  blocks of the flat vector (the block's tensor's scale, gathered once per block) plus one
-  gathered pass over the blocks a tensor boundary cuts: no loop over tensors.
-- Stochastic rounding draws its uniforms with the reference's own `torch.rand` calls, segment by
-  segment from the same generator, so the random stream is consumed identically.
+  compiled path and the reference `quantize_q` both take it from `comm.quantize.segment_lp_means`:
+  the tensors of one size reduced together as the rows of a matrix (ATen reduces each row as it
+  reduces a vector of that length, so on CPU each value is `lp_mean`'s bit for bit; on CUDA the
+  function defines the norms), a few calls per distinct size, not per tensor. M_inf, a max, is
+  exact in any order and comes from one segmented reduction over the block plan. Everything
+  after the norm is one kernel over whole blocks of the flat vector (the block's tensor's
+  scale, gathered once per block) plus one gathered pass over the blocks a tensor boundary
+  cuts: no loop over tensors.
+- Stochastic rounding consumes the random stream as the reference's per-tensor `torch.rand`
+  calls do. On CPU ATen's generator fills a tensor serially, one draw per element, so one
+  stream drawn chunk by chunk over the flat vector is those draws in the same order, and the
+  quantizer runs like the nearest one (a kernel per chunk of whole blocks, the boundary words
+  gathered). On CUDA (Philox: each call has its own offset) it draws segment by segment.
 NaN payloads are not promised to match (NaN positions are).
 """
 from __future__ import annotations
@@ -58,7 +64,7 @@ import torch
 
 from .allreduce import check_lanes
 from .packing import ceil_div, lane_max, lanes_per_word, pack_lanes, pack_words16, unpack_lanes, unpack_words16
-from .quantize import MAX_LEVELS, ROUNDINGS, lp_mean, lp_quantize
+from .quantize import MAX_LEVELS, ROUNDINGS, lp_quantize, segment_lp_means
 from .vote import count_dtype, local_majority, majority_threshold, tb_packed
 
 IMPLS = ("auto", "compiled", "eager")
@@ -315,6 +321,20 @@ def _k_quant_blocks(x3: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor,
     out.copy_(_pack_groups(v, bits))
 
 
+def _k_quant_blocks_stoch(x3: torch.Tensor, scale: torch.Tensor, u3: torch.Tensor, levels: torch.Tensor,
+                          out: torch.Tensor, bits: int) -> None:
+    """_k_quant_blocks with stochastic rounding: u3, shaped like x3, holds each element's uniform
+    (the rounding of comm.quantize.lp_quantize, as _k_quant_v_stoch)."""
+    s = scale.unsqueeze(1)
+    v = []
+    for i in range(x3.shape[2]):
+        y = x3[:, :, i].to(scale.dtype) * s
+        low = torch.floor(y)
+        y = low + (u3[:, :, i] < (y - low)).to(y.dtype)
+        v.append((torch.clamp(y, -levels, levels) + levels).to(torch.int32))
+    out.copy_(_pack_groups(v, bits))
+
+
 def _k_quant_v_stoch(x: torch.Tensor, scale: torch.Tensor, u: torch.Tensor, levels: torch.Tensor,
                      out: torch.Tensor) -> None:
     """Stochastic rounding of optim.quantize.lp_quantize with its uniforms u, shifted by L."""
@@ -450,7 +470,9 @@ def quantize_q(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: int
                tie_step: int = 1) -> torch.Tensor:
     """The reference quantized votes q (int8[n]) of the p-bit scheme (Lion Cub §4.2 eq. 1, App.
     F.1): levels == 0 -> tb(c, tie_step) in {-1, +1}; p None -> sign(c) (the "sign" quantizer);
-    else lp_quantize per segment (offset, size), each parameter tensor with its own M_p."""
+    else lp_quantize per segment (offset, size), each parameter tensor with its own M_p, the M_p of
+    all segments from comm.quantize.segment_lp_means (lp_mean's bits on CPU; its definition of
+    the per-tensor norms on CUDA)."""
     c = c.reshape(-1)
     if levels == 0:  # signs only, 0 forced by the tie break (Lion Cub App. F.1, "1/-1 values")
         fill = torch.tensor(1 if tie_step % 2 == 1 else -1, dtype=torch.int8, device=c.device)
@@ -458,8 +480,9 @@ def quantize_q(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: int
     if p is None:
         return torch.sign(c).to(torch.int8)
     q = torch.empty(c.numel(), dtype=torch.int8, device=c.device)
-    for off, n in segments:
-        q[off:off + n] = lp_quantize(c[off:off + n], levels, p, clip, rounding, generator)
+    means = segment_lp_means(c, segments, p)  # on CPU == lp_mean per segment, bit for bit
+    for k, (off, n) in enumerate(segments):
+        q[off:off + n] = lp_quantize(c[off:off + n], levels, p, clip, rounding, generator, mean=means[k])
     return q
 
 
@@ -492,27 +515,19 @@ def _segment_scales(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p
                     scratch: torch.Tensor | None, plan: tuple | None = None) -> torch.Tensor:
     """Scale levels / (clip * M_p) of every segment. p = inf with a block plan: one segmented
     max over the whole vector (a max is exact in any order, so it equals the per-tensor max).
-    Otherwise per segment with the reference's own ops, so it is bit-identical (a sum's rounding
-    depends on its order); p = 1, the paper's choice, reuses one |x| buffer instead of a fresh
-    allocation per tensor (page faults dominate)."""
+    Otherwise comm.quantize.segment_lp_means, as the reference quantize_q computes them: a few
+    calls per distinct tensor size, each value bit-identical to lp_mean on CPU."""
     mdt = torch.float64 if c.dtype == torch.float64 else torch.float32
     if math.isinf(p) and plan is not None:
         m = _segment_max_abs(c, len(segs), plan).to(mdt)
-        return torch.where(m > 0, levels / (clip * m.clamp_min(torch.finfo(m.dtype).tiny)), m.new_zeros(()))
-    means = []
-    for off, n in segs:
-        seg = c[off:off + n]
-        if p == 1.0 and n:
-            a = scratch[:n]
-            if seg.dtype == mdt:
-                torch.abs(seg, out=a)
-            else:
-                a.copy_(seg).abs_()
-            means.append(a.mean())  # == lp_mean(seg, 1): same values, same contiguous layout
-        else:
-            means.append(lp_mean(seg, p))
-    m = torch.stack(means)
-    # the expression of optim.quantize.lp_quantize, elementwise over the segments
+    else:
+        m = segment_lp_means(c, segs, p, scratch)
+    return _scales_of(m, levels, clip)
+
+
+def _scales_of(m: torch.Tensor, levels: int, clip: float) -> torch.Tensor:
+    """levels / (clip * M_p), 0 where M_p = 0: the expression of comm.quantize.lp_quantize,
+    elementwise over the segments."""
     return torch.where(m > 0, levels / (clip * m.clamp_min(torch.finfo(m.dtype).tiny)), m.new_zeros(()))
 
 
@@ -592,7 +607,7 @@ def _quantize_lanes(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p
     dev, per = c.device, lanes_per_word(bits)
     plan = _block_plan(segs, per, c.numel(), dev)
     nb, bseg, _, elems, seg_of, slot, lane, words = plan
-    scales = _segment_scales(c, segs, levels, p, clip, _scratch(c, segs, p, scratch), plan)
+    scales = _segment_scales(c, segs, levels, p, clip, scratch, plan)
     lv = const(float(levels), scales.dtype, dev)
     if nb:
         # the scale of each block gathered outside: inside, dynamo's duck shaping would tie the
@@ -606,16 +621,50 @@ def _quantize_lanes(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p
         out[words] = vals.to(out.dtype)
 
 
-def _scratch(c: torch.Tensor, segs: list[tuple[int, int]], p: float,
-             scratch: torch.Tensor | None) -> torch.Tensor | None:
-    """The caller's |c| buffer when it fits (p = 1 only), else a new one."""
-    if p != 1.0 or not segs:
-        return None
-    mdt = torch.float64 if c.dtype == torch.float64 else torch.float32
-    need = max(m for _, m in segs)
-    if scratch is None or scratch.numel() < need or scratch.dtype != mdt or scratch.device != c.device:
-        scratch = torch.empty(need, dtype=mdt, device=c.device)
-    return scratch
+STOCH_CHUNK = 256  # whole blocks per draw of uniforms on CPU (1 MiB of float32)
+
+
+def _quantize_lanes_stochastic(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p: float, clip: float,
+                               bits: int, scratch: torch.Tensor | None, generator: torch.Generator | None,
+                               out: torch.Tensor) -> None:
+    """Stochastic-rounding Lion Cub eq. 1 straight into packed lanes on CPU, whatever the number
+    of tensors. ATen's CPU generator fills a tensor serially, one draw per element, so uniforms
+    drawn chunk after chunk in flat order are the reference's per-tensor draws (same values, same
+    generator state after). Each chunk of STOCH_CHUNK whole blocks is one kernel call, and its
+    share of the boundary words (`_block_plan`) one gathered pass; the uniforms live in one
+    chunk-sized buffer, never one of the vector's length."""
+    dev, per, n = c.device, lanes_per_word(bits), c.numel()
+    plan = _block_plan(segs, per, n, dev)
+    nb, bseg, _, elems, seg_of, slot, lane, words = plan
+    scales = _segment_scales(c, segs, levels, p, clip, scratch, plan)
+    dt = scales.dtype
+    lv = const(float(levels), dt, dev)
+    cuts = list(range(0, nb, STOCH_CHUNK)) + [nb] if nb else [0, 0]
+    if len(cuts) > 2 and cuts[-1] - cuts[-2] == 1:  # no chunk of one block (dynamo specialises size 1)
+        del cuts[-2]
+    bounds = [b * QBLOCK for b in cuts[:-1]] + [n]
+    lo = torch.searchsorted(elems, torch.tensor(bounds, device=dev)).tolist()
+    first = slot[[i for i in lo[:-1] if i < elems.numel()]].tolist()
+    u = torch.empty(max(b - a for a, b in zip(bounds, bounds[1:])), dtype=dt, device=dev)
+    bscale = scales[bseg]
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        ui = u[:b - a].uniform_(generator=generator)  # == the reference's torch.rand, in flat order
+        b0, b1 = cuts[i], cuts[i + 1]
+        if b1 > b0:
+            compiled_kernel(_k_quant_blocks_stoch, bits)(
+                (dev.type, dtype_key(c)), c[b0 * QBLOCK:b1 * QBLOCK].view(b1 - b0, -1, per), bscale[b0:b1],
+                ui[:(b1 - b0) * QBLOCK].view(b1 - b0, -1, per), lv,
+                out[b0 * QBLOCK // per:b1 * QBLOCK // per].view(b1 - b0, -1))
+        if lo[i + 1] > lo[i]:  # this chunk's boundary words: the kernel's float ops, gathered
+            e = elems[lo[i]:lo[i + 1]]
+            y = c[e].to(dt) * scales[seg_of[lo[i]:lo[i + 1]]]
+            low = torch.floor(y)
+            y = torch.clamp(low + (ui[e - a] < (y - low)).to(dt), -levels, levels) + levels
+            s0 = first[i]
+            sl = slot[lo[i]:lo[i + 1]] - s0
+            vals = torch.zeros(int(sl[-1]) + 1, dtype=torch.int32, device=dev)
+            vals.index_add_(0, sl, y.to(torch.int32) << (lane[lo[i]:lo[i + 1]].to(torch.int32) * bits))
+            out[words[s0:s0 + vals.numel()]] = vals.to(out.dtype)
 
 
 def quantize_pack(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: int, p: float | None,
@@ -651,24 +700,26 @@ def quantize_pack(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: 
     if p is not None and rounding == "nearest":
         _quantize_lanes(c, segs, levels, float(p), clip, bits, scratch, out)
         return out
+    if p is not None and dev.type == "cpu":  # stochastic: one stream over the flat vector
+        _quantize_lanes_stochastic(c, segs, levels, float(p), clip, bits, scratch, generator, out)
+        return out
     v = out if bits == 8 else torch.empty(n, dtype=torch.uint8, device=dev)
     if p is None:
         compiled_kernel(_k_sign_v)((dev.type, dtype_key(c)), c, const(levels, torch.int32, dev), v)
     else:
-        # stochastic rounding, segment by segment: the uniforms must come from the generator in the
-        # reference's per-tensor draws (on CUDA a draw's stream depends on its size)
+        # stochastic rounding on CUDA, segment by segment: the uniforms must come from the
+        # generator in the reference's per-tensor draws (Philox gives each call its own offset
+        # and counters, so one draw over the flat vector would not be their concatenation)
         p = float(p)
-        big = [(k, s) for k, s in enumerate(segs) if s[1] >= SMALL]
-        if big:
-            bs = [s for _, s in big]
-            scales = _segment_scales(c, bs, levels, p, clip, _scratch(c, bs, p, scratch))
-        which = {k: i for i, (k, _) in enumerate(big)}
+        means = segment_lp_means(c, segs, p, scratch)  # the reference's norms (quantize_q)
+        scales = _scales_of(means, levels, clip)
         for k, (off, m) in enumerate(segs):  # in order: stochastic draws follow the reference
             seg, vk = c[off:off + m], v[off:off + m]
-            if k not in which:
-                vk.copy_(lp_quantize(seg, levels, p, clip, rounding, generator).view(torch.uint8) + levels)
+            if m < SMALL:
+                vk.copy_(lp_quantize(seg, levels, p, clip, rounding, generator, mean=means[k]).view(torch.uint8)
+                         + levels)
                 continue
-            sc = scales[which[k]]
+            sc = scales[k]
             lv = const(float(levels), sc.dtype, dev)
             u = torch.rand(seg.shape, generator=generator, device=dev, dtype=sc.dtype)
             compiled_kernel(_k_quant_v_stoch)((dev.type, dtype_key(c)), seg, sc, u, lv, vk)

@@ -9,15 +9,32 @@ geometric mean 0 and zero out the whole tensor). M_p(x) = 0 (x == 0) -> all zero
 This is the reference of the p-bit wire (comm.kernels.quantize_q / quantize_pack reproduce it
 byte for byte), so it lives in comm/; `optim.quantize` is its public name for optimizers. The lane
 rule that picks L for the p-bit allreduce (P * 2L <= 2^bits - 1) is optim.sync.effective_levels.
+
+`segment_lp_means` gives M_p of every tensor of a flat vector at once, in a number of torch calls
+that grows with the number of distinct tensor sizes (a chunk of rows per size), not with the
+number of tensors; on CPU each value is bit for bit lp_mean's (see its docstring for why).
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 
 import torch
 
 ROUNDINGS = ("nearest", "stochastic")
 MAX_LEVELS = 127  # quantized votes travel as int8 (comm.int_allreduce takes int8[n])
+# ATen splits a reduction or an elementwise loop across intra-op threads only from this many
+# elements on (at::internal::GRAIN_SIZE); below it, or on one thread, each runs serially
+_GRAIN = 32768
+CPU_CHUNK = 1 << 18  # elements of |x| per reduction call on CPU (1 MiB of float32: cache-resident)
+# exponents whose elementwise work gives the same bits in ATen's vectorized and scalar code (|x|,
+# x / s, x * x, sqrt, max: all correctly rounded). log (p = 0) and a general pow do not (measured
+# on torch 2.13: pow(x, 2/3) differs in ~20 % of values between a 0-d tensor, which takes the
+# scalar code, and a contiguous vector), so `_by_scalar_loop` gives the means' final exp / pow the
+# scalar code of lp_mean's 0-d tensors, and their rows are padded to run as loops of their own,
+# as the reference's tensors do (torch 2.13 gives a contiguous loop's tail the vector code, but a
+# loop that finished with scalar code would then still match)
+_EXACT_P = (0.5, 1.0, 2.0, math.inf)
 
 
 def lp_mean(x: torch.Tensor, p: float) -> torch.Tensor:
@@ -41,6 +58,130 @@ def lp_mean(x: torch.Tensor, p: float) -> torch.Tensor:
     return amax * (a / safe).pow(p).mean().pow(1.0 / p)
 
 
+def _by_scalar_loop(t: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """fn applied in place to a copy of the 1-d t through ATen's scalar loop, as it runs on the
+    0-d tensor of lp_mean (a strided view never takes the vectorized loop)."""
+    buf = t.new_empty((t.numel(), 2))[:, 0]
+    return fn(buf.copy_(t))
+
+
+def _rows_lp_mean(a: torch.Tensor, p: float) -> torch.Tensor:
+    """lp_mean of each row of a (k, m) view holding |x| (overwritten), the same ops as lp_mean."""
+    if math.isinf(p):
+        return a.amax(1)
+    if p == 1:
+        return a.mean(1)  # on CPU: the row's sum (ATen's cascade, row by row), divided by m
+    zero = a.new_zeros(())
+    if p == 0:
+        nonzero = a > 0
+        logs = torch.where(nonzero, a.clamp_min_(torch.finfo(a.dtype).tiny).log_(), zero)
+        count = nonzero.sum(1)
+        mean = _by_scalar_loop(logs.sum(1) / count.clamp_min(1), torch.exp_)
+        return torch.where(count > 0, mean, zero)
+    amax = a.amax(1)
+    safe = torch.where(amax > 0, amax, a.new_ones(()))
+    return amax * _by_scalar_loop(a.div_(safe.unsqueeze(1)).pow_(p).mean(1), lambda t: t.pow_(1.0 / p))
+
+
+_GROUPS: dict[tuple, list] = {}
+
+
+def _segment_groups(segs: tuple, p: float, serial: bool, budget: int) -> tuple[list, list[int] | None, int, dict]:
+    """The chunks `segment_lp_means` reduces, once per (layout, p, threading, budget): segments
+    of one size m, up to `budget` elements of rows per chunk (at least one row), as
+    (m, row stride in the buffer, segment indices, offsets, common offset step or None); the
+    order of the segments over all chunks (None: in order, none empty); the buffer elements a
+    chunk needs; a cache of index tensors per device. Rows that hold a
+    position-dependent op (p not in _EXACT_P) are padded by one element, so that each row runs as
+    a loop of its own; a chunk has one row where ATen would split the reference's own reduction
+    or loop across threads (serial False: rows from _GRAIN elements, or any row for p outside
+    _EXACT_P)."""
+    key = (segs, p, serial, budget)
+    if key not in _GROUPS:
+        if len(_GROUPS) >= 16:
+            _GROUPS.pop(next(iter(_GROUPS)))
+        exact = p in _EXACT_P
+        by_size: dict[int, list[int]] = {}
+        for i, (_, m) in enumerate(segs):
+            if m:
+                by_size.setdefault(m, []).append(i)
+        chunks, order, need = [], [], 0
+        for m, idx in by_size.items():
+            row = m if exact else m + 1
+            per = 1 if not serial and (m >= _GRAIN or not exact) else max(1, budget // row)
+            for j in range(0, len(idx), per):
+                part = idx[j:j + per]
+                offs = [segs[i][0] for i in part]
+                steps = {b - a for a, b in zip(offs, offs[1:])}
+                step = steps.pop() if len(steps) == 1 else (0 if len(offs) == 1 else None)
+                chunks.append((m, row, part, offs, step))
+                order += part
+                need = max(need, len(part) * row)
+        identity = order == list(range(len(segs)))
+        _GROUPS[key] = (chunks, None if identity else order, need, {})
+    return _GROUPS[key]
+
+
+def segment_lp_means(c: torch.Tensor, segments: Sequence[tuple[int, int]], p: float,
+                     scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """M_p (lp_mean) of every segment (offset, size) of the flat vector c, as one tensor.
+
+    The segments of one size are reduced together, as the rows of a matrix: a strided view of c
+    when their offsets step evenly (a transformer's layers), else gathered rows, |x| written to
+    one buffer (`scratch`, when it is a float32 (float64 for float64 c) buffer large enough, else
+    a new one). So the number of calls grows with the number of distinct sizes, not of tensors.
+    On CPU each value is lp_mean's bit for bit: ATen reduces each row of a matrix with the loop it
+    runs on a vector of that length, and every elementwise op is either exact or, for p = 0 and
+    a general p, kept at its reference position (`_segment_groups`). On CUDA a row reduction may
+    round differently from a whole-tensor one: there this function is the definition of the
+    per-tensor norms of the p-bit wire (comm.kernels.quantize_q and quantize_pack both use it).
+    """
+    c = c.reshape(-1)
+    if c.stride(0) != 1:  # the rows are strided views of contiguous storage
+        c = c.contiguous()
+    p = float(p)
+    mdt = torch.float64 if c.dtype == torch.float64 else torch.float32
+    segs = tuple((int(o), int(m)) for o, m in segments)
+    cpu = c.device.type == "cpu"
+    serial = not cpu or torch.get_num_threads() == 1
+    # a chunk's |x| is written, then read back: on CPU a chunk that stays in the L2 cache reads
+    # back at cache speed, a larger one from memory; on a GPU fewer, larger chunks save launches
+    budget = CPU_CHUNK if cpu else max([m for _, m in segs] + [CPU_CHUNK])
+    chunks, order, need, index = _segment_groups(segs, p, serial, budget)
+    if not chunks:
+        return torch.zeros(len(segs), dtype=mdt, device=c.device)
+    if scratch is None or scratch.numel() < need or scratch.dtype != mdt or scratch.device != c.device:
+        scratch = torch.empty(need, dtype=mdt, device=c.device)
+    base = c.storage_offset()
+    means = []
+    for j, (m, row, part, offs, step) in enumerate(chunks):
+        k = len(part)
+        a = scratch[:k * row].view(k, row)[:, :m]
+        if step is not None:  # evenly spaced: a strided view, no gather
+            rows = c.as_strided((k, m), (step, 1), base + offs[0])
+        else:
+            if (j, c.device) not in index:
+                index[(j, c.device)] = torch.tensor(offs, device=c.device)
+            rows = c.unfold(0, m, 1)  # every window of m elements; the chunk's are gathered
+            if c.dtype == mdt and a.is_contiguous():
+                torch.index_select(rows, 0, index[(j, c.device)], out=a).abs_()
+                means.append(_rows_lp_mean(a, p))
+                continue
+            rows = rows.index_select(0, index[(j, c.device)])
+        if rows.dtype == mdt:
+            torch.abs(rows, out=a)
+        else:
+            a.copy_(rows).abs_()
+        means.append(_rows_lp_mean(a, p))
+    flat = torch.cat(means) if len(means) > 1 else means[0]
+    if order is None:
+        return flat
+    if ("order", c.device) not in index:
+        index[("order", c.device)] = torch.tensor(order, dtype=torch.int64, device=c.device)
+    out = torch.zeros(len(segs), dtype=mdt, device=c.device)
+    return out.index_copy_(0, index[("order", c.device)], flat)
+
+
 def levels_for_bits(bits: int) -> int:
     """L = 2^(bits-1) - 1 of eq. (1): the levels one value of `bits` bits (sign and magnitude) holds,
     for a quantizer with no lane sum to fit (the p-bit allreduce's lane-sum rule is comm.max_levels)."""
@@ -50,12 +191,13 @@ def levels_for_bits(bits: int) -> int:
 
 
 def lp_quantize(x: torch.Tensor, levels: int, p: float, clip: float = 2.0, rounding: str = "nearest",
-                generator: torch.Generator | None = None) -> torch.Tensor:
+                generator: torch.Generator | None = None, *, mean: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize `x` to int8 values in [-levels, levels] by Lion Cub eq. (1).
 
     `p` is any float >= 0 (0, 0.5, 1, 2, inf are the paper's). rounding="nearest" rounds half to
     even; "stochastic" rounds y up with probability y - floor(y) (unbiased: E[q] = y before the
     clamp), drawing from `generator` (seed it per rank). Returns an int8 tensor shaped like x.
+    mean: M_p(x) when the caller has it (a 0-d tensor, from `segment_lp_means`).
     """
     if not isinstance(levels, int) or not 1 <= levels <= MAX_LEVELS:
         raise ValueError(f"lp_quantize: levels={levels!r}; need an int in [1, {MAX_LEVELS}] "
@@ -67,7 +209,7 @@ def lp_quantize(x: torch.Tensor, levels: int, p: float, clip: float = 2.0, round
         raise ValueError(f"lp_quantize: clip={clip}; need clip > 0 (the paper uses 2)")
     if rounding not in ROUNDINGS:
         raise ValueError(f"lp_quantize: rounding={rounding!r}; choose one of {ROUNDINGS}")
-    m = lp_mean(x, p)
+    m = lp_mean(x, p) if mean is None else mean
     work = x.detach().to(m.dtype)
     scale = torch.where(m > 0, levels / (clip * m.clamp_min(torch.finfo(m.dtype).tiny)), m.new_zeros(()))
     y = work * scale

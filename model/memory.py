@@ -6,7 +6,7 @@ sharding one copy of the model (parallel.shard_size; replicate = N / S):
 - parameters: the fp32 master weights of this rank's shards (FSDP2 splits every tensor along
   dim 0 into S chunks of ceil(rows / S) rows; rank 0 holds a full chunk, the largest);
 - gradients: one flat fp32 buffer over the same local elements (optim/base.py attach_flat_grads);
-- optimizer state: the optimizer registry's `state_words` per element (by role) and the sync
+- optimizer state: the optimizer registry's `state_words` per element (hidden matrix or not) and the sync
   scheme's `state_bytes` for the exchanged vector (error feedback), both on N / S ... local elements
   over the R = N / S replicas;
 - communication buffers (estimate): the payload one exchange hands to its collective (the scheme's
@@ -30,6 +30,8 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
+
+from .gpt import MATRIX_ROLES
 
 GIB = 2 ** 30
 
@@ -120,7 +122,7 @@ def estimate(cfg, world: int, shard_size: int = 1, *, device: str = "cuda", mode
         mem.local_elements += n
         if spec.state_words is None:
             continue
-        mem.optim_state += int(4 * spec.state_words(cfg.optim.options, scheme, role) * n)
+        mem.optim_state += int(4 * spec.state_words(cfg.optim.options, scheme, role in MATRIX_ROLES and len(shape) == 2) * n)
     if spec.state_words is None:
         mem.notes.append(f"optim.name={spec.name} declares no state_words: its state is not counted")
     n = mem.local_elements

@@ -5,14 +5,18 @@
 
 `optim.registry` maps `optim.name` to an optimizer and says which sync schemes it runs on;
 `optim.sync` maps `comm.mode` to a sync scheme. Every optimizer derives from
-`optim.base.CommOptimizer`: it holds the flat layout, runs the scheme's exchange inside `step()`,
-clips, runs momentum sync and diagnostics, and returns a `StepReport`.
+`optim.base.CommOptimizer`: it composes the flat layout (optim.layout), buckets and overlap
+(optim.overlap), byte and time accounting (optim.accounting) and the divergence guard
+(optim.guard), runs the scheme's exchange inside `step()`, clips, runs momentum sync and
+diagnostics, and returns a `StepReport`.
 """
 from __future__ import annotations
 
 from . import sync
 from .adamw import AdamW
-from .base import CommOptimizer, FlatLayout, MomentumSync, StepReport
+from .accounting import StepReport
+from .base import CommOptimizer, MomentumSync
+from .layout import FlatLayout
 from .lion import Lion
 from .lioncub import DistributedLion
 from .quantize import lp_quantize

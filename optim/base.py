@@ -1,188 +1,52 @@
 """The optimizer base that owns communication (in the style of modded-nanogpt's distributed
 optimizers: the collective happens inside `step()`; there is no DDP wrapper).
 
-A `CommOptimizer` holds:
-- the flat layout (Lion Cub App. D.2): every trainable parameter's gradient is a view of ONE flat
-  buffer per dtype (in the model's parameter order), so a gradient-sync exchange is a single
-  collective and backward accumulates in place; and a role-ordered layout (`FlatLayout`) in
-  which every role (embedding, head, attn, mlp, norm) is one contiguous slice, with views by
-  parameter and by role, for update-sync vectors (Lion Cub's c_local), momentum sync and
-  diagnostics;
+A `CommOptimizer` composes:
+- the flat layout (optim/layout.py, Lion Cub App. D.2): `FlatLayout`, every trainable parameter
+  once in role order (or bucket order), with views by parameter and by role, for update-sync
+  vectors (Lion Cub's c_local), momentum sync and diagnostics; and `GradBuffers`, ONE flat
+  gradient buffer per dtype of which every `.grad` is a view;
 - the sync scheme chosen by `comm.mode` (optim.sync): for a GRADIENT scheme, `step()` exchanges
   the flat gradient before the update; for an UPDATE scheme the subclass's `_update` calls
   `self.exchange` on its own vector;
+- buckets and overlap (optim/overlap.py), when `comm.bucket_mb` > 0;
+- byte and time accounting (optim/accounting.py): the per-phase CommStats, the `StepReport`, and
+  the step's exact bytes and alpha-beta time from what `_exchanged` / `_extra_calls` list;
+- the divergence guard (optim/guard.py): one 4-byte agreement on non-finite values and stop;
 - gradient clipping (global norm after a gradient exchange; each rank's local norm for update
-  sync, where no gradient crosses the network);
-- hooks after the update: diagnostics (on request, measured BEFORE a momentum sync of the same
-  step) and momentum synchronisation of selected roles on a schedule (Lion Cub §5).
+  sync, where no gradient crosses the network) and hooks after the update: diagnostics (on
+  request, measured BEFORE a momentum sync of the same step) and momentum synchronisation of
+  selected roles on a schedule (Lion Cub §5).
 
-`step(diagnose=False)` returns a `StepReport`: seconds and bytes by phase (grad_sync,
-update_sync, momentum_sync, diag), the diagnostics and histograms. Nothing is communicated
-through attributes set from outside or a process-wide stats object.
+`step(diagnose=False)` returns a `StepReport`. Nothing is communicated through attributes set
+from outside or a process-wide stats object.
 
 Subclasses implement `_update(step) -> dict | None` (the local math and, for update sync, the
-exchange) and, where per-rank state exists, `momentum_of(param)` and `_diagnostics(out)`.
+exchange) and, where per-rank state exists, `momentum_of(param)` and `_diagnostics(out)`. They
+configure themselves through their constructor's arguments, after `super().__init__` (which calls
+no method a subclass overrides), and through the class attributes `optim_name` and `bucketed`.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, ClassVar, Iterable
 
 import torch
 
 import comm
-from comm import Clock, CommStats, cost_model
+from comm import Clock
 from comm import kernels as _kernels
 
 from . import overlap as _overlap
 from . import sync
+from .accounting import BACKGROUND, COMM_PHASES, PHASES, Call, PhaseStats, SideCall, StepReport
+from .accounting import predict_seconds as _predict_seconds
+from .accounting import wire_bytes as _wire_bytes
 from .diagnostics import momentum_spread
+from .guard import Guard, Verdict
+from .layout import Entry, FlatLayout, GradBuffers, attach_flat_grads, flat_norm, model_order
 from .options import choice, common_problems
-
-PHASES = ("grad_sync", "update_sync", "momentum_sync", "diag", "guard", "overlapped")
-COMM_PHASES = ("grad_sync", "update_sync", "momentum_sync")  # what the step's comm time and bytes count
-
-
-@dataclass
-class StepReport:
-    """What one optimizer step did, for the trainer's log. Byte and second sums exclude the
-    diagnostics (their own phase, reported apart)."""
-
-    step: int
-    seconds: float = 0.0
-    """Wall time of step(), diagnostics excluded."""
-    phases: dict[str, dict] = field(default_factory=dict)
-    """phase -> {bytes_sent, bytes_recv, coll_s, pack_s, calls} (comm.CommStats.step_summary)."""
-    diagnostics: dict[str, float] = field(default_factory=dict)
-    histograms: dict[str, torch.Tensor] = field(default_factory=dict)
-    diag_seconds: float = 0.0
-    loss: Any = None
-    nonfinite: bool = False
-    """The divergence guard found a non-finite loss or gradient on some rank: nothing was exchanged
-    or updated, and no optimizer state changed."""
-    grad_norms: torch.Tensor | None = None
-    """L2 norms of the gradient clipping sees (after a gradient exchange; this rank's own for update
-    sync), before clipping: one per role (`CommOptimizer.grad_norm_roles` order), then the global one.
-    A device tensor: reading it is left to the logging steps."""
-    stop: bool = False
-    """Some rank asked to stop (a signal): agreed by the same guard collective, so every rank learns
-    it at the same step."""
-
-    def total(self, key: str) -> float:
-        return sum(self.phases.get(p, {}).get(key, 0) for p in COMM_PHASES)
-
-    @property
-    def coll_s(self) -> float:
-        return self.total("coll_s")
-
-    @property
-    def pack_s(self) -> float:
-        return self.total("pack_s")
-
-    @property
-    def comm_s(self) -> float:
-        return self.coll_s + self.pack_s
-
-    @property
-    def bytes_sent(self) -> int:
-        return int(self.total("bytes_sent"))
-
-    @property
-    def bytes_recv(self) -> int:
-        return int(self.total("bytes_recv"))
-
-
-@dataclass
-class Entry:
-    """One trainable parameter in the role-ordered layout."""
-
-    group: int
-    role: str
-    name: str
-    layer: str
-    param: torch.nn.Parameter
-    offset: int
-    numel: int
-
-    @property
-    def rows(self) -> int:
-        return self.param.shape[0] if self.param.ndim >= 2 else 1
-
-
-class FlatLayout:
-    """Trainable parameters ordered by role (roles in order of first appearance among the
-    groups, group order within a role), so every role is one contiguous slice of a flat vector;
-    or, given `order` (a list of parameters: buckets, optim.overlap), in that order."""
-
-    def __init__(self, param_groups: list[dict], order: list[torch.nn.Parameter] | None = None) -> None:
-        roles_order: dict[str, int] = {}
-        raw = []
-        for gi, g in enumerate(param_groups):
-            role = g.get("role", "all")
-            roles_order.setdefault(role, len(roles_order))
-            names = g.get("names") or [f"group{gi}.{k}" for k in range(len(g["params"]))]
-            layers = g.get("layers") or [""] * len(g["params"])
-            for p, name, layer in zip(g["params"], names, layers):
-                if p.requires_grad:
-                    raw.append((gi, role, name, layer, p))
-        if order is None:
-            raw.sort(key=lambda e: roles_order[e[1]])  # stable: group order within a role
-        else:
-            pos = {id(p): k for k, p in enumerate(order)}
-            raw.sort(key=lambda e: pos.get(id(e[4]), len(pos)))
-        self.entries: list[Entry] = []
-        off = 0
-        for gi, role, name, layer, p in raw:
-            self.entries.append(Entry(gi, role, name, layer, p, off, p.numel()))
-            off += p.numel()
-        self.numel = off
-        self.by_role: dict[str, list[Entry]] = {}
-        for e in self.entries:
-            self.by_role.setdefault(e.role, []).append(e)
-        self.per_group: dict[int, list[int]] = {}
-        for k, e in enumerate(self.entries):
-            self.per_group.setdefault(e.group, []).append(k)
-        dtypes = {e.param.dtype for e in self.entries}
-        self.dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-        self.device = self.entries[0].param.device if self.entries else torch.device("cpu")
-
-    @property
-    def roles(self) -> list[str]:
-        return list(self.by_role)
-
-    @property
-    def segments(self) -> list[tuple[int, int]]:
-        return [(e.offset, e.numel) for e in self.entries]
-
-    def views(self, flat: torch.Tensor, idx: Iterable[int]) -> list[torch.Tensor]:
-        """Views of `flat` shaped like the parameters of entries `idx`."""
-        return [flat[self.entries[k].offset:self.entries[k].offset + self.entries[k].numel]
-                .view_as(self.entries[k].param) for k in idx]
-
-    def params(self, idx: Iterable[int]) -> list[torch.nn.Parameter]:
-        return [self.entries[k].param for k in idx]
-
-    def new_flat(self) -> torch.Tensor:
-        return torch.empty(self.numel, dtype=self.dtype, device=self.device)
-
-
-def attach_flat_grads(params: list[torch.nn.Parameter]) -> dict[torch.dtype, torch.Tensor]:
-    """Point every parameter's .grad at a slice of one zeroed flat buffer per dtype (in the given
-    order), so backward accumulates in place and a gradient exchange is one collective."""
-    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-    for p in params:
-        by_dtype.setdefault(p.dtype, []).append(p)
-    buffers = {}
-    for dtype, ps in by_dtype.items():
-        flat = torch.zeros(sum(p.numel() for p in ps), dtype=dtype, device=ps[0].device)
-        off = 0
-        for p in ps:
-            p.grad = flat[off:off + p.numel()].view_as(p)
-            off += p.numel()
-        buffers[dtype] = flat
-    return buffers
 
 
 @dataclass
@@ -207,9 +71,13 @@ class MomentumSync:
 class CommOptimizer(torch.optim.Optimizer):
     """Base of every optimizer of the project; see the module docstring."""
 
-    optim_name: str | None = None
+    optim_name: ClassVar[str | None] = None
     """The registry entry (`optim.name`) that builds this class: an optimizer built directly, not
     through build_optimizer, is checked against that entry's `accepts` (the rule's one home)."""
+    bucketed: ClassVar[bool] = True
+    """Whether the vector this optimizer hands its scheme can be exchanged in buckets: the base's
+    flat gradient under gradient sync; under update sync the subclass's own vector, which it then
+    cuts with `_bucket_vector` (an update-sync optimizer without one cannot)."""
 
     def __init__(self, param_groups: Iterable, defaults: dict, *, scheme: str | sync.SyncScheme = "fp32",
                  scheme_options: sync.SchemeOptions | dict | None = None, group=None, grad_clip: float = 0.0,
@@ -241,26 +109,22 @@ class CommOptimizer(torch.optim.Optimizer):
             momentum_sync_every=every, shard_size=comm.world(shard_group)[0] if shard_group is not None else 1)
         if problems:
             raise ValueError("; ".join(problems))
-        self.layout = FlatLayout(self.param_groups)
-        if not self.layout.entries:
+        order = model_order(self.param_groups, param_order)
+        if not order:
             raise ValueError("the optimizer got no trainable parameter")
-        trainable = {id(e.param) for e in self.layout.entries}
-        order = [p for p in (param_order or []) if id(p) in trainable]
-        if len(order) != len(trainable):  # no (complete) model order given: role order
-            order = [e.param for e in self.layout.entries]
         self._check_buckets(bucket_mb)
         self.bucket_bytes, self.overlap = bucket_mb * 2 ** 20, overlap
-        if self.bucket_bytes > 0 and self.scheme.kind == sync.UPDATE:
-            # the update-sync vector in bucket order, so every bucket is one contiguous part
-            self.layout = FlatLayout(self.param_groups, [p for b in _overlap.plan(order, self.bucket_bytes) for p in b])
+        # update sync in buckets: the vector in bucket order, so every bucket is one contiguous part
+        bucketed_update = self.bucket_bytes > 0 and self.scheme.per_rank_state
+        self.layout = FlatLayout(self.param_groups, _overlap.update_order(order, self.bucket_bytes)
+                                 if bucketed_update else None)
         problems = []
         choice(problems, "comm.kernels", kernels, _kernels.IMPLS)
         if problems:
             raise ValueError(problems[0])
         self.kernels = kernels
-        self.stats = {phase: CommStats(timing=fine_timing) for phase in PHASES}
-        self.grad_buffers = attach_flat_grads(self._grad_order(order))
-        self._grad_views = {id(p): p.grad for p in order}
+        self.stats = PhaseStats(timing=fine_timing)
+        self.grads = GradBuffers(order)
         self.grad_clip = float(grad_clip)
         self.momentum_sync = momentum_sync if momentum_sync is not None and momentum_sync.every > 0 else None
         if self.momentum_sync is not None:
@@ -269,22 +133,36 @@ class CommOptimizer(torch.optim.Optimizer):
                                  f"present: {self.layout.roles} (a head tied to the embedding has role 'embedding')")
         device = self.layout.device
         self.clock = Clock(device)
+        self.guard = Guard(group, self.stats["guard"], shard_group)
         # independent random stream per rank, reproducible from the run's seed
         seed = (torch.initial_seed() * 1_000_003 + 7919 * (self.rank + 1)) % (2 ** 63 - 1)
-        phase = "grad_sync" if self.scheme.kind == sync.GRADIENT else "update_sync"
         self.ctx = sync.ExchangeContext(
-            world_size=self.world_size, rank=self.rank, group=group, stats=self.stats[phase],
-            segments=self.layout.segments, rows=[e.rows for e in self.layout.entries], device=device, seed=seed,
-            kernels=kernels)
+            world_size=self.world_size, rank=self.rank, group=group, stats=self.stats[self.scheme.phase],
+            segments=self.layout.segments, rows=self.layout.rows, device=device, seed=seed, kernels=kernels)
         self.exchange = self.scheme.build(self.scheme_options, self.ctx)
         self._step = 0
         self._bucket_results = None
-        self._buckets = self._make_buckets(order) if self.bucket_bytes > 0 else None
+        self._buckets: _overlap.Overlap | None = None
+        if self.bucket_bytes > 0:
+            buckets = (_overlap.update_buckets(order, self.bucket_bytes, self.ctx, self.stats[BACKGROUND],
+                                               self._bucket_vector) if bucketed_update else
+                       _overlap.gradient_buckets(order, self.bucket_bytes, self.grads.buffers))
+            self._buckets = _overlap.Overlap(buckets, self.exchange, self._book_bucket, self.ctx.stats, self.clock,
+                                             self.overlap)
 
-    # ---- buckets and overlap (optim/overlap.py) -----------------------------------------------------
-    bucketed = "gradient"
-    """Which vector this optimizer can exchange in buckets: "gradient" (the base's gradient
-    exchange), "update" (the subclass's own vector: `_bucket_vector`), or None (not at all)."""
+    @property
+    def grad_buffers(self) -> dict[torch.dtype, torch.Tensor]:
+        """The flat gradient buffers, one per dtype (optim.layout.GradBuffers)."""
+        return self.grads.buffers
+
+    def _order_grads(self, order: list[torch.nn.Parameter]) -> None:
+        """Lay the flat gradient buffers out in `order` instead of the model's (a subclass that
+        exchanges only some gradients puts them first, so they form one contiguous slice). Called
+        from a subclass's constructor, before any backward; not with buckets (they are slices of
+        the buffers)."""
+        if self._buckets is not None:
+            raise ValueError(f"{type(self).__name__}: the gradient buffers are bucketed; they cannot be reordered")
+        self.grads = GradBuffers(order)
 
     def _registry_problems(self) -> list[str]:
         if self.optim_name is None:
@@ -294,39 +172,15 @@ class CommOptimizer(torch.optim.Optimizer):
         problem = compatibility_problem(self.optim_name, self.scheme.name, self.scheme_options)
         return [problem] if problem else []
 
+    # ---- buckets and overlap (optim/overlap.py) -----------------------------------------------------
     def _check_buckets(self, bucket_mb: float) -> None:
         """The optimizer's side of buckets (the scheme's, `bucketable`, is in its run_problems)."""
         if bucket_mb <= 0:
             return
-        wants = "gradient" if self.scheme.kind == sync.GRADIENT else "update"
-        if self.bucketed != wants:
+        own_vector = type(self)._bucket_vector is not CommOptimizer._bucket_vector
+        if not self.bucketed or (self.scheme.per_rank_state and not own_vector):
             raise ValueError(f"comm.bucket_mb / comm.overlap: {type(self).__name__} on comm.mode={self.scheme.name} "
                              f"cannot exchange its vector in buckets; set comm.bucket_mb=0 and comm.overlap=false")
-
-    def _make_buckets(self, order: list[torch.nn.Parameter]) -> _overlap.Overlap:
-        if self.scheme.kind == sync.GRADIENT:
-            buckets = []
-            for dtype, buf in self.grad_buffers.items():
-                ps, base = [p for p in order if p.dtype == dtype], buf.data_ptr()
-                for run in _overlap.plan(ps, self.bucket_bytes):
-                    offs = [(p.grad.data_ptr() - base) // p.grad.element_size() for p in run]
-                    lo, hi = min(offs), max(o + p.numel() for o, p in zip(offs, run))
-                    b = _overlap.Bucket(len(buckets), run, lo, hi)
-                    b.extra["buf"] = buf
-                    buckets.append(b)
-        else:
-            buckets, off = [], 0
-            for run in _overlap.plan(order, self.bucket_bytes):
-                n = sum(p.numel() for p in run)
-                buckets.append(_overlap.Bucket(len(buckets), run, off, off + n))
-                off += n
-        for b in buckets:  # bucket b's part of the exchange: its own segments, and the overlap's stats
-            b.extra["rows"] = sum(p.shape[0] if p.ndim >= 2 else 1 for p in b.params)  # once, not every step
-            part = self.ctx.restrict(b.lo, b.hi) if self.scheme.kind == sync.UPDATE else self.ctx
-            b.extra["ctx"] = part
-            b.extra["ctx_bg"] = dataclasses.replace(part, stats=_overlap_stats(self))
-        return _overlap.Overlap(buckets, self._launch_bucket, self._book_bucket, self.ctx.stats, self.clock,
-                                self.overlap)
 
     def expect_backward(self, final: bool = True) -> None:
         """Call before each backward of a step: `final` on the last micro-batch of the accumulation
@@ -334,24 +188,12 @@ class CommOptimizer(torch.optim.Optimizer):
         if self._buckets is not None:
             self._buckets.expect_backward(final, self._step + 1)
 
-    def _launch_bucket(self, b: _overlap.Bucket, step: int):
-        if self.scheme.kind == sync.GRADIENT:
-            view = b.extra["buf"][b.lo:b.hi]
-            if self.overlap:
-                return self.exchange.start(view, step)
-            return _overlap.Done(self.exchange(view, step))
-        vec = self._bucket_vector(b)
-        if self.overlap:
-            return self._buckets.submit(self.exchange, vec, step, b.extra["ctx_bg"])
-        return _overlap.Done(self.exchange(vec, step, b.extra["ctx"]))
-
     def _book_bucket(self, b: _overlap.Bucket) -> tuple[str, int, int]:
-        sent, recv = self.scheme.bytes_per_call(self.scheme_options, self.world_size, b.hi - b.lo, self.rank,
-                                                b.extra["rows"])
+        sent, recv = self.scheme.bytes_per_call(self.scheme_options, self.world_size, b.hi - b.lo, self.rank, b.rows)
         return f"{self.scheme.name}[bucket {b.index}]", sent, recv
 
-    def _bucket_vector(self, b: _overlap.Bucket) -> torch.Tensor:  # pragma: no cover - interface
-        """The vector of bucket b to exchange (update-sync optimizers with bucketed = "update")."""
+    def _bucket_vector(self, b: _overlap.UpdateBucket) -> torch.Tensor:  # pragma: no cover - interface
+        """The vector of bucket b to exchange (update-sync optimizers that exchange in buckets)."""
         raise NotImplementedError
 
     # ---- what subclasses implement ------------------------------------------------------------
@@ -364,21 +206,18 @@ class CommOptimizer(torch.optim.Optimizer):
         """The momentum tensor that momentum sync and the spread diagnostic use (None: none)."""
         return None
 
-    def _grad_order(self, order: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
-        """The order of the flat gradient buffer (default: the model's). A subclass that exchanges
-        only some gradients may put them first so they form one contiguous slice."""
-        return order
-
     def _exchange_gradients(self, step: int) -> None:
-        """Before clipping and the update: a GRADIENT scheme averages every flat gradient buffer
-        (one collective each, or one per bucket). Subclasses that exchange only part of the
-        gradient override this."""
-        if self.scheme.kind == sync.GRADIENT and self._buckets is not None:
+        """Before clipping and the update: a gradient scheme averages every flat gradient buffer
+        (one collective each, or one per bucket); under update sync the subclass exchanges its own
+        vector in `_update`. Subclasses that exchange only part of the gradient override this."""
+        if self.scheme.per_rank_state:
+            return
+        if self._buckets is not None:
             if self._bucket_results is None:  # overlap drained them at the start of the step
                 self._buckets.finish(step)
-        elif self.scheme.kind == sync.GRADIENT:
-            for buf in self.grad_buffers.values():
-                self.exchange(buf, step)
+            return
+        for buf in self.grads.buffers.values():
+            self.exchange(buf, step)
 
     def warmup(self) -> float:
         """Compile the fused kernels this optimizer and its exchange use (comm.kernels), before the
@@ -406,47 +245,33 @@ class CommOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the flat gradient buffers (the .grad views stay; set_to_none is ignored)."""
-        for buf in self.grad_buffers.values():
-            buf.zero_()
-
-    def _adopt_grads(self) -> None:
-        """A .grad replaced from outside (assigned, or set to None) is copied back into its view."""
-        for e in self.layout.entries:
-            view = self._grad_views[id(e.param)]
-            g = e.param.grad
-            if g is view:
-                continue
-            if g is None:
-                view.zero_()  # no gradient this step counts as 0: the flat collective is the same on every rank
-            else:
-                view.copy_(g)
-            e.param.grad = view
+        self.grads.zero_()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, *, diagnose: bool = False,
              loss_finite: bool | None = None, stop: bool = False) -> StepReport:
-        """One step. With `loss_finite` given (the divergence guard), every rank first checks its
-        loss and local gradient for NaN / inf and all ranks agree (one tiny collective, the "guard"
-        phase); if any rank found one, nothing is exchanged or updated and the report says so.
-        `stop` (this rank wants to stop, e.g. on a signal) rides on the same collective: the
-        report's `stop` is true on every rank when it was true on any."""
+        """One step. With `loss_finite` given (the divergence guard, optim/guard.py), every rank
+        first checks its loss and local gradient for NaN / inf and all ranks agree (one tiny
+        collective, the "guard" phase); if any rank found one, nothing is exchanged or updated and
+        the report says so. `stop` (this rank wants to stop, e.g. on a signal) rides on the same
+        collective: the report's `stop` is true on every rank when it was true on any."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         t0 = self.clock.now()
-        for s in self.stats.values():
-            s.begin_step()
-        self._adopt_grads()
+        self.stats.begin_step()
+        self.grads.adopt()
         # overlap: wait for the buckets in flight before any other collective of the step (a
         # background exchange must never interleave with the main thread's collectives)
         self._bucket_results = self._buckets.finish(self._step + 1) if self._buckets is not None and self.overlap \
             else None
-        nonfinite, stopping = self._guard(loss_finite, stop) if loss_finite is not None else (False, stop)
-        if nonfinite:
-            report = StepReport(step=self._step, loss=loss, nonfinite=True, stop=stopping)
+        verdict = self.guard(self.grads.local_norm(), loss_finite, stop) if loss_finite is not None \
+            else Verdict(nonfinite=False, stop=stop)
+        if verdict.nonfinite:
+            report = StepReport(step=self._step, loss=loss, nonfinite=True, stop=verdict.stop)
             report.seconds = self.clock.now() - t0
-            report.phases = {phase: s.step_summary() for phase, s in self.stats.items()}
+            report.phases = self.stats.step_summary()
             return report
         self._step += 1
         t = self._step
@@ -455,7 +280,7 @@ class CommOptimizer(torch.optim.Optimizer):
         if self.grad_clip > 0:
             self._clip_()
         out = self._update(t)
-        report = StepReport(step=t, loss=loss, grad_norms=grad_norms, stop=stopping)
+        report = StepReport(step=t, loss=loss, grad_norms=grad_norms, stop=verdict.stop)
         due = self.momentum_sync is not None and self.momentum_sync.due(t)
         if diagnose:
             report.diag_seconds += self._run_diagnostics(report, out, after_sync=False)
@@ -464,28 +289,13 @@ class CommOptimizer(torch.optim.Optimizer):
             if diagnose:
                 report.diag_seconds += self._run_diagnostics(report, None, after_sync=True)
         report.seconds = self.clock.now() - t0 - report.diag_seconds
-        report.phases = {phase: s.step_summary() for phase, s in self.stats.items()}
+        report.phases = self.stats.step_summary()
         return report
-
-    def _guard(self, loss_finite: bool, stop: bool) -> tuple[bool, bool]:
-        """(any rank saw a non-finite loss or gradient, any rank asked to stop): one SUM-allreduce of
-        one int32 with two lanes, the non-finite count in bits 0-15 and the stop count above (P <
-        2^15 ranks, so neither lane overflows)."""
-        bufs = list(self.grad_buffers.values())
-        local_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b, dtype=torch.float32)
-                                                           for b in bufs]))
-        bad = torch.logical_not(torch.isfinite(local_norm)) | (not loss_finite)
-        word = bad.reshape(1).to(torch.int32) + (1 << 16 if stop else 0)
-        if self.shard_group is not None:  # hybrid sharding: first over the other shards (counts add up)
-            word = comm.allreduce_packed_(word, group=self.shard_group, stats=self.stats["guard"], name="guard_shards")
-        word = comm.allreduce_packed_(word, group=self.group, stats=self.stats["guard"], name="guard")
-        v = int(word.item())
-        return bool(v & 0xFFFF), bool(v >> 16)
 
     def _grad_norm(self, bufs: list[torch.Tensor]) -> torch.Tensor:
         """L2 norm of the gradient (fp32): of the flat buffers, summed over the shard group when the
         parameters are shards (both replicas' groups then hold the same whole gradient's norm)."""
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b, dtype=torch.float32) for b in bufs]))
+        norm = flat_norm(bufs)
         if self.shard_group is None:
             return norm
         sq = norm.square()
@@ -499,18 +309,16 @@ class CommOptimizer(torch.optim.Optimizer):
     def _grad_norms(self) -> torch.Tensor:
         """Per-role and global L2 norms of the gradient (fp32, on the device, no host sync); the global
         one is torch.nn.utils.clip_grad_norm_'s total norm of the same gradients."""
-        grads = [self._grad_views[id(e.param)] for e in self.layout.entries]
+        views = self.grads.views
+        grads = [views[id(e.param)] for e in self.layout.entries]
         sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square()  # one norm per tensor
-        if getattr(self, "_role_index", None) is None:  # built once: the layout is fixed
-            self._role_index = torch.tensor([self.layout.roles.index(e.role) for e in self.layout.entries],
-                                            device=sq.device)
-        roles = torch.zeros(len(self.layout.roles), device=sq.device).index_add_(0, self._role_index, sq)
+        roles = torch.zeros(len(self.layout.roles), device=sq.device).index_add_(0, self.layout.role_index(), sq)
         if self.shard_group is not None:  # hybrid sharding: add the other shards' squares (whole tensors' norms)
             torch.distributed.all_reduce(roles, group=self.shard_group)
         return torch.cat([roles, roles.sum()[None]]).sqrt()
 
     def _clip_(self) -> None:
-        bufs = list(self.grad_buffers.values())
+        bufs = list(self.grads.buffers.values())
         norm = self._grad_norm(bufs)
         scale = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
         for b in bufs:
@@ -533,7 +341,7 @@ class CommOptimizer(torch.optim.Optimizer):
             d, h = self._diagnostics(out)
             report.diagnostics.update(d)
             report.histograms.update(h)
-        if self.scheme.kind == sync.UPDATE:
+        if self.scheme.per_rank_state:  # momenta that can drift apart: their spread
             moms = self._momenta()
             if moms:
                 prefix = "diag/momentum_spread_after_sync" if after_sync else "diag/momentum_spread"
@@ -590,59 +398,40 @@ class CommOptimizer(torch.optim.Optimizer):
                           "exchange": self.exchange.reshard_state([c.get("exchange") or {} for c in comm_states])}
         self.load_state_dict(merged)
 
-    # ---- what crosses the network: exact bytes and the alpha-beta prediction ------------------------
-    def _exchanged(self) -> list[tuple[str, int, int]]:
-        """(phase, elements, rows) of every call of the scheme's exchange in one step (rows: for
-        mask_zero_updates' flags): the flat gradient buffers (or their buckets) for gradient sync,
-        the update vector (or its buckets) for update sync. Optimizers with other exchanges override."""
+    # ---- what crosses the network: exact bytes and the alpha-beta prediction (optim/accounting.py) --
+    def _exchanged(self) -> list[Call]:
+        """Every call of the scheme's exchange in one step: the flat gradient buffers (or their
+        buckets) for gradient sync, the update vector (or its buckets) for update sync. Optimizers
+        with other exchanges override."""
+        phase = self.scheme.phase
         if self._buckets is not None:
-            return [("grad_sync" if self.scheme.kind == sync.GRADIENT else "update_sync", b.hi - b.lo,
-                     b.extra["rows"]) for b in self._buckets.buckets]
-        if self.scheme.kind == sync.GRADIENT:
-            return [("grad_sync", buf.numel(), 1) for buf in self.grad_buffers.values()]
-        return [("update_sync", self.layout.numel, sum(e.rows for e in self.layout.entries))]
+            return [Call(phase, b.hi - b.lo, b.rows) for b in self._buckets.buckets]
+        if self.scheme.per_rank_state:
+            return [Call(phase, self.layout.numel, sum(self.layout.rows))]
+        return [Call(phase, buf.numel(), 1) for buf in self.grads.buffers.values()]
 
-    def _extra_calls(self) -> list[tuple[str, int, int]]:
-        """(phase, elements, bits) of collectives outside the scheme (e.g. Dion's clipping norm);
-        momentum sync and the divergence guard's 4-byte agreement are not counted here."""
+    def _extra_calls(self) -> list[SideCall]:
+        """Collectives outside the scheme (e.g. Dion's clipping norm); momentum sync and the
+        divergence guard's 4-byte agreement are not counted here."""
         return []
 
     def wire_bytes_per_step(self, world_size: int | None = None, rank: int | None = None) -> dict[str, tuple[int, int]]:
         """Payload bytes (sent, received) a rank hands to collectives in one step, by phase, as
         comm.CommStats books them (diagnostics, momentum sync and the guard excluded; 0 at one rank).
         world_size and rank default to this optimizer's (pass others to predict another run)."""
-        P = self.world_size if world_size is None else world_size
-        rank = self.rank if rank is None else rank
-        out: dict[str, tuple[int, int]] = {}
-        for phase, n, rows in self._exchanged():
-            s, r = self.scheme.bytes_per_call(self.scheme_options, P, n, rank=rank, rows=rows)
-            a, b = out.get(phase, (0, 0))
-            out[phase] = (a + s, b + r)
-        if P > 1:
-            for phase, n, bits in self._extra_calls():
-                a, b = out.get(phase, (0, 0))
-                out[phase] = (a + n * bits // 8, b + n * bits // 8)
-        return out
+        return _wire_bytes(self.scheme, self.scheme_options, self._exchanged(), self._extra_calls(),
+                           self.world_size if world_size is None else world_size, self.rank if rank is None else rank)
 
     def predict_comm_seconds(self, alpha: float, beta: float, world_size: int | None = None) -> float:
         """Alpha-beta prediction of one step's communication (the scheme's own model per exchange,
         the ring allreduce for side collectives); alpha in s per message, beta in s per bit."""
-        P = self.world_size if world_size is None else world_size
-        if P <= 1:
-            return 0.0
-        t = sum(self.scheme.predict(self.scheme_options, P, n, alpha, beta, rows=rows)
-                for _, n, rows in self._exchanged() if n)
-        return t + sum(cost_model.ring_allreduce(P, n, bits, alpha, beta) for _, n, bits in self._extra_calls())
+        return _predict_seconds(self.scheme, self.scheme_options, self._exchanged(), self._extra_calls(),
+                                self.world_size if world_size is None else world_size, alpha, beta)
 
     def describe(self) -> str:
         """One line for the run banner: optimizer, scheme and its options."""
         opts = ", ".join(f"{k}={v}" for k, v in self.scheme_options.as_dict().items())
         return f"{type(self).__name__} | comm {self.scheme.name} ({self.scheme.kind} sync{'; ' + opts if opts else ''})"
-
-
-def _overlap_stats(opt: "CommOptimizer") -> CommStats:
-    """The CommStats that background exchanges book into (their seconds overlap compute)."""
-    return opt.stats[_overlap.BACKGROUND]
 
 
 def _average_states(states: list[Any]) -> Any:
@@ -674,4 +463,4 @@ def digest(tensors: Iterable[torch.Tensor]) -> str:
 
 
 __all__ = ["COMM_PHASES", "CommOptimizer", "Entry", "FlatLayout", "MomentumSync", "PHASES", "StepReport",
-           "attach_flat_grads", "digest"]
+           "attach_flat_grads", "digest"]  # the layout and accounting names, re-exported where they were

@@ -132,4 +132,4 @@ register_optimizer(OptimizerSpec(
           "the server error (fp32, 1/P of it)",
     help="BinSGDM Alg. 1: m/b quantized to 1 bit with worker and server error feedback; beta = optim.betas[0]",
     scheme_problems=_compressor_problems,
-    state_words=lambda o, s, role: 2.0 + (o.t0 >= 0), shards=True))  # m, b_hat, b (u: the exchanged vector, a buffer)
+    state_words=lambda o, s, matrix: 2.0 + (o.t0 >= 0), shards=True))  # m, b_hat, b (u: the exchanged vector, a buffer)

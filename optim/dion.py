@@ -79,7 +79,7 @@ from .diagnostics import _aggregate, _sum_fp64
 from .dion_math import (DEFAULT_RANK_FRACTION, dion_factor_rows, dion_mesh_step_, dion_rank, dion_step_,
                         dion_transposed, init_dion_q)
 from .orthogonal import dion_scale
-from .muon import NON_MATRIX_ROLES, MatrixOptimizer, MatrixOptions, _matrix_state_words, is_matrix
+from .muon import MatrixOptimizer, MatrixOptions, _matrix_state_words, is_matrix
 from .registry import gradient_mean
 from .options import choice
 from .orthogonal import ORTHO_METHODS
@@ -137,7 +137,7 @@ def matrix_seed(name: str) -> int:
 class Dion(MatrixOptimizer):
     """Dion Alg. 2 on the hidden matrices (see the module docstring), AdamW or Lion on the rest."""
 
-    bucketed = None  # exchanges a leading slice and its own factors: no buckets
+    bucketed = False  # exchanges a leading slice and its own factors: no buckets
     optim_name = "dion"  # its own registry entry (MatrixOptimizer's is muon's)
 
     options_class = DionOptions
@@ -145,6 +145,7 @@ class Dion(MatrixOptimizer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """The arguments of MatrixOptimizer (options: DionOptions or a dict of its fields)."""
         super().__init__(*args, **kwargs)
+        self._order_grads(self._grad_order(self.grads.order))
         # the P and R exchanges: the same scheme, booked in update_sync
         self.factor_exchange = self.scheme.build(self.scheme_options, sync.ExchangeContext(
             world_size=self.world_size, rank=self.rank, group=self.group, stats=self.stats["update_sync"],
@@ -152,12 +153,11 @@ class Dion(MatrixOptimizer):
 
     # ---- layout: which gradients cross the network ------------------------------------------------
     def _grad_order(self, order: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
-        """Called by the base constructor: decide each matrix's rank and whether it is factorised,
+        """Called by the constructor: decide each matrix's rank and whether it is factorised,
         then order the flat gradient as [non-matrix, full-gradient matrices | low-rank matrices]
         (model order within each), so the synced part of every dtype's buffer is one leading slice."""
         entries = self.layout.entries
         o = self.options
-        self._build_shards()  # hybrid sharding: the whole shapes of the row blocks
         self.ranks: dict[int, int] = {}
         too_big = []
         for k, e in enumerate(entries):
@@ -337,12 +337,12 @@ class Dion(MatrixOptimizer):
         return (self.shard_dim_of(k) == 1) != dion_transposed(m, n, self.options.transpose_wide)
 
     @classmethod
-    def shard_dim(cls, options: DionOptions, role: str | None, shape: tuple[int, ...], shard_size: int) -> int:
+    def shard_dim(cls, options: DionOptions, matrix: bool, shape: tuple[int, ...], shard_size: int) -> int:
         """Dion Alg. 2 shards the side of Q (the paper's n columns): dim 0 (fan_out) of a matrix whose
         power iteration runs on the transpose (dion_transposed: wide ones by default), dim 1 (fan_in)
         of the others where shard_size divides it (FSDP2 splits dims > 0 only evenly), else dim 0 (Q's
         side stays whole and P's is sharded: more bytes, see the module docstring). Non-matrices: 0."""
-        if len(shape) != 2 or role in NON_MATRIX_ROLES:
+        if not matrix:
             return 0
         m, n = shape
         if dion_transposed(m, n, options.transpose_wide) or n % shard_size:
@@ -469,7 +469,7 @@ register_optimizer(OptimizerSpec(
     help="Dion (low-rank orthonormal updates, error feedback; Dion Alg. 2) on the hidden matrices, AdamW or Lion "
          "on the rest; only P, R and the non-matrix gradients cross the network",
     # Q (n x r) is r / m of a matrix's elements: not counted per element
-    state_words=lambda o, s, role: _matrix_state_words(o, role, 1.0), shards=True, shard_dim=Dion.shard_dim))
+    state_words=lambda o, s, matrix: _matrix_state_words(o, matrix, 1.0), shards=True, shard_dim=Dion.shard_dim))
 
 
 __all__ = ["Dion", "DionOptions", "matrix_seed"]

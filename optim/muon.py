@@ -58,14 +58,13 @@ from .orthogonal import MUON_SCALES, NS_STEPS, muon_scale, muon_update, newton_s
 from .registry import OptimizerSpec, OptimOptions, gradient_mean, register_optimizer
 
 SCALAR_OPTS = ("adamw", "lion")
-NON_MATRIX_ROLES = ("embedding", "head", "norm")
 
 
 def is_matrix(entry: Entry) -> bool:
-    """A hidden matrix: a 2-D weight outside the embedding, the head and the 1-D scalars (Muon and
-    Dion are defined for matrices; the embedding and head are left to AdamW/Lion as in
-    modded-nanogpt and the Dion paper §3). Parameters of a group without a role count by shape."""
-    return entry.param.ndim == 2 and entry.role not in NON_MATRIX_ROLES
+    """A hidden matrix (Muon and Dion are defined for matrices; the embedding and head are left to
+    AdamW/Lion as in modded-nanogpt and the Dion paper §3): the parameter group's `matrix` flag, set by
+    the trainer's parameter groups from the model's roles; a group without it counts 2-D weights."""
+    return entry.matrix
 
 
 @dataclass
@@ -277,10 +276,10 @@ class MatrixOptimizer(CommOptimizer):
         name = type(self).__name__
         self._placements = dict(shard_dims or {})
         s = sync.get(scheme) if isinstance(scheme, str) else scheme
-        # set before the base runs: a subclass's _grad_order (Dion) reads the options
-        self.options = _options(self.options_class, options)
+        options = _options(self.options_class, options)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), scheme=s,
                          **comm_kwargs)
+        self.options = options
         entries = self.layout.entries
         self.matrix_idx = [k for k, e in enumerate(entries) if is_matrix(e)]
         self.scalar_idx = [k for k, e in enumerate(entries) if not is_matrix(e)]
@@ -314,9 +313,7 @@ class MatrixOptimizer(CommOptimizer):
 
     def _build_shards(self) -> None:
         """self.shards (MatrixShards over the hidden matrices, None when not sharded) and
-        self.shard_stats; once (Dion needs them while the base constructor orders the gradients)."""
-        if hasattr(self, "shards"):
-            return
+        self.shard_stats."""
         self.shard_stats = CommStats(timing=False)
         self.shards: MatrixShards | None = None
         idx = [k for k, e in enumerate(self.layout.entries) if is_matrix(e)]
@@ -326,10 +323,10 @@ class MatrixOptimizer(CommOptimizer):
             params = [self.layout.entries[k].param for k in idx]
             self.shards = MatrixShards(params, self.shard_group, self.shard_stats,
                                        [self._placements.get(id(p), 0) for p in params],
-                                       lambda m, n: self.shard_dim(self.options, None, (m, n), S))
+                                       lambda m, n: self.shard_dim(self.options, True, (m, n), S))
 
     @classmethod
-    def shard_dim(cls, options: MatrixOptions, role: str | None, shape: tuple[int, ...], shard_size: int) -> int:
+    def shard_dim(cls, options: MatrixOptions, matrix: bool, shape: tuple[int, ...], shard_size: int) -> int:
         """The dimension FSDP2 shards a parameter on for this optimizer (OptimizerSpec.shard_dim):
         0 for every parameter (Muon gathers whole row blocks to an owner)."""
         return 0
@@ -551,10 +548,10 @@ class Muon(MatrixOptimizer):
         return {"diag/muon_update_rms" + k: v for k, v in rms.items()}, {}
 
 
-def _matrix_state_words(o: MatrixOptions, role: str, matrix_words: float) -> float:
+def _matrix_state_words(o: MatrixOptions, matrix: bool, matrix_words: float) -> float:
     """fp32 words per element: `matrix_words` on the hidden matrices, the scalar optimizer's on the
     embedding, head and 1-D parameters (AdamW m, v; Lion m)."""
-    if role not in NON_MATRIX_ROLES:
+    if matrix:
         return matrix_words
     return 2.0 if o.scalar_opt == "adamw" else 1.0
 
@@ -569,8 +566,8 @@ register_optimizer(OptimizerSpec(
     state="matrices: momentum (param dtype); others: AdamW m, v or Lion m",
     help="Muon (Newton-Schulz orthogonalised momentum) on the hidden matrices, AdamW or Lion on the rest; "
          "fp32/bf16 gradient allreduce",
-    state_words=lambda o, s, role: _matrix_state_words(o, role, 1.0), shards=True))
+    state_words=lambda o, s, matrix: _matrix_state_words(o, matrix, 1.0), shards=True))
 
 
-__all__ = ["MatrixOptimizer", "MatrixOptions", "MatrixShards", "Muon", "MuonOptions", "NON_MATRIX_ROLES", "SCALAR_OPTS",
+__all__ = ["MatrixOptimizer", "MatrixOptions", "MatrixShards", "Muon", "MuonOptions", "SCALAR_OPTS",
            "is_matrix"]

@@ -196,4 +196,4 @@ register_optimizer(OptimizerSpec(
           "the server error (fp32, 1/P of it)",
     help="1-bit Adam: AdamW warm-up with fp32 gradients, then frozen variance and 1-bit momenta with error feedback",
     scheme_problems=_compressor_problems,
-    state_words=lambda o, s, role: 2.0, shards=True))  # m, v; after freeze_step m and the frozen denominator
+    state_words=lambda o, s, matrix: 2.0, shards=True))  # m, v; after freeze_step m and the frozen denominator

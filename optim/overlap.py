@@ -27,27 +27,74 @@ is in flight: `finish` waits for all of them first.
 from __future__ import annotations
 
 import concurrent.futures
-from dataclasses import dataclass, field
-from typing import Callable
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
 
 import torch
 
 from comm import Clock, CommStats
 
-BACKGROUND = "overlapped"
+from .accounting import BACKGROUND
+from .sync import Exchange, ExchangeContext
 
 
-@dataclass
+class Handle(Protocol):
+    def wait(self) -> Any: ...
+
+
+@dataclass(kw_only=True)
 class Bucket:
+    """A run of whole parameters, the part [lo, hi) of the flat vector it owns, and its state in
+    the current step."""
+
     index: int
-    params: list  # parameters, in the order backward completes them
-    lo: int = 0   # the part of the flat vector this bucket owns
+    params: list[torch.nn.Parameter]
+    """In the order backward completes them."""
+    lo: int = 0
     hi: int = 0
+    rows: int = 0
+    """Rows of its tensors (mask_zero_updates' flags, the byte formula); counted once."""
     pending: int = 0
     launched: bool = False
-    handle: object = None
-    result: object = None
-    extra: dict = field(default_factory=dict)
+    handle: Handle | None = None
+    result: Any = None
+
+    def start(self, exchange: Exchange, step: int, overlap: bool, submit: Callable[..., Handle]) -> Handle:
+        raise NotImplementedError  # pragma: no cover - interface
+
+
+@dataclass(kw_only=True)
+class GradientBucket(Bucket):
+    """A slice of a flat gradient buffer, mean-allreduced in place (asynchronously with overlap)."""
+
+    buf: torch.Tensor
+    """The flat gradient buffer (optim.layout.GradBuffers) this bucket is buf[lo:hi] of."""
+
+    def start(self, exchange: Exchange, step: int, overlap: bool, submit: Callable[..., Handle]) -> Handle:
+        view = self.buf[self.lo:self.hi]
+        return exchange.start(view, step) if overlap else Done(exchange(view, step))
+
+
+@dataclass(kw_only=True)
+class UpdateBucket(Bucket):
+    """A part of the optimizer's update vector (bucket-ordered layout), made by `vector(bucket)` and
+    exchanged on its own context (ExchangeContext.restrict); with overlap on the background thread."""
+
+    vector: Callable[["UpdateBucket"], torch.Tensor]
+    ctx: ExchangeContext
+    ctx_bg: ExchangeContext
+    """ctx booking into the background stats (BACKGROUND)."""
+
+    def start(self, exchange: Exchange, step: int, overlap: bool, submit: Callable[..., Handle]) -> Handle:
+        vec = self.vector(self)
+        if overlap:
+            return submit(exchange, vec, step, self.ctx_bg)
+        return Done(exchange(vec, step, self.ctx))
+
+
+def _rows(params: list[torch.nn.Parameter]) -> int:
+    return sum(p.shape[0] if p.ndim >= 2 else 1 for p in params)
 
 
 def plan(params_model_order: list[torch.nn.Parameter], bucket_bytes: float) -> list[list[torch.nn.Parameter]]:
@@ -67,20 +114,54 @@ def plan(params_model_order: list[torch.nn.Parameter], bucket_bytes: float) -> l
     return out
 
 
+def gradient_buckets(order: list[torch.nn.Parameter], bucket_bytes: float,
+                     buffers: dict[torch.dtype, torch.Tensor]) -> list[Bucket]:
+    """The buckets of the flat gradient buffers (each parameter's .grad a view of its dtype's
+    buffer): `plan` per dtype, each bucket the contiguous slice its parameters' views span."""
+    buckets: list[Bucket] = []
+    for dtype, buf in buffers.items():
+        ps, base = [p for p in order if p.dtype == dtype], buf.data_ptr()
+        for run in plan(ps, bucket_bytes):
+            offs = [(p.grad.data_ptr() - base) // p.grad.element_size() for p in run]
+            lo, hi = min(offs), max(o + p.numel() for o, p in zip(offs, run))
+            buckets.append(GradientBucket(index=len(buckets), params=run, lo=lo, hi=hi, rows=_rows(run), buf=buf))
+    return buckets
+
+
+def update_buckets(order: list[torch.nn.Parameter], bucket_bytes: float, ctx: ExchangeContext,
+                   background: CommStats, vector: Callable[[UpdateBucket], torch.Tensor]) -> list[Bucket]:
+    """The buckets of an update vector laid out in bucket order (`update_order`): bucket k is the
+    next run of `plan`, with its part of the exchange context."""
+    buckets: list[Bucket] = []
+    off = 0
+    for run in plan(order, bucket_bytes):
+        n = sum(p.numel() for p in run)
+        part = ctx.restrict(off, off + n)
+        buckets.append(UpdateBucket(index=len(buckets), params=run, lo=off, hi=off + n, rows=_rows(run),
+                                    vector=vector, ctx=part, ctx_bg=dataclasses.replace(part, stats=background)))
+        off += n
+    return buckets
+
+
+def update_order(order: list[torch.nn.Parameter], bucket_bytes: float) -> list[torch.nn.Parameter]:
+    """The order of an update vector exchanged in buckets: every bucket one contiguous part."""
+    return [p for b in plan(order, bucket_bytes) for p in b]
+
+
 class Overlap:
     """The buckets of one optimizer, their hooks, launches and waits.
 
-    launch(bucket, step) starts bucket's exchange and returns a handle with .wait() -> result;
+    Each bucket starts its own part of `exchange` (`Bucket.start`, a handle with .wait() -> result);
     book(bucket) -> (name, sent, recv) says what it puts on the wire (booked at finish)."""
 
-    def __init__(self, buckets: list[Bucket], launch: Callable, book: Callable, stats: CommStats,
-                 clock: Clock, overlap: bool) -> None:
-        self.buckets, self.launch_fn, self.book, self.stats, self.clock = buckets, launch, book, stats, clock
+    def __init__(self, buckets: list[Bucket], exchange: Exchange,
+                 book: Callable[[Bucket], tuple[str, int, int]], stats: CommStats, clock: Clock,
+                 overlap: bool) -> None:
+        self.buckets, self.exchange, self.book, self.stats, self.clock = buckets, exchange, book, stats, clock
         self.overlap = overlap
         self.final = True
         self.step = 0
         self._of = {id(p): b for b in buckets for p in b.params}
-        self.background = CommStats()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._hooks = []
         if overlap:
@@ -107,9 +188,9 @@ class Overlap:
 
     def _launch(self, b: Bucket) -> None:
         b.launched = True
-        b.handle = self.launch_fn(b, self.step)
+        b.handle = b.start(self.exchange, self.step, self.overlap, self.submit)
 
-    def submit(self, fn: Callable, *args):
+    def submit(self, fn: Callable, *args) -> Handle:
         """Run `fn(*args)` on the background thread, in submission order; returns a handle."""
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lioncub-comm")
@@ -156,3 +237,7 @@ class Done:
 
     def wait(self):
         return self.result
+
+
+__all__ = ["BACKGROUND", "Bucket", "Done", "GradientBucket", "Handle", "Overlap", "UpdateBucket", "gradient_buckets",
+           "plan", "update_buckets", "update_order"]

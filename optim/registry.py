@@ -16,6 +16,7 @@ import comm
 from . import sync
 from .adamw import AdamW
 from .base import CommOptimizer, MomentumSync
+from .layout import is_matrix_param
 from .lion import Lion
 from .lioncub import DistributedLion
 from .options import Options
@@ -42,15 +43,16 @@ class OptimizerSpec:
     scheme_problems: Callable[[sync.SchemeOptions], list[str]] | None = None
     """Problems with the selected scheme's options for this optimizer (e.g. a compressor it cannot
     use), each naming the comm.* key; None = any options of an accepted scheme."""
-    state_words: Callable[[OptimOptions, sync.SyncScheme, str], float] | None = None
-    """fp32 words of optimizer state per element of a parameter of role `role`:
-    state_words(options, scheme, role) (model.memory; the exchange's own state is the scheme's
+    state_words: Callable[[OptimOptions, sync.SyncScheme, bool], float] | None = None
+    """fp32 words of optimizer state per element of a parameter, hidden matrix or not:
+    state_words(options, scheme, matrix) (model.memory; the exchange's own state is the scheme's
     `state_bytes`). None = unknown (the memory model says so)."""
     shards: bool = False
     """Runs on the local shards of a sharded model (parallel.shard_size > 1): its math is element-wise
     on the flat layout, so the shards of a parameter need no view of the whole tensor."""
-    shard_dim: Callable[[OptimOptions, str | None, tuple[int, ...], int], int] | None = None
-    """The dimension FSDP2 shards a parameter on: shard_dim(options, role, whole shape, shard size)
+    shard_dim: Callable[[OptimOptions, bool, tuple[int, ...], int], int] | None = None
+    """The dimension FSDP2 shards a parameter on: shard_dim(options, matrix, whole shape, shard size)
+    (matrix: a hidden matrix, layout.is_matrix_param)
     (trainer/parallel.py asks before sharding: `shard_dims`). None = dim 0 for every parameter (FSDP2's
     default; its only uneven split). Dion shards the side of its Q factor (Dion Alg. 2)."""
 
@@ -122,12 +124,12 @@ def shard_dims(name: str, optim_options: dict | OptimOptions | None, param_group
                shard_size: int) -> dict[int, int]:
     """id(parameter) -> the dimension FSDP2 shards it on over `shard_size` ranks, as optimizer
     `name` declares (`OptimizerSpec.shard_dim`; 0 when it declares nothing), for the parameters of
-    `param_groups` (whole tensors, each group with its "role")."""
+    `param_groups` (whole tensors)."""
     spec = get_optimizer(name)
     if spec.shard_dim is None:
         return {id(p): 0 for g in param_groups for p in g["params"]}
     options = _options(spec.options, optim_options, "optim")
-    return {id(p): int(spec.shard_dim(options, g.get("role"), tuple(p.shape), shard_size))
+    return {id(p): int(spec.shard_dim(options, is_matrix_param(p, g), tuple(p.shape), shard_size))
             for g in param_groups for p in g["params"]}
 
 
@@ -155,14 +157,14 @@ register_optimizer(OptimizerSpec(
     name="adamw", options=NoOptions, build=_build_adamw, accepts=gradient_mean,
     needs="a gradient-sync scheme", state="m, v (fp32)",
     help="AdamW (torch's kernel) on the mean gradient",
-    state_words=lambda o, s, role: 2.0, shards=True))
+    state_words=lambda o, s, matrix: 2.0, shards=True))
 register_optimizer(OptimizerSpec(
     name="lion", options=NoOptions, build=_build_lion,
     accepts=lambda s: gradient_mean(s) or (s.kind == sync.UPDATE and s.result == sync.SIGN),
     needs="a gradient-sync scheme (global Lion) or an update-sync sign aggregate (Distributed Lion / Lion Cub)",
     state="m (fp32; per rank with update sync)",
     help="Lion; with an update-sync scheme, Distributed Lion / Lion Cub (per-rank momentum)",
-    state_words=lambda o, s, role: 1.0, shards=True))
+    state_words=lambda o, s, matrix: 1.0, shards=True))
 
 
 def optimizers_table() -> str:

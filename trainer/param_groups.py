@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from model import ROLES, param_layers, param_roles
+from model import MATRIX_ROLES, ROLES, param_layers, param_roles
 
 
 def param_groups(model: torch.nn.Module, optim_cfg) -> list[dict]:
-    """Groups {params, names, layers, role, lr, lr_mult, weight_decay} in role order; every
-    parameter in exactly one group (asserted)."""
+    """Groups {params, names, layers, role, matrix, lr, lr_mult, weight_decay} in role order; every
+    parameter in exactly one group (asserted). `matrix` marks the hidden matrices (model.MATRIX_ROLES),
+    the parameters Muon and Dion orthonormalize: optimizers read the flag, never role names."""
     o = optim_cfg
     mult = {"embedding": o.embedding_lr_mult, "head": o.head_lr_mult, "attn": 1.0, "mlp": 1.0,
             "norm": o.scalar_lr_mult}
@@ -24,7 +25,7 @@ def param_groups(model: torch.nn.Module, optim_cfg) -> list[dict]:
         params = [named[n] for n in names]
         wd = o.weight_decay if all(p.ndim >= 2 for p in params) else 0.0
         groups.append({"params": params, "names": names, "layers": [layers[n] for n in names], "role": role,
-                       "lr_mult": mult[role], "lr": o.lr * mult[role], "weight_decay": wd})
+                       "matrix": role in MATRIX_ROLES, "lr_mult": mult[role], "lr": o.lr * mult[role], "weight_decay": wd})
     seen = [id(p) for g in groups for p in g["params"]]
     assert len(seen) == len(set(seen)) == len(named), "every parameter must be in exactly one group"
     return groups

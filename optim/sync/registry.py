@@ -153,6 +153,12 @@ class SyncScheme:
         momentum sync applies."""
         return self.kind == UPDATE
 
+    @property
+    def phase(self) -> str:
+        """The step phase its exchange books into (optim.accounting): grad_sync for a GRADIENT
+        scheme, update_sync for an UPDATE scheme."""
+        return "update_sync" if self.kind == UPDATE else "grad_sync"
+
     def run_problems(self, options: SchemeOptions, world_size: int | None = None, *, bucket_mb: float = 0.0,
                      overlap: bool = False, grad_clip: float = 0.0, momentum_sync_every: int = 0,
                      shard_size: int = 1) -> list[str]:

@@ -19,9 +19,12 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from comm import max_levels
+from comm import quantize as Q
 from comm.packing import unpack_bits, unpack_signs
+from comm.quantize import lp_mean, lp_quantize, segment_lp_means
 from comm import kernels as K
 from comm.vote import local_majority, tb_packed
 from optim import lion as Lion
@@ -226,13 +229,14 @@ def test_quantize_pack_one_pass_matches_the_per_tensor_reference(bits, levels, d
             got = K.quantize_pack(c, segs, levels, p, 2.0, bits, impl="compiled")
             want = K.wire_of(K.quantize_q(c, segs, levels, p), levels, bits)
             assert got.dtype == want.dtype and torch.equal(got, want), (p, len(segs))
+            if dev.type == "cpu":  # and the spec itself: lp_quantize tensor by tensor, its own lp_mean
+                spec = torch.cat([lp_quantize(c[o:o + m], levels, p, 2.0) for o, m in segs])
+                assert torch.equal(want, K.wire_of(spec, levels, bits)), (p, len(segs))
 
 
-@compiled
-def test_quantize_pack_launches_do_not_grow_with_the_number_of_tensors(monkeypatch):
-    """The quantize-and-pack pass is one kernel call whatever the number of tensors (the norms
-    are the reference's per-tensor reductions, see comm.kernels' exactness notes)."""
-    calls = []
+def _count_kernel_calls(monkeypatch) -> list[str]:
+    """The names of the compiled kernels called from now on (appended as they run)."""
+    calls: list[str] = []
     real = K.compiled_kernel
 
     def counting(fn, *static):
@@ -240,6 +244,14 @@ def test_quantize_pack_launches_do_not_grow_with_the_number_of_tensors(monkeypat
         return lambda *a: (calls.append(fn.__name__), k(*a))[1]
 
     monkeypatch.setattr(K, "compiled_kernel", counting)
+    return calls
+
+
+@compiled
+def test_quantize_pack_launches_do_not_grow_with_the_number_of_tensors(monkeypatch):
+    """The quantize-and-pack pass is one kernel call whatever the number of tensors (the norms'
+    calls: test_norm_calls_do_not_grow_with_the_number_of_tensors)."""
+    calls = _count_kernel_calls(monkeypatch)
     for ntensors in (1, 40, 400):
         sizes = [257 + 31 * i for i in range(ntensors)] if ntensors > 1 else [4099]
         c = _values("random", sum(sizes), seed=ntensors)
@@ -247,6 +259,106 @@ def test_quantize_pack_launches_do_not_grow_with_the_number_of_tensors(monkeypat
         got = K.quantize_pack(c, _layout(sizes), 7, 1.0, 2.0, 4, impl="compiled")
         assert calls == ["_k_quant_blocks"], calls
         assert torch.equal(got, K.wire_of(K.quantize_q(c, _layout(sizes), 7, 1.0), 7, 4))
+
+
+# ---- per-tensor norms in calls per distinct size ------------------------------------------------
+def _norm_cases() -> list[tuple[str, torch.Tensor, list[tuple[int, int]]]]:
+    """(name, c, layout) for segment_lp_means: tensors of tiny (1e-30), huge (1e30), zero and
+    tie (+-1) values and odd lengths side by side; 300 small tensors of random lengths; a
+    transformer-like layout (sizes repeating per layer, evenly spaced: strided rows); equal sizes
+    unevenly spaced (gathered rows); rows from ATen's thread-split size (32768) up; 70 tensors of
+    one size (70 rows: ATen's vectorized loop, not its scalar tail, would take most of the means'
+    final pow / exp, and round differently from lp_mean's 0-d tensors)."""
+    sizes = [3073, 7, 1021, 0, 2053, 1, 1024, 129, 5131]
+    scale = [1e-30, 1.0, 1e30, 0.0, 0.0, 3.0, -1.0, 1e-3, 1e3]
+    parts = []
+    for i, (m, sc) in enumerate(zip(sizes, scale)):
+        v = _values("tie" if i == 6 else "random", m, seed=i)
+        parts.append(v * sc if sc else torch.zeros(m))
+    small = torch.randint(1, 60, (300,), generator=_gen(11)).tolist()
+    layers = [768, 2305, 768, 3 * 1001] * 12
+    uneven = [5, 7, 5, 7, 9, 5, 13, 7, 5, 70_000, 33_000, 70_000, 1, 33_000]
+    out = [("mixed", torch.cat(parts), _layout(sizes))]
+    for name, sz in (("300 small", small), ("layers", layers), ("uneven", uneven), ("70 equal", [97] * 70)):
+        c = _values("random", sum(sz), seed=len(sz))
+        c[:sz[0]] *= 1e-30
+        out.append((name, c, _layout(sz)))
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_segment_lp_means_is_lp_mean_per_tensor(threads):
+    """On CPU every segment's M_p from the row reductions has lp_mean's bits, for p = 0, 0.5, 1,
+    1.5, 2, 3, inf, float32 / bfloat16 / float64 inputs, on one thread and on two (where ATen
+    splits the reference's reductions and loops of 32768+ elements across threads; float32 and
+    the layouts with such tensors, to stay fast on a shared machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    dtypes = (torch.float32, torch.bfloat16, torch.float64) if threads == 1 else (torch.float32,)
+    try:
+        for name, c, segs in _norm_cases():
+            if threads > 1 and max(m for _, m in segs) < 32768:
+                continue
+            for dt in dtypes:
+                x = c.to(dt)
+                for p in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, math.inf):
+                    got = segment_lp_means(x, segs, p)
+                    want = torch.stack([lp_mean(x[o:o + m], p) for o, m in segs])
+                    assert got.dtype == want.dtype and torch.equal(got, want), (name, dt, p)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_segment_lp_means_on_cuda_is_close_to_lp_mean():
+    """On CUDA a row reduction may round differently from lp_mean's whole-tensor one, so there
+    segment_lp_means defines the norms (quantize_q and quantize_pack share it, checked byte for
+    byte by the quantize_pack tests); it must still be M_p to float32 accuracy."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible")
+    for name, c, segs in _norm_cases():
+        x = c.cuda()
+        for p in (0.0, 1.0, 2.0, math.inf):
+            got = segment_lp_means(x, segs, p).cpu()
+            want = torch.stack([lp_mean(c[o:o + m], p) for o, m in segs])
+            assert torch.allclose(got, want, rtol=1e-5, atol=0), (name, p)
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the ATen calls made inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_norm_calls_do_not_grow_with_the_number_of_tensors(monkeypatch):
+    """A transformer-like layout of 1, 40 and 400 tensors (sizes repeating per layer): the norms
+    of every tensor take the same number of ATen calls for 40 tensors as for 400, and fewer than
+    one per tensor (they grow with the distinct sizes and with the elements past one CPU chunk,
+    comm.quantize.CPU_CHUNK, not with the tensors; the per-tensor loop this replaces made 5+
+    calls per tensor), no per-tensor lp_mean runs, and the values stay lp_mean's."""
+    per_tensor = []
+    monkeypatch.setattr(Q, "lp_mean", lambda *a: per_tensor.append(1) or lp_mean(*a))
+    for p in (0.0, 1.0, 2.0):
+        counts = {}
+        for ntensors in (1, 40, 400):
+            sizes = [[7, 129, 301, 61][i % 4] for i in range(ntensors)]
+            segs = _layout(sizes)
+            c = _values("random", sum(sizes), seed=ntensors)
+            segment_lp_means(c, segs, p)  # the layout's plan is built once, outside the count
+            with _CountOps() as mode:
+                got = segment_lp_means(c, segs, p)
+            counts[ntensors] = mode.calls
+            assert torch.equal(got, torch.stack([lp_mean(c[o:o + m], p) for o, m in segs]))
+        assert counts[1] <= counts[40] == counts[400] < 400, (p, counts)
+    assert not per_tensor
+    c = _values("random", 40 * 300, seed=1)
+    K.quantize_q(c, _layout([300] * 40), 7, 1.0)  # the reference's norms: no per-tensor lp_mean either
+    assert not per_tensor
 
 
 @compiled
@@ -261,6 +373,39 @@ def test_quantize_pack_stochastic_consumes_the_same_randoms(bits, levels, dev):
         ref = K.wire_of(K.quantize_q(c, segs, levels, 1.0, 2.0, "stochastic", g2), levels, bits)
         assert torch.equal(got, ref)
     assert torch.equal(g1.get_state(), g2.get_state())
+
+
+@compiled
+@pytest.mark.parametrize("bits,levels", [(2, 1), (4, 7), (16, 127)])
+def test_quantize_pack_stochastic_one_stream_over_the_flat_vector(bits, levels, monkeypatch):
+    """On CPU stochastic rounding draws its uniforms chunk by chunk over the flat vector (chunks
+    of 2 blocks here, so many chunks and boundaries): the bytes and the generator state equal the
+    reference's per-tensor draws, for mixed, tiny/huge-norm, zero and 300-small-tensor layouts and
+    p = 0, 1, 2, inf; and the kernel calls follow the chunks, not the tensors."""
+    monkeypatch.setattr(K, "STOCH_CHUNK", 2)
+    B = K.QBLOCK
+    sizes = [3 * B + 1, 7, B - 3, 2 * B + 5, 1, B, 129, 5 * B + 11, 0, 9000]
+    mixed = _values("random", sum(sizes), seed=3)
+    mixed[:3 * B + 1] *= 1e-30
+    mixed[3 * B + 8:4 * B + 5] *= 1e30
+    mixed[4 * B + 5:6 * B + 10] = 0.0
+    small = torch.randint(1, 60, (300,), generator=_gen(4)).tolist()
+    for c, segs in ((mixed, _layout(sizes)), (_values("random", sum(small), seed=5), _layout(small))):
+        for p in (0.0, 1.0, 2.0, math.inf):
+            g1, g2 = _gen(42), _gen(42)
+            for _ in range(2):
+                got = K.quantize_pack(c, segs, levels, p, 2.0, bits, "stochastic", g1, impl="compiled")
+                ref = K.wire_of(K.quantize_q(c, segs, levels, p, 2.0, "stochastic", g2), levels, bits)
+                assert torch.equal(got, ref), (len(segs), p)
+            assert torch.equal(g1.get_state(), g2.get_state())
+    calls = _count_kernel_calls(monkeypatch)
+    monkeypatch.setattr(K, "STOCH_CHUNK", 256)
+    for ntensors in (1, 40, 400):
+        sz = [257 + 31 * i for i in range(ntensors)] if ntensors > 1 else [4099]
+        c = _values("random", sum(sz), seed=ntensors)
+        calls.clear()
+        K.quantize_pack(c, _layout(sz), levels, 1.0, 2.0, bits, "stochastic", _gen(1), impl="compiled")
+        assert calls == ["_k_quant_blocks_stoch"] * -(-(sum(sz) // B) // 256), (ntensors, calls)
 
 
 def test_quantize_pack_bad_arguments():
@@ -614,8 +759,9 @@ def test_pack_and_unpack_allocate_at_most_one_byte_per_element():
     """No pack or unpack path of the wire, compiled or eager, allocates a float32 / int32 (or any
     4-byte) temporary of the vector's length: every allocation is at most n bytes (int8 signs,
     one-byte lanes, packed words). The one exception, checked apart: Lp with p = 1 keeps |c| of the
-    largest tensor in a float buffer, because M_1 must be the reference's own per-tensor .mean()
-    to give its bytes (a caller may pass that buffer in as `scratch` and reuse it)."""
+    largest tensor (or of a 1 MiB chunk of smaller ones) in a float buffer, because M_1 must be
+    the reference's own .mean() over each tensor's |c| to give its bytes (a caller may pass that
+    buffer in as `scratch` and reuse it)."""
     n, P = 3_000_017, 4  # more than the cache-blocked loops' fixed 1 MiB buffers (comm.packing.CPU_BLOCK)
     x = _values("random", n, seed=1)
     sizes = [900_001, 7, 750_000, 129, n - 1_650_137]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import optim
-from model import GPT, get_preset, param_roles
+from model import MATRIX_ROLES, GPT, get_preset, param_roles
 from optim.dion import Dion, matrix_seed
 from optim.dion_math import dion_factor_rows, dion_step_, init_dion_q
 from optim.muon import Muon
@@ -53,7 +53,7 @@ def make(name: str, opts: dict, clip: float = 0.0):
     for role in ("embedding", "head", "attn", "mlp", "norm"):
         names = [n for n, (_, r, _) in PARAMS.items() if r == role]
         groups.append({"params": [params[n] for n in names], "names": names, "role": role, "lr": LR, "lr_mult": 1.0,
-                       "weight_decay": PARAMS[names[0]][2]})
+                       "weight_decay": PARAMS[names[0]][2], "matrix": role in MATRIX_ROLES})
     opt = optim.build_optimizer(name, groups, betas=BETAS, eps=EPS, comm_mode="fp32", optim_options=opts,
                                 grad_clip=clip, param_order=list(params.values()))
     return params, opt
@@ -452,3 +452,23 @@ def test_dion_resume_through_the_trainer_is_bit_exact(tmp_path):
     assert [r["step"] for r in b] == list(range(1, 7))
     assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]
     assert b[-1]["comm_bytes"] == debug_model_bytes("dion", 2, 0.0625)
+
+
+def test_the_groups_matrix_flag_decides_what_is_orthonormalized():
+    """Muon orthonormalizes the parameters its groups flag as hidden matrices (the trainer's groups set
+    `matrix` from model.MATRIX_ROLES), whatever the role is called; a group without the flag counts 2-D
+    weights; 1-D parameters never count."""
+    w, e, b = (torch.nn.Parameter(torch.randn(*s)) for s in ((6, 4), (10, 4), (6,)))
+
+    def matrices(flag_w, flag_e):
+        groups = [{"params": [w, b], "names": ["w", "b"], "role": "anything", "lr": LR, "weight_decay": 0.0},
+                  {"params": [e], "names": ["e"], "role": "mlp", "lr": LR, "weight_decay": 0.0}]
+        for g, flag in zip(groups, (flag_w, flag_e)):
+            if flag is not None:
+                g["matrix"] = flag
+        opt = optim.build_optimizer("muon", groups, betas=BETAS, eps=EPS, comm_mode="fp32")
+        return sorted(opt.layout.entries[k].name for k in opt.matrix_idx)
+
+    assert matrices(True, False) == ["w"]  # a role named like a matrix role does not make it one
+    assert matrices(False, True) == ["e"]
+    assert matrices(None, None) == ["e", "w"]  # no flag: by shape, b (1-D) never

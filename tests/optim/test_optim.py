@@ -361,3 +361,45 @@ def test_update_sync_c_buffer_per_step_is_exact(device, mode, opts):
         assert opts_[0]._c is not None and opts_[1]._c is None  # per step: released after it
         for p, q in zip(nets[0].parameters(), nets[1].parameters()):
             assert torch.equal(p, q), (mode, step)
+
+
+# ---- the base's pieces (optim/base.py composes layout, overlap, accounting, guard) -----------------
+def test_base_decides_by_scheme_capabilities_not_kind_names():
+    """optim/base.py compares no scheme `kind` (nor sync.GRADIENT / sync.UPDATE): what the base
+    does per scheme is said by the scheme's capabilities (per_rank_state, phase, bucketable)."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(optim.base.__file__).read_text())
+    offending = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for sub in ast.walk(node):
+                if (isinstance(sub, ast.Attribute) and sub.attr in ("kind", "GRADIENT", "UPDATE")) or \
+                        (isinstance(sub, ast.Constant) and sub.value in (sync.GRADIENT, sync.UPDATE)):
+                    offending.append(f"line {node.lineno}: {ast.unparse(node)}")
+    assert not offending, "optim/base.py branches on scheme kind names:\n" + "\n".join(offending)
+
+
+def test_guard_word_lanes_and_a_step_that_sees_nan():
+    """One int32 carries the non-finite count (bits 0-15) and the stop count (16 up): lanes stay
+    apart when summed over ranks; a NaN gradient skips the update and says so."""
+    from optim.guard import STOP_SHIFT, Verdict, decode, encode
+
+    words = [encode(torch.tensor(bad), stop) for bad, stop in [(True, False), (False, True), (True, True)]]
+    total = int(torch.stack(words).sum())
+    assert total == 2 + (2 << STOP_SHIFT)
+    assert decode(total) == Verdict(nonfinite=True, stop=True)
+    assert decode(3 << STOP_SHIFT) == Verdict(nonfinite=False, stop=True)
+    assert decode(1) == Verdict(nonfinite=True, stop=False)
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    opt = optim.Lion([{"params": [w]}], lr=1e-2)
+    before = w.detach().clone()
+    w.grad = torch.full((4, 3), float("nan"))
+    rep = opt.step(loss_finite=True, stop=True)
+    assert rep.nonfinite and rep.stop and opt.steps_done == 0 and torch.equal(w.detach(), before)
+    opt.zero_grad()
+    w.grad = torch.ones(4, 3)
+    rep = opt.step(loss_finite=True)
+    assert not rep.nonfinite and not rep.stop and opt.steps_done == 1 and not torch.equal(w.detach(), before)

@@ -43,6 +43,7 @@ PARAMS = {"emb.weight": ((20, 8), "embedding", 0.1), "attn.a": ((24, 40), "attn"
 MATRICES = [n for n, (_, role, _) in PARAMS.items() if role in ("attn", "mlp")]
 SCALARS = [n for n in PARAMS if n not in MATRICES]
 ROLES = ["embedding", "head", "attn", "mlp", "norm"]
+MATRIX_ROLES = ("attn", "mlp")
 CHECKS = ("dion_fp32_rank_half", "dion_bf16_rank_quarter", "dion_fp32_clipped", "dion_round_trip", "muon")
 
 
@@ -66,7 +67,8 @@ def groups(params: dict[str, torch.nn.Parameter]) -> list[dict]:
     for role in ROLES:
         names = [n for n, (_, r, _) in PARAMS.items() if r == role]
         out.append({"params": [params[n] for n in names], "names": names, "layers": ["block.0"] * len(names),
-                    "role": role, "lr": LR, "lr_mult": 1.0, "weight_decay": PARAMS[names[0]][2]})
+                    "role": role, "lr": LR, "lr_mult": 1.0, "weight_decay": PARAMS[names[0]][2],
+                    "matrix": role in MATRIX_ROLES})
     return out
 
 
