@@ -54,7 +54,7 @@ DEFAULT_OVERRIDES = ["model.preset=tiny", "model.tie_embeddings=false", "data.ba
 CALIB_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
 
 COLUMNS = ["rate", "variant", "status", "steps", "step_ms", "compute_ms", "comm_ms", "coll_ms", "pack_ms",
-           "other_ms", "comm_share", "comm_bytes", "tokens_per_s", "mfu", "peak_rss_mib", "peak_mem_gib", "speedup", "speedup_vs_overlap",
+           "other_ms", "comm_share", "comm_bytes", "shard_bytes", "tokens_per_s", "mfu", "peak_rss_mib", "peak_mem_gib", "speedup", "speedup_vs_overlap",
            "comm_reduction",
            "pred_comm_ms", "coll_over_pred", "comm_over_pred", "alpha_us", "beta_ns_per_bit", "n_params", "load1"]
 
@@ -162,7 +162,9 @@ def summarize_run(records: list[dict], warmup: int) -> dict:
            "pack_ms": median(r.get("pack_ms", 0.0) for r in recs),
            "other_ms": median(r.get("opt_ms", 0.0) for r in recs),
            "comm_share": comm / step if step > 0 else float("nan"),
-           "comm_bytes": median(r["comm_bytes"] for r in recs)}
+           "comm_bytes": median(r["comm_bytes"] for r in recs),
+           # hybrid sharding: what the matrix optimizers send inside the shard group (FSDP's own not counted)
+           "shard_bytes": median(r["shard_bytes"] for r in recs) if all("shard_bytes" in r for r in recs) else None}
     mem = [r["peak_mem_gib"] for r in recs if "peak_mem_gib" in r]
     out["peak_mem_gib"] = max(mem) if mem else None
     out["tokens_per_s"] = median(r["tokens_per_s"] for r in recs) if all("tokens_per_s" in r for r in recs) else None

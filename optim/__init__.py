@@ -21,11 +21,11 @@ from .lion import Lion
 from .lioncub import DistributedLion
 from .quantize import lp_quantize
 from .registry import (OptimizerSpec, OptimOptions, build_optimizer, compatibility_problem, get_optimizer,
-                       optimizer_names, optimizers, optimizers_table, register_optimizer)
+                       optimizer_names, optimizers, optimizers_table, register_optimizer, shard_dims)
 from . import binsgdm, dion, muon, onebit_adam  # noqa: F401,E402  (registers the other optimizers)
 from .binsgdm import BinSGDM  # noqa: E402
 from .onebit_adam import OneBitAdam  # noqa: E402
 
 __all__ = ["AdamW", "BinSGDM", "CommOptimizer", "DistributedLion", "FlatLayout", "Lion", "MomentumSync", "OneBitAdam",
            "OptimOptions", "OptimizerSpec", "StepReport", "build_optimizer", "compatibility_problem", "get_optimizer",
-           "lp_quantize", "optimizer_names", "optimizers", "optimizers_table", "register_optimizer", "sync"]
+           "lp_quantize", "optimizer_names", "optimizers", "optimizers_table", "register_optimizer", "shard_dims", "sync"]

@@ -28,25 +28,33 @@ side and Q on the shorter; optim.transpose_wide=false keeps P = B Q on the fan_o
 shape (the convention of this project's runs before the switch; their checkpoints resume only
 with it).
 
-Hybrid sharding (parallel.shard_size = S > 1; dion_math.dion_mesh_step_). FSDP2 gives each rank of
-a shard group a dim-0 row block (fan_out rows) of X, M and the gradient. Dion Alg. 2 shards the
-side of Q and R; here that is the fan_out side exactly where the power iteration runs on the
-transpose (the wide matrices with the default optim.transpose_wide=true; none with false): P = Orthonormalize(sum over shards of B_j^T Q_j) (n x r),
-R_j = B_j P and Q_j on the local rows, column norms summed over the shard axis. Where the
-power iteration is not transposed (square and tall matrices, or transpose_wide=false), P = B Q lies
-on the sharded rows: its row blocks are all-gathered over the shard group before the
+Hybrid sharding (parallel.shard_size = S > 1; dion_math.dion_mesh_step_). Dion Alg. 2 shards the
+side of Q and R (the paper's n columns), so Dion declares where FSDP2 shards each matrix
+(`Dion.shard_dim`, asked by the trainer through optim.shard_dims before sharding): dim 0 (fan_out)
+of a matrix whose power iteration runs on the transpose (wide ones with optim.transpose_wide=true:
+Q is on fan_out), dim 1 (fan_in) of the others (tall and square; every matrix with
+transpose_wide=false) where S divides fan_in; FSDP2 splits a dimension other than 0 only evenly,
+so where S does not divide fan_in the matrix stays on dim 0 and P's side is sharded instead (the
+fallback below). The non-matrix parameters stay on dim 0. On Q's side, with the local block B_j:
+P = Orthonormalize(mean over replicas of sum over shards of B_j Q_j) (whole, m x r with m P's side),
+R_j = B_j^T P and Q_j on the local block, column norms summed over the shard axis. In the fallback
+P = B Q lies on the sharded rows: its row blocks are all-gathered over the shard group before the
 orthonormalization and R = sum over shards of B_j^T P_j is summed there. Bytes per step a rank
-sends, fp32 words times 4, r each matrix's rank, c = ceil(m / S), m_j its local rows:
-  replicate axis  the grad_sync slice of its local rows (non-matrix and full-gradient matrices), and
-                  per low-rank matrix P then R: n r + m_j r transposed, m_j r + n r otherwise
-                  (summed over the shard group (m + S n) r or (S n + m) r: Dion Table 1's (m + n) r
-                  per shard rank of the unsharded side);
-  shard axis      per matrix (n + 1) r transposed (P and the column norms: Dion Table 1's
-                  (m + 1) r with its m the side of P), c r + n r otherwise (the P gather and the
-                  R sum); 2 words for the clipping norm with optim.grad_clip > 0 (`_shard_bytes`,
-                  booked in shard_stats; FSDP's all-gather and reduce-scatter come on top).
-Q of a transposed matrix is the rank's rows of the whole seeded Q; the diagnostics sum each rank's
-share of ||B - P R^T||^2 and ||B||^2 over the shard group first (the whole matrices' values).
+sends, fp32 words times 4, r each matrix's rank, m its P side, n its Q side, s_j the rank's share
+of the sharded side, c = ceil(m / S):
+  replicate axis  the grad_sync slice of its local shards (non-matrix and full-gradient matrices), and
+                  per low-rank matrix P then R: m r + s_j r on Q's side (summed over the shard group
+                  (S m + n) r: Dion Table 1's (m + n) r per shard rank of the unsharded side),
+                  s_j r + n r in the fallback;
+  shard axis      per matrix (m + 1) r on Q's side (the partial P and the column norms: Dion Table 1),
+                  c r + n r in the fallback (the P gather and the R sum); 2 words for the clipping
+                  norm with optim.grad_clip > 0 (`_shard_bytes`, booked in shard_stats and logged as
+                  shard_bytes; FSDP's all-gather and reduce-scatter come on top).
+Q on Q's side is the rank's block of the whole seeded Q; the diagnostics sum each rank's share of
+||B - P R^T||^2 and ||B||^2 over the shard group first (the whole matrices' values). Checkpoints
+record how M and Q are split (`state_shard_dims`), so a resume on another mesh joins and re-cuts
+them (trainer/sharded_checkpoint.py); its clipping norm (`_clip_`) includes the spread of the
+replicas' matrix gradients, so with optim.grad_clip > 0 it depends on the replica count.
 
 State per matrix: M (param dtype, per rank), Q (min(m, n) x r by default, n x r with
 optim.transpose_wide=false; float32 - float64 for float64 params -, identical on all ranks, drawn
@@ -232,9 +240,9 @@ class Dion(MatrixOptimizer):
             m, n = self.matrix_shape(k)
             rows = dion_factor_rows(m, n, self.options.transpose_wide)[1]
             Q = init_dion_q(rows, self.ranks[k], seed=matrix_seed(e.name), dtype=dtype, device=e.param.device)
-            if self.shards is not None and dion_transposed(m, n, self.options.transpose_wide):
-                start = self.row_start(k)  # Q lies on the sharded rows: this rank's block
-                Q = Q[start:start + e.param.shape[0]].clone()
+            if self.q_sharded(k):  # Q lies on the sharded side: this rank's block of it
+                start = self.shard_start(k)
+                Q = Q[start:start + e.param.shape[self.shard_dim_of(k)]].clone()
             state["Q"] = Q
         return state["momentum"], state["Q"]
 
@@ -249,8 +257,9 @@ class Dion(MatrixOptimizer):
         return [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
     def _shard_gather(self, idx: list[int]):
-        """All-gather over the shard group of the row blocks (m_j, r) of the matrices `idx` (layout
-        indices), each padded to ceil(m / S) rows, in ONE call; returns the whole (m, r) tensors."""
+        """All-gather over the shard group of the P blocks (s_j, r) of the matrices `idx` (layout
+        indices; P on the sharded side), each padded to ceil(s / S) rows, in ONE call; returns the
+        whole (s, r) tensors (s: the size of the sharded dimension)."""
         sh = self.shards
 
         def gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -269,7 +278,7 @@ class Dion(MatrixOptimizer):
             res, off = [], 0
             for i, t in zip(pos, tensors):
                 size = sh.chunk[i] * t.shape[1]
-                res.append(full[:, off:off + size].reshape(sh.S * sh.chunk[i], t.shape[1])[:sh.m[i]])
+                res.append(full[:, off:off + size].reshape(sh.S * sh.chunk[i], t.shape[1])[:sh.size[i]])
                 off += size
             return res
         return gather
@@ -277,7 +286,7 @@ class Dion(MatrixOptimizer):
     def _matrix_update(self, step: int) -> dict | None:
         """The full-gradient matrices first (their gradients are already the mean: no reduce), then the
         low-rank ones with their two batched exchanges; on the hybrid-sharding mesh each group runs Dion
-        Alg. 2 on its row blocks (dion_math.dion_mesh_step_), else Alg. 1 (dion_step_)."""
+        Alg. 2 on its shards (dion_math.dion_mesh_step_), else Alg. 1 (dion_step_)."""
         entries = self.layout.entries
         diag: dict | None = {"entries": [], "res_sq": [], "b_sq": []} if self._diagnose else None
         step_of = self._mesh_step if self.shards is not None else self._local_step
@@ -309,15 +318,36 @@ class Dion(MatrixOptimizer):
         shapes = [self.matrix_shape(k) for k in idx]
         flip = [dion_transposed(m, n, o.transpose_wide) for m, n in shapes]
         factors = dion_mesh_step_(
-            params, [p.grad for p in params], moms, qs, flip=flip,
-            row_start=[self.row_start(k) for k in idx], lr=[self.matrix_lr(g) for g in groups],
+            params, [p.grad for p in params], moms, qs, flip=flip, shard_dim=[self.shard_dim_of(k) for k in idx],
+            shard_start=[self.shard_start(k) for k in idx], lr=[self.matrix_lr(g) for g in groups],
             weight_decay=[float(g["weight_decay"]) for g in groups], scale=[dion_scale(m, n) for m, n in shapes],
-            shard_sum=self._shard_sum, shard_gather=self._shard_gather([k for k, f in zip(idx, flip) if not f]),
+            shard_sum=self._shard_sum, shard_gather=self._shard_gather([k for k in idx if not self.q_sharded(k)]),
             reduce_mean=reduce_mean, mu=o.mu, ortho=o.ortho, diagnostics=diag is not None,
             error_feedback=o.error_feedback)
         if diag is not None:
             diag["res_sq"] += [f.residual_norm for f in factors]
             diag["b_sq"] += [f.rel_error for f in factors]
+
+    def q_sharded(self, k: int) -> bool:
+        """Whether matrix entry k's shard dimension is the side of Q and R (Dion Alg. 2's layout; the
+        fallback, P's side, where FSDP2 cannot split Q's side evenly): False when not sharded."""
+        if self.shards is None:
+            return False
+        m, n = self.matrix_shape(k)
+        return (self.shard_dim_of(k) == 1) != dion_transposed(m, n, self.options.transpose_wide)
+
+    @classmethod
+    def shard_dim(cls, options: DionOptions, matrix: bool, shape: tuple[int, ...], shard_size: int) -> int:
+        """Dion Alg. 2 shards the side of Q (the paper's n columns): dim 0 (fan_out) of a matrix whose
+        power iteration runs on the transpose (dion_transposed: wide ones by default), dim 1 (fan_in)
+        of the others where shard_size divides it (FSDP2 splits dims > 0 only evenly), else dim 0 (Q's
+        side stays whole and P's is sharded: more bytes, see the module docstring). Non-matrices: 0."""
+        if not matrix:
+            return 0
+        m, n = shape
+        if dion_transposed(m, n, options.transpose_wide) or n % shard_size:
+            return 0
+        return 1
 
     def _diagnostics(self, out: dict | None) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         """Per matrix tensor, role, block and overall, averaged over ranks (one fp64 allreduce in the
@@ -349,25 +379,28 @@ class Dion(MatrixOptimizer):
 
     def _local_factor_rows(self, k: int) -> tuple[int, int]:
         """(rows of P, rows of R) this rank exchanges across replicas for matrix entry k: the
-        factors' rows, where the side on FSDP2's dim 0 holds only this rank's block."""
+        factors' rows, where the sharded side holds only this rank's block."""
         m, n = self.matrix_shape(k)
-        mj = self.layout.entries[k].param.shape[0]
-        return (n, mj) if dion_transposed(m, n, self.options.transpose_wide) else (mj, n)
+        p_rows, q_rows = dion_factor_rows(m, n, self.options.transpose_wide)
+        local = self.layout.entries[k].param.shape[self.shard_dim_of(k)]
+        return (p_rows, local) if self.q_sharded(k) else (local, q_rows)
 
     def _shard_bytes(self) -> int:
         """Bytes this rank sends on the shard axis in one step (dion_mesh_step_'s collectives, in the
-        compute dtype): per flipped matrix (n + 1) r (P and the column norms, Dion Table 1), per
-        other matrix c r + n r (its padded P block to the all-gather, R's sum); plus 2 words for the
-        clipping norm when clipping."""
+        compute dtype): per matrix sharded on Q's side (m + 1) r with m the side of P (its partial
+        B Q and the column norms, Dion Table 1), per matrix sharded on P's side c r + n r (its padded
+        P block to the all-gather, R's sum; c = ceil(m / S)); plus 2 words for the clipping norm
+        when clipping."""
         if self.shards is None:
             return 0
         total = 0
         for k in self.fullgrad_idx + self.lowrank_idx:
             m, n = self.matrix_shape(k)
+            p_rows, q_rows = dion_factor_rows(m, n, self.options.transpose_wide)
             r = self.ranks[k]
             item = 8 if self.layout.entries[k].param.dtype == torch.float64 else 4
             c = self.shards.chunk[self._shard_pos[k]]
-            total += item * ((n + 1) * r if dion_transposed(m, n, self.options.transpose_wide) else (c + n) * r)
+            total += item * ((p_rows + 1) * r if self.q_sharded(k) else (c + q_rows) * r)
         return total + (8 if self.grad_clip > 0 else 0)
 
     def _exchanged(self) -> list[tuple[str, int, int]]:
@@ -386,6 +419,11 @@ class Dion(MatrixOptimizer):
         return [("grad_sync", 1, 32)] if self.grad_clip > 0 and self.lowrank_idx else []
 
     # ---- state ---------------------------------------------------------------------------------------
+    def _matrix_state_dims(self, k: int) -> dict[str, int | None]:
+        """M like its parameter; Q's rows are the Q side's, split where that side is the sharded one
+        (the same FSDP2 chunks as the parameter's), whole on every rank otherwise."""
+        return {"momentum": self.shard_dim_of(k), "Q": 0 if self.q_sharded(k) else None}
+
     def _comm_state(self) -> dict:
         return {**super()._comm_state(), "factor_exchange": self.factor_exchange.state_dict()}
 
@@ -404,14 +442,12 @@ class Dion(MatrixOptimizer):
             if Q is None:
                 continue
             m, n = self.matrix_shape(k)
-            sharded_q = self.shards is not None and dion_transposed(m, n, tw)
-            want = (e.param.shape[0] if sharded_q else dion_factor_rows(m, n, tw)[1], r)
+            want = (e.param.shape[self.shard_dim_of(k)] if self.q_sharded(k) else dion_factor_rows(m, n, tw)[1], r)
             if tuple(Q.shape) != want:
                 other = (dion_factor_rows(m, n, not tw)[1], r)
                 fix = (f"it was saved with optim.transpose_wide={str(not tw).lower()}; resume with that setting"
                        if tuple(Q.shape) == other else
-                       "resume with the optim.rank / optim.rank_fraction and the parallel.shard_size it was saved "
-                       "with (Dion's Q does not move to another mesh)")
+                       "resume with the optim.rank / optim.rank_fraction it was saved with")
                 raise ValueError(f"Dion.load_state_dict: Q of {e.name} {(m, n)} has shape "
                                  f"{tuple(Q.shape)}, this run expects {want} (optim.transpose_wide="
                                  f"{str(tw).lower()}): {fix}")
@@ -433,7 +469,7 @@ register_optimizer(OptimizerSpec(
     help="Dion (low-rank orthonormal updates, error feedback; Dion Alg. 2) on the hidden matrices, AdamW or Lion "
          "on the rest; only P, R and the non-matrix gradients cross the network",
     # Q (n x r) is r / m of a matrix's elements: not counted per element
-    state_words=lambda o, s, matrix: _matrix_state_words(o, matrix, 1.0), shards=True))
+    state_words=lambda o, s, matrix: _matrix_state_words(o, matrix, 1.0), shards=True, shard_dim=Dion.shard_dim))
 
 
 __all__ = ["Dion", "DionOptions", "matrix_seed"]

@@ -253,93 +253,92 @@ ShardSum = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
 
 def dion_mesh_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], momenta: Sequence[torch.Tensor],
-                    qs: Sequence[torch.Tensor], *, flip: Sequence[bool], row_start: Sequence[int], lr: Sequence[float], weight_decay: Sequence[float],
+                    qs: Sequence[torch.Tensor], *, flip: Sequence[bool], shard_dim: Sequence[int],
+                    shard_start: Sequence[int], lr: Sequence[float], weight_decay: Sequence[float],
                     scale: Sequence[float], shard_sum: ShardSum, shard_gather: ShardSum,
                     reduce_mean: ReduceMean | None = None, mu: float = 0.95, ortho: str = "qr", eps: float = 1e-8,
                     diagnostics: bool = False, error_feedback: bool = True) -> list[DionFactors]:
-    """dion_step_ on dim-0 row blocks of the matrices (hybrid sharding: FSDP2 gives every rank of a
-    shard group the rows [j c, (j + 1) c) of each X, M, G). Dion Alg. 2's layout, where the side of
-    Q and R is the sharded one, is the transposed orientation (`flip`, dion_transposed): there A = B^T
-    (n, m) has its columns sharded, and with the local row block B_j (m_j, n), Q_j (m_j, r):
-        P   = Orthonormalize(mean_replicas sum_shards B_j^T Q_j)    Distributed-PowerIter1 (n, r)
-        R_j = mean_replicas B_j P                                    local rows of R (m_j, r)
+    """dion_step_ on the shards of the matrices (hybrid sharding: FSDP2 gives every rank of a shard
+    group the block [s, s + s_j) of dimension `shard_dim` of each X, M, G; `shard_start` gives s).
+    As in dion_step_, a `flip`ped matrix runs on its transpose: A = B^T, else A = B, and P = A Q is
+    on A's rows, Q and R on its columns. Dion Alg. 2 shards the columns of A (the side of Q; "q-side":
+    shard_dim 1 not flipped, or 0 flipped). With the local column block A_j and Q_j:
+        P   = Orthonormalize(mean_replicas sum_shards A_j Q_j)      Distributed-PowerIter1 (whole, m x r)
+        R_j = mean_replicas A_j^T P                                  local rows of R
         Q_j = R_j / sqrt(sum_shards colnorm^2(R_j))                  Distributed-ColumnNormalize
-        M_j = B_j - (1 - mu) R_j P^T,  X_j -= lr scale Q_j P^T       on the local rows
-    The shard axis carries P (n r) and the r column sums of squares: Dion Table 1's (m + 1) r with
-    its m the side of P. In the other orientation (not flipped: P = B Q on the sharded rows, Q (n, r)
-    whole on every rank) P_j = B_j Q is local, its replica mean is all-gathered over the shard group
-    (m r; the orthonormalization needs all of P's rows), and R = sum_shards B_j^T P_j (n r) is summed
-    over the shard group before its replica mean; ColumnNormalize is local.
-    Collectives, each ONE call over all matrices of the list (the list of a call's tensors may be
-    empty): shard_sum (flipped P), reduce_mean (every P), shard_gather (unflipped P), shard_sum
-    (unflipped R), reduce_mean (every R), shard_sum (flipped column norms). reduce_mean None: the
-    gradients are already the replicas' mean. By linearity every sum equals the centralized product
-    (Dion Thm. 2.1), so the result is dion_step_'s on the whole matrices up to fp32 reduction order.
-    row_start: the first row of this rank's block in each whole matrix. lr, weight_decay, scale: one
-    per matrix (scale: dion_scale of the whole matrix). Q is (m_j, r), this rank's rows of the whole
-    Q, when flipped, else the whole (n, r). With
-    diagnostics, residual_norm holds this rank's share of ||B - P R^T||^2 and rel_error its share of
-    ||B||^2 (0-dim float64): summed over the shard group (and meaned over replicas) they are the
-    whole matrices' values (Dion.`_diagnostics` does that)."""
+        M_j = A_j - (1 - mu) P R_j^T,  X_j -= lr scale P Q_j^T       on the local block
+    The shard axis carries the partial P (m r) and the r column sums of squares: Dion Table 1's
+    (m + 1) r, m the side of P. Where A's rows are sharded instead ("p-side", the fallback when
+    FSDP2 cannot split Q's side evenly) P_j = A_j Q is local (Q whole on every rank), its replica mean
+    is all-gathered over the shard group (the orthonormalization needs all of P's rows: c r, c the
+    padded block) and R = sum_shards A_j^T P_j (n r) is summed before its replica mean; ColumnNormalize
+    is local. The error feedback and the update are the same products on the local block either way.
+    Collectives, each ONE call over all matrices of the list (a call's list may be empty): shard_sum
+    (q-side P), reduce_mean (every P), shard_gather (p-side P), shard_sum (p-side R), reduce_mean (every
+    R), shard_sum (q-side column norms). reduce_mean None: the gradients are already the replicas'
+    mean. By linearity every sum equals the centralized product (Dion Thm. 2.1), so the result is
+    dion_step_'s on the whole matrices up to fp32 reduction order. lr, weight_decay, scale: one per
+    matrix (scale: dion_scale of the whole matrix). Q is (s_j, r), this rank's block of the whole Q,
+    on the q-side, else the whole Q. With diagnostics, residual_norm holds this rank's share of
+    ||B - P R^T||^2 and rel_error its share of ||B||^2 (0-dim float64): summed over the shard group
+    (and meaned over replicas) they are the whole matrices' values (Dion.`_diagnostics` does that)."""
     k = len(params)
+    # A orientation: a flipped matrix's views; in-place updates of a view land in the matrix
+    params = [X.mT if f else X for X, f in zip(params, flip)]
+    grads = [G.mT if f else G for G, f in zip(grads, flip)]
+    momenta = [M.mT if f else M for M, f in zip(momenta, flip)]
+    q_side = [(d == 1) != f for d, f in zip(shard_dim, flip)]
     Bs, P_part = [], []
-    for G, M, Q, f in zip(grads, momenta, qs, flip):
+    for G, M, Q in zip(grads, momenta, qs):
         if not error_feedback:
             M.mul_(mu)
         M.add_(G.to(M.dtype))
         B = M.to(_compute_dtype(M.dtype))
         Bs.append(B)
-        P_part.append(B.mT @ Q.to(B.dtype) if f else B @ Q.to(B.dtype))
-    fl = [i for i in range(k) if flip[i]]
-    nf = [i for i in range(k) if not flip[i]]
-    summed = shard_sum([P_part[i] for i in fl])
-    for i, t in zip(fl, summed):
+        P_part.append(B @ Q.to(B.dtype))
+    qi = [i for i in range(k) if q_side[i]]
+    pi = [i for i in range(k) if not q_side[i]]
+    for i, t in zip(qi, shard_sum([P_part[i] for i in qi])):
         P_part[i] = t
     P_mean = reduce_mean(P_part) if reduce_mean is not None else P_part
-    whole = shard_gather([P_mean[i] for i in nf])
+    whole = shard_gather([P_mean[i] for i in pi])
     Ps: list[torch.Tensor] = [None] * k
-    for i in fl:
+    for i in qi:
         Ps[i] = orthonormalize_columns(P_mean[i].to(Bs[i].dtype), ortho)
-    local_rows = {}
-    for i, W in zip(nf, whole):
+    whole_rows = {}
+    for i, W in zip(pi, whole):
         P_full = orthonormalize_columns(W.to(Bs[i].dtype), ortho)
-        local_rows[i] = P_full.shape[0]
-        Ps[i] = P_full[row_start[i]:row_start[i] + Bs[i].shape[0]]
-    R_part = [Bs[i] @ Ps[i] if flip[i] else Bs[i].mT @ Ps[i] for i in range(k)]
-    summed = shard_sum([R_part[i] for i in nf])
+        whole_rows[i] = P_full.shape[0]
+        Ps[i] = P_full[shard_start[i]:shard_start[i] + Bs[i].shape[0]]
+    R_part = [B.mT @ P for B, P in zip(Bs, Ps)]
     R_in = list(R_part)
-    for i, t in zip(nf, summed):
+    for i, t in zip(pi, shard_sum([R_part[i] for i in pi])):
         R_in[i] = t
     R_mean = reduce_mean(R_in) if reduce_mean is not None else R_in
     R_mean = [R.to(B.dtype) for R, B in zip(R_mean, Bs)]
-    sq = [torch.linalg.vector_norm(R_mean[i], dim=0, keepdim=True).square() for i in range(k)]
-    summed = shard_sum([sq[i] for i in fl])
-    for i, t in zip(fl, summed):
+    sq = [torch.linalg.vector_norm(R, dim=0, keepdim=True).square() for R in R_mean]
+    for i, t in zip(qi, shard_sum([sq[i] for i in qi])):
         sq[i] = t
     out = []
     for i in range(k):
         X, M, Q, B, P, R = params[i], momenta[i], qs[i], Bs[i], Ps[i], R_mean[i]
         factors = DionFactors(P, R)
         if diagnostics:
-            # this rank's share of ||B||^2 - 2 <B^T P, R> + ||R||^2 (R whole on every rank of the
-            # shard group when not flipped: its ||R||^2 counted once per group, split S ways)
+            # this rank's share of ||B||^2 - 2 <B^T P, R> + ||R||^2 (on the p-side R is whole on every
+            # rank of the shard group: its ||R||^2 split by the rank's share of P's rows)
             b2 = B.double().square().sum()
             cross = (R_part[i].double() * R.double()).sum()
             r2 = R.double().square().sum()
-            if not flip[i]:
-                r2 = r2 * (B.shape[0] / local_rows[i])
+            if not q_side[i]:
+                r2 = r2 * (B.shape[0] / whole_rows[i])
             factors.residual_norm = b2 - 2.0 * cross + r2
             factors.rel_error = b2
         norms = sq[i].sqrt()
-        # flipped: R_j (m_j, r) and Q_j on the rows, P (n, r); else P_j (m_j, r) on the rows, R and Q (n, r)
-        # whole. The row-side factor is the left operand of both outer products.
         if error_feedback:
-            left, right = (R, P) if flip[i] else (P, R)
-            M.addmm_(left.to(M.dtype), right.mT.to(M.dtype), alpha=-(1.0 - mu))
+            M.addmm_(P.to(M.dtype), R.mT.to(M.dtype), alpha=-(1.0 - mu))
         Q_update = R / (norms + eps)
         Q.copy_(torch.where(norms > 0, R / norms.clamp_min(torch.finfo(R.dtype).tiny), Q.to(R.dtype)))
-        left, right = (Q_update, P) if flip[i] else (P, Q_update)
-        X.addmm_(left.to(X.dtype), right.mT.to(X.dtype), beta=1.0 - lr[i] * weight_decay[i], alpha=-lr[i] * scale[i])
+        X.addmm_(P.to(X.dtype), Q_update.mT.to(X.dtype), beta=1.0 - lr[i] * weight_decay[i], alpha=-lr[i] * scale[i])
         out.append(factors)
     return out
 

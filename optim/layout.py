@@ -16,6 +16,12 @@ from typing import Iterable
 import torch
 
 
+
+def is_matrix_param(p: torch.Tensor, group: dict) -> bool:
+    """A hidden matrix (Entry.matrix): a 2-D weight of a group whose `matrix` flag is set or absent."""
+    flag = group.get("matrix")
+    return p.ndim == 2 and (flag is None or bool(flag))
+
 @dataclass
 class Entry:
     """One trainable parameter in the role-ordered layout."""
@@ -79,8 +85,7 @@ class FlatLayout:
         self.entries: list[Entry] = []
         off = 0
         for gi, role, name, layer, p in raw:
-            flag = param_groups[gi].get("matrix")
-            matrix = p.ndim == 2 and (flag is None or bool(flag))
+            matrix = is_matrix_param(p, param_groups[gi])
             self.entries.append(Entry(gi, role, name, layer, p, off, p.numel(), matrix))
             off += p.numel()
         self.numel = off
@@ -180,4 +185,5 @@ def flat_norm(bufs: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b, dtype=torch.float32) for b in bufs]))
 
 
-__all__ = ["Entry", "FlatLayout", "GradBuffers", "attach_flat_grads", "flat_norm", "model_order", "role_order"]
+__all__ = ["Entry", "FlatLayout", "GradBuffers", "attach_flat_grads", "flat_norm", "is_matrix_param", "model_order",
+           "role_order"]

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -119,24 +119,35 @@ def _options(cls: type[MatrixOptions], given: MatrixOptions | dict | None) -> Ma
     return opts
 
 
+def fsdp_chunks(size: int, S: int) -> list[int]:
+    """FSDP2's split of a dimension of `size` over S ranks (torch.chunk): c = ceil(size / S) each,
+    the last ranks fewer or none."""
+    c = -(-size // S)
+    return [min(c, max(0, size - j * c)) for j in range(S)]
+
+
 class MatrixShards:
     """The hidden matrices of a model sharded over a shard group (hybrid sharding): their whole
-    shapes, FSDP2's dim-0 chunks, and one owner rank each.
+    shapes, the dimension FSDP2 shards each on, its chunks, and one owner rank each.
 
-    FSDP2 splits dim 0 of every parameter as torch.chunk does: rank j of the S shard ranks holds
-    rows [j c, min((j + 1) c, m)) with c = ceil(m / S) (the last ranks may hold fewer or none).
-    The constructor learns each matrix's m from one all_gather of the local row counts and checks
-    that layout. Owners: the matrices in decreasing size, each to the rank with the fewest elements
-    so far (ties: the lowest rank), so every rank orthonormalizes about the same number of elements
-    (the same assignment on every rank and replica: it depends on the shapes only).
+    FSDP2 splits the shard dimension d of a parameter (`dims`, one per matrix: what the model was
+    sharded with) as torch.chunk does: rank j of the S shard ranks holds indices
+    [j c, min((j + 1) c, size)) of it with c = ceil(size / S) (the last ranks may hold fewer or none;
+    d > 0 only evenly). The constructor learns every matrix's whole shape from one all_gather of the
+    local shapes and checks that layout; `rule(m, n)`, the optimizer's shard_dim, must give d for
+    the whole shape (else the model was sharded for another optimizer: an error). Owners: the
+    matrices in decreasing size, each to the rank with the fewest elements so far (ties: the lowest
+    rank), so every rank orthonormalizes about the same number of elements (the same assignment on
+    every rank and replica: it depends on the shapes only).
 
-    `gather` and `scatter` move every owned matrix in ONE all_to_all_single each over the shard
-    group, every shard padded to c rows: a rank sends sum_k c_k n_k (S - 1) / S elements to the
-    others in each direction (its shards of the matrices it does not own, then the owner's chunks of
-    the matrices it owns), booked in `stats` (the shard axis; CommStats of the replicate axis stay
-    the optimizer's phases)."""
+    `gather` and `scatter` (Muon; dim-0 shards) move every owned matrix in ONE all_to_all_single
+    each over the shard group, every shard padded to c rows: a rank sends sum_k c_k n_k (S - 1) / S
+    elements to the others in each direction (its shards of the matrices it does not own, then the
+    owner's chunks of the matrices it owns), booked in `stats` (the shard axis; CommStats of the
+    replicate axis stay the optimizer's phases)."""
 
-    def __init__(self, params: list[torch.Tensor], group, stats: CommStats | None = None) -> None:
+    def __init__(self, params: list[torch.Tensor], group, stats: CommStats | None = None,
+                 dims: list[int] | None = None, rule: Callable[[int, int], int] | None = None) -> None:
         import torch.distributed as dist
 
         self.group = group
@@ -145,18 +156,31 @@ class MatrixShards:
         self.stats = stats if stats is not None else CommStats(timing=False)
         device = params[0].device if params else torch.device("cpu")
         self.device = device
-        local = torch.tensor([p.shape[0] for p in params], dtype=torch.int64, device=device)
+        dims = list(dims) if dims is not None else [0] * len(params)
+        rule = rule or (lambda m, n: 0)
+        local = torch.tensor([list(p.shape) for p in params], dtype=torch.int64, device=device).reshape(-1, 2)
         got = [torch.empty_like(local) for _ in range(self.S)]
         dist.all_gather(got, local, group=group)
-        rows = torch.stack(got).cpu()  # (S, K)
-        self.m = [int(v) for v in rows.sum(0).tolist()] if params else []
-        self.n = [int(p.shape[1]) for p in params]
-        self.chunk = [-(-m // self.S) for m in self.m]
-        self.rows = [[min(c, max(0, m - j * c)) for j in range(self.S)] for m, c in zip(self.m, self.chunk)]
-        for k, want in enumerate(self.rows):
-            if rows[:, k].tolist() != want:
-                raise RuntimeError(f"MatrixShards: matrix {k} of {self.m[k]} rows is split {rows[:, k].tolist()} over "
-                                   f"the shard group, not FSDP2's dim-0 chunks {want}")
+        shapes = torch.stack(got).cpu()  # (S, K, 2)
+        self.m, self.n, self.dim, self.size, self.sizes = [], [], [], [], []
+        for k, d in enumerate(dims):
+            along, other = shapes[:, k, d].tolist(), shapes[:, k, 1 - d].tolist()
+            whole = [other[0], other[0]]
+            whole[d] = sum(along)
+            if len(set(other)) != 1 or along != fsdp_chunks(whole[d], self.S):
+                raise RuntimeError(f"MatrixShards: matrix {k} has local shapes {shapes[:, k].tolist()} over the shard "
+                                   f"group, not FSDP2's chunks of one matrix along dim {d}")
+            if rule(*whole) != d:
+                raise RuntimeError(f"MatrixShards: matrix {k} {tuple(whole)} is sharded on dim {d}, but this optimizer "
+                                   f"shards it on dim {rule(*whole)}: shard the model with optim.shard_dims and pass "
+                                   f"the placements to build_optimizer (shard_dims)")
+            m, n = whole
+            self.m.append(m)
+            self.n.append(n)
+            self.dim.append(d)
+            self.size.append(whole[d])
+            self.sizes.append(fsdp_chunks(whole[d], self.S))
+        self.chunk = [-(-size // self.S) for size in self.size]
         load = [0] * self.S
         self.owner = [0] * len(params)
         for k in sorted(range(len(params)), key=lambda k: (-self.m[k] * self.n[k], k)):
@@ -166,10 +190,17 @@ class MatrixShards:
         self.owned = [k for k in range(len(params)) if self.owner[k] == self.me]
         self.by_owner = [[k for k in range(len(params)) if self.owner[k] == j] for j in range(self.S)]
 
+    def start(self, k: int) -> int:
+        """First index along matrix k's shard dimension that this rank holds (its size when empty)."""
+        return self.me * self.chunk[k] if self.sizes[k][self.me] else self.size[k]
+
     def shape(self, k: int) -> tuple[int, int]:
         return self.m[k], self.n[k]
 
     def _padded(self, k: int) -> int:
+        if self.dim[k]:
+            raise RuntimeError(f"MatrixShards.gather/scatter move dim-0 row blocks; matrix {k} is sharded on dim "
+                               f"{self.dim[k]}")
         return self.chunk[k] * self.n[k]
 
     def _exchange(self, send: torch.Tensor, in_splits: list[int], out_splits: list[int], name: str) -> torch.Tensor:
@@ -220,7 +251,7 @@ class MatrixShards:
         off = 0
         for j in range(self.S):
             for k in self.by_owner[j]:
-                rows = self.rows[k][self.me]
+                rows = self.sizes[k][self.me]
                 out[k] = recv[off:off + rows * self.n[k]].view(rows, self.n[k])
                 off += self._padded(k)
         return out
@@ -238,8 +269,12 @@ class MatrixOptimizer(CommOptimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, options: MatrixOptions | dict | None = None,
-                 scheme: str | sync.SyncScheme = "fp32", **comm_kwargs) -> None:
+                 scheme: str | sync.SyncScheme = "fp32", shard_dims: dict[int, int] | None = None,
+                 **comm_kwargs) -> None:
+        """`shard_dims`: id(local parameter) -> the dimension its model parameter is sharded on
+        (hybrid sharding; absent: 0), what `shard_dim` asked for."""
         name = type(self).__name__
+        self._placements = dict(shard_dims or {})
         s = sync.get(scheme) if isinstance(scheme, str) else scheme
         options = _options(self.options_class, options)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), scheme=s,
@@ -284,8 +319,17 @@ class MatrixOptimizer(CommOptimizer):
         idx = [k for k, e in enumerate(self.layout.entries) if is_matrix(e)]
         self._shard_pos = {k: i for i, k in enumerate(idx)}
         if self.shard_group is not None:
-            self.shards = MatrixShards([self.layout.entries[k].param for k in idx], self.shard_group,
-                                       self.shard_stats)
+            S = torch.distributed.get_world_size(self.shard_group)
+            params = [self.layout.entries[k].param for k in idx]
+            self.shards = MatrixShards(params, self.shard_group, self.shard_stats,
+                                       [self._placements.get(id(p), 0) for p in params],
+                                       lambda m, n: self.shard_dim(self.options, True, (m, n), S))
+
+    @classmethod
+    def shard_dim(cls, options: MatrixOptions, matrix: bool, shape: tuple[int, ...], shard_size: int) -> int:
+        """The dimension FSDP2 shards a parameter on for this optimizer (OptimizerSpec.shard_dim):
+        0 for every parameter (Muon gathers whole row blocks to an owner)."""
+        return 0
 
     def matrix_shape(self, k: int) -> tuple[int, int]:
         """The whole (m, n) of matrix entry k (its local shard's shape when not sharded)."""
@@ -293,12 +337,13 @@ class MatrixOptimizer(CommOptimizer):
             return tuple(self.layout.entries[k].param.shape)
         return self.shards.shape(self._shard_pos[k])
 
-    def row_start(self, k: int) -> int:
-        """First row of this rank's block of matrix entry k in the whole matrix (0 unsharded)."""
-        if self.shards is None:
-            return 0
-        i = self._shard_pos[k]
-        return self.shards.me * self.shards.chunk[i] if self.shards.rows[i][self.shards.me] else self.shards.m[i]
+    def shard_dim_of(self, k: int) -> int:
+        """The dimension matrix entry k is sharded on (0 when not sharded)."""
+        return 0 if self.shards is None else self.shards.dim[self._shard_pos[k]]
+
+    def shard_start(self, k: int) -> int:
+        """First index of this rank's block of matrix entry k along its shard dimension (0 unsharded)."""
+        return 0 if self.shards is None else self.shards.start(self._shard_pos[k])
 
     # ---- learning rates -----------------------------------------------------------------------
     def matrix_lr(self, group: dict) -> float:
@@ -375,14 +420,32 @@ class MatrixOptimizer(CommOptimizer):
                    for i in range(len(item)))
 
     # ---- state -----------------------------------------------------------------------------------
+    def state_shard_dims(self) -> dict[int, dict[str, int | None]]:
+        """How the matrices' state is split over the shard group, for a checkpoint that resumes on
+        another mesh (trainer/sharded_checkpoint.py remesh_optimizer_state): per index of
+        state_dict()["state"], per state key, the tensor dimension split like the parameter's shard
+        dimension (FSDP2's chunks), or None where every rank of the shard group holds the whole
+        tensor. Unlisted tensors (the AdamW / Lion state of the other parameters): dim 0. Empty when
+        not sharded."""
+        if self.shards is None:
+            return {}
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        return {index[id(self.layout.entries[k].param)]: self._matrix_state_dims(k) for k in self.matrix_idx}
+
+    def _matrix_state_dims(self, k: int) -> dict[str, int | None]:
+        return {"momentum": self.shard_dim_of(k)}
+
     def state_dict(self) -> dict:
         sd = super().state_dict()  # matrix state and Lion momenta (self.state), groups, comm
         if self.inner is not None:
             sd["inner"] = self.inner.state_dict()
+        if self.shards is not None:  # read back by remesh_optimizer_state to join the saved shards
+            sd["shard_dims"] = self.state_shard_dims()
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         state_dict = dict(state_dict)
+        state_dict.pop("shard_dims", None)  # the saved layout: remesh_optimizer_state's, not this mesh's
         inner = state_dict.pop("inner", None)
         if (inner is None) != (self.inner is None):
             raise ValueError(f"{type(self).__name__}.load_state_dict: the checkpoint was saved with "

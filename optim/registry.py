@@ -16,6 +16,7 @@ import comm
 from . import sync
 from .adamw import AdamW
 from .base import CommOptimizer, MomentumSync
+from .layout import is_matrix_param
 from .lion import Lion
 from .lioncub import DistributedLion
 from .options import Options
@@ -49,6 +50,11 @@ class OptimizerSpec:
     shards: bool = False
     """Runs on the local shards of a sharded model (parallel.shard_size > 1): its math is element-wise
     on the flat layout, so the shards of a parameter need no view of the whole tensor."""
+    shard_dim: Callable[[OptimOptions, bool, tuple[int, ...], int], int] | None = None
+    """The dimension FSDP2 shards a parameter on: shard_dim(options, matrix, whole shape, shard size)
+    (matrix: a hidden matrix, layout.is_matrix_param)
+    (trainer/parallel.py asks before sharding: `shard_dims`). None = dim 0 for every parameter (FSDP2's
+    default; its only uneven split). Dion shards the side of its Q factor (Dion Alg. 2)."""
 
 
 _OPTIMIZERS: dict[str, OptimizerSpec] = {}
@@ -114,6 +120,19 @@ def run_problems(name: str, mode: str, comm_options: sync.SchemeOptions | None =
     return p
 
 
+def shard_dims(name: str, optim_options: dict | OptimOptions | None, param_groups: list[dict],
+               shard_size: int) -> dict[int, int]:
+    """id(parameter) -> the dimension FSDP2 shards it on over `shard_size` ranks, as optimizer
+    `name` declares (`OptimizerSpec.shard_dim`; 0 when it declares nothing), for the parameters of
+    `param_groups` (whole tensors)."""
+    spec = get_optimizer(name)
+    if spec.shard_dim is None:
+        return {id(p): 0 for g in param_groups for p in g["params"]}
+    options = _options(spec.options, optim_options, "optim")
+    return {id(p): int(spec.shard_dim(options, is_matrix_param(p, g), tuple(p.shape), shard_size))
+            for g in param_groups for p in g["params"]}
+
+
 def gradient_mean(s: sync.SyncScheme) -> bool:
     """The scheme averages gradients (one shared state): what gradient optimizers accept."""
     return s.kind == sync.GRADIENT and s.result == sync.MEAN
@@ -165,12 +184,14 @@ def build_optimizer(name: str, param_groups: list[dict], *, betas: tuple[float, 
                     grad_clip: float = 0.0, group=None,
                     param_order: list[torch.nn.Parameter] | None = None, kernels: str = "eager",
                     fine_timing: bool = True, bucket_mb: float = 0.0, overlap: bool = False,
-                    shard_group=None) -> CommOptimizer:
+                    shard_group=None, shard_dims: dict[int, int] | None = None) -> CommOptimizer:
     """Build optimizer `name` for `param_groups` (dicts with params, names, role, lr, weight_decay,
     lr_mult; optionally layers) on sync scheme `comm_mode`. Raises ValueError naming the bad value
     and the valid ones. `param_order` (the model's parameter order) fixes the flat gradient layout.
     With hybrid sharding the parameters are local shards, `group` the replicate group and
-    `shard_group` the group holding the other shards (its optimizer must declare `shards`)."""
+    `shard_group` the group holding the other shards (its optimizer must declare `shards`), and
+    `shard_dims` maps id(local parameter) to the dimension its model parameter is sharded on (the
+    placements `shard_dims()` chose; absent: 0)."""
     spec = get_optimizer(name)
     scheme = sync.get(comm_mode)
     problem = compatibility_problem(name, comm_mode)
@@ -185,6 +206,13 @@ def build_optimizer(name: str, param_groups: list[dict], *, betas: tuple[float, 
         raise ValueError("; ".join(problems))
     options = _options(spec.options, optim_options, "optim")
     extra = {"shard_group": shard_group} if shard_group is not None else {}
+    if spec.shard_dim is not None:  # it asked for its placements: it is told what they are
+        if shard_group is not None and shard_dims is None:
+            raise ValueError(f"optim.name={name} on a sharded model needs the placements it asked for: shard the "
+                             f"model with optim.shard_dims and pass shard_dims (trainer.parallel.local_dims)")
+        extra["shard_dims"] = dict(shard_dims or {})
+    elif any((shard_dims or {}).values()):
+        raise ValueError(f"optim.name={name} runs on dim-0 shards only; shard the model with optim.shard_dims")
     for g in param_groups:
         for key in ("params", "lr", "weight_decay"):
             if key not in g:

@@ -26,6 +26,7 @@ WANDB_KEYS = {
     "step_ms": "step_time_ms/total", "data_ms": "step_time_ms/data", "fwdbwd_ms": "step_time_ms/fwd_bwd",
     "coll_ms": "step_time_ms/collectives", "pack_ms": "step_time_ms/pack", "opt_ms": "step_time_ms/optimizer",
     "comm_ms": "comm/ms", "comm_bytes": "comm/bytes_sent", "comm_bytes_recv": "comm/bytes_recv",
+    "shard_bytes": "comm/shard_bytes_sent",
     "tokens_per_s": "throughput/tokens_per_s", "mfu": "throughput/mfu", "peak_mem_gib": "memory/peak_gib",
     "train_time_s": "throughput/train_time_s", "tokens": "throughput/tokens", "peak_rss_gib": "memory/peak_rss_gib",
     "grad_norm": "grad_norm/global",
@@ -159,7 +160,7 @@ class RunLogger:
 # Dense bf16 peak FLOP/s for the MFU estimate (vendor datasheets).
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "A10": 125e12, "L4": 121e12, "V100": 125e12}
 WINDOW_KEYS = ("loss", "step_s", "data_s", "fwdbwd_s", "comm_s", "coll_s", "pack_s", "opt_s", "bytes_sent",
-               "bytes_recv")
+               "bytes_recv", "shard_bytes")
 
 
 def peak_rss_gib() -> float:
@@ -199,6 +200,8 @@ def window_record(trainer, window: list[dict]) -> dict:
            "fwdbwd_ms": 1e3 * m["fwdbwd_s"], "coll_ms": 1e3 * m["coll_s"], "pack_ms": 1e3 * m["pack_s"],
            "opt_ms": 1e3 * m["opt_s"], "tokens_per_s": trainer.tokens_per_step / max(m["step_s"], 1e-9),
            "train_time_s": trainer.train_time, "tokens": trainer.tokens_seen}
+    if trainer.parallel.sharded:  # the optimizer's own collectives in the shard group (not FSDP's)
+        rec["shard_bytes"] = int(m["shard_bytes"])
     if norms:
         *roles, rec["grad_norm"] = means[len(WINDOW_KEYS):]
         rec.update({f"grad_norm/{role}": v for role, v in zip(trainer.optimizer.grad_norm_roles, roles)})

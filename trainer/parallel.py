@@ -6,8 +6,10 @@ setting of Dion §1 and LoCo's abstract; Lion Cub's vote is what crosses between
   consecutive ranks (one node's, LOCAL_WORLD_SIZE) and a replicate group holds the ranks with the
   same shard index on every group.
 - The model: every transformer block and then the root are `fully_shard`ed over the 1-D shard
-  sub-mesh, so FSDP all-gathers parameters for forward/backward and reduce-scatters gradients
-  (their mean over the shard group) inside the group only; FSDP runs no all-reduce across replicas.
+  sub-mesh, each parameter on the dimension its optimizer declares (optim.registry `shard_dims`:
+  dim 0 unless the optimizer says otherwise; Dion puts the side of its Q factor there), so FSDP
+  all-gathers parameters for forward/backward and reduce-scatters gradients (their mean over the
+  shard group) inside the group only; FSDP runs no all-reduce across replicas.
 - The optimizer sees local shards: for every DTensor parameter p a plain Parameter aliasing
   p's local tensor (same storage, so an in-place update is the update of p's shard). The
   optimizer's flat gradient buffer is built over these aliases (optim/base.py attach_flat_grads),
@@ -67,20 +69,32 @@ def make_mesh(shard_size: int, world_size: int, device: torch.device) -> Paralle
     return Parallel(S, world_size // S, mesh, mesh.get_group("replicate"), mesh.get_group("shard"))
 
 
-def shard_model(model: torch.nn.Module, par: Parallel) -> None:
+def shard_model(model: torch.nn.Module, par: Parallel, dims: dict[int, int] | None = None) -> None:
     """fully_shard every transformer block, then the root (embedding, final norm, head), over the
-    shard sub-mesh."""
+    shard sub-mesh; `dims`: id(parameter) -> the dimension to shard it on (optim.shard_dims; absent:
+    0). FSDP2 splits a dimension other than 0 only evenly, which the optimizers' rules respect."""
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    dims = dims or {}
+
+    def placement(p: torch.nn.Parameter) -> Shard:
+        return Shard(dims.get(id(p), 0))
 
     for block in model.transformer.h:
-        fully_shard(block, mesh=par.shard_mesh)
-    fully_shard(model, mesh=par.shard_mesh)
+        fully_shard(block, mesh=par.shard_mesh, shard_placement_fn=placement)
+    fully_shard(model, mesh=par.shard_mesh, shard_placement_fn=placement)
 
 
 def local_aliases(model: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
     """id(DTensor parameter) -> a plain Parameter over the same storage as its local shard."""
     with torch.no_grad():
         return {id(p): torch.nn.Parameter(p.to_local(), requires_grad=True) for p in model.parameters()}
+
+
+def local_dims(model: torch.nn.Module, aliases: dict[int, torch.nn.Parameter]) -> dict[int, int]:
+    """id(alias) -> the dimension its DTensor parameter is sharded on (for build_optimizer)."""
+    return {id(aliases[id(p)]): p.placements[0].dim for p in model.parameters()}
 
 
 def localize_groups(groups: list[dict], aliases: dict[int, torch.nn.Parameter]) -> list[dict]:
@@ -117,5 +131,5 @@ def reshard(model: torch.nn.Module) -> None:
             m.reshard()
 
 
-__all__ = ["Parallel", "grads_routed", "local_aliases",
+__all__ = ["Parallel", "grads_routed", "local_aliases", "local_dims",
            "localize_groups", "make_mesh", "reshard", "route_grads", "shard_model"]

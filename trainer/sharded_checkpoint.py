@@ -76,7 +76,7 @@ def load_model(model: torch.nn.Module, path: Path) -> None:
 
 def load_full_model(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """A whole (replicated run's model.pt) state into the model, sharded or not: every rank keeps
-    its own dim-0 chunk of each tensor."""
+    its own chunk of each tensor along the dimension the tensor is sharded on."""
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
     if missing:
@@ -85,7 +85,7 @@ def load_full_model(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> N
         for k, v in own.items():
             if hasattr(v, "to_local"):
                 mesh = v.device_mesh
-                v.to_local().copy_(_rows(state[k], mesh.size(), mesh.get_local_rank()))
+                v.to_local().copy_(_chunk(state[k], mesh.size(), mesh.get_local_rank(), v.placements[0].dim))
             else:
                 v.copy_(state[k])
 
@@ -98,7 +98,7 @@ def _per_param(opt_state: dict) -> list[tuple[dict, list[str]]]:
     nodes = [(opt_state, [])] if "state" in opt_state else []
     if "inner" in opt_state:
         nodes.append((opt_state["inner"], ["inner"]))
-    extra = sorted(set(opt_state) - {"state", "param_groups", "comm", "inner"})
+    extra = sorted(set(opt_state) - {"state", "param_groups", "comm", "inner", "shard_dims"})
     exchange = (opt_state.get("comm") or {}).get("exchange")
     if extra or exchange or not nodes or any("state" not in node for node, _ in nodes):
         raise ValueError(f"its optimizer state holds {extra or 'exchange state'}, which is laid out over the saved "
@@ -106,43 +106,66 @@ def _per_param(opt_state: dict) -> list[tuple[dict, list[str]]]:
     return nodes
 
 
-def _rows(t: torch.Tensor, shards: int, index: int) -> torch.Tensor:
-    """FSDP2's dim-0 chunk `index` of `shards` (ceil(rows / shards) rows each; trailing ones may be empty)."""
-    chunk = -(-t.shape[0] // shards)
-    return t[index * chunk:(index + 1) * chunk]
+def _chunk(t: torch.Tensor, shards: int, index: int, dim: int = 0) -> torch.Tensor:
+    """FSDP2's chunk `index` of `shards` along `dim` (ceil(size / shards) each; trailing ones may be empty)."""
+    chunk = -(-t.shape[dim] // shards)
+    start = min(index * chunk, t.shape[dim])
+    return t.narrow(dim, start, min(chunk, t.shape[dim] - start))
 
 
 def remesh_optimizer_state(states: list[dict], saved_shard: int, shard: int, replicas: int, replica: int,
-                           shard_index: int, group_rank: int) -> dict:
+                           shard_index: int, group_rank: int, dims: dict | None = None) -> dict:
     """This rank's optimizer state on a new mesh, from every rank's saved state (`states`, old rank
-    order, `saved_shard` ranks per model copy). Per-parameter tensors (dim-0 shards) are joined
-    into each old replica's whole tensors; with as many replicas as before, replica r takes old
-    replica r's state exactly; otherwise every per-replica tensor is the mean over the old replicas
-    (one momentum synchronisation, as `CommOptimizer.load_resharded` does for a world-size change).
-    Then this rank's dim-0 chunk is cut. Scalars (step counts) are kept. ValueError for state that
-    is not per parameter."""
+    order, `saved_shard` ranks per model copy). Per-parameter tensors are joined into each old
+    replica's whole tensors along the dimension the saved state names for them (its "shard_dims":
+    {index: {key: dim or None}}, None = whole on every shard rank; unlisted: dim 0, FSDP2's default);
+    with as many replicas as before, replica r takes old replica r's state exactly; otherwise every
+    per-replica tensor is the mean over the old replicas (one momentum synchronisation, as
+    `CommOptimizer.load_resharded` does for a world-size change). Then this rank's chunk is cut
+    along the dimension `dims` names (the new optimizer's state_shard_dims, same form). Scalars (step
+    counts) are kept. ValueError for state that is not per parameter."""
     old_replicas = len(states) // saved_shard
     parts = [_per_param(s) for s in states]
+    saved_dims = [s.get("shard_dims") or {} for s in states]
+    dims = dims or {}
     out = dict(states[0])
     for j, (base, path) in enumerate(parts[0]):
+        def saved_dim(rank: int, i: int, key: str) -> int | None:
+            return 0 if path else saved_dims[rank].get(i, {}).get(key, 0)
+
         whole = []  # per old replica: {index: {key: tensor}}
         for r in range(old_replicas):
-            group = [parts[r * saved_shard + k][j][0]["state"] for k in range(saved_shard)]
-            whole.append({i: {key: (torch.cat([g[i][key] for g in group]) if torch.is_tensor(v) and v.ndim else v)
-                              for key, v in st.items()} for i, st in group[0].items()})
+            ranks = [r * saved_shard + k for k in range(saved_shard)]
+            group = [parts[q][j][0]["state"] for q in ranks]
+            joined = {}
+            for i, st in group[0].items():
+                joined[i] = {}
+                for key, v in st.items():
+                    d = saved_dim(ranks[0], i, key)
+                    if torch.is_tensor(v) and v.ndim and d is not None:
+                        v = torch.cat([g[i][key] for g in group], dim=d)
+                    joined[i][key] = v
+            whole.append(joined)
         if old_replicas == replicas:
             mine = whole[replica]
         else:
             mine = {i: {key: (torch.stack([w[i][key].to(torch.float32) for w in whole]).mean(0).to(v.dtype)
                               if torch.is_tensor(v) and v.ndim and v.is_floating_point() else v)
                         for key, v in st.items()} for i, st in whole[0].items()}
-        local = {i: {key: (_rows(v, shard, shard_index).clone() if torch.is_tensor(v) and v.ndim else v)
-                     for key, v in st.items()} for i, st in mine.items()}
+
+        def cut(i: int, key: str, v):
+            if not (torch.is_tensor(v) and v.ndim):
+                return v
+            d = 0 if path else dims.get(i, {}).get(key, 0)
+            return v.clone() if d is None else _chunk(v, shard, shard_index, d).clone()
+
+        local = {i: {key: cut(i, key, v) for key, v in st.items()} for i, st in mine.items()}
         node = {**base, "state": local}
         if path:
             out[path[0]] = node
         else:
             out.update(node)
+    out.pop("shard_dims", None)  # the saved mesh's layout
     comm = dict(out.get("comm") or {})
     comm.update(world_size=replicas, rank=group_rank, exchange={})
     out["comm"] = comm

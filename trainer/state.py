@@ -99,7 +99,9 @@ def _load_remeshed(trainer, path: Path, meta: dict, files: dict, saved_shard: in
     try:
         opt = sharded_checkpoint.remesh_optimizer_state(
             [files[n]["optimizer"] for n in names], saved_shard, par.shard_size, par.replicas,
-            rank // par.shard_size, rank % par.shard_size, rank // par.shard_size if par.sharded else rank)
+            rank // par.shard_size, rank % par.shard_size, rank // par.shard_size if par.sharded else rank,
+            # how this run's optimizer splits its state (Muon, Dion); the others: dim 0 like their parameters
+            getattr(trainer.optimizer, "state_shard_dims", dict)())
     except ValueError as e:
         raise ConfigError(f"checkpoint {path} (parallel.shard_size={saved_shard} on {saved} ranks) cannot resume on "
                           f"parallel.shard_size={par.shard_size} on {world} ranks: {e}; resume with "

@@ -21,7 +21,7 @@ import data
 from comm import Clock
 from data.loader import MixLoader, ShardLoader
 from model import GPT, resolve_config
-from optim import build_optimizer
+from optim import build_optimizer, shard_dims
 from optim.base import digest
 
 from . import automode, parallel, state
@@ -68,8 +68,9 @@ class Trainer:
         # hybrid sharding (trainer/parallel.py): the optimizer sees local shards and the replicate group
         self.parallel = parallel.make_mesh(cfg.parallel.shard_size, info.world_size, self.device)
         groups, order = param_groups(self.model, o), list(self.model.parameters())
-        if self.parallel.sharded:
-            parallel.shard_model(self.model, self.parallel)
+        if self.parallel.sharded:  # each parameter on the dimension its optimizer asks for (Dion: its Q side)
+            parallel.shard_model(self.model, self.parallel,
+                                 shard_dims(o.name, o.options, groups, self.parallel.shard_size))
             self.aliases = parallel.local_aliases(self.model)
             groups = parallel.localize_groups(param_groups(self.model, o), self.aliases)
             order = [self.aliases[id(p)] for p in self.model.parameters()]
@@ -79,7 +80,8 @@ class Trainer:
                 comm_options=c.options, optim_options=o.options, grad_clip=o.grad_clip,
                 momentum_sync=vars(c.momentum_sync), param_order=order,
                 kernels=kernel_impl(c.kernels), fine_timing=c.fine_timing, bucket_mb=c.bucket_mb,
-                overlap=c.overlap, group=self.parallel.replicate_group, shard_group=self.parallel.shard_group)
+                overlap=c.overlap, group=self.parallel.replicate_group, shard_group=self.parallel.shard_group,
+                shard_dims=parallel.local_dims(self.model, self.aliases) if self.parallel.sharded else None)
         except ValueError as e:  # an option combination validate() does not know about
             raise ConfigError(f"optim/comm: {e}") from None
         if self.parallel.sharded:
@@ -175,6 +177,9 @@ class Trainer:
             loss_sum += loss.detach()
         t1 = self.clock.now()
         loss_val = (loss_sum / accum).item()
+        # the matrix optimizers' collectives inside the shard group (optim/muon.py shard_stats)
+        shard_stats = getattr(self.optimizer, "shard_stats", None)
+        shard_before = shard_stats.totals()["bytes_sent"] if shard_stats is not None else 0
         report = self.optimizer.step(diagnose=diagnose, loss_finite=math.isfinite(loss_val),
                                      stop=self._stop_signal is not None)
         self.step += 1
@@ -182,7 +187,8 @@ class Trainer:
                 "fwdbwd_s": t1 - t0 - data_s, "comm_s": report.comm_s, "coll_s": report.coll_s,
                 "pack_s": report.pack_s, "opt_s": max(0.0, report.seconds - report.comm_s),
                 "bytes_sent": report.bytes_sent, "bytes_recv": report.bytes_recv, "report": report,
-                "grad_norms": report.grad_norms}
+                "grad_norms": report.grad_norms,
+                "shard_bytes": shard_stats.totals()["bytes_sent"] - shard_before if shard_stats is not None else 0}
 
     def compile_model(self) -> float:
         """Compile the model's training forward and backward on a batch of zeros, before any timed

@@ -34,6 +34,9 @@ def test_summarize_run_drops_warmup_and_takes_medians():
     assert s["comm_ms"] == 70             # median of 70, 80, 70
     assert s["coll_ms"] == 60 and s["pack_ms"] == 10 and s["other_ms"] == 10
     assert s["comm_share"] == pytest.approx(70 / 110)
+    assert s["shard_bytes"] is None  # a replicated run logs none
+    sharded = [{**r, "shard_bytes": b} for r, b in zip(recs[:4], (7, 300, 100, 200))]
+    assert sb.summarize_run(sharded, warmup=1)["shard_bytes"] == 200
     with pytest.raises(ValueError, match="warm-up"):
         sb.summarize_run(recs, warmup=4)
 

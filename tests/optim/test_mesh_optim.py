@@ -1,10 +1,13 @@
 """Muon and Dion on the hybrid-sharding mesh (parallel.shard_size > 1): 4 gloo ranks in
-tests/workers/mesh_optim.py, a stack of nn.Linear layers (m > n, m < n, rows that S does not
-divide; Dion at rank 1/4, and at 0.7 where three matrices have (m + n) r >= m n and sync their
-gradient instead of their factors): equal to the replicated run within fp32 tolerance, replicas bit-identical, bytes per axis
+tests/workers/mesh_optim.py, a stack of nn.Linear layers (m > n, m < n, m = n, rows that S does not
+divide; Dion at rank 1/4, and at 0.7 where four matrices have (m + n) r >= m n and sync their
+gradient instead of their factors; Dion's tall and square weights sharded on their columns, the
+side of Q): equal to the replicated run within fp32 tolerance, replicas bit-identical, bytes per axis
 counted from the collectives equal to the optimizers' formulas and to Dion Table 1 / Muon's
-gather-scatter from the shapes, diagnostics equal to the unsharded values, exact resume; and
-(slow) Muon and Dion resuming from the trainer's sharded checkpoints."""
+gather-scatter from the shapes, diagnostics equal to the unsharded values, exact resume, the
+placements each optimizer asked for; and (slow) Muon and Dion resuming from the trainer's sharded
+checkpoints, on the same mesh exactly and on other meshes (Dion S = 2 -> 4 and -> 1 within fp32
+tolerance of the uninterrupted run)."""
 from __future__ import annotations
 
 import pytest

@@ -82,3 +82,43 @@ def test_shard_group_must_fit_a_node(monkeypatch) -> None:
     with pytest.raises(ConfigError, match=r"parallel.shard_size: 4 does not divide the ranks per node \(LOCAL_WORLD_SIZE=2\)"):
         make_mesh(4, 8, torch.device("cpu"))
     assert not make_mesh(1, 8, torch.device("cpu")).sharded  # S = 1 builds nothing
+
+
+def test_remesh_moves_state_between_shard_dims() -> None:
+    """remesh_optimizer_state joins each saved tensor along the dimension the saved state names
+    ("shard_dims") and cuts the new rank's chunk along the one the new optimizer names: a Dion matrix
+    (8, 6) on its columns at S = 2 (Q's side: M split on dim 1, Q's rows on dim 0) and on its rows at
+    S = 4 (6 columns do not split evenly over 4: M on dim 0, Q whole on every rank), 2 replicas -> 1
+    (the per-replica momenta averaged once); a vector of 5 (unlisted: dim 0, chunks 3 + 2 -> 2 + 2 + 1 + 0)."""
+    import torch
+
+    from trainer.sharded_checkpoint import remesh_optimizer_state
+
+    gen = torch.Generator().manual_seed(0)
+    M = [torch.randn(8, 6, generator=gen) for _ in range(2)]  # one momentum per old replica
+    v = [torch.randn(5, generator=gen) for _ in range(2)]
+    Q = torch.randn(6, 2, generator=gen)  # identical on every rank
+
+    def saved(replica: int, j: int) -> dict:  # old rank 2 * replica + j
+        return {"state": {0: {"momentum": M[replica][:, 3 * j:3 * j + 3].clone(), "Q": Q[3 * j:3 * j + 3].clone()},
+                          1: {"exp_avg": v[replica][3 * j:3 * j + 3].clone(), "step": torch.tensor(3.0)}},
+                "param_groups": [{"params": [0, 1]}], "comm": {"step": 3, "world_size": 2, "rank": replica},
+                "shard_dims": {0: {"momentum": 1, "Q": 0}}}
+
+    states = [saved(r, j) for r in range(2) for j in range(2)]
+    mean_M, mean_v = torch.stack(M).mean(0), torch.stack(v).mean(0)
+    for j in range(4):
+        out = remesh_optimizer_state(states, 2, 4, 1, 0, j, 0, dims={0: {"momentum": 0, "Q": None}})
+        assert torch.equal(out["state"][0]["momentum"], mean_M[2 * j:2 * j + 2])
+        assert torch.equal(out["state"][0]["Q"], Q)
+        assert torch.equal(out["state"][1]["exp_avg"], mean_v[2 * j:2 * j + 2])
+        assert float(out["state"][1]["step"]) == 3.0
+        assert "shard_dims" not in out and out["comm"]["world_size"] == 1
+    # and back: S = 4 rows -> S = 2 columns, one replica kept as is
+    back = [remesh_optimizer_state(states, 2, 4, 1, 0, j, 0, dims={0: {"momentum": 0, "Q": None}}) for j in range(4)]
+    for s in back:
+        s["shard_dims"] = {0: {"momentum": 0, "Q": None}}
+    for j in range(2):
+        out = remesh_optimizer_state(back, 4, 2, 1, 0, j, 0, dims={0: {"momentum": 1, "Q": 0}})
+        assert torch.equal(out["state"][0]["momentum"], mean_M[:, 3 * j:3 * j + 3])
+        assert torch.equal(out["state"][0]["Q"], Q[3 * j:3 * j + 3])
