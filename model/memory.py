@@ -5,7 +5,7 @@ What one rank holds, for the config's model, optimizer and comm mode at world si
 sharding one copy of the model (parallel.shard_size; replicate = N / S):
 - parameters: the fp32 master weights of this rank's shards (FSDP2 splits every tensor along
   dim 0 into S chunks of ceil(rows / S) rows; rank 0 holds a full chunk, the largest);
-- gradients: one flat fp32 buffer over the same local elements (optim/base.py attach_flat_grads);
+- gradients: one flat fp32 buffer over the same local elements (optim/layout.py attach_flat_grads);
 - optimizer state: the optimizer registry's `state_words` per element (hidden matrix or not) and the sync
   scheme's `state_bytes` for the exchanged vector (error feedback), both on N / S ... local elements
   over the R = N / S replicas;

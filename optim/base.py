@@ -40,12 +40,12 @@ from comm import kernels as _kernels
 
 from . import overlap as _overlap
 from . import sync
-from .accounting import BACKGROUND, COMM_PHASES, PHASES, Call, PhaseStats, SideCall, StepReport
+from .accounting import BACKGROUND, Call, PhaseStats, SideCall, StepReport
 from .accounting import predict_seconds as _predict_seconds
 from .accounting import wire_bytes as _wire_bytes
 from .diagnostics import momentum_spread
 from .guard import Guard, Verdict
-from .layout import Entry, FlatLayout, GradBuffers, attach_flat_grads, flat_norm, model_order
+from .layout import FlatLayout, GradBuffers, flat_norm, model_order
 from .options import choice, common_problems
 
 
@@ -393,7 +393,7 @@ class CommOptimizer(torch.optim.Optimizer):
         if not states:
             raise ValueError("load_resharded: no saved states")
         comm_states = [s.get("comm") or {} for s in states]
-        merged = _average_states([{k: v for k, v in s.items() if k != "comm"} for s in states])
+        merged = average_states([{k: v for k, v in s.items() if k != "comm"} for s in states])
         merged["comm"] = {**comm_states[0], "world_size": self.world_size, "rank": self.rank,
                           "exchange": self.exchange.reshard_state([c.get("exchange") or {} for c in comm_states])}
         self.load_state_dict(merged)
@@ -434,7 +434,7 @@ class CommOptimizer(torch.optim.Optimizer):
         return f"{type(self).__name__} | comm {self.scheme.name} ({self.scheme.kind} sync{'; ' + opts if opts else ''})"
 
 
-def _average_states(states: list[Any]) -> Any:
+def average_states(states: list[Any]) -> Any:
     """Leafwise: floating tensors that differ across `states` -> their mean (an fp32 sum in rank
     order, divided by the count, as a mean-allreduce does); anything equal everywhere, and every
     non-floating leaf, -> the first state's."""
@@ -447,10 +447,10 @@ def _average_states(states: list[Any]) -> Any:
             return total.div_(len(states)).to(first.dtype)
         return first
     if isinstance(first, dict):
-        return {k: _average_states([s[k] for s in states]) if all(isinstance(s, dict) and k in s for s in states)
+        return {k: average_states([s[k] for s in states]) if all(isinstance(s, dict) and k in s for s in states)
                 else v for k, v in first.items()}
     if isinstance(first, list) and all(isinstance(s, list) and len(s) == len(first) for s in states):
-        return [_average_states([s[i] for s in states]) for i in range(len(first))]
+        return [average_states([s[i] for s in states]) for i in range(len(first))]
     return first
 
 
@@ -462,5 +462,4 @@ def digest(tensors: Iterable[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-__all__ = ["COMM_PHASES", "CommOptimizer", "Entry", "FlatLayout", "MomentumSync", "PHASES", "StepReport",
-           "attach_flat_grads", "digest"]  # the layout and accounting names, re-exported where they were
+__all__ = ["CommOptimizer", "MomentumSync", "average_states", "digest"]

@@ -79,7 +79,7 @@ from .diagnostics import _aggregate, _sum_fp64
 from .dion_math import (DEFAULT_RANK_FRACTION, dion_factor_rows, dion_mesh_step_, dion_rank, dion_step_,
                         dion_transposed, init_dion_q)
 from .orthogonal import dion_scale
-from .muon import MatrixOptimizer, MatrixOptions, _matrix_state_words, is_matrix
+from .muon import MatrixOptimizer, MatrixOptions, _matrix_state_words
 from .registry import gradient_mean
 from .options import choice
 from .orthogonal import ORTHO_METHODS
@@ -161,7 +161,7 @@ class Dion(MatrixOptimizer):
         self.ranks: dict[int, int] = {}
         too_big = []
         for k, e in enumerate(entries):
-            if not is_matrix(e):
+            if not e.matrix:
                 continue
             m, n = self.matrix_shape(k)
             if o.rank > min(m, n):
@@ -169,8 +169,7 @@ class Dion(MatrixOptimizer):
                 continue
             self.ranks[k] = dion_rank(m, n, rank_fraction=o.rank_fraction, rank=o.rank or None)
         if too_big:
-            smallest = min(min(self.matrix_shape(k)) for k in self.ranks.keys() | {k for k, e in enumerate(entries)
-                                                                                   if is_matrix(e)})
+            smallest = min(min(self.matrix_shape(k)) for k, e in enumerate(entries) if e.matrix)
             which = ", ".join(too_big[:3]) + (f" and {len(too_big) - 3} more" if len(too_big) > 3 else "")
             raise ValueError(f"optim.rank={o.rank} exceeds min(fan_out, fan_in) of {which}; set optim.rank <= "
                              f"{smallest} (the smallest matrix side), or optim.rank=0 to use optim.rank_fraction "

@@ -61,7 +61,6 @@ class DistributedLion(CommOptimizer):
     def momentum_of(self, p: torch.nn.Parameter) -> torch.Tensor | None:
         return self.state[p].get("exp_avg")
 
-    bucketed = True  # c is element-wise: a bucket's c can be voted on alone (optim/overlap.py)
 
     def _momentum(self, p: torch.nn.Parameter) -> torch.Tensor:
         state = self.state[p]

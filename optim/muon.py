@@ -50,21 +50,15 @@ import torch
 from comm.stats import CommStats
 
 from . import sync
-from .base import CommOptimizer, Entry
+from .base import CommOptimizer
 from .diagnostics import _aggregate
+from .layout import Entry
 from .lion import apply_update_, lion_group_step_
 from .options import choice
 from .orthogonal import MUON_SCALES, NS_STEPS, muon_scale, muon_update, newton_schulz
 from .registry import OptimizerSpec, OptimOptions, gradient_mean, register_optimizer
 
 SCALAR_OPTS = ("adamw", "lion")
-
-
-def is_matrix(entry: Entry) -> bool:
-    """A hidden matrix (Muon and Dion are defined for matrices; the embedding and head are left to
-    AdamW/Lion as in modded-nanogpt and the Dion paper §3): the parameter group's `matrix` flag, set by
-    the trainer's parameter groups from the model's roles; a group without it counts 2-D weights."""
-    return entry.matrix
 
 
 @dataclass
@@ -281,8 +275,8 @@ class MatrixOptimizer(CommOptimizer):
                          **comm_kwargs)
         self.options = options
         entries = self.layout.entries
-        self.matrix_idx = [k for k, e in enumerate(entries) if is_matrix(e)]
-        self.scalar_idx = [k for k, e in enumerate(entries) if not is_matrix(e)]
+        self.matrix_idx = [k for k, e in enumerate(entries) if e.matrix]
+        self.scalar_idx = [k for k, e in enumerate(entries) if not e.matrix]
         for g in self.param_groups:
             g.setdefault("initial_lr", g["lr"])  # the schedule factor of matrix_lr is lr / initial_lr
         if self.options.matrix_lr > 0:
@@ -316,7 +310,7 @@ class MatrixOptimizer(CommOptimizer):
         self.shard_stats."""
         self.shard_stats = CommStats(timing=False)
         self.shards: MatrixShards | None = None
-        idx = [k for k, e in enumerate(self.layout.entries) if is_matrix(e)]
+        idx = [k for k, e in enumerate(self.layout.entries) if e.matrix]
         self._shard_pos = {k: i for i, k in enumerate(idx)}
         if self.shard_group is not None:
             S = torch.distributed.get_world_size(self.shard_group)
@@ -569,5 +563,4 @@ register_optimizer(OptimizerSpec(
     state_words=lambda o, s, matrix: _matrix_state_words(o, matrix, 1.0), shards=True))
 
 
-__all__ = ["MatrixOptimizer", "MatrixOptions", "MatrixShards", "Muon", "MuonOptions", "SCALAR_OPTS",
-           "is_matrix"]
+__all__ = ["MatrixOptimizer", "MatrixOptions", "MatrixShards", "Muon", "MuonOptions", "SCALAR_OPTS"]

@@ -12,7 +12,7 @@ setting of Dion §1 and LoCo's abstract; Lion Cub's vote is what crosses between
   shard group) inside the group only; FSDP runs no all-reduce across replicas.
 - The optimizer sees local shards: for every DTensor parameter p a plain Parameter aliasing
   p's local tensor (same storage, so an in-place update is the update of p's shard). The
-  optimizer's flat gradient buffer is built over these aliases (optim/base.py attach_flat_grads),
+  optimizer's flat gradient buffer is built over these aliases (optim/layout.py attach_flat_grads),
   and p.grad is set once to a DTensor whose local tensor is that buffer's view, so FSDP's
   reduce-scatter accumulates straight into the flat buffer. The optimizer's process group is the
   replicate group (its exchange runs across replicas on N / S elements); its `shard_group` makes

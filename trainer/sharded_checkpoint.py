@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from optim.base import average_states
+
 from . import parallel
 from .checkpoint import NonFiniteError, _agree, nonfinite_keys, sha256_file
 
@@ -149,9 +151,7 @@ def remesh_optimizer_state(states: list[dict], saved_shard: int, shard: int, rep
         if old_replicas == replicas:
             mine = whole[replica]
         else:
-            mine = {i: {key: (torch.stack([w[i][key].to(torch.float32) for w in whole]).mean(0).to(v.dtype)
-                              if torch.is_tensor(v) and v.ndim and v.is_floating_point() else v)
-                        for key, v in st.items()} for i, st in whole[0].items()}
+            mine = average_states(whole)  # per-replica state (Dion's M) meaned, state equal everywhere kept
 
         def cut(i: int, key: str, v):
             if not (torch.is_tensor(v) and v.ndim):
