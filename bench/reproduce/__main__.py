@@ -43,8 +43,8 @@ def parser() -> argparse.ArgumentParser:
                     help="rebuild run-store entries (loss curves only) from <study>_runs.jsonl files written before "
                          "the store existed, into the --out (or default) results directory's store/, and exit")
     ap.add_argument("--setting", default=framework.DEFAULT_SETTING, choices=list(framework.SETTINGS),
-                    help="the model / corpus every run uses: " + "; ".join(
-                        f"{n}: {st.description}" for n, st in framework.SETTINGS.items())
+                    help="the model / corpus every run uses: " + "; ".join(  # argparse %-formats help: escape '%'
+                        f"{n}: {st.description}".replace("%", "%%") for n, st in framework.SETTINGS.items())
                     + f". Results and runs of a setting other than {framework.DEFAULT_SETTING} go to a directory of "
                       "its own (docs/results/reproduction/<setting>/, bench/out/reproduce/<setting>/)")
     ap.add_argument("--set", dest="sets", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
