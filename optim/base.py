@@ -45,7 +45,7 @@ from .accounting import predict_seconds as _predict_seconds
 from .accounting import wire_bytes as _wire_bytes
 from .diagnostics import momentum_spread
 from .guard import Guard, Verdict
-from .layout import FlatLayout, GradBuffers, flat_norm, model_order
+from .layout import FlatLayout, GradBuffers, model_order
 from .options import choice, common_problems
 
 
@@ -116,6 +116,7 @@ class CommOptimizer(torch.optim.Optimizer):
         self.bucket_bytes, self.overlap = bucket_mb * 2 ** 20, overlap
         # update sync in buckets: the vector in bucket order, so every bucket is one contiguous part
         bucketed_update = self.bucket_bytes > 0 and self.scheme.per_rank_state
+        self._grad_buckets = self.bucket_bytes > 0 and not bucketed_update  # buckets that slice the grad buffers
         self.layout = FlatLayout(self.param_groups, _overlap.update_order(order, self.bucket_bytes)
                                  if bucketed_update else None)
         problems = []
@@ -158,9 +159,9 @@ class CommOptimizer(torch.optim.Optimizer):
     def _order_grads(self, order: list[torch.nn.Parameter]) -> None:
         """Lay the flat gradient buffers out in `order` instead of the model's (a subclass that
         exchanges only some gradients puts them first, so they form one contiguous slice). Called
-        from a subclass's constructor, before any backward; not with buckets (they are slices of
-        the buffers)."""
-        if self._buckets is not None:
+        from a subclass's constructor, before any backward; not with gradient buckets (they are
+        slices of the buffers; an update-sync optimizer's buckets cut its own vector)."""
+        if self._grad_buckets:
             raise ValueError(f"{type(self).__name__}: the gradient buffers are bucketed; they cannot be reordered")
         self.grads = GradBuffers(order)
 
@@ -278,7 +279,7 @@ class CommOptimizer(torch.optim.Optimizer):
         self._exchange_gradients(t)
         grad_norms = self._grad_norms()
         if self.grad_clip > 0:
-            self._clip_()
+            self._clip_(grad_norms[-1])
         out = self._update(t)
         report = StepReport(step=t, loss=loss, grad_norms=grad_norms, stop=verdict.stop)
         due = self.momentum_sync is not None and self.momentum_sync.due(t)
@@ -291,16 +292,6 @@ class CommOptimizer(torch.optim.Optimizer):
         report.seconds = self.clock.now() - t0 - report.diag_seconds
         report.phases = self.stats.step_summary()
         return report
-
-    def _grad_norm(self, bufs: list[torch.Tensor]) -> torch.Tensor:
-        """L2 norm of the gradient (fp32): of the flat buffers, summed over the shard group when the
-        parameters are shards (both replicas' groups then hold the same whole gradient's norm)."""
-        norm = flat_norm(bufs)
-        if self.shard_group is None:
-            return norm
-        sq = norm.square()
-        torch.distributed.all_reduce(sq, group=self.shard_group)
-        return sq.sqrt()
 
     @property
     def grad_norm_roles(self) -> list[str]:
@@ -317,11 +308,13 @@ class CommOptimizer(torch.optim.Optimizer):
             torch.distributed.all_reduce(roles, group=self.shard_group)
         return torch.cat([roles, roles.sum()[None]]).sqrt()
 
-    def _clip_(self) -> None:
-        bufs = list(self.grads.buffers.values())
-        norm = self._grad_norm(bufs)
+    def _clip_(self, norm: torch.Tensor) -> None:
+        """Scale every gradient by min(1, grad_clip / (norm + 1e-6)); `norm` is `_grad_norms`' global
+        norm (per-tensor norms summed in layout order, so it does not depend on how the gradient
+        buffers are laid out, and no second pass over the gradient or shard-group reduction is
+        needed). A subclass whose clipping norm is another one computes its own and ignores it."""
         scale = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
-        for b in bufs:
+        for b in self.grads.buffers.values():
             b.mul_(scale.to(b.dtype))
 
     # ---- hooks: diagnostics and momentum sync ---------------------------------------------------------

@@ -192,8 +192,8 @@ class Dion(MatrixOptimizer):
             if n:
                 self.exchange(buf[:n], step)  # a contiguous view: reduced in place
 
-    def _clip_(self) -> None:
-        """Clipping with local matrix gradients. The base's rule (each rank's norm over all its flat
+    def _clip_(self, norm: torch.Tensor | None = None) -> None:
+        """Clipping with local matrix gradients (the base's global `norm` is not this one: unused). The base's rule (each rank's norm over all its flat
         buffers) would scale the synced gradients by a different factor on every rank and break the
         bit-identity of the AdamW/Lion parameters. Here the norm is
             sqrt(||mean synced gradient||^2 + mean_i ||G_i||^2)   (G_i: rank i's low-rank matrix grads)

@@ -68,13 +68,13 @@ def run(variant: str, extra: list[str], tmp: Path, diagnose: bool = False) -> di
     out = tmp / f"{variant}_{'_'.join(x.replace('=', '-') for x in extra)}"
     cfg = load_config(ROOT / "configs" / "variants" / f"{variant}.yaml", BASE + extra + [f"train.out_dir={out}"])
     tr = Trainer(cfg, info)
-    losses, reports, gnorms = [], [], []  # gnorms: of the (clipped) whole gradient after each step
+    losses, reports, gnorms = [], [], []  # gnorms: of the whole gradient of each step (before clipping)
     init = full_params(tr)
     try:
         for k in range(STEPS):
             r = tr.train_step(diagnose=diagnose and k == STEPS - 1)
             losses.append(r["loss"])
-            gnorms.append(float(tr.optimizer._grad_norm(list(tr.optimizer.grad_buffers.values()))))
+            gnorms.append(float(r["grad_norms"][-1]))
             reports.append(r["report"])
             if tr.parallel.sharded:
                 assert parallel.grads_routed(tr.model, tr.aliases), "FSDP replaced a gradient: not in the flat buffer"
