@@ -465,6 +465,9 @@ def _check_segments(segments: Sequence[tuple[int, int]], n: int) -> None:
         raise ValueError(f"quantize_pack: segments cover {pos} elements but c has {n}")
 
 
+Q_PIECE = 1 << 20  # elements: quantize_q's nearest-rounding pieces (4 MiB of float32 temporaries)
+
+
 def quantize_q(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: int, p: float | None,
                clip: float = 2.0, rounding: str = "nearest", generator: torch.Generator | None = None,
                tie_step: int = 1) -> torch.Tensor:
@@ -477,12 +480,19 @@ def quantize_q(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: int
     if levels == 0:  # signs only, 0 forced by the tie break (Lion Cub App. F.1, "1/-1 values")
         fill = torch.tensor(1 if tie_step % 2 == 1 else -1, dtype=torch.int8, device=c.device)
         return torch.where(c > 0, 1, torch.where(c < 0, -1, fill)).to(torch.int8)
-    if p is None:
-        return torch.sign(c).to(torch.int8)
+    if p is None:  # sign(c) as int8 without a float sign of c's size (4 bytes per element)
+        return (c > 0).to(torch.int8).sub_((c < 0).to(torch.int8))
     q = torch.empty(c.numel(), dtype=torch.int8, device=c.device)
     means = segment_lp_means(c, segments, p)  # on CPU == lp_mean per segment, bit for bit
     for k, (off, n) in enumerate(segments):
-        q[off:off + n] = lp_quantize(c[off:off + n], levels, p, clip, rounding, generator, mean=means[k])
+        # nearest rounding is elementwise given M_p: in pieces of Q_PIECE, so its float temporaries
+        # are a piece's, not the largest tensor's (stochastic draws stay one call per tensor: the
+        # reference's stream)
+        piece = Q_PIECE if rounding == "nearest" else max(n, 1)
+        for lo in range(0, n, piece):
+            hi = min(n, lo + piece)
+            q[off + lo:off + hi] = lp_quantize(c[off + lo:off + hi], levels, p, clip, rounding, generator,
+                                               mean=means[k])
     return q
 
 

@@ -202,6 +202,51 @@ def fused_lion_direction_momentum_(exp_avgs: list[torch.Tensor], grads: list[tor
     return out
 
 
+def waves(sizes: Sequence[int], cap: int) -> list[list[tuple[int, int, int]]]:
+    """Cut tensors of `sizes` elements (in order) into waves of at most `cap` elements: each wave a
+    list of (tensor index, lo, hi) pieces. A tensor that fits a wave is never split; a larger one
+    is cut at multiples of `cap` from its own start (a multiple of every vector width when cap is),
+    so each element keeps its place relative to its tensor's vectorized loop."""
+    out: list[list[tuple[int, int, int]]] = []
+    cur: list[tuple[int, int, int]] = []
+    room = cap
+    for i, n in enumerate(sizes):
+        if n == 0:
+            continue
+        if n > room and cur:  # does not fit what is left: close this wave
+            out.append(cur)
+            cur, room = [], cap
+        for lo in range(0, n, cap):
+            hi = min(n, lo + cap)
+            cur.append((i, lo, hi))
+            room -= hi - lo
+            if room == 0:
+                out.append(cur)
+                cur, room = [], cap
+    if cur:
+        out.append(cur)
+    return out
+
+
+def lion_direction_momentum_over_grad_(exp_avgs: list[torch.Tensor], grads: list[torch.Tensor], beta1: float,
+                                       beta2: float, scratch: torch.Tensor, *, impl: str | None = None) -> None:
+    """c = b1 * m + (1 - b1) * g written OVER g, and m = b2 * m + (1 - b2) * g, with c held only in
+    `scratch` (any size) wave by wave: the step needs no c buffer of the model's size (Lion Cub
+    Alg. 1: g is read by c and by m's update only, both from the old m). Bit for bit
+    fused_lion_direction_momentum_ with out = a separate c, then c copied into g."""
+    flat_m = [m.view(-1) for m in exp_avgs]
+    flat_g = [g.view(-1) for g in grads]
+    for wave in waves([m.numel() for m in flat_m], scratch.numel()):
+        ms = [flat_m[i][lo:hi] for i, lo, hi in wave]
+        gs = [flat_g[i][lo:hi] for i, lo, hi in wave]
+        outs, off = [], 0
+        for _, lo, hi in wave:
+            outs.append(scratch[off:off + hi - lo])
+            off += hi - lo
+        fused_lion_direction_momentum_(ms, gs, beta1, beta2, outs, impl=impl)
+        torch._foreach_copy_(gs, outs)
+
+
 def fused_apply_update_(params: list[torch.Tensor], updates: list[torch.Tensor], lr: float, weight_decay: float,
                   *, u_is_sign: bool = False, impl: str | None = None) -> None:
     """p = p * (1 - lr*wd) - lr * u; == apply_update_ bit for bit. u_is_sign: the

@@ -20,7 +20,11 @@ import torch
 from . import sync
 from .base import CommOptimizer
 from .diagnostics import vote_diagnostics
-from .lion import fused_apply_update_, fused_lion_direction_, fused_momentum_update_, warmup_fused_passes
+from .lion import (fused_apply_update_, fused_lion_direction_, fused_momentum_update_, lion_direction_momentum_over_grad_,
+                   warmup_fused_passes)
+
+SCRATCH_MIN = 1 << 21  # elements (8 MiB of fp32): the least scratch c is made in, wave by wave
+SCRATCH_PARTS = 8      # ... or 1/8 of the model (0.5 B per parameter), whichever is larger: few waves on a GPU
 
 
 class DistributedLion(CommOptimizer):
@@ -40,11 +44,39 @@ class DistributedLion(CommOptimizer):
                              f"{s.name}; build_optimizer('lion', ...) builds Lion for gradient sync")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), scheme=s,
                          **comm_kwargs)
+        # c over the gradient: c is made wave by wave in a small scratch and written over g, and m is
+        # updated in the same pass (both from the old m; nothing else reads g in the step), so the step
+        # holds no c of the model's size (Lion itself makes its update direction per step). Not with
+        # comm.overlap: there c is made per bucket during backward, before the divergence guard has
+        # seen the whole gradient, and m must not move on a step the guard then skips.
+        dtypes = {e.param.dtype for e in self.layout.entries}
+        self.c_in_grad = not (self.overlap and self._buckets is not None) and len(dtypes) == 1
+        if self.c_in_grad:
+            self._order_grads([e.param for e in self.layout.entries])  # the grad buffer in c's layout
+            cap = max(SCRATCH_MIN, -(-self.layout.numel // SCRATCH_PARTS))
+            self._scratch_numel = min(self.layout.numel, -(-cap // 64) * 64)  # pieces cut at multiples of 64
+            self._scratch: torch.Tensor | None = None
         self._c: torch.Tensor | None = None
         self.keep_c = self.layout.device.type != "cuda"
 
     def _warmup_own_kernels(self) -> float:
         return warmup_fused_passes(self.layout.device, impl=self.kernels)
+
+    @property
+    def scratch(self) -> torch.Tensor:
+        """The wave buffer of c over the gradient (kept: a small fraction of the model)."""
+        if self._scratch is None:
+            self._scratch = torch.empty(self._scratch_numel, dtype=self.layout.dtype, device=self.layout.device)
+        return self._scratch
+
+    def _c_over_grad_(self, ks: list[int]) -> None:
+        """c over the gradient of entries ks (one param group's, in layout order), m updated."""
+        lay = self.layout
+        gi = lay.entries[ks[0]].group
+        b1, b2 = self.param_groups[gi]["betas"]
+        params = lay.params(ks)
+        lion_direction_momentum_over_grad_([self._momentum(p) for p in params], [p.grad for p in params], b1, b2,
+                                           self.scratch, impl=self.kernels)
 
     @property
     def c_flat(self) -> torch.Tensor:
@@ -71,6 +103,11 @@ class DistributedLion(CommOptimizer):
     def _bucket_vector(self, b) -> torch.Tensor:
         """c of bucket b (its entries are contiguous in the bucket-ordered layout)."""
         lay = self.layout
+        if self.c_in_grad:
+            mine = [k for k in range(len(lay.entries)) if b.lo <= lay.entries[k].offset < b.hi]
+            for ks in _runs_by_group(lay, mine):
+                self._c_over_grad_(ks)
+            return self._grad_flat()[b.lo:b.hi]
         for k in range(len(lay.entries)):
             e = lay.entries[k]
             if b.lo <= e.offset < b.hi:
@@ -79,7 +116,13 @@ class DistributedLion(CommOptimizer):
                                         impl=self.kernels)
         return self.c_flat[b.lo:b.hi]
 
+    def _grad_flat(self) -> torch.Tensor:
+        (buf,) = self.grads.buffers.values()
+        return buf
+
     def _update(self, t: int) -> dict:
+        if self.c_in_grad:
+            return self._update_over_grad(t)
         lay, c = self.layout, self.c_flat
         grads_by_group, moms_by_group = {}, {}
         for gi, ks in lay.per_group.items():
@@ -105,6 +148,32 @@ class DistributedLion(CommOptimizer):
             self._c = None  # freed once the caller drops the returned c (diagnostics read it)
         return {"c": c, "update": update}
 
+    def _update_over_grad(self, t: int) -> dict:
+        """_update with c over the gradient: c and m's update in one pass (bucket by bucket when
+        buckets), the exchange, then the parameters."""
+        lay, c = self.layout, self._grad_flat()
+        if self._buckets is None:
+            for ks in lay.per_group.values():
+                self._c_over_grad_(ks)
+            update = self.exchange(c, t)
+        else:
+            parts = self._buckets.finish(t)
+            update = torch.cat(parts) if len(parts) > 1 else parts[0]
+        sign = not update.is_floating_point()
+        for gi, ks in lay.per_group.items():
+            g = self.param_groups[gi]
+            fused_apply_update_(lay.params(ks), lay.views(update, ks), float(g["lr"]), float(g["weight_decay"]),
+                                u_is_sign=sign, impl=self.kernels)
+        return {"c": c, "update": update}
+
     def _diagnostics(self, out: dict | None):
         return vote_diagnostics(out["c"], out["update"], self.layout, world_size=self.world_size, group=self.group,
                                 stats=self.stats["diag"], shard_group=self.shard_group)
+
+
+def _runs_by_group(lay, ks: list[int]) -> list[list[int]]:
+    """ks (layout order) grouped by param group, each group's entries in layout order."""
+    by: dict[int, list[int]] = {}
+    for k in ks:
+        by.setdefault(lay.entries[k].group, []).append(k)
+    return list(by.values())

@@ -340,27 +340,91 @@ def test_automatic_levels_follow_the_design_rule():
         levels(bits=1, quantizer="l1")  # no level fits: an error naming the fix, not a silent fallback to signs
 
 
+class _WideNet(torch.nn.Module):
+    """Tensors of odd sizes, larger than the CPU kernels' parallel grain (32768), in two groups."""
+
+    def __init__(self, device) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(1001, 67)
+        self.mid = torch.nn.Linear(67, 67)
+        self.head = torch.nn.Linear(67, 1001)
+        self.to(device)
+
+    def forward(self, idx):
+        return self.head(torch.tanh(self.mid(torch.tanh(self.emb(idx)))))
+
+    def groups(self, lr=0.01):
+        return [{"params": [self.emb.weight, self.mid.weight], "names": ["emb.weight", "mid.weight"], "role": "embedding",
+                 "lr": lr, "weight_decay": 0.5, "lr_mult": 1.0, "betas": (0.9, 0.99)},
+                {"params": [self.mid.bias, self.head.weight, self.head.bias], "role": "head", "lr": lr,
+                 "weight_decay": 0.0, "lr_mult": 1.0, "betas": (0.95, 0.98),
+                 "names": ["mid.bias", "head.weight", "head.bias"]}]
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-@pytest.mark.parametrize("mode,opts", [("onebit", {"tie_break": "alternate"}), ("pbit", {"bits": 8, "quantizer": "l1"})])
-def test_update_sync_c_buffer_per_step_is_exact(device, mode, opts):
-    """c kept between steps (CPU default) or made per step and freed after it (CUDA default, so
-    peak memory carries no persistent c): the same parameters, bit for bit."""
+@pytest.mark.parametrize("mode,opts", [("onebit", {"tie_break": "alternate"}), ("pbit", {"bits": 8, "quantizer": "l1"}),
+                                       ("pbit", {"bits": 4, "quantizer": "l2"})])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_update_sync_c_over_the_gradient_is_exact(device, mode, opts, threads, monkeypatch):
+    """c written over the gradient wave by wave (the default: no c buffer of the model's size; small
+    waves here, so tensors are cut into pieces and pieces of several tensors share a wave, with the
+    CPU kernels' threads splitting each piece) against a separate c kept between steps and one made
+    per step and freed: the same parameters and momenta, bit for bit, in buckets too."""
+    from optim import lioncub
+
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device visible")
-    nets = [_EmbNet().to(device) for _ in range(2)]
-    opts_ = [optim.build_optimizer("lion", net.groups(), betas=(0.9, 0.99), eps=1e-8, comm_mode=mode,
-                                   comm_options=dict(opts)) for net in nets]
-    assert opts_[0].keep_c == (device != "cuda")
-    opts_[0].keep_c, opts_[1].keep_c = True, False
-    for step in range(6):
-        x, y = (t.to(device) for t in _emb_batch(step))
-        for net, opt in zip(nets, opts_):
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(net(x), y).backward()
-            opt.step()
-        assert opts_[0]._c is not None and opts_[1]._c is None  # per step: released after it
-        for p, q in zip(nets[0].parameters(), nets[1].parameters()):
-            assert torch.equal(p, q), (mode, step)
+    monkeypatch.setattr(lioncub, "SCRATCH_MIN", 4096)
+    monkeypatch.setattr(lioncub, "SCRATCH_PARTS", 1000)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        nets = [_WideNet(device) for _ in range(4)]
+        kw = dict(betas=(0.9, 0.99), eps=1e-8, comm_mode=mode)
+        opts_ = [optim.build_optimizer("lion", net.groups(), comm_options=dict(opts), **kw) for net in nets[:3]]
+        opts_.append(optim.build_optimizer("lion", nets[3].groups(), comm_options=dict(opts), bucket_mb=0.1, **kw))
+        assert [o.c_in_grad for o in opts_] == [True] * 4
+        assert opts_[0].scratch.numel() == 4096 < opts_[0].layout.numel
+        assert len(opts_[3]._buckets.buckets) > 1
+        for o, keep in ((opts_[1], True), (opts_[2], False)):  # the separate-c path (what comm.overlap runs)
+            o.c_in_grad, o.keep_c = False, keep
+        for step in range(5):
+            x = torch.randint(0, 1001, (64,), generator=torch.Generator().manual_seed(step)).to(device)
+            cs = []
+            for net, opt in zip(nets, opts_):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(net(x), (7 * x + 3) % 1001).backward()
+                opt.step()
+            assert opts_[1]._c is not None and opts_[2]._c is None  # kept / released after the step
+            for net in nets[1:]:
+                for p, q in zip(nets[0].parameters(), net.parameters()):
+                    assert torch.equal(p, q), (mode, step)
+            for net, o in zip(nets[1:], opts_[1:]):
+                for p, q in zip(nets[0].parameters(), net.parameters()):
+                    assert torch.equal(opts_[0].momentum_of(p), o.momentum_of(q)), (mode, step)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_c_over_the_gradient_leaves_c_in_the_gradient_buffer():
+    """After a step the gradient buffer holds c = b1*m_old + (1-b1)*g (what the diagnostics read), and
+    the step allocated no c buffer."""
+    from optim.lion import lion_direction
+
+    net = _EmbNet()
+    opt = optim.build_optimizer("lion", net.groups(), betas=(0.9, 0.99), eps=1e-8, comm_mode="onebit")
+    for step in range(2):
+        opt.zero_grad()
+        x, y = _emb_batch(step)
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        g = [p.grad.clone() for p in net.parameters()]
+        m = [opt.momentum_of(p).clone() if opt.momentum_of(p) is not None else torch.zeros_like(p)
+             for p in net.parameters()]
+        opt.step()
+        for p, c in zip(net.parameters(), lion_direction(m, g, 0.9)):  # Lion's own c, bit for bit
+            assert torch.equal(p.grad, c), step
+        assert opt._c is None
 
 
 # ---- the base's pieces (optim/base.py composes layout, overlap, accounting, guard) -----------------
@@ -403,3 +467,54 @@ def test_guard_word_lanes_and_a_step_that_sees_nan():
     w.grad = torch.ones(4, 3)
     rep = opt.step(loss_finite=True)
     assert not rep.nonfinite and not rep.stop and opt.steps_done == 1 and not torch.equal(w.detach(), before)
+
+
+def test_clipping_uses_the_reported_global_norm():
+    """The clip factor comes from `_grad_norms`' global norm (one pass over the gradient, however its
+    buffer is laid out): that norm is torch's clip_grad_norm_ total norm to rounding, and after the
+    clip the gradient's norm is grad_clip."""
+    net = _WideNet("cpu")
+    opt = optim.build_optimizer("lion", net.groups(), betas=(0.9, 0.99), eps=1e-8, comm_mode="onebit", grad_clip=0.25)
+    x = torch.randint(0, 1001, (64,), generator=torch.Generator().manual_seed(0))
+    torch.nn.functional.cross_entropy(net(x), (7 * x + 3) % 1001).backward()
+    ref = [p.grad.clone() for p in net.parameters()]
+    total = torch.nn.utils.get_total_norm(ref)
+    norms = opt._grad_norms()
+    assert total > 0.25 and torch.allclose(norms[-1], total, rtol=1e-6)
+    opt._clip_(norms[-1])
+    clipped = torch.nn.utils.get_total_norm([p.grad for p in net.parameters()])
+    assert torch.allclose(clipped, torch.tensor(0.25), rtol=1e-5)
+    for p, g in zip(net.parameters(), ref):
+        torch.testing.assert_close(p.grad, g * (0.25 / (total + 1e-6)), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("mode,opts", [("onebit", {"tie_break": "alternate"}), ("pbit", {"bits": 8, "quantizer": "l1"}),
+                                       ("pbit", {"bits": 4, "quantizer": "sign"})])
+def test_a_lion_cub_step_allocates_no_buffer_of_the_models_size(mode, opts, monkeypatch):
+    """Peak memory: a Lion Cub step (after the first, which makes the momenta and the wave scratch)
+    allocates no float buffer of the model's size (4 bytes per parameter): c is written over the
+    gradient, the exchange's buffers are int8 / packed, the sign quantizer makes no float sign of
+    c, and L1's quantization works in pieces (its |c| for M_1 is that of the tensors of one size:
+    here emb and head, just under the whole model). comm.kernels=auto with the eager kernels (what
+    auto keeps on this CPU); the separate c of comm.overlap's path is 4 bytes per parameter, and this
+    measurement sees it."""
+    from comm import kernels as K
+    from tests.optim.test_kernels import _allocations
+
+    monkeypatch.setattr(K, "use_compiled", lambda *a, **k: False)
+    net = _WideNet("cpu")
+    opt = optim.build_optimizer("lion", net.groups(), betas=(0.9, 0.99), eps=1e-8, comm_mode=mode,
+                                comm_options=dict(opts), kernels="auto")
+    n = opt.layout.numel
+
+    def step(k):
+        opt.zero_grad()
+        x = torch.randint(0, 1001, (64,), generator=torch.Generator().manual_seed(k))
+        torch.nn.functional.cross_entropy(net(x), (7 * x + 3) % 1001).backward()
+        return lambda: opt.step()
+
+    step(0)()
+    big = [b for b in _allocations(step(1)) if b >= 4 * n]
+    assert not big, (mode, opts, big, n)
+    opt.c_in_grad, opt.keep_c = False, False  # the separate c, made per step
+    assert max(_allocations(step(2))) >= 4 * n
