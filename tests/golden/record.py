@@ -1,13 +1,18 @@
-"""Record this host's golden digests from the code before the sync-scheme refactor.
+"""Record this host's golden digests from the reference commit.
 
     python -m tests.golden.record [--force]
 
-Checks out the commit the first digests were recorded on (PRE_REFACTOR, into a temporary git
-worktree), runs its tests/workers/golden_digests.py at P = 1, 2 and 4 on this host, renames the
-Distributed Lion keys as tests/golden/digests.json does (their tie-broken server vote is now
-`comm.ps_aggregate=vote_tiebreak`), and writes tests/golden/digests_<fingerprint>.json for this
-host's fingerprint (tests/golden/host.py). tests/trainer/test_golden.py then checks the current code
-against the old code's digests on the same kind of host. An existing file is kept unless --force.
+Checks out REFERENCE (into a temporary git worktree), runs its tests/workers/golden_digests.py at
+P = 1, 2 and 4 on this host, and writes tests/golden/digests_<fingerprint>.json for this host's
+fingerprint (tests/golden/host.py). tests/trainer/test_golden.py then checks the current code
+against the reference's digests on the same kind of host. An existing file is kept unless --force.
+
+The reference: the digests were first recorded on the code before the sync-scheme refactor
+(04b7fa1), and every later commit reproduced them bit for bit, up to REFERENCE's parent. REFERENCE
+changed one rounding on purpose (gradient clipping scales by the global norm the step already
+computes, per-tensor norms summed in layout order, instead of a second norm over the flat buffers)
+and the digests were recorded again from it, for both host kinds (this module run natively on an
+AVX-512 host, and with ATEN_CPU_CAPABILITY=avx2, which gives the AVX2 host kind's fingerprint).
 """
 from __future__ import annotations
 
@@ -21,8 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN_DIR = Path(__file__).resolve().parent
-PRE_REFACTOR = "04b7fa1"  # "tests/golden: parameter digests ... recorded before the sync-scheme refactor"
-RENAMED = {"dlion_mavo": "dlion_mavo@comm.ps_aggregate=vote_tiebreak"}
+REFERENCE = "4b21d69"  # "Clipping scales by _grad_norms' global norm ...": the digests' code
 
 
 def host_fingerprint(**env: str) -> str:
@@ -34,45 +38,41 @@ def host_fingerprint(**env: str) -> str:
     return out.stdout.strip()
 
 
-def old_key(key: str) -> str:
-    """A digests.json key as the pre-refactor worker names it."""
-    for old, new in RENAMED.items():
-        if key == new or key.startswith(new + "@"):
-            return old + key[len(new):]
-    return key
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--force", action="store_true", help="replace this host's existing digests file")
+    ap.add_argument("--commit", default=REFERENCE, help=f"the code to record (default {REFERENCE})")
+    ap.add_argument("--set", dest="sets", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="overrides for every run, e.g. comm.kernels=eager (see AVX2 below)")
+    ap.add_argument("--out", type=Path, default=None, help="write here instead of tests/golden/digests_<fp>.json")
     args = ap.parse_args(argv)
     fp = host_fingerprint()
-    dest = GOLDEN_DIR / f"digests_{fp}.json"
+    dest = args.out or GOLDEN_DIR / f"digests_{fp}.json"
     if dest.exists() and not args.force:
-        print(f"error: {dest.relative_to(ROOT)} exists (this host's digests are recorded); pass --force to "
+        print(f"error: {dest} exists (this host's digests are recorded); pass --force to "
               "record them again", file=sys.stderr)
         return 2
     keys = json.loads((GOLDEN_DIR / "digests.json").read_text())
     digests: dict[str, dict[str, str]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        wt = Path(tmp) / "pre_refactor"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(wt), PRE_REFACTOR], check=True)
+        wt = Path(tmp) / "reference"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(wt), args.commit], check=True)
         try:
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(wt), "WANDB_MODE": "disabled",
                    "TORCH_CPP_LOG_LEVEL": "ERROR"}
             env.pop("RANK", None)
             for n in ("1", "2", "4"):
-                names = {old_key(k): k for k in keys[n]}
+                names = sorted(keys[n])
                 out = Path(tmp) / f"digests_{n}.json"
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-                       str(wt / "tests" / "workers" / "golden_digests.py"), str(out), ",".join(names)]
-                print(f"P = {n}: {len(names)} variants on the code of {PRE_REFACTOR} ...", flush=True)
+                       str(wt / "tests" / "workers" / "golden_digests.py"), str(out), ",".join(names), *args.sets]
+                print(f"P = {n}: {len(names)} variants on the code of {args.commit} ...", flush=True)
                 subprocess.run(cmd, cwd=wt, env=env, check=True)
-                digests[n] = {names[k]: v for k, v in json.loads(out.read_text()).items()}
+                digests[n] = json.loads(out.read_text())
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(wt)], check=False)
     dest.write_text(json.dumps(digests, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {dest.relative_to(ROOT)} (host fingerprint {fp})")
+    print(f"wrote {dest} (host fingerprint {fp})")
     return 0
 
 

@@ -1,16 +1,20 @@
 """Golden digests: every preset in configs/variants/ (plus mode options) trains bit-identically to
-the code before the sync-scheme refactor, at P = 1, 2 and 4 on the tiny model.
+the reference code, at P = 1, 2 and 4 on the tiny model.
 
-tests/golden/digests.json was written by tests/workers/golden_digests.py on the commit before the
-refactor. The Distributed Lion presets then used the tie-broken server vote, which is now named
-`comm.ps_aggregate: vote_tiebreak` (`vote` became Distributed Lion eq. 5 exactly), so their keys
-carry that override.
+The digests were first recorded on the code before the sync-scheme refactor (its Distributed Lion
+presets used the tie-broken server vote, now `comm.ps_aggregate: vote_tiebreak`, so their keys carry
+that override), and every commit reproduced them up to the parent of tests/golden/record.py's
+REFERENCE. That commit changed one rounding on purpose (clipping by the global norm the step already
+computes, instead of a second norm over the flat buffers, whose summation order depended on their
+layout), and the digests were recorded again from it.
 
 Bit identity holds per host kind, not across hosts (tests/golden/host.py: torch's CPU kernels round
-by the host's vector width and CPU). digests.json is the first development host's (its fingerprint
-was not recorded); tests/golden/digests_<fingerprint>.json holds another host kind's, recorded on
-that host from the same pre-refactor commit by `python -m tests.golden.record`. A host with its own
-file is checked against it, any other host against digests.json.
+by the host's vector width and CPU). digests.json is the AVX-512 host kind's (fingerprint
+6a6bdb0f223c486e); tests/golden/digests_<fingerprint>.json holds another host kind's, recorded from
+REFERENCE by `python -m tests.golden.record` (the AVX2 kind's, 6dd5f4074dbb6613, on an AVX-512 host
+with ATEN_CPU_CAPABILITY=avx2 and comm.kernels=eager: that recipe reproduced the file recorded on a
+real AVX2 host, bit for bit). A host with its own file is checked against it, any other host
+against digests.json.
 
 The suite checks P = 1 and 4 (`make test` must stay under 15 minutes on the 2-core development
 machine; the golden runs are its longest tests). P = 2's digests are kept and checked with
