@@ -45,7 +45,7 @@ from .accounting import predict_seconds as _predict_seconds
 from .accounting import wire_bytes as _wire_bytes
 from .diagnostics import momentum_spread
 from .guard import Guard, Verdict
-from .layout import FlatLayout, GradBuffers, model_order
+from .layout import Entry, FlatLayout, GradBuffers, model_order
 from .options import choice, common_problems
 
 

@@ -111,27 +111,20 @@ class PBit(VoteExchange):
         self.gen = torch.Generator(device=ctx.device)
         self.gen.manual_seed(ctx.seed)
 
-    def quantize(self, c: torch.Tensor, tb: int, ctx: ExchangeContext) -> torch.Tensor:
-        """int8 q of c: comm.kernels.quantize_q, the reference the fused wire reproduces."""
-        return kernels.quantize_q(c, ctx.segments_for(c.numel()), self.levels, self.p, self.o.clip, self.o.rounding,
-                                  self.gen, tb)
-
     def aggregate(self, c, step, ctx):
         tb = self.o.tb_step(step)
         dev = c.device if c.is_cuda else None
-        if ctx.kernels != "eager":  # fused: quantize straight into the wire, unpack straight into the sign
-            n = c.numel()
-            with ctx.stats.timed_pack(device=dev):
-                wire = kernels.quantize_pack(c, ctx.segments_for(n), self.levels, self.p, self.o.clip, self.o.bits,
-                                             self.o.rounding, self.gen, tb, impl=ctx.kernels)
-            comm.allreduce_packed_(wire, group=ctx.group, stats=ctx.stats, name="int_allreduce")
-            with ctx.stats.timed_pack(device=dev):
-                return kernels.unpack_sum(wire, self.o.bits, n, self.levels, ctx.world_size, sign=True,
-                                          dtype=torch.int8, impl=ctx.kernels)
+        # quantize straight into the wire, unpack straight into the int8 sign (comm.kernels: every impl
+        # gives the bytes of the reference, quantize -> comm.int_allreduce -> sign; the eager impl, too,
+        # without the reference's int32 sums of 4 bytes per element)
+        n = c.numel()
         with ctx.stats.timed_pack(device=dev):
-            q = self.quantize(c, tb, ctx)
-        total = comm.int_allreduce(q, self.levels, self.o.bits, group=ctx.group, stats=ctx.stats)
-        return torch.sign(total).to(torch.int8)
+            wire = kernels.quantize_pack(c, ctx.segments_for(n), self.levels, self.p, self.o.clip, self.o.bits,
+                                         self.o.rounding, self.gen, tb, impl=ctx.kernels)
+        comm.allreduce_packed_(wire, group=ctx.group, stats=ctx.stats, name="int_allreduce")
+        with ctx.stats.timed_pack(device=dev):
+            return kernels.unpack_sum(wire, self.o.bits, n, self.levels, ctx.world_size, sign=True,
+                                      dtype=torch.int8, impl=ctx.kernels)
 
     def warmup(self) -> float:
         return kernels.warmup(self.ctx.device, bits=(self.o.bits,), levels=(self.levels,), p=(self.p,),
