@@ -241,12 +241,63 @@ def choose(kernel: str, device: torch.device | str, candidates: dict[str, Callab
     chosen = min(ms, key=ms.get)
     _auto[(kernel, device.type)] = chosen
     rec = {"kernel": kernel, "device": device.type, "n": n, "chosen": chosen, "ms": ms, "rejected": rejected}
-    rec["line"] = (f"{kernel} on {device.type}{f' (n={n:,})' if n is not None else ''}: {chosen} ("
-                   + ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(ms.items()))
-                   + (f"; rejected, bytes differ: {', '.join(rejected)}" if rejected else "") + ")")
+    rec["line"] = _choice_line(rec)
     _auto_log.append(rec)
     _log.info("kernels auto: %s", rec["line"])
     return chosen
+
+
+def _choice_line(rec: dict) -> str:
+    n = rec["n"]
+    return (f"{rec['kernel']} on {rec['device']}{f' (n={n:,})' if n is not None else ''}: {rec['chosen']} ("
+            + ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(rec["ms"].items()))
+            + (f"; rejected, bytes differ: {', '.join(rec['rejected'])}" if rec["rejected"] else "")
+            + (f"; agreed by {rec['agreed']} ranks" if rec.get("agreed") else "") + ")")
+
+
+def merge_choices(per_rank: list[dict[str, dict]]) -> dict[str, str]:
+    """The one choice per kernel that every rank of a group follows, from each rank's measurements
+    ({"kernel|device": {"ms": {candidate: median ms}}}, what `agree_choices` gathers): among the
+    candidates every rank accepted (bytes equal to its reference there), the one whose slowest rank
+    is fastest. A kernel some rank did not measure is left to the ranks that did."""
+    keys = set().union(*per_rank) if per_rank else set()
+    out = {}
+    for key in sorted(keys):
+        seen = [r[key]["ms"] for r in per_rank if key in r]
+        if len(seen) < len(per_rank):
+            continue
+        ok = set.intersection(*(set(ms) for ms in seen))
+        if ok:
+            worst = {name: max(ms[name] for ms in seen) for name in sorted(ok)}
+            out[key] = min(worst, key=worst.get)
+    return out
+
+
+def agree_choices(group=None) -> list[str]:
+    """Make impl="auto"'s choices the same on every rank of `group` (collective; call on every rank
+    after the warm-up's measurements). Each rank times its candidates alone, so two ranks could keep
+    different ones; they give the same bytes by construction and by the warm-up's check, but ranks
+    that exchange with each other run one code, so a kernel whose bytes differ on one host kind can
+    never split them (`merge_choices`). Returns a line per choice that changed on this rank."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return []
+    mine = {f"{r['kernel']}|{r['device']}": {"ms": r["ms"]} for r in auto_choices()}
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    changed = []
+    for key, chosen in merge_choices(gathered).items():
+        kernel, dev = key.split("|")
+        if _auto.get((kernel, dev)) != chosen:
+            changed.append(f"{kernel} on {dev}: {chosen} (agreed by the group; this rank measured "
+                           f"{_auto.get((kernel, dev))} fastest)")
+        _auto[(kernel, dev)] = chosen
+        for r in _auto_log:
+            if (r["kernel"], r["device"]) == (kernel, dev):
+                r["chosen"], r["agreed"] = chosen, len(gathered)
+                r["line"] = _choice_line(r)
+    return changed
 
 
 def auto_choices() -> list[dict]:

@@ -225,7 +225,10 @@ class CommOptimizer(torch.optim.Optimizer):
         first timed step; returns the seconds spent (0 when nothing is compiled)."""
         if self.kernels == "eager":
             return 0.0
-        return self._warmup_own_kernels() + self.exchange.warmup()
+        seconds = self._warmup_own_kernels() + self.exchange.warmup()
+        if self.kernels == "auto":  # ranks that exchange run the same kernels (comm.kernels.agree_choices)
+            _kernels.agree_choices(self.group)
+        return seconds
 
     def kernel_choices(self) -> list[str]:
         """One line per kernel that comm.kernels=auto timed in warm-up: the candidate it keeps."""

@@ -799,3 +799,16 @@ def test_pack_and_unpack_allocate_at_most_one_byte_per_element():
     assert max(_allocations(lambda: K.unpack_sum_reference(wire4, 4, n, L4, P))) >= 4 * n
     assert [b for b in _allocations(lambda: K.quantize_pack(x, segs, L4, 1.0, 2.0, 4, impl="compiled"))
             if b > limit] == [4 * max(sizes)]
+
+
+def test_merge_choices_agrees_on_what_every_rank_accepted():
+    """Ranks that exchange follow one choice per kernel: among the candidates every rank accepted,
+    the one whose slowest rank is fastest; a candidate some rank rejected (bytes differ there) is
+    never chosen, however fast elsewhere."""
+    a = {"sign_pack|cpu": {"ms": {"eager": 3.0, "compiled": 1.0}}, "unpack_sum|cpu": {"ms": {"eager": 2.0, "compiled": 1.5}}}
+    b = {"sign_pack|cpu": {"ms": {"eager": 2.5, "compiled": 4.0}}, "unpack_sum|cpu": {"ms": {"eager": 2.2}}}
+    got = K.merge_choices([a, b])
+    assert got == {"sign_pack|cpu": "eager", "unpack_sum|cpu": "eager"}  # 3.0 < 4.0 at the slowest rank; compiled rejected on b
+    assert K.merge_choices([a, a]) == {"sign_pack|cpu": "compiled", "unpack_sum|cpu": "compiled"}
+    assert K.merge_choices([a, {}]) == {}  # measured on one rank only: left alone
+    assert K.agree_choices() == []  # no process group: nothing to agree

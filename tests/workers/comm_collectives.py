@@ -21,7 +21,7 @@ LARGE = 100_003
 LENGTHS = (0, 1, 7, 8 * P - 1, 8 * P + 1, LARGE)
 ASSERTIONS = 0
 CHECKS = ("sign_vote", "hierarchical", "int_allreduce", "allreduce_mean", "stats", "subgroup",
-          "cost_model_calibrate")
+          "cost_model_calibrate", "kernel_choice_agreed")
 
 
 def gather(t: torch.Tensor) -> list[torch.Tensor]:
@@ -375,6 +375,30 @@ def test_subgroup() -> None:
             check(False, "node_size=2 over 3 ranks must raise")
         except ValueError:
             check(True, "")
+
+
+def test_kernel_choice_agreed() -> None:
+    """comm.kernels=auto: each rank times its candidates alone (here rank 0 finds "b" fastest, the
+    others "a", and the last rank rejects "c", as fast elsewhere: without agreement rank 0 and the
+    last rank differ); after
+    agree_choices every rank follows the same one, never a candidate some rank rejected."""
+    from comm import kernels as K
+
+    x = torch.arange(64, dtype=torch.float32)
+    slow = lambda: (time.sleep(0.004), x.clone())[1]  # noqa: E731
+    fast = lambda: x.clone()  # noqa: E731
+    wrong = lambda: x + (1 if RANK == P - 1 else 0)  # noqa: E731 - bytes differ on the last rank only
+    cands = {"eager": slow, "a": fast if RANK else slow, "b": slow if RANK else fast}
+    if P > 1:
+        cands["c"] = wrong
+    K.choose("agree_probe", "cpu", cands, repeats=3)
+    K.agree_choices()
+    chosen = K._auto[("agree_probe", "cpu")]
+    allc: list = [None] * P
+    dist.all_gather_object(allc, chosen)
+    check(len(set(allc)) == 1, f"ranks follow different kernels after agree_choices: {allc}")
+    check(P == 1 or allc[0] != "c", "a candidate rejected on one rank was chosen")
+    del K._auto[("agree_probe", "cpu")]
 
 
 if __name__ == "__main__":
