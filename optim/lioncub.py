@@ -27,6 +27,16 @@ SCRATCH_MIN = 1 << 21  # elements (8 MiB of fp32): the least scratch c is made i
 SCRATCH_PARTS = 8      # ... or 1/8 of the model (0.5 B per parameter), whichever is larger: few waves on a GPU
 
 
+def c_buffer_elements(numel: int, separate: bool) -> int:
+    """Elements of the buffer Distributed Lion holds c in, for `numel` trainable elements: all of
+    them when c is `separate` (comm.overlap), else the wave scratch of c over the gradient (a
+    multiple of 64, so pieces of a tensor are cut at vector-width multiples)."""
+    if separate:
+        return numel
+    cap = max(SCRATCH_MIN, -(-numel // SCRATCH_PARTS))
+    return min(numel, -(-cap // 64) * 64)
+
+
 class DistributedLion(CommOptimizer):
     """Distributed Lion / Lion Cub with per-rank momentum over an update-sync scheme.
 
@@ -53,8 +63,7 @@ class DistributedLion(CommOptimizer):
         self.c_in_grad = not (self.overlap and self._buckets is not None) and len(dtypes) == 1
         if self.c_in_grad:
             self._order_grads([e.param for e in self.layout.entries])  # the grad buffer in c's layout
-            cap = max(SCRATCH_MIN, -(-self.layout.numel // SCRATCH_PARTS))
-            self._scratch_numel = min(self.layout.numel, -(-cap // 64) * 64)  # pieces cut at multiples of 64
+            self._scratch_numel = c_buffer_elements(self.layout.numel, separate=False)
             self._scratch: torch.Tensor | None = None
         self._c: torch.Tensor | None = None
         self.keep_c = self.layout.device.type != "cuda"

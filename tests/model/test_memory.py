@@ -70,3 +70,22 @@ def test_command_line(tmp_path) -> None:
     assert "does NOT fit" in out.stdout, out.stdout
     bad = subprocess.run(run + ["--world", "8", "--shard-size", "3"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "--shard-size 3 must be >= 1 and divide --world 8" in bad.stderr
+
+
+def test_update_sync_buffer_is_the_wave_scratch_unless_overlap() -> None:
+    """Lion Cub writes c over the gradient: the estimate counts its wave scratch (1/8 of the model
+    here, at least 2M elements), and the whole fp32 vector only with comm.overlap (c made during
+    backward, its own buffer); a gradient-sync run counts no such vector."""
+    from optim import sync
+    from optim.lioncub import c_buffer_elements
+
+    def buffers(variant, *extra):
+        cfg = load_config(ROOT / "configs" / "variants" / f"{variant}.yaml", ["model.preset=gpt2-124m", *extra])
+        mem = estimate(cfg, 8)
+        sent, recv = sync.get(cfg.comm.mode).bytes_per_call(cfg.comm.options, 8, mem.local_elements)
+        return mem.comm_buffers - sent - recv, mem.local_elements
+
+    scratch, n = buffers("lioncub_1bit")
+    assert scratch == 4 * c_buffer_elements(n, separate=False) == 4 * (-(-(-(-n // 8)) // 64) * 64)
+    assert buffers("lioncub_1bit", "comm.bucket_mb=25", "comm.overlap=true", "optim.grad_clip=0")[0] == 4 * n
+    assert buffers("lion_fp32")[0] == 0
