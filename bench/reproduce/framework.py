@@ -116,6 +116,8 @@ class Setting:
     description: str
     full: tuple[str, ...] = ()
     quick: tuple[str, ...] = ()
+    evals: int = 0          # full scale: evaluations per run (0: the scale's, every tenth of the run) ...
+    eval_steps: int = 0     # ... of this many global batches (0: the scale's)
 
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
@@ -123,7 +125,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
                              "tokens: a 300-step run at 4 ranks reads it about five times)"),
     Setting("study-prose", "study preset (8 x 320, 79 % attn / mlp matrices), prose corpus (data/prose: "
                            "`python -m data.prepare prose --out data/prose`), its 8192-id BPE",
-            full=("model.preset=study", "data.dataset=data/prose"), quick=("data.dataset=data/prose",)),
+            full=("model.preset=study", "data.dataset=data/prose"), quick=("data.dataset=data/prose",),
+            # the verdicts are final val losses: 64 global batches (131K tokens at 4 ranks, a quarter of the val
+            # split's documents) instead of 8 (16K tokens: its first three documents), three times a run
+            evals=3, eval_steps=64),
 )}
 
 
@@ -784,6 +789,12 @@ class Study:
                         ckpt_every=0 if s.quick else max(1, opts.steps // 4))
         if opts.nproc:
             s = replace(s, nproc=opts.nproc)
+        st = SETTINGS.get(opts.setting)
+        if st is not None and not s.quick:
+            if st.evals:
+                s = replace(s, eval_every=max(1, s.steps // st.evals))
+            if st.eval_steps:
+                s = replace(s, eval_steps=st.eval_steps)
         return replace(s, overrides=merge_overrides(s.overrides, opts.setting_overrides()), setting=opts.setting_name())
 
     def check_available(self, available: Callable[[str], bool] = optimizer_available) -> None:

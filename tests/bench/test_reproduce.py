@@ -691,3 +691,17 @@ def test_committed_tables_rebuild_from_the_store(name, tmp_path):
     assert main([*argv, "--report-only", "--out", str(tmp_path), "--work", str(work)]) == 0, name
     assert (tmp_path / f"{name}.csv").read_text() == (committed / f"{name}.csv").read_text()
     assert {json.loads(x)["how"] for x in open(tmp_path / f"{name}_runs.jsonl")} == {"stored"}
+
+
+def test_the_prose_setting_judges_on_a_quarter_of_its_val_split():
+    """study-prose's verdicts are final val losses: its full runs evaluate 3 times on 64 global batches
+    (131K tokens at 4 ranks x 4 x 128), not the scale's 8 (the val split's first three documents);
+    the committed tiny-builtin setting keeps its own evaluation (its stored runs stay valid)."""
+    from bench.reproduce import STUDIES, Options
+
+    prose = STUDIES["table2"].scale(Options(setting="study-prose"))
+    assert (prose.eval_every, prose.eval_steps) == (100, 64)
+    assert 64 * prose.nproc * 4 * 128 == 131_072
+    tiny = STUDIES["table2"].scale(Options())
+    assert (tiny.eval_every, tiny.eval_steps) == (30, 8)
+    assert STUDIES["table2"].scale(Options(setting="study-prose", quick=True)).eval_steps != 64  # tests stay quick
