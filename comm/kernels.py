@@ -1004,6 +1004,16 @@ def report_mismatch(bad: Sequence[str], device: torch.device, impl: str | None) 
         raise RuntimeError(msg + "; use impl='eager'")
     warnings.warn(msg + "; using the eager kernels", stacklevel=3)
     set_impl("eager")
+    # impl="auto" passed explicitly follows the measured choices, not the module default: record eager
+    # for each of these kernels, as a measurement that rejected compiled (agree_choices then makes the
+    # other ranks of the group drop compiled too)
+    dev = torch.device(device).type
+    for kernel in sorted({b.split("[")[0] for b in bad}):
+        _auto[(kernel, dev)] = "eager"
+        rec = {"kernel": kernel, "device": dev, "n": None, "chosen": "eager", "ms": {"eager": 0.0},
+               "rejected": ["compiled"]}
+        rec["line"] = _choice_line(rec)
+        _auto_log.append(rec)
 
 
 __all__ = ["IMPLS", "QBLOCK", "SMALL", "Kernel", "auto_choices", "choose", "compile_seconds", "compile_unavailable",

@@ -10,8 +10,8 @@ sharding one copy of the model (parallel.shard_size; replicate = N / S):
   scheme's `state_bytes` for the exchanged vector (error feedback), both on N / S ... local elements
   over the R = N / S replicas;
 - communication buffers (estimate): the payload one exchange hands to its collective (the scheme's
-  byte formula at P = R), an update-sync scheme's fp32 vector (its wave scratch: c is written over
-  the gradient; the whole vector with comm.overlap), and with S > 1 FSDP's unsharded
+  byte formula at P = R), an update-sync scheme's fp32 vector (the optimizer registry's
+  `update_buffer`: Lion Cub's wave scratch, c being written over the gradient), and with S > 1 FSDP's unsharded
   parameters of the largest unit twice (the current one and the prefetched one) and its unsharded
   gradient (the reduce-scatter input);
 - activations (estimate): what one micro-batch's forward keeps for backward, train.dtype wide
@@ -107,7 +107,6 @@ def activation_bytes(model_config, batch: int, seq: int, act_bytes: int) -> int:
 def estimate(cfg, world: int, shard_size: int = 1, *, device: str = "cuda", model_config=None) -> Memory:
     """Per-rank Memory of the run `cfg` (a trainer.config.Config) at `world` ranks and shard size S."""
     from optim import sync
-    from optim.lioncub import c_buffer_elements
     from optim.registry import get_optimizer
 
     from .presets import resolve_config
@@ -132,10 +131,11 @@ def estimate(cfg, world: int, shard_size: int = 1, *, device: str = "cuda", mode
     if scheme.stateful:
         mem.optim_state += scheme.state_bytes(cfg.comm.options, replicas, n)
     sent, recv = scheme.bytes_per_call(cfg.comm.options, replicas, n)
-    # update sync: the vector c (optim/lioncub.py: written over the gradient in a wave scratch, or its
-    # own buffer with comm.overlap)
+    # update sync: the exchanged vector's buffer, as the optimizer declares it (Lion Cub: a wave scratch,
+    # c being written over the gradient; the whole vector with comm.overlap)
     separate = bool(cfg.comm.overlap and cfg.comm.bucket_mb > 0)
-    mem.comm_buffers = sent + recv + (4 * c_buffer_elements(n, separate) if scheme.kind == sync.UPDATE else 0)
+    vector = spec.update_buffer(n, separate) if spec.update_buffer is not None else n
+    mem.comm_buffers = sent + recv + (4 * vector if scheme.kind == sync.UPDATE else 0)
     if shard_size > 1:
         mem.comm_buffers += 3 * 4 * max(fsdp_units(mc))
     act = 2 if device == "cuda" and cfg.train.dtype == "bfloat16" else 4

@@ -161,6 +161,8 @@ class DistributedLion(CommOptimizer):
         """_update with c over the gradient: c and m's update in one pass (bucket by bucket when
         buckets), the exchange, then the parameters."""
         lay, c = self.layout, self._grad_flat()
+        for e in lay.entries:  # every momentum exists, an empty tensor's too (no bucket holds one at the end)
+            self._momentum(e.param)
         if self._buckets is None:
             for ks in lay.per_group.values():
                 self._c_over_grad_(ks)

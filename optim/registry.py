@@ -18,7 +18,7 @@ from .adamw import AdamW
 from .base import CommOptimizer, MomentumSync
 from .layout import is_matrix_param
 from .lion import Lion
-from .lioncub import DistributedLion
+from .lioncub import DistributedLion, c_buffer_elements
 from .options import Options
 
 
@@ -47,6 +47,10 @@ class OptimizerSpec:
     """fp32 words of optimizer state per element of a parameter, hidden matrix or not:
     state_words(options, scheme, matrix) (model.memory; the exchange's own state is the scheme's
     `state_bytes`). None = unknown (the memory model says so)."""
+    update_buffer: Callable[[int, bool], int] | None = None
+    """Elements of the buffer an update-sync run holds its exchanged vector in, for n local elements:
+    update_buffer(n, separate) (separate: comm.overlap with buckets, the vector made during backward;
+    model.memory). None = the whole vector, n."""
     shards: bool = False
     """Runs on the local shards of a sharded model (parallel.shard_size > 1): its math is element-wise
     on the flat layout, so the shards of a parameter need no view of the whole tensor."""
@@ -164,7 +168,8 @@ register_optimizer(OptimizerSpec(
     needs="a gradient-sync scheme (global Lion) or an update-sync sign aggregate (Distributed Lion / Lion Cub)",
     state="m (fp32; per rank with update sync)",
     help="Lion; with an update-sync scheme, Distributed Lion / Lion Cub (per-rank momentum)",
-    state_words=lambda o, s, matrix: 1.0, shards=True))
+    state_words=lambda o, s, matrix: 1.0, shards=True,
+    update_buffer=c_buffer_elements))  # c over the gradient: a wave scratch
 
 
 def optimizers_table() -> str:

@@ -273,7 +273,8 @@ def fig10_summary(results: list[RunResult], scale: Scale) -> Summary:
     notes = ["plus / minus: a tied vote always becomes +1 / -1 (the naive 1-bit allreduce); alternate: +1 on odd, "
              "-1 on even steps (Lion Cub App. B.1); exact_zero: the p-bit allreduce of 0/1 sign votes, whose sum "
              "gives an exact 0 update on a tie (the paper's 2-bit reference). drift = final − best validation loss: "
-             "positive when the loss climbs back up late in training.",
+             "positive when the loss climbs back up late in training; best and drift are over the run's "
+             f"evaluations, every {scale.eval_every or scale.steps} steps ({scale.eval_steps} batches each).",
              "Tie rates: the share of elements whose sign votes sum to 0, over the diagnostic steps of the second "
              "half (all elements; attention and MLP matrices). The preset's tied embedding/head gives every "
              "vocabulary row a softmax gradient, so exact zeros (c = 0 on every rank, App. B.1's first-stage case) "

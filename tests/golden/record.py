@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--force", action="store_true", help="replace this host's existing digests file")
     ap.add_argument("--commit", default=REFERENCE, help=f"the code to record (default {REFERENCE})")
-    ap.add_argument("--set", dest="sets", nargs="+", default=[], metavar="KEY=VALUE",
+    ap.add_argument("--set", dest="sets", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                     help="overrides for every run, e.g. comm.kernels=eager (see AVX2 below)")
     ap.add_argument("--out", type=Path, default=None, help="write here instead of tests/golden/digests_<fp>.json")
     args = ap.parse_args(argv)

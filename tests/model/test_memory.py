@@ -89,3 +89,4 @@ def test_update_sync_buffer_is_the_wave_scratch_unless_overlap() -> None:
     assert scratch == 4 * c_buffer_elements(n, separate=False) == 4 * (-(-(-(-n // 8)) // 64) * 64)
     assert buffers("lioncub_1bit", "comm.bucket_mb=25", "comm.overlap=true", "optim.grad_clip=0")[0] == 4 * n
     assert buffers("lion_fp32")[0] == 0
+    assert buffers("binsgdm")[0] == 4 * n  # its m/b buffer is the whole vector

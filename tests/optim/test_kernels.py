@@ -812,3 +812,17 @@ def test_merge_choices_agrees_on_what_every_rank_accepted():
     assert K.merge_choices([a, a]) == {"sign_pack|cpu": "compiled", "unpack_sum|cpu": "compiled"}
     assert K.merge_choices([a, {}]) == {}  # measured on one rank only: left alone
     assert K.agree_choices() == []  # no process group: nothing to agree
+
+
+def test_a_mismatch_under_auto_is_recorded_as_eager(fresh_auto, monkeypatch):
+    """The warm-up's check found compiled bytes that differ: impl="auto" (passed explicitly, as the
+    exchanges do) then runs eager for that kernel, and the record makes every rank of a group agree on
+    eager (merge_choices keeps only what every rank accepted)."""
+    monkeypatch.setattr(K, "_impl_default", K._impl_default)  # report_mismatch sets the module default
+    with pytest.warns(UserWarning, match="differ from the reference"):
+        K.report_mismatch(["sign_pack[torch.float32]", "unpack_majority[P=2]"], torch.device("cpu"), "auto")
+    assert not K.use_compiled("auto", torch.device("cpu"), "sign_pack")
+    assert not K.use_compiled("auto", torch.device("cpu"), "unpack_majority")
+    mine = {f"{r['kernel']}|{r['device']}": {"ms": r["ms"]} for r in K.auto_choices()}
+    other = {"sign_pack|cpu": {"ms": {"eager": 5.0, "compiled": 1.0}}}
+    assert K.merge_choices([mine, other])["sign_pack|cpu"] == "eager"

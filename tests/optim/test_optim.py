@@ -518,3 +518,21 @@ def test_a_lion_cub_step_allocates_no_buffer_of_the_models_size(mode, opts, monk
     assert not big, (mode, opts, big, n)
     opt.c_in_grad, opt.keep_c = False, False  # the separate c, made per step
     assert max(_allocations(step(2))) >= 4 * n
+
+
+def test_c_over_the_gradient_in_buckets_keeps_every_momentum():
+    """An empty tensor lies at the end of the bucket-ordered layout, where no bucket holds it: it still
+    gets its momentum (checkpoints and momentum sync expect one per parameter)."""
+    net = _EmbNet()
+    empty = torch.nn.Parameter(torch.empty(0))
+    groups = net.groups()
+    groups[0]["params"] = [empty, *groups[0]["params"]]
+    groups[0]["names"] = ["empty", *groups[0]["names"]]
+    opt = optim.build_optimizer("lion", groups, betas=(0.9, 0.99), eps=1e-8, comm_mode="onebit", bucket_mb=0.0001,
+                                param_order=[empty, *net.parameters()])
+    assert opt.c_in_grad and len(opt._buckets.buckets) > 1
+    x, y = _emb_batch(0)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(net(x), y).backward()
+    opt.step()
+    assert opt.momentum_of(empty) is not None and all(opt.momentum_of(p) is not None for p in net.parameters())
