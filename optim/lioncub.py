@@ -141,18 +141,11 @@ class DistributedLion(CommOptimizer):
                 fused_lion_direction_(moms_by_group[gi], grads_by_group[gi], self.param_groups[gi]["betas"][0],
                                         lay.views(c, ks), impl=self.kernels)
 
-        if self._buckets is None:
-            update = self.exchange(c, t)  # int8 signs (a mean of votes for the parameter server's avg)
-        else:  # one exchange per bucket, launched during backward with overlap
-            parts = self._bucket_results if self._bucket_results is not None else self._buckets.finish(t)
-            update = torch.cat(parts) if len(parts) > 1 else parts[0]
-
-        sign = not update.is_floating_point()
-        for gi, ks in lay.per_group.items():
-            g = self.param_groups[gi]
-            fused_apply_update_(lay.params(ks), lay.views(update, ks), float(g["lr"]), float(g["weight_decay"]),
-                                  u_is_sign=sign, impl=self.kernels)
-            fused_momentum_update_(moms_by_group[gi], grads_by_group[gi], g["betas"][1], impl=self.kernels)
+        update = self._exchange_c(c, t)
+        self._apply(update)
+        for gi in lay.per_group:
+            fused_momentum_update_(moms_by_group[gi], grads_by_group[gi], self.param_groups[gi]["betas"][1],
+                                   impl=self.kernels)
         if not self.keep_c:
             self._c = None  # freed once the caller drops the returned c (diagnostics read it)
         return {"c": c, "update": update}
@@ -166,16 +159,25 @@ class DistributedLion(CommOptimizer):
         if self._buckets is None:
             for ks in lay.per_group.values():
                 self._c_over_grad_(ks)
-            update = self.exchange(c, t)
-        else:
-            parts = self._buckets.finish(t)
-            update = torch.cat(parts) if len(parts) > 1 else parts[0]
-        sign = not update.is_floating_point()
+        update = self._exchange_c(c, t)
+        self._apply(update)
+        return {"c": c, "update": update}
+
+    def _exchange_c(self, c: torch.Tensor, t: int) -> torch.Tensor:
+        """The aggregate of c: int8 signs (a mean of votes for the parameter server's avg); with
+        buckets one exchange per bucket (launched during backward with overlap)."""
+        if self._buckets is None:
+            return self.exchange(c, t)
+        parts = self._bucket_results if self._bucket_results is not None else self._buckets.finish(t)
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def _apply(self, update: torch.Tensor) -> None:
+        """theta = theta * (1 - lr*wd) - lr * update, per param group."""
+        lay, sign = self.layout, not update.is_floating_point()
         for gi, ks in lay.per_group.items():
             g = self.param_groups[gi]
             fused_apply_update_(lay.params(ks), lay.views(update, ks), float(g["lr"]), float(g["weight_decay"]),
                                 u_is_sign=sign, impl=self.kernels)
-        return {"c": c, "update": update}
 
     def _diagnostics(self, out: dict | None):
         return vote_diagnostics(out["c"], out["update"], self.layout, world_size=self.world_size, group=self.group,
