@@ -273,31 +273,26 @@ def merge_choices(per_rank: list[dict[str, dict]]) -> dict[str, str]:
     return out
 
 
-def agree_choices(group=None) -> list[str]:
+def agree_choices(group=None) -> None:
     """Make impl="auto"'s choices the same on every rank of `group` (collective; call on every rank
     after the warm-up's measurements). Each rank times its candidates alone, so two ranks could keep
     different ones; they give the same bytes by construction and by the warm-up's check, but ranks
     that exchange with each other run one code, so a kernel whose bytes differ on one host kind can
-    never split them (`merge_choices`). Returns a line per choice that changed on this rank."""
+    never split them (`merge_choices`); each agreed record's line says so (`kernel_choices`)."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return []
+        return
     mine = {f"{r['kernel']}|{r['device']}": {"ms": r["ms"]} for r in auto_choices()}
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
-    changed = []
     for key, chosen in merge_choices(gathered).items():
         kernel, dev = key.split("|")
-        if _auto.get((kernel, dev)) != chosen:
-            changed.append(f"{kernel} on {dev}: {chosen} (agreed by the group; this rank measured "
-                           f"{_auto.get((kernel, dev))} fastest)")
         _auto[(kernel, dev)] = chosen
         for r in _auto_log:
             if (r["kernel"], r["device"]) == (kernel, dev):
                 r["chosen"], r["agreed"] = chosen, len(gathered)
                 r["line"] = _choice_line(r)
-    return changed
 
 
 def auto_choices() -> list[dict]:

@@ -116,7 +116,6 @@ class CommOptimizer(torch.optim.Optimizer):
         self.bucket_bytes, self.overlap = bucket_mb * 2 ** 20, overlap
         # update sync in buckets: the vector in bucket order, so every bucket is one contiguous part
         bucketed_update = self.bucket_bytes > 0 and self.scheme.per_rank_state
-        self._grad_buckets = self.bucket_bytes > 0 and not bucketed_update  # buckets that slice the grad buffers
         self.layout = FlatLayout(self.param_groups, _overlap.update_order(order, self.bucket_bytes)
                                  if bucketed_update else None)
         problems = []
@@ -161,7 +160,7 @@ class CommOptimizer(torch.optim.Optimizer):
         exchanges only some gradients puts them first, so they form one contiguous slice). Called
         from a subclass's constructor, before any backward; not with gradient buckets (they are
         slices of the buffers; an update-sync optimizer's buckets cut its own vector)."""
-        if self._grad_buckets:
+        if self._buckets is not None and not self.scheme.per_rank_state:
             raise ValueError(f"{type(self).__name__}: the gradient buffers are bucketed; they cannot be reordered")
         self.grads = GradBuffers(order)
 

@@ -65,6 +65,9 @@ class DistributedLion(CommOptimizer):
             self._order_grads([e.param for e in self.layout.entries])  # the grad buffer in c's layout
             self._scratch_numel = c_buffer_elements(self.layout.numel, separate=False)
             self._scratch: torch.Tensor | None = None
+            # an empty tensor at the end of the bucket-ordered layout lies in no bucket: its momentum is
+            # made here, where the buckets' c pass would have made it
+            self._empty = [e.param for e in self.layout.entries if e.numel == 0]
         self._c: torch.Tensor | None = None
         self.keep_c = self.layout.device.type != "cuda"
 
@@ -154,11 +157,12 @@ class DistributedLion(CommOptimizer):
         """_update with c over the gradient: c and m's update in one pass (bucket by bucket when
         buckets), the exchange, then the parameters."""
         lay, c = self.layout, self._grad_flat()
-        for e in lay.entries:  # every momentum exists, an empty tensor's too (no bucket holds one at the end)
-            self._momentum(e.param)
         if self._buckets is None:
             for ks in lay.per_group.values():
                 self._c_over_grad_(ks)
+        else:
+            for p in self._empty:
+                self._momentum(p)
         update = self._exchange_c(c, t)
         self._apply(update)
         return {"c": c, "update": update}

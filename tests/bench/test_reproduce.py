@@ -701,7 +701,6 @@ def test_the_prose_setting_judges_on_a_quarter_of_its_val_split():
 
     prose = STUDIES["table2"].scale(Options(setting="study-prose"))
     assert (prose.eval_every, prose.eval_steps) == (100, 64)
-    assert 64 * prose.nproc * 4 * 128 == 131_072
     tiny = STUDIES["table2"].scale(Options())
     assert (tiny.eval_every, tiny.eval_steps) == (30, 8)
     assert STUDIES["table2"].scale(Options(setting="study-prose", quick=True)).eval_steps != 64  # tests stay quick
