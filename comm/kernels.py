@@ -39,11 +39,14 @@ Exactness notes (why the compiled code looks the way it does):
   after the norm is one kernel over whole blocks of the flat vector (the block's tensor's
   scale, gathered once per block) plus one gathered pass over the blocks a tensor boundary
   cuts: no loop over tensors.
-- Stochastic rounding consumes the random stream as the reference's per-tensor `torch.rand`
-  calls do. On CPU ATen's generator fills a tensor serially, one draw per element, so one
-  stream drawn chunk by chunk over the flat vector is those draws in the same order, and the
-  quantizer runs like the nearest one (a kernel per chunk of whole blocks, the boundary words
-  gathered). On CUDA (Philox: each call has its own offset) it draws segment by segment.
+- Stochastic rounding draws its uniforms in one stream over the flat vector, in the chunks of
+  `stochastic_bounds` (a draw per chunk, in order), in the reference `quantize_q` and in the fused
+  path alike, so the quantizer runs like the nearest one (a kernel per chunk of whole blocks, the
+  boundary words gathered) with no loop over tensors. On CPU ATen's generator fills a tensor
+  serially, one draw per element, so these are exactly the per-tensor `torch.rand` draws of
+  `comm.quantize.lp_quantize` (same values, same generator state after; tested). On CUDA Philox
+  gives each call its own offset, so no chunking reproduces per-tensor draws: there the chunked
+  stream is the definition (as `segment_lp_means` defines the norms), with chunks of 16M elements.
 NaN payloads are not promised to match (NaN positions are).
 """
 from __future__ import annotations
@@ -370,7 +373,7 @@ def _k_quant_blocks(x3: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor,
 def _k_quant_blocks_stoch(x3: torch.Tensor, scale: torch.Tensor, u3: torch.Tensor, levels: torch.Tensor,
                           out: torch.Tensor, bits: int) -> None:
     """_k_quant_blocks with stochastic rounding: u3, shaped like x3, holds each element's uniform
-    (the rounding of comm.quantize.lp_quantize, as _k_quant_v_stoch)."""
+    (the rounding of comm.quantize.lp_quantize)."""
     s = scale.unsqueeze(1)
     v = []
     for i in range(x3.shape[2]):
@@ -379,15 +382,6 @@ def _k_quant_blocks_stoch(x3: torch.Tensor, scale: torch.Tensor, u3: torch.Tenso
         y = low + (u3[:, :, i] < (y - low)).to(y.dtype)
         v.append((torch.clamp(y, -levels, levels) + levels).to(torch.int32))
     out.copy_(_pack_groups(v, bits))
-
-
-def _k_quant_v_stoch(x: torch.Tensor, scale: torch.Tensor, u: torch.Tensor, levels: torch.Tensor,
-                     out: torch.Tensor) -> None:
-    """Stochastic rounding of optim.quantize.lp_quantize with its uniforms u, shifted by L."""
-    y = x.to(scale.dtype) * scale
-    low = torch.floor(y)
-    y = low + (u < (y - low)).to(y.dtype)
-    out.copy_((torch.clamp(y, -levels, levels) + levels).to(torch.int32).to(torch.uint8))
 
 
 def _k_sign_v(x: torch.Tensor, levels: torch.Tensor, out: torch.Tensor) -> None:
@@ -530,15 +524,31 @@ def quantize_q(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: int
         return (c > 0).to(torch.int8).sub_((c < 0).to(torch.int8))
     q = torch.empty(c.numel(), dtype=torch.int8, device=c.device)
     means = segment_lp_means(c, segments, p)  # on CPU == lp_mean per segment, bit for bit
-    for k, (off, n) in enumerate(segments):
-        # nearest rounding is elementwise given M_p: in pieces of Q_PIECE, so its float temporaries
-        # are a piece's, not the largest tensor's (stochastic draws stay one call per tensor: the
-        # reference's stream)
-        piece = Q_PIECE if rounding == "nearest" else max(n, 1)
-        for lo in range(0, n, piece):
-            hi = min(n, lo + piece)
-            q[off + lo:off + hi] = lp_quantize(c[off + lo:off + hi], levels, p, clip, rounding, generator,
-                                               mean=means[k])
+    if rounding == "nearest":
+        # elementwise given M_p: in pieces of Q_PIECE, so its float temporaries are a piece's,
+        # not the largest tensor's
+        for k, (off, n) in enumerate(segments):
+            for lo in range(0, n, Q_PIECE):
+                hi = min(n, lo + Q_PIECE)
+                q[off + lo:off + hi] = lp_quantize(c[off + lo:off + hi], levels, p, clip, rounding, mean=means[k])
+        return q
+    # stochastic: one stream of uniforms over the flat vector, a draw per chunk of stochastic_bounds
+    # (on CPU these are the per-tensor draws of lp_quantize, value for value)
+    bounds = stochastic_bounds(c.numel(), c.device)
+    u = torch.empty(max((b - a for a, b in zip(bounds, bounds[1:])), default=0), device=c.device,
+                    dtype=means.dtype)
+    k = 0
+    for a, b in zip(bounds, bounds[1:]):
+        ui = u[:b - a].uniform_(generator=generator)
+        while k < len(segments) and sum(segments[k]) <= a:
+            k += 1
+        j = k
+        while j < len(segments) and segments[j][0] < b:
+            off, n = segments[j]
+            lo, hi = max(off, a), min(off + n, b)
+            if hi > lo:
+                q[lo:hi] = lp_quantize(c[lo:hi], levels, p, clip, rounding, mean=means[j], uniforms=ui[lo - a:hi - a])
+            j += 1
     return q
 
 
@@ -678,27 +688,41 @@ def _quantize_lanes(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p
 
 
 STOCH_CHUNK = 256  # whole blocks per draw of uniforms on CPU (1 MiB of float32)
+STOCH_CHUNK_CUDA = 16384  # on CUDA (64 MiB of float32: a handful of draws per model, and the draws' definition)
+
+
+def stochastic_bounds(n: int, device: torch.device | str) -> list[int]:
+    """Where stochastic rounding of an n-element vector cuts its stream of uniforms: positions
+    0 = b_0 < b_1 < ... < b_k = n (or [0, 0] for n = 0); chunk i is one draw of b_{i+1} - b_i
+    uniforms, in order. Chunks are whole QBLOCK blocks (STOCH_CHUNK of them on CPU, STOCH_CHUNK_CUDA
+    on CUDA), the last one taking the partial block, never a chunk of one block (dynamo specialises
+    a size-1 dimension); under 2 blocks the whole vector is one chunk. Shared by the reference
+    `quantize_q` and the fused path, so both draw the same stream."""
+    nb = n // QBLOCK
+    nb = nb if nb >= 2 else 0
+    per = STOCH_CHUNK_CUDA if torch.device(device).type == "cuda" else STOCH_CHUNK
+    cuts = list(range(0, nb, per)) + [nb] if nb else [0, 0]
+    if len(cuts) > 2 and cuts[-1] - cuts[-2] == 1:
+        del cuts[-2]
+    return [b * QBLOCK for b in cuts[:-1]] + [n]
 
 
 def _quantize_lanes_stochastic(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p: float, clip: float,
                                bits: int, scratch: torch.Tensor | None, generator: torch.Generator | None,
                                out: torch.Tensor) -> None:
-    """Stochastic-rounding Lion Cub eq. 1 straight into packed lanes on CPU, whatever the number
-    of tensors. ATen's CPU generator fills a tensor serially, one draw per element, so uniforms
-    drawn chunk after chunk in flat order are the reference's per-tensor draws (same values, same
-    generator state after). Each chunk of STOCH_CHUNK whole blocks is one kernel call, and its
-    share of the boundary words (`_block_plan`) one gathered pass; the uniforms live in one
-    chunk-sized buffer, never one of the vector's length."""
+    """Stochastic-rounding Lion Cub eq. 1 straight into packed lanes, whatever the number of
+    tensors: the uniforms are drawn chunk after chunk of `stochastic_bounds` in flat order, as the
+    reference `quantize_q` draws them. Each chunk's whole blocks are one kernel call, and its share
+    of the boundary words (`_block_plan`) one gathered pass; the uniforms live in one chunk-sized
+    buffer, never one of the vector's length."""
     dev, per, n = c.device, lanes_per_word(bits), c.numel()
     plan = _block_plan(segs, per, n, dev)
     nb, bseg, _, elems, seg_of, slot, lane, words = plan
     scales = _segment_scales(c, segs, levels, p, clip, scratch, plan)
     dt = scales.dtype
     lv = const(float(levels), dt, dev)
-    cuts = list(range(0, nb, STOCH_CHUNK)) + [nb] if nb else [0, 0]
-    if len(cuts) > 2 and cuts[-1] - cuts[-2] == 1:  # no chunk of one block (dynamo specialises size 1)
-        del cuts[-2]
-    bounds = [b * QBLOCK for b in cuts[:-1]] + [n]
+    bounds = stochastic_bounds(n, dev)
+    cuts = [b // QBLOCK for b in bounds[:-1]] + [nb]
     lo = torch.searchsorted(elems, torch.tensor(bounds, device=dev)).tolist()
     first = slot[[i for i in lo[:-1] if i < elems.numel()]].tolist()
     u = torch.empty(max(b - a for a, b in zip(bounds, bounds[1:])), dtype=dt, device=dev)
@@ -756,29 +780,11 @@ def quantize_pack(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: 
     if p is not None and rounding == "nearest":
         _quantize_lanes(c, segs, levels, float(p), clip, bits, scratch, out)
         return out
-    if p is not None and dev.type == "cpu":  # stochastic: one stream over the flat vector
+    if p is not None:  # stochastic: one stream over the flat vector
         _quantize_lanes_stochastic(c, segs, levels, float(p), clip, bits, scratch, generator, out)
         return out
     v = out if bits == 8 else torch.empty(n, dtype=torch.uint8, device=dev)
-    if p is None:
-        compiled_kernel(_k_sign_v)((dev.type, dtype_key(c)), c, const(levels, torch.int32, dev), v)
-    else:
-        # stochastic rounding on CUDA, segment by segment: the uniforms must come from the
-        # generator in the reference's per-tensor draws (Philox gives each call its own offset
-        # and counters, so one draw over the flat vector would not be their concatenation)
-        p = float(p)
-        means = segment_lp_means(c, segs, p, scratch)  # the reference's norms (quantize_q)
-        scales = _scales_of(means, levels, clip)
-        for k, (off, m) in enumerate(segs):  # in order: stochastic draws follow the reference
-            seg, vk = c[off:off + m], v[off:off + m]
-            if m < SMALL:
-                vk.copy_(lp_quantize(seg, levels, p, clip, rounding, generator, mean=means[k]).view(torch.uint8)
-                         + levels)
-                continue
-            sc = scales[k]
-            lv = const(float(levels), sc.dtype, dev)
-            u = torch.rand(seg.shape, generator=generator, device=dev, dtype=sc.dtype)
-            compiled_kernel(_k_quant_v_stoch)((dev.type, dtype_key(c)), seg, sc, u, lv, vk)
+    compiled_kernel(_k_sign_v)((dev.type, dtype_key(c)), c, const(levels, torch.int32, dev), v)
     if bits != 8:
         _pack_v_into(v, bits, out)
     return out
@@ -1013,5 +1019,5 @@ def report_mismatch(bad: Sequence[str], device: torch.device, impl: str | None) 
 
 __all__ = ["IMPLS", "QBLOCK", "SMALL", "Kernel", "auto_choices", "choose", "compile_seconds", "compile_unavailable",
            "compiled_kernel", "const", "dtype_key", "f32", "get_impl", "quantize_pack", "quantize_q", "report_mismatch",
-           "resolve_impl", "set_impl", "sign_pack", "time_ms", "unpack_majority", "unpack_sum", "unpack_sum_reference",
+           "resolve_impl", "set_impl", "sign_pack", "stochastic_bounds", "time_ms", "unpack_majority", "unpack_sum", "unpack_sum_reference",
            "use_compiled", "warmup", "wire_of"]

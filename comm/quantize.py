@@ -191,13 +191,17 @@ def levels_for_bits(bits: int) -> int:
 
 
 def lp_quantize(x: torch.Tensor, levels: int, p: float, clip: float = 2.0, rounding: str = "nearest",
-                generator: torch.Generator | None = None, *, mean: torch.Tensor | None = None) -> torch.Tensor:
+                generator: torch.Generator | None = None, *, mean: torch.Tensor | None = None,
+                uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize `x` to int8 values in [-levels, levels] by Lion Cub eq. (1).
 
     `p` is any float >= 0 (0, 0.5, 1, 2, inf are the paper's). rounding="nearest" rounds half to
     even; "stochastic" rounds y up with probability y - floor(y) (unbiased: E[q] = y before the
     clamp), drawing from `generator` (seed it per rank). Returns an int8 tensor shaped like x.
     mean: M_p(x) when the caller has it (a 0-d tensor, from `segment_lp_means`).
+    uniforms: for stochastic rounding, the uniforms to round with (x.numel() of them, M_p's
+    dtype) instead of drawing them from `generator` (`comm.kernels.quantize_q` draws one stream
+    for a whole flat vector).
     """
     if not isinstance(levels, int) or not 1 <= levels <= MAX_LEVELS:
         raise ValueError(f"lp_quantize: levels={levels!r}; need an int in [1, {MAX_LEVELS}] "
@@ -217,6 +221,12 @@ def lp_quantize(x: torch.Tensor, levels: int, p: float, clip: float = 2.0, round
         y = torch.round(y)
     else:
         low = torch.floor(y)
-        u = torch.rand(y.shape, generator=generator, device=y.device, dtype=y.dtype)
+        if uniforms is None:
+            u = torch.rand(y.shape, generator=generator, device=y.device, dtype=y.dtype)
+        elif uniforms.numel() != y.numel() or uniforms.dtype != y.dtype:
+            raise ValueError(f"lp_quantize: uniforms has {uniforms.numel()} {uniforms.dtype} values; need "
+                             f"{y.numel()} {y.dtype} (one per element of x, in M_p's dtype)")
+        else:
+            u = uniforms.view(y.shape)
         y = low + (u < (y - low)).to(y.dtype)
     return y.clamp_(-levels, levels).to(torch.int8)

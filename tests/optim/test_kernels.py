@@ -378,10 +378,11 @@ def test_quantize_pack_stochastic_consumes_the_same_randoms(bits, levels, dev):
 @compiled
 @pytest.mark.parametrize("bits,levels", [(2, 1), (4, 7), (16, 127)])
 def test_quantize_pack_stochastic_one_stream_over_the_flat_vector(bits, levels, monkeypatch):
-    """On CPU stochastic rounding draws its uniforms chunk by chunk over the flat vector (chunks
-    of 2 blocks here, so many chunks and boundaries): the bytes and the generator state equal the
-    reference's per-tensor draws, for mixed, tiny/huge-norm, zero and 300-small-tensor layouts and
-    p = 0, 1, 2, inf; and the kernel calls follow the chunks, not the tensors."""
+    """Stochastic rounding draws its uniforms chunk by chunk over the flat vector (chunks of 2
+    blocks here, so many chunks and boundaries), in the fused path and in the reference
+    quantize_q. On CPU both equal the per-tensor draws of lp_quantize (today's reference: bytes and
+    generator state), for mixed, tiny/huge-norm, zero and 300-small-tensor layouts and p = 0, 1, 2,
+    inf; and the kernel calls follow the chunks, not the tensors."""
     monkeypatch.setattr(K, "STOCH_CHUNK", 2)
     B = K.QBLOCK
     sizes = [3 * B + 1, 7, B - 3, 2 * B + 5, 1, B, 129, 5 * B + 11, 0, 9000]
@@ -392,12 +393,15 @@ def test_quantize_pack_stochastic_one_stream_over_the_flat_vector(bits, levels, 
     small = torch.randint(1, 60, (300,), generator=_gen(4)).tolist()
     for c, segs in ((mixed, _layout(sizes)), (_values("random", sum(small), seed=5), _layout(small))):
         for p in (0.0, 1.0, 2.0, math.inf):
-            g1, g2 = _gen(42), _gen(42)
+            g1, g2, g3 = _gen(42), _gen(42), _gen(42)
             for _ in range(2):
                 got = K.quantize_pack(c, segs, levels, p, 2.0, bits, "stochastic", g1, impl="compiled")
-                ref = K.wire_of(K.quantize_q(c, segs, levels, p, 2.0, "stochastic", g2), levels, bits)
-                assert torch.equal(got, ref), (len(segs), p)
+                q = K.quantize_q(c, segs, levels, p, 2.0, "stochastic", g2)
+                assert torch.equal(got, K.wire_of(q, levels, bits)), (len(segs), p)
+                per_tensor = torch.cat([lp_quantize(c[o:o + m], levels, p, 2.0, "stochastic", g3) for o, m in segs])
+                assert torch.equal(q, per_tensor), (len(segs), p)
             assert torch.equal(g1.get_state(), g2.get_state())
+            assert torch.equal(g2.get_state(), g3.get_state())
     calls = _count_kernel_calls(monkeypatch)
     monkeypatch.setattr(K, "STOCH_CHUNK", 256)
     for ntensors in (1, 40, 400):
@@ -406,6 +410,31 @@ def test_quantize_pack_stochastic_one_stream_over_the_flat_vector(bits, levels, 
         calls.clear()
         K.quantize_pack(c, _layout(sz), levels, 1.0, 2.0, bits, "stochastic", _gen(1), impl="compiled")
         assert calls == ["_k_quant_blocks_stoch"] * -(-(sum(sz) // B) // 256), (ntensors, calls)
+
+
+def test_stochastic_bounds_cut_whole_blocks_and_follow_the_device():
+    """The chunks of the stochastic stream: whole blocks, the partial block in the last chunk, no
+    chunk of one block, one chunk under 2 blocks; CUDA's chunks are STOCH_CHUNK_CUDA blocks."""
+    B = K.QBLOCK
+    assert K.stochastic_bounds(0, "cpu") == [0, 0]
+    assert K.stochastic_bounds(2 * B - 1, "cpu") == [0, 2 * B - 1]
+    n = (2 * K.STOCH_CHUNK + 1) * B + 7  # the last chunk would be one block: it joins the one before
+    assert K.stochastic_bounds(n, "cpu") == [0, K.STOCH_CHUNK * B, n]
+    n = (K.STOCH_CHUNK + 2) * B + 7
+    assert K.stochastic_bounds(n, "cpu") == [0, K.STOCH_CHUNK * B, n]
+    n = (K.STOCH_CHUNK_CUDA + 5) * B
+    assert K.stochastic_bounds(n, "cuda") == [0, K.STOCH_CHUNK_CUDA * B, n]
+    assert len(K.stochastic_bounds(n, "cpu")) - 1 == -(-(K.STOCH_CHUNK_CUDA + 5) // K.STOCH_CHUNK)
+
+
+def test_lp_quantize_rounds_with_given_uniforms():
+    x = _values("random", 5000, seed=11)
+    g1, g2 = _gen(5), _gen(5)
+    u = torch.rand(5000, generator=g2)
+    assert torch.equal(lp_quantize(x, 3, 1.0, 2.0, "stochastic", g1), lp_quantize(x, 3, 1.0, 2.0, "stochastic",
+                                                                              uniforms=u))
+    with pytest.raises(ValueError, match="uniforms"):
+        lp_quantize(x, 3, 1.0, 2.0, "stochastic", uniforms=u[:10])
 
 
 def test_quantize_pack_bad_arguments():
