@@ -17,13 +17,16 @@ byte for byte:
 The dispatch below (`use_compiled`, `compiled_kernel`, `const`, `warmup`'s bookkeeping) is shared
 with the fused Lion passes, which live with Lion in optim/lion.py.
 
-Dispatch: every function takes impl="compiled" | "eager" | "auto" (None: the module default,
-`set_impl`, initially $LIONCUB_KERNELS or "eager"). "auto" compiles where a compiler exists and
-otherwise runs eager after a one-line warning; "compiled" raises instead, naming the reason
-(LIONCUB_NO_COMPILE=1, no C++ compiler, no Triton). Once `warmup(..., layout=...)` has timed a
-kernel on the run's sizes (`choose`), "auto" runs whichever of eager and compiled was faster
-there with identical bytes, per kernel and device type (compiled Triton lost to eager for sign
-packing and the majority on an H100). Compiled kernels take dynamic shapes, so one
+Dispatch: every function takes impl="compiled" | "eager" | "native" | "auto" (None: the module
+default, `set_impl`, initially $LIONCUB_KERNELS or "eager"). "native" runs the C loops of
+comm.native (CPU only: the same bytes without inductor in the process). "auto" compiles where a
+compiler exists and otherwise runs eager after a one-line warning; "compiled" raises instead,
+naming the reason (LIONCUB_NO_COMPILE=1, no C++ compiler, no Triton). Once `warmup(...,
+layout=...)` has timed a kernel on the run's sizes (`choose`), "auto" runs whichever of eager,
+compiled and native was fastest there with identical bytes, per kernel and device type
+(compiled Triton lost to eager for sign packing and the majority on an H100); on CPU that
+measurement runs in a child process (comm.kernel_probe), so a training process imports inductor
+only when a compiled kernel won. Compiled kernels take dynamic shapes, so one
 compilation serves every length of a given (kernel, dtype, device); `warmup()` pays it (and
 checks the compiled result against the reference) before the first timed step, and
 `compile_seconds()` reports it. Inputs shorter than SMALL elements, and dtypes a kernel does not
@@ -65,13 +68,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from . import native
 from .allreduce import check_lanes
 from .packing import ceil_div, lane_max, lanes_per_word, pack_lanes, pack_words16, unpack_lanes, unpack_words16
 from .quantize import MAX_LEVELS, ROUNDINGS, lp_quantize, segment_lp_means
 from .vote import count_dtype, local_majority, majority_threshold, tb_packed
 
-IMPLS = ("auto", "compiled", "eager")
-NO_COMPILE_ENV = "LIONCUB_NO_COMPILE"
+IMPLS = ("auto", "compiled", "eager", "native")
+NO_COMPILE_ENV = native.NO_COMPILE_ENV  # "LIONCUB_NO_COMPILE": neither compiled nor native kernels
 IMPL_ENV = "LIONCUB_KERNELS"
 SMALL = 64  # elements; below this the reference runs (dynamo also specialises sizes 0 and 1)
 WIRE_BITS = (1, 2, 4, 8, 16)
@@ -86,12 +90,13 @@ _consts: dict[tuple, torch.Tensor] = {}
 _unavailable: dict[tuple, str | None] = {}
 _auto: dict[tuple[str, str], str] = {}  # (kernel, device type) -> the candidate "auto" measured fastest
 _auto_log: list[dict] = []
+_rejected: dict[tuple[str, str], set[str]] = {}  # (kernel, device type) -> candidates whose bytes differed
 _log = logging.getLogger(__name__)
 
 
 # ---- dispatch ------------------------------------------------------------------------------
 def set_impl(impl: str) -> None:
-    """Module default for `impl=None`: "compiled", "eager" or "auto"."""
+    """Module default for `impl=None`: "compiled", "eager", "native" or "auto"."""
     global _impl_default
     if impl not in IMPLS:
         raise ValueError(f"kernels.set_impl: impl={impl!r}; choose one of {IMPLS}")
@@ -141,7 +146,7 @@ def use_compiled(impl: str | None, device: torch.device, kernel: str | None = No
     impl = resolve_impl(impl)
     if impl not in IMPLS:
         raise ValueError(f"kernels: impl={impl!r}; choose one of {IMPLS}")
-    if impl == "eager":
+    if impl in ("eager", "native"):
         return False
     if impl == "auto" and (kernel, torch.device(device).type) in _auto:
         return _auto[(kernel, torch.device(device).type)] == "compiled"
@@ -155,6 +160,23 @@ def use_compiled(impl: str | None, device: torch.device, kernel: str | None = No
         _warned.add(reason)
         warnings.warn(f"kernels: {reason}; running the eager reference kernels", stacklevel=3)
     return False
+
+
+def kernel_impl(impl: str | None, device: torch.device | str, kernel: str) -> str:
+    """Which implementation runs `kernel` on `device` under `impl`: "eager", "compiled" or "native"
+    (auto: the measured choice once there is one, else as `use_compiled`). impl="native" where the
+    native kernels cannot run raises, naming the reason."""
+    impl = resolve_impl(impl)
+    dev = torch.device(device)
+    if impl == "native":
+        why = native.unavailable(dev)
+        if why is not None:
+            raise RuntimeError(f"kernels: impl='native' was asked for but {why}; use impl='eager', "
+                               f"'compiled' or 'auto'")
+        return "native"
+    if impl == "auto" and _auto.get((kernel, dev.type)) == "native":
+        return "native"
+    return "compiled" if use_compiled(impl, dev, kernel) else "eager"
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -483,11 +505,15 @@ def sign_pack(x: torch.Tensor, step: int, length: int | None = None, *,
     if length % 8 or length < n:
         raise ValueError(f"sign_pack: length={length} must be a multiple of 8 and >= n={n}")
     nb = n // 8
-    if n < SMALL or not x.is_floating_point() or not use_compiled(impl, x.device, "sign_pack"):
+    which = "eager" if n < SMALL or not x.is_floating_point() else kernel_impl(impl, x.device, "sign_pack")
+    if which == "eager" or (which == "native" and not native.supports(x)):
         return tb_packed(x, step, length)
     out = torch.empty(length // 8, dtype=torch.uint8, device=x.device)
-    compiled_kernel(_k_sign_bits)((x.device.type, dtype_key(x)), x[:8 * nb].view(nb, 8),
-                    const(bool(step % 2), torch.bool, x.device), out[:nb])
+    if which == "native":
+        native.sign_bits(x[:8 * nb], bool(step % 2), out[:nb])
+    else:
+        compiled_kernel(_k_sign_bits)((x.device.type, dtype_key(x)), x[:8 * nb].view(nb, 8),
+                                      const(bool(step % 2), torch.bool, x.device), out[:nb])
     if length > 8 * nb:  # the partial byte and the zero padding: a few bytes, reference code
         out[nb:] = tb_packed(x[8 * nb:], step, length - 8 * nb)
     return out
@@ -664,8 +690,15 @@ def _block_plan(segs: list[tuple[int, int]], per: int, n: int, device: torch.dev
     return _PLANS[key]
 
 
+def native_quantizes(c: torch.Tensor, levels: int, p: float | None, bits: int) -> bool:
+    """Whether comm.native has the quantize_pack loop for this configuration: Lp (nearest or
+    stochastic) and the levels == 0 lanes up to 8 bits, for c's dtype; the "sign" quantizer
+    (p None) has none."""
+    return native.supports(c) and (p is not None if levels else bits <= 8)
+
+
 def _quantize_lanes(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p: float, clip: float,
-                    bits: int, scratch: torch.Tensor | None, out: torch.Tensor) -> None:
+                    bits: int, scratch: torch.Tensor | None, out: torch.Tensor, use_native: bool = False) -> None:
     """Nearest-rounding Lion Cub eq. 1 straight into packed lanes, whatever the number of
     tensors: the per-segment scales, then one kernel over the whole blocks of the flat vector and
     one gathered pass over the words of boundary blocks (`_block_plan`); p = inf's norms are a
@@ -675,7 +708,9 @@ def _quantize_lanes(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p
     nb, bseg, _, elems, seg_of, slot, lane, words = plan
     scales = _segment_scales(c, segs, levels, p, clip, scratch, plan)
     lv = const(float(levels), scales.dtype, dev)
-    if nb:
+    if nb and use_native:
+        native.quant_blocks(c[:nb * QBLOCK], scales[bseg], levels, bits, out[:nb * QBLOCK // per])
+    elif nb:
         # the scale of each block gathered outside: inside, dynamo's duck shaping would tie the
         # number of segments to the number of blocks whenever the two happen to be equal
         compiled_kernel(_k_quant_blocks, bits)((dev.type, dtype_key(c)), c[:nb * QBLOCK].view(nb, -1, per),
@@ -709,7 +744,7 @@ def stochastic_bounds(n: int, device: torch.device | str) -> list[int]:
 
 def _quantize_lanes_stochastic(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p: float, clip: float,
                                bits: int, scratch: torch.Tensor | None, generator: torch.Generator | None,
-                               out: torch.Tensor) -> None:
+                               out: torch.Tensor, use_native: bool = False) -> None:
     """Stochastic-rounding Lion Cub eq. 1 straight into packed lanes, whatever the number of
     tensors: the uniforms are drawn chunk after chunk of `stochastic_bounds` in flat order, as the
     reference `quantize_q` draws them. Each chunk's whole blocks are one kernel call, and its share
@@ -730,7 +765,10 @@ def _quantize_lanes_stochastic(c: torch.Tensor, segs: list[tuple[int, int]], lev
     for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
         ui = u[:b - a].uniform_(generator=generator)  # == the reference's torch.rand, in flat order
         b0, b1 = cuts[i], cuts[i + 1]
-        if b1 > b0:
+        if b1 > b0 and use_native:
+            native.quant_blocks(c[b0 * QBLOCK:b1 * QBLOCK], bscale[b0:b1], levels, bits,
+                                out[b0 * QBLOCK // per:b1 * QBLOCK // per], u=ui[:(b1 - b0) * QBLOCK])
+        elif b1 > b0:
             compiled_kernel(_k_quant_blocks_stoch, bits)(
                 (dev.type, dtype_key(c)), c[b0 * QBLOCK:b1 * QBLOCK].view(b1 - b0, -1, per), bscale[b0:b1],
                 ui[:(b1 - b0) * QBLOCK].view(b1 - b0, -1, per), lv,
@@ -764,7 +802,10 @@ def quantize_pack(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: 
     n = c.numel()
     segs = [(int(o), int(m)) for o, m in segments]
     _check_segments(segs, n)
-    if n < SMALL or not c.is_floating_point() or not use_compiled(impl, c.device, "quantize_pack"):
+    which = "eager" if n < SMALL or not c.is_floating_point() else kernel_impl(impl, c.device, "quantize_pack")
+    if which == "native" and not native_quantizes(c, levels, p, bits):
+        which = "eager"  # a configuration comm.native has no loop for: the reference's bytes
+    if which == "eager":
         return wire_of(quantize_q(c, segs, levels, p, clip, rounding, generator, tie_step), levels, bits)
     dev = c.device
     per = lanes_per_word(bits)
@@ -772,16 +813,20 @@ def quantize_pack(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: 
     out = torch.empty(words, dtype=torch.int32 if bits == 16 else torch.uint8, device=dev)
     if levels == 0:
         full = n // per
-        compiled_kernel(_k_tb_lanes, bits)((dev.type, dtype_key(c)), c[:full * per].view(full, per),
-                                  const(bool(tie_step % 2), torch.bool, dev), out[:full])
+        if which == "native":
+            native.tb_lanes(c[:full * per], bool(tie_step % 2), bits, out[:full])
+        else:
+            compiled_kernel(_k_tb_lanes, bits)((dev.type, dtype_key(c)), c[:full * per].view(full, per),
+                                               const(bool(tie_step % 2), torch.bool, dev), out[:full])
         if full < words:
             out[full:] = wire_of(quantize_q(c[full * per:], [], 0, None, tie_step=tie_step), 0, bits)
         return out
     if p is not None and rounding == "nearest":
-        _quantize_lanes(c, segs, levels, float(p), clip, bits, scratch, out)
+        _quantize_lanes(c, segs, levels, float(p), clip, bits, scratch, out, which == "native")
         return out
     if p is not None:  # stochastic: one stream over the flat vector
-        _quantize_lanes_stochastic(c, segs, levels, float(p), clip, bits, scratch, generator, out)
+        _quantize_lanes_stochastic(c, segs, levels, float(p), clip, bits, scratch, generator, out,
+                                   which == "native")
         return out
     v = out if bits == 8 else torch.empty(n, dtype=torch.uint8, device=dev)
     compiled_kernel(_k_sign_v)((dev.type, dtype_key(c)), c, const(levels, torch.int32, dev), v)
@@ -833,7 +878,16 @@ def unpack_sum(wire: torch.Tensor, bits: int, n: int, levels: int, P: int, *, si
         raise ValueError(f"unpack_sum: out must be a contiguous {rdt} tensor of {n} elements, got "
                          f"{out.dtype} of {out.numel()}")
     full = n // per
-    if full * per < SMALL or (sign and rdt not in _SIGN_BITS) or not use_compiled(impl, flat.device, "unpack_sum"):
+    which = ("eager" if full * per < SMALL or (sign and rdt not in _SIGN_BITS)
+             else kernel_impl(impl, flat.device, "unpack_sum"))
+    if which == "native" and sign and rdt == torch.int8:
+        res = torch.empty(n, dtype=rdt, device=flat.device) if out is None else out
+        mul, offset = (2, P) if levels == 0 else (1, P * levels)
+        native.unpack_sign(flat[:full], bits, mul, offset, res[:full * per])
+        if full * per < n:
+            res[full * per:] = torch.sign(unpack_sum_reference(flat[full:], bits, n - full * per, levels, P)).to(rdt)
+        return res
+    if which != "compiled":  # eager, or what comm.native has no loop for (int32 sums, other dtypes)
         if sign and bits != 16:
             return _sign_of_sum_eager(flat, bits, n, levels, P, rdt, out)
         total = unpack_sum_reference(flat, bits, n, levels, P)
@@ -874,10 +928,15 @@ def unpack_majority(recv: torch.Tensor, P: int, step: int, *, impl: str | None =
     # P = 1 would get a graph of its own (dynamo specialises size-1 dimensions) for a vote that
     # never runs: comm/ skips the collective at world size 1
     # c > 255 >= P: dynamo's duck shaping would tie the symbols of P and c if they were equal
-    if c <= 255 or P == 1 or cdt != torch.uint8 or not use_compiled(impl, recv.device, "unpack_majority"):
+    which = "eager" if c <= 255 or P == 1 or cdt != torch.uint8 else kernel_impl(impl, recv.device,
+                                                                                "unpack_majority")
+    if which == "eager":
         return local_majority(recv, P, step)
     thr = majority_threshold(P, step)
     out = torch.empty(c, dtype=torch.uint8, device=recv.device)
+    if which == "native":
+        native.majority(recv.reshape(-1), P, thr, out)
+        return out
     compiled_kernel(_k_majority)((recv.device.type,), recv.reshape(P, c), const(thr, cdt, recv.device), out)
     return out
 
@@ -889,20 +948,57 @@ def warmup(device: torch.device | str = "cpu", *, bits: Sequence[int] = (), leve
            impl: str | None = None, check: bool = True, layout: Sequence[tuple[int, int]] | None = None,
            clip: float = 2.0, repeats: int = 5) -> float:
     """Compile (and with check=True verify against the reference, on random, zero and tie inputs)
-    every wire kernel the given configuration will use, so no timed step pays compilation.
-    Returns the seconds spent. A compiled kernel that disagrees with the reference raises
-    RuntimeError (impl='compiled'), or warns and switches the module to eager (impl='auto');
-    `report_mismatch` is that policy, shared with optim.lion's warm-up of the Lion passes.
+    every wire kernel the given configuration will use, so no timed step pays compilation; the
+    native kernels (comm.native) are built and verified the same way. Returns the seconds spent.
+    A kernel that disagrees with the reference raises RuntimeError under impl='compiled' or
+    'native', or under 'auto' warns and is never chosen (`report_mismatch`, the policy shared with
+    optim.lion's warm-up of the Lion passes).
 
     With impl="auto" and the run's `layout` ((offset, size) of its tensors in the flat vector),
     each kernel the configuration uses is then timed against its eager reference on inputs of the
-    run's real size (`choose`): "auto" keeps the faster of the byte-identical candidates, per
+    run's real size (`choose`): "auto" keeps the fastest of the byte-identical candidates, per
     kernel and device type. The 1-bit configuration (world_sizes, no bits) times sign_pack and
-    unpack_majority, the p-bit one (bits) quantize_pack and unpack_sum."""
+    unpack_majority, the p-bit one (bits) quantize_pack and unpack_sum. On CPU the timing runs in
+    a child process (comm.kernel_probe: the same code, the same thread count), whose choices this
+    process adopts, then builds and verifies only the chosen candidates: inductor is imported here
+    only when a compiled kernel won (its import and compiled code cost 60-150 MiB of RSS)."""
     device = torch.device(device)
-    if not use_compiled(impl, device):
-        return 0.0
+    r = resolve_impl(impl)
     t0 = time.perf_counter()
+    cfg = dict(bits=tuple(bits), levels=tuple(levels), p=tuple(p), rounding=tuple(rounding),
+               world_sizes=tuple(world_sizes), sign_dtypes=tuple(sign_dtypes), clip=clip, repeats=repeats)
+    if r == "auto" and layout is not None and device.type == "cpu" and use_compiled(impl, device):
+        from . import kernel_probe
+
+        if not kernel_probe.inside():
+            records = kernel_probe.measure([(int(o), int(m)) for o, m in layout], cfg)
+            if records is not None:
+                for rec in records:
+                    _auto[(rec["kernel"], rec["device"])] = rec["chosen"]
+                    _auto_log.append(rec)
+                chosen = {rec["chosen"] for rec in records}
+                for cand in ("compiled", "native"):
+                    if cand in chosen:
+                        _check_candidate(cand, device, cfg, check, impl)
+                return time.perf_counter() - t0
+    cands = []
+    if use_compiled(impl, device):
+        cands.append("compiled")
+    if r == "native" or (r == "auto" and native.unavailable(device) is None):
+        cands.append("native")
+    if not cands:
+        return 0.0
+    for cand in cands:
+        _check_candidate(cand, device, cfg, check, impl)
+    if layout is not None and r == "auto":
+        _measure(device, [(int(o), int(m)) for o, m in layout], **{k: v for k, v in cfg.items()
+                                                                    if k != "sign_dtypes"})
+    return time.perf_counter() - t0
+
+
+def _check_candidate(cand: str, device: torch.device, cfg: dict, check: bool, impl: str | None) -> None:
+    """Run (compiling or building) every kernel of the configuration under `cand` on small random,
+    zero and tie inputs and, with check, compare its bytes with the reference's (`report_mismatch`)."""
     gen = torch.Generator(device=device)
     gen.manual_seed(1234)
     n = 2 * QBLOCK + 4 * SMALL + 13  # two whole quantizer blocks, one with a segment boundary
@@ -915,19 +1011,19 @@ def warmup(device: torch.device | str = "cpu", *, bits: Sequence[int] = (), leve
         if check and not torch.equal(a, b):
             bad.append(name)
 
-    for dt in sign_dtypes:
+    for dt in cfg["sign_dtypes"]:
         for step in (1, 2):
             xd = x.to(dt)
-            same(f"sign_pack[{dt}]", sign_pack(xd, step, impl="compiled"), tb_packed(xd, step))
-    for P in world_sizes:
+            same(f"sign_pack[{dt}]", sign_pack(xd, step, impl=cand), tb_packed(xd, step))
+    for P in cfg["world_sizes"]:
         recv = torch.randint(0, 256, (P * 301,), generator=gen, device=device, dtype=torch.uint8)
         for step in (1, 2):
-            same(f"unpack_majority[P={P}]", unpack_majority(recv, P, step, impl="compiled"),
+            same(f"unpack_majority[P={P}]", unpack_majority(recv, P, step, impl=cand),
                  local_majority(recv, P, step))
-    for b in bits:
-        for L in levels:
-            for pp in (p or [1.0]):
-                for rnd in rounding:
+    for b in cfg["bits"]:
+        for L in cfg["levels"]:
+            for pp in (cfg["p"] or [1.0]):
+                for rnd in cfg["rounding"]:
                     try:
                         check_lanes(1, L, b)
                     except ValueError:
@@ -935,47 +1031,57 @@ def warmup(device: torch.device | str = "cpu", *, bits: Sequence[int] = (), leve
                     g1, g2 = torch.Generator(device=device), torch.Generator(device=device)
                     g1.manual_seed(7)
                     g2.manual_seed(7)
-                    w = quantize_pack(x, segs, L, pp, 2.0, b, rnd, g1, 1, impl="compiled")
+                    w = quantize_pack(x, segs, L, pp, 2.0, b, rnd, g1, 1, impl=cand)
                     same(f"quantize_pack[bits={b},L={L},p={pp},{rnd}]", w,
                          wire_of(quantize_q(x, segs, L, pp, 2.0, rnd, g2, 1), L, b))
-                    for P in world_sizes or (1,):
+                    for P in cfg["world_sizes"] or (1,):
                         try:
                             check_lanes(P, L, b)
                         except ValueError:
                             continue
-                        for sgn in (False, True):
+                        for sgn, dt in ((False, None), (True, torch.float32), (True, torch.int8)):
                             ref = unpack_sum_reference(w, b, n, L, P)
-                            same(f"unpack_sum[bits={b},L={L},sign={sgn}]",
-                                 unpack_sum(w, b, n, L, P, sign=sgn, impl="compiled"),
-                                 torch.sign(ref).to(torch.float32) if sgn else ref)
+                            same(f"unpack_sum[bits={b},L={L},sign={sgn},{dt}]",
+                                 unpack_sum(w, b, n, L, P, sign=sgn, dtype=dt, impl=cand),
+                                 torch.sign(ref).to(dt) if sgn else ref)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    report_mismatch(bad, device, impl)
-    if layout is not None and resolve_impl(impl) == "auto" and not bad:
-        _measure(device, [(int(o), int(m)) for o, m in layout], bits, levels, p, rounding, world_sizes, clip,
-                 repeats)
-    return time.perf_counter() - t0
+    report_mismatch(bad, device, impl, cand)
 
 
 def _measure(device: torch.device, segs: list[tuple[int, int]], bits: Sequence[int], levels: Sequence[int],
              p: Sequence[float | None], rounding: Sequence[str], world_sizes: Sequence[int], clip: float,
              repeats: int) -> None:
-    """`choose` for each kernel of the configuration, on random inputs of the layout's size."""
+    """`choose` for each kernel of the configuration, on random inputs of the layout's size: eager
+    against compiled and native where they run and were not rejected by the warm-up's check."""
     n = sum(m for _, m in segs)
     gen = torch.Generator(device=device)
     gen.manual_seed(4321)
     x = torch.randn(n, generator=gen, device=device)
     P = max(world_sizes or (1,))
+    dev = device.type
+
+    def cands(kernel: str, fns: dict[str, Callable]) -> dict[str, Callable]:
+        ok = {"eager": fns["eager"]}
+        if use_compiled("auto", device) and "compiled" not in _rejected.get((kernel, dev), ()):
+            ok["compiled"] = fns["compiled"]
+        if ("native" in fns and native.unavailable(device) is None
+                and "native" not in _rejected.get((kernel, dev), ())):
+            ok["native"] = fns["native"]
+        return ok
+
     if not bits:
         length = ceil_div(n, 8 * P) * 8 * P
-        choose("sign_pack", device, {"eager": lambda: tb_packed(x, 1, length),
-                                     "compiled": lambda: sign_pack(x, 1, length, impl="compiled")},
-               repeats=repeats, n=n)
+        choose("sign_pack", device, cands("sign_pack", {
+            "eager": lambda: tb_packed(x, 1, length),
+            "compiled": lambda: sign_pack(x, 1, length, impl="compiled"),
+            "native": lambda: sign_pack(x, 1, length, impl="native")}), repeats=repeats, n=n)
         if P > 1:
             recv = torch.randint(0, 256, (length // 8,), generator=gen, device=device, dtype=torch.uint8)
-            choose("unpack_majority", device, {"eager": lambda: local_majority(recv, P, 1),
-                                               "compiled": lambda: unpack_majority(recv, P, 1, impl="compiled")},
-                   repeats=repeats, n=n)
+            choose("unpack_majority", device, cands("unpack_majority", {
+                "eager": lambda: local_majority(recv, P, 1),
+                "compiled": lambda: unpack_majority(recv, P, 1, impl="compiled"),
+                "native": lambda: unpack_majority(recv, P, 1, impl="native")}), repeats=repeats, n=n)
         return
     b, L, pp, rnd = bits[0], (levels or (0,))[0], (p or (1.0,))[0], rounding[0]
     seed = torch.Generator(device=device)
@@ -983,41 +1089,48 @@ def _measure(device: torch.device, segs: list[tuple[int, int]], bits: Sequence[i
     def fresh() -> torch.Generator:  # every candidate draws the same stochastic-rounding stream
         return seed.manual_seed(99)
 
-    choose("quantize_pack", device,
-           {"eager": lambda: wire_of(quantize_q(x, segs, L, pp, clip, rnd, fresh(), 1), L, b),
-            "compiled": lambda: quantize_pack(x, segs, L, pp, clip, b, rnd, fresh(), 1, impl="compiled")},
-           repeats=repeats, n=n)
-    wire = quantize_pack(x, segs, L, pp, clip, b, rnd, fresh(), 1, impl="compiled")
-    choose("unpack_sum", device,
-           {"eager": lambda: unpack_sum(wire, b, n, L, P, sign=True, dtype=torch.int8, impl="eager"),
-            "compiled": lambda: unpack_sum(wire, b, n, L, P, sign=True, dtype=torch.int8, impl="compiled")},
-           reference=lambda: torch.sign(unpack_sum_reference(wire, b, n, L, P)).to(torch.int8), repeats=repeats, n=n)
+    fns = {"eager": lambda: wire_of(quantize_q(x, segs, L, pp, clip, rnd, fresh(), 1), L, b),
+           "compiled": lambda: quantize_pack(x, segs, L, pp, clip, b, rnd, fresh(), 1, impl="compiled"),
+           "native": lambda: quantize_pack(x, segs, L, pp, clip, b, rnd, fresh(), 1, impl="native")}
+    if not native_quantizes(x, L, pp, b):
+        del fns["native"]
+    choose("quantize_pack", device, cands("quantize_pack", fns), repeats=repeats, n=n)
+    wire = quantize_pack(x, segs, L, pp, clip, b, rnd, fresh(), 1, impl="eager")
+    choose("unpack_sum", device, cands("unpack_sum", {
+        "eager": lambda: unpack_sum(wire, b, n, L, P, sign=True, dtype=torch.int8, impl="eager"),
+        "compiled": lambda: unpack_sum(wire, b, n, L, P, sign=True, dtype=torch.int8, impl="compiled"),
+        "native": lambda: unpack_sum(wire, b, n, L, P, sign=True, dtype=torch.int8, impl="native")}),
+        reference=lambda: torch.sign(unpack_sum_reference(wire, b, n, L, P)).to(torch.int8), repeats=repeats, n=n)
 
 
-def report_mismatch(bad: Sequence[str], device: torch.device, impl: str | None) -> None:
-    """The warm-up's policy for compiled kernels whose bytes differ from the reference: raise
-    under impl='compiled', else warn and switch the module to eager."""
+def report_mismatch(bad: Sequence[str], device: torch.device, impl: str | None, cand: str = "compiled") -> None:
+    """The warm-up's policy for kernels of candidate `cand` ("compiled" or "native") whose bytes
+    differ from the reference: raise when `cand` was asked for by name; under impl='auto' warn and
+    never choose it for those kernels (recorded as a measurement that rejected it, so
+    agree_choices makes the other ranks of the group drop it too); under a module default of
+    'compiled', switch the module to eager."""
     if not bad:
         return
-    msg = (f"kernels.warmup: compiled kernels differ from the reference on {device}: "
+    msg = (f"kernels.warmup: {cand} kernels differ from the reference on {device}: "
            f"{', '.join(sorted(set(bad)))}")
-    if resolve_impl(impl) == "compiled":
+    r = resolve_impl(impl)
+    if r == cand:
         raise RuntimeError(msg + "; use impl='eager'")
-    warnings.warn(msg + "; using the eager kernels", stacklevel=3)
-    set_impl("eager")
-    # impl="auto" passed explicitly follows the measured choices, not the module default: record eager
-    # for each of these kernels, as a measurement that rejected compiled (agree_choices then makes the
-    # other ranks of the group drop compiled too)
+    warnings.warn(msg + f"; not using the {cand} kernels", stacklevel=3)
+    if r != "auto":
+        set_impl("eager")
     dev = torch.device(device).type
     for kernel in sorted({b.split("[")[0] for b in bad}):
-        _auto[(kernel, dev)] = "eager"
-        rec = {"kernel": kernel, "device": dev, "n": None, "chosen": "eager", "ms": {"eager": 0.0},
-               "rejected": ["compiled"]}
+        _rejected.setdefault((kernel, dev), set()).add(cand)
+        if _auto.get((kernel, dev), cand) == cand:
+            _auto[(kernel, dev)] = "eager"
+        rec = {"kernel": kernel, "device": dev, "n": None, "chosen": _auto[(kernel, dev)], "ms": {"eager": 0.0},
+               "rejected": [cand]}
         rec["line"] = _choice_line(rec)
         _auto_log.append(rec)
 
 
 __all__ = ["IMPLS", "QBLOCK", "SMALL", "Kernel", "auto_choices", "choose", "compile_seconds", "compile_unavailable",
-           "compiled_kernel", "const", "dtype_key", "f32", "get_impl", "quantize_pack", "quantize_q", "report_mismatch",
+           "compiled_kernel", "const", "dtype_key", "f32", "get_impl", "kernel_impl", "quantize_pack", "quantize_q", "report_mismatch",
            "resolve_impl", "set_impl", "sign_pack", "stochastic_bounds", "time_ms", "unpack_majority", "unpack_sum", "unpack_sum_reference",
            "use_compiled", "warmup", "wire_of"]

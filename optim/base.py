@@ -37,6 +37,7 @@ import torch
 import comm
 from comm import Clock
 from comm import kernels as _kernels
+from comm import native as _native
 
 from . import overlap as _overlap
 from . import sync
@@ -120,6 +121,9 @@ class CommOptimizer(torch.optim.Optimizer):
                                  if bucketed_update else None)
         problems = []
         choice(problems, "comm.kernels", kernels, _kernels.IMPLS)
+        why = _native.unavailable(self.layout.device) if not problems and kernels == "native" else None
+        if why is not None:
+            problems.append(f"comm.kernels=native: {why}; use comm.kernels=auto, compiled or eager")
         if problems:
             raise ValueError(problems[0])
         self.kernels = kernels

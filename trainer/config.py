@@ -184,10 +184,11 @@ class CommConfig:
     timeout_s: float = 600.0
     """Collective timeout in seconds (process group); a hung peer fails the run after this."""
     kernels: str = "auto"
-    """The fused hot-path kernels (quantize/pack, unpack/vote, Lion passes; comm.kernels, optim.lion): auto (compiled
-    with torch.compile where a compiler exists, else eager; $LIONCUB_KERNELS overrides auto), compiled (an
-    error where none exists) or eager. Every choice gives the same bytes and updates; compilation is
-    paid once before the first timed step and reported."""
+    """The fused hot-path kernels (quantize/pack, unpack/vote, Lion passes; comm.kernels, optim.lion): auto (per
+    kernel, the fastest of eager, compiled with torch.compile and native C loops (CPU), timed in warm-up on
+    the run's sizes and agreed by the ranks; $LIONCUB_KERNELS overrides auto), compiled (an error where no
+    compiler exists), native (comm.native, CPU only) or eager. Every choice gives the same bytes and updates;
+    compilation is paid once before the first timed step and reported."""
     bucket_mb: float = 0.0
     """Exchange the vector in buckets of about this many MiB, in the order backward finishes their
     gradients (DDP's reducer uses 25); 0 = one bucket, the whole vector. Results are the same with and

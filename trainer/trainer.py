@@ -386,7 +386,7 @@ def schedule_note(horizon: int, max_steps: int) -> str:
 def kernel_impl(setting: str) -> str:
     """comm.kernels, with $LIONCUB_KERNELS deciding what "auto" means (e.g. eager in the tests)."""
     env = os.environ.get("LIONCUB_KERNELS", "")
-    return env if setting == "auto" and env in ("compiled", "eager") else setting
+    return env if setting == "auto" and env in ("compiled", "eager", "native") else setting
 
 
 def run(cfg: Config, info: DistInfo) -> dict:

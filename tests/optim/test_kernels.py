@@ -12,6 +12,7 @@ exact rational arithmetic for the fused multiply-add), so a shared bug cannot pa
 from __future__ import annotations
 
 import math
+import subprocess
 import time
 import warnings
 from fractions import Fraction
@@ -26,6 +27,7 @@ from comm import quantize as Q
 from comm.packing import unpack_bits, unpack_signs
 from comm.quantize import lp_mean, lp_quantize, segment_lp_means
 from comm import kernels as K
+from comm import kernel_probe, native
 from comm.vote import local_majority, tb_packed
 from optim import lion as Lion
 from optim.lion import apply_update_, lion_direction, momentum_update_
@@ -44,6 +46,20 @@ def dev(request) -> torch.device:
     if why is not None:
         pytest.skip(f"no compiled kernels for {d}: {why}")
     return d
+
+
+@pytest.fixture(params=[("cpu", "compiled"), ("cuda", "compiled"), ("cpu", "native")], ids=lambda p: "-".join(p))
+def kdev(request) -> tuple[torch.device, str]:
+    """(device, impl) of a wire-kernel test: the compiled kernels on CPU and CUDA (where a GPU is
+    visible), and comm.native's C loops on CPU."""
+    d, impl = torch.device(request.param[0]), request.param[1]
+    if d.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible")
+    why = K.compile_unavailable(d) if impl == "compiled" else native.unavailable(d)
+    if why is not None:
+        pytest.skip(f"no {impl} kernels for {d}: {why}")
+    return d, impl
+
 
 LENGTHS = [0, 1, 7, 9, 65, 71, 1000003]
 WIRE_BITS = [1, 2, 4, 8, 16]
@@ -77,14 +93,15 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 @compiled
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("kind", ["random", "zero", "tie"])
-def test_sign_pack_matches_tb_packed(n, kind, dev):
+def test_sign_pack_matches_tb_packed(n, kind, kdev):
+    dev, impl = kdev
     x = _values(kind, n, seed=n)
     if n > 20:
         x[3], x[4], x[5], x[6] = float("nan"), float("inf"), -float("inf"), -0.0
     xd = x.to(dev)
     for step in (1, 2, 7):
         for length in (None, -(-n // 40) * 40 + 40):
-            got = K.sign_pack(xd, step, length, impl="compiled")
+            got = K.sign_pack(xd, step, length, impl=impl)
             ref = tb_packed(xd, step, length)
             assert got.dtype == torch.uint8 and got.device == xd.device and torch.equal(got, ref)
             got = got.cpu()
@@ -96,10 +113,11 @@ def test_sign_pack_matches_tb_packed(n, kind, dev):
 
 
 @compiled
-def test_sign_pack_bfloat16(dev):
+def test_sign_pack_bfloat16(kdev):
+    dev, impl = kdev
     x = _values("random", 1003, seed=3).to(dev, torch.bfloat16)
     for step in (1, 2):
-        assert torch.equal(K.sign_pack(x, step, impl="compiled"), tb_packed(x, step))
+        assert torch.equal(K.sign_pack(x, step, impl=impl), tb_packed(x, step))
 
 
 # ---- quantize -> packed lanes ------------------------------------------------------------------
@@ -135,13 +153,14 @@ def _unpack_wire(wire: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 @compiled
 @pytest.mark.parametrize("bits", WIRE_BITS)
 @pytest.mark.parametrize("n", LENGTHS)
-def test_quantize_pack_signs_only(bits, n, dev):
+def test_quantize_pack_signs_only(bits, n, kdev):
     """levels = 0: tie-broken signs as 0/1 lanes, every lane width, every length."""
+    dev, impl = kdev
     for kind in ("random", "zero"):
         c = _values(kind, n, seed=n + bits)
         cd = c.to(dev)
         for step in (1, 2):
-            got = K.quantize_pack(cd, _segments(n), 0, None, bits=bits, tie_step=step, impl="compiled")
+            got = K.quantize_pack(cd, _segments(n), 0, None, bits=bits, tie_step=step, impl=impl)
             q = K.quantize_q(cd, _segments(n), 0, None, tie_step=step)
             ref = K.wire_of(q, 0, bits)
             assert got.dtype == ref.dtype and torch.equal(got, ref)
@@ -157,14 +176,15 @@ QUANT_CASES = [(b, L) for b in (2, 4, 8, 16) for L in sorted({1, max_levels(1, b
 @pytest.mark.parametrize("bits,levels", QUANT_CASES)
 @pytest.mark.parametrize("kind", ["random", "zero", "tie"])
 @pytest.mark.parametrize("p", [1.0, math.inf, None])
-def test_quantize_pack_lp(bits, levels, kind, p, dev):
+def test_quantize_pack_lp(bits, levels, kind, p, kdev):
     """Lion Cub eq. 1 per segment, nearest rounding, at the smallest and largest levels of
     each lane width (L = 1 and L = 127 are odd, so the tie input rounds exactly half). The
     reference runs on the same device (M_p is a reduction: its rounding is the device's)."""
+    dev, impl = kdev
     for n in (9, 1000003):
         c = _values(kind, n, seed=bits * levels + n).to(dev)
         segs = _segments(n)
-        got = K.quantize_pack(c, segs, levels, p, 2.0, bits, impl="compiled")
+        got = K.quantize_pack(c, segs, levels, p, 2.0, bits, impl=impl)
         q = K.quantize_q(c, segs, levels, p)
         assert torch.equal(got, K.wire_of(q, levels, bits))
         q = q.cpu()
@@ -177,9 +197,10 @@ def test_quantize_pack_lp(bits, levels, kind, p, dev):
 
 @compiled
 @pytest.mark.parametrize("bits,levels", [(2, 1), (4, 7), (16, 127)])
-def test_quantize_pack_many_short_segments(bits, levels, dev):
+def test_quantize_pack_many_short_segments(bits, levels, kdev):
     """Segments of 1..150 elements: most packed words are shared by several tensors (the
     boundary pass), some are filled by one tensor alone (the kernel)."""
+    dev, impl = kdev
     sizes = torch.randint(1, 151, (80,), generator=_gen(bits)).tolist()
     segs, off = [], 0
     for m in sizes:
@@ -189,11 +210,11 @@ def test_quantize_pack_many_short_segments(bits, levels, dev):
     c[segs[7][0]:segs[7][0] + segs[7][1]] = 0.0  # a tensor of zeros: M_p = 0, q = 0
     c = c.to(dev)
     for p in (1.0, 2.0):
-        got = K.quantize_pack(c, segs, levels, p, 2.0, bits, impl="compiled")
+        got = K.quantize_pack(c, segs, levels, p, 2.0, bits, impl=impl)
         assert torch.equal(got, K.wire_of(K.quantize_q(c, segs, levels, p), levels, bits))
     if bits == 4:  # a bfloat16 update direction: M_p and the scaling in float32, as lp_quantize
         cb = c.to(torch.bfloat16)
-        got = K.quantize_pack(cb, segs, levels, 1.0, 2.0, bits, impl="compiled")
+        got = K.quantize_pack(cb, segs, levels, 1.0, 2.0, bits, impl=impl)
         assert torch.equal(got, K.wire_of(K.quantize_q(cb, segs, levels, 1.0), levels, bits))
 
 
@@ -207,12 +228,13 @@ def _layout(sizes: list[int]) -> list[tuple[int, int]]:
 
 @compiled
 @pytest.mark.parametrize("bits,levels", [(4, 7), (8, 127), (16, 127)])
-def test_quantize_pack_one_pass_matches_the_per_tensor_reference(bits, levels, dev):
+def test_quantize_pack_one_pass_matches_the_per_tensor_reference(bits, levels, kdev):
     """The one-pass quantizer (whole blocks of the flat vector in one kernel, the boundary blocks
     gathered) against quantize_q's per-tensor lp_quantize: tensors of tiny (1e-30) and huge
     (1e30) norm side by side, a zero tensor, a tie tensor (+-1: x * L / 2 exactly halfway),
     tensors of odd lengths that straddle block boundaries or fit inside one, one tensor alone,
     and a layout of 300 small tensors; p = 0, 0.5, 1, 2, inf."""
+    dev, impl = kdev
     B = K.QBLOCK
     sizes = [3 * B + 1, 7, B - 3, 2 * B + 5, 1, B, 129, 5 * B + 11]
     scale = [1e-30, 1.0, 1e30, 0.0, 3.0, -1.0, 1e-3, 1e3]
@@ -226,7 +248,7 @@ def test_quantize_pack_one_pass_matches_the_per_tensor_reference(bits, levels, d
     for c, segs in cases:
         c = c.to(dev)
         for p in (0.0, 0.5, 1.0, 2.0, math.inf):
-            got = K.quantize_pack(c, segs, levels, p, 2.0, bits, impl="compiled")
+            got = K.quantize_pack(c, segs, levels, p, 2.0, bits, impl=impl)
             want = K.wire_of(K.quantize_q(c, segs, levels, p), levels, bits)
             assert got.dtype == want.dtype and torch.equal(got, want), (p, len(segs))
             if dev.type == "cpu":  # and the spec itself: lp_quantize tensor by tensor, its own lp_mean
@@ -363,13 +385,14 @@ def test_norm_calls_do_not_grow_with_the_number_of_tensors(monkeypatch):
 
 @compiled
 @pytest.mark.parametrize("bits,levels", [(4, 7), (8, 127)])
-def test_quantize_pack_stochastic_consumes_the_same_randoms(bits, levels, dev):
+def test_quantize_pack_stochastic_consumes_the_same_randoms(bits, levels, kdev):
+    dev, impl = kdev
     n = 1000003
     c = _values("random", n, seed=5).to(dev)
     segs = _segments(n)
     g1, g2 = _gen(42, dev), _gen(42, dev)
     for _ in range(2):  # two steps: the generators must stay in lockstep
-        got = K.quantize_pack(c, segs, levels, 1.0, 2.0, bits, "stochastic", g1, impl="compiled")
+        got = K.quantize_pack(c, segs, levels, 1.0, 2.0, bits, "stochastic", g1, impl=impl)
         ref = K.wire_of(K.quantize_q(c, segs, levels, 1.0, 2.0, "stochastic", g2), levels, bits)
         assert torch.equal(got, ref)
     assert torch.equal(g1.get_state(), g2.get_state())
@@ -461,7 +484,8 @@ def _summed_wire(qs: list[torch.Tensor], levels: int, bits: int) -> torch.Tensor
 @compiled
 @pytest.mark.parametrize("bits", WIRE_BITS)
 @pytest.mark.parametrize("n", [0, 9, 71, 1000003])
-def test_unpack_sum(bits, n, dev):
+def test_unpack_sum(bits, n, kdev):
+    dev, impl = kdev
     for P in (1, 2, 3, 4, 5):
         for levels in (0, max_levels(P, bits) if bits < 16 else 127):
             if levels == 0 and P > (1 << bits) - 1 or levels < 0:
@@ -474,25 +498,26 @@ def test_unpack_sum(bits, n, dev):
                     qs.append(torch.randint(-levels, levels + 1, (n,), generator=_gen(r + n)).to(torch.int8))
             wire = _summed_wire(qs, levels, bits).to(dev)
             want = sum(q.to(torch.int32) for q in qs) if qs else torch.zeros(n, dtype=torch.int32)
-            got = K.unpack_sum(wire, bits, n, levels, P, impl="compiled")
+            got = K.unpack_sum(wire, bits, n, levels, P, impl=impl)
             assert got.dtype == torch.int32 and got.device == wire.device and torch.equal(got.cpu(), want)
             assert torch.equal(got, K.unpack_sum_reference(wire, bits, n, levels, P))
-            sgn = K.unpack_sum(wire, bits, n, levels, P, sign=True, impl="compiled")
+            sgn = K.unpack_sum(wire, bits, n, levels, P, sign=True, impl=impl)
             assert sgn.dtype == torch.float32 and torch.equal(_bits(sgn.cpu()), _bits(torch.sign(want).float()))
             for dt in (torch.float32, torch.int8):  # the eager sign: one-byte lanes against the offset
                 sgn = K.unpack_sum(wire, bits, n, levels, P, sign=True, dtype=dt, impl="eager")
                 assert sgn.dtype == dt and torch.equal(sgn.cpu(), torch.sign(want).to(dt))
             if bits == 4:  # an int8 update buffer (one more graph; one lane width is enough)
                 buf = torch.empty(n, dtype=torch.int8, device=dev)
-                K.unpack_sum(wire, bits, n, levels, P, sign=True, dtype=torch.int8, out=buf, impl="compiled")
+                K.unpack_sum(wire, bits, n, levels, P, sign=True, dtype=torch.int8, out=buf, impl=impl)
                 assert torch.equal(buf.cpu(), torch.sign(want).to(torch.int8))
 
 
 @compiled
 @pytest.mark.parametrize("bits", [2, 4, 8, 16])
-def test_unpack_sum_all_zero_votes_and_exact_ties(bits, dev):
+def test_unpack_sum_all_zero_votes_and_exact_ties(bits, kdev):
     """Sums of exactly zero (every rank sends 0, or +L and -L cancel, or +1 and -1 signs) give
     sum 0 and sign 0, not +-1."""
+    dev, impl = kdev
     n, P = 1001, 2
     L = max_levels(P, bits) if bits < 16 else 127
     cases = [([torch.zeros(n, dtype=torch.int8)] * P, L),
@@ -502,8 +527,8 @@ def test_unpack_sum_all_zero_votes_and_exact_ties(bits, dev):
         if levels == 0 and bool((qs[0] == 0).any()):  # L = 0 lanes carry signs only
             continue
         wire = _summed_wire(qs, levels, bits).to(dev)
-        assert not K.unpack_sum(wire, bits, n, levels, P, impl="compiled").any()
-        assert not K.unpack_sum(wire, bits, n, levels, P, sign=True, impl="compiled").any()
+        assert not K.unpack_sum(wire, bits, n, levels, P, impl=impl).any()
+        assert not K.unpack_sum(wire, bits, n, levels, P, sign=True, impl=impl).any()
         assert not K.unpack_sum(wire, bits, n, levels, P, sign=True, impl="eager").any()
 
 
@@ -520,7 +545,8 @@ def _majority_independent(recv: torch.Tensor, P: int, step: int) -> torch.Tensor
 @compiled
 @pytest.mark.parametrize("P", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("c", [0, 1, 9, 300, 125001])
-def test_unpack_majority(P, c, dev):
+def test_unpack_majority(P, c, kdev):
+    dev, impl = kdev
     g = _gen(P * 1000 + c)
     half = torch.randint(0, 256, (P // 2, c), generator=g, dtype=torch.uint8)
     odd = torch.randint(0, 256, (P % 2, c), generator=g, dtype=torch.uint8)
@@ -533,7 +559,7 @@ def test_unpack_majority(P, c, dev):
     for name, recv in inputs.items():
         rd = recv.to(dev)
         for step in (1, 2):
-            got = K.unpack_majority(rd, P, step, impl="compiled")
+            got = K.unpack_majority(rd, P, step, impl=impl)
             assert torch.equal(got, local_majority(rd, P, step)), name
             assert torch.equal(got.cpu(), _majority_independent(recv, P, step)), name
 
@@ -722,6 +748,7 @@ def fresh_auto(monkeypatch):
     """impl="auto" with no measured choice yet, restored after the test."""
     monkeypatch.setattr(K, "_auto", {})
     monkeypatch.setattr(K, "_auto_log", [])
+    monkeypatch.setattr(K, "_rejected", {})
 
 
 def test_choose_never_keeps_a_candidate_whose_bytes_differ(fresh_auto):
@@ -757,19 +784,51 @@ def test_auto_warmup_times_the_real_size_and_rejects_wrong_bytes(fresh_auto, mon
         return out
 
     monkeypatch.setattr(K, "sign_pack", broken)
+    monkeypatch.setenv(kernel_probe.ENV, "0")  # measure in this process, where the patch lives
     layout = _layout([40_000, 999, 30_001])
     K.warmup("cpu", world_sizes=(3,), impl="auto", layout=layout, repeats=2)
     chosen = {r["kernel"]: r for r in K.auto_choices()}
     assert set(chosen) == {"sign_pack", "unpack_majority"}
-    assert chosen["sign_pack"]["chosen"] == "eager" and chosen["sign_pack"]["rejected"] == ["compiled"]
+    assert chosen["sign_pack"]["chosen"] in ("eager", "native") and chosen["sign_pack"]["rejected"] == ["compiled"]
     assert chosen["sign_pack"]["n"] == 71_000 and not K.use_compiled("auto", torch.device("cpu"), "sign_pack")
-    assert chosen["unpack_majority"]["rejected"] == [] and chosen["unpack_majority"]["chosen"] in ("eager", "compiled")
+    assert chosen["unpack_majority"]["rejected"] == []
+    assert set(chosen["unpack_majority"]["ms"]) == {"eager", "compiled", "native"}
     # the p-bit configuration times its own two kernels, on the real layout
     K.warmup("cpu", bits=(4,), levels=(7,), p=(1.0,), world_sizes=(1,), impl="auto", layout=layout, repeats=2)
     chosen = {r["kernel"]: r for r in K.auto_choices()}
     assert {"quantize_pack", "unpack_sum"} <= set(chosen)
-    assert all(not chosen[k]["rejected"] and set(chosen[k]["ms"]) == {"eager", "compiled"}
+    assert all(not chosen[k]["rejected"] and set(chosen[k]["ms"]) == {"eager", "compiled", "native"}
                for k in ("quantize_pack", "unpack_sum"))
+    for k in ("quantize_pack", "unpack_sum"):
+        assert K.kernel_impl("auto", "cpu", k) == chosen[k]["chosen"]
+
+
+@compiled
+def test_auto_on_cpu_measures_in_a_child_process_and_adopts_its_choices(fresh_auto, monkeypatch):
+    """Under auto on CPU the timing runs in `python -m comm.kernel_probe` (so inductor is imported
+    here only when a compiled kernel won): its records come back with their measurements, this
+    process follows them, and a native kernel that won is built and checked here. A child that
+    fails is reported, and the measurement then runs in this process."""
+    monkeypatch.delenv(kernel_probe.ENV, raising=False)
+    layout = _layout([40_000, 999, 30_001])
+    checked = []
+    real = K._check_candidate
+    monkeypatch.setattr(K, "_check_candidate", lambda cand, *a: checked.append(cand) or real(cand, *a))
+    K.warmup("cpu", bits=(4,), levels=(1,), p=(1.0,), world_sizes=(4,), impl="auto", layout=layout, repeats=2)
+    recs = {r["kernel"]: r for r in K.auto_choices()}
+    assert set(recs) == {"quantize_pack", "unpack_sum"}
+    for k, r in recs.items():
+        assert r["line"].endswith("[timed in a child process]") and r["n"] == 71_000
+        assert set(r["ms"]) == {"eager", "compiled", "native"} and r["chosen"] == min(r["ms"], key=r["ms"].get)
+        assert K.kernel_impl("auto", "cpu", k) == r["chosen"]
+    assert sorted(checked) == sorted({r["chosen"] for r in recs.values()} - {"eager"})
+    # a child that fails: a warning with its error, then the candidates are checked and timed here
+    monkeypatch.setattr(kernel_probe.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 3, "", "boom"))
+    checked.clear()
+    with pytest.warns(UserWarning, match="exited with 3: boom"):
+        K.warmup("cpu", world_sizes=(4,), impl="auto", layout=layout, repeats=1)
+    assert sorted(checked) == ["compiled", "native"]
+    assert not any(r["line"].endswith("child process]") for r in K.auto_choices() if r["kernel"] == "sign_pack")
 
 
 # ---- no 4-byte-per-element temporaries in pack / unpack -------------------------------------
@@ -785,7 +844,7 @@ def _allocations(fn) -> list[int]:
 
 @compiled
 def test_pack_and_unpack_allocate_at_most_one_byte_per_element():
-    """No pack or unpack path of the wire, compiled or eager, allocates a float32 / int32 (or any
+    """No pack or unpack path of the wire, compiled, native or eager, allocates a float32 / int32 (or any
     4-byte) temporary of the vector's length: every allocation is at most n bytes (int8 signs,
     one-byte lanes, packed words). The one exception, checked apart: Lp with p = 1 keeps |c| of the
     largest tensor (or of a 1 MiB chunk of smaller ones) in a float buffer, because M_1 must be
@@ -815,7 +874,17 @@ def test_pack_and_unpack_allocate_at_most_one_byte_per_element():
         "quantize_pack 8-bit l1 with scratch": lambda: K.quantize_pack(x, segs, 127, 1.0, 2.0, 8, impl="compiled",
                                                                       scratch=scratch),
     }
-    for impl in ("compiled", "eager"):
+    native_ok = native.unavailable("cpu") is None
+    if native_ok:  # comm.native's loops write straight into their outputs
+        paths.update({
+            "sign_pack native": lambda: K.sign_pack(x, 1, length, impl="native"),
+            "unpack_majority native": lambda: K.unpack_majority(recv, P, 1, impl="native"),
+            "quantize_pack signs only native": lambda: K.quantize_pack(x, segs, 0, None, 2.0, 4, impl="native"),
+            "quantize_pack linf native": lambda: K.quantize_pack(x, segs, L4, math.inf, 2.0, 4, impl="native"),
+            "quantize_pack l1 stochastic native": lambda: K.quantize_pack(x, segs, L4, 1.0, 2.0, 4, "stochastic",
+                                                                         _gen(3), impl="native", scratch=scratch),
+        })
+    for impl in ("compiled", "eager") + (("native",) if native_ok else ()):
         for w, L in ((wire4, L4), (wire1, 0)):
             paths[f"unpack_sum sign int8 {impl} L={L}"] = (
                 lambda w=w, L=L, impl=impl: K.unpack_sum(w, 4, n, L, P, sign=True, dtype=torch.int8, impl=impl))

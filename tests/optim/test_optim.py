@@ -490,21 +490,25 @@ def test_clipping_uses_the_reported_global_norm():
 
 @pytest.mark.parametrize("mode,opts", [("onebit", {"tie_break": "alternate"}), ("pbit", {"bits": 8, "quantizer": "l1"}),
                                        ("pbit", {"bits": 4, "quantizer": "sign"})])
-def test_a_lion_cub_step_allocates_no_buffer_of_the_models_size(mode, opts, monkeypatch):
+@pytest.mark.parametrize("kernels", ["auto", "native"])
+def test_a_lion_cub_step_allocates_no_buffer_of_the_models_size(mode, opts, kernels, monkeypatch):
     """Peak memory: a Lion Cub step (after the first, which makes the momenta and the wave scratch)
     allocates no float buffer of the model's size (4 bytes per parameter): c is written over the
     gradient, the exchange's buffers are int8 / packed, the sign quantizer makes no float sign of
     c, and L1's quantization works in pieces (its |c| for M_1 is that of the tensors of one size:
     here emb and head, just under the whole model). comm.kernels=auto with the eager kernels (what
-    auto keeps on this CPU); the separate c of comm.overlap's path is 4 bytes per parameter, and this
-    measurement sees it."""
+    auto keeps without a measurement, as compiled is patched away) and with the native kernels; the
+    separate c of comm.overlap's path is 4 bytes per parameter, and this measurement sees it."""
     from comm import kernels as K
+    from comm import native
     from tests.optim.test_kernels import _allocations
 
+    if kernels == "native" and native.unavailable("cpu") is not None:
+        pytest.skip(f"no native kernels: {native.unavailable('cpu')}")
     monkeypatch.setattr(K, "use_compiled", lambda *a, **k: False)
     net = _WideNet("cpu")
     opt = optim.build_optimizer("lion", net.groups(), betas=(0.9, 0.99), eps=1e-8, comm_mode=mode,
-                                comm_options=dict(opts), kernels="auto")
+                                comm_options=dict(opts), kernels=kernels)
     n = opt.layout.numel
 
     def step(k):

@@ -4,7 +4,8 @@ For the world size it runs at: every comm mode keeps parameters bit-identical on
 every step and makes the loss fall; at P = 1 the exact-sign modes equal plain Lion step for step;
 never-seen embedding rows are only weight-decayed when masked; momentum sync equalises exactly the
 selected layers on the scheduled steps; diagnostics on constructed gradients give the expected
-rates; diagnostic bytes stay out of the default CommStats; per-rank state round-trips.
+rates; diagnostic bytes stay out of the default CommStats; per-rank state round-trips; the native
+kernels (comm.native) step bit for bit as the eager ones.
 Each is a named check (CHECKS; tests/workers/_checks.py records its outcome).
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 import optim
 
 VOCAB, USED = 32, 24  # rows USED..VOCAB-1 of the embedding never appear in the data
-CHECKS = ("bits_error", "diagnostics", "momentum_sync", "state_round_trip", "modes")
+CHECKS = ("bits_error", "diagnostics", "momentum_sync", "state_round_trip", "modes", "native_kernels")
 
 
 class TinyNet(torch.nn.Module):
@@ -148,6 +149,56 @@ def check_modes(rank: int, P: int, steps: int = 16) -> None:
             assert not torch.equal(unused, unused0), f"{mode} {opts}: unmasked rows were expected to move (tie break)"
         if rank == 0:
             print(f"P={P} {mode:12s} {str(opts):80s} loss {first:.3f} -> {last:.3f}", flush=True)
+
+
+class WideNet(TinyNet):
+    """TinyNet with a 1024-wide hidden layer (~50K parameters): long enough that every wire kernel
+    runs its fast path (the majority needs more than 255 bytes per rank's chunk)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4321)
+        self.fc = torch.nn.Linear(16, 1024)
+        self.head = torch.nn.Linear(1024, VOCAB)
+
+
+def check_native_kernels(rank: int, P: int, steps: int = 5) -> None:
+    """comm.kernels=native against eager, from the same start: bit-identical parameters after every
+    step, on every rank (1-bit votes, L1 4-bit, stochastic L1 8-bit, L0 16-bit, the sign quantizer
+    native has no loop for)."""
+    from comm import native
+
+    if native.unavailable("cpu") is not None:
+        if rank == 0:
+            print(f"native kernels unavailable: {native.unavailable('cpu')}", flush=True)
+        return
+    cases = [("onebit", {"tie_break": "alternate"}), ("pbit", {"bits": 4, "quantizer": "l1"}),
+             ("pbit", {"bits": 8, "quantizer": "l1", "rounding": "stochastic"}), ("pbit", {"bits": 16, "quantizer": "l0"}),
+             ("pbit", {"bits": 8, "quantizer": "sign"})]
+    calls: list[str] = []
+    for name in ("sign_bits", "majority", "quant_blocks", "unpack_sign"):
+        real = getattr(native, name)
+        setattr(native, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    expect = {"onebit": {"sign_bits", "majority"} if P > 1 else set(), "l1": {"quant_blocks", "unpack_sign"},
+              "l0": {"quant_blocks", "unpack_sign"}, "sign": {"unpack_sign"}}
+    for mode, opts in cases:
+        calls.clear()
+        nets, opts_ = [], []
+        for impl in ("eager", "native"):
+            net = WideNet()
+            nets.append(net)
+            o = optim.build_optimizer("lion", net.groups(), betas=(0.9, 0.99), eps=1e-8, comm_mode=mode,
+                                      comm_options=dict(opts), kernels=impl)
+            o.warmup()
+            opts_.append(o)
+        for step in range(steps):
+            for net, o in zip(nets, opts_):
+                train_step(net, o, rank, step)
+            a, b = flat_params(nets[0]), flat_params(nets[1])
+            assert torch.equal(a, b), f"{mode} {opts}: native != eager after step {step}"
+            assert identical_across_ranks(b), f"{mode} {opts}: ranks differ after step {step}"
+        want = expect[opts.get("quantizer", mode)]
+        assert want <= set(calls), f"{mode} {opts}: native kernels called {sorted(set(calls))}, expected {sorted(want)}"
 
 
 def check_bits_error(P: int) -> None:
@@ -304,6 +355,7 @@ def main() -> None:
     checks.run("momentum_sync", check_momentum_sync, rank, P)
     checks.run("state_round_trip", check_state_round_trip, rank, P)
     checks.run("modes", check_modes, rank, P)
+    checks.run("native_kernels", check_native_kernels, rank, P)
     dist.barrier()
     dist.destroy_process_group()
 
