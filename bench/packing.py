@@ -3,7 +3,8 @@
     python -m bench.packing [--n 25M] [--repeats 7] [--threads 1] [--P 4] [--device cpu]
 
 In one run, the median time of each hot path of the quantized schemes, eager reference vs the
-compiled kernels of comm.kernels (and optim.lion's fused passes), and its ratio to `copy_` of the
+compiled kernels of comm.kernels (and optim.lion's fused passes) vs, on CPU, the C loops of
+comm.native (the wire kernels; they have no Lion passes), and its ratio to `copy_` of the
 n-element float32 input into a preallocated buffer (the memory-bandwidth floor of one read + one
 write). On a GPU (--device cuda) every call is timed with CUDA events and nothing inside a timed
 call syncs with the host:
@@ -19,8 +20,8 @@ call syncs with the host:
 
 The vector is split into tensors shaped like a small GPT (an embedding, matrices, a few tiny
 norms), each its own quantization segment. Compile time is paid by kernels.warmup before any
-timing and reported on its own. Every compiled result is checked byte for byte against the
-reference. Each repeat runs copy_, eager and compiled back to back and the ratios are medians of
+timing and reported on its own. Every compiled and native result is checked byte for byte against
+the reference. Each repeat runs copy_, eager, compiled and native back to back and the ratios are medians of
 the per-repeat ratios. The load average is printed before and after: numbers taken above a
 load of 2 on a shared machine are noise; rerun. The compiled unpack rows write into reused
 buffers (as an optimizer does); the eager reference allocates its results, as int_allreduce and
@@ -41,7 +42,7 @@ import torch
 
 from comm import max_levels
 from comm.packing import pack_lanes
-from comm import kernels
+from comm import kernels, native
 from comm.vote import local_majority, tb_packed
 from optim.lion import (apply_update_, fused_apply_update_, fused_lion_direction_, fused_lion_direction_momentum_,
                         fused_momentum_update_, lion_direction, momentum_update_, warmup_fused_passes)
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     compile_s = kernels.warmup(dev, bits=(4, 8), levels=(L4, L8), p=(1.0, math.inf), world_sizes=(P,),
                                impl="compiled") + warmup_fused_passes(dev, impl="compiled")
     warm_wall = time.perf_counter() - t0
+    nat = native.unavailable(dev) is None  # the native loops: built (about a second), not compiled
 
     g = torch.Generator(device=dev)
     g.manual_seed(0)
@@ -151,6 +153,9 @@ def main(argv: list[str] | None = None) -> dict:
     def q_comp(bits: int, L: int, p: float = 1.0):
         return lambda: kernels.quantize_pack(x, segs, L, p, 2.0, bits, impl="compiled", scratch=scratch)
 
+    def q_nat(bits: int, L: int, p: float = 1.0):
+        return lambda: kernels.quantize_pack(x, segs, L, p, 2.0, bits, impl="native", scratch=scratch)
+
     def sum_eager(sign: bool):
         def f():
             t = kernels.unpack_sum_reference(wire4, 4, n, L4, P)
@@ -164,34 +169,45 @@ def main(argv: list[str] | None = None) -> dict:
     def lion_comp():
         fused_lion_direction_momentum_(mv, gv, b1, b2, cv, impl="compiled")
 
-    rows: list[tuple[str, Callable, Callable | None]] = [
-        ("copy_ float32 into buffer", lambda: dst.copy_(x), None),
-        ("1-bit tb sign -> packed bits", lambda: tb_packed(x, 1), lambda: kernels.sign_pack(x, 1, impl="compiled")),
-        (f"L1 quantize -> 4-bit lanes (L={L4})", q_eager(4, L4), q_comp(4, L4)),
-        (f"L1 quantize -> 8-bit lanes (L={L8})", q_eager(8, L8), q_comp(8, L8)),
+    def nat_or_none(fn: Callable) -> Callable | None:
+        return fn if nat else None
+
+    # (name, eager, compiled, native): the native loops cover the wire kernels except the int32 sums
+    # and the float32 sign (comm.native writes the int8 update the optimizer applies)
+    rows: list[tuple[str, Callable, Callable | None, Callable | None]] = [
+        ("copy_ float32 into buffer", lambda: dst.copy_(x), None, None),
+        ("1-bit tb sign -> packed bits", lambda: tb_packed(x, 1), lambda: kernels.sign_pack(x, 1, impl="compiled"),
+         nat_or_none(lambda: kernels.sign_pack(x, 1, impl="native"))),
+        (f"L1 quantize -> 4-bit lanes (L={L4})", q_eager(4, L4), q_comp(4, L4), nat_or_none(q_nat(4, L4))),
+        (f"L1 quantize -> 8-bit lanes (L={L8})", q_eager(8, L8), q_comp(8, L8), nat_or_none(q_nat(8, L8))),
         (f"unpack + majority (P={P}, n/8 B in)", lambda: local_majority(recv, P, 1),
-         lambda: kernels.unpack_majority(recv, P, 1, impl="compiled")),
+         lambda: kernels.unpack_majority(recv, P, 1, impl="compiled"),
+         nat_or_none(lambda: kernels.unpack_majority(recv, P, 1, impl="native"))),
         (f"unpack + sum (4-bit, P={P}) -> int32", sum_eager(False),
-         lambda: kernels.unpack_sum(wire4, 4, n, L4, P, out=sums, impl="compiled")),
+         lambda: kernels.unpack_sum(wire4, 4, n, L4, P, out=sums, impl="compiled"), None),
         (f"unpack + sum + sign (4-bit, P={P})", sum_eager(True),
-         lambda: kernels.unpack_sum(wire4, 4, n, L4, P, sign=True, out=upd, impl="compiled")),
+         lambda: kernels.unpack_sum(wire4, 4, n, L4, P, sign=True, out=upd, impl="compiled"), None),
         (f"unpack + sign -> int8 update (4-bit, P={P})",
          lambda: kernels.unpack_sum(wire4, 4, n, L4, P, sign=True, dtype=torch.int8, out=upd8, impl="eager"),
-         lambda: kernels.unpack_sum(wire4, 4, n, L4, P, sign=True, dtype=torch.int8, out=upd8, impl="compiled")),
-        (f"Linf quantize -> 8-bit lanes (L={L8})", q_eager(8, L8, math.inf), q_comp(8, L8, math.inf)),
+         lambda: kernels.unpack_sum(wire4, 4, n, L4, P, sign=True, dtype=torch.int8, out=upd8, impl="compiled"),
+         nat_or_none(lambda: kernels.unpack_sum(wire4, 4, n, L4, P, sign=True, dtype=torch.int8, out=upd8,
+                                                impl="native"))),
+        (f"Linf quantize -> 8-bit lanes (L={L8})", q_eager(8, L8, math.inf), q_comp(8, L8, math.inf),
+         nat_or_none(q_nat(8, L8, math.inf))),
         ("Lion direction c", lambda: lion_direction(mv, gv, b1, out=cv),
-         lambda: fused_lion_direction_(mv, gv, b1, cv, impl="compiled")),
+         lambda: fused_lion_direction_(mv, gv, b1, cv, impl="compiled"), None),
         ("Lion momentum m", lambda: momentum_update_(mv, gv, b2),
-         lambda: fused_momentum_update_(mv, gv, b2, impl="compiled")),
-        ("Lion direction + momentum", lion_eager, lion_comp),
+         lambda: fused_momentum_update_(mv, gv, b2, impl="compiled"), None),
+        ("Lion direction + momentum", lion_eager, lion_comp, None),
         ("Lion apply p (u = sign)", lambda: apply_update_(pv, uv, lr, wd),
-         lambda: fused_apply_update_(pv, uv, lr, wd, u_is_sign=True, impl="compiled")),
+         lambda: fused_apply_update_(pv, uv, lr, wd, u_is_sign=True, impl="compiled"), None),
     ]
 
     # byte-identity of everything timed (the Lion passes on copies of the state)
     checks = {}
-    for name, fe, fc in rows[1:9]:
-        checks[name] = torch.equal(fe(), fc())
+    for name, fe, fc, fn in rows[1:9]:
+        ref = fe().clone()  # the int8 update rows reuse one out buffer
+        checks[name] = torch.equal(ref, fc()) and (fn is None or torch.equal(ref, fn()))
     for name, run_e, run_c in (("Lion direction + momentum", lion_eager, lion_comp),):
         m0 = m.clone()
         run_e()
@@ -210,9 +226,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     results = {}
     copy_fn = rows[0][1]
-    for name, fe, fc in rows[1:]:
-        (c_ms, _), (e_ms, e_r), (k_ms, k_r) = measure([copy_fn, fe, fc], args.repeats, dev)
-        results[name] = (e_ms, e_r, k_ms, k_r, c_ms)
+    for name, fe, fc, fn in rows[1:]:
+        (c_ms, _), (e_ms, e_r), (k_ms, k_r), (n_ms, n_r) = measure([copy_fn, fe, fc, fn], args.repeats, dev)
+        results[name] = (e_ms, e_r, k_ms, k_r, c_ms, n_ms, n_r)
     load_after = _load()
 
     print(f"bench.packing: n={n:,} ({len(sizes)} tensors) device={dev} threads={torch.get_num_threads()} "
@@ -224,10 +240,12 @@ def main(argv: list[str] | None = None) -> dict:
     copy_ms = statistics.median(copies)
     print(f"copy_ of {n * 4 / 1e6:.1f} MB float32 into a buffer: median {copy_ms:.2f} ms "
           f"(range over rows {min(copies):.2f}-{max(copies):.2f}); ratios are per repeat, back to back")
-    print(f"{'':42s} {'eager ms':>9s} {'x copy_':>8s} {'compiled ms':>12s} {'x copy_':>8s} {'speedup':>8s}  identical")
-    for name, (e, er, k, kr, _) in results.items():
+    print(f"{'':42s} {'eager ms':>9s} {'x copy_':>8s} {'compiled ms':>12s} {'x copy_':>8s} {'speedup':>8s} "
+          f"{'native ms':>10s} {'x copy_':>8s}  identical")
+    for name, (e, er, k, kr, _, nm, nr) in results.items():
         same = "yes" if checks.get(name, True) else "NO"
-        print(f"{name:42s} {e:9.2f} {er:8.2f} {k:12.2f} {kr:8.2f} {e / k:7.2f}x  {same}")
+        nat_cols = f"{nm:10.2f} {nr:8.2f}" if nm is not None else f"{'-':>10s} {'-':>8s}"
+        print(f"{name:42s} {e:9.2f} {er:8.2f} {k:12.2f} {kr:8.2f} {e / k:7.2f}x {nat_cols}  {same}")
     return {"copy_ms": copy_ms, "results": results, "checks": checks, "compile_s": compile_s,
             "warmup_wall_s": warm_wall, "load_before": load_before, "load_after": load_after}
 

@@ -66,12 +66,22 @@ def measure(layout: list[tuple[int, int]], cfg: dict) -> list[dict] | None:
                       f"{done.stderr.strip()[-1500:]}; measuring in this process", stacklevel=3)
         return None
     records = json.loads(lines[-1])
+    from .kernels import _choice_line
+
     for rec in records:
-        rec["line"] = rec["line"] + " [timed in a child process]"
+        rec["probe"] = True
+        rec["line"] = _choice_line(rec)
     return records
 
 
-def _main() -> None:
+def _main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    argparse.ArgumentParser(
+        prog="python -m comm.kernel_probe",
+        description="comm.kernels=auto's CPU measurement, run by comm.kernels.warmup as a child process: reads "
+                    "the request (layout, warm-up configuration, thread count) as JSON on stdin and prints the "
+                    "choice records as JSON.").parse_args(argv)
     req = json.loads(sys.stdin.read())
     torch.set_num_threads(int(req["threads"]))
     from comm import kernels

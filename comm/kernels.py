@@ -277,6 +277,7 @@ def _choice_line(rec: dict) -> str:
     return (f"{rec['kernel']} on {rec['device']}{f' (n={n:,})' if n is not None else ''}: {rec['chosen']} ("
             + ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(rec["ms"].items()))
             + (f"; rejected, bytes differ: {', '.join(rec['rejected'])}" if rec["rejected"] else "")
+            + ("; timed in a child process" if rec.get("probe") else "")
             + (f"; agreed by {rec['agreed']} ranks" if rec.get("agreed") else "") + ")")
 
 

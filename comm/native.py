@@ -76,17 +76,24 @@ SIGN_BITS(ln_sign_bits_f32, float, ld_f32)
 SIGN_BITS(ln_sign_bits_f64, double, ld_f64)
 SIGN_BITS(ln_sign_bits_bf16, uint16_t, ld_bf16)
 
-/* ---- levels == 0 lanes: 1 where c > 0, or c not < 0 on odd steps; `per` lanes per byte ---- */
-#define TB_LANES(NAME, T, LD)                                                              \
-void NAME(const T* x, int64_t words, int32_t odd, int32_t bits, uint8_t* out) {            \
-    const int per = 8 / bits, o = odd != 0;                                                \
+/* ---- levels == 0 lanes: 1 where c > 0, or c not < 0 on odd steps; 8 / bits lanes per byte ---- */
+#define TB_LANES_B(LD, B)                                                                  \
     for (int64_t w = 0; w < words; w++) {                                                  \
         uint32_t b = 0;                                                                    \
-        for (int i = 0; i < per; i++) {                                                    \
-            __typeof__(LD(x, 0)) v = LD(x, w * per + i);                                   \
-            b += (uint32_t)((v > 0) | (!(v < 0) & o)) << (i * bits);                       \
+        for (int i = 0; i < 8 / B; i++) {                                                  \
+            __typeof__(LD(x, 0)) v = LD(x, w * (8 / B) + i);                               \
+            b += (uint32_t)((v > 0) | (!(v < 0) & o)) << (B * i);                          \
         }                                                                                  \
         out[w] = (uint8_t)b;                                                               \
+    }
+#define TB_LANES(NAME, T, LD)                                                              \
+void NAME(const T* x, int64_t words, int32_t odd, int32_t bits, uint8_t* out) {            \
+    const int o = odd != 0;                                                                \
+    switch (bits) {                                                                        \
+    case 1: TB_LANES_B(LD, 1) break;                                                       \
+    case 2: TB_LANES_B(LD, 2) break;                                                       \
+    case 4: TB_LANES_B(LD, 4) break;                                                       \
+    default: TB_LANES_B(LD, 8) break;                                                      \
     }                                                                                      \
 }
 TB_LANES(ln_tb_lanes_f32, float, ld_f32)

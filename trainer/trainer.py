@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import json
 import os
 import signal
 import time
@@ -238,7 +239,9 @@ class Trainer:
         self.logger.console(banner(self))
         compile_s = self.optimizer.warmup()  # compiled kernels: paid here, never inside a timed step
         if compile_s:
-            self.logger.console(f"kernels: {self.optimizer.kernels}, compiled and checked in {compile_s:.1f} s")
+            self.logger.console(f"kernels: {self.optimizer.kernels}, warmed up (built or compiled, checked against "
+                                f"the reference{', timed' if self.optimizer.kernels == 'auto' else ''}) in "
+                                f"{compile_s:.1f} s")
             choices = self.optimizer.kernel_choices()
             for line in choices:
                 self.logger.console(f"kernels: auto chose {line}")
@@ -401,3 +404,19 @@ def run(cfg: Config, info: DistInfo) -> dict:
             signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
         trainer.logger.close()
         trainer.release()
+        _write_peak_rss()
+
+
+PEAK_RSS_ENV = "LIONCUB_PEAK_RSS_FILE"
+
+
+def _write_peak_rss() -> None:
+    """With $LIONCUB_PEAK_RSS_FILE set (bench.step_breakdown sets it per rank), write this process's own
+    peak RSS there as JSON: a launcher's RUSAGE_CHILDREN is the largest process of the rank's tree,
+    which includes children such as comm.kernels=auto's warm-up probe."""
+    path = os.environ.get(PEAK_RSS_ENV)
+    if path:
+        from .logger import peak_rss_gib
+
+        with open(path, "w") as f:
+            json.dump({"self_max_rss_mib": peak_rss_gib() * 1024}, f)

@@ -170,8 +170,13 @@ def test_smoke_two_ranks_through_netsim(tmp_path: Path):
     # once for the all-to-all and once for the all-gather of its chunk: about n/8 .. 2n/8 bytes
     assert n / 8 * 0.9 <= float(r["comm_bytes"]) <= 2 * n / 8 * 1.1
     assert r["speedup"] == ""             # no lion_fp32 row at this rate: no speedup invented
-    rss = [json.loads(p.read_text()) for p in (out / "rss" / "unlimited" / "lioncub_1bit").glob("rank*.json")]
+    rss = [json.loads(p.read_text()) for p in (out / "rss" / "unlimited" / "lioncub_1bit").glob("rank*.json")
+           if ".self" not in p.name]
     assert sorted(x["rank"] for x in rss) == [0, 1] and all(100 < x["max_rss_mib"] < 8000 for x in rss)
+    # the rank process's own peak (written by the trainer) is at most its tree's largest process
+    assert all(x["max_rss_mib"] <= x["tree_max_rss_mib"] + 1 for x in rss)
+    assert float(r["peak_rss_mib"]) == max(x["max_rss_mib"] for x in rss)
+    assert float(r["peak_tree_rss_mib"]) == max(x["tree_max_rss_mib"] for x in rss)
     assert (out / "breakdown.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| lioncub_1bit |" in (out / "results.md").read_text()
     assert not math.isnan(float(r["comm_share"]))

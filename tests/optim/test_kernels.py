@@ -818,7 +818,7 @@ def test_auto_on_cpu_measures_in_a_child_process_and_adopts_its_choices(fresh_au
     recs = {r["kernel"]: r for r in K.auto_choices()}
     assert set(recs) == {"quantize_pack", "unpack_sum"}
     for k, r in recs.items():
-        assert r["line"].endswith("[timed in a child process]") and r["n"] == 71_000
+        assert "timed in a child process" in r["line"] and r["n"] == 71_000
         assert set(r["ms"]) == {"eager", "compiled", "native"} and r["chosen"] == min(r["ms"], key=r["ms"].get)
         assert K.kernel_impl("auto", "cpu", k) == r["chosen"]
     assert sorted(checked) == sorted({r["chosen"] for r in recs.values()} - {"eager"})
@@ -828,7 +828,7 @@ def test_auto_on_cpu_measures_in_a_child_process_and_adopts_its_choices(fresh_au
     with pytest.warns(UserWarning, match="exited with 3: boom"):
         K.warmup("cpu", world_sizes=(4,), impl="auto", layout=layout, repeats=1)
     assert sorted(checked) == ["compiled", "native"]
-    assert not any(r["line"].endswith("child process]") for r in K.auto_choices() if r["kernel"] == "sign_pack")
+    assert not any("child process" in r["line"] for r in K.auto_choices() if r["kernel"] == "sign_pack")
 
 
 # ---- no 4-byte-per-element temporaries in pack / unpack -------------------------------------
