@@ -146,46 +146,41 @@ static void pack_block(const int32_t* v, int bits, void* out_) {
     }
 }
 
-#define QUANT(NAME, T, S, LD, RND, CVT)                                                    \
-void NAME(const T* x, int64_t nb, const S* scale, int32_t L, int32_t bits, void* out_) {   \
-    const int64_t wbytes = (int64_t)QBLOCK * bits / 8;                  \
+/* ROUND: the rounding of y = x * s in place (e: the element's index in its block, ub: the block's
+   uniforms, NULL for nearest rounding) */
+#define QUANT_LOOP(T, S, LD, CVT, ROUND)                                                   \
+    const int64_t wbytes = (int64_t)QBLOCK * bits / 8;                                     \
     const S lo = (S)(-L), hi = (S)L;                                                       \
     int32_t v[QBLOCK];                                                                     \
     for (int64_t b = 0; b < nb; b++) {                                                     \
         const S s = scale[b];                                                              \
         const T* xb = x + b * QBLOCK;                                                      \
+        const S* ub = u ? u + b * QBLOCK : 0;                                              \
+        (void)ub;                                                                          \
         for (int e = 0; e < QBLOCK; e++) {                                                 \
-            S y = RND((S)LD(xb, e) * s);                                                   \
+            S y = (S)LD(xb, e) * s;                                                        \
+            ROUND;                                                                         \
             y = y < lo ? lo : (y > hi ? hi : y);                                           \
             v[e] = CVT(y + hi);                                                            \
         }                                                                                  \
         pack_block(v, bits, (uint8_t*)out_ + b * wbytes);                                  \
-    }                                                                                      \
+    }
+
+/* nearest: round half to even (the current rounding mode, as torch.round) */
+#define QUANT(NAME, T, S, LD, RND, CVT)                                                    \
+void NAME(const T* x, int64_t nb, const S* scale, int32_t L, int32_t bits, void* out_) {   \
+    const S* u = 0;                                                                        \
+    QUANT_LOOP(T, S, LD, CVT, y = RND(y))                                                  \
 }
 QUANT(ln_quant_f32, float, float, ld_f32, nearbyintf, to_i32f)
 QUANT(ln_quant_bf16, uint16_t, float, ld_bf16, nearbyintf, to_i32f)
 QUANT(ln_quant_f64, double, double, ld_f64, nearbyint, to_i32d)
 
-/* stochastic: y = x * s; low = floor(y); y = low + (u < y - low); u: one uniform per element */
+/* stochastic: low = floor(y); y = low + (u < y - low); u: one uniform per element */
 #define QUANT_STOCH(NAME, T, S, LD, FLOOR, CVT)                                            \
 void NAME(const T* x, int64_t nb, const S* scale, const S* u, int32_t L, int32_t bits,     \
           void* out_) {                                                                    \
-    const int64_t wbytes = (int64_t)QBLOCK * bits / 8;                  \
-    const S lo = (S)(-L), hi = (S)L;                                                       \
-    int32_t v[QBLOCK];                                                                     \
-    for (int64_t b = 0; b < nb; b++) {                                                     \
-        const S s = scale[b];                                                              \
-        const T* xb = x + b * QBLOCK;                                                      \
-        const S* ub = u + b * QBLOCK;                                                      \
-        for (int e = 0; e < QBLOCK; e++) {                                                 \
-            S y = (S)LD(xb, e) * s;                                                        \
-            S f = FLOOR(y);                                                                \
-            y = f + (S)(ub[e] < y - f);                                                    \
-            y = y < lo ? lo : (y > hi ? hi : y);                                           \
-            v[e] = CVT(y + hi);                                                            \
-        }                                                                                  \
-        pack_block(v, bits, (uint8_t*)out_ + b * wbytes);                                  \
-    }                                                                                      \
+    QUANT_LOOP(T, S, LD, CVT, { S f = FLOOR(y); y = f + (S)(ub[e] < y - f); })             \
 }
 QUANT_STOCH(ln_quant_stoch_f32, float, float, ld_f32, floorf, to_i32f)
 QUANT_STOCH(ln_quant_stoch_bf16, uint16_t, float, ld_bf16, floorf, to_i32f)
