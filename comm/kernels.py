@@ -91,6 +91,8 @@ _unavailable: dict[tuple, str | None] = {}
 _auto: dict[tuple[str, str], str] = {}  # (kernel, device type) -> the candidate "auto" measured fastest
 _auto_log: list[dict] = []
 _rejected: dict[tuple[str, str], set[str]] = {}  # (kernel, device type) -> candidates whose bytes differed
+# the auto warm-ups of this process: (device, configuration, check, impl, candidates built and checked)
+_warmups: list[tuple[torch.device, dict, bool, str | None, set[str]]] = []
 _log = logging.getLogger(__name__)
 
 
@@ -247,8 +249,9 @@ def choose(kernel: str, device: torch.device | str, candidates: dict[str, Callab
     run's real inputs, returning the result) is run once and kept only if its bytes equal the
     reference's (a candidate's name, or a call that only gives the bytes to match), then timed
     `repeats` times, interleaved; the fastest median wins and
-    is recorded (`auto_choices`, and one log line of this module's logger). A candidate whose
-    result differs is never chosen, however fast."""
+    is recorded (`auto_choices`, and one log line of this module's logger); a cheaper candidate
+    within TIE of the fastest wins the tie (`fastest`). A candidate whose result differs is never
+    chosen, however fast."""
     device = torch.device(device)
     ref = reference() if callable(reference) else candidates[reference]()
     ok, rejected = {}, []
@@ -263,13 +266,29 @@ def choose(kernel: str, device: torch.device | str, candidates: dict[str, Callab
         for name, fn in ok.items():
             times[name].append(time_ms(fn, device))
     ms = {name: statistics.median(t) for name, t in times.items()}
-    chosen = min(ms, key=ms.get)
+    chosen = fastest(ms)
     _auto[(kernel, device.type)] = chosen
     rec = {"kernel": kernel, "device": device.type, "n": n, "chosen": chosen, "ms": ms, "rejected": rejected}
     rec["line"] = _choice_line(rec)
     _auto_log.append(rec)
     _log.info("kernels auto: %s", rec["line"])
     return chosen
+
+
+# Ties within TIE of the fastest go to the candidate that costs the process least: eager (nothing),
+# native (a C library of ~50 KB, built once per host), compiled (inductor's imports and compiled code:
+# 60-150 MiB of RSS per process, and seconds of compiling); a few percent of a kernel's time is
+# within the measurement's noise on a loaded machine.
+TIE = 0.05
+COST_ORDER = ("eager", "native", "compiled")
+
+
+def fastest(ms: dict[str, float]) -> str:
+    """The candidate auto keeps from median times `ms`: the fastest, except that one within TIE of
+    it that comes earlier in COST_ORDER wins the tie."""
+    best = min(ms.values())
+    close = [name for name in ms if ms[name] <= best * (1 + TIE)]
+    return min(close, key=lambda name: (COST_ORDER.index(name) if name in COST_ORDER else len(COST_ORDER), ms[name]))
 
 
 def _choice_line(rec: dict) -> str:
@@ -295,7 +314,7 @@ def merge_choices(per_rank: list[dict[str, dict]]) -> dict[str, str]:
         ok = set.intersection(*(set(ms) for ms in seen))
         if ok:
             worst = {name: max(ms[name] for ms in seen) for name in sorted(ok)}
-            out[key] = min(worst, key=worst.get)
+            out[key] = fastest(worst)
     return out
 
 
@@ -312,13 +331,26 @@ def agree_choices(group=None) -> None:
     mine = {f"{r['kernel']}|{r['device']}": {"ms": r["ms"]} for r in auto_choices()}
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
-    for key, chosen in merge_choices(gathered).items():
+    adopt(merge_choices(gathered), len(gathered))
+
+
+def adopt(choices: dict[str, str], agreed: int | None = None) -> None:
+    """Follow `choices` ({"kernel|device": candidate}, e.g. what the ranks agreed), and warm up (build or
+    compile, and check) every candidate they name that this process's warm-ups have not: a rank whose
+    own measurement kept native may be asked to run compiled, which must not compile inside a step."""
+    for key, chosen in choices.items():
         kernel, dev = key.split("|")
         _auto[(kernel, dev)] = chosen
         for r in _auto_log:
             if (r["kernel"], r["device"]) == (kernel, dev):
-                r["chosen"], r["agreed"] = chosen, len(gathered)
+                r["chosen"] = chosen
+                if agreed:
+                    r["agreed"] = agreed
                 r["line"] = _choice_line(r)
+    for device, cfg, check, impl, checked in _warmups:
+        for cand in sorted({c for k, c in choices.items() if k.endswith(f"|{device.type}")} - {"eager"} - checked):
+            _check_candidate(cand, device, cfg, check, impl)
+            checked.add(cand)
 
 
 def auto_choices() -> list[dict]:
@@ -978,9 +1010,12 @@ def warmup(device: torch.device | str = "cpu", *, bits: Sequence[int] = (), leve
                     _auto[(rec["kernel"], rec["device"])] = rec["chosen"]
                     _auto_log.append(rec)
                 chosen = {rec["chosen"] for rec in records}
+                checked = set()
                 for cand in ("compiled", "native"):
                     if cand in chosen:
                         _check_candidate(cand, device, cfg, check, impl)
+                        checked.add(cand)
+                _warmups.append((device, cfg, check, impl, checked))
                 return time.perf_counter() - t0
     cands = []
     if use_compiled(impl, device):
@@ -991,6 +1026,8 @@ def warmup(device: torch.device | str = "cpu", *, bits: Sequence[int] = (), leve
         return 0.0
     for cand in cands:
         _check_candidate(cand, device, cfg, check, impl)
+    if r == "auto":
+        _warmups.append((device, cfg, check, impl, set(cands)))
     if layout is not None and r == "auto":
         _measure(device, [(int(o), int(m)) for o, m in layout], **{k: v for k, v in cfg.items()
                                                                     if k != "sign_dtypes"})
@@ -1131,7 +1168,7 @@ def report_mismatch(bad: Sequence[str], device: torch.device, impl: str | None, 
         _auto_log.append(rec)
 
 
-__all__ = ["IMPLS", "QBLOCK", "SMALL", "Kernel", "auto_choices", "choose", "compile_seconds", "compile_unavailable",
-           "compiled_kernel", "const", "dtype_key", "f32", "get_impl", "kernel_impl", "quantize_pack", "quantize_q", "report_mismatch",
-           "resolve_impl", "set_impl", "sign_pack", "stochastic_bounds", "time_ms", "unpack_majority", "unpack_sum", "unpack_sum_reference",
-           "use_compiled", "warmup", "wire_of"]
+__all__ = ["IMPLS", "QBLOCK", "SMALL", "Kernel", "adopt", "auto_choices", "choose", "compile_seconds",
+           "compile_unavailable", "compiled_kernel", "const", "dtype_key", "f32", "fastest", "get_impl", "kernel_impl",
+           "quantize_pack", "quantize_q", "report_mismatch", "resolve_impl", "set_impl", "sign_pack", "stochastic_bounds",
+           "time_ms", "unpack_majority", "unpack_sum", "unpack_sum_reference", "use_compiled", "warmup", "wire_of"]

@@ -749,6 +749,7 @@ def fresh_auto(monkeypatch):
     monkeypatch.setattr(K, "_auto", {})
     monkeypatch.setattr(K, "_auto_log", [])
     monkeypatch.setattr(K, "_rejected", {})
+    monkeypatch.setattr(K, "_warmups", [])
 
 
 def test_choose_never_keeps_a_candidate_whose_bytes_differ(fresh_auto):
@@ -910,6 +911,37 @@ def test_merge_choices_agrees_on_what_every_rank_accepted():
     assert K.merge_choices([a, a]) == {"sign_pack|cpu": "compiled", "unpack_sum|cpu": "compiled"}
     assert K.merge_choices([a, {}]) == {}  # measured on one rank only: left alone
     K.agree_choices()  # no process group: nothing to agree, and no collective is attempted
+
+
+def test_fastest_gives_ties_to_the_cheaper_candidate():
+    """Within TIE of the fastest, eager beats native beats compiled (no compiler stack in the process);
+    outside it, the fastest wins."""
+    assert K.fastest({"eager": 10.0, "compiled": 1.0, "native": 5.0}) == "compiled"
+    assert K.fastest({"eager": 10.0, "compiled": 1.0, "native": 1.04}) == "native"
+    assert K.fastest({"eager": 1.03, "compiled": 1.0, "native": 1.02}) == "eager"
+    assert K.fastest({"compiled": 1.0, "native": 1.06}) == "compiled"
+    assert K.merge_choices([{"k|cpu": {"ms": {"compiled": 48.3, "native": 50.4}}},
+                            {"k|cpu": {"ms": {"compiled": 40.0, "native": 49.0}}}]) == {"k|cpu": "native"}
+
+
+@compiled
+def test_an_agreed_choice_this_rank_did_not_keep_is_warmed_before_any_step(fresh_auto, monkeypatch):
+    """The probe kept native here, the ranks agreed on compiled: adopt() builds and checks compiled
+    now (warm-up), not at the first call inside a timed step."""
+    monkeypatch.delenv(kernel_probe.ENV, raising=False)
+    recs = [{"kernel": k, "device": "cpu", "n": 71_000, "chosen": "native", "ms": {"eager": 3.0, "native": 1.0,
+             "compiled": 2.0}, "rejected": [], "line": ""} for k in ("sign_pack", "unpack_majority")]
+    monkeypatch.setattr(kernel_probe, "measure", lambda layout, cfg: [dict(r) for r in recs])
+    checked = []
+    real = K._check_candidate
+    monkeypatch.setattr(K, "_check_candidate", lambda cand, *a: checked.append(cand) or real(cand, *a))
+    K.warmup("cpu", world_sizes=(4,), impl="auto", layout=_layout([40_000, 999]))
+    assert checked == ["native"] and K.kernel_impl("auto", "cpu", "sign_pack") == "native"
+    K.adopt({"sign_pack|cpu": "compiled", "unpack_majority|cpu": "native"}, agreed=4)
+    assert checked == ["native", "compiled"] and K.kernel_impl("auto", "cpu", "sign_pack") == "compiled"
+    assert "agreed by 4 ranks" in {r["kernel"]: r for r in K.auto_choices()}["sign_pack"]["line"]
+    K.adopt({"sign_pack|cpu": "compiled"})  # already warm: nothing rebuilt
+    assert checked == ["native", "compiled"]
 
 
 def test_a_mismatch_under_auto_is_recorded_as_eager(fresh_auto, monkeypatch):
