@@ -253,7 +253,9 @@ def _cpu_flags() -> str:
 
 
 def cache_dir() -> str:
-    return os.environ.get(CACHE_ENV) or os.path.join(tempfile.gettempdir(), f"lioncub_native_{os.getuid()}")
+    """Where the library is built: $LIONCUB_NATIVE_CACHE, else one directory per user in the temp dir."""
+    user = os.getuid() if hasattr(os, "getuid") else 0
+    return os.environ.get(CACHE_ENV) or os.path.join(tempfile.gettempdir(), f"lioncub_native_{user}")
 
 
 def _build() -> ctypes.CDLL:

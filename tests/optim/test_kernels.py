@@ -743,6 +743,11 @@ def test_dispatch_and_fallback(monkeypatch):
 
 
 # ---- comm.kernels=auto: chosen by measurement, never a candidate with other bytes ------------
+def _auto_candidates() -> set[str]:
+    """What auto times on this CPU: eager, compiled, and native where a C compiler builds it."""
+    return {"eager", "compiled"} | ({"native"} if native.unavailable("cpu") is None else set())
+
+
 @pytest.fixture
 def fresh_auto(monkeypatch):
     """impl="auto" with no measured choice yet, restored after the test."""
@@ -793,12 +798,12 @@ def test_auto_warmup_times_the_real_size_and_rejects_wrong_bytes(fresh_auto, mon
     assert chosen["sign_pack"]["chosen"] in ("eager", "native") and chosen["sign_pack"]["rejected"] == ["compiled"]
     assert chosen["sign_pack"]["n"] == 71_000 and not K.use_compiled("auto", torch.device("cpu"), "sign_pack")
     assert chosen["unpack_majority"]["rejected"] == []
-    assert set(chosen["unpack_majority"]["ms"]) == {"eager", "compiled", "native"}
+    assert set(chosen["unpack_majority"]["ms"]) == _auto_candidates()
     # the p-bit configuration times its own two kernels, on the real layout
     K.warmup("cpu", bits=(4,), levels=(7,), p=(1.0,), world_sizes=(1,), impl="auto", layout=layout, repeats=2)
     chosen = {r["kernel"]: r for r in K.auto_choices()}
     assert {"quantize_pack", "unpack_sum"} <= set(chosen)
-    assert all(not chosen[k]["rejected"] and set(chosen[k]["ms"]) == {"eager", "compiled", "native"}
+    assert all(not chosen[k]["rejected"] and set(chosen[k]["ms"]) == _auto_candidates()
                for k in ("quantize_pack", "unpack_sum"))
     for k in ("quantize_pack", "unpack_sum"):
         assert K.kernel_impl("auto", "cpu", k) == chosen[k]["chosen"]
@@ -820,7 +825,7 @@ def test_auto_on_cpu_measures_in_a_child_process_and_adopts_its_choices(fresh_au
     assert set(recs) == {"quantize_pack", "unpack_sum"}
     for k, r in recs.items():
         assert "timed in a child process" in r["line"] and r["n"] == 71_000
-        assert set(r["ms"]) == {"eager", "compiled", "native"} and r["chosen"] == min(r["ms"], key=r["ms"].get)
+        assert set(r["ms"]) == _auto_candidates() and r["chosen"] == K.fastest(r["ms"])
         assert K.kernel_impl("auto", "cpu", k) == r["chosen"]
     assert sorted(checked) == sorted({r["chosen"] for r in recs.values()} - {"eager"})
     # a child that fails: a warning with its error, then the candidates are checked and timed here
@@ -828,7 +833,7 @@ def test_auto_on_cpu_measures_in_a_child_process_and_adopts_its_choices(fresh_au
     checked.clear()
     with pytest.warns(UserWarning, match="exited with 3: boom"):
         K.warmup("cpu", world_sizes=(4,), impl="auto", layout=layout, repeats=1)
-    assert sorted(checked) == ["compiled", "native"]
+    assert sorted(checked) == sorted(_auto_candidates() - {"eager"})
     assert not any("child process" in r["line"] for r in K.auto_choices() if r["kernel"] == "sign_pack")
 
 
@@ -928,6 +933,8 @@ def test_fastest_gives_ties_to_the_cheaper_candidate():
 def test_an_agreed_choice_this_rank_did_not_keep_is_warmed_before_any_step(fresh_auto, monkeypatch):
     """The probe kept native here, the ranks agreed on compiled: adopt() builds and checks compiled
     now (warm-up), not at the first call inside a timed step."""
+    if native.unavailable("cpu") is not None:
+        pytest.skip(f"no native kernels: {native.unavailable('cpu')}")
     monkeypatch.delenv(kernel_probe.ENV, raising=False)
     recs = [{"kernel": k, "device": "cpu", "n": 71_000, "chosen": "native", "ms": {"eager": 3.0, "native": 1.0,
              "compiled": 2.0}, "rejected": [], "line": ""} for k in ("sign_pack", "unpack_majority")]
