@@ -873,6 +873,8 @@ def test_pack_and_unpack_allocate_at_most_one_byte_per_element():
         "unpack_majority eager": lambda: K.unpack_majority(recv, P, 1, impl="eager"),
         "unpack_signs": lambda: unpack_signs(recv, n),
         "quantize_pack signs only": lambda: K.quantize_pack(x, segs, 0, None, 2.0, 4, impl="compiled"),
+        "quantize_pack signs only eager": lambda: K.quantize_pack(x, segs, 0, None, 2.0, 4, impl="eager"),
+        "quantize_pack sign quantizer eager": lambda: K.quantize_pack(x, segs, L4, None, 2.0, 4, impl="eager"),
         "quantize_pack sign quantizer": lambda: K.quantize_pack(x, segs, L4, None, 2.0, 4, impl="compiled"),
         "quantize_pack linf": lambda: K.quantize_pack(x, segs, L4, math.inf, 2.0, 4, impl="compiled"),
         "quantize_pack l1 with scratch": lambda: K.quantize_pack(x, segs, L4, 1.0, 2.0, 4, impl="compiled",
