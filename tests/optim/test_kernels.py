@@ -923,11 +923,13 @@ def test_merge_choices_agrees_on_what_every_rank_accepted():
 def test_fastest_gives_ties_to_the_cheaper_candidate():
     """Within TIE of the fastest, eager beats native beats compiled (no compiler stack in the process);
     outside it, the fastest wins."""
+    t = K.TIE
     assert K.fastest({"eager": 10.0, "compiled": 1.0, "native": 5.0}) == "compiled"
-    assert K.fastest({"eager": 10.0, "compiled": 1.0, "native": 1.04}) == "native"
-    assert K.fastest({"eager": 1.03, "compiled": 1.0, "native": 1.02}) == "eager"
-    assert K.fastest({"compiled": 1.0, "native": 1.06}) == "compiled"
-    assert K.merge_choices([{"k|cpu": {"ms": {"compiled": 48.3, "native": 50.4}}},
+    assert K.fastest({"eager": 10.0, "compiled": 1.0, "native": 1 + 0.9 * t}) == "native"
+    assert K.fastest({"eager": 1 + 0.8 * t, "compiled": 1.0, "native": 1 + 0.5 * t}) == "eager"
+    assert K.fastest({"compiled": 1.0, "native": 1 + 1.2 * t}) == "compiled"
+    # the ranks' agreement: the slowest rank's times, then the same tie rule
+    assert K.merge_choices([{"k|cpu": {"ms": {"compiled": 50.0, "native": 50.0 * (1 + 0.9 * t)}}},
                             {"k|cpu": {"ms": {"compiled": 40.0, "native": 49.0}}}]) == {"k|cpu": "native"}
 
 
