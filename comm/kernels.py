@@ -59,7 +59,6 @@ import logging
 import math
 import os
 import shutil
-import statistics
 import struct
 import time
 import types
@@ -248,10 +247,11 @@ def choose(kernel: str, device: torch.device | str, candidates: dict[str, Callab
     """The choice of impl="auto" for (kernel, device type): each candidate (name -> a call on the
     run's real inputs, returning the result) is run once and kept only if its bytes equal the
     reference's (a candidate's name, or a call that only gives the bytes to match), then timed
-    `repeats` times, interleaved; the fastest median wins and
-    is recorded (`auto_choices`, and one log line of this module's logger); a cheaper candidate
-    within TIE of the fastest wins the tie (`fastest`). A candidate whose result differs is never
-    chosen, however fast."""
+    `repeats` times, interleaved; each candidate's time is its fastest call (timing noise on a shared
+    machine only adds: preemption, another rank's cache traffic; the minimum is the estimate it
+    disturbs least), the fastest candidate wins and is recorded (`auto_choices`, and one log line of
+    this module's logger); a cheaper candidate within TIE of the fastest wins the tie (`fastest`). A
+    candidate whose result differs is never chosen, however fast."""
     device = torch.device(device)
     ref = reference() if callable(reference) else candidates[reference]()
     ok, rejected = {}, []
@@ -265,7 +265,7 @@ def choose(kernel: str, device: torch.device | str, candidates: dict[str, Callab
     for _ in range(repeats):
         for name, fn in ok.items():
             times[name].append(time_ms(fn, device))
-    ms = {name: statistics.median(t) for name, t in times.items()}
+    ms = {name: min(t) for name, t in times.items()}
     chosen = fastest(ms)
     _auto[(kernel, device.type)] = chosen
     rec = {"kernel": kernel, "device": device.type, "n": n, "chosen": chosen, "ms": ms, "rejected": rejected}
@@ -279,13 +279,14 @@ def choose(kernel: str, device: torch.device | str, candidates: dict[str, Callab
 # native (a C library of ~50 KB, built once per host), compiled (inductor's imports and compiled code:
 # 60-150 MiB of RSS per process, and seconds of compiling). Medians of 9 interleaved calls of the
 # same kernel, native and compiled, moved by 10-20 % between runs on a loaded 2-core machine (4 ranks
-# timing at once); within 10 % the measurement does not tell them apart.
+# timing at once), which is why `choose` keeps each candidate's fastest call; within 10 % the
+# measurement still does not tell two candidates apart.
 TIE = 0.10
 COST_ORDER = ("eager", "native", "compiled")
 
 
 def fastest(ms: dict[str, float]) -> str:
-    """The candidate auto keeps from median times `ms`: the fastest, except that one within TIE of
+    """The candidate auto keeps from times `ms`: the fastest, except that one within TIE of
     it that comes earlier in COST_ORDER wins the tie."""
     best = min(ms.values())
     close = [name for name in ms if ms[name] <= best * (1 + TIE)]
@@ -303,7 +304,7 @@ def _choice_line(rec: dict) -> str:
 
 def merge_choices(per_rank: list[dict[str, dict]]) -> dict[str, str]:
     """The one choice per kernel that every rank of a group follows, from each rank's measurements
-    ({"kernel|device": {"ms": {candidate: median ms}}}, what `agree_choices` gathers): among the
+    ({"kernel|device": {"ms": {candidate: ms}}}, what `agree_choices` gathers): among the
     candidates every rank accepted (bytes equal to its reference there), the one whose slowest rank
     is fastest. A kernel some rank did not measure is left to the ranks that did."""
     keys = set().union(*per_rank) if per_rank else set()
@@ -356,7 +357,7 @@ def adopt(choices: dict[str, str], agreed: int | None = None) -> None:
 
 def auto_choices() -> list[dict]:
     """The choices impl="auto" follows now, the latest measurement per (kernel, device type):
-    kernel, device, n, chosen, ms (median per candidate), rejected, line (one readable line)."""
+    kernel, device, n, chosen, ms (the fastest call per candidate), rejected, line (one readable line)."""
     latest = {(r["kernel"], r["device"]): r for r in _auto_log}
     return list(latest.values())
 
