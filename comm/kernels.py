@@ -981,7 +981,7 @@ def warmup(device: torch.device | str = "cpu", *, bits: Sequence[int] = (), leve
            p: Sequence[float | None] = (), rounding: Sequence[str] = ("nearest",),
            world_sizes: Sequence[int] = (), sign_dtypes: Sequence[torch.dtype] = (torch.float32,),
            impl: str | None = None, check: bool = True, layout: Sequence[tuple[int, int]] | None = None,
-           clip: float = 2.0, repeats: int = 9) -> float:
+           clip: float = 2.0, repeats: int = 15) -> float:
     """Compile (and with check=True verify against the reference, on random, zero and tie inputs)
     every wire kernel the given configuration will use, so no timed step pays compilation; the
     native kernels (comm.native) are built and verified the same way. Returns the seconds spent.
