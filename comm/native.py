@@ -77,23 +77,44 @@ SIGN_BITS(ln_sign_bits_f64, double, ld_f64)
 SIGN_BITS(ln_sign_bits_bf16, uint16_t, ld_bf16)
 
 /* ---- levels == 0 lanes: 1 where c > 0, or c not < 0 on odd steps; 8 / bits lanes per byte ---- */
-#define TB_LANES_B(LD, B)                                                                  \
-    for (int64_t w = 0; w < words; w++) {                                                  \
-        uint32_t b = 0;                                                                    \
-        for (int i = 0; i < 8 / B; i++) {                                                  \
-            __typeof__(LD(x, 0)) v = LD(x, w * (8 / B) + i);                               \
-            b += (uint32_t)((v > 0) | (!(v < 0) & o)) << (B * i);                          \
-        }                                                                                  \
-        out[w] = (uint8_t)b;                                                               \
-    }
+/* In chunks: the 0/1 flags as bytes (a loop the compiler vectorises), then 8 / bits flag bytes read
+   as one little-endian word and folded into one byte (lane i = byte i). */
 #define TB_LANES(NAME, T, LD)                                                              \
 void NAME(const T* x, int64_t words, int32_t odd, int32_t bits, uint8_t* out) {            \
-    const int o = odd != 0;                                                                \
-    switch (bits) {                                                                        \
-    case 1: TB_LANES_B(LD, 1) break;                                                       \
-    case 2: TB_LANES_B(LD, 2) break;                                                       \
-    case 4: TB_LANES_B(LD, 4) break;                                                       \
-    default: TB_LANES_B(LD, 8) break;                                                      \
+    enum { C = 4096 };                                                                     \
+    const int o = odd != 0, per = 8 / bits;                                                \
+    uint8_t f[C];                                                                          \
+    for (int64_t w0 = 0; w0 < words; w0 += C / 8) {                                        \
+        const int64_t nw = words - w0 < C / 8 ? words - w0 : C / 8;                        \
+        const int64_t ne = nw * per;                                                       \
+        const T* xc = x + w0 * per;                                                        \
+        for (int64_t e = 0; e < ne; e++) {                                                 \
+            __typeof__(LD(x, 0)) v = LD(xc, e);                                            \
+            f[e] = (uint8_t)((v > 0) | (!(v < 0) & o));                                    \
+        }                                                                                  \
+        uint8_t* oc = out + w0;                                                            \
+        switch (bits) {                                                                    \
+        case 1:                                                                            \
+            for (int64_t w = 0; w < nw; w++) {                                             \
+                uint64_t t; memcpy(&t, f + 8 * w, 8);                                      \
+                oc[w] = (uint8_t)((t * 0x0102040810204080ull) >> 56);                      \
+            }                                                                              \
+            break;                                                                         \
+        case 2:                                                                            \
+            for (int64_t w = 0; w < nw; w++) {                                             \
+                uint32_t t; memcpy(&t, f + 4 * w, 4);                                      \
+                oc[w] = (uint8_t)((t & 1) | ((t >> 6) & 4) | ((t >> 12) & 16) | ((t >> 18) & 64)); \
+            }                                                                              \
+            break;                                                                         \
+        case 4:                                                                            \
+            for (int64_t w = 0; w < nw; w++) {                                             \
+                uint16_t t; memcpy(&t, f + 2 * w, 2);                                      \
+                oc[w] = (uint8_t)((t & 1) | ((t >> 4) & 16));                              \
+            }                                                                              \
+            break;                                                                         \
+        default:                                                                           \
+            memcpy(oc, f, (size_t)nw);                                                     \
+        }                                                                                  \
     }                                                                                      \
 }
 TB_LANES(ln_tb_lanes_f32, float, ld_f32)
