@@ -320,23 +320,28 @@ def merge_choices(per_rank: list[dict[str, dict]]) -> dict[str, str]:
     return out
 
 
-def agree_choices(group=None) -> None:
+def agree_choices(group=None, own: dict[str, str] | None = None) -> None:
     """Make impl="auto"'s choices the same on every rank of `group` (collective; call on every rank
     after the warm-up's measurements). Each rank times its candidates alone, so two ranks could keep
     different ones; they give the same bytes by construction and by the warm-up's check, but ranks
     that exchange with each other run one code, so a kernel whose bytes differ on one host kind can
-    never split them (`merge_choices`); each agreed record's line says so (`kernel_choices`)."""
+    never split them (`merge_choices`); each agreed record's line says so (`kernel_choices`).
+    own: this rank's choices from its warm-up's child process, not yet followed: the agreed ones
+    replace them, and a kernel the group has nothing to agree on keeps this rank's."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if own:  # nobody to agree with: this rank's own choices
+            adopt(own)
         return
     mine = {f"{r['kernel']}|{r['device']}": {"ms": r["ms"]} for r in auto_choices()}
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
-    adopt(merge_choices(gathered), len(gathered))
+    merged = merge_choices(gathered)
+    adopt({**(own or {}), **merged}, len(gathered), set(merged))
 
 
-def adopt(choices: dict[str, str], agreed: int | None = None) -> None:
+def adopt(choices: dict[str, str], agreed: int | None = None, agreed_keys: set[str] | None = None) -> None:
     """Follow `choices` ({"kernel|device": candidate}, e.g. what the ranks agreed), and warm up (build or
     compile, and check) every candidate they name that this process's warm-ups have not: a rank whose
     own measurement kept native may be asked to run compiled, which must not compile inside a step."""
@@ -346,7 +351,7 @@ def adopt(choices: dict[str, str], agreed: int | None = None) -> None:
         for r in _auto_log:
             if (r["kernel"], r["device"]) == (kernel, dev):
                 r["chosen"] = chosen
-                if agreed:
+                if agreed and (agreed_keys is None or key in agreed_keys):
                     r["agreed"] = agreed
                 r["line"] = _choice_line(r)
     for device, cfg, check, impl, checked in _warmups:
@@ -981,7 +986,7 @@ def warmup(device: torch.device | str = "cpu", *, bits: Sequence[int] = (), leve
            p: Sequence[float | None] = (), rounding: Sequence[str] = ("nearest",),
            world_sizes: Sequence[int] = (), sign_dtypes: Sequence[torch.dtype] = (torch.float32,),
            impl: str | None = None, check: bool = True, layout: Sequence[tuple[int, int]] | None = None,
-           clip: float = 2.0, repeats: int = 15) -> float:
+           clip: float = 2.0, repeats: int = 15, agree: bool = False, group=None) -> float:
     """Compile (and with check=True verify against the reference, on random, zero and tie inputs)
     every wire kernel the given configuration will use, so no timed step pays compilation; the
     native kernels (comm.native) are built and verified the same way. Returns the seconds spent.
@@ -996,7 +1001,9 @@ def warmup(device: torch.device | str = "cpu", *, bits: Sequence[int] = (), leve
     unpack_majority, the p-bit one (bits) quantize_pack and unpack_sum. On CPU the timing runs in
     a child process (comm.kernel_probe: the same code, the same thread count), whose choices this
     process adopts, then builds and verifies only the chosen candidates: inductor is imported here
-    only when a compiled kernel won (its import and compiled code cost 60-150 MiB of RSS)."""
+    only when a compiled kernel won (its import and compiled code cost 60-150 MiB of RSS). With
+    agree=True the ranks of `group` first agree on the choices (`agree_choices`, a collective: every
+    rank calls warmup), so what is built is what the group runs."""
     device = torch.device(device)
     r = resolve_impl(impl)
     t0 = time.perf_counter()
@@ -1009,15 +1016,15 @@ def warmup(device: torch.device | str = "cpu", *, bits: Sequence[int] = (), leve
             records = kernel_probe.measure([(int(o), int(m)) for o, m in layout], cfg)
             if records is not None:
                 for rec in records:
-                    _auto[(rec["kernel"], rec["device"])] = rec["chosen"]
                     _auto_log.append(rec)
-                chosen = {rec["chosen"] for rec in records}
-                checked = set()
-                for cand in ("compiled", "native"):
-                    if cand in chosen:
-                        _check_candidate(cand, device, cfg, check, impl)
-                        checked.add(cand)
-                _warmups.append((device, cfg, check, impl, checked))
+                _warmups.append((device, cfg, check, impl, set()))
+                # agree first, then build and check what the ranks will run (adopt): a rank whose own
+                # timing kept compiled, overruled by the others, never imports inductor
+                own = {f"{rec['kernel']}|{rec['device']}": rec["chosen"] for rec in records}
+                if agree:
+                    agree_choices(group, own)
+                else:
+                    adopt(own)
                 return time.perf_counter() - t0
     cands = []
     if use_compiled(impl, device):

@@ -129,7 +129,8 @@ class PBit(VoteExchange):
     def warmup(self) -> float:
         return kernels.warmup(self.ctx.device, bits=(self.o.bits,), levels=(self.levels,), p=(self.p,),
                               rounding=(self.o.rounding,), world_sizes=(self.ctx.world_size,),
-                              impl=self.ctx.kernels, layout=self.ctx.segments or None, clip=self.o.clip)
+                              impl=self.ctx.kernels, layout=self.ctx.segments or None, clip=self.o.clip,
+                              agree=True, group=self.ctx.group)
 
     def state_dict(self) -> dict:
         return {"rng_state": self.gen.get_state()}

@@ -126,7 +126,7 @@ class OneBit(VoteExchange):
         if self.ctx.world_size == 1:
             return 0.0
         return kernels.warmup(self.ctx.device, world_sizes=(self.ctx.world_size,), impl=self.ctx.kernels,
-                              layout=self.ctx.segments or None)
+                              layout=self.ctx.segments or None, agree=True, group=self.ctx.group)
 
 
 def _onebit_bytes(o: OneBitOptions, P: int, n: int, rank: int, rows: int) -> tuple[int, int]:

@@ -21,7 +21,7 @@ LARGE = 100_003
 LENGTHS = (0, 1, 7, 8 * P - 1, 8 * P + 1, LARGE)
 ASSERTIONS = 0
 CHECKS = ("sign_vote", "hierarchical", "int_allreduce", "allreduce_mean", "stats", "subgroup",
-          "cost_model_calibrate", "kernel_choice_agreed")
+          "cost_model_calibrate", "kernel_choice_agreed", "kernel_built_after_agreement")
 
 
 def gather(t: torch.Tensor) -> list[torch.Tensor]:
@@ -399,6 +399,39 @@ def test_kernel_choice_agreed() -> None:
     check(len(set(allc)) == 1, f"ranks follow different kernels after agree_choices: {allc}")
     check(P == 1 or allc[0] != "c", "a candidate rejected on one rank was chosen")
     del K._auto[("agree_probe", "cpu")]
+
+
+
+def test_kernel_built_after_agreement() -> None:
+    """warmup(impl="auto", agree=True) on CPU: the ranks' child-process timings disagree (rank 0 finds
+    compiled fastest, the others native, by more at their slowest), the group agrees on native, and
+    only native is built and checked, on every rank: rank 0 never compiles the kernel it was overruled
+    on (inductor's imports would stay in its memory)."""
+    from comm import kernel_probe, native
+    from comm import kernels as K
+
+    if native.unavailable("cpu") is not None:
+        check(True, "")
+        return
+    fast, slow = {"eager": 9.0, "compiled": 1.0, "native": 2.0}, {"eager": 9.0, "compiled": 5.0, "native": 1.0}
+    recs = [{"kernel": k, "device": "cpu", "n": 4096, "chosen": "compiled" if RANK == 0 else "native",
+             "ms": dict(fast if RANK == 0 else slow), "rejected": [], "line": ""}
+            for k in ("sign_pack", "unpack_majority")]
+    saved = (kernel_probe.measure, K._check_candidate, dict(K._auto), list(K._auto_log), list(K._warmups))
+    built: list[str] = []
+    try:
+        kernel_probe.measure = lambda layout, cfg: [dict(r) for r in recs]
+        K._check_candidate = lambda cand, *a: built.append(cand)
+        os.environ.pop(kernel_probe.ENV, None)
+        K.warmup("cpu", world_sizes=(max(P, 2),), impl="auto", layout=[(0, 4096)], agree=True)
+        chosen = K.kernel_impl("auto", "cpu", "sign_pack")
+    finally:
+        kernel_probe.measure, K._check_candidate = saved[0], saved[1]
+        K._auto.clear(), K._auto.update(saved[2])
+        K._auto_log[:], K._warmups[:] = saved[3], saved[4]
+    want = "compiled" if P == 1 else "native"  # one rank: its own timing decides
+    check(chosen == want, f"rank {RANK} follows {chosen}, expected {want}")
+    check(built == [want], f"rank {RANK} built {built}, expected only {want}")
 
 
 if __name__ == "__main__":
