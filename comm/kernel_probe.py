@@ -25,7 +25,7 @@ import warnings
 import torch
 
 ENV = "LIONCUB_KERNEL_PROBE"  # "0": measure in-process; "child": set in the child itself
-TIMEOUT_S = 600
+TIMEOUT_S = 300  # under comm.timeout_s's default (600): the other ranks wait in the agreement meanwhile
 
 
 def inside() -> bool:
@@ -65,7 +65,14 @@ def measure(layout: list[tuple[int, int]], cfg: dict) -> list[dict] | None:
         warnings.warn(f"kernels: the auto measurement's child process exited with {done.returncode}: "
                       f"{done.stderr.strip()[-1500:]}; measuring in this process", stacklevel=3)
         return None
-    records = json.loads(lines[-1])
+    try:
+        records = json.loads(lines[-1])
+        if not isinstance(records, list) or not all(isinstance(r, dict) and "chosen" in r for r in records):
+            raise ValueError("not a list of choice records")
+    except ValueError as e:  # something else wrote to stdout: measure here rather than guess
+        warnings.warn(f"kernels: the auto measurement's child process answered {lines[-1][:200]!r} ({e}); "
+                      f"measuring in this process", stacklevel=3)
+        return None
     from .kernels import _choice_line
 
     for rec in records:

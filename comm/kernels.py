@@ -419,6 +419,13 @@ def _k_pack_v(v2: torch.Tensor, out: torch.Tensor, bits: int) -> None:
     out.copy_(_pack_groups([v2[:, i].to(torch.int32) for i in range(v2.shape[1])], bits))
 
 
+def _lane_of(y: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """The int32 lane value q + L of clamped float y, with q = int8(y) as lp_quantize converts it
+    (through int32: a NaN y, from an inf in the tensor that zeroes its scale, gives q = 0 as the
+    reference's float -> int8 does, not a lane of INT32_MIN's low bits)."""
+    return y.to(torch.int32).to(torch.int8).to(torch.int32) + levels.to(torch.int32)
+
+
 def _k_quant_blocks(x3: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor, out: torch.Tensor,
                     bits: int) -> None:
     """Lion Cub eq. 1 and the lane packing in one pass over whole blocks of the flat vector:
@@ -427,8 +434,8 @@ def _k_quant_blocks(x3: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor,
     s = scale.unsqueeze(1)
     v = []
     for i in range(x3.shape[2]):
-        y = torch.clamp(torch.round(x3[:, :, i].to(scale.dtype) * s), -levels, levels) + levels
-        v.append(y.to(torch.int32))
+        y = torch.clamp(torch.round(x3[:, :, i].to(scale.dtype) * s), -levels, levels)
+        v.append(_lane_of(y, levels))
     out.copy_(_pack_groups(v, bits))
 
 
@@ -442,7 +449,7 @@ def _k_quant_blocks_stoch(x3: torch.Tensor, scale: torch.Tensor, u3: torch.Tenso
         y = x3[:, :, i].to(scale.dtype) * s
         low = torch.floor(y)
         y = low + (u3[:, :, i] < (y - low)).to(y.dtype)
-        v.append((torch.clamp(y, -levels, levels) + levels).to(torch.int32))
+        v.append(_lane_of(torch.clamp(y, -levels, levels), levels))
     out.copy_(_pack_groups(v, bits))
 
 
@@ -756,9 +763,9 @@ def _quantize_lanes(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p
         compiled_kernel(_k_quant_blocks, bits)((dev.type, dtype_key(c)), c[:nb * QBLOCK].view(nb, -1, per),
                                                scales[bseg], lv, out[:nb * QBLOCK // per].view(nb, -1))
     if words.numel():  # the same float ops as the kernel, so the same lane values
-        y = torch.clamp(torch.round(c[elems].to(scales.dtype) * scales[seg_of]), -levels, levels) + levels
+        y = torch.clamp(torch.round(c[elems].to(scales.dtype) * scales[seg_of]), -levels, levels)
         vals = torch.zeros(words.numel(), dtype=torch.int32, device=dev)
-        vals.index_add_(0, slot, y.to(torch.int32) << (lane.to(torch.int32) * bits))
+        vals.index_add_(0, slot, _lane_of(y, lv) << (lane.to(torch.int32) * bits))
         out[words] = vals.to(out.dtype)
 
 
@@ -817,11 +824,11 @@ def _quantize_lanes_stochastic(c: torch.Tensor, segs: list[tuple[int, int]], lev
             e = elems[lo[i]:lo[i + 1]]
             y = c[e].to(dt) * scales[seg_of[lo[i]:lo[i + 1]]]
             low = torch.floor(y)
-            y = torch.clamp(low + (ui[e - a] < (y - low)).to(dt), -levels, levels) + levels
+            y = torch.clamp(low + (ui[e - a] < (y - low)).to(dt), -levels, levels)
             s0 = first[i]
             sl = slot[lo[i]:lo[i + 1]] - s0
             vals = torch.zeros(int(sl[-1]) + 1, dtype=torch.int32, device=dev)
-            vals.index_add_(0, sl, y.to(torch.int32) << (lane[lo[i]:lo[i + 1]].to(torch.int32) * bits))
+            vals.index_add_(0, sl, _lane_of(y, lv) << (lane[lo[i]:lo[i + 1]].to(torch.int32) * bits))
             out[words[s0:s0 + vals.numel()]] = vals.to(out.dtype)
 
 
@@ -1031,16 +1038,16 @@ def warmup(device: torch.device | str = "cpu", *, bits: Sequence[int] = (), leve
         cands.append("compiled")
     if r == "native" or (r == "auto" and native.unavailable(device) is None):
         cands.append("native")
-    if not cands:
-        return 0.0
     for cand in cands:
         _check_candidate(cand, device, cfg, check, impl)
-    if r == "auto":
+    if r == "auto" and cands:
         _warmups.append((device, cfg, check, impl, set(cands)))
-    if layout is not None and r == "auto":
+    if layout is not None and r == "auto" and cands:
         _measure(device, [(int(o), int(m)) for o, m in layout], **{k: v for k, v in cfg.items()
                                                                     if k != "sign_dtypes"})
-    return time.perf_counter() - t0
+    if agree and r == "auto":  # every rank gathers once here, whichever path it took (a failed child too)
+        agree_choices(group)
+    return time.perf_counter() - t0 if cands else 0.0
 
 
 def _check_candidate(cand: str, device: torch.device, cfg: dict, check: bool, impl: str | None) -> None:

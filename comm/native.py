@@ -17,9 +17,10 @@ Kernels (each one pass over its input, no temporary):
 
 Exactness: the float steps are the reference's, in its order and precision (x converted to the
 scale's dtype, one multiply, round half to even or floor + compare, clamp), compiled with
--ffp-contract=off so no multiply and subtract fuse into an fma, and without -ffast-math. NaN
-converts to int32 as x86's cvttps2dq does (INT32_MIN), as the torch kernels do there; NaN
-payloads are not promised to match (NaN positions are), as in comm.kernels.
+-ffp-contract=off so no multiply and subtract fuse into an fma, and without -ffast-math. A NaN
+y converts to the int8 q the reference's float -> int8 conversion gives (0: through int32, where
+x86's cvttps2dq gives INT32_MIN, whose low byte is 0); an inf in a tensor makes its scale 0 and
+that element's y NaN, so this is reached by an overflowing gradient (tested).
 
 The library is built with -O3 -march=native into a cache directory keyed by the source, the
 compiler, its flags and the host's CPU flags (LIONCUB_NATIVE_CACHE, default
@@ -168,7 +169,8 @@ static void pack_block(const int32_t* v, int bits, void* out_) {
 }
 
 /* ROUND: the rounding of y = x * s in place (e: the element's index in its block, ub: the block's
-   uniforms, NULL for nearest rounding) */
+   uniforms, NULL for nearest rounding). q = int8(y) as the reference converts (a NaN y, from an inf
+   in the tensor that makes its scale 0, gives q = 0 there), then the lane value q + L. */
 #define QUANT_LOOP(T, S, LD, CVT, ROUND)                                                   \
     const int64_t wbytes = (int64_t)QBLOCK * bits / 8;                                     \
     const S lo = (S)(-L), hi = (S)L;                                                       \
@@ -182,7 +184,7 @@ static void pack_block(const int32_t* v, int bits, void* out_) {
             S y = (S)LD(xb, e) * s;                                                        \
             ROUND;                                                                         \
             y = y < lo ? lo : (y > hi ? hi : y);                                           \
-            v[e] = CVT(y + hi);                                                            \
+            v[e] = (int32_t)(int8_t)CVT(y) + L;                                            \
         }                                                                                  \
         pack_block(v, bits, (uint8_t*)out_ + b * wbytes);                                  \
     }
@@ -273,6 +275,18 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _private_dir(d: str) -> str:
+    """d, created with mode 0700 if missing, refused unless this user owns it and nobody else may
+    write to it: a library is loaded from it, so another local user must not be able to plant one."""
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    st = os.stat(d)
+    if hasattr(os, "getuid") and (st.st_uid != os.getuid() or st.st_mode & 0o022):
+        raise RuntimeError(f"the native kernels' cache {d} is owned by uid {st.st_uid} or writable by others "
+                           f"(mode {oct(st.st_mode & 0o777)}); remove it or set {CACHE_ENV} to a directory of "
+                           f"your own")
+    return d
+
+
 def cache_dir() -> str:
     """Where the library is built: $LIONCUB_NATIVE_CACHE, else one directory per user in the temp dir."""
     user = os.getuid() if hasattr(os, "getuid") else 0
@@ -283,19 +297,20 @@ def _build() -> ctypes.CDLL:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (CC, cc, gcc, clang)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, errors="replace").stdout
     key = hashlib.sha256("\0".join([SOURCE, cc, version, " ".join(FLAGS), platform.machine(),
                                     _cpu_flags()]).encode()).hexdigest()[:20]
-    d = cache_dir()
-    os.makedirs(d, exist_ok=True)
+    d = _private_dir(cache_dir())
     so = os.path.join(d, f"lioncub_native_{key}.so")
     if not os.path.exists(so):
         fd, src = tempfile.mkstemp(suffix=".c", dir=d)
         with os.fdopen(fd, "w") as f:
             f.write(SOURCE)
-        tmp = f"{so}.{os.getpid()}.tmp"
+        fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=d)  # unique even across PID namespaces
+        os.close(fd)
         try:
-            done = subprocess.run([cc, *FLAGS, src, "-o", tmp, "-lm"], capture_output=True, text=True)
+            done = subprocess.run([cc, *FLAGS, src, "-o", tmp, "-lm"], capture_output=True, text=True,
+                                  errors="replace")
             if done.returncode != 0:
                 raise RuntimeError(f"building the native kernels with {cc} failed:\n{done.stderr[-2000:]}")
             os.replace(tmp, so)  # atomic: a concurrent rank loads a whole file or builds its own
@@ -327,8 +342,8 @@ def unavailable(device: torch.device | str = "cpu") -> str | None:
         _loaded = True
         try:
             _lib = _build()
-        except (RuntimeError, OSError) as e:
-            _why = str(e)
+        except Exception as e:  # any failure is a reason, never a silent "available" with no library
+            _why = f"{type(e).__name__}: {e}" if not isinstance(e, RuntimeError) else str(e)
     return _why
 
 

@@ -435,6 +435,29 @@ def test_quantize_pack_stochastic_one_stream_over_the_flat_vector(bits, levels, 
         assert calls == ["_k_quant_blocks_stoch"] * -(-(sum(sz) // B) // 256), (ntensors, calls)
 
 
+@compiled
+@pytest.mark.parametrize("bits,levels", [(4, 3), (8, 31), (16, 127)])
+def test_quantize_pack_inf_and_nan_inputs(bits, levels, kdev):
+    """An overflowing gradient: +-inf makes its tensor's M_p inf (scale 0, y = inf * 0 = NaN there)
+    and a NaN makes it NaN (scale 0). The reference converts that NaN to q = 0; the kernels must
+    give the same lane, not INT32_MIN's low bits (a full negative vote), in whole blocks and in the
+    gathered boundary words, with nearest and stochastic rounding."""
+    dev, impl = kdev
+    B = K.QBLOCK
+    sizes = [3 * B + 5, 2 * B - 7, 4 * B]
+    c = _values("random", sum(sizes), seed=9)
+    c[5], c[3 * B + 1], c[3 * B + 20] = float("inf"), float("-inf"), float("nan")  # blocks and boundaries
+    c[5 * B + 100] = float("nan")
+    c = c.to(dev)
+    segs = _layout(sizes)
+    for p in (1.0, 2.0, math.inf):
+        for rnd in ("nearest", "stochastic"):
+            g1, g2 = _gen(3, dev), _gen(3, dev)
+            got = K.quantize_pack(c, segs, levels, p, 2.0, bits, rnd, g1, impl=impl)
+            want = K.wire_of(K.quantize_q(c, segs, levels, p, 2.0, rnd, g2), levels, bits)
+            assert torch.equal(got, want), (p, rnd, (got != want).nonzero()[:5].tolist())
+
+
 def test_stochastic_bounds_cut_whole_blocks_and_follow_the_device():
     """The chunks of the stochastic stream: whole blocks, the partial block in the last chunk, no
     chunk of one block, one chunk under 2 blocks; CUDA's chunks are STOCH_CHUNK_CUDA blocks."""

@@ -95,3 +95,18 @@ def test_native_follows_the_quantizers_it_has():
                            K.wire_of(K.quantize_q(x, segs, 3, None), 3, 4))
         assert torch.equal(K.quantize_pack(x.half(), segs, 3, 1.0, bits=4, impl="native"),
                            K.wire_of(K.quantize_q(x.half(), segs, 3, 1.0), 3, 4))
+
+
+def test_a_cache_directory_others_may_write_to_is_refused(tmp_path, monkeypatch, fresh_native):
+    """The library is loaded from the cache: a directory another user could plant a file in is refused,
+    naming the fix, and a new one is made private (0700)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv(native.CACHE_ENV, str(shared))
+    why = native.unavailable("cpu")
+    assert why is not None and "writable by others" in why and native.CACHE_ENV in why
+    assert not list(shared.iterdir())
+    fresh = tmp_path / "fresh"
+    native._private_dir(str(fresh))
+    assert fresh.stat().st_mode & 0o777 == 0o700

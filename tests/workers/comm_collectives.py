@@ -432,6 +432,33 @@ def test_kernel_built_after_agreement() -> None:
     want = "compiled" if P == 1 else "native"  # one rank: its own timing decides
     check(chosen == want, f"rank {RANK} follows {chosen}, expected {want}")
     check(built == [want], f"rank {RANK} built {built}, expected only {want}")
+    # the last rank's child fails: it times in-process instead, and still joins the agreement once, as
+    # the others do (a second gather on their side alone would pair with its first step collective)
+    saved = (kernel_probe.measure, K._check_candidate, K._measure, dict(K._auto), list(K._auto_log),
+             list(K._warmups))
+    failed = RANK == P - 1
+
+    def measure_here(device, segs, **cfg):
+        for k in ("sign_pack", "unpack_majority"):
+            rec = {"kernel": k, "device": "cpu", "n": 4096, "chosen": "native", "rejected": [], "line": "",
+                   "ms": {"eager": 9.0, "compiled": 3.0, "native": 1.0}}
+            K._auto[(k, "cpu")] = "native"
+            K._auto_log.append(rec)
+
+    try:
+        kernel_probe.measure = lambda layout, cfg: None if failed else [dict(r) for r in recs]
+        K._check_candidate = lambda cand, *a: None
+        K._measure = measure_here
+        K.warmup("cpu", world_sizes=(max(P, 2),), impl="auto", layout=[(0, 4096)], agree=True)
+        K.agree_choices()  # the optimizer's own agreement after its exchange's warm-up, on every rank
+        chosen = K.kernel_impl("auto", "cpu", "unpack_majority")
+    finally:
+        kernel_probe.measure, K._check_candidate, K._measure = saved[0], saved[1], saved[2]
+        K._auto.clear(), K._auto.update(saved[3])
+        K._auto_log[:], K._warmups[:] = saved[4], saved[5]
+    allc: list = [None] * P
+    dist.all_gather_object(allc, chosen)  # a collective count off by one would pair wrongly here
+    check(len(set(allc)) == 1, f"after one rank's failed child the ranks follow {allc}")
 
 
 if __name__ == "__main__":
