@@ -701,7 +701,7 @@ def _pack_v_into(v: torch.Tensor, bits: int, out: torch.Tensor) -> None:
 
 
 _PLANS: dict[tuple, tuple] = {}
-QBLOCK = 1024  # elements per block of the one-pass quantizer (a multiple of every lanes-per-word)
+QBLOCK = native.QBLOCK  # elements per block of the one-pass quantizer (a multiple of every lanes-per-word)
 
 
 def _block_plan(segs: list[tuple[int, int]], per: int, n: int, device: torch.device) -> tuple:

@@ -41,7 +41,7 @@ import torch
 
 CACHE_ENV = "LIONCUB_NATIVE_CACHE"
 NO_COMPILE_ENV = "LIONCUB_NO_COMPILE"  # comm.kernels.NO_COMPILE_ENV: no kernel is built
-QBLOCK = 1024  # elements per quantizer block: comm.kernels.QBLOCK (checked there)
+QBLOCK = 1024  # elements per quantizer block, comm.kernels.QBLOCK's one definition (SOURCE's #define is made from it)
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno", "-std=c11"]
 
 SOURCE = r"""
@@ -49,7 +49,7 @@ SOURCE = r"""
 #include <string.h>
 #include <math.h>
 
-#define QBLOCK 1024
+#define QBLOCK @QBLOCK@
 
 static inline float bf16_f32(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline float ld_f32(const float* x, int64_t i) { return x[i]; }
@@ -246,7 +246,7 @@ void ln_unpack_sign(const void* wire_, int64_t words, int32_t bits, int32_t mul,
     default: UNPACK_LUT(8, uint8_t) break;
     }
 }
-"""
+""".replace("@QBLOCK@", str(QBLOCK))
 
 _lib: ctypes.CDLL | None = None
 _why: str | None = None
