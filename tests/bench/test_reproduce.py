@@ -240,6 +240,36 @@ def test_all_runs_every_study_and_reports_failures(tmp_path, monkeypatch, capsys
     assert main(["all", "--nproc", "2"]) == 2 and len(seen) == 2  # --nproc belongs to one study
 
 
+def test_all_seed_major_trains_one_seed_of_every_study_before_the_next(tmp_path, monkeypatch, capsys):
+    """--seed-major: every training study at its first seed, then at its second, ..., then every study (the toy
+    too) once with all its seeds; each study's recorded command reruns it alone. Refused for a single study."""
+    seen: list = []
+
+    def execute(self, opts, echo=print):
+        seen.append((self.name, opts.seeds, opts.argv))
+        return []
+
+    monkeypatch.setattr(framework.Study, "execute", execute)
+    monkeypatch.setattr(toy.ToyStudy, "execute", execute)
+    assert main(["all", "--seed-major", "--seeds", "5,6", "--out", str(tmp_path)]) == 0
+    training = [n for n, s in STUDIES.items() if s.build is not None]
+    assert "toy" in STUDIES and "toy" not in training and len(training) >= 6
+    tail = ["--out", str(tmp_path)]
+    expect = ([(n, [5], [n, *tail, "--seeds", "5"]) for n in training]
+              + [(n, [6], [n, *tail, "--seeds", "6"]) for n in training]
+              + [(n, [5, 6], [n, "--seeds", "5,6", *tail]) for n in STUDIES])
+    assert seen == expect
+    seen.clear()
+    # each study's own seeds: fig10 and the sweep have one, so the second and third passes leave them out
+    assert main(["all", "--seed-major", "--lr", "from-sweep"]) == 0
+    passes = [(n, s) for n, s, _ in seen if s is not None]
+    assert passes[0] == ("lr_sweep", STUDIES["lr_sweep"].seeds)
+    third = [n for n, s in passes if s == [STUDIES["table2"].seeds[2]]]
+    assert "table2" in third and "fig10" not in third and "lr_sweep" not in third
+    assert [n for n, s, _ in seen if s is None] == ["lr_sweep", *[n for n in STUDIES if n != "lr_sweep"]]
+    assert main(["table2", "--seed-major"]) == 2 and "orders the studies of 'all'" in capsys.readouterr().err
+
+
 def test_optimizer_hooks():
     assert framework.optimizer_available("lion") and framework.optimizer_available("dion")
     assert not framework.optimizer_available("sgd")
