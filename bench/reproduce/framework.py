@@ -779,6 +779,9 @@ class Study:
     # --lr from-sweep: a preset with no sweep arm of its own runs at another arm's best lr (preset -> arm)
     lr_alias: dict[str, str] = field(default_factory=dict)
     lr_from_sweep: bool = True      # False for the sweep itself: --lr from-sweep leaves its runs alone
+    # more runs decided by the finished ones (the lr sweep's grid extended past a best at its edge):
+    # (results so far, scale, seeds, options) -> runs; called until it adds no run it has not listed before
+    extend: Callable[[list["RunResult"], Scale, list[int], Options], list[Run]] | None = None
 
     def scale(self, opts: Options) -> Scale:
         s = self.quick if opts.quick else self.full
@@ -822,20 +825,26 @@ class Study:
         store = opts.store_dir()
         # every run's training tokens against the corpus, before anything launches (a summary of stored runs
         # needs no corpus): a run that would read a token twice refuses the whole study
-        tokens = {} if opts.report_only else {run.name: token_budget(run, scale, opts.allow_repeat) for run in runs
-                                              if all(map(optimizer_available, run.requires))}  # else pending
-        results = []
-        for run in runs:
-            r = ensure_run(run, scale, work, restart=opts.restart, report_only=opts.report_only, echo=echo,
-                           store=store)
-            if r.how != "stored" and run.name in tokens:
-                r.tokens = tokens[run.name]
-            # keep every finished run (trained now or earlier) beyond its run directory, as soon as it is
-            # finished: a study interrupted later (a machine shut down) keeps the runs it had
-            if r.ok and r.how != "stored":
-                r.extras = self.extras(r) if self.extras else {}
-                save_stored(store, r, run_spec(r.run, scale), r.extras)
-            results.append(r)
+        results: list[RunResult] = []
+        while runs:
+            tokens = {} if opts.report_only else {run.name: token_budget(run, scale, opts.allow_repeat) for run in runs
+                                                  if all(map(optimizer_available, run.requires))}  # else pending
+            for run in runs:
+                r = ensure_run(run, scale, work, restart=opts.restart, report_only=opts.report_only, echo=echo,
+                               store=store)
+                if r.how != "stored" and run.name in tokens:
+                    r.tokens = tokens[run.name]
+                # keep every finished run (trained now or earlier) beyond its run directory, as soon as it is
+                # finished: a study interrupted later (a machine shut down) keeps the runs it had
+                if r.ok and r.how != "stored":
+                    r.extras = self.extras(r) if self.extras else {}
+                    save_stored(store, r, run_spec(r.run, scale), r.extras)
+                results.append(r)
+            listed = {r.run.name for r in results}
+            more = self.extend(results, scale, seeds, opts) if self.extend else []
+            runs = [r for r in more if r.name not in listed]
+            for r in runs:
+                echo(f"[{r.name}] added by the finished runs ({self.name})")
         summary = self.summarize(results, scale)
         imported = [r.run.name for r in results if r.ok and r.source.startswith(IMPORTED)]
         if imported:

@@ -755,17 +755,49 @@ SWEEP_SEED = 7            # not one of the comparison seeds: the lr is not chose
 SWEEP_QUICK = ("lion_fp32",)  # --quick: one arm's three values (the summary is the same for all)
 
 
+SWEEP_EXTEND = 2          # full scale: grid values added past each edge at most (quick: none)
+
+
+def _sweep_runs(preset: str, values: Sequence[float], scale: Scale, seeds: list[int]) -> list[Run]:
+    key = SWEEP_ARMS[preset][0]
+    extra = (f"optim.freeze_step={max(1, int(0.15 * scale.steps))}",) if preset == "onebit_adam" else \
+        DION_CONVENTION if preset == "dion" and scale.setting == DEFAULT_SETTING else ()
+    return [Run(run_name(f"sweep_{preset}_lr{v:g}", scale.nproc, seed), variant(preset), (*extra, f"{key}={v:g}"),
+                seed, scale.nproc, (("arm", preset), ("key", key), ("lr", v)))
+            for v in values for seed in seeds]
+
+
 def lr_sweep_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
     arms = SWEEP_QUICK if scale.quick else tuple(SWEEP_ARMS)
-    freeze = f"optim.freeze_step={max(1, int(0.15 * scale.steps))}"
+    return [run for preset in arms for run in _sweep_runs(preset, SWEEP_ARMS[preset][1], scale, seeds)]
+
+
+def next_grid_value(grid: Sequence[float], below: bool) -> float:
+    """The value one step past the grid's lower (or upper) edge, keeping its alternation of steps (1e-4, 3e-4,
+    1e-3 -> 3e-5 below, 3e-3 above; 0.006, 0.02, 0.06 -> 0.002, 0.2): the step two places in from that edge."""
+    g = sorted(grid)
+    v = g[0] * g[1] / g[2] if below else g[-1] * g[-2] / g[-3]
+    return float(f"{v:.3g}")
+
+
+def lr_sweep_extend(results: list[RunResult], scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
+    """An arm whose every value finished and whose best is at the grid's edge gets the next value past that edge
+    (up to SWEEP_EXTEND per side): a best at the edge says only that the best lies there or beyond."""
+    if scale.quick:
+        return []
     out = []
-    for preset in arms:
-        key, values = SWEEP_ARMS[preset]
-        extra = (freeze,) if preset == "onebit_adam" else \
-            DION_CONVENTION if preset == "dion" and scale.setting == DEFAULT_SETTING else ()
-        out += [Run(run_name(f"sweep_{preset}_lr{v:g}", scale.nproc, seed), variant(preset), (*extra, f"{key}={v:g}"),
-                    seed, scale.nproc, (("arm", preset), ("key", key), ("lr", v)))
-                for v in values for seed in seeds]
+    for (arm,), group in group_runs(results, "arm").items():
+        if not all(r.ok for r in group):
+            continue
+        vals = {lr: seed_stats(g, _val, "val_loss")["val_loss_mean"] for (lr,), g in group_runs(group, "lr").items()}
+        if None in vals.values() or len(vals) < 3:
+            continue
+        grid, base = sorted(vals), SWEEP_ARMS[arm][1]
+        best = min(vals, key=vals.get)
+        if best == grid[0] and sum(v < min(base) for v in grid) < SWEEP_EXTEND:
+            out += _sweep_runs(arm, [next_grid_value(grid, below=True)], scale, seeds)
+        elif best == grid[-1] and sum(v > max(base) for v in grid) < SWEEP_EXTEND:
+            out += _sweep_runs(arm, [next_grid_value(grid, below=False)], scale, seeds)
     return out
 
 
@@ -789,8 +821,9 @@ def lr_sweep_summary(results: list[RunResult], scale: Scale) -> Summary:
     notes = [f"One seed ({SWEEP_SEED}, not a comparison seed), {scale.steps} steps per run; best = lowest final "
              "validation loss of the arm. `--lr from-sweep` runs the other studies (Table 2, Fig. 20 compressors, "
              f"Dion's ablation, ...) with each arm at its best value, read from {BEST_LR_FILE} in this results "
-             "directory (written only when every value of the arm finished). A best at the grid's edge means the "
-             "grid should be extended before the comparison is trusted. The Lion family sweeps 1e-4-1e-3, the "
+             "directory (written only when every value of the arm finished). A best at the grid's edge adds the next "
+             f"value past that edge (the grid's step, up to {SWEEP_EXTEND} values per side), so a best still marked "
+             "at the edge lies at or beyond the extended grid. The Lion family sweeps 1e-4-1e-3, the "
              "AdamW family 3e-4-3e-3 (Lion's best lr is typically 3-10x below AdamW's); Muon and Dion sweep the "
              "matrices' lr (their AdamW part on embedding, head and 1-D parameters keeps the setting's optim.lr)."]
     return Summary(rows, cols, notes)
@@ -819,4 +852,4 @@ register(Study(
     "Dion §3 tunes Dion's and Muon's over 0.01-0.05. Not a paper figure: the lr each comparison's arm runs at.",
     quick=quick_scale(4), full=full_scale(300), seeds=[SWEEP_SEED], quick_seeds=[SWEEP_SEED],
     build=lr_sweep_runs, summarize=lr_sweep_summary, plot=lr_sweep_plot, outputs=lr_sweep_best,
-    lr_from_sweep=False))
+    extend=lr_sweep_extend, lr_from_sweep=False))

@@ -417,6 +417,33 @@ def test_lr_sweep_best_lr_feeds_the_other_studies(tmp_path, monkeypatch):
                                        "binsgdm", "loco_adamw", "dion", "muon"}
 
 
+def test_lr_sweep_extends_its_grid_past_a_best_at_the_edge(tmp_path, monkeypatch):
+    """Full scale: an arm whose best value is the grid's smallest gets the next value below (the grid's step),
+    again while the best stays at the edge, at most SWEEP_EXTEND times; a best still at the edge then is flagged.
+    A rerun trains nothing: the added runs are found like the others."""
+    calls: list = []
+    monkeypatch.setattr(framework, "_launch", _lr_launch(calls, 5e-5))
+    monkeypatch.setattr(studies, "SWEEP_ARMS", {a: studies.SWEEP_ARMS[a] for a in ("lion_fp32", "adamw_fp32")})
+    assert studies.next_grid_value([1e-4, 3e-4, 1e-3], below=True) == 3e-5
+    assert studies.next_grid_value([3e-4, 1e-3, 3e-3], below=False) == 1e-2
+    assert studies.next_grid_value([0.006, 0.02, 0.06], below=False) == 0.2
+    out, work = tmp_path / "results", tmp_path / "work"
+    opts = dict(out=out, work=work, allow_repeat=True)
+    STUDIES["lr_sweep"].execute(Options(**opts), echo=lambda s: None)
+    rows = list(csv.DictReader(open(out / "lr_sweep.csv")))
+    grid = {a: sorted(float(r["lr"]) for r in rows if r["arm"] == a) for a in ("lion_fp32", "adamw_fp32")}
+    # Lion: 3e-5 (0.22 from the best in log10) beats 1e-4 (0.30), so 1e-5 is tried and 3e-5 ends inside the grid
+    assert grid["lion_fp32"] == [1e-5, 3e-5, 1e-4, 3e-4, 1e-3]
+    # AdamW: 1e-4, then 3e-5, then the cap: its best stays at the edge and says so
+    assert grid["adamw_fp32"] == [3e-5, 1e-4, 3e-4, 1e-3, 3e-3] and len(calls) == 10
+    best = json.loads((out / framework.BEST_LR_FILE).read_text())["best"]
+    assert (best["lion_fp32"]["value"], best["lion_fp32"]["edge"]) == (3e-5, False)
+    assert (best["adamw_fp32"]["value"], best["adamw_fp32"]["edge"]) == (3e-5, True)
+    calls.clear()
+    STUDIES["lr_sweep"].execute(Options(**opts), echo=lambda s: None)
+    assert calls == [] and len(list(csv.DictReader(open(out / "lr_sweep.csv")))) == 10
+
+
 def test_fig5_embedding_head_arm_and_dion_convention():
     """Fig. 5 syncs the embedding and the head (the paper's arm) beside the head only, in every setting but the
     committed tiny-builtin one; that setting's Dion runs pin the transpose_wide convention they trained under."""
