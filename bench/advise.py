@@ -383,7 +383,7 @@ def quality_evidence(path: Path = EVIDENCE_CSV) -> dict[str, str]:
             break
         d = float(r["val_loss_mean"]) - float(base["val_loss_mean"])
         out[name] = (f"val {d:+.2f} vs lion_fp32 ({r['val_loss_n']} seeds, tiny 300 steps; "
-                     f"docs/results/reproduction.md)" if name != BASELINE else
+                     f"docs/results/reproduction_tiny.md)" if name != BASELINE else
                      f"reference (val {float(r['val_loss_mean']):.2f}, {r['val_loss_n']} seeds)")
     return out
 

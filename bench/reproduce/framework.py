@@ -227,7 +227,8 @@ def machine() -> dict:
 def cpu_model() -> str:
     """The CPU's model name ("" where /proc/cpuinfo is absent). Recorded because torch's CPU kernels pick
     their vector width (AVX2, AVX-512) by the host: the same run on another host rounds differently and,
-    over a few hundred steps, ends as far from the first as another seed does (reproduction.md)."""
+    over a few hundred steps, ends as far from the first as another seed does (docs/results/reproduction.md,
+    "Same seed, another host")."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
