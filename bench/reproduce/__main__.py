@@ -57,9 +57,9 @@ def parser() -> argparse.ArgumentParser:
                     help="launch runs that read a training token twice (refused otherwise: data.loader."
                          "check_no_repeat); the tiny-builtin setting's committed runs did")
     ap.add_argument("--seed-major", action="store_true",
-                    help="all only: train every study at its first seed, then every study at its second, and so on, "
-                         "then write every study's report from all its seeds (nothing left to train by then): an "
-                         "interrupted suite has one seed of every comparison before it has three of any")
+                    help="all only: train every study at its first seed, then every study at its second, and so on "
+                         "(each report, rewritten after every pass, covers the seeds done so far): an interrupted "
+                         "suite has one seed of every comparison before it has three of any")
     ap.add_argument("--alphas", type=_floats, default=None, help="toy only: noise tail indices (default 2,1.5,1,0.5)")
     ap.add_argument("--bits", type=_ints, default=None, help="toy only: bit widths (default 2,4,8)")
     return ap
@@ -90,6 +90,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("error: --seed-major orders the studies of 'all'; one study already trains its seeds in turn",
               file=sys.stderr)
         return 2
+    if args.seed_major and args.restart:
+        print("error: --seed-major reruns each study with the seeds of the passes before it (taken from the store), "
+              "which --restart would retrain every pass; give --restart without --seed-major", file=sys.stderr)
+        return 2
     if args.study == "all":
         if args.nproc or args.steps:
             print("error: --nproc / --steps change one study's runs; give them with a study name, not 'all'",
@@ -98,48 +102,61 @@ def main(argv: Sequence[str] | None = None) -> int:
         # every study in turn; runs shared between studies (table3's P = 4 = table2's 1-bit run, fig6_17 = fig5's
         # no-sync runs, the compressors' Lion rows = table2's) are trained once: later studies find them in the
         # run store. A study that fails does not stop the others; the exit status says so.
-        failed: list[str] = []
         # the lr sweep first: --lr from-sweep studies read its best lr per arm
         order = sorted(STUDIES, key=lambda n: STUDIES[n].lr_from_sweep if args.lr == framework.FROM_SWEEP else 0)
         if args.seed_major:
-            _seed_passes(order, args, argv, failed)
-        for name in order:
-            print(f"== {name}", flush=True)
-            if run_study(name, args, _study_argv(name, argv)) != 0 and name not in failed:
-                failed.append(name)
+            failed = _seed_major(order, args, argv)
+        else:
+            failed = []
+            for name in order:
+                print(f"== {name}", flush=True)
+                if run_study(name, args, _study_argv(name, argv)) != 0:
+                    failed.append(name)
         if failed:
             print(f"error: {len(failed)} study(ies) failed or could not run: {', '.join(failed)}", file=sys.stderr)
         return 1 if failed else 0
     return run_study(args.study, args, argv)
 
 
-def _study_argv(name: str, argv: list[str], seed: int | None = None) -> list[str]:
+def _study_argv(name: str, argv: list[str], seeds: Sequence[int] | None = None) -> list[str]:
     """The command line one study of `all` records in its report: a command that reruns that study alone
-    (--seed-major dropped; in a seed pass, its one seed)."""
-    out, rest = [name], iter(argv[1:])
+    ('all' and --seed-major dropped; in a seed pass, the seeds it covers)."""
+    out, rest, dropped = [name], iter(argv), False
     for a in rest:
-        if a == "--seed-major" or (seed is not None and a.startswith("--seeds")):
+        if a == "all" and not dropped:
+            dropped = True
+            continue
+        if a.startswith("--seed-") and "--seed-major".startswith(a):
+            continue
+        if seeds is not None and a.startswith("--seeds"):
             if a == "--seeds":
                 next(rest, None)
             continue
         out.append(a)
-    return out + (["--seeds", str(seed)] if seed is not None else [])
+    return out + (["--seeds", ",".join(map(str, seeds))] if seeds is not None else [])
 
 
-def _seed_passes(order: Sequence[str], args: argparse.Namespace, argv: list[str], failed: list[str]) -> None:
-    """--seed-major: pass k trains every training study (one that lists runs per seed) at the k-th of its seeds
-    (--seeds, or the study's own), in `order`; studies with their own loop (the toy) wait for the final pass."""
+def _seed_major(order: Sequence[str], args: argparse.Namespace, argv: list[str]) -> list[str]:
+    """--seed-major: pass k runs every training study (one that lists runs per seed) with the first k of its
+    seeds (--seeds, or the study's own), in `order`: the seeds of earlier passes come from the store, so pass k
+    trains the k-th seed only and the report written after it covers every seed done so far. Studies with their
+    own loop (the toy) run once, after the passes. Returns the studies whose last pass failed."""
     lists = {n: args.seeds or (STUDIES[n].quick_seeds if args.quick else STUDIES[n].seeds)
              for n in order if STUDIES[n].build is not None}
+    rc: dict[str, int] = {}
     for k in range(max(map(len, lists.values()), default=0)):
         for name in order:
             if name not in lists or k >= len(lists[name]):
                 continue
-            seed = lists[name][k]
-            print(f"== {name} (seed pass {k + 1}: seed {seed})", flush=True)
-            one = argparse.Namespace(**{**vars(args), "seeds": [seed]})
-            if run_study(name, one, _study_argv(name, argv, seed)) != 0 and name not in failed:
-                failed.append(name)
+            seeds = lists[name][:k + 1]
+            print(f"== {name} (seed pass {k + 1}: seeds {','.join(map(str, seeds))})", flush=True)
+            rc[name] = run_study(name, argparse.Namespace(**{**vars(args), "seeds": seeds}),
+                                 _study_argv(name, argv, seeds))
+    for name in order:
+        if name not in lists:
+            print(f"== {name}", flush=True)
+            rc[name] = run_study(name, args, _study_argv(name, argv))
+    return [n for n in order if rc.get(n)]
 
 
 def run_study(name: str, args: argparse.Namespace, argv: list[str]) -> int:

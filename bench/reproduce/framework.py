@@ -824,8 +824,8 @@ class Study:
         work = opts.work_dir(self.name)
         started = time.strftime("%Y-%m-%d %H:%M:%S")
         store = opts.store_dir()
-        # every run's training tokens against the corpus, before anything launches (a summary of stored runs
-        # needs no corpus): a run that would read a token twice refuses the whole study
+        # every run's training tokens against the corpus, before a round of runs launches (a summary of stored
+        # runs needs no corpus): a run that would read a token twice refuses the whole study
         results: list[RunResult] = []
         while runs:
             tokens = {} if opts.report_only else {run.name: token_budget(run, scale, opts.allow_repeat) for run in runs
@@ -844,6 +844,8 @@ class Study:
             listed = {r.run.name for r in results}
             more = self.extend(results, scale, seeds, opts) if self.extend else []
             runs = [r for r in more if r.name not in listed]
+            if len({r.name for r in runs}) != len(runs):
+                raise ValueError(f"study {self.name}: its extend hook listed a run twice: {[r.name for r in runs]}")
             for r in runs:
                 echo(f"[{r.name}] added by the finished runs ({self.name})")
         summary = self.summarize(results, scale)

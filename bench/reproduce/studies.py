@@ -808,12 +808,16 @@ def lr_sweep_summary(results: list[RunResult], scale: Scale) -> Summary:
         vals = {lr: seed_stats(g, _val, "val_loss")["val_loss_mean"] for (lr,), g in by_lr.items()}
         have = {lr: v for lr, v in vals.items() if v is not None}
         best = min(have, key=have.get) if have else None
-        lrs = sorted(vals)
         for (lr,), g in by_lr.items():
+            # the minimum at the edge of the values that finished: the true best may lie beyond it (the sweep adds
+            # the next value past an edge; a value there that did not finish is named)
+            edge = ""
+            if lr == best and lr in (min(have), max(have)):
+                past = [v for v in vals if (v < lr if lr == min(have) else v > lr)]
+                edge = "edge" + (f"; {', '.join(f'{v:g}' for v in sorted(past))} did not finish" if past else "")
             rows.append({"arm": arm, "key": key, "lr": lr, "status": status_of(g), **seed_stats(g, _val, "val_loss"),
                          **seed_stats(g, _train_tail, "train_loss"), "best": "best" if lr == best else "",
-                         # the minimum at the grid's edge: the true best may lie beyond it (extend the grid)
-                         "edge": "edge" if lr == best and len(have) == len(vals) and lr in (lrs[0], lrs[-1]) else ""})
+                         "edge": edge})
     cols = [Column("arm", "arm (preset)", align="left"), Column("key", "swept", align="left"),
             Column("lr", "value", ".0e"), Column("val_loss_mean", "final val loss"), Column("val_loss_n", "seeds", "d"),
             Column("train_loss_mean", "train loss (last 10 %)"), Column("best", "best", align="left"),
@@ -830,10 +834,12 @@ def lr_sweep_summary(results: list[RunResult], scale: Scale) -> Summary:
 
 
 def lr_sweep_best(summary: Summary, results: list[RunResult], scale: Scale, out: Path) -> list[Path]:
-    """BEST_LR_FILE: the best value per arm whose every swept value finished, with the setting it holds for."""
+    """BEST_LR_FILE: the best value per arm whose every value of the base grid finished (a value the sweep added
+    past an edge that did not finish, e.g. diverged, counts as worse), with the setting it holds for."""
     import json
 
-    done = {a for (a,), g in group_runs(results, "arm").items() if all(r.ok for r in g)}
+    done = {a for (a,), g in group_runs(results, "arm").items()
+            if all(r.ok for r in g if r.run.label("lr") in SWEEP_ARMS[a][1])}
     best = {r["arm"]: {"key": r["key"], "value": r["lr"], "val_loss": r["val_loss_mean"], "edge": bool(r["edge"])}
             for r in summary.rows if r["best"] and r["arm"] in done}
     path = out / BEST_LR_FILE
