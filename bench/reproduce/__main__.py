@@ -60,6 +60,10 @@ def parser() -> argparse.ArgumentParser:
                     help="all only: train every study at its first seed, then every study at its second, and so on "
                          "(each report, rewritten after every pass, covers the seeds done so far): an interrupted "
                          "suite has one seed of every comparison before it has three of any")
+    ap.add_argument("--plan", action="store_true",
+                    help="launch and write nothing: list every run the command would run (with 'all': every "
+                         "study's, a run shared by two studies counted once) and what the run store and the run "
+                         "directories already hold, with an estimate of the time left")
     ap.add_argument("--alphas", type=_floats, default=None, help="toy only: noise tail indices (default 2,1.5,1,0.5)")
     ap.add_argument("--bits", type=_ints, default=None, help="toy only: bit widths (default 2,4,8)")
     return ap
@@ -94,6 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("error: --seed-major reruns each study with the seeds of the passes before it (taken from the store), "
               "which --restart would retrain every pass; give --restart without --seed-major", file=sys.stderr)
         return 2
+    if args.plan:
+        return show_plan(list(STUDIES) if args.study == "all" else [args.study], args)
     if args.study == "all":
         if args.nproc or args.steps:
             print("error: --nproc / --steps change one study's runs; give them with a study name, not 'all'",
@@ -157,6 +163,52 @@ def _seed_major(order: Sequence[str], args: argparse.Namespace, argv: list[str])
             print(f"== {name}", flush=True)
             rc[name] = run_study(name, args, _study_argv(name, argv))
     return [n for n in order if rc.get(n)]
+
+
+STATES = ("stored", "finished", "resumable", "to train")
+
+
+def show_plan(names: Sequence[str], args: argparse.Namespace) -> int:
+    """--plan: per study, its runs by state; a run listed by an earlier study (shared) counted there only."""
+    if args.lr == framework.FROM_SWEEP:
+        names = sorted(names, key=lambda n: STUDIES[n].lr_from_sweep)  # as `all` runs them: the sweep first
+    opts = Options(quick=args.quick, seeds=args.seeds, out=args.out, work=args.work, steps=args.steps,
+                   nproc=args.nproc, setting=args.setting, sets=tuple(args.sets), lr=args.lr)
+    seen: set[str] = set()
+    every: list[framework.Planned] = []
+    print(f"plan: setting {opts.setting_name()}, lr {args.lr}; store {opts.store_dir()}")
+    print(f"{'study':12s} {'runs':>5s} " + " ".join(f"{s:>9s}" for s in STATES) + f" {'pending':>8s}")
+    rc = 0
+    for name in names:
+        study = STUDIES[name]
+        if study.build is None:
+            print(f"{name:12s} runs its own loop, not planned (minutes: see its section)")
+            continue
+        try:
+            planned, note = framework.plan_study(study, opts)
+        except StudyUnavailable as e:
+            print(f"{name:12s} cannot run: {e}")
+            rc = 2
+            continue
+        mine = [p for p in planned if p.run.name not in seen]
+        seen.update(p.run.name for p in planned)
+        every += mine
+        counts = [sum(p.state == s for p in mine) for s in STATES]
+        pending = sum(p.state.startswith("pending") for p in mine)
+        shared = len(planned) - len(mine)
+        print(f"{name:12s} {len(mine):5d} " + " ".join(f"{c:9d}" for c in counts) + f" {pending:8d}"
+              + (f"  (+{shared} shared with an earlier study)" if shared else ""))
+        left = [p.run.name for p in mine if p.left]
+        if left:
+            print(f"{'':12s} left: {', '.join(left)}")
+        if note:
+            print(f"{'':12s} note: {note}")
+    left = [p for p in every if p.left]
+    minutes, how = framework.minutes_left(every)
+    print(f"left: {len(left)} of {len(every)} run(s)"
+          + (f", about {minutes / 60:.1f} h on this machine ({how})" if minutes is not None and left else
+             f" ({how})" if left else ""))
+    return rc
 
 
 def run_study(name: str, args: argparse.Namespace, argv: list[str]) -> int:

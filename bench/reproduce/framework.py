@@ -870,6 +870,83 @@ class Study:
         return paths
 
 
+@dataclass
+class Planned:
+    """One run of a study's plan (--plan): what the store and the run directories already hold for it."""
+    study: str
+    run: Run
+    steps: int
+    state: str                  # stored | finished | resumable | to train | pending: ...
+    wall_s: float | None = None  # a finished run's wall time
+
+    @property
+    def left(self) -> bool:
+        return self.state in ("resumable", "to train")
+
+
+def plan_study(study: "Study", opts: Options) -> tuple[list[Planned], str]:
+    """Every run `study` would run with `opts` and its state, launching nothing and writing nothing (the runs
+    an extend hook adds are listed as the finished ones decide them now); plus a note ("" or why the list is
+    provisional: --lr from-sweep before the sweep has finished names the runs by their lr only then)."""
+    study.check_available()
+    assert study.build, f"study {study.name} trains nothing of its own"
+    scale = study.scale(opts)
+    seeds = opts.seeds or (study.quick_seeds if opts.quick else study.seeds)
+    runs, note = study.build(scale, seeds, opts), ""
+    if opts.lr == FROM_SWEEP and study.lr_from_sweep:
+        try:
+            runs = at_best_lr(runs, read_best_lr(opts, scale), study)
+        except StudyUnavailable:
+            note = (f"each arm's lr comes from the sweep, whose {BEST_LR_FILE} is not written yet: the runs are "
+                    "named (and looked up) here without it")
+    work, store = opts.work_dir(study.name), opts.store_dir()
+    out: list[Planned] = []
+    results: list[RunResult] = []
+    while runs:
+        for run in runs:
+            r = ensure_run(run, scale, work, report_only=True, echo=lambda s: None, store=store)
+            if r.ok:
+                state = "stored" if r.how == "stored" else "finished"
+            elif r.status.startswith("pending"):
+                state = r.status
+            else:
+                run_dir = work / "runs" / run.name
+                same = stored_spec(run_dir) == run_spec(run, scale)
+                state = "resumable" if same and has_checkpoint(run_dir) else "to train"
+            results.append(r)
+            out.append(Planned(study.name, run, scale.steps, state, r.wall_s if r.ok else None))
+        listed = {r.run.name for r in results}
+        runs = [r for r in (study.extend(results, scale, seeds, opts) if study.extend else []) if r.name not in listed]
+    return out, note
+
+
+def minutes_left(planned: Sequence[Planned]) -> tuple[float | None, str]:
+    """Minutes to train the runs left: each at the median wall time of the finished runs of its geometry (world
+    size, steps) in the plan, else the median of any geometry scaled by steps x world size (a rough guess; said
+    so). A resumable run counts whole."""
+    done: dict[tuple[int, int], list[float]] = {}
+    for p in planned:
+        if p.wall_s is not None:
+            done.setdefault((p.run.nproc, p.steps), []).append(p.wall_s)
+    if not done:
+        return None, "no finished run to time"
+    total, scaled = 0.0, 0
+    for p in planned:
+        if not p.left:
+            continue
+        geo = (p.run.nproc, p.steps)
+        if geo in done:
+            total += statistics.median(done[geo])
+        else:
+            (n, k), ws = max(done.items(), key=lambda kv: len(kv[1]))
+            total += statistics.median(ws) * (p.run.nproc * p.steps) / (n * k)
+            scaled += 1
+    how = "median wall time of the finished runs of the same world size and steps"
+    if scaled:
+        how += f"; {scaled} run(s) of a geometry with none finished scaled by steps x world size (rough)"
+    return total / 60, how
+
+
 def run_record(r: RunResult, scale: Scale) -> dict:
     """One line of <study>_runs.jsonl: the spec, status, machine load and the curves."""
     return {"name": r.run.name, "labels": dict(r.run.labels), "config": r.run.config,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
+import re
 import math
 import shlex
 import statistics
@@ -469,6 +471,44 @@ def test_lr_sweep_extends_its_grid_past_a_best_at_the_edge(tmp_path, monkeypatch
     assert o.failed == [next(n for n in o.failed if n.startswith("sweep_adamw_fp32_lr0.01_"))]
     best = json.loads((tmp_path / "r2" / framework.BEST_LR_FILE).read_text())["best"]
     assert (best["adamw_fp32"]["value"], best["adamw_fp32"]["edge"]) == (3e-3, True)
+
+
+def test_plan_lists_each_run_state_and_the_time_left(tmp_path, monkeypatch, capsys):
+    """--plan launches and writes nothing: per study the runs stored, finished in their run directory,
+    resumable (a checkpoint of the same spec) or to train, a run shared with an earlier study counted once,
+    and the time left from the finished runs' wall times."""
+    calls: list = []
+    monkeypatch.setattr(framework, "_launch", _lr_launch(calls, 3e-4))
+    out, work = tmp_path / "results", tmp_path / "work"
+    common = ["--quick", "--out", str(out), "--work", str(work)]
+    assert main(["lr_sweep", *common]) == 0 and len(calls) == 3
+    capsys.readouterr()
+    assert main(["lr_sweep", "--plan", *common]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"^lr_sweep +3 +0 +3 +0 +0 +0$", text, re.M) and "left: 0 of 3 run(s)" in text
+    # the run directories gone: the store holds them; one run's directory with a checkpoint of its own spec
+    # is resumable, and table2 / table3 (sharing its P = 2 1-bit run) are to train, the shared run counted once
+    shutil.rmtree(work)
+    planned, _ = framework.plan_study(STUDIES["table2"], Options(quick=True, out=out, work=work))
+    first = planned[0]
+    run_dir = work / "runs" / first.run.name
+    (run_dir / "ckpt" / "step_3").mkdir(parents=True)
+    scale = STUDIES["table2"].scale(Options(quick=True))
+    (run_dir / framework.SPEC_FILE).write_text(json.dumps(framework.run_spec(first.run, scale)))
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    assert main(["all", "--plan", *common]) == 0
+    text = capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before and len(calls) == 3  # nothing launched or written
+    assert re.search(r"^lr_sweep +3 +3 +0 +0 +0 +0$", text, re.M)
+    n2 = len(planned)
+    assert re.search(rf"^table2 +{n2} +0 +0 +1 +{n2 - 1} +0$", text, re.M)
+    assert re.search(r"^table3 +\d+ .*\(\+1 shared with an earlier study\)$", text, re.M)
+    left = int(re.search(r"^left: (\d+) of", text, re.M).group(1))
+    assert left > n2 and "about" in text and "h on this machine" in text
+    # --lr from-sweep before the sweep wrote its best values: the plan says so
+    (out / framework.BEST_LR_FILE).unlink()
+    assert main(["table2", "--plan", "--lr", framework.FROM_SWEEP, *common]) == 0
+    assert "is not written yet" in capsys.readouterr().out
 
 
 def test_fig5_embedding_head_arm_and_dion_convention():
