@@ -848,8 +848,67 @@ def lr_sweep_best(summary: Summary, results: list[RunResult], scale: Scale, out:
     return [path]
 
 
+SWEEP_SMOOTH = 5  # train-loss panels: mean over this many logged points (a 300-step run logs every 5th step)
+
+
 def lr_sweep_plot(results: list[RunResult], path: Path) -> None:
-    _loss_panels(results, path, "arm", "lr", "lr sweep", keys=("train_loss", "val_loss"))
+    """Top row: final val loss against the swept value, one line per arm (optim.lr arms, then the matrix-lr
+    arms, whose values are on another scale), and the val curves of each arm at its best value. Below: one
+    panel per arm, train loss (a running mean over SWEEP_SMOOTH logged points) per value, val loss as markers."""
+    plt = pyplot()
+    arms = group_runs(results, "arm", "key")
+    cols = 3
+    rows = 1 + -(-len(arms) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.8 * rows), squeeze=False)
+    finals = {}
+    for (arm, key), group in arms.items():
+        pts = sorted((lr, m) for (lr,), g in group_runs(group, "lr").items()
+                     if (m := seed_stats(g, _val, "val_loss")["val_loss_mean"]) is not None)
+        finals[(arm, key)] = pts
+    keys = sorted({k for _, k in arms}, key=lambda k: k != "optim.lr")
+    for ax, key in zip(axes[0][:2], keys):
+        for (arm, k), pts in finals.items():
+            if k == key and pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=arm)
+        ax.set_xscale("log")
+        ax.set_title(f"final val loss against {key}", fontsize=10)
+        ax.set_xlabel(key)
+        ax.set_ylabel("final val loss")
+        ax.grid(alpha=0.3, which="both")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    ax = axes[0][2]
+    for (arm, key), pts in finals.items():
+        if pts:
+            best = min(pts, key=lambda p: p[1])[0]
+            xs, ys = mean_curve([r for r in arms[(arm, key)] if r.run.label("lr") == best], "val_loss")
+            if xs:
+                ax.plot(xs, ys, marker=".", label=f"{arm} ({best:g})")
+    ax.set_title("val loss at each arm's best value", fontsize=10)
+    ax.set_xlabel("step")
+    ax.set_ylabel("val loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    for ax in list(axes[0][len(keys):2]) + list(axes.flat[cols + len(arms):]):
+        ax.axis("off")
+    for ax, ((arm, key), group) in zip(axes.flat[cols:], arms.items()):
+        for (lr,), g in sorted(group_runs(group, "lr").items()):
+            xs, ys = mean_curve(g, "train_loss")
+            if xs:
+                k = min(SWEEP_SMOOTH, len(ys))
+                sm = [statistics.fmean(ys[max(0, i - k + 1):i + 1]) for i in range(len(ys))]
+                line, = ax.plot(xs, sm, label=f"{lr:g}")
+                vx, vy = mean_curve(g, "val_loss")
+                ax.plot(vx, vy, marker="o", linestyle="none", color=line.get_color())
+        ax.set_title(f"{arm}: train loss (mean of {SWEEP_SMOOTH} logged), val (dots)", fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, title=key, title_fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
 
 
 register(Study(
