@@ -55,6 +55,7 @@ SPEC_FILE = "reproduce_spec.json"  # written next to the trainer's files, after 
 LOAD_FILE = "reproduce_load.json"  # load average and wall time of the launch that produced the run
 STORE_DIR = "store"                # under the results directory: <run name>.json.gz per finished run
 IMPORTED = "imported"              # the source prefix of store entries rebuilt from an older raw record
+NOT_RUN = "failed: not run"   # the status of a run --report-only found neither finished nor stored
 TRAINER_FILES = ("config.yaml", "metrics.jsonl", "ckpt")
 
 
@@ -391,7 +392,7 @@ def ensure_run(run: Run, scale: Scale, work: Path, *, restart: bool = False, rep
                          how="stored", extras=entry.get("extras") or {}, source=entry.get("source", "trained"),
                          machine=entry.get("machine"), tokens=entry.get("tokens"))
     elif report_only:
-        res.status = "failed: not run (--report-only)"
+        res.status = f"{NOT_RUN} (--report-only)"
         return res
     else:
         resume = "auto" if same and has_checkpoint(run_dir) and not restart else "overwrite"

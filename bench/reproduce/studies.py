@@ -16,9 +16,9 @@ from typing import Sequence
 import comm
 from model import IO_ROLES, MATRIX_ROLES, ROLES
 
-from .framework import (BEST_LR_FILE, DEFAULT_SETTING, FROM_SWEEP, Column, Options, Run, RunResult, Scale, Study,
-                        Summary, full_scale, group_runs, mean_curve, mean_std, paired_stats, pyplot, quick_scale,
-                        register, run_wire_factor, seed_stats, status_of)
+from .framework import (BEST_LR_FILE, DEFAULT_SETTING, FROM_SWEEP, NOT_RUN, Column, Options, Run, RunResult, Scale,
+                        Study, Summary, full_scale, group_runs, mean_curve, mean_std, paired_stats, pyplot,
+                        quick_scale, register, run_wire_factor, seed_stats, status_of)
 
 FULL_SEEDS = [1337, 1338, 1339]
 QUICK_SEEDS = [1337]
@@ -834,12 +834,14 @@ def lr_sweep_summary(results: list[RunResult], scale: Scale) -> Summary:
 
 
 def lr_sweep_best(summary: Summary, results: list[RunResult], scale: Scale, out: Path) -> list[Path]:
-    """BEST_LR_FILE: the best value per arm whose every value of the base grid finished (a value the sweep added
-    past an edge that did not finish, e.g. diverged, counts as worse), with the setting it holds for."""
+    """BEST_LR_FILE: the best value per arm whose every value of the base grid finished and whose values added
+    past an edge were tried (one that failed, e.g. diverged, counts as worse; one not run yet, as under
+    --report-only, leaves the arm out until it is), with the setting it holds for."""
     import json
 
     done = {a for (a,), g in group_runs(results, "arm").items()
-            if all(r.ok for r in g if r.run.label("lr") in SWEEP_ARMS[a][1])}
+            if all(r.ok for r in g if r.run.label("lr") in SWEEP_ARMS[a][1])
+            and not any(r.status.startswith(NOT_RUN) for r in g)}
     best = {r["arm"]: {"key": r["key"], "value": r["lr"], "val_loss": r["val_loss_mean"], "edge": bool(r["edge"])}
             for r in summary.rows if r["best"] and r["arm"] in done}
     path = out / BEST_LR_FILE

@@ -471,6 +471,14 @@ def test_lr_sweep_extends_its_grid_past_a_best_at_the_edge(tmp_path, monkeypatch
     assert o.failed == [next(n for n in o.failed if n.startswith("sweep_adamw_fp32_lr0.01_"))]
     best = json.loads((tmp_path / "r2" / framework.BEST_LR_FILE).read_text())["best"]
     assert (best["adamw_fp32"]["value"], best["adamw_fp32"]["edge"]) == (3e-3, True)
+    # --report-only on the store alone: the value past the edge was never stored, so it is "not run" there and
+    # the arm has no best until it is tried (the sweep would otherwise hand out the edge value)
+    r3 = tmp_path / "r3"
+    shutil.copytree(tmp_path / "r2" / "store", r3 / "store")
+    o = Options(out=r3, work=tmp_path / "w3", report_only=True)
+    STUDIES["lr_sweep"].execute(o, echo=lambda s: None)
+    assert json.loads((r3 / framework.BEST_LR_FILE).read_text())["best"] == {}
+    assert any(n.startswith("sweep_adamw_fp32_lr0.01_") for n in o.failed)
 
 
 def test_plan_lists_each_run_state_and_the_time_left(tmp_path, monkeypatch, capsys):
