@@ -18,7 +18,7 @@ tokenizer (manifest.json) cannot produce, are a DataError naming the file, the v
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -125,13 +125,32 @@ def _range_checker(paths: list[Path], arrays: list[np.ndarray], data_dir, vocab_
     return check
 
 
+ORDERS = ("sequential", "shuffled")
+"""data.order: sequential = the stream in order, each global batch the next world x batch x seq_len tokens,
+split into adjacent per-rank chunks (shards permuted per epoch); shuffled = non-overlapping seq_len windows
+of the stream in a seeded permutation per epoch, each rank its own windows of a global batch, so no two ranks
+(and no two rows) read adjacent text and still no token is read twice in an epoch."""
+
+
+def check_order(order: str) -> None:
+    if order not in ORDERS:
+        raise DataError(f"data.order={order!r}: expected one of {', '.join(ORDERS)}")
+
+
+def _windows(stream: "_Stream", starts: Sequence[int], block_size: int) -> np.ndarray:
+    """(len(starts) * (block_size + 1),) tokens: the window of block_size inputs + 1 target at each start."""
+    return np.concatenate([stream.read((0, 0, int(w) * block_size), block_size + 1) for w in starts])
+
+
 class ShardLoader:
-    """Train batches for one rank; deterministic given (data, seed, geometry), exactly resumable.
-    `vocab_size`: the model's; each shard's ids are range-checked when it is first read."""
+    """Train batches for one rank; deterministic given (data, seed, geometry, order), exactly resumable.
+    `vocab_size`: the model's; each shard's ids are range-checked when it is first read. `order`: ORDERS."""
 
     def __init__(self, data_dir: str | os.PathLike, split: str, batch_size: int, block_size: int,
-                 rank: int, world_size: int, seed: int, vocab_size: int | None = None):
+                 rank: int, world_size: int, seed: int, vocab_size: int | None = None, order: str = "sequential"):
         _check_geometry(batch_size, block_size, rank, world_size)
+        check_order(order)
+        self.order = order
         if seed < 0:
             raise ValueError(f"seed must be >= 0 (it seeds the per-epoch shard order), got {seed}")
         self.paths = split_shards(data_dir, split)
@@ -145,8 +164,17 @@ class ShardLoader:
                              f"global batch ({world_size} ranks x {batch_size} x {block_size} + 1 = {need}); "
                              f"use a smaller batch_size/block_size or more data")
         self._check = _range_checker(self.paths, arrays, data_dir, vocab_size)
-        self._stream = _Stream(arrays, seed, self._check)
+        self._stream = _Stream(arrays, seed if order == "sequential" else None, self._check)
         self._pos = (0, 0, 0)
+        # shuffled: (epoch, index of the next global batch's first window in that epoch's permutation)
+        self.n_windows = (sum(self.lengths) - 1) // block_size
+        self._wpos = (0, 0)
+        self._perm_cache: tuple[int, np.ndarray] | None = None
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if self._perm_cache is None or self._perm_cache[0] != epoch:
+            self._perm_cache = (epoch, np.random.default_rng([self.seed, epoch, 1]).permutation(self.n_windows))
+        return self._perm_cache[1]
 
     def check_all(self) -> None:
         """Range-check every shard now instead of on first read (reads all the data once)."""
@@ -156,6 +184,15 @@ class ShardLoader:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) int64 (batch_size, block_size): this rank's slice of the next global batch."""
+        if self.order == "shuffled":
+            epoch, k = self._wpos
+            per_batch = self.world_size * self.batch_size
+            mine = self._perm(epoch)[k + self.rank * self.batch_size:k + (self.rank + 1) * self.batch_size]
+            k += per_batch
+            self._wpos = (epoch + 1, 0) if k + per_batch > self.n_windows else (epoch, k)
+            buf = _windows(self._stream, mine, self.block_size).reshape(self.batch_size, self.block_size + 1)
+            t = torch.from_numpy(buf)
+            return t[:, :-1].contiguous(), t[:, 1:].contiguous()
         local = self.batch_size * self.block_size
         start = self._stream.advance(self._pos, self.rank * local)
         buf = self._stream.read(start, local + 1)
@@ -163,9 +200,13 @@ class ShardLoader:
         return _to_xy(buf, self.batch_size, self.block_size)
 
     def state_dict(self) -> dict:
+        mine = {"seed": self.seed, "split": self.split, "shards": [p.name for p in self.paths],
+                "shard_tokens": list(self.lengths)}
+        if self.order == "shuffled":
+            return {"order": "shuffled", "epoch": self._wpos[0], "window": self._wpos[1],
+                    "block_size": self.block_size, **mine}
         epoch, shard, position = self._stream.normalize(self._pos)
-        return {"epoch": epoch, "shard": shard, "position": position, "seed": self.seed,
-                "split": self.split, "shards": [p.name for p in self.paths], "shard_tokens": list(self.lengths)}
+        return {"epoch": epoch, "shard": shard, "position": position, **mine}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a position saved by `state_dict()` (any rank's; world size may differ)."""
@@ -178,6 +219,20 @@ class ShardLoader:
             if key in state and state[key] != value:
                 raise DataError(f"loader state does not match this data: {key} was {state[key]!r}, now "
                                 f"{value!r}; resume with the same data dir and seed")
+        was = state.get("order", "sequential")  # states written before data.order were sequential
+        if was != self.order:
+            raise DataError(f"loader state is of a data.order={was} run, this run has data.order={self.order}; "
+                            f"resume with the same data.order")
+        if self.order == "shuffled":
+            epoch, k = int(state["epoch"]), int(state["window"])
+            if state.get("block_size") != self.block_size:
+                raise DataError(f"loader state has windows of {state.get('block_size')} tokens, this run "
+                                f"{self.block_size} (data.seq_len); resume with the same data.seq_len")
+            if epoch < 0 or not 0 <= k < self.n_windows:
+                raise DataError(f"loader state (epoch={epoch}, window={k}) is out of range for "
+                                f"{self.n_windows} windows")
+            self._wpos = (epoch, k)
+            return
         epoch, shard, position = int(state["epoch"]), int(state["shard"]), int(state["position"])
         in_range = epoch >= 0 and 0 <= shard < len(self.paths)
         if not (in_range and 0 <= position < self.lengths[self._stream.order(epoch)[shard]]):
@@ -195,7 +250,8 @@ class MixLoader:
     position and count, so a resume continues the mix exactly."""
 
     def __init__(self, sources: list[tuple[str, str | os.PathLike, float]], split: str, batch_size: int,
-                 block_size: int, rank: int, world_size: int, seed: int, vocab_size: int | None = None):
+                 block_size: int, rank: int, world_size: int, seed: int, vocab_size: int | None = None,
+                 order: str = "sequential"):
         """`sources`: (name as configured, prepared directory, weight > 0) per dataset."""
         if not sources:
             raise ValueError("MixLoader needs at least one source")
@@ -205,7 +261,7 @@ class MixLoader:
         total = sum(w for _, _, w in sources)
         self.names = [name for name, _, _ in sources]
         self.weights = [w / total for _, _, w in sources]
-        self.loaders = [ShardLoader(d, split, batch_size, block_size, rank, world_size, seed, vocab_size)
+        self.loaders = [ShardLoader(d, split, batch_size, block_size, rank, world_size, seed, vocab_size, order)
                         for _, d, _ in sources]
         self.taken = [0] * len(sources)
 
@@ -247,15 +303,23 @@ def train_tokens_read(batch_size: int, block_size: int, world_size: int, steps: 
 
 
 def check_no_repeat(data_dir: str | os.PathLike, batch_size: int, block_size: int, world_size: int, steps: int,
-                    grad_accum: int = 1) -> str:
+                    grad_accum: int = 1, order: str = "sequential") -> str:
     """For a run that must never read a training token twice (a study of pretraining, not of
     memorisation): return the line 'train tokens read R of A available (x %)', or raise a DataError
-    when R > A, i.e. when the stream would wrap into a second epoch."""
+    when R > A, i.e. when the stream would wrap into a second epoch (order="shuffled": when its global
+    batches of whole windows would run past the epoch's windows)."""
+    check_order(order)
     total = sum(len(open_shard(p)) for p in split_shards(data_dir, "train"))
     seen = train_tokens_read(batch_size, block_size, world_size, steps, grad_accum)
     line = f"train tokens read {seen:,} of {total:,} available ({100 * seen / max(total, 1):.1f} %)"
-    if seen > total:
+    per_batch = world_size * batch_size
+    fits = steps * grad_accum <= ((total - 1) // block_size) // per_batch if order == "shuffled" else seen <= total
+    if not fits:
         per_step = grad_accum * world_size * batch_size * block_size
+        if order == "shuffled":
+            raise DataError(f"{data_dir}: a run of {steps} steps with data.order=shuffled would read training tokens "
+                            f"twice: {line}; run at most {((total - 1) // block_size) // per_batch // grad_accum} "
+                            f"steps with this geometry, or use more data")
         raise DataError(f"{data_dir}: a run of {steps} steps ({world_size} ranks x {grad_accum} x {batch_size} x "
                         f"{block_size} tokens per step) would read training tokens twice: {line}; run at most "
                         f"{max(0, (total - 1) // per_step)} steps with this geometry, or use more data")
@@ -271,9 +335,10 @@ def val_batch_count(data_dir: str | os.PathLike, batch_size: int, block_size: in
 
 def val_batches(data_dir: str | os.PathLike, batch_size: int, block_size: int, rank: int,
                 world_size: int, n_batches: int | None,
-                vocab_size: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                vocab_size: int | None = None,
+                order: str = "sequential") -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The first `n_batches` global batches of the val shards (index order, no wrap), this rank's
-    slice of each. `n_batches=None` yields every full global batch the val split holds; asking for
+    slice of each (order="shuffled": windows of block_size at evenly spread starts over the whole split). `n_batches=None` yields every full global batch the val split holds; asking for
     more than that raises DataError (checked here, before the first batch; `val_batch_count`
     says how many there are). `vocab_size`: the model's, to range-check the ids read."""
     _check_geometry(batch_size, block_size, rank, world_size)
@@ -289,10 +354,18 @@ def val_batches(data_dir: str | os.PathLike, batch_size: int, block_size: int, r
                          f"{world_size} ranks x {batch_size} x {block_size} (+1), asked for {n_batches}; "
                          f"evaluate on at most {available} batches (or pass n_batches=None), use a smaller "
                          f"batch, or prepare more val data")
+    check_order(order)
     stream = _Stream(arrays, seed=None, check=_range_checker(paths, arrays, data_dir, vocab_size))
+    n_win, wanted = (total - 1) // block_size, n_batches * world_size * batch_size
 
     def gen() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for i in range(n_batches):
+            if order == "shuffled":  # windows spread evenly over the whole split: every part of it is judged
+                first = (i * world_size + rank) * batch_size
+                starts = [(j * n_win) // wanted for j in range(first, first + batch_size)]
+                t = torch.from_numpy(_windows(stream, starts, block_size).reshape(batch_size, block_size + 1))
+                yield t[:, :-1].contiguous(), t[:, 1:].contiguous()
+                continue
             start = stream.normalize((0, 0, (i * world_size + rank) * local))
             yield _to_xy(stream.read(start, local + 1), batch_size, block_size)
 

@@ -93,6 +93,11 @@ class DataConfig:
     """Tokens per sequence (<= the model's block size)."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step on each rank."""
+    order: str = "sequential"
+    """How the train stream is read (data.loader.ORDERS): sequential (each global batch the next
+    consecutive tokens, split into adjacent per-rank chunks) or shuffled (seq_len windows in a seeded
+    permutation per epoch: ranks and rows read unrelated text, still no token twice an epoch; the val
+    batches are windows spread over the whole val split)."""
     cache_dir: str = ""
     """Where the built-in corpus and tokenizer cache live; empty = <repo>/.cache."""
     mix: dict = field(default_factory=dict)
@@ -645,6 +650,7 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
     m, d, o, c, t, lg, dg = cfg.model, cfg.data, cfg.optim, cfg.comm, cfg.train, cfg.log, cfg.diag
     choice(p, "model.preset", m.preset, list(PRESETS))
     choice(p, "model.pos_emb", m.pos_emb, ["rope", "learned"])
+    choice(p, "data.order", d.order, ["sequential", "shuffled"])  # data.loader.ORDERS (config imports no data/)
     for key, val, lo in [("data.batch_size", d.batch_size, 1), ("data.seq_len", d.seq_len, 1),
                          ("data.grad_accum", d.grad_accum, 1), ("train.max_steps", t.max_steps, 1),
                          ("train.eval_steps", t.eval_steps, 1), ("train.log_every", t.log_every, 1),

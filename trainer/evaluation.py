@@ -44,7 +44,7 @@ class Evaluator:
         model.eval()
         d = self.cfg.data
         batches = val_batches(self.data_dir, d.batch_size, d.seq_len, self.info.rank, self.info.world_size,
-                              self.steps, vocab_size=self.vocab_size)
+                              self.steps, vocab_size=self.vocab_size, order=d.order)
         loss, _ = evaluation.mean_batch_loss(forward, batches, self.info.device, self.autocast)
         return mean_over_ranks([loss], self.info.device)[0]
 

@@ -92,10 +92,10 @@ class Trainer:
         if self.mix_dirs:
             self.loader = MixLoader([(name, self.mix_dirs[name], w) for name, w in d.mix.items()], "train",
                                     d.batch_size, d.seq_len, info.rank, info.world_size, cfg.train.seed,
-                                    vocab_size=self.model_config.vocab_size)
+                                    vocab_size=self.model_config.vocab_size, order=d.order)
         else:
             self.loader = ShardLoader(self.data_dir, "train", d.batch_size, d.seq_len, info.rank, info.world_size,
-                                      cfg.train.seed, vocab_size=self.model_config.vocab_size)
+                                      cfg.train.seed, vocab_size=self.model_config.vocab_size, order=d.order)
         self.tokens_per_step = d.batch_size * d.seq_len * d.grad_accum * info.world_size
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                          if self.device.type == "cuda" and cfg.train.dtype == "bfloat16" else contextlib.nullcontext())

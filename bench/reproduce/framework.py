@@ -125,10 +125,19 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting(DEFAULT_SETTING, "tiny preset (GPT-2 vocabulary, 94 % embedding and head), built-in corpus (~110K "
                              "tokens: a 300-step run at 4 ranks reads it about five times)"),
     Setting("study-prose", "study preset (8 x 320, 79 % attn / mlp matrices), prose corpus (data/prose: "
-                           "`python -m data.prepare prose --out data/prose`), its 8192-id BPE",
-            full=("model.preset=study", "data.dataset=data/prose"), quick=("data.dataset=data/prose",),
+                           "`python -m data.prepare prose --out data/prose`), its 8192-id BPE, read in shuffled "
+                           "windows (data.order=shuffled: every rank and row unrelated text, no token twice)",
+            full=("model.preset=study", "data.dataset=data/prose", "data.order=shuffled"),
+            quick=("data.dataset=data/prose", "data.order=shuffled"),
             # the verdicts are final val losses: 64 global batches (131K tokens at 4 ranks, a quarter of the val
-            # split's documents) instead of 8 (16K tokens: its first three documents), three times a run
+            # split, in windows spread over all of it) instead of 8, three times a run
+            evals=3, eval_steps=64),
+    # the first study-prose runs (2026-11-26), superseded: the train stream read in order, so the four ranks of
+    # a step read adjacent chunks of one document (correlated workers), and evaluation the val split's first
+    # quarter; kept so that its committed lr sweep rebuilds from its store
+    Setting("study-prose-sequential", "as study-prose, but the train stream read in order (the four ranks of a "
+                                      "step read adjacent chunks of one document; superseded)",
+            full=("model.preset=study", "data.dataset=data/prose"), quick=("data.dataset=data/prose",),
             evals=3, eval_steps=64),
 )}
 
@@ -460,7 +469,8 @@ def token_budget(run: Run, scale: Scale, allow_repeat: bool = False) -> dict:
         available = sum(len(open_shard(p)) for p in split_shards(data_dir, "train"))
         read = train_tokens_read(d.batch_size, d.seq_len, run.nproc, cfg.train.max_steps, d.grad_accum)
         if not allow_repeat:
-            check_no_repeat(data_dir, d.batch_size, d.seq_len, run.nproc, cfg.train.max_steps, d.grad_accum)
+            check_no_repeat(data_dir, d.batch_size, d.seq_len, run.nproc, cfg.train.max_steps, d.grad_accum,
+                            d.order)
     except DataError as e:
         raise StudyUnavailable(f"run {run.name}: {e}" + ("" if "twice" not in str(e) else
                                " (or pass --allow-repeat to train on repeated tokens, as the tiny-builtin "

@@ -338,6 +338,11 @@ def test_setting_is_in_the_run_key_and_its_own_directory():
     assert "model.preset=tiny" in specs["tiny-builtin"] and "data.dataset=data/prose" not in specs["tiny-builtin"]
     pro = specs["study-prose"]
     assert "model.preset=study" in pro and "model.preset=tiny" not in pro and "data.dataset=data/prose" in pro
+    # study-prose reads shuffled windows; its superseded first runs read the stream in order (their own key)
+    seq = framework.run_spec(t2.build(t2.scale(Options(setting="study-prose-sequential")), [1], base)[0],
+                             t2.scale(Options(setting="study-prose-sequential")))["overrides"]
+    assert "data.order=shuffled" in pro and "data.order=shuffled" not in seq
+    assert [o for o in pro if o != "data.order=shuffled"] == seq
     ext = next(v for k, v in specs.items() if k.startswith("study-prose+"))
     assert "optim.warmup_steps=5" in ext and "optim.warmup_steps=20" not in ext
     assert len(set(map(tuple, specs.values()))) == 3

@@ -228,3 +228,91 @@ def test_mix_proportions_within_one_batch_and_exact_resume(tmp_path: Path) -> No
         MixLoader(sources[:2], "train", 2, 8, 0, 2, seed=3).load_state_dict(a_state)
     with pytest.raises(DataError, match="data.mix run"):
         ShardLoader(dirs[0], "train", 2, 8, 0, 2, seed=3).load_state_dict(a_state)
+
+
+# data.order=shuffled: seq_len windows in a seeded permutation per epoch
+
+def _window_of(x: torch.Tensor, y: torch.Tensor, T: int, lens=SHARD_LENS) -> list[int]:
+    """The window index of each row: rows must be whole windows of the concatenated stream (shard s's token
+    i is s*10000 + i), their targets the inputs shifted by one."""
+    flat = np.concatenate([np.arange(n) + s * 10000 for s, n in enumerate(lens)])
+    out = []
+    for row_x, row_y in zip(x.tolist(), y.tolist()):
+        start = int(np.flatnonzero(flat == row_x[0])[0])
+        assert start % T == 0 and row_x == flat[start:start + T].tolist(), "not a whole window"
+        assert row_y == flat[start + 1:start + T + 1].tolist()
+        out.append(start // T)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_shuffled_order_reads_every_window_once_per_epoch_disjoint_across_ranks(tmp_path: Path,
+                                                                              world_size: int) -> None:
+    make_shards(tmp_path)
+    B, T, seed = 2, 16, 5
+    n_win = (sum(SHARD_LENS) - 1) // T
+    per_epoch = n_win // (world_size * B)
+    loaders = [ShardLoader(tmp_path, "train", B, T, r, world_size, seed, order="shuffled")
+               for r in range(world_size)]
+    epochs: list[list[int]] = []
+    for _ in range(2):
+        seen = []
+        for _ in range(per_epoch):
+            for ld in loaders:
+                seen += _window_of(*ld.next_batch(), T)
+        assert len(seen) == len(set(seen)) == per_epoch * world_size * B  # no window twice in an epoch
+        epochs.append(seen)
+    assert epochs[0] != epochs[1] and epochs[0] != sorted(epochs[0])  # a permutation, another each epoch
+    if per_epoch * world_size * B == n_win:
+        assert sorted(epochs[0]) == list(range(n_win))  # every window read
+    # not the sequential layout, where every row follows the one before: here few do (by chance only)
+    pairs = list(zip(epochs[0][::2], epochs[0][1::2]))  # each batch's two rows (B = 2)
+    assert sum(b == a + 1 for a, b in pairs) <= len(pairs) // 4
+    first = _window_of(*ShardLoader(tmp_path, "train", B, T, 0, world_size, seed, order="shuffled").next_batch(), T)
+    # the same seed gives the same windows; another seed others
+    again = ShardLoader(tmp_path, "train", B, T, 0, world_size, seed, order="shuffled").next_batch()
+    other = ShardLoader(tmp_path, "train", B, T, 0, world_size, seed + 1, order="shuffled").next_batch()
+    assert _window_of(*again, T) == first and _window_of(*other, T) != first
+
+
+def test_shuffled_order_resumes_exactly_and_refuses_another_order(tmp_path: Path) -> None:
+    make_shards(tmp_path)
+    a = ShardLoader(tmp_path, "train", 2, 16, 1, 2, 3, order="shuffled")
+    for _ in range(17):  # past an epoch boundary (66 windows, 4 per global batch: 16 batches an epoch)
+        a.next_batch()
+    state = a.state_dict()
+    assert state["order"] == "shuffled" and state["epoch"] == 1
+    b = ShardLoader(tmp_path, "train", 2, 16, 1, 2, 3, order="shuffled")
+    b.load_state_dict(state)
+    for _ in range(10):
+        xa, ya = a.next_batch()
+        xb, yb = b.next_batch()
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    seq = ShardLoader(tmp_path, "train", 2, 16, 1, 2, 3)
+    with pytest.raises(DataError, match="data.order=shuffled run"):
+        seq.load_state_dict(state)
+    with pytest.raises(DataError, match="data.order=sequential run"):
+        b.load_state_dict(seq.state_dict())
+    with pytest.raises(DataError, match="data.order='random'"):
+        ShardLoader(tmp_path, "train", 2, 16, 0, 1, 3, order="random")
+
+
+def test_shuffled_val_batches_spread_over_the_whole_split(tmp_path: Path) -> None:
+    make_shards(tmp_path / "d", lens=[400, 600], split="val")
+    B, T, W = 2, 10, 2
+    n = val_batch_count(tmp_path / "d", B, T, W)  # 24 global batches of 40 tokens fit in 1000
+    rows = [_window_of(x, y, T, lens=[400, 600]) for r in range(W)
+            for x, y in val_batches(tmp_path / "d", B, T, r, W, 3, order="shuffled")]
+    starts = sorted(w for row in rows for w in row)
+    assert len(starts) == len(set(starts)) == 3 * W * B
+    assert max(starts) >= 80 and min(starts) == 0  # 3 of 24 batches, yet reaching the split's end (99 windows)
+    seq = [x for x, _ in val_batches(tmp_path / "d", B, T, 0, W, 3)]
+    assert max(int(x.max()) for x in seq) < 120 and n == 24  # sequential: the first 120 tokens only
+
+
+def test_no_repeat_check_counts_whole_windows_when_shuffled(tmp_path: Path) -> None:
+    from data.loader import check_no_repeat
+    make_shards(tmp_path)  # 1068 tokens: 66 windows of 16, 16 global batches of 2 ranks x 2
+    assert "train tokens read" in check_no_repeat(tmp_path, 2, 16, 2, 16, order="shuffled")
+    with pytest.raises(DataError, match="run at most 16 steps"):
+        check_no_repeat(tmp_path, 2, 16, 2, 17, order="shuffled")

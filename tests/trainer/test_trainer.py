@@ -322,3 +322,20 @@ def test_data_mix_trains_and_resumes_exactly(tmp_path):
     assert [(s["dataset"], s["taken"]) for s in state["mix"]] == [("builtin", 3), (str(builtin), 1)]
     other = _run1(split, "train.max_steps=6", "train.resume=auto", f"data.mix={{builtin: 1, {builtin}: 1}}")
     assert other.returncode == 2 and "data.mix" in other.stderr
+
+
+def test_shuffled_data_order_trains_resumes_exactly_and_reads_other_text(tmp_path):
+    """data.order=shuffled end to end on 2 ranks: a resumed run repeats the straight run's losses bit for bit,
+    and its losses differ from the sequential order's (the batches hold other windows)."""
+    mode = ["optim.name=lion", "comm.mode=onebit", "train.max_steps=6", "data.order=shuffled"]
+    train(2, tmp_path / "straight", *mode)
+    train(2, tmp_path / "split", *mode, "train.stop_after=3")
+    train(2, tmp_path / "split", *mode, "train.resume=auto")
+    a = [r["train_loss"] for r in records(tmp_path / "straight", "train_loss")]
+    b = [r["train_loss"] for r in records(tmp_path / "split", "train_loss")]
+    assert len(a) == 6 and a == b
+    assert records(tmp_path / "straight", "params_identical")[-1]["params_identical"]
+    train(2, tmp_path / "seq", *mode[:-1])
+    seq = [r["train_loss"] for r in records(tmp_path / "seq", "train_loss")]
+    assert seq[0] != a[0]
+    assert yaml.safe_load((tmp_path / "straight" / "config.yaml").read_text())["data"]["order"] == "shuffled"
