@@ -70,7 +70,9 @@ class _Stream:
 
     def order(self, epoch: int) -> np.ndarray:
         if self.seed is None:
-            return np.arange(len(self.arrays))
+            if self._order_cache is None:
+                self._order_cache = (0, np.arange(len(self.arrays)))
+            return self._order_cache[1]
         if self._order_cache is None or self._order_cache[0] != epoch:
             perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.arrays))
             self._order_cache = (epoch, perm)
@@ -137,9 +139,19 @@ def check_order(order: str) -> None:
         raise DataError(f"data.order={order!r}: expected one of {', '.join(ORDERS)}")
 
 
-def _windows(stream: "_Stream", starts: Sequence[int], block_size: int) -> np.ndarray:
-    """(len(starts) * (block_size + 1),) tokens: the window of block_size inputs + 1 target at each start."""
-    return np.concatenate([stream.read((0, 0, int(w) * block_size), block_size + 1) for w in starts])
+def _windows(stream: "_Stream", starts: Sequence[int], block_size: int, offsets: np.ndarray) -> np.ndarray:
+    """(len(starts) * (block_size + 1),) tokens: the window of block_size inputs + 1 target at each start.
+    `offsets`: the stream's shard starts (cumulative lengths from 0), so a read begins in its own shard."""
+    out = []
+    for w in starts:
+        g = int(w) * block_size
+        shard = int(np.searchsorted(offsets, g, side="right")) - 1
+        out.append(stream.read((0, shard, g - int(offsets[shard])), block_size + 1))
+    return np.concatenate(out)
+
+
+def _offsets(lengths: Sequence[int]) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
 
 
 class ShardLoader:
@@ -168,12 +180,15 @@ class ShardLoader:
         self._pos = (0, 0, 0)
         # shuffled: (epoch, index of the next global batch's first window in that epoch's permutation)
         self.n_windows = (sum(self.lengths) - 1) // block_size
+        self._offsets = _offsets(self.lengths)
         self._wpos = (0, 0)
         self._perm_cache: tuple[int, np.ndarray] | None = None
 
     def _perm(self, epoch: int) -> np.ndarray:
         if self._perm_cache is None or self._perm_cache[0] != epoch:
-            self._perm_cache = (epoch, np.random.default_rng([self.seed, epoch, 1]).permutation(self.n_windows))
+            # int32 where it fits (the same permutation as of range(n_windows); half the memory on big corpora)
+            idx = np.arange(self.n_windows, dtype=np.int32 if self.n_windows < 2 ** 31 else np.int64)
+            self._perm_cache = (epoch, np.random.default_rng([self.seed, epoch, 1]).permutation(idx))
         return self._perm_cache[1]
 
     def check_all(self) -> None:
@@ -187,10 +202,13 @@ class ShardLoader:
         if self.order == "shuffled":
             epoch, k = self._wpos
             per_batch = self.world_size * self.batch_size
+            if k + per_batch > self.n_windows:  # a position saved at another geometry: its epoch has no room left
+                epoch, k = epoch + 1, 0
             mine = self._perm(epoch)[k + self.rank * self.batch_size:k + (self.rank + 1) * self.batch_size]
+            buf = _windows(self._stream, mine, self.block_size, self._offsets)
+            buf = buf.reshape(self.batch_size, self.block_size + 1)
             k += per_batch
             self._wpos = (epoch + 1, 0) if k + per_batch > self.n_windows else (epoch, k)
-            buf = _windows(self._stream, mine, self.block_size).reshape(self.batch_size, self.block_size + 1)
             t = torch.from_numpy(buf)
             return t[:, :-1].contiguous(), t[:, 1:].contiguous()
         local = self.batch_size * self.block_size
@@ -357,13 +375,15 @@ def val_batches(data_dir: str | os.PathLike, batch_size: int, block_size: int, r
     check_order(order)
     stream = _Stream(arrays, seed=None, check=_range_checker(paths, arrays, data_dir, vocab_size))
     n_win, wanted = (total - 1) // block_size, n_batches * world_size * batch_size
+    offsets = _offsets([len(a) for a in arrays])
 
     def gen() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for i in range(n_batches):
             if order == "shuffled":  # windows spread evenly over the whole split: every part of it is judged
                 first = (i * world_size + rank) * batch_size
                 starts = [(j * n_win) // wanted for j in range(first, first + batch_size)]
-                t = torch.from_numpy(_windows(stream, starts, block_size).reshape(batch_size, block_size + 1))
+                t = torch.from_numpy(_windows(stream, starts, block_size, offsets).reshape(batch_size,
+                                                                                           block_size + 1))
                 yield t[:, :-1].contiguous(), t[:, 1:].contiguous()
                 continue
             start = stream.normalize((0, 0, (i * world_size + rank) * local))

@@ -297,6 +297,25 @@ def test_shuffled_order_resumes_exactly_and_refuses_another_order(tmp_path: Path
         ShardLoader(tmp_path, "train", 2, 16, 0, 1, 3, order="random")
 
 
+def test_shuffled_resume_at_another_world_size_starts_a_fresh_epoch_where_no_batch_fits(tmp_path: Path) -> None:
+    """A position saved at 2 ranks x 2 rows may leave too few windows for a global batch of 4 ranks: every
+    rank then moves on to the next epoch together (no short or empty batch, no rank left behind)."""
+    make_shards(tmp_path)  # 66 windows of 16
+    a = ShardLoader(tmp_path, "train", 2, 16, 0, 2, 3, order="shuffled")
+    for _ in range(15):
+        a.next_batch()
+    state = a.state_dict()
+    assert (state["epoch"], state["window"]) == (0, 60)  # 6 windows left: not enough for 4 ranks x 2 rows
+    wide = [ShardLoader(tmp_path, "train", 2, 16, r, 4, 3, order="shuffled") for r in range(4)]
+    fresh = [ShardLoader(tmp_path, "train", 2, 16, r, 4, 3, order="shuffled") for r in range(4)]
+    for ld, f in zip(wide, fresh):
+        ld.load_state_dict(state)
+        f.load_state_dict({**state, "window": 0, "epoch": 1})
+        x, y = ld.next_batch()
+        assert x.shape == (2, 16) and torch.equal(x, f.next_batch()[0])
+    assert all(ld.state_dict()["epoch"] == 1 for ld in wide)
+
+
 def test_shuffled_val_batches_spread_over_the_whole_split(tmp_path: Path) -> None:
     make_shards(tmp_path / "d", lens=[400, 600], split="val")
     B, T, W = 2, 10, 2
