@@ -812,6 +812,14 @@ class Study:
                 s = replace(s, eval_steps=st.eval_steps)
         return replace(s, overrides=merge_overrides(s.overrides, opts.setting_overrides()), setting=opts.setting_name())
 
+    def runs(self, scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
+        """The study's runs for these options: `build`, each arm at the sweep's lr under --lr from-sweep
+        (StudyUnavailable while the sweep has not written it)."""
+        runs = self.build(scale, seeds, opts)
+        if opts.lr == FROM_SWEEP and self.lr_from_sweep:
+            runs = at_best_lr(runs, read_best_lr(opts, scale), self)
+        return runs
+
     def check_available(self, available: Callable[[str], bool] = optimizer_available) -> None:
         missing = [n for n in self.requires if not available(n)]
         if missing:
@@ -826,9 +834,7 @@ class Study:
         assert self.build and self.summarize and self.plot, f"study {self.name} lacks build/summarize/plot"
         scale = self.scale(opts)
         seeds = opts.seeds or (self.quick_seeds if opts.quick else self.seeds)
-        runs = self.build(scale, seeds, opts)
-        if opts.lr == FROM_SWEEP and self.lr_from_sweep:
-            runs = at_best_lr(runs, read_best_lr(opts, scale), self)
+        runs = self.runs(scale, seeds, opts)
         names = [r.name for r in runs]
         if len(set(names)) != len(names):
             raise ValueError(f"study {self.name}: duplicate run names {sorted(n for n in names if names.count(n) > 1)}")
@@ -903,13 +909,13 @@ def plan_study(study: "Study", opts: Options) -> tuple[list[Planned], str]:
     assert study.build, f"study {study.name} trains nothing of its own"
     scale = study.scale(opts)
     seeds = opts.seeds or (study.quick_seeds if opts.quick else study.seeds)
-    runs, note = study.build(scale, seeds, opts), ""
-    if opts.lr == FROM_SWEEP and study.lr_from_sweep:
-        try:
-            runs = at_best_lr(runs, read_best_lr(opts, scale), study)
-        except StudyUnavailable:
-            note = (f"each arm's lr comes from the sweep, whose {BEST_LR_FILE} is not written yet: the runs are "
-                    "named (and looked up) here without it")
+    note = ""
+    try:
+        runs = study.runs(scale, seeds, opts)
+    except StudyUnavailable:
+        runs = study.build(scale, seeds, opts)
+        note = (f"each arm's lr comes from the sweep, whose {BEST_LR_FILE} has no value for every arm yet: "
+                "the runs are named (and looked up) here without it")
     work, store = opts.work_dir(study.name), opts.store_dir()
     out: list[Planned] = []
     results: list[RunResult] = []

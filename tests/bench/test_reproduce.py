@@ -521,7 +521,7 @@ def test_plan_lists_each_run_state_and_the_time_left(tmp_path, monkeypatch, caps
     # --lr from-sweep before the sweep wrote its best values: the plan says so
     (out / framework.BEST_LR_FILE).unlink()
     assert main(["table2", "--plan", "--lr", framework.FROM_SWEEP, *common]) == 0
-    assert "is not written yet" in capsys.readouterr().out
+    assert "has no value for every arm yet" in capsys.readouterr().out
 
 
 def test_fig5_embedding_head_arm_and_dion_convention():
