@@ -6,7 +6,11 @@
 
 `val` reads a prepared dataset's val split with the training loader's val iterator
 (data.loader.val_batches; token ids range-checked against the model's vocabulary) and reports the
-mean next-token cross-entropy and its exponential, the perplexity.
+mean next-token cross-entropy and its exponential, the perplexity. `--order` picks which val
+batches `--batches N` reads, as `data.order` does for the trainer's evaluation: `sequential`, the
+split's first N batches; `shuffled`, windows spread evenly over the whole split; `run` (the
+default), the order the run itself was evaluated with (its config's `data.order`; sequential for
+a Hugging Face export, which keeps no run config), so a run's own val loss is what this repeats.
 
 `mc` scores multiple-choice items by completion log-likelihood, the way HellaSwag is evaluated
 (Zellers et al., 2019; lm-evaluation-harness, llm.c): for each item the context is followed by
@@ -179,15 +183,17 @@ def mean_batch_loss(forward: Callable, batches, device: torch.device | str,
 
 @torch.no_grad()
 def val_loss(model: GPT, data_dir: str | os.PathLike, batch_size: int, seq_len: int,
-             n_batches: int | None = None, device: torch.device | str = "cpu") -> dict:
-    """Mean next-token cross-entropy over the first `n_batches` (None: all) val batches of a
-    prepared dataset, and its perplexity."""
+             n_batches: int | None = None, device: torch.device | str = "cpu",
+             order: str = "sequential") -> dict:
+    """Mean next-token cross-entropy over `n_batches` (None: all) val batches of a prepared
+    dataset, read in `order` (data.loader.ORDERS, as val_batches), and its perplexity."""
     from data.loader import val_batches
 
     was_training = model.training
     model.eval()
     try:
-        batches = val_batches(data_dir, batch_size, seq_len, 0, 1, n_batches, vocab_size=model.config.vocab_size)
+        batches = val_batches(data_dir, batch_size, seq_len, 0, 1, n_batches, vocab_size=model.config.vocab_size,
+                              order=order)
         loss, count = mean_batch_loss(model, batches, device)
     finally:
         model.train(was_training)
@@ -196,6 +202,7 @@ def val_loss(model: GPT, data_dir: str | os.PathLike, batch_size: int, seq_len: 
 
 def main(argv: list[str] | None = None) -> int:
     from data import DataError, resolve_dataset
+    from data.loader import ORDERS
     from sample import load
 
     p = argparse.ArgumentParser(prog="python -m eval", description=__doc__.split("\n\n")[0],
@@ -206,7 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--data", required=True, help="data.prepare output dir, or builtin")
     v.add_argument("--batch-size", type=int, default=8)
     v.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: the model's block size)")
-    v.add_argument("--batches", type=int, default=0, help="evaluate the first N batches (default: all)")
+    v.add_argument("--batches", type=int, default=0, help="evaluate N batches (default: all)")
+    v.add_argument("--order", choices=("run",) + ORDERS, default="run",
+                   help="which N batches: the split's first (sequential), windows spread over the whole split "
+                        "(shuffled), or as the run's data.order (run, the default; sequential for an HF export)")
     m = sub.add_parser("mc", help="multiple-choice accuracy (HellaSwag format) by completion log-likelihood")
     m.add_argument("src", metavar="RUN_DIR_OR_EXPORT")
     m.add_argument("--file", required=True, help="JSONL with ctx (or ctx_a/ctx_b), endings, label")
@@ -222,9 +232,14 @@ def main(argv: list[str] | None = None) -> int:
         device = model.transformer.wte.weight.device
         if args.cmd == "val":
             seq_len = args.seq_len or model.config.block_size
-            res = val_loss(model, resolve_dataset(args.data), args.batch_size, seq_len, args.batches or None, device)
+            order = args.order
+            if order == "run":
+                order = ((loaded.run_config or {}).get("data") or {}).get("order", "sequential")
+            res = val_loss(model, resolve_dataset(args.data), args.batch_size, seq_len, args.batches or None, device,
+                           order=order)
+            res["order"] = order
             text = (f"val loss {res['loss']:.4f} | ppl {res['ppl']:.2f} | {res['batches']} batches x "
-                    f"{args.batch_size} x {seq_len} = {res['tokens']:,} tokens")
+                    f"{args.batch_size} x {seq_len} = {res['tokens']:,} tokens ({order})")
         else:
             items = load_mc_file(args.file, args.limit)
             res = multiple_choice(model, items, codec.encode, device, args.batch_size)

@@ -190,3 +190,38 @@ def test_cli_val_and_mc(tmp_path: Path, capsys) -> None:
     bad.write_text('{"ctx": "c", "endings": ["a", "b"]}\n')
     assert ev.main(["mc", str(run), "--file", str(bad), "--device", "cpu"]) == 2
     assert "bad.jsonl:1: missing field 'label'" in capsys.readouterr().err
+
+
+def test_cli_val_reads_the_batches_of_the_runs_own_data_order(tmp_path: Path, capsys) -> None:
+    """`--order run` (the default) evaluates the val batches the run's own evaluation read: for a run
+    trained with data.order=shuffled, windows spread over the whole split, not the split's first ones."""
+    from tests.model.test_export import make_run
+
+    run = make_run(tmp_path / "run", tie=True)
+    make_val_data(tmp_path / "d", 2000)
+    args = ["val", str(run), "--data", str(tmp_path / "d"), "--batch-size", "2", "--seq-len", "32",
+            "--batches", "3", "--device", "cpu", "--json"]
+
+    def cli(*extra: str) -> dict:
+        assert ev.main(args + list(extra)) == 0
+        return json.loads(capsys.readouterr().out)
+
+    from sample import load
+
+    model = load(run, "cpu")[0]
+    want = {o: ev.val_loss(model, tmp_path / "d", 2, 32, 3, order=o)["loss"] for o in ("sequential", "shuffled")}
+    assert want["sequential"] != pytest.approx(want["shuffled"], rel=1e-6)  # the two orders read other text
+    seq, shuf = cli("--order", "sequential"), cli("--order", "shuffled")
+    assert (seq["order"], shuf["order"]) == ("sequential", "shuffled")
+    assert seq["loss"] == pytest.approx(want["sequential"], rel=1e-6)
+    assert shuf["loss"] == pytest.approx(want["shuffled"], rel=1e-6)
+    assert cli()["order"] == "sequential"  # the run's config names no order: the loader's default
+    meta = run / "ckpt" / "step_000010" / "meta.json"
+    m = json.loads(meta.read_text())
+    m["config"]["data"]["order"] = "shuffled"
+    meta.write_text(json.dumps(m))
+    res = cli()
+    assert res["order"] == "shuffled" and res["loss"] == pytest.approx(want["shuffled"], rel=1e-6)
+    with pytest.raises(SystemExit) as exc:  # argparse refuses another order, naming the choices
+        ev.main(args + ["--order", "random"])
+    assert exc.value.code == 2 and "choose from 'run', 'sequential', 'shuffled'" in capsys.readouterr().err
