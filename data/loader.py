@@ -139,15 +139,18 @@ def check_order(order: str) -> None:
         raise DataError(f"data.order={order!r}: expected one of {', '.join(ORDERS)}")
 
 
-def _windows(stream: "_Stream", starts: Sequence[int], block_size: int, offsets: np.ndarray) -> np.ndarray:
-    """(len(starts) * (block_size + 1),) tokens: the window of block_size inputs + 1 target at each start.
-    `offsets`: the stream's shard starts (cumulative lengths from 0), so a read begins in its own shard."""
+def _windows(stream: "_Stream", starts: Sequence[int], block_size: int,
+             offsets: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y), each (len(starts), block_size): window w is the block_size tokens from w * block_size
+    (x) and the same shifted by one (y). `offsets`: the stream's shard starts (cumulative lengths from
+    0), so a read begins in its own shard."""
     out = []
     for w in starts:
         g = int(w) * block_size
         shard = int(np.searchsorted(offsets, g, side="right")) - 1
         out.append(stream.read((0, shard, g - int(offsets[shard])), block_size + 1))
-    return np.concatenate(out)
+    t = torch.from_numpy(np.concatenate(out).reshape(len(out), block_size + 1))
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
 
 def _offsets(lengths: Sequence[int]) -> np.ndarray:
@@ -205,12 +208,9 @@ class ShardLoader:
             if k + per_batch > self.n_windows:  # a position saved at another geometry: its epoch has no room left
                 epoch, k = epoch + 1, 0
             mine = self._perm(epoch)[k + self.rank * self.batch_size:k + (self.rank + 1) * self.batch_size]
-            buf = _windows(self._stream, mine, self.block_size, self._offsets)
-            buf = buf.reshape(self.batch_size, self.block_size + 1)
             k += per_batch
             self._wpos = (epoch + 1, 0) if k + per_batch > self.n_windows else (epoch, k)
-            t = torch.from_numpy(buf)
-            return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+            return _windows(self._stream, mine, self.block_size, self._offsets)
         local = self.batch_size * self.block_size
         start = self._stream.advance(self._pos, self.rank * local)
         buf = self._stream.read(start, local + 1)
@@ -356,8 +356,9 @@ def val_batches(data_dir: str | os.PathLike, batch_size: int, block_size: int, r
                 vocab_size: int | None = None,
                 order: str = "sequential") -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The first `n_batches` global batches of the val shards (index order, no wrap), this rank's
-    slice of each (order="shuffled": windows of block_size at evenly spread starts over the whole split). `n_batches=None` yields every full global batch the val split holds; asking for
-    more than that raises DataError (checked here, before the first batch; `val_batch_count`
+    slice of each (order="shuffled": windows of block_size at evenly spread starts over the whole
+    split). `n_batches=None` yields every full global batch the val split holds; asking for more
+    than that raises DataError (checked here, before the first batch; `val_batch_count`
     says how many there are). `vocab_size`: the model's, to range-check the ids read."""
     _check_geometry(batch_size, block_size, rank, world_size)
     paths = split_shards(data_dir, "val")
@@ -381,10 +382,8 @@ def val_batches(data_dir: str | os.PathLike, batch_size: int, block_size: int, r
         for i in range(n_batches):
             if order == "shuffled":  # windows spread evenly over the whole split: every part of it is judged
                 first = (i * world_size + rank) * batch_size
-                starts = [(j * n_win) // wanted for j in range(first, first + batch_size)]
-                t = torch.from_numpy(_windows(stream, starts, block_size, offsets).reshape(batch_size,
-                                                                                           block_size + 1))
-                yield t[:, :-1].contiguous(), t[:, 1:].contiguous()
+                yield _windows(stream, [(j * n_win) // wanted for j in range(first, first + batch_size)],
+                               block_size, offsets)
                 continue
             start = stream.normalize((0, 0, (i * world_size + rank) * local))
             yield _to_xy(stream.read(start, local + 1), batch_size, block_size)

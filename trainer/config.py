@@ -28,6 +28,7 @@ import yaml
 from optim.options import at_least, choice, common_problems
 
 from comm.kernels import IMPLS as kernel_impls
+from data.loader import ORDERS as DATA_ORDERS
 from model import ROLES
 from optim import sync
 from optim.registry import compatibility_problem, optimizer_names, run_problems
@@ -650,7 +651,7 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
     m, d, o, c, t, lg, dg = cfg.model, cfg.data, cfg.optim, cfg.comm, cfg.train, cfg.log, cfg.diag
     choice(p, "model.preset", m.preset, list(PRESETS))
     choice(p, "model.pos_emb", m.pos_emb, ["rope", "learned"])
-    choice(p, "data.order", d.order, ["sequential", "shuffled"])  # data.loader.ORDERS (config imports no data/)
+    choice(p, "data.order", d.order, list(DATA_ORDERS))
     for key, val, lo in [("data.batch_size", d.batch_size, 1), ("data.seq_len", d.seq_len, 1),
                          ("data.grad_accum", d.grad_accum, 1), ("train.max_steps", t.max_steps, 1),
                          ("train.eval_steps", t.eval_steps, 1), ("train.log_every", t.log_every, 1),
