@@ -81,6 +81,23 @@ WIRE_BITS = (1, 2, 4, 8, 16)
 # inductor's C++ backend refuses to vectorise loops whose loads are mostly strided (the 8 strided
 # loads of a packed byte); with its heuristic off, sign packing runs at copy speed instead of 3x
 _INDUCTOR_OPTIONS = {"cpp.enable_tiling_heuristics": False}
+# Triton contracts a multiply and the add or subtract that follows it into one fma (fp fusion,
+# on by default), where eager CUDA rounds the product first: stochastic rounding's y - floor(y),
+# with y = x * scale, then differed from eager's in the last bit, and an 8-bit L1 wire from the
+# reference in a lane per million (an H200, torch 2.11, Triton 3.6). emulate_precision_casts is
+# inductor's switch for eager numerics: Triton compiles with fp fusion off (and low-precision
+# casts stay where eager has them). Only the kernels marked `eager_float` get it: the quantizers
+# (no slower with it on the H200); the integer kernels have no float arithmetic to fuse, and in
+# one interleaved comparison ran 1.8-2.7x slower with it (docs/results/gpu_check/README.md, run
+# 3). The C++ backend compiles with -ffp-contract=off already (inductor's default).
+_INDUCTOR_OPTIONS_EAGER_FLOAT_CUDA = {**_INDUCTOR_OPTIONS, "emulate_precision_casts": True}
+
+
+def eager_float(fn: Callable) -> Callable:
+    """Mark a kernel whose float arithmetic must round as eager's does on CUDA too (a multiply
+    feeding an add): `compiled_kernel` compiles it without Triton's fp fusion."""
+    fn.eager_float = True
+    return fn
 
 _impl_default = os.environ.get(IMPL_ENV, "eager")
 _compile_seconds: dict[tuple, float] = {}
@@ -199,21 +216,29 @@ class Kernel:
     device, dtypes, static arguments: what its graph is specialised on) is timed and booked as
     compile time."""
 
-    def __init__(self, name: str, fn: Callable) -> None:
-        self.name, self.fn, self._compiled = name, fn, None
+    def __init__(self, name: str, fn: Callable, eager_float: bool = False) -> None:
+        self.name, self.fn, self.eager_float = name, fn, eager_float
+        self._compiled: dict[str, Callable] = {}  # per device type: an eager_float one differs on CUDA
+
+    def options(self, device_type: str) -> dict:
+        """The inductor options this kernel compiles with on `device_type`."""
+        return _INDUCTOR_OPTIONS_EAGER_FLOAT_CUDA if self.eager_float and device_type == "cuda" else _INDUCTOR_OPTIONS
 
     def __call__(self, key: tuple, *args):
+        """key: (device type, what else the graph is specialised on)."""
         args = tuple(_plain(a) if isinstance(a, torch.Tensor) else a for a in args)
-        if self._compiled is None:
-            self._compiled = torch.compile(self.fn, dynamic=True, fullgraph=True, options=_INDUCTOR_OPTIONS)
+        run = self._compiled.get(key[0])
+        if run is None:
+            run = self._compiled[key[0]] = torch.compile(self.fn, dynamic=True, fullgraph=True,
+                                                         options=self.options(key[0]))
         full = (self.name,) + key
         if full in _compile_seconds:
-            return self._compiled(*args)
+            return run(*args)
         devs = {a.device for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda"}
         for d in devs:  # compile-time bookkeeping only, never on a warm path
             torch.cuda.synchronize(d)
         t0 = time.perf_counter()
-        out = self._compiled(*args)
+        out = run(*args)
         for d in devs:
             torch.cuda.synchronize(d)
         _compile_seconds[full] = time.perf_counter() - t0
@@ -426,6 +451,7 @@ def _lane_of(y: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
     return y.to(torch.int32).to(torch.int8).to(torch.int32) + levels.to(torch.int32)
 
 
+@eager_float
 def _k_quant_blocks(x3: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor, out: torch.Tensor,
                     bits: int) -> None:
     """Lion Cub eq. 1 and the lane packing in one pass over whole blocks of the flat vector:
@@ -439,6 +465,7 @@ def _k_quant_blocks(x3: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor,
     out.copy_(_pack_groups(v, bits))
 
 
+@eager_float
 def _k_quant_blocks_stoch(x3: torch.Tensor, scale: torch.Tensor, u3: torch.Tensor, levels: torch.Tensor,
                           out: torch.Tensor, bits: int) -> None:
     """_k_quant_blocks with stochastic rounding: u3, shaped like x3, holds each element's uniform
@@ -533,7 +560,8 @@ def compiled_kernel(fn: Callable, *static) -> Kernel:
         if hasattr(code, "co_qualname"):
             code = code.replace(co_qualname=name)
         scope = {"_BOUND_FN": fn, "_BOUND_STATIC": static, "__name__": __name__, "__builtins__": __builtins__}
-        _KERNELS[key] = Kernel("/".join(str(k) for k in key), types.FunctionType(code, scope, name))
+        _KERNELS[key] = Kernel("/".join(str(k) for k in key), types.FunctionType(code, scope, name),
+                               getattr(fn, "eager_float", False))
     return _KERNELS[key]
 
 
@@ -1185,6 +1213,6 @@ def report_mismatch(bad: Sequence[str], device: torch.device, impl: str | None, 
 
 
 __all__ = ["IMPLS", "QBLOCK", "SMALL", "Kernel", "adopt", "auto_choices", "choose", "compile_seconds",
-           "compile_unavailable", "compiled_kernel", "const", "dtype_key", "f32", "fastest", "get_impl", "kernel_impl",
+           "compile_unavailable", "compiled_kernel", "const", "dtype_key", "eager_float", "f32", "fastest", "get_impl", "kernel_impl",
            "quantize_pack", "quantize_q", "report_mismatch", "resolve_impl", "set_impl", "sign_pack", "stochastic_bounds",
            "time_ms", "unpack_majority", "unpack_sum", "unpack_sum_reference", "use_compiled", "warmup", "wire_of"]

@@ -990,3 +990,25 @@ def test_a_mismatch_under_auto_is_recorded_as_eager(fresh_auto, monkeypatch):
     mine = {f"{r['kernel']}|{r['device']}": {"ms": r["ms"]} for r in K.auto_choices()}
     other = {"sign_pack|cpu": {"ms": {"eager": 5.0, "compiled": 1.0}}}
     assert K.merge_choices([mine, other])["sign_pack|cpu"] == "eager"
+
+
+def test_the_quantizers_compile_without_fp_fusion_on_cuda_and_only_they():
+    """Triton's fp fusion turned stochastic rounding's y - floor(y) into an fma and an 8-bit L1
+    wire differed from the reference on an H200 (test_quantize_pack_stochastic_consumes_the_same_randoms
+    there); the integer kernels ran 2-3x slower without it. Checked on the installed inductor:
+    the options each kernel compiles with give Triton fp fusion off exactly for the quantizers,
+    and CPU options are the same for every kernel."""
+    from torch._inductor import config
+    from torch._inductor.codegen.triton import TritonKernel
+
+    def fusion(kernel: K.Kernel, device_type: str) -> bool:
+        with config.patch(kernel.options(device_type)):
+            return TritonKernel.triton_meta_common()["enable_fp_fusion"]
+
+    floats = [K.compiled_kernel(K._k_quant_blocks, b) for b in (4, 8)]
+    floats += [K.compiled_kernel(K._k_quant_blocks_stoch, b) for b in (4, 8)]
+    ints = [K.compiled_kernel(K._k_majority), K.compiled_kernel(K._k_sign_bits),
+            K.compiled_kernel(K._k_unpack, 4, 1, None, None)]
+    assert [fusion(k, "cuda") for k in floats] == [False] * 4
+    assert [fusion(k, "cuda") for k in ints] == [True] * 3
+    assert all(k.options("cpu") == K._INDUCTOR_OPTIONS for k in floats + ints)
