@@ -423,6 +423,8 @@ def ensure_run(run: Run, scale: Scale, work: Path, *, restart: bool = False, rep
         res.load_after = loadavg()
         res.how = "resumed" if resume == "auto" else "fresh"
         res.status = "ok" if rc == 0 and is_finished(run_dir) else f"failed rc={rc} (see {log})"
+        if res.status != "ok":  # said now, not only in the study's summary: a suite runs for hours
+            echo(f"[{run.name}] {res.status}")
         if (run_dir / "config.yaml").is_file():  # the trainer made it a run dir: record spec and load with it
             (run_dir / SPEC_FILE).write_text(json.dumps(spec, indent=1) + "\n")
             (run_dir / LOAD_FILE).write_text(json.dumps(

@@ -135,9 +135,11 @@ def test_ensure_run_reuses_resumes_and_restarts(tmp_path, monkeypatch):
 def test_ensure_run_reports_failures_and_pending(tmp_path, monkeypatch):
     calls: list = []
     monkeypatch.setattr(framework, "_launch", _fake_launch(calls, finish=False))
-    quiet = lambda s: None  # noqa: E731
-    bad = ensure_run(Run("x", "configs/variants/lion_fp32.yaml"), quick_scale(), tmp_path, echo=quiet)
+    said: list[str] = []
+    bad = ensure_run(Run("x", "configs/variants/lion_fp32.yaml"), quick_scale(), tmp_path, echo=said.append)
     assert bad.status.startswith("failed rc=1") and not bad.ok
+    assert said[-1] == f"[x] {bad.status}"  # at once, not only in the study's summary hours later
+    quiet = lambda s: None  # noqa: E731
     pending = ensure_run(Run("y", "configs/variants/dion.yaml", requires=("dion",)), quick_scale(), tmp_path,
                          echo=quiet, available=lambda n: n != "dion")
     assert pending.status.startswith("pending: optim.name=dion")
