@@ -52,6 +52,7 @@ DEFAULT_WORK = Path("bench/out/reproduce")
 DEFAULT_RESULTS = Path("docs/results/reproduction")
 QUICK_RESULTS = Path("bench/out/reproduce/quick/results")
 SPEC_FILE = "reproduce_spec.json"  # written next to the trainer's files, after the run
+PENDING_DIR = ".pending"           # under <work>/runs: the spec of a fresh launch until its run ends
 LOAD_FILE = "reproduce_load.json"  # load average and wall time of the launch that produced the run
 STORE_DIR = "store"                # under the results directory: <run name>.json.gz per finished run
 IMPORTED = "imported"              # the source prefix of store entries rebuilt from an older raw record
@@ -203,9 +204,25 @@ def has_checkpoint(run_dir: Path) -> bool:
     return ckpt.is_dir() and any(ckpt.glob("step_*"))
 
 
+def pending_spec_path(run_dir: Path) -> Path:
+    """Where a fresh launch's spec waits, beside the run directory (the trainer refuses to start in
+    a directory holding files it did not write, so the spec cannot go inside before the run)."""
+    return run_dir.parent / PENDING_DIR / f"{run_dir.name}.json"
+
+
 def stored_spec(run_dir: Path) -> dict | None:
+    """The spec of the run in `run_dir`: the one written there after its launch, else, for a launch
+    killed before it ended, its pending spec, when the trainer (re)made the directory after that
+    spec was written (its marker is newer), so the checkpoints there are that launch's."""
+    from trainer.rundir import MARKER
+
     f = run_dir / SPEC_FILE
-    return json.loads(f.read_text()) if f.is_file() else None
+    if f.is_file():
+        return json.loads(f.read_text())
+    pending, marker = pending_spec_path(run_dir), run_dir / MARKER
+    if pending.is_file() and marker.is_file() and marker.stat().st_mtime_ns >= pending.stat().st_mtime_ns:
+        return json.loads(pending.read_text())
+    return None
 
 
 def optimizer_available(name: str) -> bool:
@@ -404,13 +421,21 @@ def ensure_run(run: Run, scale: Scale, work: Path, *, restart: bool = False, rep
         res.status = f"{NOT_RUN} (--report-only)"
         return res
     else:
-        resume = "auto" if same and has_checkpoint(run_dir) and not restart else "overwrite"
-        if run_dir.is_dir() and (resume == "overwrite" or not any((run_dir / n).exists() for n in TRAINER_FILES)):
-            # ours, rewritten after the run; train.resume=overwrite replaces only what the trainer wrote
+        pending = pending_spec_path(run_dir)
+
+        def fresh() -> None:
+            """Before a launch from scratch: our files leave the run directory (rewritten after the
+            run; train.resume=overwrite replaces only what the trainer wrote), the spec waits beside it."""
             for n in (SPEC_FILE, LOAD_FILE):
                 (run_dir / n).unlink(missing_ok=True)
-        if resume == "overwrite" and not (run_dir.is_dir() and any(run_dir.iterdir())):
-            resume = "never"  # nothing to replace
+            pending.parent.mkdir(parents=True, exist_ok=True)
+            pending.write_text(json.dumps(spec, indent=1) + "\n")
+
+        resume = "auto" if same and has_checkpoint(run_dir) and not restart else "overwrite"
+        if resume == "overwrite":
+            fresh()
+            if not (run_dir.is_dir() and any(run_dir.iterdir())):
+                resume = "never"  # nothing to replace
         log = work / "logs" / f"{run.name}.log"
         echo(f"[{run.name}] {'resuming' if resume == 'auto' else 'starting'} ({run.nproc} rank(s), log {log})")
         res.load_before = loadavg()
@@ -418,6 +443,7 @@ def ensure_run(run: Run, scale: Scale, work: Path, *, restart: bool = False, rep
         rc = _launch(run, scale, run_dir, resume, log)
         if rc != 0 and resume == "auto":  # a checkpoint this build cannot load: start over once
             echo(f"[{run.name}] resume failed (rc={rc}); restarting from scratch")
+            fresh()
             rc = _launch(run, scale, run_dir, "overwrite", log)
         res.wall_s = round(time.perf_counter() - t0, 2)
         res.load_after = loadavg()
@@ -427,6 +453,7 @@ def ensure_run(run: Run, scale: Scale, work: Path, *, restart: bool = False, rep
             echo(f"[{run.name}] {res.status}")
         if (run_dir / "config.yaml").is_file():  # the trainer made it a run dir: record spec and load with it
             (run_dir / SPEC_FILE).write_text(json.dumps(spec, indent=1) + "\n")
+            pending.unlink(missing_ok=True)
             (run_dir / LOAD_FILE).write_text(json.dumps(
                 {"load_before": res.load_before, "load_after": res.load_after, "wall_s": res.wall_s}) + "\n")
     if (run_dir / "metrics.jsonl").is_file():

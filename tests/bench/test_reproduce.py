@@ -7,6 +7,7 @@ import json
 import shutil
 import re
 import math
+import os
 import shlex
 import statistics
 from pathlib import Path
@@ -130,6 +131,67 @@ def test_ensure_run_reuses_resumes_and_restarts(tmp_path, monkeypatch):
     assert calls[-1] == "auto"
     ensure_run(changed, scale, tmp_path, restart=True, echo=quiet)
     assert calls[-1] == "overwrite"
+
+
+def test_a_run_killed_on_its_first_launch_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    """The suite killed (a test run, a reboot) during a run's first launch: its spec never reached the
+    run directory, but waited beside it, so the next launch resumes instead of training again; a
+    directory older than the pending spec (not made by that launch) is not resumed."""
+    from trainer.rundir import MARKER
+
+    scale, quiet = quick_scale(4), (lambda s: None)  # noqa: E731
+    run = Run("k", "configs/variants/lion_fp32.yaml", ("optim.lr=1e-3",), 1, 2)
+    run_dir = tmp_path / "runs" / "k"
+
+    def killed(run_, scale_, run_dir_, resume, log):
+        assert not (run_dir_ / framework.SPEC_FILE).exists()  # overwrite would refuse a foreign file
+        run_dir_.mkdir(parents=True, exist_ok=True)
+        (run_dir_ / MARKER).write_text("{}")
+        (run_dir_ / "config.yaml").write_text("model: {preset: debug}\n")
+        (run_dir_ / "ckpt" / "step_000002").mkdir(parents=True, exist_ok=True)
+        raise KeyboardInterrupt  # the suite dies here: nothing after the launch runs
+
+    monkeypatch.setattr(framework, "_launch", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ensure_run(run, scale, tmp_path, echo=quiet)
+    assert framework.stored_spec(run_dir) == framework.run_spec(run, scale)
+
+    calls: list = []
+    monkeypatch.setattr(framework, "_launch", _fake_launch(calls))
+    done = ensure_run(run, scale, tmp_path, echo=quiet)
+    assert (calls, done.how, done.status) == (["auto"], "resumed", "ok")
+    assert not framework.pending_spec_path(run_dir).exists()  # the spec now lives in the run directory
+    assert framework.stored_spec(run_dir) == framework.run_spec(run, scale)
+
+    # a pending spec newer than the directory's marker: that launch never (re)made the directory
+    (run_dir / framework.SPEC_FILE).unlink()
+    pending = framework.pending_spec_path(run_dir)
+    pending.write_text(json.dumps(framework.run_spec(run, scale)))
+    os.utime(run_dir / MARKER, ns=(pending.stat().st_mtime_ns - 10**9,) * 2)
+    assert framework.stored_spec(run_dir) is None
+
+
+def test_a_resume_that_fails_restarts_without_our_files_in_the_directory(tmp_path, monkeypatch):
+    """train.resume=overwrite refuses a directory holding files the trainer did not write: the
+    fallback from a failed resume clears ours first, as a first launch does."""
+    calls: list = []
+    scale, quiet = quick_scale(4), (lambda s: None)  # noqa: E731
+    run = Run("f", "configs/variants/lion_fp32.yaml", ("optim.lr=1e-3",), 1, 2)
+    run_dir = tmp_path / "runs" / "f"
+    monkeypatch.setattr(framework, "_launch", _fake_launch(calls, finish=False))
+    ensure_run(run, scale, tmp_path, echo=quiet)  # unfinished: the spec is written into the directory
+    (run_dir / "ckpt" / "step_000002").mkdir(parents=True)
+    assert (run_dir / framework.SPEC_FILE).is_file()
+
+    seen: list = []
+
+    def launch(run_, scale_, run_dir_, resume, log):
+        seen.append((resume, (run_dir_ / framework.SPEC_FILE).exists()))
+        return 1 if resume == "auto" else _fake_launch(calls)(run_, scale_, run_dir_, resume, log)
+
+    monkeypatch.setattr(framework, "_launch", launch)
+    res = ensure_run(run, scale, tmp_path, echo=quiet)
+    assert seen == [("auto", True), ("overwrite", False)] and res.status == "ok"
 
 
 def test_ensure_run_reports_failures_and_pending(tmp_path, monkeypatch):
