@@ -88,7 +88,7 @@ _INDUCTOR_OPTIONS = {"cpp.enable_tiling_heuristics": False}
 # inductor's switch for eager numerics: Triton compiles with fp fusion off (and low-precision
 # casts stay where eager has them). Only the kernels marked `eager_float` get it: the quantizers
 # (no slower with it on the H200); the integer kernels have no float arithmetic to fuse, and in
-# one interleaved comparison ran 1.8-2.7x slower with it (docs/results/gpu_check/README.md, run
+# one interleaved comparison ran 1.7-3x slower with it (docs/results/gpu_check/README.md, run
 # 3). The C++ backend compiles with -ffp-contract=off already (inductor's default).
 _INDUCTOR_OPTIONS_EAGER_FLOAT_CUDA = {**_INDUCTOR_OPTIONS, "emulate_precision_casts": True}
 
@@ -98,6 +98,7 @@ def eager_float(fn: Callable) -> Callable:
     feeding an add): `compiled_kernel` compiles it without Triton's fp fusion."""
     fn.eager_float = True
     return fn
+
 
 _impl_default = os.environ.get(IMPL_ENV, "eager")
 _compile_seconds: dict[tuple, float] = {}
