@@ -213,7 +213,7 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 
 class Kernel:
-    """A traced function compiled once with dynamic shapes; the first call per key (kernel,
+    """A traced function compiled once per device type (`options`) with dynamic shapes; the first call per key (kernel,
     device, dtypes, static arguments: what its graph is specialised on) is timed and booked as
     compile time."""
 

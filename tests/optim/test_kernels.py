@@ -995,7 +995,7 @@ def test_a_mismatch_under_auto_is_recorded_as_eager(fresh_auto, monkeypatch):
 def test_the_quantizers_compile_without_fp_fusion_on_cuda_and_only_they():
     """Triton's fp fusion turned stochastic rounding's y - floor(y) into an fma and an 8-bit L1
     wire differed from the reference on an H200 (test_quantize_pack_stochastic_consumes_the_same_randoms
-    there); the integer kernels ran 2-3x slower without it. Checked on the installed inductor:
+    there); the integer kernels ran 1.7-3x slower without it. Checked on the installed inductor:
     the options each kernel compiles with give Triton fp fusion off exactly for the quantizers,
     and CPU options are the same for every kernel."""
     from torch._inductor import config
