@@ -245,6 +245,23 @@ def test_store_outlives_the_run_directory(tmp_path, monkeypatch):
     assert calls == ["never", "never"]
 
 
+def test_report_only_leaves_the_store_entry_of_a_finished_run_directory_alone(tmp_path, monkeypatch):
+    """--report-only over a run directory that finished (the store holds the same run, with the training tokens
+    counted at its launch): the summary keeps those tokens and the entry is not rewritten without them."""
+    calls: list = []
+    monkeypatch.setattr(framework, "_launch", _fake_launch(calls))
+    scale, work, store = quick_scale(4), tmp_path / "work", tmp_path / "results" / "store"
+    run = Run("r", "configs/variants/lion_fp32.yaml", ("optim.lr=1e-3",), 1, 2)
+    first = ensure_run(run, scale, work, echo=lambda s: None, store=store)
+    first.tokens = {"read": 1025, "available": 9999}
+    path = framework.save_stored(store, first, framework.run_spec(run, scale))
+    blob = path.read_bytes()
+    again = ensure_run(run, scale, work, echo=lambda s: None, store=store, report_only=True)
+    assert (again.how, again.tokens) == ("reused", {"read": 1025, "available": 9999})
+    assert framework.save_stored(store, again, framework.run_spec(run, scale)) is None
+    assert path.read_bytes() == blob and calls == ["never"]
+
+
 def test_study_stores_each_run_as_it_finishes(tmp_path, monkeypatch):
     """A study cut off in its second run (the machine shut down) has already stored its first run."""
     calls: list = []
