@@ -676,7 +676,26 @@ def compressors_summary(results: list[RunResult], scale: Scale) -> Summary:
              "P = 4: 1.5x), all-to-all (P-1)/P (a rank's own chunk stays), ring all-gather (P-1) chunks, a "
              "parameter server its fan-in and fan-out. What each row's scheme sends: "
              + "; ".join(f"{opt}: {w}" for opt, w in wires.items() if w) + "."]
+    sign_scale = onebit_adam_scale(results)
+    if sign_scale:
+        notes.append(sign_scale)
     return Summary(rows, cols, notes)
+
+
+def onebit_adam_scale(results: Sequence[RunResult]) -> str:
+    """The note beside the 1-bit Adam row: which scale its sign code used (from the run's own config), and how it
+    differs from the reference implementation's one per-tensor L2 scale; "" without a finished 1-bit Adam run."""
+    comm_cfg = next(((r.config or {}).get("comm") or {} for r in results
+                     if r.ok and r.run.label("optimizer") == "onebit_adam" and r.config), None)
+    if comm_cfg is None or comm_cfg.get("compressor", "scaled_sign") != "scaled_sign":
+        return ""
+    how, block = comm_cfg.get("scale", "mean_abs"), int(comm_cfg.get("block", 0))
+    scale = "the mean |y|" if how == "mean_abs" else "||y||_2 / sqrt(n)"
+    where = f"each block of {block} elements" if block else "each rank's chunk (n / P elements)"
+    return (f"The 1-bit Adam row's sign code is scaled by {scale} of {where} of the flat momentum "
+            f"(comm.scale={how} comm.block={block}), not by the one per-tensor L2 scale ||y||_2 / sqrt(n) of "
+            "DeepSpeed's OnebitAdam (1-bit Adam's reference implementation); comm.scale=l2 comm.block=0 comes "
+            "closest to it.")
 
 
 def compressors_plot(results: list[RunResult], path: Path) -> None:

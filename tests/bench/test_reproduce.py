@@ -642,6 +642,20 @@ def test_wire_bytes_per_algorithm():
     assert framework.wire_factor({**tiny, "comm": {"mode": "fp32"}}, 1)[0] is None  # one rank sends nothing
 
 
+def test_compressors_say_which_scale_the_1bit_adam_row_used():
+    """The 1-bit Adam row's note comes from its run's config: a block scale says so, and differs from the
+    reference's per-tensor L2 scale; no 1-bit Adam run, no note."""
+    def res(comm):
+        run = Run("o", "configs/variants/onebit_adam.yaml", labels=(("optimizer", "onebit_adam"),))
+        return RunResult(run, "ok", Path("."), records=[{"step": 1, "val_loss": 1.0}], config={"comm": comm})
+    note = studies.onebit_adam_scale([res({"compressor": "scaled_sign", "scale": "mean_abs", "block": 2048})])
+    assert "mean |y| of each block of 2048 elements" in note and "comm.scale=mean_abs comm.block=2048" in note
+    note = studies.onebit_adam_scale([res({"compressor": "scaled_sign", "scale": "l2", "block": 0})])
+    assert "||y||_2 / sqrt(n) of each rank's chunk" in note
+    other = Run("a", "configs/variants/adamw_fp32.yaml", labels=(("optimizer", "adamw_fp32"),))
+    assert studies.onebit_adam_scale([RunResult(other, "ok", Path("."), config={"comm": {}})]) == ""
+
+
 # ---------------------------------------------------------------------------------------------
 # Fig. 6: per-tensor keys when logged, per-role otherwise
 
