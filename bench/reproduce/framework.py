@@ -409,15 +409,15 @@ def ensure_run(run: Run, scale: Scale, work: Path, *, restart: bool = False, rep
     spec = run_spec(run, scale)
     same = stored_spec(run_dir) == spec
     res = RunResult(run, "failed", run_dir)
-    entry = None if restart or (same and is_finished(run_dir)) else load_stored(store, run.name)
+    entry = None if restart else load_stored(store, run.name)
+    if entry is not None and entry["spec"] != spec:
+        entry = None  # another run of the same name
     if same and is_finished(run_dir) and not restart:
         res.status, res.how = "reused", "reused"
-        # the tokens counted at its launch (a --report-only summary counts none): the store entry of the same
-        # spec keeps them, so re-saving the run (execute) never drops them
-        kept = load_stored(store, run.name)
-        if kept is not None and kept["spec"] == spec:
-            res.tokens = kept.get("tokens")
-    elif entry is not None and entry["spec"] == spec:
+        # the tokens counted at its launch (a --report-only summary counts none) come from its store entry, so
+        # re-saving the run (execute) never drops them
+        res.tokens = entry.get("tokens") if entry is not None else None
+    elif entry is not None:
         return RunResult(run, "reused", run_dir, records=entry["records"], config=entry["config"],
                          wall_s=entry["wall_s"], load_before=entry["load_before"], load_after=entry["load_after"],
                          how="stored", extras=entry.get("extras") or {}, source=entry.get("source", "trained"),

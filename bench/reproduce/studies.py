@@ -685,11 +685,13 @@ def compressors_summary(results: list[RunResult], scale: Scale) -> Summary:
 def onebit_adam_scale(results: Sequence[RunResult]) -> str:
     """The note beside the 1-bit Adam row: which scale its sign code used (from the run's own config), and how it
     differs from the reference implementation's one per-tensor L2 scale; "" without a finished 1-bit Adam run."""
-    comm_cfg = next(((r.config or {}).get("comm") or {} for r in results
-                     if r.ok and r.run.label("optimizer") == "onebit_adam" and r.config), None)
-    if comm_cfg is None or comm_cfg.get("compressor", "scaled_sign") != "scaled_sign":
+    # a config written before comm.scale / comm.block existed does not say: the first run whose config does
+    comm_cfg = next((c for r in results if r.ok and r.run.label("optimizer") == "onebit_adam"
+                     for c in [(r.config or {}).get("comm") or {}] if {"compressor", "scale", "block"} <= c.keys()),
+                    None)
+    if comm_cfg is None or comm_cfg["compressor"] != "scaled_sign":
         return ""
-    how, block = comm_cfg.get("scale", "mean_abs"), int(comm_cfg.get("block", 0))
+    how, block = comm_cfg["scale"], int(comm_cfg["block"])
     scale = "the mean |y|" if how == "mean_abs" else "||y||_2 / sqrt(n)"
     where = f"each block of {block} elements" if block else "each rank's chunk (n / P elements)"
     return (f"The 1-bit Adam row's sign code is scaled by {scale} of {where} of the flat momentum "

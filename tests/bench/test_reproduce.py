@@ -648,8 +648,10 @@ def test_compressors_say_which_scale_the_1bit_adam_row_used():
     def res(comm):
         run = Run("o", "configs/variants/onebit_adam.yaml", labels=(("optimizer", "onebit_adam"),))
         return RunResult(run, "ok", Path("."), records=[{"step": 1, "val_loss": 1.0}], config={"comm": comm})
-    note = studies.onebit_adam_scale([res({"compressor": "scaled_sign", "scale": "mean_abs", "block": 2048})])
+    # a run whose config predates comm.scale / comm.block says nothing: the next run's config decides
+    note = studies.onebit_adam_scale([res({}), res({"compressor": "scaled_sign", "scale": "mean_abs", "block": 2048})])
     assert "mean |y| of each block of 2048 elements" in note and "comm.scale=mean_abs comm.block=2048" in note
+    assert studies.onebit_adam_scale([res({"compressor": "scaled_sign"})]) == ""
     note = studies.onebit_adam_scale([res({"compressor": "scaled_sign", "scale": "l2", "block": 0})])
     assert "||y||_2 / sqrt(n) of each rank's chunk" in note
     other = Run("a", "configs/variants/adamw_fp32.yaml", labels=(("optimizer", "adamw_fp32"),))
