@@ -971,14 +971,34 @@ def plan_study(study: "Study", opts: Options) -> tuple[list[Planned], str]:
     return out, note
 
 
-def minutes_left(planned: Sequence[Planned]) -> tuple[float | None, str]:
-    """Minutes to train the runs left: each at the median wall time of the finished runs of its geometry (world
-    size, steps) in the plan, else the median of any geometry scaled by steps x world size (a rough guess; said
-    so). A resumable run counts whole."""
+def _walls_by_geometry(planned: Sequence[Planned]) -> dict[tuple[int, int], list[float]]:
+    """The finished runs' wall times by geometry (world size, steps)."""
     done: dict[tuple[int, int], list[float]] = {}
     for p in planned:
         if p.wall_s is not None:
             done.setdefault((p.run.nproc, p.steps), []).append(p.wall_s)
+    return done
+
+
+def hours_spent(planned: Sequence[Planned]) -> tuple[int, float, float | None]:
+    """The CPU cost of the plan on this machine (issue 29's "whole cost of the suite"): (finished runs, hours of
+    wall time they recorded, hours of the whole plan with every run at the median wall time of its geometry).
+    A resumed run records only its last launch, so the recorded hours understate what the finished runs took;
+    the median total is what the plan costs run once, uninterrupted (None before any run finished)."""
+    done = _walls_by_geometry(planned)
+    if not done:
+        return 0, 0.0, None
+    walls = [p for p in planned if p.wall_s is not None]
+    finished_s = sum(statistics.median(done[(p.run.nproc, p.steps)]) for p in walls)
+    left, _ = minutes_left(planned)
+    return len(walls), sum(p.wall_s for p in walls) / 3600, finished_s / 3600 + (left or 0.0) / 60
+
+
+def minutes_left(planned: Sequence[Planned]) -> tuple[float | None, str]:
+    """Minutes to train the runs left: each at the median wall time of the finished runs of its geometry (world
+    size, steps) in the plan, else the median of any geometry scaled by steps x world size (a rough guess; said
+    so). A resumable run counts whole."""
+    done = _walls_by_geometry(planned)
     if not done:
         return None, "no finished run to time"
     total, scaled = 0.0, 0

@@ -580,6 +580,7 @@ def test_plan_lists_each_run_state_and_the_time_left(tmp_path, monkeypatch, caps
     assert main(["lr_sweep", "--plan", *common]) == 0
     text = capsys.readouterr().out
     assert re.search(r"^lr_sweep +3 +0 +3 +0 +0 +0$", text, re.M) and "left: 0 of 3 run(s)" in text
+    assert re.search(r"^cost: 3 finished run\(s\) recorded [\d.]+ h .* about [\d.]+ h$", text, re.M)
     # the run directories gone: the store holds them; one run's directory with a checkpoint of its own spec
     # is resumable, and table2 / table3 (sharing its P = 2 1-bit run) are to train, the shared run counted once
     shutil.rmtree(work)
@@ -603,6 +604,21 @@ def test_plan_lists_each_run_state_and_the_time_left(tmp_path, monkeypatch, caps
     (out / framework.BEST_LR_FILE).unlink()
     assert main(["table2", "--plan", "--lr", framework.FROM_SWEEP, *common]) == 0
     assert "has no value for every arm yet" in capsys.readouterr().out
+
+
+def test_plan_cost_counts_recorded_hours_and_the_whole_plan_at_medians():
+    """The suite's cost: the finished runs' recorded wall time, and the whole plan with every run (finished or
+    left) at its geometry's median, so a resumed run's short last launch does not shrink the estimate; a run of
+    a geometry with none finished is scaled from the best-timed geometry by steps x world size."""
+    def p(name, nproc, steps, state, wall=None):
+        return framework.Planned("s", Run(name, "c.yaml", nproc=nproc), steps, state, wall)
+    plan = [p("a", 4, 300, "stored", 600.0), p("b", 4, 300, "stored", 1000.0), p("c", 4, 300, "stored", 200.0),
+            p("d", 4, 300, "to train"), p("e", 8, 300, "resumable"), p("f", 4, 300, "pending: sweep")]
+    done, recorded, whole = framework.hours_spent(plan)
+    assert done == 3 and recorded == pytest.approx(1800 / 3600)
+    # finished: 3 x median 600; left: d at 600, e scaled x2 = 1200; the pending run is not counted
+    assert whole == pytest.approx((3 * 600 + 600 + 1200) / 3600)
+    assert framework.hours_spent([p("d", 4, 300, "to train")]) == (0, 0.0, None)
 
 
 def test_fig5_embedding_head_arm_and_dion_convention():
