@@ -468,7 +468,8 @@ register_optimizer(OptimizerSpec(
     help="Dion (low-rank orthonormal updates, error feedback; Dion Alg. 2) on the hidden matrices, AdamW or Lion "
          "on the rest; only P, R and the non-matrix gradients cross the network",
     # Q (n x r) is r / m of a matrix's elements: not counted per element
-    state_words=lambda o, s, matrix: _matrix_state_words(o, matrix, 1.0), shards=True, shard_dim=Dion.shard_dim))
+    state_words=lambda o, s, matrix: _matrix_state_words(o, matrix, 1.0), shards=True, shard_dim=Dion.shard_dim,
+    sends="every low-rank matrix's P and R factors (Dion Alg. 2) and the gradients of the other parameters"))
 
 
 __all__ = ["Dion", "DionOptions", "matrix_seed"]

@@ -59,6 +59,10 @@ class OptimizerSpec:
     (matrix: a hidden matrix, layout.is_matrix_param)
     (trainer/parallel.py asks before sharding: `shard_dims`). None = dim 0 for every parameter (FSDP2's
     default; its only uneven split). Dion shards the side of its Q factor (Dion Alg. 2)."""
+    sends: str | None = None
+    """What crosses the network where the optimizer, not the scheme, decides it (the scheme still
+    carries it: its wire dtype and algorithm), for reports that say what each run sent; None = the
+    scheme's own vector (its `wire`)."""
 
 
 _OPTIMIZERS: dict[str, OptimizerSpec] = {}

@@ -617,6 +617,7 @@ def wire_factor(config: dict, nproc: int) -> tuple[float | None, str]:
     exact buffer count (`bytes_per_call`), both for the run's parameter count."""
     import dataclasses
 
+    import optim  # every optimizer registered
     from optim.sync import registry
 
     comm = dict(config.get("comm") or {})
@@ -624,13 +625,17 @@ def wire_factor(config: dict, nproc: int) -> tuple[float | None, str]:
         scheme = registry.get(comm.get("mode", "fp32"))
     except ValueError:
         return None, "unknown"
+    # an optimizer that decides what crosses the network (Dion's factors) says so; the scheme carries it
+    name = (config.get("optim") or {}).get("name")
+    sends = optim.get_optimizer(name).sends if name in optim.optimizer_names() else None
+    wire = f"{sends}, carried by comm.mode {scheme.name} (alone: {scheme.wire})" if sends else scheme.wire
     names = {f.name for f in dataclasses.fields(scheme.options)}
     opts = scheme.options(**{k: v for k, v in comm.items() if k in names})
     n = param_count(config)
     if not n or nproc < 2:
-        return None, scheme.wire
+        return None, wire
     buf = scheme.bytes_per_call(opts, nproc, n)[0]
-    return (scheme.predict(opts, nproc, n, 0.0, 1 / 8) / buf if buf else None), scheme.wire
+    return (scheme.predict(opts, nproc, n, 0.0, 1 / 8) / buf if buf else None), wire
 
 
 def param_count(config: dict) -> int | None:

@@ -656,6 +656,13 @@ def test_wire_bytes_per_algorithm():
             for p in (2, 4, 8)]
     assert comp[0] < 1 < comp[1] < comp[2] < 2
     assert framework.wire_factor({**tiny, "comm": {"mode": "fp32"}}, 1)[0] is None  # one rank sends nothing
+    # an optimizer that decides what crosses (Dion: its factors) says so, at the carrying scheme's wire factor;
+    # one that sends the scheme's own vector (Muon: the flat gradient) keeps the scheme's words
+    f, wire = framework.wire_factor({**tiny, "optim": {"name": "dion"}, "comm": {"mode": "fp32"}}, 4)
+    assert f == pytest.approx(1.5) and wire.startswith("every low-rank matrix's P and R factors")
+    assert "ring allreduce" in wire and "carried by comm.mode fp32" in wire
+    assert framework.wire_factor({**tiny, "optim": {"name": "muon"}, "comm": {"mode": "fp32"}}, 4)[1] == \
+        "the flat gradient, fp32 (ring allreduce)"
 
 
 def test_compressors_say_which_scale_the_1bit_adam_row_used():
