@@ -13,8 +13,9 @@ by the host's vector width and CPU). digests.json is the AVX-512 host kind's (fi
 6a6bdb0f223c486e); tests/golden/digests_<fingerprint>.json holds another host kind's, recorded from
 REFERENCE by `python -m tests.golden.record` (the AVX2 kind's, 6dd5f4074dbb6613, on an AVX-512 host
 with ATEN_CPU_CAPABILITY=avx2 and comm.kernels=eager: that recipe reproduced the file recorded on a
-real AVX2 host, bit for bit). A host with its own file is checked against it, any other host
-against digests.json.
+real AVX2 host, bit for bit; and an Intel Xeon AVX-512 host's, f43221d26393f412, whose kernels round
+unlike the AMD EPYC AVX-512 host's, recorded natively on 2026-11-27). A host with its own file is
+checked against it, any other host against digests.json.
 
 The suite checks P = 1 and 4 (`make test` must stay under 15 minutes on the 2-core development
 machine; the golden runs are its longest tests). P = 2's digests are kept and checked with
