@@ -208,7 +208,7 @@ def show_plan(names: Sequence[str], args: argparse.Namespace) -> int:
     print(f"left: {len(left)} of {len(every)} run(s)"
           + (f", about {minutes / 60:.1f} h on this machine ({how})" if minutes is not None and left else
              f" ({how})" if left else ""))
-    done, recorded, whole = framework.hours_spent(every)
+    done, recorded, whole = framework.hours_spent(every, minutes)
     if whole is not None:
         print(f"cost: {done} finished run(s) recorded {recorded:.1f} h of wall time (a resumed run records only its "
               f"last launch); the whole plan, every run once at its geometry's median, about {whole:.1f} h")

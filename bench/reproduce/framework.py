@@ -985,18 +985,18 @@ def _walls_by_geometry(planned: Sequence[Planned]) -> dict[tuple[int, int], list
     return done
 
 
-def hours_spent(planned: Sequence[Planned]) -> tuple[int, float, float | None]:
+def hours_spent(planned: Sequence[Planned], left_minutes: float | None) -> tuple[int, float, float | None]:
     """The CPU cost of the plan on this machine (issue 29's "whole cost of the suite"): (finished runs, hours of
-    wall time they recorded, hours of the whole plan with every run at the median wall time of its geometry).
-    A resumed run records only its last launch, so the recorded hours understate what the finished runs took;
-    the median total is what the plan costs run once, uninterrupted (None before any run finished)."""
+    wall time they recorded, hours of the whole plan: every finished run at the median wall time of its geometry
+    plus `left_minutes`, minutes_left's estimate for the rest). A resumed run records only its last launch, so
+    the recorded hours understate what the finished runs took; the median total is what the plan costs run
+    once, uninterrupted (None before any run finished)."""
     done = _walls_by_geometry(planned)
     if not done:
         return 0, 0.0, None
-    walls = [p for p in planned if p.wall_s is not None]
-    finished_s = sum(statistics.median(done[(p.run.nproc, p.steps)]) for p in walls)
-    left, _ = minutes_left(planned)
-    return len(walls), sum(p.wall_s for p in walls) / 3600, finished_s / 3600 + (left or 0.0) / 60
+    finished = [p for p in planned if p.wall_s is not None]
+    at_median_s = sum(statistics.median(done[(p.run.nproc, p.steps)]) for p in finished)
+    return len(finished), sum(p.wall_s for p in finished) / 3600, at_median_s / 3600 + (left_minutes or 0.0) / 60
 
 
 def minutes_left(planned: Sequence[Planned]) -> tuple[float | None, str]:

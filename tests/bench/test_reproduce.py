@@ -614,11 +614,11 @@ def test_plan_cost_counts_recorded_hours_and_the_whole_plan_at_medians():
         return framework.Planned("s", Run(name, "c.yaml", nproc=nproc), steps, state, wall)
     plan = [p("a", 4, 300, "stored", 600.0), p("b", 4, 300, "stored", 1000.0), p("c", 4, 300, "stored", 200.0),
             p("d", 4, 300, "to train"), p("e", 8, 300, "resumable"), p("f", 4, 300, "pending: sweep")]
-    done, recorded, whole = framework.hours_spent(plan)
+    done, recorded, whole = framework.hours_spent(plan, framework.minutes_left(plan)[0])
     assert done == 3 and recorded == pytest.approx(1800 / 3600)
     # finished: 3 x median 600; left: d at 600, e scaled x2 = 1200; the pending run is not counted
     assert whole == pytest.approx((3 * 600 + 600 + 1200) / 3600)
-    assert framework.hours_spent([p("d", 4, 300, "to train")]) == (0, 0.0, None)
+    assert framework.hours_spent([p("d", 4, 300, "to train")], None) == (0, 0.0, None)
 
 
 def test_fig5_embedding_head_arm_and_dion_convention():
