@@ -87,9 +87,10 @@ _INDUCTOR_OPTIONS = {"cpp.enable_tiling_heuristics": False}
 # reference in a lane per million (an H200, torch 2.11, Triton 3.6). emulate_precision_casts is
 # inductor's switch for eager numerics: Triton compiles with fp fusion off (and low-precision
 # casts stay where eager has them). Only the kernels marked `eager_float` get it: the quantizers
-# (no slower with it on the H200); the integer kernels have no float arithmetic to fuse, and in
-# one interleaved comparison ran 1.7-3x slower with it (docs/results/gpu_check/README.md, run
-# 3). The C++ backend compiles with -ffp-contract=off already (inductor's default).
+# (no slower with it on the H200); the integer kernels have no float arithmetic to fuse, so they
+# keep the default (run 3's 1.7-3x slowdown with it is within the 0.3-3.1 ms their compiled
+# speed spreads over fresh processes: docs/results/gpu_check/README.md, run 4). The C++ backend
+# compiles with -ffp-contract=off already (inductor's default).
 _INDUCTOR_OPTIONS_EAGER_FLOAT_CUDA = {**_INDUCTOR_OPTIONS, "emulate_precision_casts": True}
 
 
