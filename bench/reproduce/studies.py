@@ -648,18 +648,26 @@ def _bytes_per_step(r: RunResult) -> float | None:
     return statistics.median(ys) if ys else None
 
 
+# the compressors table's reference: every other row's Δ is paired with its seed's AdamW run
+COMPRESSORS_REFERENCE = "adamw_fp32"
+
+
 def compressors_summary(results: list[RunResult], scale: Scale) -> Summary:
     rows, wires = [], {}
-    for (opt,), group in group_runs(results, "optimizer").items():
+    groups = group_runs(results, "optimizer")
+    ref = groups.get((COMPRESSORS_REFERENCE,), [])
+    for (opt,), group in groups.items():
         m, _, _ = mean_std(_bytes_per_step(r) for r in group if r.ok)
         factor, wire = next((run_wire_factor(r, scale) for r in group if r.ok), (None, ""))
         wires[opt] = wire
         rows.append({"optimizer": opt, "status": status_of(group), **seed_stats(group, _val, "val_loss"),
+                     **(paired_stats(group, ref, _val, "delta_vs_adamw") if opt != COMPRESSORS_REFERENCE else {}),
                      "bytes_per_step": m, "wire_factor": factor,
                      "wire_bytes_per_step": m * factor if None not in (m, factor) else None,
                      "train_time_s": mean_std(r.final("train_time_s") for r in group if r.ok)[0]})
     cols = [Column("optimizer", "optimizer", align="left"), Column("val_loss_mean", "final val loss"),
             Column("val_loss_std", "± std"), Column("val_loss_n", "seeds", "d"),
+            Column("delta_vs_adamw_mean", "Δ vs AdamW (paired)", "+.4f"), Column("delta_vs_adamw_std", "± std", ".4f"),
             Column("bytes_per_step", "buffer bytes / rank / step (handed to collectives)", ",.0f"),
             Column("wire_bytes_per_step", f"wire bytes / rank / step (P = {scale.nproc}, the scheme's algorithm)",
                    ",.0f"),

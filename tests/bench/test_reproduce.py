@@ -798,6 +798,22 @@ def test_table2_summary_pairs_and_leaves_the_control_unranked():
     assert sorted(r["rank"] for a, r in rows.items() if a not in studies.TABLE2_CONTROLS) == list(range(1, 7))
 
 
+def test_compressors_summary_pairs_every_row_with_its_seeds_adamw():
+    def run(opt, seed, val):  # the study's own variant, so the wire factor resolves its config
+        return RunResult(Run(f"{opt}{seed}", studies.variant(opt), seed=seed, labels=(("optimizer", opt),)), "ok",
+                         Path(opt), records=[{"step": 10, "val_loss": val}])
+    runs = [run(opt, seed, base + off) for seed, base in ((1, 5.0), (2, 4.0), (3, 4.5))
+            for opt, off in (("adamw_fp32", 0.0), ("muon", -0.2), ("onebit_adam", 0.05 * seed))]
+    runs.append(run("muon", 4, 1.0))  # no AdamW run at seed 4: not paired
+    rows = {r["optimizer"]: r for r in studies.compressors_summary(runs, framework.full_scale(300)).rows}
+    assert rows["muon"]["delta_vs_adamw_mean"] == pytest.approx(-0.2) and rows["muon"]["delta_vs_adamw_n"] == 3
+    assert rows["muon"]["delta_vs_adamw_std"] == pytest.approx(0.0, abs=1e-12)  # the seeds' offsets cancel
+    assert rows["muon"]["val_loss_n"] == 4
+    assert rows["onebit_adam"]["delta_vs_adamw_mean"] == pytest.approx(0.1)
+    assert rows["onebit_adam"]["delta_vs_adamw_std"] == pytest.approx(statistics.stdev([0.05, 0.1, 0.15]))
+    assert "delta_vs_adamw_mean" not in rows["adamw_fp32"]
+
+
 def test_dion_summary_gap_is_per_seed():
     runs = []
     for seed, base in ((1, 4.0), (2, 4.4)):
@@ -825,7 +841,8 @@ EXPECTED_COLUMNS = {
               "w_mean", "w_abs", "status"},
     "fig5": {"beta2", "arm", "val_loss_mean", "val_loss_std", "delta_vs_sync_mean", "status"},
     "fig6_17": {"layer", "granularity", "role", "spread_0.95", "spread_0.99", "ratio_0.95", "ratio_0.99"},
-    "compressors": {"optimizer", "val_loss_mean", "bytes_per_step", "wire_bytes_per_step", "wire_factor", "status"},
+    "compressors": {"optimizer", "val_loss_mean", "delta_vs_adamw_mean", "bytes_per_step", "wire_bytes_per_step",
+                    "wire_factor", "status"},
     "dion_ef": {"rank_fraction", "error_feedback", "val_loss_mean", "gap_off_minus_on_mean", "status"},
     "lr_sweep": {"arm", "key", "lr", "val_loss_mean", "best", "edge", "status"},
 }
