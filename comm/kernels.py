@@ -88,9 +88,9 @@ _INDUCTOR_OPTIONS = {"cpp.enable_tiling_heuristics": False}
 # inductor's switch for eager numerics: Triton compiles with fp fusion off (and low-precision
 # casts stay where eager has them). Only the kernels marked `eager_float` get it: the quantizers
 # (no slower with it on the H200); the integer kernels have no float arithmetic to fuse, so they
-# keep the default (run 3's 1.7-3x slowdown with it is within the 0.3-3.1 ms their compiled
-# speed spreads over fresh processes: docs/results/gpu_check/README.md, run 4). The C++ backend
-# compiles with -ffp-contract=off already (inductor's default).
+# keep the default (run 3's 1.7-3x slowdown with it is within how far their compiled speed
+# spreads over fresh processes, e.g. unpack + majority 0.3-3.1 ms at 250M: docs/results/gpu_check/
+# README.md, run 4). The C++ backend compiles with -ffp-contract=off already (inductor's default).
 _INDUCTOR_OPTIONS_EAGER_FLOAT_CUDA = {**_INDUCTOR_OPTIONS, "emulate_precision_casts": True}
 
 
