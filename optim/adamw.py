@@ -7,6 +7,7 @@ from typing import Iterable
 import torch
 
 from .base import CommOptimizer
+from .registry import NoOptions, OptimizerSpec, gradient_mean, register_optimizer
 
 
 class AdamW(CommOptimizer):
@@ -45,3 +46,14 @@ class AdamW(CommOptimizer):
             raise ValueError("AdamW.load_state_dict: no 'inner' entry; was this saved by a different optimizer?")
         self.inner.load_state_dict(state_dict["inner"])
         self._load_comm_state(state_dict.get("comm"))
+
+
+def _build_adamw(groups, *, betas, eps, options, **comm_kwargs) -> AdamW:
+    return AdamW(groups, betas=betas, eps=eps, **comm_kwargs)
+
+
+register_optimizer(OptimizerSpec(
+    name="adamw", options=NoOptions, build=_build_adamw, accepts=gradient_mean,
+    needs="a gradient-sync scheme", state="m, v (fp32)",
+    help="AdamW (torch's kernel) on the mean gradient",
+    state_words=lambda o, s, matrix: 2.0, shards=True))

@@ -48,6 +48,7 @@ from .diagnostics import momentum_spread
 from .guard import Guard, Verdict
 from .layout import Entry, FlatLayout, GradBuffers, model_order
 from .options import choice, common_problems
+from .registry import compatibility_problem
 
 
 @dataclass
@@ -142,7 +143,8 @@ class CommOptimizer(torch.optim.Optimizer):
         seed = (torch.initial_seed() * 1_000_003 + 7919 * (self.rank + 1)) % (2 ** 63 - 1)
         self.ctx = sync.ExchangeContext(
             world_size=self.world_size, rank=self.rank, group=group, stats=self.stats[self.scheme.phase],
-            segments=self.layout.segments, rows=self.layout.rows, device=device, seed=seed, kernels=kernels)
+            segments=self.layout.segments, rows=self.layout.rows, device=device, seed=seed, kernels=kernels,
+            shard_group=shard_group)
         self.exchange = self.scheme.build(self.scheme_options, self.ctx)
         self._step = 0
         self._bucket_results = None
@@ -171,8 +173,6 @@ class CommOptimizer(torch.optim.Optimizer):
     def _registry_problems(self) -> list[str]:
         if self.optim_name is None:
             return []
-        from .registry import compatibility_problem  # the registry imports the optimizers' modules
-
         problem = compatibility_problem(self.optim_name, self.scheme.name, self.scheme_options)
         return [problem] if problem else []
 

@@ -20,8 +20,9 @@ import torch
 from . import sync
 from .base import CommOptimizer
 from .diagnostics import vote_diagnostics
-from .lion import (fused_apply_update_, fused_lion_direction_, fused_momentum_update_, lion_direction_momentum_over_grad_,
-                   warmup_fused_passes)
+from .lion import (Lion, fused_apply_update_, fused_lion_direction_, fused_momentum_update_,
+                   lion_direction_momentum_over_grad_, warmup_fused_passes)
+from .registry import NoOptions, OptimizerSpec, gradient_mean, register_optimizer
 
 SCRATCH_MIN = 1 << 21  # elements (8 MiB of fp32): the least scratch c is made in, wave by wave
 SCRATCH_PARTS = 8      # ... or 1/8 of the model (0.5 B per parameter), whichever is larger: few waves on a GPU
@@ -194,3 +195,21 @@ def _runs_by_group(lay, ks: list[int]) -> list[list[int]]:
     for k in ks:
         by.setdefault(lay.entries[k].group, []).append(k)
     return list(by.values())
+
+
+def _build_lion(groups, *, betas, eps, options, **comm_kwargs) -> CommOptimizer:
+    """Lion on a gradient-sync scheme (one shared momentum), Distributed Lion / Lion Cub on an
+    update-sync one. The entry lives here, beside the update-sync class, because it builds both:
+    optim/lion.py stays the single-momentum Lion and its passes, which this module imports."""
+    cls = Lion if comm_kwargs["scheme"].kind == sync.GRADIENT else DistributedLion
+    return cls(groups, betas=betas, **comm_kwargs)
+
+
+register_optimizer(OptimizerSpec(
+    name="lion", options=NoOptions, build=_build_lion,
+    accepts=lambda s: gradient_mean(s) or (s.kind == sync.UPDATE and s.result == sync.SIGN),
+    needs="a gradient-sync scheme (global Lion) or an update-sync sign aggregate (Distributed Lion / Lion Cub)",
+    state="m (fp32; per rank with update sync)",
+    help="Lion; with an update-sync scheme, Distributed Lion / Lion Cub (per-rank momentum)",
+    state_words=lambda o, s, matrix: 1.0, shards=True,
+    update_buffer=c_buffer_elements))  # c over the gradient: a wave scratch

@@ -3,22 +3,24 @@
 An entry declares its extra options (a dataclass of `optim.*` keys beyond the common ones),
 which sync schemes it can run on, and its build function. `build_optimizer` is the one place the
 trainer and the benchmarks turn (optim.name, comm.mode, options) into an optimizer.
+
+Every optimizer module registers its own entry at its end (`register_optimizer(OptimizerSpec(...))`:
+adamw.py, lioncub.py for "lion", muon.py, ...); this module imports none of them, and the base
+(optim/base.py) asks it for an entry's rules, so the dependencies run one way: optimizer module ->
+base -> registry -> sync. `optim/__init__.py` imports every optimizer module, so the table is full
+once `optim` is imported.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 import comm
 
 from . import sync
-from .adamw import AdamW
-from .base import CommOptimizer, MomentumSync
 from .layout import is_matrix_param
-from .lion import Lion
-from .lioncub import DistributedLion, c_buffer_elements
 from .options import Options
 
 
@@ -33,7 +35,8 @@ class OptimOptions(Options):
 class OptimizerSpec:
     name: str
     options: type[OptimOptions]
-    build: Callable[..., CommOptimizer]
+    build: Callable[..., torch.optim.Optimizer]
+    """build(param_groups, *, betas, eps, options, **comm_kwargs) -> the entry's CommOptimizer."""
     accepts: Callable[[sync.SyncScheme], bool]
     needs: str
     """What kind of scheme it runs on, for error messages."""
@@ -151,31 +154,6 @@ class NoOptions(OptimOptions):
     """No options beyond the common optim.* keys."""
 
 
-def _build_lion(groups, *, betas, eps, options, **comm_kwargs):
-    scheme = comm_kwargs["scheme"]
-    cls = Lion if scheme.kind == sync.GRADIENT else DistributedLion
-    return cls(groups, betas=betas, **comm_kwargs)
-
-
-def _build_adamw(groups, *, betas, eps, options, **comm_kwargs):
-    return AdamW(groups, betas=betas, eps=eps, **comm_kwargs)
-
-
-register_optimizer(OptimizerSpec(
-    name="adamw", options=NoOptions, build=_build_adamw, accepts=gradient_mean,
-    needs="a gradient-sync scheme", state="m, v (fp32)",
-    help="AdamW (torch's kernel) on the mean gradient",
-    state_words=lambda o, s, matrix: 2.0, shards=True))
-register_optimizer(OptimizerSpec(
-    name="lion", options=NoOptions, build=_build_lion,
-    accepts=lambda s: gradient_mean(s) or (s.kind == sync.UPDATE and s.result == sync.SIGN),
-    needs="a gradient-sync scheme (global Lion) or an update-sync sign aggregate (Distributed Lion / Lion Cub)",
-    state="m (fp32; per rank with update sync)",
-    help="Lion; with an update-sync scheme, Distributed Lion / Lion Cub (per-rank momentum)",
-    state_words=lambda o, s, matrix: 1.0, shards=True,
-    update_buffer=c_buffer_elements))  # c over the gradient: a wave scratch
-
-
 def optimizers_table() -> str:
     """The README's table of optimizers: one row per registered optimizer (`python -m optim`)."""
     rows = ["| `optim.name` | runs on `comm.mode` | optimizer state per parameter | options (`optim.*`) |",
@@ -189,18 +167,19 @@ def optimizers_table() -> str:
 
 def build_optimizer(name: str, param_groups: list[dict], *, betas: tuple[float, float] = (0.9, 0.99),
                     eps: float = 1e-8, comm_mode: str = "fp32", comm_options: dict | sync.SchemeOptions | None = None,
-                    optim_options: dict | OptimOptions | None = None, momentum_sync: dict | MomentumSync | None = None,
+                    optim_options: dict | OptimOptions | None = None, momentum_sync: Any = None,
                     grad_clip: float = 0.0, group=None,
                     param_order: list[torch.nn.Parameter] | None = None, kernels: str = "eager",
                     fine_timing: bool = True, bucket_mb: float = 0.0, overlap: bool = False,
-                    shard_group=None, shard_dims: dict[int, int] | None = None) -> CommOptimizer:
+                    shard_group=None, shard_dims: dict[int, int] | None = None) -> torch.optim.Optimizer:
     """Build optimizer `name` for `param_groups` (dicts with params, names, role, lr, weight_decay,
     lr_mult; optionally layers) on sync scheme `comm_mode`. Raises ValueError naming the bad value
     and the valid ones. `param_order` (the model's parameter order) fixes the flat gradient layout.
     With hybrid sharding the parameters are local shards, `group` the replicate group and
     `shard_group` the group holding the other shards (its optimizer must declare `shards`), and
     `shard_dims` maps id(local parameter) to the dimension its model parameter is sharded on (the
-    placements `shard_dims()` chose; absent: 0)."""
+    placements `shard_dims()` chose; absent: 0). `momentum_sync`: a dict of comm.momentum_sync keys or
+    an optim.base.MomentumSync. Returns the entry's CommOptimizer (optim/base.py)."""
     spec = get_optimizer(name)
     scheme = sync.get(comm_mode)
     problem = compatibility_problem(name, comm_mode)
