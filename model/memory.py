@@ -1,5 +1,5 @@
-"""Per-rank memory of a training run: `python -m model.memory CONFIG [key=value ...] --world N
-[--shard-size S] [--device-gib G]`.
+"""Per-rank memory of a training run; its command is `python -m trainer.memory CONFIG [key=value ...]
+--world N [--shard-size S] [--device-gib G]` (trainer/memory.py: it reads a config).
 
 What one rank holds, for the config's model, optimizer and comm mode at world size N with S ranks
 sharding one copy of the model (parallel.shard_size; replicate = N / S):
@@ -20,8 +20,8 @@ sharding one copy of the model (parallel.shard_size; replicate = N / S):
 Parameters, gradients and optimizer state are exact tensor sizes (tests/model/test_memory.py compares
 them with the tensors a step leaves behind); buffers and activations are estimates.
 
-This module sits above the rest of model/: it reads a config (trainer.config) and asks the
-registries (optim), so it is imported only as a command, never by the model itself.
+This module sits above the rest of model/: it asks the optimizer and sync registries (optim) about a
+config object it is handed, so the model itself never imports it; it imports nothing of the trainer.
 """
 from __future__ import annotations
 
@@ -187,31 +187,16 @@ def report(mem: Memory, device_gib: float) -> str:
     return "\n".join(lines + [f"  note: {n}" for n in mem.notes])
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m model.memory", description=__doc__.split("\n\n")[0])
-    ap.add_argument("config", help="a YAML config (configs/...)")
-    ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    ap.add_argument("--world", type=int, required=True, help="ranks in the run")
-    ap.add_argument("--shard-size", type=int, default=None,
-                    help="ranks sharding one copy of the model (default: the config's parallel.shard_size)")
-    ap.add_argument("--device-gib", type=float, default=80.0, help="memory of one device in GiB (default 80)")
-    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                    help="activation width: cuda uses train.dtype (bfloat16 by default), cpu fp32")
-    args = ap.parse_args(argv)
-    from trainer.config import ConfigError, load_config
-
-    try:
-        cfg = load_config(args.config, args.overrides)
-        shard = args.shard_size if args.shard_size is not None else getattr(cfg, "parallel").shard_size
-        mem = estimate(cfg, args.world, shard, device=args.device)
-    except (ConfigError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"{cfg.model.preset} | optim.name={cfg.optim.name} comm.mode={cfg.comm.mode} | world {args.world}, "
-          f"shard size {shard} (replicas {args.world // shard}) | batch {cfg.data.batch_size} x {cfg.data.seq_len}")
-    print(report(mem, args.device_gib))
-    return 0
+def moved(argv: list[str] | None = None) -> int:
+    """The command used to live here; it reads a config, which is the trainer's, so it is
+    `python -m trainer.memory` now (the model imports nothing of the trainer)."""
+    ap = argparse.ArgumentParser(prog="python -m model.memory",
+                                 description="moved: python -m trainer.memory CONFIG [key=value ...] --world N")
+    ap.parse_known_args(argv)
+    print("error: the memory estimate's command is `python -m trainer.memory CONFIG [key=value ...] --world N "
+          "[--shard-size S] [--device-gib G]` (same arguments); run that", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(moved())

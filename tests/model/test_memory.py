@@ -61,7 +61,7 @@ def test_sharding_divides_model_state() -> None:
 
 
 def test_command_line(tmp_path) -> None:
-    run = [sys.executable, "-m", "model.memory", "configs/variants/adamw_fp32.yaml", "model.preset=gpt-7b",
+    run = [sys.executable, "-m", "trainer.memory", "configs/variants/adamw_fp32.yaml", "model.preset=gpt-7b",
            "data.batch_size=1", "data.seq_len=2048"]
     out = subprocess.run(run + ["--world", "8", "--shard-size", "8"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
