@@ -6,9 +6,13 @@ A checkpoint is a directory step_NNNNNN/ holding model.pt, one rank_NNNNN.pt per
 meta.json, written last, with every file's sha256. A reader
 - verifies meta.json and the sha256 of each file it reads (`verify`): this proves the bytes are
   the ones written, not who wrote them, since whoever can write a file can write meta.json too;
+  and that meta.json lists every file in the directory: a file the save did not record is refused
+  by name, so no library reads a file nobody checked (DCP would read an added `.metadata`);
 - therefore loads every file with torch.load(weights_only=True) (`safe_load`): tensors, numbers,
   strings, None and lists / tuples / dicts of them. A pickle naming any other Python object
   (a function to call, a class to build) is refused before anything of it runs;
+  a sharded run's DCP `.metadata` (a pickle too) is read by model/dcp_metadata.py's allow-list of
+  the types DCP writes, never by DCP's plain pickle.load;
 - checks that no floating tensor holds NaN or inf (`nonfinite_keys`);
 - falls back to the newest intact checkpoint of a run (`newest_intact_model`), saying which
   ones it skipped and why.
@@ -119,13 +123,24 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
+def files_in(path: Path) -> list[str]:
+    """Every file under checkpoint directory `path`, as a path relative to it (hidden ones included)."""
+    return sorted(f.relative_to(path).as_posix() for f in path.rglob("*") if not f.is_dir())
+
+
 def verify(path: Path, names: Iterable[str]) -> dict:
-    """meta.json, and the checksums of `names` against it; CheckpointError naming the first bad file."""
+    """meta.json, and the checksums of `names` against it; CheckpointError naming the first bad
+    file, or naming a file in the directory that meta.json does not list."""
     meta = read_meta(path)
     sums = meta.get("files")
     if not isinstance(sums, dict):
         raise CheckpointError(f"{path / META} has no file checksums (written by an older version); "
                               f"it cannot be verified")
+    unlisted = sorted(set(files_in(path)) - set(sums) - {META})
+    if unlisted:  # nothing in a checkpoint is read, by us or by a library, unless its save recorded it
+        raise CheckpointError(f"{path / unlisted[0]} is not listed in {path / META}: a checkpoint may hold only "
+                              f"the files its save recorded (with their sha256); remove the file, or restore the "
+                              f"checkpoint")
     for name in names:
         f = path / name
         if name not in sums:
@@ -154,6 +169,29 @@ def load_verified(path: Path, names: Iterable[str]) -> tuple[dict[str, Any], dic
     return files, meta
 
 
+def sharded_files(path: Path, meta: dict) -> list[str]:
+    """The DCP files (relative to checkpoint `path`) that meta.json lists for a sharded model."""
+    sub = meta.get("sharded_model")
+    if not isinstance(sub, str) or not sub or "/" in sub or sub.startswith("."):
+        raise CheckpointError(f"{path / META}: sharded_model {sub!r} is not a directory name of the checkpoint")
+    return sorted(n for n in meta.get("files", {}) if n.startswith(sub + "/"))
+
+
+def check_sharded_metadata(path: Path, meta: dict) -> None:
+    """Read a sharded checkpoint's DCP `.metadata` safely (model/dcp_metadata.py) and check it;
+    CheckpointError naming the file. (Its checksum is checked by `verify`.)"""
+    from .dcp_metadata import METADATA, MetadataError, read_metadata
+
+    sub = meta["sharded_model"]
+    listed = sharded_files(path, meta)
+    if f"{sub}/{METADATA}" not in listed:
+        raise CheckpointError(f"{path / sub / METADATA} is not listed in {path / META}")
+    try:
+        read_metadata(path / sub, [n[len(sub) + 1:] for n in listed])
+    except MetadataError as e:
+        raise CheckpointError(str(e)) from None
+
+
 def load_model_state(path: Path) -> tuple[dict, dict]:
     """(model state dict, meta) of checkpoint `path`: model.pt through `load_verified`, or, from a
     sharded run (meta["sharded_model"] names the directory), its torch.distributed.checkpoint
@@ -164,14 +202,17 @@ def load_model_state(path: Path) -> tuple[dict, dict]:
     if not sub:
         files, meta = load_verified(path, [MODEL])
         return files[MODEL], meta
-    verify(path, [n for n in meta.get("files", {}) if n.startswith(sub + "/")])
-    import tempfile
+    listed = sharded_files(path, meta)
+    verify(path, listed)
+    from .dcp_metadata import MetadataError, load_state
 
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(path / sub, Path(tmp) / MODEL)
-        state = torch.load(Path(tmp) / MODEL, map_location="cpu", weights_only=True)
+    try:
+        state = load_state(path / sub, [n[len(sub) + 1:] for n in listed])
+    except MetadataError as e:
+        raise CheckpointError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - DCP failing on verified files: one line naming the directory
+        raise CheckpointError(f"{path / sub} could not be read ({type(e).__name__}: {str(e).strip()[:200]})") \
+            from None
     state = state.get("model", state)
     bad = nonfinite_keys(state)
     if bad:

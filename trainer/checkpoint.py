@@ -13,8 +13,10 @@ tensors, all ranks agree, and a non-finite value stops the save with a NonFinite
 checkpoint whose meta says it was verified finite.
 
 On resume and rollback (`find_resumable`) candidates are tried newest first: each rank checks
-meta.json and the checksums of the files it will read and loads them as model/checkpoint_files.py
-says (weights_only: a pickle that names code is refused, never run; finite); all ranks agree; a
+meta.json (which must list every file in the directory) and the checksums of the files it will
+read and loads them as model/checkpoint_files.py says (weights_only: a pickle that names code is
+refused, never run; a sharded model's DCP metadata through model/dcp_metadata.py's allow-list;
+finite); all ranks agree; a
 corrupt, incomplete or foreign checkpoint is reported by name and the next older one is tried.
 RNG states are stored as tensors and plain numbers so that a weights_only load reads them. Leftover temp directories of killed saves are
 removed at start (`clean_partial`). A full disk is reported as such (CheckpointError).
@@ -36,8 +38,8 @@ import torch
 import torch.distributed as dist
 
 # the reading rule (checksums, weights_only loads, finiteness) has one home, shared with model/load.py
-from model.checkpoint_files import (META, MODEL, CheckpointError, candidates, load_verified, nonfinite_keys,
-                                    read_meta, sha256_file, step_dirs, verify)
+from model.checkpoint_files import (META, MODEL, CheckpointError, candidates, check_sharded_metadata, load_verified,
+                                    nonfinite_keys, read_meta, sha256_file, step_dirs, verify)
 from util import atomic_write, replace_dir
 
 __all__ = ["META", "MODEL", "CheckpointError", "NonFiniteError", "candidates", "find_resumable", "read_meta",
@@ -237,7 +239,11 @@ def find_resumable(ckpt_root: Path, rank: int, world_size: int,
             meta = read_meta(path)
             names = files_needed(meta, rank, world_size)
             shards = [n for n in names if meta.get("sharded_model") and n.startswith(meta["sharded_model"] + "/")]
+            if meta.get("sharded_model"):  # every rank reads DCP's .metadata: every rank checks it, safely
+                shards = sorted(set(shards) | {f"{meta['sharded_model']}/.metadata"})
             verify(path, shards)  # a sharded model's DCP files: checked here, read by trainer/sharded_checkpoint.py
+            if meta.get("sharded_model"):
+                check_sharded_metadata(path, meta)
             files, meta = load_verified(path, [n for n in names if n not in shards])
         except CheckpointError as e:
             problem = str(e)

@@ -10,7 +10,9 @@ them (each rank its share, all ranks agree) and falls back to the previous intac
 The optimizer state is not in here: every rank's file (rank_*.pt) holds its own shards' state,
 momenta and error feedback included, which differ across replicas and are never deduplicated.
 
-Loading: DCP fills the model's DTensors from whichever files hold their shards (so the model part
+Loading: `.metadata` is read by model/dcp_metadata.py (an allow-list of DCP's own metadata types,
+never a plain pickle.load) and handed to DCP, which fills the model's DTensors from whichever files
+hold their shards (so the model part
 would load at another mesh as well); a replicated checkpoint's model.pt loads into a sharded
 model (`parallel.load_full_state_dict`)."""
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from optim.base import average_states
 
 from . import parallel
-from .checkpoint import NonFiniteError, _agree, nonfinite_keys, sha256_file
+from .checkpoint import CheckpointError, NonFiniteError, _agree, nonfinite_keys, read_meta, sha256_file
 
 MODEL_DIR = "model"
 
@@ -68,8 +70,15 @@ def load_model(model: torch.nn.Module, path: Path) -> None:
     """Fill the sharded model from checkpoint `path`'s DCP files (collective)."""
     import torch.distributed.checkpoint as dcp
 
+    from model.dcp_metadata import MetadataError, SafeReader, read_metadata
+
+    listed = [n[len(MODEL_DIR) + 1:] for n in read_meta(path).get("files", {}) if n.startswith(MODEL_DIR + "/")]
+    try:  # never DCP's own reader: it unpickles .metadata without restriction (model/dcp_metadata.py)
+        md = read_metadata(path / MODEL_DIR, listed)
+    except MetadataError as e:
+        raise CheckpointError(str(e)) from None
     state = _model_state(model)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path / MODEL_DIR)))
+    dcp.load(state, storage_reader=SafeReader(path / MODEL_DIR, md))
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     tied = set(model.state_dict()) - set(state["model"])
     if set(missing) - tied or unexpected:
