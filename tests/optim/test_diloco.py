@@ -1,0 +1,482 @@
+"""DiLoCo and Streaming DiLoCo's outer loop (optim/diloco.py) and the E3M0 codec (comm/e3m0.py).
+
+In one process, W workers are W sets of plain tensors with their own inner optimizers, driven in
+lockstep; their pseudo-gradients meet in `SimMean` (the fp32 mean, summed in worker order), which
+stands in for the allreduce. tests/workers/diloco_dist.py checks the real wires under gloo.
+
+- H = 1, outer lr 1, no outer momentum, fp32: inner SGD (with heavy-ball momentum) is synchronous
+  SGD on the averaged gradient. Why: every worker starts the step at the same theta, so
+  Delta_i = lr * d_i with d_i the worker's SGD direction, which is linear in its gradient history
+  (d_i = beta d_i' + g_i); the mean of the d_i is then the direction synchronous SGD computes from
+  the mean gradients, and theta - 1 * lr * mean d_i is its step. AdamW's direction m_i / (sqrt(v_i)
+  + eps) is not linear in the gradients (v_i squares them, per worker), so the mean of the workers'
+  Adam steps is not Adam's step on the mean gradient: the test shows they differ.
+- a hand-written reference of the algorithm (2 workers, 3 outer steps, inner AdamW, outer Nesterov
+  momentum 0.9, outer lr 0.7) equals the object within fp32 tolerance; heavy ball too;
+- Streaming with F = 1 and no overlap equals that reference; a hand-written streaming reference
+  (F = 2 on literal offsets, tau = 1, alpha = 0.5) equals the object;
+- a state_dict round trip (through torch.save) mid-inner-phase, mid-overlap and at an outer step
+  continues bit for bit, also with LoCo's error feedback as the wire;
+- the E3M0 codec: exact on its representable values, nearest rounding, bytes = formula;
+- bad options: one line each, naming the comm.diloco key.
+"""
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+from comm.e3m0 import e3m0_bytes, e3m0_chunk_bytes, e3m0_decode, e3m0_encode, e3m0_layout
+from optim import sync
+from optim.diloco import (WIRES, DiLoCo, DiLoCoOptions, build_averages, cycle_bytes, strided_fragments,
+                          wire_bytes, worker_drift)
+from tests.dist import torchrun
+
+SHAPES = [(3, 4), (4,), (2, 3), (3,)]   # four "blocks", one tensor each
+REST = [(5,)]                           # a tensor outside the blocks (an embedding, a head)
+
+
+# ---- the simulated workers ----------------------------------------------------------------------
+class SimMean:
+    """The fp32 mean of W workers' tensors: worker i's `start` drops its tensor for one round (the
+    fragment's sync count); `wait` sums them in worker order and divides by W."""
+
+    def __init__(self, W: int) -> None:
+        self.W, self.rounds = W, {}
+
+    def member(self, i: int) -> "_Member":
+        return _Member(self, i)
+
+
+class _Member:
+    def __init__(self, g: SimMean, i: int) -> None:
+        self.g, self.i = g, i
+
+    def start(self, x: torch.Tensor, step: int) -> "_Handle":
+        box = self.g.rounds.setdefault(step, {})
+        assert self.i not in box, f"worker {self.i} started round {step} twice"
+        box[self.i] = x.clone()
+        return _Handle(self.g, step)
+
+
+class _Handle:
+    def __init__(self, g: SimMean, step: int) -> None:
+        self.g, self.step = g, step
+
+    def wait(self) -> torch.Tensor:
+        box = self.g.rounds[self.step]
+        assert sorted(box) == list(range(self.g.W)), f"round {self.step}: only workers {sorted(box)} started"
+        total = box[0].clone()
+        for i in range(1, self.g.W):
+            total += box[i]
+        return total / self.g.W
+
+
+def _init_params() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=g) for s in SHAPES + REST]
+
+
+def _loss(params: list[torch.Tensor], worker: int, step: int) -> torch.Tensor:
+    """A worker's loss at its inner step: a least-squares fit per tensor to data drawn from
+    (worker, step), plus a tanh coupling so the gradient is not linear in the parameters."""
+    g = torch.Generator().manual_seed(1000 * worker + step)
+    total = torch.zeros(())
+    for p in params:
+        x = p.reshape(-1)
+        A = torch.randn(x.numel(), x.numel(), generator=g) / x.numel() ** 0.5
+        y = torch.randn(x.numel(), generator=g) + worker
+        total = total + (A @ x - y).pow(2).mean() + 0.1 * torch.tanh(x).sum()
+    return total
+
+
+def _grads(params: list[torch.Tensor], worker: int, step: int) -> list[torch.Tensor]:
+    ps = [p.detach().clone().requires_grad_(True) for p in params]
+    return list(torch.autograd.grad(_loss(ps, worker, step), ps))
+
+
+class Worker:
+    """One worker: its parameters and inner optimizer (torch's: the inner step is not under test)."""
+
+    def __init__(self, i: int, inner: str) -> None:
+        self.i = i
+        self.params = [torch.nn.Parameter(t.clone()) for t in _init_params()]
+        if inner == "sgd":
+            self.opt = torch.optim.SGD(self.params, lr=0.05, momentum=0.9)
+        else:
+            self.opt = torch.optim.AdamW(self.params, lr=0.02, betas=(0.9, 0.95), weight_decay=0.1)
+        self.t = 0
+
+    def inner_step(self) -> None:
+        for p, g in zip(self.params, _grads(self.params, self.i, self.t)):
+            p.grad = g
+        self.opt.step()
+        self.t += 1
+
+
+def _fragments(w: Worker, F: int) -> list[list[torch.Tensor]]:
+    blocks = [[p] for p in w.params[:len(SHAPES)]]
+    return strided_fragments(blocks, w.params[len(SHAPES):], F)
+
+
+def _run_diloco(W: int, o: DiLoCoOptions, steps: int, inner: str) -> tuple[list[Worker], list[DiLoCo]]:
+    workers = [Worker(i, inner) for i in range(W)]
+    frags = [_fragments(w, o.fragments) for w in workers]
+    groups = [SimMean(W) for _ in range(o.fragments)]
+    dl = [DiLoCo(frags[i], o, [groups[k].member(i) for k in range(o.fragments)]) for i in range(W)]
+    _advance(workers, dl, steps)
+    return workers, dl
+
+
+def _advance(workers: list[Worker], dl: list[DiLoCo], steps: int) -> None:
+    for _ in range(steps):
+        for w in workers:
+            w.inner_step()
+        for d in dl:
+            d.send()
+        for d in dl:
+            d.receive()
+
+
+# ---- (a) H = 1 is synchronous SGD ---------------------------------------------------------------
+def _sync_run(W: int, steps: int, inner: str) -> list[torch.Tensor]:
+    """Synchronous training: one parameter set, stepped by the inner optimizer on the workers' mean gradient."""
+    w = Worker(0, inner)
+    for t in range(steps):
+        per = [_grads(w.params, i, t) for i in range(W)]
+        for j, p in enumerate(w.params):
+            total = per[0][j].clone()
+            for i in range(1, W):
+                total += per[i][j]
+            p.grad = total / W
+        w.opt.step()
+    return [p.detach() for p in w.params]
+
+
+H1 = DiLoCoOptions(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False, wire="fp32")
+
+
+def test_h1_outer_lr_1_no_momentum_is_synchronous_sgd() -> None:
+    workers, dl = _run_diloco(3, H1, 6, "sgd")
+    ref = _sync_run(3, 6, "sgd")
+    moved = max((a - b).abs().max().item() for a, b in zip(ref, _init_params()))
+    assert moved > 0.05, moved                       # the runs went somewhere
+    for w in workers:
+        for p, r in zip(w.params, ref):
+            torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6)
+    for d in dl:
+        assert d.syncs == [6]
+
+
+def test_h1_is_not_synchronous_adamw() -> None:
+    """The same construction with AdamW inside: the mean of the workers' Adam steps is not Adam's
+    step on the mean gradient (module docstring)."""
+    workers, _ = _run_diloco(3, H1, 6, "adamw")
+    ref = _sync_run(3, 6, "adamw")
+    gap = max((p.detach() - r).abs().max().item() for p, r in zip(workers[0].params, ref))
+    assert gap > 1e-3, gap
+
+
+# ---- (b) against a hand-written reference ---------------------------------------------------------
+def _reference(W: int, H: int, outer_steps: int, lr: float, mu: float, nesterov: bool) -> list[torch.Tensor]:
+    """DiLoCo written out plainly: every worker runs H inner AdamW steps from theta, Delta is the
+    mean of theta - theta_i, the outer SGD with (Nesterov) momentum moves theta, workers restart
+    from theta (their AdamW states carry on)."""
+    workers = [Worker(i, "adamw") for i in range(W)]
+    theta = [t.clone() for t in _init_params()]
+    mom = [torch.zeros_like(t) for t in theta]
+    for _ in range(outer_steps):
+        for w in workers:
+            for _ in range(H):
+                w.inner_step()
+        for j in range(len(theta)):
+            delta = (theta[j] - workers[0].params[j].detach())
+            for w in workers[1:]:
+                delta = delta + (theta[j] - w.params[j].detach())
+            delta = delta / W
+            mom[j] = mu * mom[j] + delta
+            step = delta + mu * mom[j] if nesterov else mom[j]
+            theta[j] = theta[j] - lr * step
+        with torch.no_grad():
+            for w in workers:
+                for p, t in zip(w.params, theta):
+                    p.copy_(t)
+    return theta
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_matches_hand_written_reference(nesterov: bool) -> None:
+    o = DiLoCoOptions(inner_steps=3, outer_lr=0.7, outer_momentum=0.9, nesterov=nesterov)
+    workers, dl = _run_diloco(2, o, 9, "adamw")
+    ref = _reference(2, 3, 3, 0.7, 0.9, nesterov)
+    for w in workers:
+        for p, r in zip(w.params, ref):
+            torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6)
+    # the two workers hold bit-identical parameters after an outer step, as the global copy
+    for a, b in zip(workers[0].params, workers[1].params):
+        assert torch.equal(a, b)
+    assert torch.equal(dl[0].glob[0], dl[1].glob[0])
+    assert dl[0].syncs == [3]
+
+
+# ---- (c) streaming ----------------------------------------------------------------------------------
+def test_streaming_one_fragment_no_overlap_is_diloco() -> None:
+    o = DiLoCoOptions(inner_steps=3, outer_lr=0.7, outer_momentum=0.9, fragments=1, overlap_steps=0, alpha=0.0)
+    workers, _ = _run_diloco(2, o, 9, "adamw")
+    ref = _reference(2, 3, 3, 0.7, 0.9, True)
+    for p, r in zip(workers[0].params, ref):
+        torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6)
+
+
+def test_strided_fragments() -> None:
+    blocks = [[torch.zeros(4)], [torch.zeros(4)], [torch.zeros(4)], [torch.zeros(4), torch.zeros(2)], [torch.zeros(4)]]
+    rest = [torch.zeros(7), torch.zeros(3)]
+    f = strided_fragments(blocks, rest, 2)
+    # blocks 0, 2, 4 -> fragment 0 (12 elements), blocks 1, 3 -> fragment 1 (10), then the 7 joins
+    # fragment 1 (the smaller: 17) and the 3 fragment 0 (15)
+    same = lambda a, b: len(a) == len(b) and all(t is u for t, u in zip(a, b))   # noqa: E731
+    assert same(f[0], blocks[0] + blocks[2] + blocks[4] + [rest[1]])
+    assert same(f[1], blocks[1] + blocks[3] + [rest[0]])
+    with pytest.raises(ValueError, match="comm.diloco.fragments: 6 fragments but the model has 5 blocks"):
+        strided_fragments(blocks, rest, 6)
+
+
+def _streaming_reference(W: int, steps: int) -> list[torch.Tensor]:
+    """Streaming DiLoCo written out for H = 4, F = 2, tau = 1, alpha = 0.5 on SHAPES + REST:
+    fragment 0 = blocks 0, 2 (18 elements), fragment 1 = blocks 1, 3 (7) and REST's tensor (it joins
+    the smaller fragment); fragment 0 sends after steps 2, 6, 10, ..., fragment 1 after 4, 8, ...; each applies its
+    outer step (Nesterov, lr 0.7, mu 0.9) one step later and mixes local = 0.5 local + 0.5 global."""
+    frag = {0: [0, 2], 1: [1, 3, 4]}
+    sends = {0: {2, 6, 10, 14}, 1: {4, 8, 12, 16}}
+    workers = [Worker(i, "adamw") for i in range(W)]
+    theta = [t.clone() for t in _init_params()]
+    mom = [torch.zeros_like(t) for t in theta]
+    sent: dict[int, list[torch.Tensor]] = {}
+    for t in range(1, steps + 1):
+        for w in workers:
+            w.inner_step()
+        for k in (0, 1):
+            if t in sends[k]:
+                sent[k] = []
+                for j in frag[k]:
+                    d = theta[j] - workers[0].params[j].detach()
+                    for w in workers[1:]:
+                        d = d + (theta[j] - w.params[j].detach())
+                    sent[k].append(d / W)
+            if t - 1 in sends[k]:
+                for j, d in zip(frag[k], sent.pop(k)):
+                    mom[j] = 0.9 * mom[j] + d
+                    theta[j] = theta[j] - 0.7 * (d + 0.9 * mom[j])
+                    with torch.no_grad():
+                        for w in workers:
+                            w.params[j].copy_(0.5 * w.params[j] + 0.5 * theta[j])
+    return [p.detach().clone() for p in workers[1].params]
+
+
+def test_streaming_matches_hand_written_reference() -> None:
+    o = DiLoCoOptions(inner_steps=4, outer_lr=0.7, outer_momentum=0.9, fragments=2, overlap_steps=1, alpha=0.5)
+    assert o.offsets() == [2, 4]
+    workers, dl = _run_diloco(2, o, 10, "adamw")   # ends with fragment 0's average of step 10 in flight
+    assert set(dl[0].pending) == {0}
+    ref = _streaming_reference(2, 10)
+    for p, r in zip(workers[1].params, ref):
+        torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6)
+    assert dl[0].syncs == [2, 2]   # fragment 0 applied at 3 and 7, fragment 1 at 5 and 9
+
+
+# ---- (d) exact resume -----------------------------------------------------------------------------
+def _snapshot(workers: list[Worker], dl: list[DiLoCo]) -> bytes:
+    buf = io.BytesIO()
+    torch.save({"params": [[p.detach().clone() for p in w.params] for w in workers],
+                "opt": [w.opt.state_dict() for w in workers], "t": [w.t for w in workers],
+                "outer": [d.state_dict() for d in dl]}, buf)
+    return buf.getvalue()
+
+
+def _restore(blob: bytes, W: int, o: DiLoCoOptions, inner: str, averages=None) -> tuple[list[Worker], list[DiLoCo]]:
+    state = torch.load(io.BytesIO(blob), weights_only=True)
+    workers = [Worker(i, inner) for i in range(W)]
+    groups = [SimMean(W) for _ in range(o.fragments)]
+    dl = []
+    for i, w in enumerate(workers):
+        with torch.no_grad():
+            for p, s in zip(w.params, state["params"][i]):
+                p.copy_(s)
+        w.opt.load_state_dict(state["opt"][i])
+        w.t = state["t"][i]
+        avgs = averages(i) if averages else [groups[k].member(i) for k in range(o.fragments)]
+        d = DiLoCo(_fragments(w, o.fragments), o, avgs)
+        d.load_state_dict(state["outer"][i])
+        dl.append(d)
+    return workers, dl
+
+
+STREAM = DiLoCoOptions(inner_steps=4, outer_lr=0.7, outer_momentum=0.9, fragments=2, overlap_steps=1, alpha=0.5)
+
+
+@pytest.mark.parametrize("at", [1, 2, 4, 5], ids=["mid-inner", "mid-overlap", "outer-step", "after-overlap"])
+def test_resume_is_bit_exact(at: int) -> None:
+    workers, dl = _run_diloco(2, STREAM, at, "adamw")
+    if at == 2:
+        assert dl[0].pending, "fragment 0's average must be in flight at step 2"
+    blob = _snapshot(workers, dl)
+    _advance(workers, dl, 9)
+    w2, d2 = _restore(blob, 2, STREAM, "adamw")
+    _advance(w2, d2, 9)
+    for a, b in zip(workers, w2):
+        for p, q in zip(a.params, b.params):
+            assert torch.equal(p, q)
+    for a, b in zip(dl, d2):
+        assert all(torch.equal(x, y) for x, y in zip(a.glob + a.momentum, b.glob + b.momentum))
+        assert a.syncs == b.syncs and a.step == b.step
+
+
+def test_resume_with_error_feedback_wire_is_bit_exact() -> None:
+    """One worker on the loco wire (at P = 1 the compression and its 8-bit errors still apply)."""
+    o = DiLoCoOptions(inner_steps=2, outer_lr=0.7, outer_momentum=0.9, wire="loco", block=8)
+    ctx = lambda: sync.ExchangeContext(world_size=1, rank=0)   # noqa: E731
+    w = Worker(0, "adamw")
+    d = DiLoCo(_fragments(w, 1), o, build_averages(o, [sum(p.numel() for p in w.params)], ctx()))
+    _advance([w], [d], 3)
+    state = d.state_dict()
+    assert any(t.abs().sum() > 0 for t in state["averages"][0]["float32/" + str(d.numels[0])].values()
+               if isinstance(t, torch.Tensor)), "the loco wire kept no error: the test would not cover it"
+    blob = _snapshot([w], [d])
+    _advance([w], [d], 5)
+    w2, d2 = _restore(blob, 1, o, "adamw", averages=lambda i: build_averages(o, d.numels, ctx()))
+    _advance(w2, d2, 5)
+    for p, q in zip(w.params, w2[0].params):
+        assert torch.equal(p, q)
+    # the same run with the wire's error reset at the resume differs: the state matters
+    w3, d3 = _restore(blob, 1, o, "adamw", averages=lambda i: build_averages(o, d.numels, ctx()))
+    d3[0].averages[0].load_state_dict({})
+    _advance(w3, d3, 5)
+    assert any(not torch.equal(p, q) for p, q in zip(w.params, w3[0].params))
+
+
+def test_resume_refuses_other_options() -> None:
+    _, dl = _run_diloco(2, STREAM, 3, "adamw")
+    state = dl[0].state_dict()
+    other = DiLoCoOptions(inner_steps=5, outer_lr=0.7, fragments=2, overlap_steps=1)
+    w = Worker(0, "adamw")
+    d = DiLoCo(_fragments(w, 2), other, [SimMean(1).member(0), SimMean(1).member(0)])
+    with pytest.raises(ValueError, match=r"comm.diloco.inner_steps: the checkpoint was saved with 4, this run has 5"):
+        d.load_state_dict(state)
+
+
+def test_state_dict_between_send_and_receive_is_refused() -> None:
+    workers, dl = _run_diloco(1, DiLoCoOptions(inner_steps=2), 1, "sgd")
+    workers[0].inner_step()
+    dl[0].send()
+    with pytest.raises(RuntimeError, match="between send"):
+        dl[0].state_dict()
+
+
+# ---- (e) bytes ------------------------------------------------------------------------------------
+def test_e3m0_codes_and_rounding() -> None:
+    s = 3.0
+    exact = torch.tensor([s, -s / 2, s / 4, -s / 8, s / 16, s / 32, -s / 64, 0.0])
+    codes, scales = e3m0_encode(exact, 8)
+    assert torch.equal(e3m0_decode(codes, scales, 8), exact)
+    assert scales.tolist() == [s]
+    # nearest in value, ties away from zero; below s/128 -> 0, [s/128, s/64) -> s/64
+    x = torch.tensor([1.0, 0.74, 0.75, 0.376, 0.374, 1 / 128, 0.99 / 128, -0.3])
+    got = e3m0_decode(*e3m0_encode(x, 8), 8)
+    assert got.tolist() == [1.0, 0.5, 1.0, 0.5, 0.25, 1 / 64, 0.0, -0.25]
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(4096, generator=g)
+    dec = e3m0_decode(*e3m0_encode(y, 256), 256)
+    s = y.view(-1, 256).abs().amax(1, keepdim=True)
+    big = y.view(-1, 256).abs() >= s / 64
+    rel = ((dec.view(-1, 256) - y.view(-1, 256)).abs() / y.view(-1, 256).abs())[big]
+    assert rel.max() <= 1 / 3 + 1e-6 and rel.max() > 0.3
+    assert torch.equal(torch.sign(dec.view(-1, 256)[big]), torch.sign(y.view(-1, 256)[big]))
+
+
+@pytest.mark.parametrize("n,block", [(1, 8), (1000, 64), (4096, 256), (12345, 2048)])
+def test_e3m0_bytes_equal_the_encoded_bytes(n: int, block: int) -> None:
+    for P in (2, 3, 8):
+        c = e3m0_layout(n, P, block)
+        y = torch.randn(P * c)
+        codes, scales = e3m0_encode(y, block)
+        # the wire holds P chunks, each codes then scales: the encoder's bytes are P chunks of w
+        assert codes.numel() + 4 * scales.numel() == P * e3m0_chunk_bytes(c, block)
+        w = e3m0_chunk_bytes(c, block)
+        assert e3m0_bytes(n, P, block) == ((P + 1) * w, 2 * P * w)
+        assert c % block == 0 and c * P >= n and (c - block) * P < n
+    assert e3m0_bytes(n, 1, block) == (0, 0)
+
+
+def test_cycle_bytes_sum_and_peak() -> None:
+    o = DiLoCoOptions(inner_steps=10, fragments=3, wire="bf16")
+    c = cycle_bytes(o, 4, [100, 300, 200])
+    assert (c.sent, c.recv, c.peak_step, c.per_inner_step) == (1200, 1200, 600, 120.0)
+    for wire in WIRES:
+        o = DiLoCoOptions(inner_steps=5, fragments=2, wire=wire, block=64)
+        c = cycle_bytes(o, 4, [1000, 3000])
+        assert c.sent == wire_bytes(o, 4, 1000)[0] + wire_bytes(o, 4, 3000)[0]
+        assert c.peak_step == wire_bytes(o, 4, 3000)[0] and c.per_inner_step == c.sent / 5
+    # fp32 sends 4 bytes per element, e3m0 about half a byte (plus a scale per block and padding)
+    assert wire_bytes(DiLoCoOptions(wire="fp32"), 4, 4096)[0] == 4 * 4096
+    assert wire_bytes(DiLoCoOptions(wire="e3m0", block=256), 4, 4096)[0] == 5 * (512 + 4 * 4)
+
+
+def test_worker_drift() -> None:
+    a, b = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])
+    d = worker_drift([a, b])
+    assert abs(d["spread"] - 1.0) < 1e-9 and all(abs(c - 2 ** -0.5) < 1e-9 for c in d["cosine"])
+    assert worker_drift([a, a])["spread"] == 0.0
+
+
+def test_collectives_under_gloo() -> None:
+    """tests/workers/diloco_dist.py at P = 2: every wire's average equals the gathered reference
+    (fp32 exactly, the others within their quantization), replicas bit-identical after every outer
+    step, bytes counted at the collectives equal the formula."""
+    out = torchrun(2, "diloco_dist.py", timeout=240)
+    assert "diloco_dist: ok" in out.stdout, out.stdout + out.stderr
+
+
+# ---- (f) bad options ------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw,blocks,msg", [
+    (dict(inner_steps=0), None, "comm.diloco.inner_steps: 0 must be an integer >= 1"),
+    (dict(inner_steps=2.5), None, "comm.diloco.inner_steps: 2.5 must be an integer >= 1"),
+    (dict(fragments=5), 4, "comm.diloco.fragments: 5 fragments but the model has 4 blocks"),
+    (dict(fragments=4, inner_steps=3), None, "comm.diloco.fragments: 4 fragments need distinct offsets"),
+    (dict(overlap_steps=10, inner_steps=10), None, "comm.diloco.overlap_steps: 10 must be < comm.diloco.inner_steps=10"),
+    (dict(overlap_steps=-1), None, "comm.diloco.overlap_steps: -1 must be an integer >= 0"),
+    (dict(wire="onebit"), None, "comm.diloco.wire: 'onebit' returns a sign vote, not a mean"),
+    (dict(wire="pbit"), None, "comm.diloco.wire: 'pbit' returns a sign vote, not a mean"),
+    (dict(wire="fp8"), None, "comm.diloco.wire: 'fp8' is not one of fp32, bf16, loco, sign, e3m0"),
+    (dict(outer_lr=0.0), None, "comm.diloco.outer_lr: 0.0 must be a positive number"),
+    (dict(outer_momentum=1.0), None, "comm.diloco.outer_momentum: 1.0 must be in [0, 1)"),
+    (dict(alpha=1.5), None, "comm.diloco.alpha: 1.5 must be in [0, 1]"),
+    (dict(block=12), None, "comm.diloco.block: 12 must be a positive multiple of 8"),
+    (dict(nesterov="yes"), None, "comm.diloco.nesterov: 'yes' must be true or false"),
+])
+def test_bad_options_name_the_key(kw: dict, blocks, msg: str) -> None:
+    problems = DiLoCoOptions(**kw).problems(blocks=blocks)
+    assert len(problems) == 1 and problems[0].startswith(msg), problems
+    assert "\n" not in problems[0]
+    with pytest.raises(ValueError, match=msg.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        DiLoCoOptions(**kw).check(blocks=blocks)
+
+
+def test_every_sign_scheme_is_refused_and_defaults_are_valid() -> None:
+    assert DiLoCoOptions().problems(blocks=12) == []
+    for s in sync.schemes():
+        p = DiLoCoOptions(wire=s.name).problems()
+        if s.result == sync.SIGN:
+            assert p and "returns a sign vote" in p[0]
+
+
+def test_constructor_checks_fragments_and_averages() -> None:
+    w = Worker(0, "sgd")
+    with pytest.raises(ValueError, match="comm.diloco.fragments: 2 but 1 parameter fragments were given"):
+        DiLoCo([w.params], DiLoCoOptions(inner_steps=4, fragments=2), [SimMean(1).member(0)])
+    with pytest.raises(ValueError, match="comm.diloco.inner_steps: 0"):
+        DiLoCo([w.params], DiLoCoOptions(inner_steps=0), [SimMean(1).member(0)])
+    with pytest.raises(RuntimeError, match="call send"):
+        DiLoCo([w.params], DiLoCoOptions(inner_steps=4), [SimMean(1).member(0)]).receive()
+    assert copy.deepcopy(DiLoCoOptions()).offsets() == [500]
