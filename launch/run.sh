@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Local launcher: NPROC ranks of train.py on this machine under torchrun (one node).
+# Local launcher: NPROC ranks of train.py on this machine under torchrun (one node), through
+# launch.torchrun: the config is checked before any rank starts, and a failing rank's exit code
+# and message are kept without torchrun's ChildFailedError traceback.
 #
 #   launch/run.sh [CONFIG] [section.key=value ...]
 #   launch/run.sh configs/default.yaml train.max_steps=100
@@ -59,7 +61,9 @@ if (( MAX_RESTARTS > 0 )) && [[ " $* " != *" train.resume="* ]]; then
   resume_args=(train.resume=auto)
 fi
 
-cmd=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" --max-restarts="$MAX_RESTARTS"
+# launch.torchrun is found from any working directory, installed or not
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+cmd=("$PYTHON" -m launch.torchrun --standalone --nproc_per_node="$NPROC" --max-restarts="$MAX_RESTARTS"
      "${log_args[@]}" "$ROOT/train.py" "$CONFIG" "$@" "${resume_args[@]}")
 
 echo "+ OMP_NUM_THREADS=$OMP_NUM_THREADS $(printf '%q ' "${cmd[@]}")"

@@ -26,7 +26,7 @@ def test_dry_run_prints_the_torchrun_command():
     line = p.stdout.strip()
     # defaults: 2 ranks, configs/default.yaml, the cores split between the ranks
     assert line.startswith(f"+ OMP_NUM_THREADS={max(1, cores // 2)} "), line
-    assert "-m torch.distributed.run --standalone --nproc_per_node=2 " in line
+    assert "-m launch.torchrun --standalone --nproc_per_node=2 " in line
     assert line.endswith(f"{ROOT}/train.py configs/default.yaml"), line
     assert "--local-ranks-filter" not in line
 
@@ -70,3 +70,10 @@ def test_two_ranks_train_and_only_log_rank_is_shown(tmp_path):
     # rank 0 prints the run banner; with LOG_RANK=1 torchrun keeps it off the console
     assert "gloo world 2" not in p.stdout + p.stderr
     assert "--local-ranks-filter 1" in p.stdout
+
+
+def test_a_config_error_is_one_line_and_exit_2(tmp_path):
+    p = _run("configs/default.yaml", "train.max_stpes=3", f"train.out_dir={tmp_path / 'run'}", NPROC="2",
+             OMP_NUM_THREADS="1", timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "train.max_stpes: unknown key; did you mean train.max_steps?" in p.stderr

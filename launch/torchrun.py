@@ -1,0 +1,91 @@
+"""torchrun for train.py, with the config checked before any rank starts.
+
+    python -m launch.torchrun [torchrun options] train.py CONFIG [MORE.yaml ...] [section.key=value ...]
+    python -m launch.torchrun --standalone --nproc_per_node=2 train.py configs/default.yaml train.max_steps=50
+
+It takes torchrun's options (torch.distributed.run) and differs in two ways:
+- train.py's config files and overrides are loaded and validated here first (with the world size
+  when --nnodes and --nproc_per_node fix it): a problem is one message on stderr, exit code 2, and
+  no rank is started;
+- when a rank fails anyway (an error only the ranks can find: a run directory that exists, data,
+  a checkpoint), torchrun would end in its own ChildFailedError traceback and exit code 1. Here the
+  rank's own message stands alone and the launcher exits with that rank's exit code (2 for the
+  errors the trainer reports, 3 for divergence; 128+N for a rank killed by signal N). For any code
+  but 2 one line names the rank that failed first.
+Any other script than train.py is launched unchecked, as torchrun would.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+
+
+def _world_size(args) -> int | None:
+    """The world size fixed by the command line, or None (elastic node counts, nproc 'gpu'/'auto')."""
+    try:
+        nproc = int(args.nproc_per_node)
+    except (TypeError, ValueError):
+        return None
+    nnodes = str(args.nnodes)
+    if args.standalone:
+        return nproc
+    if ":" in nnodes:
+        lo, hi = nnodes.split(":", 1)
+        if lo != hi:
+            return None
+        nnodes = lo
+    try:
+        return int(nnodes) * nproc
+    except ValueError:
+        return None
+
+
+def check_train_args(script_args: list[str], world_size: int | None) -> str:
+    """train.py's own argument and config checks, before launch: the error text, or ''."""
+    from trainer.config import ConfigError, load_config, split_config_args, validate
+
+    if not script_args or script_args[0].startswith("-"):
+        return ""  # --help, --help-config: train.py answers itself
+    try:
+        files, overrides = split_config_args(script_args)
+        if not files:
+            raise ConfigError(f"{script_args[0]}: expected a config file (*.yaml) first; usage: train.py CONFIG.yaml "
+                              f"[MORE.yaml ...] [section.key=value ...]")
+        cfg = load_config(files, overrides)
+        if world_size is not None:
+            validate(cfg, world_size=world_size)
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if os.path.basename(args.training_script) == "train.py" and not args.module:
+        problem = check_train_args(list(args.training_script_args), _world_size(args))
+        if problem:
+            print(f"error: {problem}", file=sys.stderr, flush=True)
+            return 2
+    # torchrun's per-process lines ("failed (exitcode: 2) local_rank: 0 ...", "Sending process N closing
+    # signal SIGTERM") would repeat what the rank said; the failure is summarised below instead
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    try:
+        run(args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
+        if code != 2:  # 2: the rank printed "error: ..." itself, the one message the user needs
+            print(f"launch.torchrun: rank {rank} (host {socket.gethostname()}, pid {failure.pid}) exited with code "
+                  f"{failure.exitcode}{' (' + failure.signal_name() + ')' if failure.exitcode < 0 else ''}; its "
+                  f"output above says why", file=sys.stderr, flush=True)
+        return code or 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""launch.torchrun: a config error under torchrun is one message and exit code 2, never torchrun's
+ChildFailedError traceback, whether the launcher finds it before the ranks start or a rank finds it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _launch(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run([sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc_per_node=2",
+                           str(ROOT / "train.py"), str(ROOT / "configs" / "default.yaml"), *args],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_bad_key_is_one_message_and_exit_2_before_any_rank_starts(tmp_path):
+    p = _launch("train.max_stpes=5", f"train.out_dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr and "ChildFailedError" not in p.stderr, p.stderr[-3000:]
+    assert p.stderr.count("train.max_stpes: unknown key; did you mean train.max_steps?") == 1, p.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_world_size_problem_is_found_before_launch(tmp_path):
+    p = _launch("parallel.shard_size=4", f"train.out_dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "parallel.shard_size: 4 does not divide the world size 2" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_an_error_a_rank_finds_keeps_its_exit_code_without_a_traceback(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("someone's file\n")
+    p = _launch("model.preset=debug", f"train.out_dir={run}", cwd=tmp_path)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr and "ChildFailedError" not in p.stderr, p.stderr[-3000:]
+    assert f"run directory {run} already exists and is not empty" in p.stderr, p.stderr
+    assert "launch.torchrun: rank" not in p.stderr  # exit code 2: the rank's own message stands alone
+    assert (run / "notes.txt").read_text() == "someone's file\n"
