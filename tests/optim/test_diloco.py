@@ -14,7 +14,7 @@ stands in for the allreduce. tests/workers/diloco_dist.py checks the real wires 
 - a hand-written reference of the algorithm (2 workers, 3 outer steps, inner AdamW, outer Nesterov
   momentum 0.9, outer lr 0.7) equals the object within fp32 tolerance; heavy ball too;
 - Streaming with F = 1 and no overlap equals that reference; a hand-written streaming reference
-  (F = 2 on literal offsets, tau = 1, alpha = 0.5) equals the object;
+  (F = 2 on literal offsets, tau = 1, alpha = 0.25) equals the object;
 - a state_dict round trip (through torch.save) mid-inner-phase, mid-overlap and at an outer step
   continues bit for bit, also with LoCo's error feedback as the wire;
 - the E3M0 codec: exact on its representable values, nearest rounding, bytes = formula;
@@ -244,10 +244,10 @@ def test_strided_fragments() -> None:
 
 
 def _streaming_reference(W: int, steps: int) -> list[torch.Tensor]:
-    """Streaming DiLoCo written out for H = 4, F = 2, tau = 1, alpha = 0.5 on SHAPES + REST:
+    """Streaming DiLoCo written out for H = 4, F = 2, tau = 1, alpha = 0.25 on SHAPES + REST:
     fragment 0 = blocks 0, 2 (18 elements), fragment 1 = blocks 1, 3 (7) and REST's tensor (it joins
     the smaller fragment); fragment 0 sends after steps 2, 6, 10, ..., fragment 1 after 4, 8, ...; each applies its
-    outer step (Nesterov, lr 0.7, mu 0.9) one step later and mixes local = 0.5 local + 0.5 global."""
+    outer step (Nesterov, lr 0.7, mu 0.9) one step later and mixes local = 0.25 local + 0.75 global."""
     frag = {0: [0, 2], 1: [1, 3, 4]}
     sends = {0: {2, 6, 10, 14}, 1: {4, 8, 12, 16}}
     workers = [Worker(i, "adamw") for i in range(W)]
@@ -271,12 +271,12 @@ def _streaming_reference(W: int, steps: int) -> list[torch.Tensor]:
                     theta[j] = theta[j] - 0.7 * (d + 0.9 * mom[j])
                     with torch.no_grad():
                         for w in workers:
-                            w.params[j].copy_(0.5 * w.params[j] + 0.5 * theta[j])
+                            w.params[j].copy_(0.25 * w.params[j] + 0.75 * theta[j])
     return [p.detach().clone() for p in workers[1].params]
 
 
 def test_streaming_matches_hand_written_reference() -> None:
-    o = DiLoCoOptions(inner_steps=4, outer_lr=0.7, outer_momentum=0.9, fragments=2, overlap_steps=1, alpha=0.5)
+    o = DiLoCoOptions(inner_steps=4, outer_lr=0.7, outer_momentum=0.9, fragments=2, overlap_steps=1, alpha=0.25)
     assert o.offsets() == [2, 4]
     workers, dl = _run_diloco(2, o, 10, "adamw")   # ends with fragment 0's average of step 10 in flight
     assert set(dl[0].pending) == {0}
