@@ -59,6 +59,25 @@ def wandb_payload(record: dict) -> dict:
     return out
 
 
+# the overall diagnostics the console summarises (docs/running.md "Diagnostics"), in print order
+DIAG_SUMMARY = (("diag/sign_match", "sign match", "{:.4f}"), ("diag/sign_flip", "flip", "{:.4f}"),
+                ("diag/tie_rate", "tie rate", "{:.4f}"), ("diag/momentum_spread", "momentum spread", "{:.3g}"),
+                ("diag/muon_update_rms", "muon update rms", "{:.3g}"), ("diag/dion_rel_error", "dion rel error",
+                                                                        "{:.3g}"))
+
+
+def diag_summary(record: dict) -> str | None:
+    """The console line of a diagnostics record (overall values only; the per-role, per-block and
+    per-tensor ones are in metrics.jsonl and wandb), or None when it has none of them."""
+    parts = [f"{name} {fmt.format(record[key])}" for key, name, fmt in DIAG_SUMMARY
+             if isinstance(record.get(key), (int, float)) and not isinstance(record.get(key), bool)]
+    if not parts:
+        return None
+    seconds = record.get("diag/seconds")
+    return (f"diag   {record['step']:>6} | " + " | ".join(parts)
+            + (f" | {1e3 * seconds:.0f} ms" if isinstance(seconds, (int, float)) else ""))
+
+
 # $WANDB_MODE spellings wandb itself accepts, mapped onto ours
 _WANDB_ENV = {"online": "online", "run": "online", "offline": "offline", "dryrun": "offline",
               "disabled": "disabled"}
@@ -98,6 +117,8 @@ class RunLogger:
         self.enabled = enabled
         self.wandb = None
         self.file = None
+        self.last_train_step = None  # the step of the last train record (its console line is out)
+        self.pending_diag = None  # a diagnostics summary waiting for the next train line
         if not enabled:
             return
         # appended, never truncated: a resumed run adds its records after an "event": "resume" record, so a
@@ -105,6 +126,9 @@ class RunLogger:
         path = out_dir / "metrics.jsonl"
         repair_torn_tail(path)
         self.file = open(path, "a", buffering=1)
+        from . import provenance
+
+        provenance.record(out_dir)  # this start's code and library versions (trainer/provenance.py)
         wandb_mode = resolve_wandb_mode(wandb_mode)
         if wandb_mode != "disabled":
             self.wandb = self._init_wandb(out_dir, wandb_mode, project, run_name, group, config,
@@ -137,6 +161,24 @@ class RunLogger:
                 payload.update({f"c_local/{k.split('/', 1)[-1]}": wandb.Histogram(v.float().cpu().numpy())
                                 for k, v in histograms.items()})
             self.wandb.log(payload, step=record["step"])
+        self._console_diagnostics(record)
+
+    def _console_diagnostics(self, record: dict) -> None:
+        """One console line per logged diagnostics record: right after its step's train line when the
+        step was a log step, else after the next train line (diag.every need not divide train.log_every)."""
+        if "train_loss" in record:
+            self.last_train_step = record["step"]
+            if self.pending_diag:
+                self.console(self.pending_diag)
+                self.pending_diag = None
+            return
+        line = diag_summary(record)
+        if line is None:
+            return
+        if record["step"] == self.last_train_step:
+            self.console(line)
+        else:
+            self.pending_diag = line
 
     def console(self, msg: str) -> None:
         if self.enabled:
@@ -223,17 +265,26 @@ def banner(trainer) -> str:
     import numpy
     import torch
 
+    from . import provenance
+
     c, info = trainer.cfg, trainer.info
     m = trainer.model
+    mix_dirs = getattr(trainer, "mix_dirs", None)
+    data = (f"data mix {', '.join(f'{n} x{w:g} ({mix_dirs[n]})' for n, w in c.data.mix.items())}, val {trainer.data_dir}"
+            if mix_dirs else f"data {trainer.data_dir}")
     return "\n".join([
+        provenance.console_line(provenance.collect()),
         f"run {trainer.out_dir} | python {platform.python_version()} torch {torch.__version__} "
         f"numpy {numpy.__version__} | {platform.node()} {platform.machine()} | {info.backend} "
         f"world {info.world_size} on {trainer.device}",
         f"model {c.model.preset}: {m.num_params() / 1e6:.2f}M params "
         f"({m.num_params(non_embedding=True) / 1e6:.2f}M non-embedding), "
-        f"{m.flops_per_token(c.data.seq_len) / 1e6:.1f} MFLOP/token",
+        f"{m.flops_per_token(c.data.seq_len) / 1e6:.1f} MFLOP/token"
+        + (f" | initialised from {c.model.init_from}" + (f" (resumed at step {trainer.step}: the checkpoint's "
+                                                          f"weights are used)" if trainer.step else "")
+           if c.model.init_from else ""),
         f"optim {c.optim.name} lr {c.optim.lr} | {trainer.optimizer.describe()}",
-        f"data {trainer.data_dir} | {trainer.tokens_per_step:,} tokens/step | {c.train.max_steps} steps"
+        f"{data} | {trainer.tokens_per_step:,} tokens/step | {c.train.max_steps} steps"
         f" | eval {trainer.evaluator.steps} batches" + (
             f" (val split holds {trainer.evaluator.steps}, asked {c.train.eval_steps})"
             if trainer.evaluator.steps < c.train.eval_steps else "")

@@ -46,7 +46,7 @@ LEGACY_MARKER = "run_id"  # what older versions wrote at creation
 REPLACED = ".replaced-"  # prefix of a replaced run's entries, kept until the new run's first verified checkpoint
 # every entry the trainer (and its logger, wandb, the memory profiler) writes in a run directory
 RUN_ENTRIES = (MARKER, LEGACY_MARKER, LOCK, "config.yaml", "metrics.jsonl", "ckpt", "wandb", "memory_snapshot.pickle",
-               DECISION, DECISION + ".tmp")
+               DECISION, DECISION + ".tmp", "provenance.json", "provenance.json.tmp", "tensorboard", "profile")
 CKPT_ENTRIES = ("latest", "latest.tmp")  # besides step_NNNNNN/ and the temp dirs of killed saves
 
 
