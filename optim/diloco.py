@@ -36,8 +36,10 @@ separately, which a single-process simulation of the workers uses). `build_avera
 fragment for the wire formats of `WIRES`: fp32 and bf16 (ring allreduce), loco (LoCo's 4-bit with
 moving-average error feedback, errors in 8 bits), sign (1 bit per element with a mean |x| scale per
 block and worker / server error feedback: the scaled_sign compressor of comm.ef_compressed_allreduce),
-e3m0 (the paper's 4-bit float, comm.e3m0). Sign votes (onebit, ps, hierarchical, pbit) do not carry a
-real-valued average and are refused. A registry exchange runs when it is started, so the overlap is
+e3m0 (the paper's 4-bit float, comm.e3m0), pbit_mean (Lion Cub's packed integer lanes, App. F.1,
+carrying a mean: every rank quantizes with one scale per block agreed by a MAX allreduce, eq. 1,
+and the exact integer lane sum times that scale / P is the mean). Sign votes (onebit, ps,
+hierarchical, pbit) do not carry a real-valued average and are refused. A registry exchange runs when it is started, so the overlap is
 exact in the numerics but does not hide the exchange's wall time yet (docs/diloco.md).
 
 One `DiLoCo` object per worker (rank of the replicate axis). The caller runs the inner step, then
@@ -56,15 +58,20 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
+import comm
 from comm import cost_model
 from comm.e3m0 import e3m0_allreduce_mean, e3m0_bytes, e3m0_chunk_bytes, e3m0_layout
+from comm.quantize import segment_lp_means
 
 from . import sync
 from .options import Options
 
-WIRES = ("fp32", "bf16", "loco", "sign", "e3m0")
+WIRES = ("fp32", "bf16", "loco", "sign", "e3m0", "pbit_mean")
 """Wire formats of the pseudo-gradient average: each gives an estimate of the real-valued mean."""
+PBIT_QUANTIZERS = {"linf": math.inf, "l1": 1.0}
+PBIT_BITS = (4, 8, 16)
 
 
 def _wire_scheme(wire: str) -> tuple[sync.SyncScheme, sync.SchemeOptions] | None:
@@ -104,9 +111,16 @@ class DiLoCoOptions(Options):
     (0 = adopt the global parameters, DiLoCo's reset)."""
     wire: str = "fp32"
     """Wire format of the pseudo-gradient average: fp32, bf16, loco (4-bit, error feedback), sign
-    (1-bit with a scale per block, error feedback) or e3m0 (4-bit float, Streaming DiLoCo)."""
+    (1-bit with a scale per block, error feedback), e3m0 (4-bit float, Streaming DiLoCo) or
+    pbit_mean (Lion Cub's integer lanes with a shared scale per block)."""
     block: int = 2048
-    """Elements per fp32 scale of the loco, sign and e3m0 wires (a positive multiple of 8)."""
+    """Elements per fp32 scale of the loco, sign, e3m0 and pbit_mean wires (a positive multiple of 8)."""
+    bits: int = 8
+    """pbit_mean: lane width (4, 8 or 16 bits); the levels are the largest L with P * 2L <= 2**bits - 1."""
+    quantizer: str = "linf"
+    """pbit_mean: the block's scale M_p of Lion Cub eq. 1: linf (max |x|, nothing clipped) or l1 (mean |x|)."""
+    clip: float = 1.0
+    """pbit_mean: clip ratio of eq. 1 (values beyond clip * M_p saturate at +-L; 1 with linf clips nothing)."""
 
     def problems(self, world_size: int | None = None, blocks: int | None = None) -> list[str]:
         """Every problem of these options; `blocks`: the model's transformer blocks (fragments are
@@ -155,7 +169,20 @@ class DiLoCoOptions(Options):
                 p.append(f"{self.key('wire')}: {self.wire!r} is not one of {', '.join(WIRES)}")
         if not is_int(self.block) or self.block <= 0 or self.block % 8:
             p.append(f"{self.key('block')}: {self.block!r} must be a positive multiple of 8 (elements per fp32 "
-                     f"scale of the loco, sign and e3m0 wires; e.g. 2048, about one weight row)")
+                     f"scale of the loco, sign, e3m0 and pbit_mean wires; e.g. 2048, about one weight row)")
+        if self.wire == "pbit_mean":
+            if self.bits not in PBIT_BITS:
+                p.append(f"{self.key('bits')}: {self.bits!r} is not one of {', '.join(map(str, PBIT_BITS))} "
+                         f"(pbit_mean needs at least one quantization level per rank)")
+            elif world_size is not None and comm.max_levels(world_size, self.bits) < 1:
+                better = next((b for b in PBIT_BITS if comm.max_levels(world_size, b) >= 1), None)
+                p.append(f"{self.key('bits')}: {self.bits}-bit lanes leave no quantization level at {world_size} "
+                         f"workers (need P * 2L <= {2 ** self.bits - 1})"
+                         + (f"; use {self.key('bits')}={better}" if better else "; use another wire"))
+            if self.quantizer not in PBIT_QUANTIZERS:
+                p.append(f"{self.key('quantizer')}: {self.quantizer!r} is not one of {', '.join(PBIT_QUANTIZERS)}")
+            if not (isinstance(self.clip, (int, float)) and math.isfinite(self.clip) and self.clip > 0):
+                p.append(f"{self.key('clip')}: {self.clip!r} must be a positive number (1 with linf clips nothing)")
         return p
 
     def check(self, world_size: int | None = None, blocks: int | None = None) -> "DiLoCoOptions":
@@ -210,6 +237,54 @@ class E3M0Exchange(sync.Exchange):
         return e3m0_allreduce_mean(x, self.block, group=self.ctx.group, stats=self.ctx.stats)
 
 
+def _pbit_lane_bytes(bits: int, n: int) -> int:
+    """Bytes of n values in `bits`-wide lanes as comm.int_allreduce sends them (16-bit: two per int32)."""
+    return 4 * comm.ceil_div(n, 2) if bits == 16 else comm.ceil_div(n * bits, 8)
+
+
+class PBitMeanExchange(sync.Exchange):
+    """A real mean through Lion Cub's integer lanes (App. F.1): per block of `block` elements,
+    M = M_p of the block (eq. 1; linf or l1), the ranks agree on the largest M (one fp32 MAX
+    allreduce of the block scales), each quantizes q = clamp(round(L / (clip * M) * x), -L, L)
+    (round half to even) with L = comm.max_levels(P, bits), comm.int_allreduce sums the q exactly,
+    and the mean is sum * (clip * M / L) / P, identical on every rank. Stateless (no error
+    feedback): with linf and clip 1 nothing saturates and the error is at most half a level per
+    rank, clip * M / (2L)."""
+
+    def __init__(self, options: DiLoCoOptions, ctx: sync.ExchangeContext) -> None:
+        bad = options.problems(ctx.world_size)
+        if bad:
+            raise ValueError("\n".join(bad))
+        self.o, self.ctx = options, ctx
+        self.levels = comm.max_levels(ctx.world_size, options.bits)
+        self.p = PBIT_QUANTIZERS[options.quantizer]
+
+    def __call__(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        o, ctx, L = self.o, self.ctx, self.levels
+        flat = x.detach().reshape(-1).to(torch.float32)
+        n, B = flat.numel(), o.block
+        sizes = [min(B, n - a) for a in range(0, n, B)]
+        M = segment_lp_means(flat, [(i * B, m) for i, m in enumerate(sizes)], self.p).to(torch.float32)
+        with ctx.stats.call("pbit_mean_scales") as timer:
+            if ctx.world_size > 1:
+                with timer.coll(sent=M, recv=M):
+                    dist.all_reduce(M, op=dist.ReduceOp.MAX, group=ctx.group)
+        with ctx.stats.timed_pack():
+            per = torch.tensor(sizes, device=flat.device)
+            unit = torch.where(M > 0, o.clip * M / L, 0.0)            # the value of one level
+            inv = torch.where(M > 0, L / (o.clip * M), 0.0)
+            q = (flat * inv.repeat_interleave(per)).round_().clamp_(-L, L)
+            q = q.to(torch.int8 if L <= 127 else torch.int32)
+        total = comm.int_allreduce(q, L, o.bits, group=ctx.group, stats=ctx.stats)
+        return (total.to(torch.float32) * unit.repeat_interleave(per) / ctx.world_size).view(x.shape)
+
+
+def _pbit_mean_bytes(options: DiLoCoOptions, P: int, n: int) -> tuple[int, int]:
+    """The block scales' MAX allreduce (4 bytes a block) and the integer lanes' SUM allreduce."""
+    b = 4 * comm.ceil_div(n, options.block) + _pbit_lane_bytes(options.bits, n)
+    return b, b
+
+
 def build_averages(options: DiLoCoOptions, numels: Sequence[int], ctx: sync.ExchangeContext
                    ) -> list[sync.Exchange]:
     """One average per fragment (an exchange holds error feedback sized for its vector), over the
@@ -217,7 +292,9 @@ def build_averages(options: DiLoCoOptions, numels: Sequence[int], ctx: sync.Exch
     out: list[sync.Exchange] = []
     for _ in numels:
         ws = _wire_scheme(options.wire)
-        if ws is None:
+        if options.wire == "pbit_mean":
+            out.append(PBitMeanExchange(options, ctx))
+        elif ws is None:
             out.append(E3M0Exchange(options.block, ctx))
         else:
             out.append(ws[0].build(options.wire_options(), ctx))
@@ -229,6 +306,8 @@ def wire_bytes(options: DiLoCoOptions, P: int, n: int) -> tuple[int, int]:
     if P <= 1:
         return 0, 0
     ws = _wire_scheme(options.wire)
+    if options.wire == "pbit_mean":
+        return _pbit_mean_bytes(options, P, n)
     if ws is None:
         return e3m0_bytes(n, P, options.block)
     return ws[0].bytes_per_call(options.wire_options(), P, n, rank=0)
@@ -239,6 +318,9 @@ def wire_seconds(options: DiLoCoOptions, P: int, n: int, alpha: float, beta: flo
     if P <= 1 or n == 0:
         return 0.0
     ws = _wire_scheme(options.wire)
+    if options.wire == "pbit_mean":
+        return (cost_model.allreduce_time(P, 32 * comm.ceil_div(n, options.block), alpha, beta)
+                + cost_model.direct_allreduce(P, n, options.bits, alpha, beta))
     if ws is None:
         w = e3m0_chunk_bytes(e3m0_layout(n, P, options.block), options.block)
         return cost_model.all_to_all_time(P, 8 * P * w, alpha, beta) + cost_model.all_gather_time(P, 8 * P * w,
@@ -371,6 +453,17 @@ class DiLoCo:
         for k in due:
             self._outer_step(k, self.pending.pop(k).wait())
         return due
+
+    @torch.no_grad()
+    def finish(self) -> list[int]:
+        """Apply every average still in flight (training ends within tau steps of a send): their
+        outer steps and merges run now. Returns those fragments."""
+        if self._sent:
+            raise RuntimeError("DiLoCo.finish: called between send() and receive(); call receive() first")
+        done = sorted(self.pending)
+        for k in done:
+            self._outer_step(k, self.pending.pop(k).wait())
+        return done
 
     def after_inner_step(self) -> list[int]:
         """send() then receive(): the call of a real (one process per worker) run."""

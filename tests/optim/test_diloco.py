@@ -17,12 +17,15 @@ stands in for the allreduce. tests/workers/diloco_dist.py checks the real wires 
   (F = 2 on literal offsets, tau = 1, alpha = 0.25) equals the object;
 - a state_dict round trip (through torch.save) mid-inner-phase, mid-overlap and at an outer step
   continues bit for bit, also with LoCo's error feedback as the wire;
-- the E3M0 codec: exact on its representable values, nearest rounding, bytes = formula;
+- the E3M0 codec: exact on its representable values, nearest rounding, bytes = formula; the
+  pbit_mean wire at one rank is eq. 1's quantization per block, dequantized; its bytes;
+- finish() applies the averages still in flight as the reference does;
 - bad options: one line each, naming the comm.diloco key.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 
 import pytest
@@ -243,7 +246,7 @@ def test_strided_fragments() -> None:
         strided_fragments(blocks, rest, 6)
 
 
-def _streaming_reference(W: int, steps: int) -> list[torch.Tensor]:
+def _streaming_reference(W: int, steps: int, finish: bool = False) -> list[torch.Tensor]:
     """Streaming DiLoCo written out for H = 4, F = 2, tau = 1, alpha = 0.25 on SHAPES + REST:
     fragment 0 = blocks 0, 2 (18 elements), fragment 1 = blocks 1, 3 (7) and REST's tensor (it joins
     the smaller fragment); fragment 0 sends after steps 2, 6, 10, ..., fragment 1 after 4, 8, ...; each applies its
@@ -272,6 +275,13 @@ def _streaming_reference(W: int, steps: int) -> list[torch.Tensor]:
                     with torch.no_grad():
                         for w in workers:
                             w.params[j].copy_(0.25 * w.params[j] + 0.75 * theta[j])
+    for k in sorted(sent) if finish else ():        # the end of training: apply what is in flight
+        for j, d in zip(frag[k], sent[k]):
+            mom[j] = 0.9 * mom[j] + d
+            theta[j] = theta[j] - 0.7 * (d + 0.9 * mom[j])
+            with torch.no_grad():
+                for w in workers:
+                    w.params[j].copy_(0.25 * w.params[j] + 0.75 * theta[j])
     return [p.detach().clone() for p in workers[1].params]
 
 
@@ -284,6 +294,11 @@ def test_streaming_matches_hand_written_reference() -> None:
     for p, r in zip(workers[1].params, ref):
         torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6)
     assert dl[0].syncs == [2, 2]   # fragment 0 applied at 3 and 7, fragment 1 at 5 and 9
+    for d in dl:
+        assert d.finish() == [0] and not d.pending and d.syncs == [3, 2]
+    for p, r, q in zip(workers[1].params, _streaming_reference(2, 10, finish=True), ref):
+        torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6)
+    assert any(not torch.allclose(p.detach(), q) for p, q in zip(workers[1].params, ref))
 
 
 # ---- (d) exact resume -----------------------------------------------------------------------------
@@ -409,6 +424,26 @@ def test_e3m0_bytes_equal_the_encoded_bytes(n: int, block: int) -> None:
     assert e3m0_bytes(n, 1, block) == (0, 0)
 
 
+@pytest.mark.parametrize("quantizer,clip", [("linf", 1.0), ("l1", 2.0)])
+def test_pbit_mean_one_rank_is_the_dequantized_vector(quantizer: str, clip: float) -> None:
+    """At P = 1 the mean is x quantized by eq. 1 per block (127 levels at 8 bits) and dequantized."""
+    o = DiLoCoOptions(wire="pbit_mean", bits=8, quantizer=quantizer, clip=clip, block=64)
+    (ex,) = build_averages(o, [1000], sync.ExchangeContext(world_size=1, rank=0))
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(5))
+    got = ex(x.clone(), 0)
+    for a in range(0, 1000, 64):
+        b = x[a:a + 64]
+        M = b.abs().max() if quantizer == "linf" else b.abs().mean()
+        unit = clip * M / 127
+        want = (b * (127 / (clip * M))).round().clamp(-127, 127) * unit
+        torch.testing.assert_close(got[a:a + 64], want, rtol=1e-6, atol=1e-7)
+        inside = b.abs() <= clip * M
+        assert (got[a:a + 64] - b)[inside].abs().max() <= unit / 2 * (1 + 1e-5)
+    assert not torch.equal(got, x)
+    assert wire_bytes(o, 4, 1000) == (4 * 16 + 1000, 4 * 16 + 1000)
+    assert wire_bytes(dataclasses.replace(o, bits=16), 4, 1001) == (4 * 16 + 4 * 501,) * 2
+
+
 def test_cycle_bytes_sum_and_peak() -> None:
     o = DiLoCoOptions(inner_steps=10, fragments=3, wire="bf16")
     c = cycle_bytes(o, 4, [100, 300, 200])
@@ -448,12 +483,15 @@ def test_collectives_under_gloo() -> None:
     (dict(overlap_steps=-1), None, "comm.diloco.overlap_steps: -1 must be an integer >= 0"),
     (dict(wire="onebit"), None, "comm.diloco.wire: 'onebit' returns a sign vote, not a mean"),
     (dict(wire="pbit"), None, "comm.diloco.wire: 'pbit' returns a sign vote, not a mean"),
-    (dict(wire="fp8"), None, "comm.diloco.wire: 'fp8' is not one of fp32, bf16, loco, sign, e3m0"),
+    (dict(wire="fp8"), None, "comm.diloco.wire: 'fp8' is not one of fp32, bf16, loco, sign, e3m0, pbit_mean"),
     (dict(outer_lr=0.0), None, "comm.diloco.outer_lr: 0.0 must be a positive number"),
     (dict(outer_momentum=1.0), None, "comm.diloco.outer_momentum: 1.0 must be in [0, 1)"),
     (dict(alpha=1.5), None, "comm.diloco.alpha: 1.5 must be in [0, 1]"),
     (dict(block=12), None, "comm.diloco.block: 12 must be a positive multiple of 8"),
     (dict(nesterov="yes"), None, "comm.diloco.nesterov: 'yes' must be true or false"),
+    (dict(wire="pbit_mean", bits=2), None, "comm.diloco.bits: 2 is not one of 4, 8, 16"),
+    (dict(wire="pbit_mean", quantizer="l2"), None, "comm.diloco.quantizer: 'l2' is not one of linf, l1"),
+    (dict(wire="pbit_mean", clip=0.0), None, "comm.diloco.clip: 0.0 must be a positive number"),
 ])
 def test_bad_options_name_the_key(kw: dict, blocks, msg: str) -> None:
     problems = DiLoCoOptions(**kw).problems(blocks=blocks)
@@ -461,6 +499,15 @@ def test_bad_options_name_the_key(kw: dict, blocks, msg: str) -> None:
     assert "\n" not in problems[0]
     with pytest.raises(ValueError, match=msg.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         DiLoCoOptions(**kw).check(blocks=blocks)
+
+
+def test_pbit_mean_lanes_must_hold_a_level_at_the_world_size() -> None:
+    o = DiLoCoOptions(wire="pbit_mean", bits=4)
+    assert o.problems(world_size=7) == []                      # 7 * 2 * 1 <= 15
+    assert o.problems(world_size=8) == ["comm.diloco.bits: 4-bit lanes leave no quantization level at 8 workers "
+                                        "(need P * 2L <= 15); use comm.diloco.bits=8"]
+    with pytest.raises(ValueError, match="comm.diloco.bits: 4-bit lanes leave no quantization level at 8"):
+        build_averages(o, [10], sync.ExchangeContext(world_size=8, rank=0))
 
 
 def test_every_sign_scheme_is_refused_and_defaults_are_valid() -> None:

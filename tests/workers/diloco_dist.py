@@ -7,7 +7,8 @@ and checks at every average and every outer step:
 - the average equals the mean of every rank's pseudo-gradient gathered here: fp32 bit for bit
   (two ranks: a + b is exact in any order, then / 2); e3m0 bit for bit against comm.e3m0's encoder
   and decoder applied as its docstring says (encode the chunks, sum the decoded copies in rank
-  order, / P, encode, decode); bf16 within bf16 rounding; loco and sign close in direction (they are
+  order, / P, encode, decode); pbit_mean bit for bit against eq. 1 with the ranks' largest block
+  scale, the lanes summed as integers; bf16 within bf16 rounding; loco and sign close in direction (they are
   lossy, with error feedback);
 - the global parameters are bit-identical on every rank after every outer step;
 - the bytes CommStats counted at the collectives equal optim.diloco.wire_bytes summed over the
@@ -55,6 +56,21 @@ def e3m0_reference(xs: list[torch.Tensor], block: int) -> torch.Tensor:
     return torch.cat(out)[:n]
 
 
+def pbit_mean_reference(xs: list[torch.Tensor], block: int) -> torch.Tensor:
+    """linf, clip 1, 8 bits: M = the largest |x| of the block over the ranks, L = 255 // (2P),
+    q_i = round(x_i L / M), mean = (sum_i q_i) (M / L) / P."""
+    L = 255 // (2 * P)
+    out = []
+    for a in range(0, xs[0].numel(), block):
+        M = torch.stack([x[a:a + block].abs().max() for x in xs]).max()
+        if M == 0:
+            out.append(torch.zeros_like(xs[0][a:a + block]))
+            continue
+        total = sum((x[a:a + block] * (L / M)).round().clamp(-L, L).to(torch.int32) for x in xs)
+        out.append(total.to(torch.float32) * (M / L) / P)
+    return torch.cat(out)
+
+
 class Checked:
     """The wire's average, checked against the gathered pseudo-gradients."""
 
@@ -75,6 +91,8 @@ class Checked:
             assert torch.equal(avg, ref), f"fp32: max |diff| {(avg - ref).abs().max()}"
         elif self.wire == "e3m0":
             assert torch.equal(avg, e3m0_reference(xs, self.block)), "e3m0: not the documented codec's mean"
+        elif self.wire == "pbit_mean":
+            assert torch.equal(avg, pbit_mean_reference(xs, self.block)), "pbit_mean: not eq. 1's lanes summed"
         elif self.wire == "bf16":
             # each input rounds to bf16 (8 bits of mantissa), then the sum: a mean near zero can lose
             # all its relative precision, so the bound is on the inputs' magnitude
