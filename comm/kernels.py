@@ -613,12 +613,13 @@ Q_PIECE = 1 << 20  # elements: quantize_q's nearest-rounding pieces (4 MiB of fl
 
 def quantize_q(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: int, p: float | None,
                clip: float = 2.0, rounding: str = "nearest", generator: torch.Generator | None = None,
-               tie_step: int = 1) -> torch.Tensor:
+               tie_step: int = 1, *, means: torch.Tensor | None = None) -> torch.Tensor:
     """The reference quantized votes q (int8[n]) of the p-bit scheme (Lion Cub §4.2 eq. 1, App.
     F.1): levels == 0 -> tb(c, tie_step) in {-1, +1}; p None -> sign(c) (the "sign" quantizer);
     else lp_quantize per segment (offset, size), each parameter tensor with its own M_p, the M_p of
     all segments from comm.quantize.segment_lp_means (lp_mean's bits on CPU; its definition of
-    the per-tensor norms on CUDA)."""
+    the per-tensor norms on CUDA). means: the segments' M_p when the caller has them (a sharded
+    tensor's whole-tensor M_p, comm.quantize.sharded_lp_means)."""
     c = c.reshape(-1)
     if levels == 0:  # signs only, 0 forced by the tie break (Lion Cub App. F.1, "1/-1 values")
         fill = torch.tensor(1 if tie_step % 2 == 1 else -1, dtype=torch.int8, device=c.device)
@@ -626,7 +627,8 @@ def quantize_q(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: int
     if p is None:  # sign(c) as int8 without a float sign of c's size (4 bytes per element)
         return (c > 0).to(torch.int8).sub_((c < 0).to(torch.int8))
     q = torch.empty(c.numel(), dtype=torch.int8, device=c.device)
-    means = segment_lp_means(c, segments, p)  # on CPU == lp_mean per segment, bit for bit
+    if means is None:
+        means = segment_lp_means(c, segments, p)  # on CPU == lp_mean per segment, bit for bit
     if rounding == "nearest":
         # elementwise given M_p: in pieces of Q_PIECE, so its float temporaries are a piece's,
         # not the largest tensor's
@@ -681,13 +683,16 @@ def _check_quantize_args(levels: int, p: float | None, clip: float, bits: int, r
 
 
 def _segment_scales(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p: float, clip: float,
-                    scratch: torch.Tensor | None, plan: tuple | None = None) -> torch.Tensor:
+                    scratch: torch.Tensor | None, plan: tuple | None = None,
+                    means: torch.Tensor | None = None) -> torch.Tensor:
     """Scale levels / (clip * M_p) of every segment. p = inf with a block plan: one segmented
     max over the whole vector (a max is exact in any order, so it equals the per-tensor max).
     Otherwise comm.quantize.segment_lp_means, as the reference quantize_q computes them: a few
     calls per distinct tensor size, each value bit-identical to lp_mean on CPU."""
     mdt = torch.float64 if c.dtype == torch.float64 else torch.float32
-    if math.isinf(p) and plan is not None:
+    if means is not None:
+        m = means
+    elif math.isinf(p) and plan is not None:
         m = _segment_max_abs(c, len(segs), plan).to(mdt)
     else:
         m = segment_lp_means(c, segs, p, scratch)
@@ -775,7 +780,8 @@ def native_quantizes(c: torch.Tensor, levels: int, p: float | None, bits: int) -
 
 
 def _quantize_lanes(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p: float, clip: float,
-                    bits: int, scratch: torch.Tensor | None, out: torch.Tensor, use_native: bool = False) -> None:
+                    bits: int, scratch: torch.Tensor | None, out: torch.Tensor, use_native: bool = False,
+                    means: torch.Tensor | None = None) -> None:
     """Nearest-rounding Lion Cub eq. 1 straight into packed lanes, whatever the number of
     tensors: the per-segment scales, then one kernel over the whole blocks of the flat vector and
     one gathered pass over the words of boundary blocks (`_block_plan`); p = inf's norms are a
@@ -783,7 +789,7 @@ def _quantize_lanes(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p
     dev, per = c.device, lanes_per_word(bits)
     plan = _block_plan(segs, per, c.numel(), dev)
     nb, bseg, _, elems, seg_of, slot, lane, words = plan
-    scales = _segment_scales(c, segs, levels, p, clip, scratch, plan)
+    scales = _segment_scales(c, segs, levels, p, clip, scratch, plan, means)
     lv = const(float(levels), scales.dtype, dev)
     if nb and use_native:
         native.quant_blocks(c[:nb * QBLOCK], scales[bseg], levels, bits, out[:nb * QBLOCK // per])
@@ -821,7 +827,8 @@ def stochastic_bounds(n: int, device: torch.device | str) -> list[int]:
 
 def _quantize_lanes_stochastic(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p: float, clip: float,
                                bits: int, scratch: torch.Tensor | None, generator: torch.Generator | None,
-                               out: torch.Tensor, use_native: bool = False) -> None:
+                               out: torch.Tensor, use_native: bool = False,
+                               means: torch.Tensor | None = None) -> None:
     """Stochastic-rounding Lion Cub eq. 1 straight into packed lanes, whatever the number of
     tensors: the uniforms are drawn chunk after chunk of `stochastic_bounds` in flat order, as the
     reference `quantize_q` draws them. Each chunk's whole blocks are one kernel call, and its share
@@ -830,7 +837,7 @@ def _quantize_lanes_stochastic(c: torch.Tensor, segs: list[tuple[int, int]], lev
     dev, per, n = c.device, lanes_per_word(bits), c.numel()
     plan = _block_plan(segs, per, n, dev)
     nb, bseg, _, elems, seg_of, slot, lane, words = plan
-    scales = _segment_scales(c, segs, levels, p, clip, scratch, plan)
+    scales = _segment_scales(c, segs, levels, p, clip, scratch, plan, means)
     dt = scales.dtype
     lv = const(float(levels), dt, dev)
     bounds = stochastic_bounds(n, dev)
@@ -865,7 +872,8 @@ def _quantize_lanes_stochastic(c: torch.Tensor, segs: list[tuple[int, int]], lev
 def quantize_pack(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: int, p: float | None,
                   clip: float = 2.0, bits: int = 4, rounding: str = "nearest",
                   generator: torch.Generator | None = None, tie_step: int = 1, *,
-                  impl: str | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
+                  impl: str | None = None, scratch: torch.Tensor | None = None,
+                  means: torch.Tensor | None = None) -> torch.Tensor:
     """The p-bit wire of c: wire_of(quantize_q(c, ...), levels, bits), fused.
 
     segments: (offset, size) of each parameter tensor in c, tiling [0, n) in order (each gets its
@@ -873,7 +881,8 @@ def quantize_pack(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: 
     "sign" quantizer. Returns uint8[ceil(n*bits/8)] (int32 words for bits = 16), the bytes
     comm.int_allreduce would SUM. Stochastic rounding draws from `generator` exactly as the
     reference does. scratch: optional float buffer (float32; float64 for float64 c) of at least
-    the largest segment, reused for |c| when p = 1."""
+    the largest segment, reused for |c| when p = 1. means: every segment's M_p, where the caller
+    has them (a sharded tensor's whole M_p, comm.quantize.sharded_lp_means); else computed here."""
     _check_quantize_args(levels, p, clip, bits, rounding)
     c = c.reshape(-1)
     n = c.numel()
@@ -883,7 +892,7 @@ def quantize_pack(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: 
     if which == "native" and not native_quantizes(c, levels, p, bits):
         which = "eager"  # a configuration comm.native has no loop for: the reference's bytes
     if which == "eager":
-        return wire_of(quantize_q(c, segs, levels, p, clip, rounding, generator, tie_step), levels, bits)
+        return wire_of(quantize_q(c, segs, levels, p, clip, rounding, generator, tie_step, means=means), levels, bits)
     dev = c.device
     per = lanes_per_word(bits)
     words = ceil_div(n, per)
@@ -899,11 +908,11 @@ def quantize_pack(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: 
             out[full:] = wire_of(quantize_q(c[full * per:], [], 0, None, tie_step=tie_step), 0, bits)
         return out
     if p is not None and rounding == "nearest":
-        _quantize_lanes(c, segs, levels, float(p), clip, bits, scratch, out, which == "native")
+        _quantize_lanes(c, segs, levels, float(p), clip, bits, scratch, out, which == "native", means)
         return out
     if p is not None:  # stochastic: one stream over the flat vector
         _quantize_lanes_stochastic(c, segs, levels, float(p), clip, bits, scratch, generator, out,
-                                   which == "native")
+                                   which == "native", means)
         return out
     v = out if bits == 8 else torch.empty(n, dtype=torch.uint8, device=dev)
     compiled_kernel(_k_sign_v)((dev.type, dtype_key(c)), c, const(levels, torch.int32, dev), v)

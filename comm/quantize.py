@@ -13,6 +13,13 @@ rule that picks L for the p-bit allreduce (P * 2L <= 2^bits - 1) is optim.sync.e
 `segment_lp_means` gives M_p of every tensor of a flat vector at once, in a number of torch calls
 that grows with the number of distinct tensor sizes (a chunk of rows per size), not with the
 number of tensors; on CPU each value is bit for bit lp_mean's (see its docstring for why).
+
+`sharded_lp_means` gives the same per-tensor M_p when each tensor is split over the ranks of a
+group (hybrid sharding: a rank holds a block of rows of every tensor). M_p is one scalar of the
+whole tensor (eq. 1 averages over all d elements), so a shard's own M_p would make the scale, and
+with L_inf the algorithm, depend on the shard count. Each rank's M_p and weight of every tensor
+(`segment_lp_partials`) travel in one all_gather, and every rank combines them in shard order
+(`combine_lp_partials`), so all ranks of the group hold the same bits.
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 ROUNDINGS = ("nearest", "stochastic")
 MAX_LEVELS = 127  # quantized votes travel as int8 (comm.int_allreduce takes int8[n])
@@ -180,6 +188,62 @@ def segment_lp_means(c: torch.Tensor, segments: Sequence[tuple[int, int]], p: fl
         index[("order", c.device)] = torch.tensor(order, dtype=torch.int64, device=c.device)
     out = torch.zeros(len(segs), dtype=mdt, device=c.device)
     return out.index_copy_(0, index[("order", c.device)], flat)
+
+
+def segment_lp_partials(c: torch.Tensor, segments: Sequence[tuple[int, int]], p: float,
+                        scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """What a shard of every segment contributes to the whole tensor's M_p: float64 [len(segments), 2]
+    of (M_p of the shard, its weight), the weight being the shard's elements, or for p = 0 its
+    nonzero elements (the geometric mean is over the nonzero |x| only)."""
+    p = float(p)
+    means = segment_lp_means(c, segments, p, scratch).to(torch.float64)
+    c = c.reshape(-1)
+    if p == 0:
+        weight = torch.stack([c[o:o + m].count_nonzero() for o, m in segments]).to(torch.float64) if segments \
+            else means.new_zeros(0)
+    else:
+        weight = torch.tensor([float(m) for _, m in segments], dtype=torch.float64, device=c.device)
+    return torch.stack([means, weight], dim=1)
+
+
+def combine_lp_partials(parts: torch.Tensor, p: float) -> torch.Tensor:
+    """M_p of every whole tensor from its shards' `segment_lp_partials`, stacked as parts[S, k, 2]
+    (float64, summed in shard order, so the same bits on every rank that holds the same parts):
+    p = inf the max of the shards' maxima (exact); p = 0 exp of the nonzero-weighted mean of the
+    shards' log M_0; else (sum_s n_s M_s^p / sum_s n_s)^(1/p), with the largest M_s factored out as
+    lp_mean factors out max|x| (no under- or overflow of M^p). A tensor with no element (or, for
+    p = 0, no nonzero) gets 0."""
+    p = float(p)
+    m, w = parts[..., 0], parts[..., 1]
+    if math.isinf(p):
+        return m.amax(0)
+    total = w.sum(0)
+    zero = m.new_zeros(())
+    if p == 0:
+        logs = torch.where(w > 0, m.clamp_min(torch.finfo(m.dtype).tiny).log(), zero)
+        return torch.where(total > 0, torch.exp((w * logs).sum(0) / total.clamp_min(1)), zero)
+    if p == 1:
+        return (w * m).sum(0) / total.clamp_min(1)
+    top = m.amax(0)
+    safe = torch.where(top > 0, top, m.new_ones(()))
+    return top * ((w * (m / safe).pow(p)).sum(0) / total.clamp_min(1)).pow(1.0 / p)
+
+
+def sharded_lp_means(c: torch.Tensor, segments: Sequence[tuple[int, int]], p: float, group,
+                     scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """M_p of every whole tensor when `c` holds this rank's shard of each (segments: the local
+    (offset, size) of each tensor; the other shards on the other ranks of `group`): one all_gather
+    of every tensor's `segment_lp_partials` (16 bytes per tensor per rank), combined on every rank
+    by `combine_lp_partials` (identical bits on all ranks of the group). In M_p's dtype (float32;
+    float64 for float64 c). It equals segment_lp_means of the whole tensors up to the fp32 rounding
+    of the shards' partial sums: p = inf exactly; for sums, a relative difference of a few times
+    log2(size) units of fp32 rounding at most."""
+    mdt = torch.float64 if c.dtype == torch.float64 else torch.float32
+    local = segment_lp_partials(c, segments, p, scratch)
+    S = dist.get_world_size(group)
+    parts = local.new_empty((S * local.shape[0], 2))  # gloo gathers along dim 0 only
+    dist.all_gather_into_tensor(parts, local, group=group)
+    return combine_lp_partials(parts.view(S, -1, 2), p).to(mdt)
 
 
 def levels_for_bits(bits: int) -> int:

@@ -10,7 +10,10 @@ one rule for L; the config, the optimizer and the cost model all call it.
 
 Quantization is per parameter tensor: each tensor gets its own M_p (Lion Cub Fig. 3: update
 magnitudes differ by orders of magnitude between layers; one model-wide M_p would round the
-lm_head's updates to 0). Stochastic rounding draws from a per-rank generator seeded from the run
+lm_head's updates to 0). Under hybrid sharding (ctx.shard_group) a rank holds a block of rows of
+each tensor, and M_p is still the whole tensor's (eq. 1 averages over all its elements): the
+shards' partials cross the shard group in one all_gather per step (comm.quantize.sharded_lp_means),
+before quantizing; each replica's scale is that of its own c_i. Stochastic rounding draws from a per-rank generator seeded from the run
 seed and the rank, saved with the exchange's state so a resumed run is bit-exact.
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 import comm
 from comm import cost_model, kernels
+from comm.quantize import sharded_lp_means
 
 from ..options import choice
 from ..quantize import MAX_LEVELS, ROUNDINGS
@@ -118,9 +122,16 @@ class PBit(VoteExchange):
         # gives the bytes of the reference, quantize -> comm.int_allreduce -> sign; the eager impl, too,
         # without the reference's int32 sums of 4 bytes per element)
         n = c.numel()
+        segs = ctx.segments_for(n)
+        means = None
+        if self.levels >= 1 and self.p is not None and ctx.shard_group is not None \
+                and comm.world(ctx.shard_group)[0] > 1:
+            # whole-tensor M_p from the shards' partials (one small all_gather on the shard axis;
+            # like the gradient norm's reduction there, not booked as replicate-axis wire bytes)
+            means = sharded_lp_means(c, segs, self.p, ctx.shard_group)
         with ctx.stats.timed_pack(device=dev):
-            wire = kernels.quantize_pack(c, ctx.segments_for(n), self.levels, self.p, self.o.clip, self.o.bits,
-                                         self.o.rounding, self.gen, tb, impl=ctx.kernels)
+            wire = kernels.quantize_pack(c, segs, self.levels, self.p, self.o.clip, self.o.bits,
+                                         self.o.rounding, self.gen, tb, impl=ctx.kernels, means=means)
         comm.allreduce_packed_(wire, group=ctx.group, stats=ctx.stats, name="int_allreduce")
         with ctx.stats.timed_pack(device=dev):
             return kernels.unpack_sum(wire, self.o.bits, n, self.levels, ctx.world_size, sign=True,

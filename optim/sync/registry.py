@@ -60,6 +60,10 @@ class ExchangeContext:
     kernels: str = "eager"
     """Which implementation of the fused hot-path kernels to use (comm.kernels): compiled, eager or
     auto; every implementation gives the same bytes and updates."""
+    shard_group: Any = None
+    """Hybrid sharding (parallel.shard_size > 1): the group holding the other shards of every tensor
+    whose local shard is in the vector (`group` is then the replicate group); None = whole tensors.
+    A scheme whose math reduces over a whole tensor (pbit's Lp scale) also reduces over it."""
 
     def segments_for(self, n: int) -> list[tuple[int, int]]:
         return self.segments or [(0, n)]
