@@ -39,8 +39,9 @@ block and worker / server error feedback: the scaled_sign compressor of comm.ef_
 e3m0 (the paper's 4-bit float, comm.e3m0), pbit_mean (Lion Cub's packed integer lanes, App. F.1,
 carrying a mean: every rank quantizes with one scale per block agreed by a MAX allreduce, eq. 1,
 and the exact integer lane sum times that scale / P is the mean). Sign votes (onebit, ps,
-hierarchical, pbit) do not carry a real-valued average and are refused. A registry exchange runs when it is started, so the overlap is
-exact in the numerics but does not hide the exchange's wall time yet (docs/diloco.md).
+hierarchical, pbit) do not carry a real-valued average and are refused. A registry exchange runs
+when it is started (the overlap is then exact in the numerics but hides no wall time);
+`background_averages` runs them on a background thread, so the tau inner steps hide them.
 
 One `DiLoCo` object per worker (rank of the replicate axis). The caller runs the inner step, then
 `send()` (starts the exchanges due at this step), then `receive()` (finishes the exchanges due at
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -227,6 +229,10 @@ def strided_fragments(blocks: Sequence[Sequence[torch.Tensor]], rest: Sequence[t
 
 
 # ---- wires ------------------------------------------------------------------------------------
+Average = Callable[[torch.Tensor, int], torch.Tensor]
+"""average(x, step) -> the mean of x over the workers (an optim.sync Exchange fits)."""
+
+
 class E3M0Exchange(sync.Exchange):
     """The E3M0 4-bit float mean of comm.e3m0 as an Exchange (stateless: no error feedback)."""
 
@@ -301,6 +307,46 @@ def build_averages(options: DiLoCoOptions, numels: Sequence[int], ctx: sync.Exch
     return out
 
 
+class BackgroundAverage:
+    """An average run on a background thread, so the exchange overlaps the next inner steps in wall
+    time too: `start` hands it to the thread and returns; `wait` blocks until it is done. Every
+    fragment's BackgroundAverage of one worker shares one thread (`background_averages`), so the
+    exchanges run in the order they were started, the same on every rank. The group they use must
+    see no collective from another thread meanwhile: give the averages a group of their own (the
+    replicate group under hybrid sharding; a copy of the world group at parallel.shard_size = 1,
+    dist.new_group), and a CommStats the main thread does not book into while one is in flight."""
+
+    def __init__(self, inner: Average, pool: ThreadPoolExecutor) -> None:
+        self.inner, self.pool = inner, pool
+
+    def start(self, x: torch.Tensor, step: int) -> "Future":
+        return Future(self.pool.submit(self.inner, x, step))
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict() if hasattr(self.inner, "state_dict") else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if hasattr(self.inner, "load_state_dict"):
+            self.inner.load_state_dict(state)
+
+
+class Future:
+    """A started background average; `wait()` returns its result (an exception raised by the
+    exchange is raised here, in the caller's thread)."""
+
+    def __init__(self, fut) -> None:
+        self.fut = fut
+
+    def wait(self) -> torch.Tensor:
+        return self.fut.result()
+
+
+def background_averages(averages: Sequence[Average]) -> list[BackgroundAverage]:
+    """Wrap one worker's averages (one per fragment) to run on one shared background thread."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-average")
+    return [BackgroundAverage(a, pool) for a in averages]
+
+
 def wire_bytes(options: DiLoCoOptions, P: int, n: int) -> tuple[int, int]:
     """Exact (sent, received) bytes of one average of n elements on one rank of P (CommStats' rule)."""
     if P <= 1:
@@ -373,8 +419,6 @@ class _Done:
     def wait(self) -> torch.Tensor:
         return self.x
 
-
-Average = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 class DiLoCo:

@@ -12,7 +12,9 @@ and checks at every average and every outer step:
   lossy, with error feedback);
 - the global parameters are bit-identical on every rank after every outer step;
 - the bytes CommStats counted at the collectives equal optim.diloco.wire_bytes summed over the
-  averages that ran.
+  averages that ran;
+- fp32, loco and e3m0 run on a background thread (optim.diloco.background_averages, with a group of
+  their own while the main thread gathers on the world group) end with the same bits as blocking.
 Rank 0 prints "diloco_dist: ok" at the end; any failed check raises (non-zero exit).
 """
 from __future__ import annotations
@@ -29,17 +31,19 @@ sys.path.insert(0, str(ROOT))
 from comm import CommStats  # noqa: E402
 from comm.e3m0 import e3m0_decode, e3m0_encode, e3m0_layout  # noqa: E402
 from optim import sync  # noqa: E402
-from optim.diloco import WIRES, DiLoCo, DiLoCoOptions, build_averages, strided_fragments, wire_bytes  # noqa: E402
+from optim.diloco import (WIRES, DiLoCo, DiLoCoOptions, background_averages, build_averages,  # noqa: E402
+                          strided_fragments, wire_bytes)
 
 dist.init_process_group("gloo")
 P, RANK = dist.get_world_size(), dist.get_rank()
+AVG_GROUP = dist.new_group(list(range(P)))      # the averages' own group: a background thread may use it
 SHAPES = [(16, 8), (8,), (12, 8), (8,), (40,)]   # four blocks, then one tensor outside them
 STEPS = 10
 
 
-def gather(x: torch.Tensor) -> list[torch.Tensor]:
+def gather(x: torch.Tensor, group=None) -> list[torch.Tensor]:
     out = [torch.empty_like(x) for _ in range(P)]
-    dist.all_gather(out, x.contiguous())   # plain torch.distributed: not booked in the run's CommStats
+    dist.all_gather(out, x.contiguous(), group=group)   # plain torch.distributed: not booked in CommStats
     return out
 
 
@@ -78,14 +82,14 @@ class Checked:
         self.inner, self.wire, self.block, self.calls = inner, wire, block, []
 
     def __call__(self, x: torch.Tensor, step: int) -> torch.Tensor:
-        xs = gather(x)
+        xs = gather(x, AVG_GROUP)        # on the thread the average runs on, with its group
         ref = xs[0].clone()
         for y in xs[1:]:
             ref += y
         ref /= P
         avg = self.inner(x, step)
         self.calls.append(x.numel())
-        agree = gather(avg)
+        agree = gather(avg, AVG_GROUP)
         assert all(torch.equal(agree[0], a) for a in agree), f"{self.wire}: ranks got different averages"
         if self.wire == "fp32":
             assert torch.equal(avg, ref), f"fp32: max |diff| {(avg - ref).abs().max()}"
@@ -111,17 +115,17 @@ class Checked:
         self.inner.load_state_dict(s)
 
 
-def run(wire: str) -> None:
+def run(wire: str, background: bool = False) -> list[torch.Tensor]:
     o = DiLoCoOptions(inner_steps=3, outer_lr=0.7, outer_momentum=0.9, fragments=2, overlap_steps=1, alpha=0.5,
                       wire=wire, block=16)
     g = torch.Generator().manual_seed(0)           # the same start on every rank
     params = [torch.randn(s, generator=g) for s in SHAPES]
     frags = strided_fragments([[p] for p in params[:4]], params[4:], 2)
     stats = CommStats(timing=False)
-    ctx = sync.ExchangeContext(world_size=P, rank=RANK, stats=stats)
+    ctx = sync.ExchangeContext(world_size=P, rank=RANK, group=AVG_GROUP, stats=stats)
     numels = [sum(p.numel() for p in f) for f in frags]
     avgs = [Checked(a, wire, o.block) for a in build_averages(o, numels, ctx)]
-    d = DiLoCo(frags, o, avgs)
+    d = DiLoCo(frags, o, background_averages(avgs) if background else avgs)
     data = torch.Generator().manual_seed(100 + RANK)
     for _ in range(STEPS):
         for p in params:                              # an inner SGD step on this rank's gradient
@@ -135,10 +139,14 @@ def run(wire: str) -> None:
     assert got == want, f"{wire}: {got} bytes sent counted at the collectives, formula {want}"
     want_r = sum(wire_bytes(o, P, n)[1] for a in avgs for n in a.calls)
     assert stats.totals()["bytes_recv"] == want_r, f"{wire}: received {stats.totals()['bytes_recv']} != {want_r}"
+    d.finish()
+    return [p.clone() for p in params] + [g.clone() for g in d.glob]
 
 
 for w in WIRES:
-    run(w)
+    blocking = run(w)
+    if w in ("fp32", "loco", "e3m0"):   # on the background thread: the same bits (loco: with its errors)
+        assert all(torch.equal(a, b) for a, b in zip(blocking, run(w, background=True))), f"{w}: background differs"
 if RANK == 0:
     print("diloco_dist: ok", flush=True)
 dist.destroy_process_group()
