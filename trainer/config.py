@@ -267,6 +267,12 @@ class TrainConfig:
     evaluation (acc, acc_norm per byte, acc per token); empty = off. See README "Evaluation"."""
     mc_eval_items: int = 0
     """Score only the first N items of mc_eval_file; 0 = all."""
+    profile: str | int | list = ""
+    """Steps to trace with torch.profiler on every rank: 5-7, "5,9", 6 or [5, 6] (the first step is 1);
+    empty = off. Chrome traces (TensorBoard's profiler plugin reads them) in <out_dir>/profile/."""
+    memory_snapshot: int = 0
+    """CUDA only: record the allocator's history from the first step and write a snapshot per rank
+    (<out_dir>/memory/rank<R>.pickle, for pytorch.org/memory_viz) after this step; 0 = off."""
 
 
 @dataclass
@@ -280,6 +286,9 @@ class LogConfig:
     """Run name; empty = the run directory's name."""
     group: str = ""
     """wandb group (compare modes side by side)."""
+    tensorboard: bool = False
+    """Also write the scalars logged to wandb to TensorBoard event files in <out_dir>/tensorboard/
+    (the tensorboard extra: pip install -e '.[tensorboard]')."""
 
 
 @dataclass
@@ -755,6 +764,9 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
     if lg.wandb:  # empty follows $WANDB_MODE (trainer/logger.py resolve_wandb_mode)
         choice(p, "log.wandb", lg.wandb, ["online", "offline", "disabled"])
     p += wandb_problems(lg.wandb)
+    from .profiling import config_problems  # train.profile, train.memory_snapshot, log.tensorboard
+
+    p += config_problems(cfg)
     if not t.out_dir:
         p.append("train.out_dir: empty; name a run directory")
     if p and raise_error:

@@ -119,6 +119,7 @@ class RunLogger:
         self.file = None
         self.last_train_step = None  # the step of the last train record (its console line is out)
         self.pending_diag = None  # a diagnostics summary waiting for the next train line
+        self.tensorboard = None
         if not enabled:
             return
         # appended, never truncated: a resumed run adds its records after an "event": "resume" record, so a
@@ -129,6 +130,11 @@ class RunLogger:
         from . import provenance
 
         provenance.record(out_dir)  # this start's code and library versions (trainer/provenance.py)
+        if (config.get("log") or {}).get("tensorboard"):
+            # the same scalars as wandb (wandb_payload), under the same keys, in <out_dir>/tensorboard
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
         wandb_mode = resolve_wandb_mode(wandb_mode)
         if wandb_mode != "disabled":
             self.wandb = self._init_wandb(out_dir, wandb_mode, project, run_name, group, config,
@@ -161,6 +167,13 @@ class RunLogger:
                 payload.update({f"c_local/{k.split('/', 1)[-1]}": wandb.Histogram(v.float().cpu().numpy())
                                 for k, v in histograms.items()})
             self.wandb.log(payload, step=record["step"])
+        if self.tensorboard is not None:
+            for k, v in wandb_payload(record).items():
+                if math.isfinite(v):
+                    self.tensorboard.add_scalar(k, v, global_step=record["step"])
+            for k, v in (histograms or {}).items():
+                self.tensorboard.add_histogram(f"c_local/{k.split('/', 1)[-1]}", v.float().cpu(),
+                                               global_step=record["step"])
         self._console_diagnostics(record)
 
     def _console_diagnostics(self, record: dict) -> None:
@@ -195,6 +208,8 @@ class RunLogger:
     def close(self) -> None:
         if self.file:
             self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
 

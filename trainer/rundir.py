@@ -34,7 +34,7 @@ from .automode import DECISION
 from .runlock import LOCK, LockError, RunLock
 
 # keys a resumed run may change; anything else must match the checkpoint's config
-RESUMABLE_KEYS = ("train.max_steps", "train.stop_after", "train.resume", "train.eval_every",
+RESUMABLE_KEYS = ("train.max_steps", "train.stop_after", "train.profile", "train.memory_snapshot", "train.resume", "train.eval_every",
                   "train.eval_steps", "train.ckpt_every", "train.keep_ckpts", "train.log_every",
                   "train.out_dir", "train.device", "train.mc_eval", "train.on_nonfinite", "train.max_skipped_steps",
                   "data.cache_dir", "comm.timeout_s", "comm.init_timeout_s", "comm.kernels", "comm.fine_timing",
@@ -46,7 +46,7 @@ LEGACY_MARKER = "run_id"  # what older versions wrote at creation
 REPLACED = ".replaced-"  # prefix of a replaced run's entries, kept until the new run's first verified checkpoint
 # every entry the trainer (and its logger, wandb, the memory profiler) writes in a run directory
 RUN_ENTRIES = (MARKER, LEGACY_MARKER, LOCK, "config.yaml", "metrics.jsonl", "ckpt", "wandb", "memory_snapshot.pickle",
-               DECISION, DECISION + ".tmp", "provenance.json", "provenance.json.tmp", "tensorboard", "profile")
+               DECISION, DECISION + ".tmp", "provenance.json", "provenance.json.tmp", "tensorboard", "profile", "memory")
 CKPT_ENTRIES = ("latest", "latest.tmp")  # besides step_NNNNNN/ and the temp dirs of killed saves
 
 
