@@ -273,9 +273,10 @@ class MixLoader:
         """`sources`: (name as configured, prepared directory, weight > 0) per dataset."""
         if not sources:
             raise ValueError("MixLoader needs at least one source")
-        bad = [(name, w) for name, _, w in sources if not w > 0]
-        if bad:
-            raise DataError(f"data.mix: weights must be > 0, got {bad}; drop a source instead of weighting it 0")
+        bad = [(name, w) for name, _, w in sources if not 0 < w < float("inf")]
+        if bad:  # an infinite weight would make every other source's share nan or 0
+            raise DataError(f"data.mix: weights must be finite and > 0, got {bad}; drop a source instead of "
+                            f"weighting it 0")
         total = sum(w for _, _, w in sources)
         self.names = [name for name, _, _ in sources]
         self.weights = [w / total for _, _, w in sources]

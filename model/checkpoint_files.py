@@ -25,13 +25,14 @@ ndarray; `LEGACY_GLOBALS` admits numpy's array reconstruction and its dtypes, no
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
+
+from util.files import FileShapeError, read_json_object
 
 META = "meta.json"
 MODEL = "model.pt"
@@ -114,12 +115,15 @@ def read_meta(path: Path) -> dict:
     f = path / META
     if not f.is_file():
         raise CheckpointError(f"{f} is missing (the save did not complete)")
-    try:
-        meta = json.loads(f.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{f} is unreadable or truncated ({e})") from None
-    if not isinstance(meta, dict) or "step" not in meta or "world_size" not in meta:
-        raise CheckpointError(f"{f} lacks step / world_size")
+    try:  # every key a reader uses, of the type it uses it as: a wrong shape is one line, not a TypeError
+        meta = read_json_object(f, {"step": int, "world_size": int},
+                                optional={"files": dict, "config": dict, "sharded_model": str, "shard_size": int,
+                                          "tokens_seen": int, "finite": bool})
+    except FileShapeError as e:
+        raise CheckpointError(str(e)) from None
+    bad = [k for k, v in (meta.get("files") or {}).items() if not (isinstance(k, str) and isinstance(v, str))]
+    if bad or meta["world_size"] < 1:
+        raise CheckpointError(f"{f}: {'files maps ' + repr(bad[0]) + ' to no sha256' if bad else 'world_size < 1'}")
     return meta
 
 

@@ -83,7 +83,13 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> L
     run_config = meta.get("config")
     if not run_config and kind == "run" and (Path(path) / "config.yaml").is_file():
         import yaml
-        run_config = yaml.safe_load((Path(path) / "config.yaml").read_text())
+
+        from util.files import strict_yaml
+        try:
+            run_config = strict_yaml((Path(path) / "config.yaml").read_text(), Path(path) / "config.yaml")
+        except yaml.YAMLError as e:
+            raise ValueError(f"{Path(path) / 'config.yaml'} is not valid YAML ({' '.join(str(e).split())[:200]})") \
+                from None
     if not isinstance(run_config, dict) or "model" not in run_config:
         raise ValueError(f"{where}: the run config has no model section; cannot rebuild the model")
     if not isinstance(sd, dict):

@@ -184,9 +184,9 @@ def _barrier(world_size: int) -> None:
 
 
 def _verified_finite(path: Path) -> bool:
-    try:
-        return bool(json.loads((path / META).read_text()).get("finite"))
-    except (OSError, ValueError):
+    try:  # read_meta: a meta.json of the wrong shape is not verified, never an AttributeError
+        return read_meta(path).get("finite") is True
+    except CheckpointError:
         return False
 
 

@@ -32,6 +32,7 @@ from data.loader import ORDERS as DATA_ORDERS
 from model import ROLES
 from optim import sync
 from optim.registry import compatibility_problem, optimizer_names, run_problems
+from util.files import FileShapeError, strict_yaml
 
 from .schedule import DECAY_SHAPES, SCHEDULES, decay_steps
 
@@ -416,8 +417,10 @@ def _read_yaml(path: Path, seen: tuple = ()) -> dict:
         raise ConfigError(f"config 'extends' cycle: {' -> '.join(map(str, seen + (path,)))}")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
+    try:  # a key given twice (a second `train:` section) is an error naming both lines, never a silent loss
+        raw = strict_yaml(path.read_text(), path) or {}
+    except FileShapeError as e:
+        raise ConfigError(str(e)) from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):
@@ -453,7 +456,10 @@ def parse_overrides(items: list[str]) -> dict:
             problems.append(f"override {item!r}: expected section.key=value (e.g. train.max_steps=100)")
             continue
         try:
-            parsed = yaml.safe_load(value) if value != "" else ""
+            parsed = strict_yaml(value, f"override {key}") if value != "" else ""
+        except FileShapeError as e:
+            problems.append(str(e))
+            continue
         except yaml.YAMLError:
             parsed = value
         node = out
@@ -687,8 +693,8 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
             p.append(f"data.seq_len: {d.seq_len} exceeds the model's block size {block}; "
                      f"lower data.seq_len or set model.block_size")
     for name, weight in d.mix.items():
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-            p.append(f"data.mix: weight of {name!r} is {weight!r}; give each dataset a number > 0")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
+            p.append(f"data.mix: weight of {name!r} is {weight!r}; give each dataset a finite number > 0")
     choice(p, "optim.name", o.name, optimizer_names())
     choice(p, "optim.schedule", o.schedule, list(SCHEDULES))
     choice(p, "optim.decay_shape", o.decay_shape, list(DECAY_SHAPES))
