@@ -77,7 +77,7 @@ PBIT_BITS = (4, 8, 16)
 
 
 def _wire_scheme(wire: str) -> tuple[sync.SyncScheme, sync.SchemeOptions] | None:
-    """The registry scheme and options a wire runs on (None: e3m0, which is ours only)."""
+    """The registry scheme and options a wire runs on (None: e3m0 and pbit_mean, which are ours only)."""
     if wire in ("fp32", "bf16"):
         s = sync.get(wire)
         return s, s.default_options()
@@ -392,8 +392,8 @@ def cycle_bytes(options: DiLoCoOptions, P: int, numels: Sequence[int]) -> CycleB
 
 
 def cycle_seconds(options: DiLoCoOptions, P: int, numels: Sequence[int], alpha: float, beta: float) -> float:
-    """Alpha-beta seconds of one cycle's averages (exposed in full while the exchange runs when it is
-    started; with a background exchange the overlap_steps inner steps would hide part of it)."""
+    """Alpha-beta seconds of one cycle's averages: all exposed when the exchanges run when started;
+    with background_averages the overlap_steps inner steps after each send hide part of it."""
     return sum(wire_seconds(options, P, n, alpha, beta) for n in numels)
 
 
@@ -418,7 +418,6 @@ class _Done:
 
     def wait(self) -> torch.Tensor:
         return self.x
-
 
 
 class DiLoCo:
