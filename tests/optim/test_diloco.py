@@ -31,7 +31,7 @@ import io
 import pytest
 import torch
 
-from comm.e3m0 import e3m0_bytes, e3m0_chunk_bytes, e3m0_decode, e3m0_encode, e3m0_layout
+from comm.e3m0 import e3m0_allreduce_mean, e3m0_bytes, e3m0_chunk_bytes, e3m0_decode, e3m0_encode, e3m0_layout
 from optim import sync
 from optim.diloco import (WIRES, DiLoCo, DiLoCoOptions, build_averages, cycle_bytes, strided_fragments,
                           wire_bytes, worker_drift)
@@ -410,6 +410,15 @@ def test_e3m0_codes_and_rounding() -> None:
     assert torch.equal(torch.sign(dec.view(-1, 256)[big]), torch.sign(y.view(-1, 256)[big]))
 
 
+def test_e3m0_mean_at_one_rank_is_one_quantization() -> None:
+    """At P = 1 the mean encodes, decodes, encodes again: the same as encoding once (a decoded
+    block's scale is its own max and every value is representable)."""
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(4))
+    once = e3m0_decode(*e3m0_encode(torch.cat([x, x.new_zeros(24)]), 64), 64, 1000)
+    assert torch.equal(e3m0_allreduce_mean(x, 64), once)
+    assert not torch.equal(once, x)
+
+
 @pytest.mark.parametrize("n,block", [(1, 8), (1000, 64), (4096, 256), (12345, 2048)])
 def test_e3m0_bytes_equal_the_encoded_bytes(n: int, block: int) -> None:
     for P in (2, 3, 8):
@@ -465,11 +474,13 @@ def test_worker_drift() -> None:
     assert worker_drift([a, a])["spread"] == 0.0
 
 
-def test_collectives_under_gloo() -> None:
-    """tests/workers/diloco_dist.py at P = 2: every wire's average equals the gathered reference
-    (fp32 exactly, the others within their quantization), replicas bit-identical after every outer
-    step, bytes counted at the collectives equal the formula."""
-    out = torchrun(2, "diloco_dist.py", timeout=240)
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_collectives_under_gloo(nproc: int) -> None:
+    """tests/workers/diloco_dist.py at P = 2 and 3 (chunks with padding): every wire's average equals
+    the gathered reference (fp32, e3m0 and pbit_mean bit for bit, the others within their
+    quantization), replicas bit-identical after every outer step, bytes counted at the collectives
+    equal the formula, the background thread gives the same bits."""
+    out = torchrun(nproc, "diloco_dist.py", timeout=240)
     assert "diloco_dist: ok" in out.stdout, out.stdout + out.stderr
 
 

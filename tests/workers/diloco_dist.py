@@ -1,11 +1,11 @@
-"""optim.diloco's outer loop on real collectives (gloo), run by tests/optim/test_diloco.py at P = 2.
+"""optim.diloco's outer loop on real collectives (gloo), run by tests/optim/test_diloco.py at P = 2, 3.
 
 Every rank runs Streaming DiLoCo (H = 3, F = 2, tau = 1, alpha = 0.5; 4 blocks and one tensor
 outside them) with an inner SGD on rank-dependent gradients, once per wire of optim.diloco.WIRES,
 and checks at every average and every outer step:
 
-- the average equals the mean of every rank's pseudo-gradient gathered here: fp32 bit for bit
-  (two ranks: a + b is exact in any order, then / 2); e3m0 bit for bit against comm.e3m0's encoder
+- the average equals the mean of every rank's pseudo-gradient gathered here: fp32 bit for bit at
+  two ranks (a + b is exact in any order, then / 2), within fp32 rounding at more; e3m0 bit for bit against comm.e3m0's encoder
   and decoder applied as its docstring says (encode the chunks, sum the decoded copies in rank
   order, / P, encode, decode); pbit_mean bit for bit against eq. 1 with the ranks' largest block
   scale, the lanes summed as integers; bf16 within bf16 rounding; loco and sign close in direction (they are
@@ -91,8 +91,10 @@ class Checked:
         self.calls.append(x.numel())
         agree = gather(avg, AVG_GROUP)
         assert all(torch.equal(agree[0], a) for a in agree), f"{self.wire}: ranks got different averages"
-        if self.wire == "fp32":
+        if self.wire == "fp32" and P == 2:
             assert torch.equal(avg, ref), f"fp32: max |diff| {(avg - ref).abs().max()}"
+        elif self.wire == "fp32":             # gloo's ring sums in its own order
+            torch.testing.assert_close(avg, ref, rtol=1e-6, atol=1e-6)
         elif self.wire == "e3m0":
             assert torch.equal(avg, e3m0_reference(xs, self.block)), "e3m0: not the documented codec's mean"
         elif self.wire == "pbit_mean":
