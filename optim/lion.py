@@ -1,4 +1,4 @@
-"""Lion (Chen et al., "Symbolic Discovery of Optimization Algorithms") with foreach kernels.
+"""Lion (Chen et al., "Symbolic Discovery of Optimization Algorithms"): foreach kernels, and one fused pass.
 
 Per step, for every trainable parameter:
     p *= 1 - lr * wd                       (decoupled weight decay)
@@ -7,25 +7,34 @@ Per step, for every trainable parameter:
 lr and weight_decay are read from each param group at every step, so schedulers (and the
 trainer's group["lr"] = schedule_lr * group["lr_mult"]) take effect immediately.
 
-The three foreach kernels below are shared with the update-sync optimizer (optim/lioncub.py) so
-that at world size 1 it reproduces this class bit for bit wherever c != 0; where c == 0 exactly, a
-1-bit vote's tie break moves the element by +-lr (Lion's sign gives 0) unless mask_zero_updates is
-on. Gradient sync and clipping happen in the base (optim/base.py) before `_update`.
+The three foreach kernels below are the reference. They are shared with the update-sync optimizer
+(optim/lioncub.py) so that at world size 1 it reproduces this class bit for bit wherever c != 0;
+where c == 0 exactly, a 1-bit vote's tie break moves the element by +-lr (Lion's sign gives 0)
+unless mask_zero_updates is on. Gradient sync and clipping happen in the base (optim/base.py)
+before `_update`.
 
-The fused passes (`fused_*`, compiled through comm.kernels' dispatch, `comm.kernels` = compiled /
-eager / auto) give the foreach kernels' bytes. Exactness: eager CPU (AVX2/AVX-512 kernels) and
-CUDA compute `m.add_(g, alpha=a)` as one fused multiply-add, fma(g, a, m). Inductor lowers that to
-an fma on CUDA, but its C++ backend has none and rounds a*g first, so on CPU `_fma32` computes the
-correctly rounded float32 fma exactly in float64: the product of two floats is exact in float64,
-TwoSum gives the rounding error of the sum, and the one case where rounding the float64 sum to
-float32 is wrong (the sum is exactly halfway between two floats while the exact value is not) is
-detected and fixed. That costs arithmetic: on one CPU core the compiled passes are compute-bound
-(see bench.packing), so "auto" keeps the foreach kernels on CPU. Python-float hyperparameters are
-rounded to float32 on the host first, as ATen casts a scalar to the tensor's type.
+The fused step (`FusedLionStep`: comm.kernels=auto on CUDA, =compiled anywhere) does the whole
+update in one compiled pass per tensor that reads p, g and m once and writes p and m (20 bytes
+an element where the seven foreach passes move 60), all tensors of a step in one compiled graph.
+It rounds as the foreach kernels do: ATen computes `m.add_(g, alpha=a)` as one fused multiply-add
+fma(g, a, m) (its vectorized CPU kernels and its CUDA kernels), so the pass spells that fma out
+(inductor's fma op) and keeps every product that eager rounds (fl(m * b1), fl(p * (1 - lr*wd)))
+a separate, rounded multiply: on CUDA it compiles without Triton's fp fusion, which would contract
+that multiply into the next add. Every rank runs the same kernel on the same values, so replicas
+stay bit-identical whatever the kernel's rounding; tests/optim/test_lion_fused.py checks the bytes
+against the foreach kernels on CPU and, on a GPU, on CUDA.
+
+The Lion Cub passes (`fused_*`, compiled through comm.kernels' dispatch) use the same fma. On CPU
+"auto" keeps them on the foreach kernels (inductor's imports cost a process 60-150 MiB); on CUDA
+they stay on the foreach kernels for every impl until a GPU run has checked them (see
+`_lion_compiled`). Python-float hyperparameters are rounded to float32 on the host first, as ATen
+casts a scalar to the tensor's type.
 """
 from __future__ import annotations
 
 import time
+import types
+import warnings
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -77,33 +86,18 @@ def lion_group_step_(state: dict, group: dict, params: list[torch.Tensor]) -> No
 
 
 # ---- fused passes (compiled; the foreach kernels above are their reference) ----------------
-_TWO128 = 2.0 ** 128
+def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """a * b + c rounded once (inductor's fma op: std::fma / fmadd in C++, tl.fma in Triton). Only
+    traced: prims.fma's eager fallback rounds the product first."""
+    import torch._inductor.inductor_prims  # noqa: F401  (registers prims.fma)
+
+    return torch.ops.prims.fma(a, b, c)
 
 
 def _fma32(a: torch.Tensor, b: float, c: torch.Tensor) -> torch.Tensor:
-    """Correctly rounded float32 fma(a, b, c) (b a float32 value): what eager computes for
-    c.add_(a, alpha=b). On CUDA inductor lowers add-with-alpha to a hardware fma itself (to match
-    eager CUDA); on CPU it has no fma, so it is computed exactly in float64 ops:
-
-    s = a*b + c in float64 (the product is exact); err = the rounding error of that sum (TwoSum).
-    float32(s) is the correct rounding of the exact value unless s lies exactly halfway between
-    two floats r and o (then o = 2s - r is a float) while err != 0: the exact value is then on
-    err's side of s, so the answer is whichever of r, o lies that way. Every product here is
-    exact, so a backend that contracts mul+add into fma changes nothing. r = inf at the overflow
-    threshold is clamped to 2**128 so the halfway test also covers FLT_MAX vs inf."""
-    if a.device.type == "cuda":
-        return torch.add(c, a, alpha=b)
-    p = a.to(torch.float64) * b
-    cd = c.to(torch.float64)
-    s = p + cd
-    r = s.to(torch.float32)
-    bb = s - p
-    err = (p - (s - bb)) + (cd - bb)
-    rd = r.to(torch.float64).clamp(-_TWO128, _TWO128)
-    other = 2.0 * s - rd
-    o32 = other.to(torch.float32)
-    # nested where: inductor's C++ backend makes `&` of float64 masks very slow
-    return torch.where((other - rd) * err > 0, torch.where(o32.to(torch.float64) == other, o32, r), r)
+    """fma(a, b, c) for a float32 scalar b: what eager computes for c.add_(a, alpha=b) (one fused
+    multiply-add in ATen's vectorized CPU kernels and in CUDA's)."""
+    return _fma(a, torch.ones_like(a) * b, c)  # not full_like: that specialises the graph on b
 
 
 def _k_direction(m: torch.Tensor, g: torch.Tensor, b1: float, a1: float, out: torch.Tensor) -> None:
@@ -302,6 +296,133 @@ def warmup_fused_passes(device: torch.device | str = "cpu", *, impl: str | None 
     return time.perf_counter() - t0
 
 
+# ---- Lion's whole step as one pass per tensor ----------------------------------------------------
+def _k_lion_step(params: list[torch.Tensor], grads: list[torch.Tensor], moms: list[torch.Tensor],
+                 hyper: torch.Tensor) -> None:
+    """Traced body of the fused step. hyper[i] = (s, -lr, b1, 1 - b1, b2, 1 - b2) of tensor i as
+    float32 (s = 1 - lr*wd): c = fma(g, 1-b1, fl(m*b1)); p = fma(sign c, -lr, fl(p*s)); m = fma(g,
+    1-b2, fl(m*b2)) from the old m: lion_group_step_'s roundings (with wd = 0, s = 1 and p*1 = p)."""
+    for i, (p, g, m) in enumerate(zip(params, grads, moms)):
+        h = hyper[i]
+        c = _fma(g, h[3].expand_as(g), m * h[2])
+        m_new = _fma(g, h[5].expand_as(g), m * h[4])
+        p.copy_(_fma(torch.sign(c), h[1].expand_as(p), p * h[0]))
+        m.copy_(m_new)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a kernel writes: a parameter's data outside autograd."""
+    return t.detach() if t.requires_grad else t
+
+
+class FusedLionStep:
+    """Lion's step over every parameter of an optimizer as one compiled graph (one pass per
+    tensor). Compiled once for the optimizer's shapes (dynamic=False: the kernels are specialised
+    to them); lr and weight decay travel as a small float32 tensor, so a schedule never recompiles.
+    Each instance traces its own copy of the kernel's code: dynamo keeps at most 8 graphs per code
+    object, and a process may build many optimizers (tests do)."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        name = f"lion_step_{id(self):x}"
+        code = _k_lion_step.__code__.replace(co_name=name)
+        if hasattr(code, "co_qualname"):
+            code = code.replace(co_qualname=name)
+        fn = types.FunctionType(code, _k_lion_step.__globals__, name)
+        # eager rounds each product before the add that follows it; Triton's fp fusion would not
+        options = {"emulate_precision_casts": True} if self.device.type == "cuda" else {}
+        self._run = torch.compile(fn, dynamic=False, fullgraph=True, options=options)
+
+    @staticmethod
+    def fits(params: Sequence[torch.Tensor]) -> str | None:
+        """Why the fused step cannot take these parameters (None when it can): float32, plain
+        (a sharded DTensor steps on its shards through the foreach kernels), dense, contiguous,
+        gradients alike."""
+        for p in params:
+            g = p.grad
+            if type(p.data) is not torch.Tensor or (g is not None and type(g) is not torch.Tensor):
+                return "a parameter or gradient is not a plain tensor (sharded)"
+            if p.dtype != torch.float32 or g is None or g.dtype != torch.float32:
+                return "a parameter or its gradient is not float32, or has no gradient"
+            if not (p.is_contiguous() and g.is_contiguous()) or p.layout != torch.strided:
+                return "a parameter or its gradient is not dense and contiguous"
+        return None
+
+    def __call__(self, state: dict, groups: Sequence[tuple[dict, Sequence[torch.Tensor]]]) -> None:
+        """One Lion step of every (param group, its parameters), momentum in state[p]["exp_avg"]."""
+        ps, gs, ms, rows = [], [], [], []
+        for group, params in groups:
+            b1, b2 = group["betas"]
+            lr, wd = float(group["lr"]), float(group["weight_decay"])
+            f = kernels.f32
+            row = (f(1.0 - lr * wd) if wd != 0.0 else 1.0, f(-lr), f(b1), f(1.0 - b1), f(b2), f(1.0 - b2))
+            for p in params:
+                st = state[p]
+                if "exp_avg" not in st:
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                ps.append(_local(p))
+                gs.append(p.grad)
+                ms.append(st["exp_avg"])
+                rows.append(row)
+        if not ps:
+            return
+        # pinned: the copy runs in stream order without waiting for the host (no sync on the hot path)
+        hyper = torch.tensor(rows, dtype=torch.float32, pin_memory=self.device.type == "cuda")
+        self._run(ps, gs, ms, hyper.to(self.device, non_blocking=True))
+
+
+def check_fused_step(device: torch.device | str) -> list[str]:
+    """Run a FusedLionStep and the foreach kernels on the same small state (random values, exact
+    zeros, -0.0, near-cancellations of b1*m + (1-b1)*g, subnormals; two groups, one without weight
+    decay) and name what differs (empty when the bytes agree)."""
+    device = torch.device(device)
+    gen = torch.Generator(device="cpu").manual_seed(1234)
+    shapes = [(96, 65), (7,), (1000,)]
+    ps = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
+    ms = [torch.randn(s, generator=gen).to(device) * 1e-3 for s in shapes]
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=gen).to(device) * 1e-3
+    groups = [dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.99)), dict(lr=3e-4, weight_decay=0.0, betas=(0.95, 0.98))]
+    m0, g0 = ms[2], ps[2].grad
+    m0[:4] = torch.tensor([0.0, -0.0, 1e-40, -3e-39], device=device)
+    g0[:4] = torch.tensor([-0.0, 0.0, -2e-41, 1e-38], device=device)
+    # g*(1-b) == -fl(m*b) but for the product's rounding: c (and m's update) is that rounding error
+    # with one fma, 0 or its opposite with two roundings: the sign of c tells the two apart
+    (b1, b2), f = groups[1]["betas"], kernels.f32
+    g0[4:400] = -(m0[4:400] * f(b1)) / f(1.0 - b1)
+    g0[400:800] = -(m0[400:800] * f(b2)) / f(1.0 - b2)
+    split = [(groups[0], ps[:2]), (groups[1], ps[2:])]
+    ref_p = [p.detach().clone() for p in ps]
+    ref_state = {}
+    with torch.no_grad():
+        ref_params = [torch.nn.Parameter(t) for t in ref_p]
+        for rp, p, m in zip(ref_params, ps, ms):
+            rp.grad = p.grad
+            ref_state[rp] = {"exp_avg": m.clone()}
+        lion_group_step_(ref_state, groups[0], ref_params[:2])
+        lion_group_step_(ref_state, groups[1], ref_params[2:])
+        state = {p: {"exp_avg": m.clone()} for p, m in zip(ps, ms)}
+        FusedLionStep(device)(state, split)
+    bad = []
+    for k, (p, rp) in enumerate(zip(ps, ref_params)):
+        if not torch.equal(p.detach().view(torch.int32), rp.detach().view(torch.int32)):
+            bad.append(f"p[{k}]")
+        if not torch.equal(state[p]["exp_avg"].view(torch.int32), ref_state[rp]["exp_avg"].view(torch.int32)):
+            bad.append(f"m[{k}]")
+    return bad
+
+
+def fused_step_impl(impl: str | None, device: torch.device | str) -> bool:
+    """Whether Lion steps through FusedLionStep under comm.kernels=`impl` on `device`: 'compiled'
+    anywhere (raises where nothing compiles), 'auto' on CUDA where torch.compile works; 'eager'
+    and 'native' never (native has no Lion loop: the foreach kernels are already one pass per op)."""
+    device = torch.device(device)
+    impl = kernels.resolve_impl(impl)
+    if impl == "compiled":
+        return kernels.use_compiled(impl, device)
+    return impl == "auto" and device.type == "cuda" and kernels.compile_unavailable(device) is None
+
+
 class Lion(CommOptimizer):
     """Lion on one shared state (gradient sync, or one process): every rank averages its gradient
     through the scheme (fp32 / bf16 allreduce), then takes the same step."""
@@ -314,10 +435,49 @@ class Lion(CommOptimizer):
         if self.scheme.per_rank_state:  # which schemes fit "lion" is its registry entry's to say (the base asks it)
             raise ValueError(f"Lion steps one shared state and needs a gradient-sync comm.mode, not {self.scheme.name}; "
                              f"build_optimizer('lion', ...) builds DistributedLion for update sync")
+        self._fused: FusedLionStep | None = None
+        self._fused_checked = False
 
     def momentum_of(self, p: torch.nn.Parameter) -> torch.Tensor | None:
         return self.state[p].get("exp_avg")
 
+    def _warmup_own_kernels(self) -> float:
+        """Under comm.kernels=auto on CUDA or =compiled: check the fused step's bytes against the
+        foreach kernels on this device (a small state) and compile it. A mismatch raises under
+        'compiled'; under 'auto' it is logged (a warning) and this optimizer keeps the foreach kernels."""
+        if not fused_step_impl(self.kernels, self.layout.device):
+            return 0.0
+        t0 = time.perf_counter()
+        auto = kernels.resolve_impl(self.kernels) == "auto"
+        try:
+            bad = check_fused_step(self.layout.device)
+        except Exception as e:  # a compiler failure: 'compiled' must hear of it, 'auto' steps eagerly
+            if not auto:
+                raise
+            bad = [f"(it did not compile: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"]
+        if bad:
+            msg = (f"lion: the fused step differs from the foreach kernels on {self.layout.device} in "
+                   f"{', '.join(bad)}")
+            if not auto:
+                raise RuntimeError(msg + "; use comm.kernels=eager or auto")
+            warnings.warn(msg + "; this run steps with the foreach kernels", RuntimeWarning, stacklevel=2)
+            self._fused_checked, self._fused = True, None
+        return time.perf_counter() - t0
+
+    def _fused_step(self) -> FusedLionStep | None:
+        """The fused step where comm.kernels and the parameters allow it (decided at the first step,
+        when the gradients exist; a warm-up that found a mismatch decided already)."""
+        if not self._fused_checked:
+            self._fused_checked = True
+            params = [p for ks in self.layout.per_group.values() for p in self.layout.params(ks)]
+            if fused_step_impl(self.kernels, self.layout.device) and FusedLionStep.fits(params) is None:
+                self._fused = FusedLionStep(self.layout.device)
+        return self._fused
+
     def _update(self, step: int) -> None:
+        fused = self._fused_step()
+        if fused is not None:
+            fused(self.state, [(self.param_groups[gi], self.layout.params(ks)) for gi, ks in self.layout.per_group.items()])
+            return
         for gi, ks in self.layout.per_group.items():
             lion_group_step_(self.state, self.param_groups[gi], self.layout.params(ks))
