@@ -13,7 +13,8 @@ the (64, 33) one, whose 33 columns FSDP2 cannot split evenly), a few steps:
   collectives.
 
 argv: optimizer name, S[, Dion's rank fraction (0.7: three matrices where (m + n) r >= m n, whose
-gradients are synced instead of their factors, and one low-rank)]. Each step is a named check
+gradients are synced instead of their factors, and one low-rank)[, Dion's optim.transpose_wide (true /
+false)]]. Each step is a named check
 (CHECKS; tests/workers/_checks.py records its outcome).
 """
 from __future__ import annotations
@@ -162,20 +163,23 @@ def check_diagnostics(name: str, diag: dict, expected: dict, world: int, label: 
             f"{label} {n}: residual {got_res:.6g} / rel {got_rel:.6g}, formed explicitly {want_res:.6g} / {want_rel:.6g}"
 
 
-def table1(opt, S: int, shard_index: int) -> tuple[int, int]:
+def table1(opt, S: int, shard_index: int) -> tuple[int, int, int]:
     """Bytes per step from the papers' formulas and the shapes alone (not the optimizer's own
-    formula). Dion: per matrix whose Q side FSDP2 can shard (a wide one, Q on its fan_out rows; a
-    tall or square one whose fan_in S divides, Q on its columns) Dion Table 1's (m + 1) r on the shard
-    axis with m the side of P, and across replicas P whole and this rank's rows of R; where it
-    cannot, the all-gathered P (ceil(m / S) r) and the summed R (n r); per rank (every rank sends
-    the same). Muon: 2 (S - 1) ceil(m / S) n words summed over the shard group. Plus the
+    formula), and the part of them above Dion Table 1's row. Dion: per matrix whose Q side FSDP2
+    can shard, Table 1's (m + 1) r on the shard axis with m <= n the shorter side, plus (m' - m) r
+    where P lies on the longer side m' (the partial P summed there has m' rows: by default a wide
+    matrix runs on its transpose, so P is on the longer side of every non-square matrix; with
+    optim.transpose_wide=false on fan_out, the shorter side of the wide ones), and across replicas
+    P whole and this rank's rows of R; where it cannot (a tall or square matrix whose fan_in S does
+    not divide), the all-gathered P (ceil(m / S) r) and the summed R (n r); per rank (every rank
+    sends the same). Muon: 2 (S - 1) ceil(m / S) n words summed over the shard group. Plus the
     mean-allreduce of the local flat gradient (Muon) or of the non-matrix gradients (Dion) across
-    replicas."""
+    replicas. Returns (shard-axis bytes, replicate-axis bytes, shard-axis bytes above Table 1)."""
     from optim.dion_math import dion_rank
 
     R = dist.get_world_size(opt.group) if opt.group is not None else 1
     W = DTYPE.itemsize  # fp32 words
-    shard, rep = 0, 0
+    shard, rep, excess = 0, 0, 0
     muon = opt.options.__class__.__name__ == "MuonOptions"
     mats = [e for e in opt.layout.entries if e.param.ndim == 2]
     for (i, o), e in zip(DIMS, mats):
@@ -184,12 +188,14 @@ def table1(opt, S: int, shard_index: int) -> tuple[int, int]:
             shard += 2 * (S - 1) * -(-m // S) * n * W
             continue
         r = dion_rank(m, n, rank_fraction=opt.options.rank_fraction)
-        p_side, q_side = max(m, n), min(m, n)
-        q_sharded = m < n or n % S == 0
+        transposed = opt.options.transpose_wide and m < n  # P = B^T Q on fan_in
+        p_side, q_side = (n, m) if transposed else (m, n)
+        q_sharded = transposed or n % S == 0
         if q_sharded:
             c = -(-q_side // S)
             local_q = max(0, min(c, q_side - shard_index * c))
-            shard += (p_side + 1) * r * W
+            shard += (min(m, n) + 1) * r * W  # Dion Table 1: (m + 1) r, m <= n
+            excess += (p_side - min(m, n)) * r * W
             factors = p_side * r + local_q * r
         else:  # rows of P (m >= n) sharded, Q whole
             c = -(-m // S)
@@ -200,7 +206,7 @@ def table1(opt, S: int, shard_index: int) -> tuple[int, int]:
         rep += (factors if (m + n) * r < m * n else e.param.numel()) * W * (R > 1)
     vec = sum(e.numel for e in opt.layout.entries if e.param.ndim == 1 or muon)
     rep += vec * W * (R > 1)
-    return shard, rep
+    return shard + excess, rep, excess
 
 
 CHECKS = ("replicated_diagnostics", "equals_replicated", "sharded_diagnostics", "bytes", "resume", "placements")
@@ -211,6 +217,8 @@ def main(checks) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     options = {"rank_fraction": float(sys.argv[3]) if len(sys.argv) > 3 else 0.25} if name == "dion" else {}
+    if name == "dion" and len(sys.argv) > 4:  # optim.transpose_wide
+        options["transpose_wide"] = {"true": True, "false": False}[sys.argv[4]]
 
     checks.begin("replicated_diagnostics")
     model, opt, _ = build(name, 1, options, world)
@@ -239,9 +247,17 @@ def main(checks) -> None:
         f"{name} S={S} rank {rank}: sent {shard_bytes} B shard, {rep_bytes} B replicate; formula {opt.mesh_bytes_per_step()}"
     group_shard = torch.tensor([shard_bytes])
     dist.all_reduce(group_shard, group=par.shard_group)
-    want_shard, want_rep = table1(opt, S, dist.get_rank(par.shard_group))
+    want_shard, want_rep, excess = table1(opt, S, dist.get_rank(par.shard_group))
     if name == "dion":  # every rank sends the same on the shard axis
         assert shard_bytes == want_shard, (shard_bytes, want_shard)
+        # above Table 1 exactly where P lies on a matrix's longer side: the wide weights (24, 40) and
+        # (24, 64) (fan_out, fan_in) by default, none of them with transpose_wide=false; the tall ones
+        # whose Q side (fan_in) S divides, (40, 24) always; (64, 33) takes the fallback
+        from optim.dion_math import dion_rank
+        r_of = lambda o, i: dion_rank(o, i, rank_fraction=options["rank_fraction"])  # noqa: E731
+        wide = sum((i - o) * r_of(o, i) * 4 for i, o in DIMS if o < i) if options.get("transpose_wide", True) else 0
+        tall = sum((o - i) * r_of(o, i) * 4 for i, o in DIMS if o > i and i % S == 0)
+        assert excess == wide + tall > 0, (excess, wide, tall)
     else:
         assert int(group_shard) == want_shard, (int(group_shard), want_shard)
     assert rep_bytes == want_rep, (rep_bytes, want_rep)
