@@ -48,6 +48,10 @@ import torch.nn.functional as F
 from model import GPT
 
 
+class NonFiniteResult(ValueError):
+    """A score that is NaN or inf: the model is broken; the message is one line."""
+
+
 class MCFormatError(ValueError):
     """A multiple-choice file that does not have the expected fields (names the line and field)."""
 
@@ -154,6 +158,9 @@ def multiple_choice(model: GPT, items: list[MCItem], encode: Callable[[str], lis
             conts = [" " + e for e in item.endings]
             scores = ending_logprobs(model, encode(item.ctx), [encode(c) for c in conts], device, batch_size)
             ll = [s for s, _ in scores]
+            if not all(math.isfinite(x) for x in ll):
+                raise NonFiniteResult(f"log-likelihoods {ll} of an item's endings are not finite: the model's outputs "
+                                      f"are not finite; it is damaged, or overflows in this precision")
             per_byte = [s / len(e.encode("utf-8")) for (s, _), e in zip(scores, item.endings)]
             per_tok = [s / max(k, 1) for s, k in scores]
             n += 1
@@ -197,6 +204,9 @@ def val_loss(model: GPT, data_dir: str | os.PathLike, batch_size: int, seq_len: 
         loss, count = mean_batch_loss(model, batches, device)
     finally:
         model.train(was_training)
+    if not math.isfinite(loss):  # "val loss nan" is no result: the model (or its dtype) is broken
+        raise NonFiniteResult(f"the validation loss is {loss} (over {count} batches): the model's outputs are not "
+                              f"finite; it is damaged, or overflows in this precision (try float32)")
     return {"loss": loss, "ppl": math.exp(loss), "batches": count, "tokens": count * batch_size * seq_len}
 
 

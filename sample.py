@@ -108,6 +108,13 @@ def load(src: str | Path, device: str = "auto", dtype: str | None = None,
     return loaded.model, codec, loaded
 
 
+def check_logits(logits: torch.Tensor, what: str) -> None:
+    """ValueError (one line) when `logits` hold NaN or inf: no token can be drawn from them."""
+    if not bool(torch.isfinite(logits).all()):
+        raise ValueError(f"the model's logits for {what} are not finite (NaN or inf): no token can be sampled; the "
+                         f"model is damaged, or overflows in this precision (try --dtype float32)")
+
+
 def generate_ids(model: GPT, codec: TextCodec, prompt: str, *, max_new_tokens: int = 200,
                  temperature: float = 0.8, top_k: int | None = 200, seed: int = 1337, num_samples: int = 1,
                  use_cache: bool = True, stop: bool = True, top_p: float | None = None) -> list[list[int]]:
@@ -116,9 +123,17 @@ def generate_ids(model: GPT, codec: TextCodec, prompt: str, *, max_new_tokens: i
     ids = codec.encode(prompt) or [codec.eot]
     idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(idx, max_new_tokens, temperature, top_k, use_cache=use_cache, generator=gen,
-                         stop_token=codec.eot if stop else None,
-                         vocab_limit=min(codec.n_vocab, model.config.vocab_size), top_p=top_p)
+    with torch.no_grad():  # greedy decoding would turn NaN logits into token 0 without a word
+        check_logits(model.logits(idx[:1, -model.config.block_size:]), "the prompt")
+    try:
+        out = model.generate(idx, max_new_tokens, temperature, top_k, use_cache=use_cache, generator=gen,
+                             stop_token=codec.eot if stop else None,
+                             vocab_limit=min(codec.n_vocab, model.config.vocab_size), top_p=top_p)
+    except RuntimeError as e:  # torch.multinomial on a later step's NaN / inf probabilities
+        if "inf" in str(e) or "nan" in str(e):
+            raise ValueError(f"the model's logits became non-finite while sampling ({str(e).splitlines()[0]}); "
+                             f"the model is damaged, or overflows in this precision (try --dtype float32)") from None
+        raise
     rows = []
     for row in out[:, len(ids):].tolist():
         if stop and codec.eot in row:
@@ -155,9 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"sample: error: {e}", file=sys.stderr)
         return 2
-    rows = generate_ids(model, codec, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                        top_k=args.top_k or None, seed=args.seed, num_samples=args.num_samples,
-                        use_cache=not args.no_cache, stop=not args.no_stop, top_p=args.top_p)
+    try:
+        rows = generate_ids(model, codec, args.prompt, max_new_tokens=args.max_new_tokens,
+                            temperature=args.temperature, top_k=args.top_k or None, seed=args.seed,
+                            num_samples=args.num_samples, use_cache=not args.no_cache, stop=not args.no_stop,
+                            top_p=args.top_p)
+    except ValueError as e:
+        print(f"sample: error: {e}", file=sys.stderr)
+        return 2
     for i, row in enumerate(rows):
         if i:
             print("\n---------------")
