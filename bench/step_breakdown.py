@@ -19,7 +19,9 @@ run dirs) and logs/. Needs root and iproute2 (network namespaces); `--launcher t
 same measurement over loopback without netsim (rate must then be 'unlimited').
 
 Peak memory: on CPU the trainer logs none, so every rank runs under a small wrapper
-(`--rank-wrap`) that waits for train.py and records its ru_maxrss (max resident set size); on
+(`--rank-wrap`) that waits for the rank's process and records its tree's ru_maxrss (max resident set
+size); the rank process runs train.py inside this module (`--train-here`), which writes the process's
+own peak RSS as it leaves (the trainer knows nothing of it); on
 CUDA the trainer's peak_mem_gib (torch.cuda.max_memory_allocated of rank 0) is reported as well,
 and the memory target is judged on it (device memory; the host RSS then holds the CUDA context).
 
@@ -46,7 +48,7 @@ from typing import Sequence
 from bench.variants import (BASELINE, DEFAULT_VARIANTS, OVERLAP_BASELINE, ROOT, load_run_config, median, variant_args,
                             predict_step_comm_s, read_jsonl, train_records)
 
-PEAK_RSS_ENV = "LIONCUB_PEAK_RSS_FILE"  # trainer.trainer.PEAK_RSS_ENV: where a rank writes its own peak RSS
+PEAK_RSS_ENV = "LIONCUB_PEAK_RSS_FILE"  # where train_here writes its rank process's own peak RSS
 
 DEFAULT_RATES = ["unlimited", "1gbit", "100mbit"]
 # A model/batch that 4 ranks run on a 2-core CPU in seconds per step, still dominated (>= 70 %) by
@@ -67,7 +69,7 @@ COLUMNS = ["rate", "variant", "status", "steps", "step_ms", "compute_ms", "comm_
 
 def rank_wrap(rss_path: Path, cmd: Sequence[str]) -> int:
     """Run `cmd`, then write its peak RSS (MiB) and exit code to rss_path; return its exit code.
-    max_rss_mib: the rank process's own peak (the trainer writes it, $LIONCUB_PEAK_RSS_FILE);
+    max_rss_mib: the rank process's own peak (train_here writes it, $LIONCUB_PEAK_RSS_FILE);
     tree_max_rss_mib: RUSAGE_CHILDREN, the largest process of the rank's tree, which includes the
     children it waited for (comm.kernels=auto's warm-up probe on CPU)."""
     rss_path.parent.mkdir(parents=True, exist_ok=True)
@@ -95,12 +97,33 @@ def _rss(rss_dir: Path) -> tuple[float | None, float | None]:
     return (max(own) if own else None), (max(tree) if tree else None)
 
 
-def train_on_shared_gpu(cmd: Sequence[str]) -> None:
-    """Run train.py (cmd: its path and arguments) in this process as a rank on cuda:0 with a gloo
-    process group: LOCAL_RANK is set to 0 (the trainer picks cuda:LOCAL_RANK) and the trainer's
-    NCCL group is made gloo instead. Nothing else in the trainer changes."""
+def train_here(cmd: Sequence[str], shared_gpu: bool = False) -> None:
+    """Run train.py (cmd: its path and arguments) in this process, with the benchmark's hooks
+    attached from outside: with $LIONCUB_PEAK_RSS_FILE set, the process's own peak RSS is written
+    there as it leaves (a launcher's RUSAGE_CHILDREN is the largest process of the rank's tree, which
+    includes children such as comm.kernels=auto's warm-up probe); with `shared_gpu` the rank runs on
+    cuda:0 with a gloo process group (LOCAL_RANK is set to 0, the trainer's NCCL group made gloo);
+    with LIONCUB_MEMORY_SNAPSHOT=1 rank 0's CUDA allocations are recorded. Nothing in the trainer
+    changes."""
     import runpy
 
+    if shared_gpu:
+        _gloo_on_one_gpu()
+    if os.environ.get("LIONCUB_MEMORY_SNAPSHOT") == "1" and os.environ.get("RANK", "0") == "0":
+        _record_memory_snapshot(cmd)
+    own = os.environ.get(PEAK_RSS_ENV)
+    if own:
+        _write_peak_rss_on_exit(Path(own))
+    sys.argv = list(cmd)
+    sys.path.insert(0, str(Path(cmd[0]).resolve().parent))
+    try:
+        runpy.run_path(cmd[0], run_name="__main__")
+    finally:  # train.py leaves through os._exit (hooked below); this is for a return or an exception
+        if own:
+            _write_peak_rss(Path(own))
+
+
+def _gloo_on_one_gpu() -> None:
     import torch.distributed as dist
 
     os.environ["LOCAL_RANK"] = "0"
@@ -113,11 +136,26 @@ def train_on_shared_gpu(cmd: Sequence[str]) -> None:
         return init(*args, **kwargs)
 
     dist.init_process_group = gloo_init
-    if os.environ.get("LIONCUB_MEMORY_SNAPSHOT") == "1" and os.environ.get("RANK", "0") == "0":
-        _record_memory_snapshot(cmd)
-    sys.argv = list(cmd)
-    sys.path.insert(0, str(Path(cmd[0]).resolve().parent))
-    runpy.run_path(cmd[0], run_name="__main__")
+
+
+def _write_peak_rss(path: Path) -> None:
+    from trainer.logger import peak_rss_gib
+
+    path.write_text(json.dumps({"self_max_rss_mib": peak_rss_gib() * 1024}))
+
+
+def _write_peak_rss_on_exit(path: Path) -> None:
+    """Write this process's peak RSS to `path` when it leaves through os._exit (train.py does, to
+    skip the interpreter's teardown)."""
+    exit_ = os._exit
+
+    def write_and_exit(code: int) -> None:
+        try:
+            _write_peak_rss(path)
+        finally:
+            exit_(code)
+
+    os._exit = write_and_exit
 
 
 def _record_memory_snapshot(cmd: Sequence[str]) -> None:
@@ -432,9 +470,9 @@ def run_one(args: argparse.Namespace, rate: str, variant: str, net: object | Non
     overrides = [*args.overrides, *extra,
                  f"train.max_steps={args.warmup + args.steps}", "train.log_every=1", "train.eval_every=0",
                  "train.eval_steps=1", "diag.every=0", "log.wandb=disabled", f"train.out_dir={run_dir}"]
-    train_cmd = [sys.executable, str(ROOT / "train.py"), *map(str, cfg_files), *overrides]
-    if getattr(args, "shared_gpu", False):
-        train_cmd = [sys.executable, "-m", "bench.step_breakdown", "--train-on-shared-gpu", "--", *train_cmd[1:]]
+    train_cmd = [sys.executable, "-m", "bench.step_breakdown", "--train-here",
+                 *(["--shared-gpu"] if getattr(args, "shared_gpu", False) else []),
+                 "--", str(ROOT / "train.py"), *map(str, cfg_files), *overrides]
     cmd = [sys.executable, "-m", "bench.step_breakdown", "--rank-wrap", str(rss_dir / "rank{RANK}.json"), "--",
            *train_cmd]
     print(f"== {rate} {variant}: {' '.join(train_cmd)}", flush=True)
@@ -543,7 +581,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--verbose", action="store_true", help="echo rank output (it always goes to --out/logs)")
     ap.add_argument("--rank-wrap", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--calibrate-worker", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--train-on-shared-gpu", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--train-here", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("cmd", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]
@@ -569,8 +607,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rank_wrap:
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
         return rank_wrap(Path(args.rank_wrap.replace("{RANK}", os.environ.get("RANK", "0"))), cmd)
-    if args.train_on_shared_gpu:
-        train_on_shared_gpu(args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd)
+    if args.train_here:
+        train_here(args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd, args.shared_gpu)
         return 0
     if args.calibrate_worker:
         calibrate_worker(Path(args.calibrate_worker))

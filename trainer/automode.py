@@ -1,13 +1,15 @@
 """comm.mode=auto: pick the communication mode from measurements at start, keep the decision.
 
-At start (every rank, before the model is built) bench.advise measures this run's links, its
+At start (every rank, before the model is built) trainer.advise measures this run's links, its
 model's forward + backward and each candidate's local optimizer work, predicts every candidate's
 step time and picks the fastest. Candidates: the named variants (configs/variants) of the
 configured optimizer whose mode is in comm.auto_allow and that add no momentum synchronisation of
 their own (that is a quality choice, not a speed one; the user's comm.momentum_sync is kept).
 The decision, with the whole table, is written to <out_dir>/auto_mode.json and logged (console,
 metrics.jsonl, wandb). A resumed run (train.resume=auto with a checkpoint) reads it back instead of
-measuring, unless comm.auto_remeasure is set; there is no switching mid-run.
+measuring, unless comm.auto_remeasure is set; there is no switching mid-run. A stored decision that is
+not valid JSON is measured again and rewritten; one that is JSON of another shape (edited by hand, or
+another program's file) is a ConfigError naming the file, on every rank.
 """
 from __future__ import annotations
 
@@ -18,17 +20,17 @@ from typing import Callable
 import torch.distributed as dist
 
 from util import atomic_write
+from util.files import FileShapeError, read_json_object
 
-from .config import AUTO_MODE, Config
+from . import advise
+from .config import AUTO_MODE, Config, ConfigError
 from .dist import DistInfo
 
 DECISION = "auto_mode.json"
 
 
 def candidates(cfg: Config) -> list:
-    """The variants comm.mode=auto chooses among for cfg (bench.advise.Candidate)."""
-    from bench import advise
-
+    """The variants comm.mode=auto chooses among for cfg (trainer.advise.Candidate)."""
     out = []
     for name in advise.variant_names():
         cand = advise.load_variant(name)
@@ -41,14 +43,28 @@ def candidates(cfg: Config) -> list:
     return out
 
 
+# what resolve() and the trainer's log read from a stored decision, with the types they need
+FIELDS = {"variant": str, "mode": str, "sections": dict, "predicted_step_s": float}
+
+
 def stored_decision(out_dir: Path) -> dict | None:
+    """The decision kept in <out_dir>/auto_mode.json; None when there is none or it is not JSON
+    (measured again, and rewritten). JSON of another shape raises ConfigError naming the file."""
     path = Path(out_dir) / DECISION
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
+        json.loads(path.read_text())
     except (OSError, ValueError):
         return None  # unreadable: measured again, and rewritten
+    fix = "delete it to measure again, or set comm.auto_remeasure=true"
+    try:
+        decision = read_json_object(path, FIELDS, fix=fix)
+        if not all(isinstance(decision["sections"].get(k, {}), dict) for k in ("optim", "comm")):
+            raise FileShapeError(f"{path}: 'sections' has an optim or comm entry that is not an object; {fix}")
+    except FileShapeError as e:
+        raise ConfigError(str(e)) from None
+    return decision
 
 
 def _has_checkpoint(out_dir: Path) -> bool:
@@ -57,25 +73,27 @@ def _has_checkpoint(out_dir: Path) -> bool:
 
 def resolve(cfg: Config, info: DistInfo, data_dir: Path, say: Callable[[str], None]) -> tuple[Config, dict]:
     """(cfg with comm.mode and its options replaced by the chosen variant's, the decision).
-    Collective: every rank calls it; every rank returns the same choice (rank 0's)."""
-    from bench import advise
-
+    Collective: every rank calls it; every rank returns the same choice (rank 0's), or raises the
+    same ConfigError."""
     assert cfg.comm.mode == AUTO_MODE
-    decision = None
+    decision, error = None, None
     if info.is_main and cfg.train.resume == "auto" and not cfg.comm.auto_remeasure and _has_checkpoint(
             Path(cfg.train.out_dir)):
-        decision = stored_decision(Path(cfg.train.out_dir))
+        try:
+            decision = stored_decision(Path(cfg.train.out_dir))
+        except ConfigError as e:  # told to every rank below, so none waits for the others
+            error = str(e)
         if decision is not None:
             decision = {**decision, "source": "stored"}
-    box = [decision]
+    box = [(decision, error)]
     if info.world_size > 1:
         dist.broadcast_object_list(box, src=0)
-    decision = box[0]
+    decision, error = box[0]
+    if error:
+        raise ConfigError(error)
     if decision is None:
         cands = candidates(cfg)
         if not cands:
-            from .config import ConfigError
-
             raise ConfigError(f"comm.mode=auto: no variant of optim.name={cfg.optim.name} in configs/variants "
                               f"runs on comm.auto_allow={cfg.comm.auto_allow}; widen comm.auto_allow")
         say(f"comm.mode=auto: measuring links, model and {len(cands)} candidate(s) "
@@ -83,8 +101,6 @@ def resolve(cfg: Config, info: DistInfo, data_dir: Path, say: Callable[[str], No
         result = advise.advise(cfg, cands, info.device, data_dir, log=say)
         ok = [r for r in result["rows"] if r["status"] == "ok"]
         if not ok:
-            from .config import ConfigError
-
             reasons = "; ".join(f"{r['variant']}: {r.get('reason')}" for r in result["rows"])
             raise ConfigError(f"comm.mode=auto: no allowed variant can run this config ({reasons})")
         best = ok[0]  # rows are sorted by predicted step time
@@ -109,4 +125,12 @@ def write_decision(out_dir: Path, decision: dict) -> None:
     atomic_write(Path(out_dir) / DECISION, json.dumps({**decision, "source": "measured"}, indent=1, default=str))
 
 
-__all__ = ["DECISION", "candidates", "resolve", "stored_decision", "write_decision"]
+def log_decision(logger, step: int, decision: dict) -> None:
+    """The decision as one metrics.jsonl / wandb event (the console has had its lines from resolve)."""
+    logger.log({"step": step, "event": "auto_mode", "variant": decision["variant"], "mode": decision["mode"],
+                "source": decision["source"], "predicted_step_ms": 1e3 * decision["predicted_step_s"],
+                "table": decision.get("table")})
+
+
+__all__ = ["DECISION", "candidates", "log_decision", "resolve", "stored_decision",
+           "write_decision"]

@@ -27,8 +27,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from optim import shard_dims
+from optim.base import digest
 
 from .config import ConfigError
+from .param_groups import param_groups
 
 
 @dataclass
@@ -133,3 +138,29 @@ def reshard(model: torch.nn.Module) -> None:
 
 __all__ = ["Parallel", "grads_routed", "local_aliases", "local_dims",
            "localize_groups", "make_mesh", "reshard", "route_grads", "shard_model"]
+
+
+def place(model: torch.nn.Module, par: Parallel, optim_cfg) -> tuple[list[dict], list, dict | None, dict | None]:
+    """What the optimizer is built over on mesh `par`: (param groups, parameters in model order,
+    id(whole parameter) -> its local alias, id(alias) -> the dimension it is sharded on). Replicated:
+    the model's own parameters, None, None. Sharded: the model is sharded first, each parameter on the
+    dimension its optimizer asks for (Dion: its Q side), and the groups hold the local aliases."""
+    groups, order = param_groups(model, optim_cfg), list(model.parameters())
+    if not par.sharded:
+        return groups, order, None, None
+    shard_model(model, par, shard_dims(optim_cfg.name, optim_cfg.options, groups, par.shard_size))
+    aliases = local_aliases(model)
+    return (localize_groups(param_groups(model, optim_cfg), aliases), [aliases[id(p)] for p in model.parameters()],
+            aliases, local_dims(model, aliases))
+
+
+def param_digests(model: torch.nn.Module, par: Parallel, world_size: int) -> list[str]:
+    """sha256 of each rank's parameters, gathered from every rank (the invariant: all equal). Sharded,
+    of the whole tensors (gathered in the shard group): equal iff the replicas are."""
+    out = [None] * world_size
+    params = (p for _, p in sorted(model.named_parameters()))
+    if par.sharded:
+        reshard(model)
+        params = [p.full_tensor() for p in params]
+    dist.all_gather_object(out, digest(params))
+    return out

@@ -1,4 +1,5 @@
-"""bench.advise and comm.mode=auto: candidates merged over the user's config, the quality evidence,
+"""comm.mode=auto's measure-and-predict core (trainer/advise.py), its thin command bench.advise and
+trainer/automode.py: candidates merged over the user's config, the quality evidence,
 config errors, the pick and its survival across a resume, and (under launch.netsim, root and
 iproute2 only) the link measurement against a known rate and the pick at a slow link."""
 from __future__ import annotations
@@ -9,10 +10,11 @@ import sys
 
 import pytest
 
-from bench import advise
+from bench import advise as advise_command
 from launch import netsim
 from optim import sync
 from tests.dist import ROOT, torchrun
+from trainer import advise
 from trainer.config import ConfigError, load_config
 
 NETSIM_SKIP = netsim.unavailable_reason(need_tc=True)
@@ -63,7 +65,7 @@ def test_bad_auto_allow_entries_are_config_errors(override, match):
 def test_auto_with_sharding_is_a_config_error_not_a_wrong_prediction():
     with pytest.raises(ConfigError, match=r"comm.mode=auto with parallel.shard_size=2: the advisor .* replicated"):
         load_config(ROOT / "configs/default.yaml", ["comm.mode=auto", "parallel.shard_size=2"])
-    assert advise.main([str(ROOT / "configs/default.yaml"), "parallel.shard_size=2"]) == 2
+    assert advise_command.main([str(ROOT / "configs/default.yaml"), "parallel.shard_size=2"]) == 2
 
 
 def test_auto_allow_that_the_optimizer_cannot_run_is_a_config_error():

@@ -173,7 +173,7 @@ def test_smoke_two_ranks_through_netsim(tmp_path: Path):
     rss = [json.loads(p.read_text()) for p in (out / "rss" / "unlimited" / "lioncub_1bit").glob("rank*.json")
            if ".self" not in p.name]
     assert sorted(x["rank"] for x in rss) == [0, 1] and all(100 < x["max_rss_mib"] < 8000 for x in rss)
-    # the rank process's own peak (written by the trainer) is at most its tree's largest process
+    # the rank process's own peak (written by step_breakdown's train_here) is at most its tree's largest process
     assert all(x["max_rss_mib"] <= x["tree_max_rss_mib"] + 1 for x in rss)
     assert float(r["peak_rss_mib"]) == max(x["max_rss_mib"] for x in rss)
     assert float(r["peak_tree_rss_mib"]) == max(x["tree_max_rss_mib"] for x in rss)
