@@ -1,0 +1,83 @@
+"""trainer.dashboards (issue 52 item 11): the wandb workspace and comparison report are built offline
+(never saved) and every panel's key is one the trainer really logs to wandb: the keys of a real 2-rank
+run's metrics.jsonl through trainer/logger.py's wandb_payload. Renaming a logged key fails here."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("wandb_workspaces")
+
+from tests.dist import ROOT, torchrun  # noqa: E402
+from trainer import dashboards  # noqa: E402
+from trainer.logger import wandb_payload  # noqa: E402
+
+TINY = ["model.preset=debug", "data.batch_size=4", "data.seq_len=64", "train.eval_steps=2", "log.wandb=disabled"]
+
+
+@pytest.fixture(scope="module")
+def logged_keys(tmp_path_factory) -> set[str]:
+    """The wandb keys of a 2-rank Lion Cub 1-bit run with diagnostics on every step."""
+    run = tmp_path_factory.mktemp("dash") / "run"
+    torchrun(2, ROOT / "train.py", str(ROOT / "configs/default.yaml"), *TINY, "comm.mode=onebit", "diag.every=1",
+             "train.max_steps=2", "train.log_every=1", f"train.out_dir={run}")
+    keys: set[str] = set()
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        if line.strip():
+            keys |= set(wandb_payload(json.loads(line)))
+    return keys
+
+
+def _panels(panels) -> list[tuple[str, str, str]]:
+    out = []
+    for p in panels:
+        out += [(p.title, "y", y) for y in (p.y or [])]
+        if p.x != "Step":
+            out.append((p.title, "x", p.x))
+        if p.metric_regex:
+            out.append((p.title, "regex", p.metric_regex))
+    return out
+
+
+def test_every_panel_key_is_logged_by_the_trainer(logged_keys):
+    assert dashboards.missing_keys(logged_keys) == []
+    # a renamed key is caught: what a panel would show empty
+    assert dashboards.missing_keys(logged_keys - {"loss/train"}) == [
+        "train loss vs steps: y loss/train", "train loss vs wall time (s in timed steps): y loss/train"]
+    per_layer = {k for k in logged_keys if k.startswith("diag_momentum_spread/block.")}
+    assert per_layer and dashboards.missing_keys(logged_keys - per_layer) == [
+        r"momentum spread across ranks per layer: regex diag_momentum_spread/block\.\d+"]
+
+
+def test_workspace_and_report_hold_exactly_those_panels():
+    want = dashboards.panel_keys()
+    ws = dashboards.build_workspace("me", "lioncub", group="cpu_30m")
+    assert [s.name for s in ws.sections] == list(dashboards.PANELS)
+    assert [k for s in ws.sections for k in _panels(s.panels)] == want
+    assert [g.name for g in ws.runset_settings.groupby] == ["optim.name", "comm.mode"]
+    stacked = [p for s in ws.sections for p in s.panels if p.plot_type == "stacked-area"]
+    assert [p.title for p in stacked] == ["step time split (ms, stacked)"]
+    view = ws._to_model().model_dump_json(by_alias=True)  # the JSON save() would send, built offline
+    assert '"plotType":"stacked-area"' in view and '"useMetricRegex":true' in view, view[:2000]
+    # wandb addresses a nested config key as <section>.value.<key>
+    assert '"grouping":[{"section":"config","name":"optim.value.name"},{"section":"config","name":"comm.value.mode"}' \
+        in view and '"name":"log.group"},"op":"=","value":"cpu_30m"' in view
+
+    report = dashboards.build_report("me", "lioncub", group="cpu_30m")
+    grids = [b for b in report.blocks if type(b).__name__ == "PanelGrid"]
+    assert [k for g in grids for k in _panels(g.panels)] == want
+    assert all(g.runsets[0].groupby == ["optim.name", "comm.mode"] and g.runsets[0].project == "lioncub"
+               for g in grids)
+
+
+def test_dry_run_builds_and_saves_nothing():
+    p = subprocess.run([sys.executable, "-m", "trainer.dashboards", "--entity", "me", "--project", "lioncub",
+                        "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={"PATH": "/usr/bin:/bin", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT),
+                            "HOME": str(ROOT / ".cache")})
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().endswith("built for me/lioncub; nothing saved")
+    assert "train loss vs wall time (s in timed steps): x throughput/train_time_s" in p.stdout
