@@ -84,7 +84,7 @@ stage env 20 env.log bash -c "nvidia-smi --query-gpu=name,memory.total,driver_ve
   $PY -c \"import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), torch.cuda.get_device_name())\"; \
   git log -1 --format='code %h %s' 2>/dev/null || true"
 
-stage tests ${TESTS_LIMIT:-110} tests.log $PY -m pytest -q -p no:cacheprovider -o addopts= tests/optim/test_kernels.py \
+stage tests ${TESTS_LIMIT:-95} tests.log $PY -m pytest -q -p no:cacheprovider -o addopts= tests/optim/test_kernels.py \
   tests/optim/test_optim.py tests/optim/test_lion_fused.py -k cuda -rf
 
 TRAIN_VARIANTS=${TRAIN_VARIANTS:-lion_fp32,adamw_fp32}
@@ -94,13 +94,13 @@ stage train ${TRAIN_LIMIT:-130} train.log $PY -m bench.step_breakdown --launcher
   --out "$WORK/train"
 
 ALL_VARIANTS=$(ls configs/variants/*.yaml | xargs -n1 basename | sed 's/\.yaml$//' | paste -sd, -)
-stage ranks2 ${RANKS2_LIMIT:-85} ranks.log $PY -m launch.one_device --nproc 2 --device $DEV tests/workers/one_device_train.py \
+stage ranks2 ${RANKS2_LIMIT:-95} ranks.log $PY -m launch.one_device --nproc 2 --device $DEV tests/workers/one_device_train.py \
   "$WORK/ranks2.json" "$ALL_VARIANTS,lion_fp32@comm.bucket_mb=0.01,lion_fp32@comm.bucket_mb=0.01@comm.overlap=true" comm.kernels=eager
 
-stage ranks4 ${RANKS4_LIMIT:-55} ranks.log $PY -m launch.one_device --nproc 4 --device $DEV tests/workers/one_device_train.py \
+stage ranks4 ${RANKS4_LIMIT:-50} ranks.log $PY -m launch.one_device --nproc 4 --device $DEV tests/workers/one_device_train.py \
   "$WORK/ranks4.json" "lion_fp32,lioncub_1bit,lioncub_8bit_l1,dlion_avg" comm.kernels=auto
 
-stage shard ${SHARD_LIMIT:-45} ranks.log $PY -m launch.one_device --nproc 2 --device $DEV tests/workers/one_device_train.py \
+stage shard ${SHARD_LIMIT:-40} ranks.log $PY -m launch.one_device --nproc 2 --device $DEV tests/workers/one_device_train.py \
   "$WORK/shard.json" "" --shard
 
 stage packing ${PACKING_LIMIT:-70} packing.log bash -c "$PY -m bench.packing --device cuda --repeats 21 --n 25M && \

@@ -33,7 +33,9 @@ OVERRIDES = ["model.preset=debug", "model.tie_embeddings=false", "data.batch_siz
              "train.max_steps=4", "train.eval_every=0", "train.eval_steps=1", "train.log_every=2",
              "optim.lr=1e-3", "optim.warmup_steps=1", "log.wandb=disabled", "comm.momentum_sync.every=0",
              f"train.device={DEVICE}", "train.ckpt_every=0"]
-SYNC = {"lioncub_4bit_synchead": ["comm.momentum_sync.every=2"], "lioncub_syncall": ["comm.momentum_sync.every=2"]}
+# per variant: momentum sync within the run; 1-bit Adam's compression starting within it
+SYNC = {"lioncub_4bit_synchead": ["comm.momentum_sync.every=2"], "lioncub_syncall": ["comm.momentum_sync.every=2"],
+        "onebit_adam": ["optim.freeze_step=2"]}
 
 
 def say(info, msg: str) -> None:
