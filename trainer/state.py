@@ -76,15 +76,22 @@ def load(trainer, path: Path, meta: dict, files: dict) -> str:
                "resume with the optim / comm settings it was written with")
         raise CheckpointError(f"checkpoint {path} cannot be restored by this run: {first}; {how}, or start a "
                               f"new run (another train.out_dir, or train.resume=overwrite)") from None
+    _restore_progress(trainer, mine, saved == world)
+    return f"resumed from {path} at step {trainer.step}{note}"
+
+
+def _restore_progress(trainer, mine: dict, same_world: bool) -> None:
+    """What every resume keeps, on any mesh (one home, so the paths cannot drift apart): the data
+    position, step, time, skipped batches, tokens seen, the lr schedule's horizon, and the RNG
+    states when the world size is unchanged (rank r then continues rank r's generators)."""
     trainer.loader.load_state_dict(mine["loader"])  # a global position: the same in every rank's file
-    if saved == world:
+    if same_world:
         set_rng_state(mine["rng"])
     trainer.step, trainer.train_time = int(mine["step"]), float(mine.get("train_time", 0.0))
     trainer.skip_batches = set(mine.get("skip_batches", []))
     trainer.tokens_seen = int(mine.get("tokens_seen", trainer.step * trainer.tokens_per_step))
     if "schedule_steps" in mine and not trainer.cfg.optim.schedule_steps:  # keep the run's lr schedule
         trainer.schedule_steps = int(mine["schedule_steps"])
-    return f"resumed from {path} at step {trainer.step}{note}"
 
 
 def _load_remeshed(trainer, path: Path, meta: dict, files: dict, saved_shard: int) -> str:
@@ -113,9 +120,7 @@ def _load_remeshed(trainer, path: Path, meta: dict, files: dict, saved_shard: in
         sharded_checkpoint.load_full_model(trainer.model, model_state)
     trainer.optimizer.load_state_dict(opt)
     mine = files[names[min(rank, saved - 1)]]
-    trainer.loader.load_state_dict(mine["loader"])  # a global position: the same in every rank's file
-    trainer.step, trainer.train_time = int(mine["step"]), float(mine.get("train_time", 0.0))
-    trainer.skip_batches = set(mine.get("skip_batches", []))
+    _restore_progress(trainer, mine, saved == world)  # lr horizon, tokens seen, data position, RNG: as same-mesh
     old_r, new_r = saved // saved_shard, par.replicas
     how = "each replica's state as saved" if old_r == new_r else \
         "per-replica optimizer state averaged once over the saved replicas (one momentum synchronisation)"
