@@ -40,10 +40,12 @@ def cluster(tmp_path_factory):
         c.close()
 
 
-def _submit(cluster: SlurmCluster, tmp: Path, *overrides: str) -> tuple[int, Path]:
-    out = tmp / "job.out"
+def _submit(cluster: SlurmCluster, tmp: Path, *overrides: str, out_name: str = "job.out",
+            **env: str) -> tuple[int, Path]:
+    out = tmp / out_name
     job_env = {"GPUS": "cpu", "CPU_PROCS": "2", "RDZV_PORT": str(free_port()),
-               "WANDB_MODE": "disabled"}
+               "WANDB_MODE": "disabled", **env}
+    job_env = {k: v for k, v in job_env.items() if v is not None}
     if subprocess.run(["getent", "ahostsv4", cluster.node], capture_output=True).returncode != 0:
         job_env["HEAD_IP"] = "127.0.0.1"   # a CI container whose hostname does not resolve
     job_id = cluster.sbatch(SBATCH, "configs/default.yaml", *TINY, f"train.out_dir={tmp / 'run'}", *overrides,
@@ -73,7 +75,8 @@ def test_sbatch_trains_tiny_model(cluster, tmp_path):
     assert "--ntasks-per-node=1" in cmd and f"--cpus-per-task={cluster.cpus}" in cmd
     assert "--nnodes=1:1" in cmd and "--max-restarts=0" in cmd and "--nproc_per_node=2" in cmd and "--rdzv_backend=c10d" in cmd
     assert re.search(rf"--rdzv_endpoint=[\d.]+:\d+ --rdzv_id={job_id}\b", cmd), cmd
-    assert "train.resume=auto train.device=cpu" in cmd
+    assert "train.device=cpu" in cmd and cmd.rstrip().endswith("train.resume=auto"), cmd   # a new run (checked free)
+    assert f"job {job_id} restart 0 (a new run)" in log
     assert f"OMP_NUM_THREADS={max(1, cluster.cpus // 2)} " in log
     assert "NCCL_DEBUG=WARN" in log and "NCCL_IB_DISABLE=0" in log   # default profile ib
     assert "gloo world 2 on cpu" in log, _explain(cluster, out)
@@ -158,7 +161,7 @@ def test_usr1_requeues_and_resumes_then_term_checkpoints(cluster, tmp_path):
     assert train_steps == list(range(1, j + 1)), train_steps
 
 
-def _dry_run(tmp_path: Path, nodes: str = "nodeA", **env: str) -> subprocess.CompletedProcess:
+def _dry_run(tmp_path: Path, nodes: str = "nodeA", *overrides: str, **env: str) -> subprocess.CompletedProcess:
     """The script outside Slurm with DRY_RUN=1: fake job variables, a stub scontrol."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
@@ -170,14 +173,15 @@ def _dry_run(tmp_path: Path, nodes: str = "nodeA", **env: str) -> subprocess.Com
             "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "DRY_RUN": "1",
             "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": nodes, "SLURM_NNODES": str(n),
             "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_CPUS_PER_TASK": "16", "HEAD_IP": "10.1.2.3", **env}
-    return subprocess.run(["bash", str(SBATCH), "configs/default.yaml", "train.max_steps=9"], env=full,
-                          capture_output=True, text=True, timeout=30)
+    overrides = overrides or (f"train.out_dir={tmp_path / 'run'}",)
+    return subprocess.run(["bash", str(SBATCH), "configs/default.yaml", "train.max_steps=9", *overrides], env=full,
+                          capture_output=True, text=True, timeout=60)
 
 
 def test_sbatch_profiles_and_rendezvous_dry_run(tmp_path):
     ib = _dry_run(tmp_path, nodes="nodeA,nodeB", GPUS="4")
     assert ib.returncode == 0, ib.stderr
-    assert "--nnodes=2:2 --nproc_per_node=4" in ib.stdout and "--rdzv_endpoint=10.1.2.3:29500" in ib.stdout
+    assert "--nnodes=2:2 --nproc_per_node=4" in ib.stdout and "--rdzv_endpoint=10.1.2.3:" in ib.stdout
     assert "OMP_NUM_THREADS=4 " in ib.stdout      # 16 CPUs of the node's task shared by 4 ranks
     assert "NCCL_IB_DISABLE=0" in ib.stdout and "NCCL_IB_HCA" not in ib.stdout
     assert "train.device=cpu" not in ib.stdout and "train.max_steps=9" in ib.stdout
@@ -223,3 +227,77 @@ def test_sbatch_profiles_and_rendezvous_dry_run(tmp_path):
     assert cpu.returncode == 0, cpu.stderr
     assert "--nproc_per_node=3" in cpu.stdout and "train.device=cpu" in cpu.stdout
     assert "OMP_NUM_THREADS=1 " in cpu.stdout     # never 0 threads when ranks outnumber CPUs
+
+
+def _port(p: subprocess.CompletedProcess) -> int:
+    return int(re.search(r"--rdzv_endpoint=[\d.]+:(\d+) ", p.stdout).group(1))
+
+
+def test_sbatch_rendezvous_port_is_per_job_and_free(tmp_path):
+    import socket
+
+    a = _dry_run(tmp_path, SLURM_JOB_ID="123", GPUS="cpu")
+    b = _dry_run(tmp_path, SLURM_JOB_ID="124", GPUS="cpu")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    # from the job id, below the ephemeral ports: two jobs on one node get two ports
+    assert 10000 <= _port(a) < 30000 and _port(a) != _port(b)
+    with socket.socket() as s:  # the job's port is taken on this (head) node: the next free one
+        s.bind(("", _port(a)))
+        s.listen()
+        c = _dry_run(tmp_path, SLURM_JOB_ID="123", GPUS="cpu")
+        assert c.returncode == 0 and _port(c) != _port(a) and 10000 <= _port(c) < 30000, c.stdout
+    assert _port(_dry_run(tmp_path, SLURM_JOB_ID="123", GPUS="cpu", RDZV_PORT="31111")) == 31111
+    bad = _dry_run(tmp_path, GPUS="cpu", RDZV_PORT="http")
+    assert bad.returncode == 2 and "RDZV_PORT must be a port number, got 'http'" in bad.stderr
+
+
+def test_sbatch_continues_a_run_only_when_asked(tmp_path):
+    run = tmp_path / "run"
+    out = f"train.out_dir={run}"
+    new = _dry_run(tmp_path, "nodeA", out, GPUS="cpu")
+    assert new.returncode == 0 and new.stdout.splitlines()[-1].rstrip().endswith("train.resume=auto"), new.stdout
+    assert "(a new run)" in new.stdout
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    # resubmitted: refused as train.py refuses, before anything starts
+    again = _dry_run(tmp_path, "nodeA", out, GPUS="cpu")
+    assert again.returncode == 2 and "+ srun" not in again.stdout, again.stdout
+    assert f"error: run directory {run} already exists and is not empty; resubmit with RESUME=1 to continue it" \
+        in again.stderr, again.stderr
+    asked = _dry_run(tmp_path, "nodeA", out, GPUS="cpu", RESUME="1")
+    assert asked.returncode == 0 and asked.stdout.splitlines()[-1].rstrip().endswith("train.resume=auto"), asked.stderr
+    assert "(RESUME=1: continuing the run)" in asked.stdout
+    # an explicit train.resume is obeyed on a submission ...
+    over = _dry_run(tmp_path, "nodeA", out, "train.resume=overwrite", GPUS="cpu")
+    assert over.returncode == 0 and over.stdout.splitlines()[-1].rstrip().endswith("train.resume=overwrite"), over.stderr
+    # ... but a requeued job (the USR1 path, a preemption) always continues its run
+    requeued = _dry_run(tmp_path, "nodeA", out, "train.resume=overwrite", GPUS="cpu", SLURM_RESTART_COUNT="1")
+    assert requeued.returncode == 0, requeued.stderr
+    assert requeued.stdout.splitlines()[-1].rstrip().endswith("train.resume=overwrite train.resume=auto"), requeued.stdout
+    both = _dry_run(tmp_path, "nodeA", out, "train.resume=overwrite", GPUS="cpu", RESUME="1")
+    assert both.returncode == 2 and "RESUME=1 continues the run, but the overrides say train.resume=overwrite" \
+        in both.stderr
+    assert _dry_run(tmp_path, "nodeA", out, GPUS="cpu", RESUME="yes").returncode == 2
+    # a config error: one message from the check, exit 2, nothing launched
+    typo = _dry_run(tmp_path, "nodeA", f"train.out_dir={tmp_path / 'other'}", "train.max_stpes=3", GPUS="cpu")
+    assert typo.returncode == 2 and "train.max_stpes: unknown key; did you mean train.max_steps?" in typo.stderr
+    assert "Traceback" not in typo.stderr and "+ srun" not in typo.stdout
+
+
+def test_sbatch_resubmission_refused_then_continued_with_resume(cluster, tmp_path):
+    job_id, out = _submit(cluster, tmp_path, "train.max_steps=2", RDZV_PORT=None)
+    info = cluster.wait(job_id, timeout=120)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), _explain(cluster, out)
+    port = int(re.search(r"--rdzv_endpoint=[\d.]+:(\d+) ", out.read_text()).group(1))
+    assert 10000 <= port < 30000   # the job's own port, not a fixed 29500
+
+    job2, out2 = _submit(cluster, tmp_path, "train.max_steps=3", out_name="job2.out")
+    info = cluster.wait(job2, timeout=120)
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0"), _explain(cluster, out2)
+    assert "resubmit with RESUME=1 to continue it" in out2.read_text(), _explain(cluster, out2)
+
+    job3, out3 = _submit(cluster, tmp_path, "train.max_steps=3", out_name="job3.out", RESUME="1")
+    info = cluster.wait(job3, timeout=120)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), _explain(cluster, out3)
+    assert re.search(r"resumed from \S+step_000002 at step 2", out3.read_text()), _explain(cluster, out3)
+    assert [r["step"] for r in _records(tmp_path / "run") if "train_loss" in r] == [1, 2, 3]
