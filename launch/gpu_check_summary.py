@@ -21,10 +21,14 @@ def ranks_lines(data: dict) -> list[str]:
     out = []
     for part, res in data.items():
         v = res.get("variants", {})
-        if v:
-            devices = sorted({r["device"] for r in v.values()})
-            out.append(f"{part}: {len(v)} runs at {res.get('world_size')} ranks on {'/'.join(devices)}, replicas "
-                       f"bit-identical in each (the trainer raises otherwise): {', '.join(v)}")
+        ok = {k: r for k, r in v.items() if "error" not in r}
+        if ok:
+            devices = sorted({r["device"] for r in ok.values()})
+            out.append(f"{part}: {len(ok)} runs at {res.get('world_size')} ranks on {'/'.join(devices)}, replicas "
+                       f"bit-identical in each (the trainer raises otherwise): {', '.join(ok)}")
+        for k, r in v.items():
+            if "error" in r:
+                out.append(f"{part}: {k} FAILED: {r['error']}")
             plain, over = v.get("lion_fp32@comm.bucket_mb=0.01"), v.get("lion_fp32@comm.bucket_mb=0.01@comm.overlap=true")
             if plain and over:
                 out.append(f"{part}: fp32 with buckets, overlap on == off bit for bit: {plain['sha256'] == over['sha256']}")

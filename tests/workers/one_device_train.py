@@ -6,7 +6,9 @@ share one device (started by launch/one_device.py), and write what happened to t
 Per variant ("name" or "name@key=value@..."): the parameters' sha256 on every rank (the trainer raises when
 replicas differ) and the device they lived on. `--shard`: parallel.shard_size=2 (FSDP2 mesh, DCP checkpoints):
 a run stopped at step 2 and resumed from its DCP checkpoint ends bit-identical to a straight 4-step run.
-Rank 0 prints one line per finished item ("ONE_DEVICE ...") as it goes, so a killed run shows how far it got.
+Rank 0 prints one line per finished item ("ONE_DEVICE ...") as it goes and rewrites the JSON after each, so a
+killed run shows how far it got; a run that raises (on every rank alike) is recorded and the next one runs; the
+exit status is 1 when any failed.
 """
 from __future__ import annotations
 
@@ -106,13 +108,20 @@ def main(out_path: str, variants: list[str], flags: list[str]) -> None:
     extra = [f for f in flags if "=" in f]
     tmp = Path(str(Path(out_path).with_suffix("")) + "_runs")
     result = {"world_size": info.world_size, "device": DEVICE, "variants": {}}
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
 
     def write() -> None:  # after every item: a run cut short still reports what finished
         if info.is_main:
             Path(out_path).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
 
+    failed = []
     for spec in variants:
-        result["variants"][spec] = run_variant(info, spec, tmp, extra)
+        try:
+            result["variants"][spec] = run_variant(info, spec, tmp, extra)
+        except Exception as e:  # noqa: BLE001  the same error on every rank (a config or code error): go on
+            failed.append(spec)
+            result["variants"][spec] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
+            say(info, f"{spec}: FAILED {result['variants'][spec]['error']}")
         write()
     if "--shard" in flags:
         result["shard"] = shard_check(info, tmp / "shard")
@@ -120,10 +129,16 @@ def main(out_path: str, variants: list[str], flags: list[str]) -> None:
     if info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
     shutdown()
+    if failed:
+        raise SystemExit(f"one_device_train: {len(failed)} of {len(variants)} runs failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":
     from _exit import exit_cleanly  # tests/workers/ is the script's directory
 
-    main(sys.argv[1], [v for v in sys.argv[2].split(",") if v], sys.argv[3:])
+    try:
+        main(sys.argv[1], [v for v in sys.argv[2].split(",") if v], sys.argv[3:])
+    except SystemExit as e:
+        print(e, file=sys.stderr)
+        exit_cleanly(1)
     exit_cleanly()
