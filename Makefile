@@ -32,6 +32,7 @@ else
   ifneq ($(strip $(PYTHON_VENV)),)
     PY := $(PYTHON)
     ENV_DIR := $(PYTHON_VENV)
+    export PATH := $(PYTHON_VENV)/bin:$(PATH)
   else ifneq ($(strip $(VENV)),)
     PY := $(VENV)/bin/python
     ENV_DIR := $(VENV)
