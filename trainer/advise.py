@@ -187,14 +187,12 @@ def predict_comm(opt, links: dict, P: int) -> float:
     registry's formulas at the world axis's ring fit, with the layout's corrections for the
     collectives that cross the nodes' ports differently from a ring (comm.cost_model docstring).
     Why the world fit and not the inter-node axis: a ring over all ranks in rank order crosses
-    every node's port once each way with a flat ring's volume, so on two nodes the world fit
-    already is the inter-node link's (launch.netsim --nodes 2, 100 Mbit/s: world 0.094 Gbit/s,
-    all-gather measured / ring model 0.99), whereas the inter-node axis is measured with its
-    node_size groups sharing the ports at once (0.049 Gbit/s, the share the vote of a
-    hierarchical exchange gets). An all-to-all puts L(P-L)/(P-1) times a flat rank's bytes
-    through a port, a bound the flat model breaks (2 x 2, 4 MB: measured 1.00-1.07 x the layout
-    model; onebit's collectives in training 0.97 x its layout prediction, 1.10 x the flat one),
-    and a naive server's port carries P-L payloads (docs/results/advise/two_nodes_*)."""
+    every node's port once each way with a flat ring's volume, so on several nodes the world fit
+    already is the inter-node link's, whereas the inter-node axis is measured with its node_size
+    groups sharing the ports at once (the share the vote of a hierarchical exchange gets). Why the
+    layout: an all-to-all puts L(P-L)/(P-1) times a flat rank's bytes through a port, a bound the
+    flat model breaks, and a naive server's port carries P-L payloads. The two-node measurements
+    behind both: docs/results/code_notes.md, "Several nodes: which link fit predicts what"."""
     world = links["world"]
     with cost_model.node_layout(node_layout(links, P)):
         return opt.predict_comm_seconds(world["alpha_s"], world["beta_s_per_bit"], P)

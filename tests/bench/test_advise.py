@@ -232,5 +232,6 @@ def test_two_node_links_match_the_layout_model(tmp_path):
     assert set(links) == {"world", "intra-node", "inter-node"} and links["world"]["node_size"] == 2
     assert 0.075 <= links["world"]["gbit_s"] <= 0.125, links["world"]
     a2a = links["world"]["checks"]["all_to_all"]
-    # idle: 1.00 and 1.33; a loaded machine (load 6 on 2 cores) measured 1.23 and 1.64
+    # the layout model within 30 % and the flat model's 4/3 shortfall seen, with room for a loaded
+    # machine (the ratios on an idle and a loaded one: docs/results/code_notes.md)
     assert 0.8 <= a2a["measured_over_model"] <= 1.3 and a2a["measured_s"] / a2a["model_flat_s"] >= 1.15, a2a
