@@ -38,9 +38,9 @@ def _round_store(world: int, timeout_s: float) -> dist.Store | None:
     The agent's TCPStore outlives a round (with --rdzv_backend=c10d its port stays the same), and
     torch's env:// init reuses it without a per-round prefix, so a restarted round can read the
     previous round's gloo listening addresses and fail with "connectFullMesh ... Connection
-    refused" (which then costs a round, one --max-restarts, after every SIGKILL). A prefix by
-    restart count and world size keeps rounds apart; every rank of a
-    round sees the same TORCHELASTIC_RESTART_COUNT."""
+    refused" (as a round restarted after a SIGKILL usually does, costing one --max-restarts). A
+    prefix by restart count and world size keeps rounds apart; every rank of a round sees the same
+    TORCHELASTIC_RESTART_COUNT."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
         return None
     agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
