@@ -332,6 +332,7 @@ class FusedLionStep:
         # eager rounds each product before the add that follows it; Triton's fp fusion would not
         options = {"emulate_precision_casts": True} if self.device.type == "cuda" else {}
         self._run = torch.compile(fn, dynamic=False, fullgraph=True, options=options)
+        self.calls = 0
 
     @staticmethod
     def fits(params: Sequence[torch.Tensor]) -> str | None:
@@ -369,6 +370,7 @@ class FusedLionStep:
         # pinned: the copy runs in stream order without waiting for the host (no sync on the hot path)
         hyper = torch.tensor(rows, dtype=torch.float32, pin_memory=self.device.type == "cuda")
         self._run(ps, gs, ms, hyper.to(self.device, non_blocking=True))
+        self.calls += 1
 
 
 def check_fused_step(device: torch.device | str) -> list[str]:
@@ -477,7 +479,17 @@ class Lion(CommOptimizer):
     def _update(self, step: int) -> None:
         fused = self._fused_step()
         if fused is not None:
-            fused(self.state, [(self.param_groups[gi], self.layout.params(ks)) for gi, ks in self.layout.per_group.items()])
-            return
+            groups = [(self.param_groups[gi], self.layout.params(ks)) for gi, ks in self.layout.per_group.items()]
+            if fused.calls or kernels.resolve_impl(self.kernels) != "auto":
+                fused(self.state, groups)
+                return
+            try:  # the first call compiles the model's shapes: under 'auto' a compiler failure is a warning
+                fused(self.state, groups)
+                return
+            except Exception as e:  # noqa: BLE001  (compilation fails before any tensor is written)
+                warnings.warn(f"lion: the fused step did not compile for this model ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:200]}); this run steps with the foreach kernels",
+                              RuntimeWarning, stacklevel=2)
+                self._fused = None
         for gi, ks in self.layout.per_group.items():
             lion_group_step_(self.state, self.param_groups[gi], self.layout.params(ks))

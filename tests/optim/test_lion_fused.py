@@ -106,3 +106,21 @@ def test_lion_on_cuda_auto_fuses_and_equals_eager_and_itself():
     for a, b, c in zip(_bits(net_e.parameters()), _bits(net_a.parameters()), _bits(net_b.parameters())):
         assert torch.equal(b, c)  # every rank runs the same kernel: replicas agree bit for bit
         assert torch.equal(a, b)
+
+
+def test_auto_steps_on_the_foreach_kernels_when_the_fused_step_does_not_compile(monkeypatch):
+    """Under comm.kernels=auto a compiler failure at the first step is one warning, and the run (this step
+    included) goes on with the foreach kernels: the same bytes as comm.kernels=eager."""
+    monkeypatch.setattr(L, "fused_step_impl", lambda impl, device: impl == "auto")
+
+    def broken(*a, **k):
+        raise RuntimeError("backend compiler failed")
+
+    monkeypatch.setattr(L.FusedLionStep, "__init__", lambda self, device: setattr(self, "calls", 0) or
+                        setattr(self, "device", torch.device(device)) or setattr(self, "_run", broken))
+    with pytest.warns(RuntimeWarning, match="did not compile"):
+        net_a, opt_a = _train("auto", "cpu")
+    net_e, _ = _train("eager", "cpu")
+    assert opt_a._fused is None
+    for a, b in zip(_bits(net_e.parameters()), _bits(net_a.parameters())):
+        assert torch.equal(a, b)
