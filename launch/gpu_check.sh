@@ -11,7 +11,7 @@
 #   env      the GPU, driver, torch / Triton / NCCL versions
 #   tests    the CUDA-only tests (pytest -k cuda): compiled wire kernels == eager byte for byte, Lion's fused
 #            step == the foreach kernels on CUDA (tests/optim/test_lion_fused.py), the optimizers on CUDA
-#   train    gpt2-124m on the GPU, P = 1, bf16 autocast, torch.compile, comm.kernels=auto, the preset's 12 x 1024
+#   train    (one call per variant) gpt2-124m on the GPU, P = 1, bf16 autocast, torch.compile, comm.kernels=auto, the preset's 12 x 1024
 #            batch: step breakdown, tokens/s, MFU of the step and of forward + backward alone, optimizer time
 #   ranks2   2 ranks time-sharing the GPU (launch/one_device.py: gloo with CUDA tensors, NCCL refuses two
 #            ranks on one device): every variant of configs/variants/ trains the debug model 4 steps with
@@ -53,22 +53,23 @@ left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 
 stage() {  # stage NAME LIMIT LOG CMD...: run CMD under min(LIMIT, budget left), append its output to OUT_DIR/LOG
   local name=$1 limit=$2 log=$3; shift 3
+  local label=${LABEL:-$name}
   case " $STAGES " in *" $name "*) ;; *) return 0 ;; esac
   local l; l=$(left)
   [ "$l" -lt "$limit" ] && limit=$l
   if [ "$limit" -lt 10 ]; then
-    RESULTS+=("SKIP  $name: the budget of ${BUDGET} s is spent"); FAILED=$((FAILED + 1)); return 0
+    RESULTS+=("SKIP  $label: the budget of ${BUDGET} s is spent"); FAILED=$((FAILED + 1)); return 0
   fi
   local t=$(date +%s)
-  echo "=== [$name] $* (limit ${limit} s)" | tee -a "$OUT_DIR/$log"
+  echo "=== [$label] $* (limit ${limit} s)" | tee -a "$OUT_DIR/$log"
   timeout --signal=TERM --kill-after=5 "$limit" "$@" 2>&1 | tee -a "$OUT_DIR/$log"
   local rc=${PIPESTATUS[0]}
   local took=$(( $(date +%s) - t ))
   if [ "$rc" -eq 0 ]; then
-    RESULTS+=("PASS  $name (${took} s)")
+    RESULTS+=("PASS  $label (${took} s)")
   else
     local why="exit $rc"; { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; } && why="timed out after ${limit} s"
-    RESULTS+=("FAIL  $name: $why after ${took} s; read $OUT_DIR/$log")
+    RESULTS+=("FAIL  $label: $why after ${took} s; read $OUT_DIR/$log")
     FAILED=$((FAILED + 1))
   fi
 }
@@ -88,11 +89,17 @@ stage env 20 env.log bash -c "nvidia-smi --query-gpu=name,memory.total,driver_ve
 stage tests ${TESTS_LIMIT:-95} tests.log $PY -m pytest -q -p no:cacheprovider -o addopts= tests/optim/test_kernels.py \
   tests/optim/test_optim.py tests/optim/test_lion_fused.py -k cuda -rf
 
+# one bench.step_breakdown call per variant (it writes its table when all its runs are done): a variant cut
+# short by the budget loses only itself; the first pays the model's compilation
 TRAIN_VARIANTS=${TRAIN_VARIANTS:-lion_fp32,adamw_fp32}
-stage train ${TRAIN_LIMIT:-130} train.log $PY -m bench.step_breakdown --launcher torchrun --rates unlimited --nproc 1 --no-calibrate \
-  --config-dir configs/gpt2_124m --variants "$TRAIN_VARIANTS" --steps 15 --warmup 6 --timeout 110 \
-  --overrides "data.dataset=builtin train.compile=true comm.kernels=auto train.ckpt_every=0 train.dtype=bfloat16" \
-  --out "$WORK/train"
+lim=${TRAIN_LIMIT:-90}
+for v in ${TRAIN_VARIANTS//,/ }; do
+  LABEL="train $v" stage train "$lim" train.log $PY -m bench.step_breakdown --launcher torchrun --rates unlimited --nproc 1 \
+    --no-calibrate --config-dir configs/gpt2_124m --variants "$v" --steps 15 --warmup 6 --timeout $((lim - 5)) \
+    --overrides "data.dataset=builtin train.compile=true comm.kernels=auto train.ckpt_every=0 train.dtype=bfloat16" \
+    --out "$WORK/train/$v"
+  lim=${TRAIN_NEXT_LIMIT:-60}
+done
 
 ALL_VARIANTS=$(ls configs/variants/*.yaml | xargs -n1 basename | sed 's/\.yaml$//' | paste -sd, -)
 stage ranks2 ${RANKS2_LIMIT:-95} ranks.log $PY -m launch.one_device --nproc 2 --device $DEV tests/workers/one_device_train.py \
@@ -113,10 +120,16 @@ stage memory ${MEMORY_LIMIT:-90} memory.log $PY -m bench.step_breakdown --launch
 # the few files worth bringing back
 for f in ranks2 ranks4 shard; do [ -f "$WORK/$f.json" ] && { echo "\"$f\": "; cat "$WORK/$f.json"; echo ","; }; done > "$WORK/ranks_parts"
 [ -s "$WORK/ranks_parts" ] && { echo "{"; sed '$ s/,$//' "$WORK/ranks_parts"; echo "}"; } > "$OUT_DIR/ranks.json"
-[ -f "$WORK/train/results.md" ] && cp "$WORK/train/results.md" "$OUT_DIR/train_results.md"
-[ -f "$WORK/train/results.csv" ] && cp "$WORK/train/results.csv" "$OUT_DIR/train_results.csv"
+first=1
+for v in ${TRAIN_VARIANTS//,/ }; do  # one table and one CSV for all variants
+  [ -f "$WORK/train/$v/results.md" ] && cat "$WORK/train/$v/results.md" >> "$OUT_DIR/train_results.md"
+  if [ -f "$WORK/train/$v/results.csv" ]; then
+    if [ $first -eq 1 ]; then cat "$WORK/train/$v/results.csv"; first=0; else tail -n +2 "$WORK/train/$v/results.csv"; fi
+  fi
+done > "$WORK/train_results.csv"
+[ -s "$WORK/train_results.csv" ] && cp "$WORK/train_results.csv" "$OUT_DIR/train_results.csv"
 for d in train memory; do  # a failed run's reason: the last lines of its log
-  for f in "$WORK/$d"/logs/*/*/torchrun.log; do
+  for f in "$WORK/$d"/logs/*/*/torchrun.log "$WORK/$d"/*/logs/*/*/torchrun.log; do
     [ -f "$f" ] && grep -q "Traceback\|Error" "$f" && { echo "--- errors in $f"; grep -B2 -A6 "Error" "$f" | tail -20; } >> "$OUT_DIR/$d.log"
   done
 done
