@@ -1059,9 +1059,20 @@ def warmup(device: torch.device | str = "cpu", *, bits: Sequence[int] = (), leve
         from . import kernel_probe
 
         if not kernel_probe.inside():
-            records = kernel_probe.measure([(int(o), int(m)) for o, m in layout], cfg)
+            try:
+                records = kernel_probe.measure([(int(o), int(m)) for o, m in layout], cfg)
+            except kernel_probe.ChildCrashed as e:  # what crashed the child must not crash this process
+                records = None
+                where = native.library_path()
+                native.disable(f"the auto measurement's child process was {e}; the native library {where} is not "
+                               f"loaded in this process")
+                warnings.warn(f"kernels: the auto measurement's child process was {e}; the native kernel library "
+                              f"{where or '(none built)'} is not loaded in this process (it may be what crashed "
+                              f"the child; delete it to have it rebuilt); measuring the other candidates here",
+                              stacklevel=2)
             if records is not None:
                 for rec in records:
+                    rec["line"] = _choice_line(rec)
                     _auto_log.append(rec)
                 _warmups.append((device, cfg, check, impl, set()))
                 # agree first, then build and check what the ranks will run (adopt): a rank whose own

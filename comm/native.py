@@ -25,7 +25,10 @@ that element's y NaN, so this is reached by an overflowing gradient (tested).
 The library is built with -O3 -march=native into a cache directory keyed by the source, the
 compiler, its flags and the host's CPU flags (LIONCUB_NATIVE_CACHE, default
 <tempdir>/lioncub_native_<uid>), atomically, so concurrent ranks build it at most once each and
-never load a half-written file. LIONCUB_NO_COMPILE=1 turns them off with the compiled kernels.
+never load a half-written file. The build records the library's sha256 beside it (`<file>.sha256`,
+renamed into place before the library); every load first checks the file against it, and a file
+that differs (truncated: mapping it would end the process with SIGBUS; altered; or from a version
+that recorded nothing) is named in a warning, removed and rebuilt, never loaded. LIONCUB_NO_COMPILE=1 turns them off with the compiled kernels.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 
 import torch
 
@@ -293,16 +297,64 @@ def cache_dir() -> str:
     return os.environ.get(CACHE_ENV) or os.path.join(tempfile.gettempdir(), f"lioncub_native_{user}")
 
 
-def _build() -> ctypes.CDLL:
+def _located() -> tuple[str, str]:
+    """(compiler, path of the cached library for this source, compiler and CPU); nothing is built."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (CC, cc, gcc, clang)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, errors="replace").stdout
     key = hashlib.sha256("\0".join([SOURCE, cc, version, " ".join(FLAGS), platform.machine(),
                                     _cpu_flags()]).encode()).hexdigest()[:20]
-    d = _private_dir(cache_dir())
-    so = os.path.join(d, f"lioncub_native_{key}.so")
+    return cc, os.path.join(cache_dir(), f"lioncub_native_{key}.so")
+
+
+def library_path() -> str:
+    """The file the native kernels are (or would be) loaded from here ("" without a compiler)."""
+    try:
+        return _located()[1]
+    except (RuntimeError, OSError):
+        return ""
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _verified(so: str) -> bool:
+    """Whether `so` exists and matches the sha256 recorded beside it (`<so>.sha256`) when it was
+    built. A damaged one (a truncated file kills the process that maps it with SIGBUS; an altered
+    one runs other code) is named in a warning and removed, to be rebuilt."""
     if not os.path.exists(so):
+        return False
+    try:
+        with open(so + ".sha256") as f:
+            recorded = f.read().strip()
+        ok = recorded == _sha256(so)
+    except OSError:
+        ok = False
+    if not ok:
+        warnings.warn(f"native kernels: {so} does not match the sha256 recorded when it was built (truncated, "
+                      f"altered, or built by an older version); rebuilding it", stacklevel=4)
+        for path in (so, so + ".sha256"):
+            if os.path.exists(path):
+                os.unlink(path)
+    return ok
+
+
+def disable(why: str) -> None:
+    """Never load the library in this process (`unavailable` then answers `why`)."""
+    global _lib, _why, _loaded
+    _loaded, _lib, _why = True, None, why
+
+
+def _build() -> ctypes.CDLL:
+    cc, so = _located()
+    d = _private_dir(cache_dir())
+    if not _verified(so):
         fd, src = tempfile.mkstemp(suffix=".c", dir=d)
         with os.fdopen(fd, "w") as f:
             f.write(SOURCE)
@@ -313,6 +365,11 @@ def _build() -> ctypes.CDLL:
                                   errors="replace")
             if done.returncode != 0:
                 raise RuntimeError(f"building the native kernels with {cc} failed:\n{done.stderr[-2000:]}")
+            digest = _sha256(tmp)
+            fd, tmp_sum = tempfile.mkstemp(suffix=".sha256.tmp", dir=d)
+            with os.fdopen(fd, "w") as f:
+                f.write(digest)
+            os.replace(tmp_sum, so + ".sha256")  # recorded before the library appears under its name
             os.replace(tmp, so)  # atomic: a concurrent rank loads a whole file or builds its own
         finally:
             for path in (src, tmp):
@@ -407,5 +464,5 @@ def unpack_sign(wire: torch.Tensor, bits: int, mul: int, offset: int, out: torch
     _lib.ln_unpack_sign(_ptr(wire), wire.numel(), bits, mul, offset, _ptr(out))
 
 
-__all__ = ["CACHE_ENV", "cache_dir", "majority", "quant_blocks", "sign_bits", "supports", "tb_lanes",
+__all__ = ["CACHE_ENV", "cache_dir", "disable", "library_path", "majority", "quant_blocks", "sign_bits", "supports", "tb_lanes",
            "unavailable", "unpack_sign"]
