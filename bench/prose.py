@@ -68,9 +68,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from data import DataError
 from data.bpe import train_bpe
-from data.prepare import add_common_flags, prepare, prepare_kwargs, summary
+from data.prepare import add_common_flags, prepare, prepare_kwargs, run_prepare
 from data.shards import PrepareError
 from data.sources import held_out
 from data.writer import check_out
@@ -657,16 +656,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        if args.val_shards:
-            raise PrepareError("prose holds out --val-fraction documents; --val-shards is for fineweb/text")
-        manifest = prepare_prose(args.out, parts=args.parts, roots=parse_roots(args.root), vocab_size=args.vocab_size,
-                                 val_fraction=args.val_fraction, seed=args.seed, **prepare_kwargs(args))
-    except DataError as e:
-        print(f"bench.prose: error: {e}", file=sys.stderr)
-        return 2
-    print(summary(args.out, manifest))
-    return 0
+    return run_prepare("bench.prose", args.out, lambda: _from_args(args))
+
+
+def _from_args(args: argparse.Namespace) -> dict:
+    if args.val_shards:
+        raise PrepareError("prose holds out --val-fraction documents; --val-shards is for fineweb/text")
+    return prepare_prose(args.out, parts=args.parts, roots=parse_roots(args.root), vocab_size=args.vocab_size,
+                         val_fraction=args.val_fraction, seed=args.seed, **prepare_kwargs(args))
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -304,14 +304,6 @@ def prepare_kwargs(args: argparse.Namespace) -> dict:
                 tokenizer=args.tokenizer, restart=args.restart)
 
 
-def summary(out: str, manifest: dict) -> str:
-    """The line a finished prepare prints."""
-    s = manifest["splits"]
-    return (f"wrote {out}: train {s['train']['tokens']:,} tokens in {len(s['train']['shards'])} shard(s), "
-            f"val {s['val']['tokens']:,} tokens in {len(s['val']['shards'])} shard(s), "
-            f"{manifest['prepare_seconds']:.1f} s")
-
-
 PROSE_MOVED = ("the prose corpus is built by the lab now: python -m bench.prose --out DIR [--parts ...] "
                "(the same options as `data.prepare prose` took; docs/data.md)")
 
@@ -359,33 +351,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"data.prepare: error: {PROSE_MOVED}", file=sys.stderr)
         return 2
     args = build_parser().parse_args(argv)
+    return run_prepare("data.prepare", args.out, lambda: _prepare_source(args))
+
+
+def _prepare_source(args: argparse.Namespace) -> dict:
+    """The manifest of the prepare the parsed command line asks for."""
     kw = prepare_kwargs(args)
     val = dict(val_fraction=args.val_fraction, val_shards=args.val_shards)
+    if args.source == "text":
+        # local builders need no hub; keep `datasets` off the network unless the env says otherwise
+        if env_offline() is None and "datasets" not in sys.modules:
+            for var in OFFLINE_VARS:
+                os.environ[var] = "1"
+        if args.val_shards:
+            val["val_fraction"] = None
+        return prepare_text(args.out, args.input, field=args.field, txt_split=args.txt_split,
+                            seed=args.seed, **val, **kw)
+    if args.source == "openwebtext":
+        if args.val_shards:
+            raise PrepareError("openwebtext holds out --val-fraction documents (nanoGPT); --val-shards "
+                               "is for fineweb/text")
+        return prepare_openwebtext(args.out, val_fraction=args.val_fraction, seed=args.seed,
+                                   hub=args.hub, hub_id=args.hub_id, revision=args.revision,
+                                   stream=args.stream, **kw)
+    return prepare_fineweb(args.out, sample=args.sample, hub=args.hub, seed=args.seed,
+                           hub_id=args.hub_id, revision=args.revision, stream=args.stream,
+                           val_shards=args.val_shards, val_fraction=args.val_fraction, **kw)
+
+
+def run_prepare(prog: str, out: str, build: Callable[[], dict]) -> int:
+    """Run a prepare as command `prog`: `build()` returns its manifest; a DataError is one line on
+    stderr and exit code 2, success the summary line and 0 (data.prepare and the lab's builders)."""
     try:
-        if args.source == "text":
-            # local builders need no hub; keep `datasets` off the network unless the env says otherwise
-            if env_offline() is None and "datasets" not in sys.modules:
-                for var in OFFLINE_VARS:
-                    os.environ[var] = "1"
-            if args.val_shards:
-                val["val_fraction"] = None
-            manifest = prepare_text(args.out, args.input, field=args.field, txt_split=args.txt_split,
-                                    seed=args.seed, **val, **kw)
-        elif args.source == "openwebtext":
-            if args.val_shards:
-                raise PrepareError("openwebtext holds out --val-fraction documents (nanoGPT); --val-shards "
-                                   "is for fineweb/text")
-            manifest = prepare_openwebtext(args.out, val_fraction=args.val_fraction, seed=args.seed,
-                                           hub=args.hub, hub_id=args.hub_id, revision=args.revision,
-                                           stream=args.stream, **kw)
-        else:
-            manifest = prepare_fineweb(args.out, sample=args.sample, hub=args.hub, seed=args.seed,
-                                       hub_id=args.hub_id, revision=args.revision, stream=args.stream,
-                                       val_shards=args.val_shards, val_fraction=args.val_fraction, **kw)
+        manifest = build()
     except DataError as e:
-        print(f"data.prepare: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    print(summary(args.out, manifest))
+    sp = manifest["splits"]
+    print(f"wrote {out}: train {sp['train']['tokens']:,} tokens in {len(sp['train']['shards'])} shard(s), "
+          f"val {sp['val']['tokens']:,} tokens in {len(sp['val']['shards'])} shard(s), "
+          f"{manifest['prepare_seconds']:.1f} s")
     return 0
 
 
