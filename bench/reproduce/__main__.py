@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -169,13 +170,16 @@ STATES = ("stored", "finished", "resumable", "to train")
 
 
 def show_plan(names: Sequence[str], args: argparse.Namespace) -> int:
-    """--plan: per study, its runs by state; a run listed by an earlier study (shared) counted there only."""
+    """--plan: per study, its runs by state; a run listed by an earlier study (shared: the same name, or the same
+    spec under another name) counted there only."""
     if args.lr == framework.FROM_SWEEP:
         names = sorted(names, key=lambda n: STUDIES[n].lr_from_sweep)  # as `all` runs them: the sweep first
     opts = Options(quick=args.quick, seeds=args.seeds, out=args.out, work=args.work, steps=args.steps,
                    nproc=args.nproc, setting=args.setting, sets=tuple(args.sets), lr=args.lr)
     seen: set[str] = set()
+    seen_specs: dict[str, list[int]] = {}  # spec_key's training part -> the diag.every of the runs listed
     every: list[framework.Planned] = []
+    by_spec = framework.stored_specs(opts.store_dir())
     print(f"plan: setting {opts.setting_name()}, lr {args.lr}; store {opts.store_dir()}")
     print(f"{'study':12s} {'runs':>5s} " + " ".join(f"{s:>9s}" for s in STATES) + f" {'pending':>8s}")
     rc = 0
@@ -185,13 +189,16 @@ def show_plan(names: Sequence[str], args: argparse.Namespace) -> int:
             print(f"{name:12s} runs its own loop, not planned (minutes: see its section)")
             continue
         try:
-            planned, note = framework.plan_study(study, opts)
+            planned, note = framework.plan_study(study, opts, by_spec)
         except StudyUnavailable as e:
             print(f"{name:12s} cannot run: {e}")
             rc = 2
             continue
-        mine = [p for p in planned if p.run.name not in seen]
+        mine = [p for p in planned if p.run.name not in seen
+                and not any(framework.covers(have, p.spec[1]) for have in seen_specs.get(p.spec[0], []))]
         seen.update(p.run.name for p in planned)
+        for p in planned:
+            seen_specs.setdefault(p.spec[0], []).append(p.spec[1])
         every += mine
         counts = [sum(p.state == s for p in mine) for s in STATES]
         pending = sum(p.state.startswith("pending") for p in mine)
@@ -204,7 +211,9 @@ def show_plan(names: Sequence[str], args: argparse.Namespace) -> int:
         if note:
             print(f"{'':12s} note: {note}")
     left = [p for p in every if p.left]
-    minutes, how = framework.minutes_left(every)
+    st = framework.SETTINGS.get(opts.setting)
+    ref = framework.stored_walls(replace(opts, setting=st.lr_from).store_dir()) if st and st.lr_from else None
+    minutes, how = framework.minutes_left(every, ref, st.lr_from if st else "")
     print(f"left: {len(left)} of {len(every)} run(s)"
           + (f", about {minutes / 60:.1f} h on this machine ({how})" if minutes is not None and left else
              f" ({how})" if left else ""))
@@ -212,6 +221,8 @@ def show_plan(names: Sequence[str], args: argparse.Namespace) -> int:
     if whole is not None:
         print(f"cost: {done} finished run(s) recorded {recorded:.1f} h of wall time (a resumed run records only its "
               f"last launch); the whole plan, every run once at its geometry's median, about {whole:.1f} h")
+    if every and not opts.quick:
+        print(framework.corpus_line(every, opts))
     return rc
 
 

@@ -120,6 +120,8 @@ class Setting:
     quick: tuple[str, ...] = ()
     evals: int = 0          # full scale: evaluations per run (0: the scale's, every tenth of the run) ...
     eval_steps: int = 0     # ... of this many global batches (0: the scale's)
+    steps: int = 0          # full scale: the steps of every study's runs (0: each study's own)
+    lr_from: str = ""       # --lr from-sweep reads this setting's sweep ("": its own); same overrides required
 
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
@@ -140,6 +142,14 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
                                       "step read adjacent chunks of one document; superseded)",
             full=("model.preset=study", "data.dataset=data/prose"), quick=("data.dataset=data/prose",),
             evals=3, eval_steps=64),
+    # the verdicts that are claims about longer training (1-bit Adam's divergence, Fig. 20; Dion's error feedback
+    # at low rank, Dion §4.1) at 4x study-prose's 300 steps, each arm at study-prose's swept lr (its best values
+    # lay inside their grids at 300 steps; re-sweep only if a best sits at an edge at this length)
+    Setting("study-prose-1200", "as study-prose, 1,200 steps per run (4x), evaluated every 200 steps; each arm at "
+                                "study-prose's swept lr (--lr from-sweep reads study-prose's sweep)",
+            full=("model.preset=study", "data.dataset=data/prose", "data.order=shuffled"),
+            quick=("data.dataset=data/prose", "data.order=shuffled"),
+            evals=6, eval_steps=64, steps=1200, lr_from="study-prose"),
 )}
 
 
@@ -285,6 +295,7 @@ class RunResult:
     source: str = "trained"          # a store entry's origin: trained, or imported (losses only)
     machine: dict | None = None      # the host it trained on (stored runs: as the entry recorded it, if it did)
     tokens: dict | None = None       # {"read", "available"} training tokens (token_budget); None: not recorded
+    same_as: str = ""                # read from the store entry of another name with the same spec (stored_specs)
 
     @property
     def ok(self) -> bool:
@@ -349,6 +360,53 @@ def load_stored(store: Path | None, name: str) -> dict | None:
         return None
 
 
+def spec_key(spec: dict) -> tuple[str, int]:
+    """(what a run trains, its diag.every): the run's config resolved by this build (load_config of its
+    config file and overrides, so two override lists that say the same thing in other words match), without
+    where it writes and how often it diagnoses, with its world size; and its diagnostics interval. Two runs
+    with equal first parts train the same steps from the same seed: diagnostics read the state and change
+    nothing (the compressors' Dion run, diagnosed every 10 steps, and dion_ef's rank-1/4 run, never, ended
+    bit-identical at all three seeds). A spec this build cannot resolve is its own key."""
+    from trainer.config import ConfigError, load_config
+
+    try:
+        cfg = asdict(load_config(ROOT / spec["config"], list(spec["overrides"])))
+    except (ConfigError, OSError, KeyError, TypeError):
+        return json.dumps(spec, sort_keys=True), -1
+    every = int(cfg["diag"].pop("every"))
+    for k in ("out_dir", "resume"):
+        cfg["train"].pop(k, None)
+    return json.dumps({"config": cfg, "nproc": spec.get("nproc")}, sort_keys=True, default=str), every
+
+
+def covers(have_diag: int, want_diag: int) -> bool:
+    """A run diagnosed every `have_diag` steps serves a study that wants `want_diag` (0: none)."""
+    return want_diag == 0 or have_diag == want_diag
+
+
+def stored_specs(store: Path | None) -> dict[str, list[tuple[str, int]]]:
+    """spec_key's first part -> [(name, diag.every)] of the store entries that trained it (sorted by name), so
+    that a run two studies list under different names trains once: the second is read from the first's
+    entry (`ensure_run`'s by_spec) where its diagnostics cover the second's (`covers`). Reads every entry
+    once (seconds for a hundred runs); a study builds it once per execution or plan."""
+    out: dict[str, list[tuple[str, int]]] = {}
+    if store is None or not store.is_dir():
+        return out
+    for f in sorted(store.glob("*.json.gz")):
+        name = f.name[:-len(".json.gz")]
+        entry = load_stored(store, name)
+        if entry is not None and entry.get("spec") is not None:
+            key, every = spec_key(entry["spec"])
+            out.setdefault(key, []).append((name, every))
+    return out
+
+
+def same_run_stored(by_spec: dict[str, list[tuple[str, int]]], spec: dict, name: str) -> str | None:
+    """The name of a stored run of another name that serves `spec` (same training, diagnostics covered)."""
+    key, every = spec_key(spec)
+    return next((n for n, have in by_spec.get(key, []) if n != name and covers(have, every)), None)
+
+
 def save_stored(store: Path, res: RunResult, spec: dict, extras: dict | None = None) -> Path | None:
     """Keep a finished run in the store (spec, config, records, load, wall time, extras); returns the
     file when it was (re)written, None when the entry already held the same."""
@@ -396,10 +454,12 @@ def import_raw_records(runs_jsonl: Path, store: Path) -> list[str]:
 
 def ensure_run(run: Run, scale: Scale, work: Path, *, restart: bool = False, report_only: bool = False,
                available: Callable[[str], bool] = optimizer_available, echo: Callable[[str], None] = print,
-               store: Path | None = None) -> RunResult:
+               store: Path | None = None, by_spec: dict[str, list[tuple[str, int]]] | None = None) -> RunResult:
     """Reuse, resume or (re)start one run; return what its run directory (or the store) holds afterwards.
-    Order: a finished run directory of the same spec; else the store's entry of the same spec; else
-    launch (resume from the run directory's checkpoint when it has one). --restart skips both."""
+    Order: a finished run directory of the same spec; else the store's entry of the same name and spec;
+    else, with `by_spec` (stored_specs), the store's entry of another name with the same spec (a run two
+    studies share under different names); else launch (resume from the run directory's checkpoint when
+    it has one). --restart skips the reuse."""
     run_dir = (work / "runs" / run.name).resolve()
     missing = [n for n in run.requires if not available(n)]
     if missing:
@@ -412,6 +472,11 @@ def ensure_run(run: Run, scale: Scale, work: Path, *, restart: bool = False, rep
     entry = None if restart else load_stored(store, run.name)
     if entry is not None and entry["spec"] != spec:
         entry = None  # another run of the same name
+    same_as = ""
+    if entry is None and by_spec and not restart and not (same and is_finished(run_dir)):
+        other = same_run_stored(by_spec, spec, run.name)
+        entry = load_stored(store, other) if other is not None else None
+        same_as = other if entry is not None else ""
     if same and is_finished(run_dir) and not restart:
         res.status, res.how = "reused", "reused"
         # the tokens counted at its launch (a --report-only summary counts none) come from its store entry, so
@@ -421,7 +486,7 @@ def ensure_run(run: Run, scale: Scale, work: Path, *, restart: bool = False, rep
         return RunResult(run, "reused", run_dir, records=entry["records"], config=entry["config"],
                          wall_s=entry["wall_s"], load_before=entry["load_before"], load_after=entry["load_after"],
                          how="stored", extras=entry.get("extras") or {}, source=entry.get("source", "trained"),
-                         machine=entry.get("machine"), tokens=entry.get("tokens"))
+                         machine=entry.get("machine"), tokens=entry.get("tokens"), same_as=same_as)
     elif report_only:
         res.status = f"{NOT_RUN} (--report-only)"
         return res
@@ -568,7 +633,9 @@ BEST_LR_FILE = "lr_sweep_best.json"   # written by the lr_sweep study into the s
 def read_best_lr(opts: Options, scale: Scale) -> dict:
     """The lr sweep's best value per arm for this setting: {arm: {"key", "value", ...}}. Refuses a sweep run
     on another setting (other model / corpus / batch overrides) or a missing one."""
-    path = opts.results_dir() / BEST_LR_FILE
+    st = SETTINGS.get(opts.setting)
+    src = replace(opts, setting=st.lr_from) if st is not None and st.lr_from and opts.out is None else opts
+    path = src.results_dir() / BEST_LR_FILE
     if not path.is_file():
         raise StudyUnavailable(f"--lr {FROM_SWEEP}: {path} does not exist; run `python -m bench.reproduce lr_sweep` "
                                "with the same --setting / --set / --out first")
@@ -838,12 +905,13 @@ class Study:
         s = self.quick if opts.quick else self.full
         if s is None:
             raise StudyUnavailable(f"study {self.name} has no {'quick' if opts.quick else 'full'} setting")
-        if opts.steps:
-            s = replace(s, steps=opts.steps, eval_every=0 if s.quick else max(1, opts.steps // 10),
-                        ckpt_every=0 if s.quick else max(1, opts.steps // 4))
+        st = SETTINGS.get(opts.setting)
+        steps = opts.steps or (st.steps if st is not None and not s.quick else 0)
+        if steps:
+            s = replace(s, steps=steps, eval_every=0 if s.quick else max(1, steps // 10),
+                        ckpt_every=0 if s.quick else max(1, steps // 4))
         if opts.nproc:
             s = replace(s, nproc=opts.nproc)
-        st = SETTINGS.get(opts.setting)
         if st is not None and not s.quick:
             if st.evals:
                 s = replace(s, eval_every=max(1, s.steps // st.evals))
@@ -883,12 +951,15 @@ class Study:
         # every run's training tokens against the corpus, before a round of runs launches (a summary of stored
         # runs needs no corpus): a run that would read a token twice refuses the whole study
         results: list[RunResult] = []
+        by_spec = stored_specs(store)
         while runs:
             tokens = {} if opts.report_only else {run.name: token_budget(run, scale, opts.allow_repeat) for run in runs
                                                   if all(map(optimizer_available, run.requires))}  # else pending
             for run in runs:
                 r = ensure_run(run, scale, work, restart=opts.restart, report_only=opts.report_only, echo=echo,
-                               store=store)
+                               store=store, by_spec=by_spec)
+                if r.same_as:
+                    echo(f"[{run.name}] the same run as the stored {r.same_as} (same spec): not trained again")
                 if r.how != "stored" and run.name in tokens:
                     r.tokens = tokens[run.name]
                 # keep every finished run (trained now or earlier) beyond its run directory, as soon as it is
@@ -896,6 +967,8 @@ class Study:
                 if r.ok and r.how != "stored":
                     r.extras = self.extras(r) if self.extras else {}
                     save_stored(store, r, run_spec(r.run, scale), r.extras)
+                    key, every = spec_key(run_spec(r.run, scale))
+                    by_spec.setdefault(key, []).append((r.run.name, every))
                 results.append(r)
             listed = {r.run.name for r in results}
             more = self.extend(results, scale, seeds, opts) if self.extend else []
@@ -934,13 +1007,15 @@ class Planned:
     steps: int
     state: str                  # stored | finished | resumable | to train | pending: ...
     wall_s: float | None = None  # a finished run's wall time
+    spec: tuple[str, int] = ("", 0)  # spec_key of the run: two studies' runs with one training are one run
 
     @property
     def left(self) -> bool:
         return self.state in ("resumable", "to train")
 
 
-def plan_study(study: "Study", opts: Options) -> tuple[list[Planned], str]:
+def plan_study(study: "Study", opts: Options, by_spec: dict[str, list[tuple[str, int]]] | None = None
+               ) -> tuple[list[Planned], str]:
     """Every run `study` would run with `opts` and its state, launching nothing and writing nothing (the runs
     an extend hook adds are listed as the finished ones decide them now); plus a note ("" or why the list is
     provisional: --lr from-sweep before the sweep has finished names the runs by their lr only then)."""
@@ -960,7 +1035,7 @@ def plan_study(study: "Study", opts: Options) -> tuple[list[Planned], str]:
     results: list[RunResult] = []
     while runs:
         for run in runs:
-            r = ensure_run(run, scale, work, report_only=True, echo=lambda s: None, store=store)
+            r = ensure_run(run, scale, work, report_only=True, echo=lambda s: None, store=store, by_spec=by_spec)
             if r.ok:
                 state = "stored" if r.how == "stored" else "finished"
             elif r.status.startswith("pending"):
@@ -970,10 +1045,51 @@ def plan_study(study: "Study", opts: Options) -> tuple[list[Planned], str]:
                 same = stored_spec(run_dir) == run_spec(run, scale)
                 state = "resumable" if same and has_checkpoint(run_dir) else "to train"
             results.append(r)
-            out.append(Planned(study.name, run, scale.steps, state, r.wall_s if r.ok else None))
+            out.append(Planned(study.name, run, scale.steps, state, r.wall_s if r.ok else None,
+                               spec_key(run_spec(run, scale))))
         listed = {r.run.name for r in results}
         runs = [r for r in (study.extend(results, scale, seeds, opts) if study.extend else []) if r.name not in listed]
     return out, note
+
+
+def _recorded_available(opts: Options, dataset: str) -> int | None:
+    """The training tokens of `dataset` as a stored run of this setting (or of the setting its lr comes from)
+    counted them at launch; None when no stored run did."""
+    st = SETTINGS.get(opts.setting)
+    stores = [opts.store_dir()] + ([replace(opts, setting=st.lr_from).store_dir()] if st and st.lr_from else [])
+    for store in stores:
+        for f in sorted(store.glob("*.json.gz")) if store.is_dir() else []:
+            entry = load_stored(store, f.name[:-len(".json.gz")]) or {}
+            if entry.get("tokens") and ((entry.get("config") or {}).get("data") or {}).get("dataset") == dataset:
+                return int(entry["tokens"]["available"])
+    return None
+
+
+def corpus_line(planned: Sequence[Planned], opts: Options) -> str:
+    """The plan's largest reader of training tokens against the corpus (--plan): through token_budget where
+    the corpus is prepared on this machine (its no-repeat check included), else against the corpus size a
+    stored run recorded (the check itself runs again before every launch)."""
+    p = max(planned, key=lambda q: q.steps * q.run.nproc)
+    scale = STUDIES[p.study].scale(opts)
+    what = f"the largest reader ({p.run.name}, {p.steps} steps at {p.run.nproc} ranks)"
+    try:
+        t, how = token_budget(p.run, scale), "the corpus on this machine; no token read twice"
+    except StudyUnavailable as e:
+        if "twice" in str(e):
+            return f"corpus: {what} would repeat tokens: {e}"
+        from data.loader import train_tokens_read
+
+        cfg = run_config(p.run, scale)
+        d = cfg.data
+        avail = _recorded_available(opts, d.dataset)
+        if avail is None:
+            return f"corpus: not checked ({e})"
+        t = {"read": train_tokens_read(d.batch_size, d.seq_len, p.run.nproc, cfg.train.max_steps, d.grad_accum),
+             "available": avail}
+        how = (f"{d.dataset} is not prepared here: its size as a stored run counted it; the no-repeat check runs "
+               "before every launch")
+    return (f"corpus: {what} reads {t['read']:,} of {t['available']:,} training tokens "
+            f"({100 * t['read'] / max(t['available'], 1):.1f} %; {how})")
 
 
 def _walls_by_geometry(planned: Sequence[Planned]) -> dict[tuple[int, int], list[float]]:
@@ -999,11 +1115,26 @@ def hours_spent(planned: Sequence[Planned], left_minutes: float | None) -> tuple
     return len(finished), sum(p.wall_s for p in finished) / 3600, at_median_s / 3600 + (left_minutes or 0.0) / 60
 
 
-def minutes_left(planned: Sequence[Planned]) -> tuple[float | None, str]:
+def stored_walls(store: Path) -> dict[tuple[int, int], list[float]]:
+    """The wall times of a store's trained runs by geometry (world size, steps)."""
+    out: dict[tuple[int, int], list[float]] = {}
+    for f in sorted(store.glob("*.json.gz")) if store.is_dir() else []:
+        e = load_stored(store, f.name[:-len(".json.gz")]) or {}
+        steps = ((e.get("config") or {}).get("train") or {}).get("max_steps")
+        if e.get("wall_s") and steps and e.get("source", "trained") == "trained":
+            out.setdefault((int(e["spec"]["nproc"]), int(steps)), []).append(float(e["wall_s"]))
+    return out
+
+
+def minutes_left(planned: Sequence[Planned], reference: dict[tuple[int, int], list[float]] | None = None,
+                 reference_name: str = "") -> tuple[float | None, str]:
     """Minutes to train the runs left: each at the median wall time of the finished runs of its geometry (world
     size, steps) in the plan, else the median of any geometry scaled by steps x world size (a rough guess; said
-    so). A resumable run counts whole."""
-    done = _walls_by_geometry(planned)
+    so). With no finished run in the plan, the same from `reference` (stored_walls of another setting's store,
+    `reference_name`). A resumable run counts whole."""
+    done, source = _walls_by_geometry(planned), "the finished runs"
+    if not done and reference:
+        done, source = reference, f"{reference_name}'s stored runs"
     if not done:
         return None, "no finished run to time"
     total, scaled = 0.0, 0
@@ -1017,9 +1148,10 @@ def minutes_left(planned: Sequence[Planned]) -> tuple[float | None, str]:
             (n, k), ws = max(done.items(), key=lambda kv: len(kv[1]))
             total += statistics.median(ws) * (p.run.nproc * p.steps) / (n * k)
             scaled += 1
-    how = "median wall time of the finished runs of the same world size and steps"
+    how = f"median wall time of {source} of the same world size and steps"
     if scaled:
-        how += f"; {scaled} run(s) of a geometry with none finished scaled by steps x world size (rough)"
+        how += (f"; {scaled} run(s) of a geometry with none finished: {source}' most common geometry's median scaled "
+                "by steps x world size (rough)")
     return total / 60, how
 
 

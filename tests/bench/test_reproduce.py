@@ -978,3 +978,115 @@ def test_the_prose_setting_judges_on_a_quarter_of_its_val_split():
     tiny = STUDIES["table2"].scale(Options())
     assert (tiny.eval_every, tiny.eval_steps) == (30, 8)
     assert STUDIES["table2"].scale(Options(setting="study-prose", quick=True)).eval_steps != 64  # tests stay quick
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 50: runs shared by spec, the longer-horizon setting, Table 2's added seeds
+
+
+def _dion_pair(o: Options):
+    """The compressors' Dion run and dion_ef's rank-1/4 error-feedback run, with their scales."""
+    comp, ef = STUDIES["compressors"], STUDIES["dion_ef"]
+    sc, se = comp.scale(o), ef.scale(o)
+    a = next(r for r in comp.build(sc, [1337], o) if r.label("optimizer") == "dion")
+    b = next(r for r in ef.build(se, [1337], o) if r.label("rank_fraction") == 0.25 and r.label("error_feedback"))
+    return (a, sc), (b, se)
+
+
+def test_the_compressors_dion_run_serves_dion_efs_rank_quarter_run(tmp_path, monkeypatch):
+    """Two names, override lists that differ in words (the preset's rank 1/4 and error feedback, stated or not)
+    and in diag.every (10 / 0): one training run. Stored under the compressors' name, it serves dion_ef without
+    a launch; a run without diagnostics does not serve one that wants them."""
+    (a, sa), (b, sb) = _dion_pair(Options(setting="study-prose"))
+    assert a.name != b.name and framework.run_spec(a, sa) != framework.run_spec(b, sb)
+    ka, kb = framework.spec_key(framework.run_spec(a, sa)), framework.spec_key(framework.run_spec(b, sb))
+    assert ka[0] == kb[0] and (ka[1], kb[1]) == (10, 0)
+    assert framework.covers(10, 0) and not framework.covers(0, 10)
+    # another rank is another run
+    other = next(r for r in STUDIES["dion_ef"].build(sb, [1337], Options(setting="study-prose"))
+                 if r.label("rank_fraction") == 0.0625 and r.label("error_feedback"))
+    assert framework.spec_key(framework.run_spec(other, sb))[0] != kb[0]
+
+    calls: list = []
+    monkeypatch.setattr(framework, "_launch", _fake_launch(calls))
+    store, quiet = tmp_path / "store", (lambda s: None)
+    first = ensure_run(a, sa, tmp_path / "w1", echo=quiet, store=store)
+    framework.save_stored(store, first, framework.run_spec(a, sa))
+    assert calls == ["never"]
+    served = ensure_run(b, sb, tmp_path / "w2", echo=quiet, store=store, by_spec=framework.stored_specs(store))
+    assert (served.status, served.how, served.same_as, calls) == ("reused", "stored", a.name, ["never"])
+    assert served.final("val_loss") == 1.0 and served.run.name == b.name
+    # without the index (or with --restart) it trains
+    assert ensure_run(b, sb, tmp_path / "w3", echo=quiet, store=store).how == "fresh" and len(calls) == 2
+
+    # the other way round: dion_ef's run (no diagnostics) stored, the compressors' run trains
+    store2 = tmp_path / "store2"
+    r = ensure_run(b, sb, tmp_path / "w4", echo=quiet, store=store2)
+    framework.save_stored(store2, r, framework.run_spec(b, sb))
+    again = ensure_run(a, sa, tmp_path / "w5", echo=quiet, store=store2, by_spec=framework.stored_specs(store2))
+    assert again.how == "fresh" and not again.same_as and len(calls) == 4
+
+
+def test_a_study_trains_a_run_another_study_stored_under_another_name_once(tmp_path, monkeypatch):
+    """The compressors' Dion run stored, then dion_ef at the same setting: its plan lists the shared run as
+    stored, and its execution (the spec index) trains every run but that one."""
+    calls: list = []
+    monkeypatch.setattr(framework, "_launch", _fake_launch(calls))
+    (a, sa), (b, sb) = _dion_pair(Options(setting="study-prose"))
+    store = tmp_path / "results" / "store"
+    r = ensure_run(a, sa, tmp_path / "work" / "compressors", echo=lambda s: None, store=store)
+    framework.save_stored(store, r, framework.run_spec(a, sa))
+    o = Options(setting="study-prose", out=tmp_path / "results", work=tmp_path / "work", seeds=[1337])
+    planned, _ = framework.plan_study(STUDIES["dion_ef"], o, framework.stored_specs(store))
+    state = {p.run.name: p.state for p in planned}
+    assert state[b.name] == "stored" and sum(s == "to train" for s in state.values()) == len(state) - 1
+    monkeypatch.setattr(framework, "token_budget", lambda run, scale, allow=False: {"read": 1, "available": 2})
+    echoed: list = []
+    STUDIES["dion_ef"].execute(o, echo=echoed.append)
+    assert len(calls) == 1 + len(state) - 1  # every dion_ef run but the shared one trained
+    assert any(f"the same run as the stored {a.name}" in line for line in echoed)
+
+
+def test_longer_horizon_setting_runs_4x_the_steps_at_study_proses_swept_lr():
+    o = Options(setting="study-prose-1200", lr=framework.FROM_SWEEP)
+    base = Options(setting="study-prose", lr=framework.FROM_SWEEP)
+    h = STUDIES["horizon"]
+    sc, sb = h.scale(o), h.scale(base)
+    assert (sc.steps, sc.eval_every, sc.ckpt_every, sc.eval_steps) == (1200, 200, 300, 64) and sb.steps == 300
+    assert sc.overrides == sb.overrides  # the model, corpus and batch of study-prose: its sweep applies
+    assert h.scale(Options(setting="study-prose-1200", steps=40)).steps == 40  # --steps still wins
+    runs = h.runs(sc, studies.FULL_SEEDS, o)
+    arms = {r.label("arm") for r in runs}
+    assert arms == {a for a, _ in studies.HORIZON_ARMS} and len(runs) == 3 * len(arms)
+    best = json.loads((Options(setting="study-prose").results_dir() / framework.BEST_LR_FILE).read_text())["best"]
+    lr = {r.label("arm"): [x for x in r.overrides if x.startswith(("optim.lr=", "optim.matrix_lr="))][-1] for r in runs}
+    assert lr["onebit_adam"] == f"optim.lr={best['onebit_adam']['value']:g}"
+    assert lr["dion_r0.0625_ef0"] == f"optim.matrix_lr={best['dion']['value']:g}"
+    assert lr["8bit_l1"] == f"optim.lr={best['lioncub_8bit_l1']['value']:g}"
+    onebit = next(r for r in runs if r.label("arm") == "onebit_adam")
+    assert "optim.freeze_step=180" in onebit.overrides  # 15 % of this run
+    # the runs are the owning studies' runs: at study-prose the store serves every one of them
+    sb_runs = h.runs(sb, studies.FULL_SEEDS, base)
+    by_spec = framework.stored_specs(base.store_dir())
+    assert all(framework.same_run_stored(by_spec, framework.run_spec(r, sb), r.name) for r in sb_runs)
+    # the corpus at 1,200 steps: read once at most (the plan's line, from the size a stored run counted)
+    planned = [framework.Planned("horizon", r, sc.steps, "to train") for r in runs]
+    line = framework.corpus_line(planned, o)
+    read = 1200 * 4 * 4 * 128 + 1
+    assert f"reads {read:,} of " in line and "(9.3 %" in line, line
+
+
+def test_table2_adds_two_seeds_to_the_arms_it_compares():
+    o = Options(setting="study-prose")
+    t2 = STUDIES["table2"]
+    runs = t2.build(t2.scale(o), studies.FULL_SEEDS, o)
+    seeds = {}
+    for r in runs:
+        seeds.setdefault(r.label("arm"), []).append(r.seed)
+    five = [*studies.FULL_SEEDS, *studies.TABLE2_ADDED_SEEDS]
+    assert {a: s for a, s in seeds.items() if a in studies.TABLE2_FIVE_SEEDS} == {a: five for a in studies.TABLE2_FIVE_SEEDS}
+    assert seeds["8bit_linf"] == studies.FULL_SEEDS
+    # explicit --seeds and the committed tiny-builtin setting keep their seeds
+    assert {r.seed for r in t2.build(t2.scale(o), [7], Options(setting="study-prose", seeds=[7]))} == {7}
+    legacy = Options()
+    assert {r.seed for r in t2.build(t2.scale(legacy), studies.FULL_SEEDS, legacy)} == set(studies.FULL_SEEDS)
