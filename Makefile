@@ -83,9 +83,10 @@ test: install
 train: install
 	OMP_NUM_THREADS=1 $(PY) -m launch.torchrun --standalone --nproc_per_node=$(NPROC) train.py $(CONFIG) $(ARGS)
 
-# On a machine with a CUDA GPU: the CUDA-only tests, gpt2-124m on one GPU (bf16, torch.compile, compiled
-# kernels: tokens/s, MFU, peak memory, step breakdown), the packing kernels at 25M/250M, Lion Cub's
-# device memory against Lion's. Reports in bench/out/gpu_check/; launch/gpu_check.sh says more.
+# On a machine with a CUDA GPU, within 400 s: the CUDA-only tests, gpt2-124m on one GPU (bf16, torch.compile,
+# comm.kernels=auto: tokens/s, MFU, Lion's fused step vs AdamW's), 2 and 4 ranks time-sharing the GPU through
+# every variant, a sharded run resumed from DCP. PASS/FAIL per stage; the report in $OUT/gc when OUT is set,
+# else bench/out/gpu_check/; launch/gpu_check.sh says more.
 gpu-check: install
 	bash launch/gpu_check.sh
 
