@@ -1,6 +1,7 @@
 """Evaluation during training: validation loss on the dataset's val split and, when a file is
 configured (`train.mc_eval_file`), multiple-choice accuracy by completion log-likelihood on
-HellaSwag-format items (eval.py), each rank scoring its share of the items."""
+HellaSwag-format items, each rank scoring its share of the items; the rules are trainer/scoring.py's
+(the same `python -m eval` uses)."""
 from __future__ import annotations
 
 import contextlib
@@ -10,6 +11,7 @@ import torch
 
 from data.loader import val_batch_count, val_batches
 
+from . import scoring
 from .config import ConfigError
 from .dist import DistInfo, mean_over_ranks
 
@@ -27,25 +29,22 @@ class Evaluator:
         self.steps = min(cfg.train.eval_steps, available)  # never reuse val tokens within one eval
         self.mc_items, self.encode = None, None
         if cfg.train.mc_eval_file:
-            import eval as mc_eval
             from data import dataset_tokenizer
             from data.tokenizer import get_encoding
 
             try:
-                self.mc_items = mc_eval.load_mc_file(cfg.train.mc_eval_file, cfg.train.mc_eval_items or None)
-            except (mc_eval.MCFormatError, OSError) as e:
+                self.mc_items = scoring.load_mc_file(cfg.train.mc_eval_file, cfg.train.mc_eval_items or None)
+            except (scoring.MCFormatError, OSError) as e:
                 raise ConfigError(f"train.mc_eval_file: {e}") from None
             self.encode = get_encoding(dataset_tokenizer(cfg.data.dataset)).encode_ordinary
 
     @torch.no_grad()
     def val_loss(self, model, forward) -> float:
-        import eval as evaluation
-
         model.eval()
         d = self.cfg.data
         batches = val_batches(self.data_dir, d.batch_size, d.seq_len, self.info.rank, self.info.world_size,
                               self.steps, vocab_size=self.vocab_size, order=d.order)
-        loss, _ = evaluation.mean_batch_loss(forward, batches, self.info.device, self.autocast)
+        loss, _ = scoring.mean_batch_loss(forward, batches, self.info.device, self.autocast)
         return mean_over_ranks([loss], self.info.device)[0]
 
     @torch.no_grad()
@@ -53,10 +52,8 @@ class Evaluator:
         """{mc_acc, mc_acc_norm, mc_acc_per_token, mc_items} over all ranks ({} without a file)."""
         if not self.mc_items:
             return {}
-        import eval as mc_eval
-
         with self.autocast:
-            r = mc_eval.multiple_choice(model, self.mc_items, self.encode, self.info.device,
+            r = scoring.multiple_choice(model, self.mc_items, self.encode, self.info.device,
                                         rank=self.info.rank, world_size=self.info.world_size)
         ws = self.info.world_size
         n, c, cn, ct = (x * ws for x in mean_over_ranks(
