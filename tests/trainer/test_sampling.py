@@ -1,5 +1,6 @@
-"""Generation: the KV cache reproduces full forward passes, sampling is seeded and never emits
-padded ids, and `python -m sample` decodes the same tokens from a run, a checkpoint and an export."""
+"""Generation (trainer/sampling.py and its command `python -m sample`): the KV cache reproduces full
+forward passes, sampling is seeded and never emits padded ids, and `python -m sample` decodes the
+same tokens from a run, a checkpoint and an export."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 import sample
+from trainer import sampling
 from model import get_preset, sample_next
 from tests.model.test_export import make_run, trained_like
 
@@ -78,8 +80,8 @@ def test_cli_from_run_checkpoint_and_export_agree(tmp_path: Path, capsys) -> Non
     run = make_run(tmp_path / "run", tie=False)
     assert export_main([str(run), "--out", str(tmp_path / "hf")]) == 0
     capsys.readouterr()
-    model, codec, _ = sample.load(run, "cpu")
-    ids = sample.generate_ids(model, codec, "The meaning of", max_new_tokens=12, temperature=0)[0]
+    model, codec, _ = sampling.load(run, "cpu")
+    ids = sampling.generate_ids(model, codec, "The meaning of", max_new_tokens=12, temperature=0)[0]
     ref = model.generate(torch.tensor([codec.encode("The meaning of")]), 12, temperature=0, use_cache=False,
                          vocab_limit=50257)[0, -12:].tolist()
     if 50256 in ref:
@@ -113,11 +115,11 @@ def test_top_p_keeps_the_smallest_nucleus() -> None:
 
 def test_cli_top_p(tmp_path: Path, capsys) -> None:
     run = make_run(tmp_path / "run", tie=True)
-    model, codec, _ = sample.load(run, "cpu")
+    model, codec, _ = sampling.load(run, "cpu")
     # a nucleus too small for a second token is greedy decoding
-    greedy = sample.generate_ids(model, codec, "Once", max_new_tokens=8, temperature=0)[0]
-    assert sample.generate_ids(model, codec, "Once", max_new_tokens=8, temperature=1.0, top_p=1e-6)[0] == greedy
-    wide = {tuple(sample.generate_ids(model, codec, "Once", max_new_tokens=8, temperature=1.0, top_p=0.9,
+    greedy = sampling.generate_ids(model, codec, "Once", max_new_tokens=8, temperature=0)[0]
+    assert sampling.generate_ids(model, codec, "Once", max_new_tokens=8, temperature=1.0, top_p=1e-6)[0] == greedy
+    wide = {tuple(sampling.generate_ids(model, codec, "Once", max_new_tokens=8, temperature=1.0, top_p=0.9,
                                       seed=s)[0]) for s in range(4)}
     assert len(wide) > 1
     assert sample.main([str(run), "--prompt", "Once", "--max-new-tokens", "4", "--top-p", "0.9", "--device",

@@ -1,5 +1,6 @@
-"""python -m eval: multiple-choice accuracy against a hand computation, the HellaSwag file format
-and its errors, batched scoring against one-sequence scoring, and validation loss."""
+"""trainer/scoring.py and its command `python -m eval`: multiple-choice accuracy against a hand
+computation, the HellaSwag file format and its errors, batched scoring against one-sequence scoring,
+and validation loss."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import eval as ev
+from trainer import scoring
 from data.shards import shard_name, write_shard
 from model import GPT, get_preset
 
@@ -33,8 +35,8 @@ ROWS = {
     "qc": {"longword": -4.0, "s": -1.5},  # item C: " longword" vs " s t"
     "s": {"t": -1.5},
 }
-HAND_ITEMS = [ev.MCItem("qa", ["a", "b c"], 1), ev.MCItem("qb", ["x", "y z w"], 1),
-              ev.MCItem("qc", ["longword", "s t"], 0)]
+HAND_ITEMS = [scoring.MCItem("qa", ["a", "b c"], 1), scoring.MCItem("qb", ["x", "y z w"], 1),
+              scoring.MCItem("qc", ["longword", "s t"], 0)]
 WORDS = ["<filler>"] + sorted({w for row in ROWS for w in [row, *ROWS[row]]})
 ID = {w: i for i, w in enumerate(WORDS)}
 
@@ -59,7 +61,7 @@ class BigramStub(nn.Module):
         return self.table[idx]
 
 
-def hand_accuracy(items: list[ev.MCItem]) -> dict:
+def hand_accuracy(items: list[scoring.MCItem]) -> dict:
     """Score every ending by adding up ROWS by hand: sum, per byte of the ending, per word."""
     right = {"acc": 0, "acc_norm": 0, "acc_per_token": 0}
     for it in items:
@@ -79,7 +81,7 @@ def test_multiple_choice_matches_the_hand_computation() -> None:
     expected = hand_accuracy(HAND_ITEMS)
     # the three scores disagree on these items, so a mix-up between them would show
     assert len({expected["acc"], expected["acc_norm"], expected["acc_per_token"]}) == 3
-    got = ev.multiple_choice(BigramStub(), HAND_ITEMS, encode_words, "cpu", batch_size=1)
+    got = scoring.multiple_choice(BigramStub(), HAND_ITEMS, encode_words, "cpu", batch_size=1)
     assert got["n"] == 3
     for key in expected:
         assert got[key] == pytest.approx(expected[key])
@@ -88,8 +90,8 @@ def test_multiple_choice_matches_the_hand_computation() -> None:
 
 def test_ranks_split_the_items_and_their_counts_add_up() -> None:
     items = HAND_ITEMS * 3
-    whole = ev.multiple_choice(BigramStub(), items, encode_words, batch_size=4)
-    parts = [ev.multiple_choice(BigramStub(), items, encode_words, batch_size=4, rank=r, world_size=2) for r in (0, 1)]
+    whole = scoring.multiple_choice(BigramStub(), items, encode_words, batch_size=4)
+    parts = [scoring.multiple_choice(BigramStub(), items, encode_words, batch_size=4, rank=r, world_size=2) for r in (0, 1)]
     assert [p["n"] for p in parts] == [5, 4]
     for key in ("n", "correct", "correct_norm", "correct_per_token"):
         assert sum(p[key] for p in parts) == whole[key]
@@ -98,16 +100,16 @@ def test_ranks_split_the_items_and_their_counts_add_up() -> None:
 # ----------------------------------------------------------------------------- the file format
 
 def test_fixture_loads_both_layouts() -> None:
-    items = ev.load_mc_file(FIXTURE)
+    items = scoring.load_mc_file(FIXTURE)
     raw = [json.loads(line) for line in FIXTURE.read_text().splitlines()]
     assert len(items) == len(raw) == 4
     assert items[0].ctx == raw[0]["ctx"]  # ctx wins when both layouts are present
     assert items[1].ctx == raw[1]["ctx_a"]  # empty ctx_b: the context is ctx_a alone
     assert items[3].label == 0 and isinstance(items[3].label, int)  # "0" read as an index
     assert [len(i.endings) for i in items] == [4, 4, 3, 4]
-    assert len(ev.load_mc_file(FIXTURE, limit=2)) == 2
+    assert len(scoring.load_mc_file(FIXTURE, limit=2)) == 2
     # HellaSwag's definition of ctx from its parts
-    item = ev._item_from({"ctx_a": "A man sits.", "ctx_b": "he", "endings": ["a", "b"], "label": 1}, "x")
+    item = scoring.item_from({"ctx_a": "A man sits.", "ctx_b": "he", "endings": ["a", "b"], "label": 1}, "x")
     assert item.ctx == "A man sits. He"
 
 
@@ -122,13 +124,13 @@ def test_fixture_loads_both_layouts() -> None:
 def test_wrong_format_names_the_line_and_field(tmp_path: Path, line: str, message: str) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text('{"ctx": "ok", "endings": ["a", "b"], "label": 0}\n' + line + "\n")
-    with pytest.raises(ev.MCFormatError, match=message):
-        ev.load_mc_file(path)
+    with pytest.raises(scoring.MCFormatError, match=message):
+        scoring.load_mc_file(path)
 
 
 def test_missing_file_says_where_to_get_hellaswag(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="hellaswag_val.jsonl.*rowanz/hellaswag"):
-        ev.load_mc_file(tmp_path / "nope.jsonl")
+        scoring.load_mc_file(tmp_path / "nope.jsonl")
 
 
 # ----------------------------------------------------------------------------- a real model
@@ -138,7 +140,7 @@ def test_batched_scores_equal_one_sequence_at_a_time() -> None:
     model = GPT(get_preset("debug", block_size=24)).eval()
     ctx = torch.randint(0, 50257, (9,)).tolist()
     endings = [torch.randint(0, 50257, (n,)).tolist() for n in (1, 4, 7, 20)]  # the last one overflows the block
-    got = ev.ending_logprobs(model, ctx, endings, "cpu", batch_size=3)
+    got = scoring.ending_logprobs(model, ctx, endings, "cpu", batch_size=3)
     for (ll, n), end in zip(got, endings):
         seq = (ctx + end)[-24:]
         keep = min(len(end), len(seq) - 1)
@@ -161,7 +163,7 @@ def test_val_loss_equals_cross_entropy_over_the_val_stream(tmp_path: Path) -> No
     torch.manual_seed(0)
     model = GPT(get_preset("debug", block_size=32))
     tokens = torch.from_numpy(make_val_data(tmp_path / "d", 3 * 2 * 16 + 5).astype(np.int64))
-    res = ev.val_loss(model, tmp_path / "d", batch_size=2, seq_len=16)
+    res = scoring.val_loss(model, tmp_path / "d", batch_size=2, seq_len=16)
     assert res["batches"] == 3 and res["tokens"] == 96
     losses = []
     with torch.no_grad():
@@ -206,10 +208,10 @@ def test_cli_val_reads_the_batches_of_the_runs_own_data_order(tmp_path: Path, ca
         assert ev.main(args + list(extra)) == 0
         return json.loads(capsys.readouterr().out)
 
-    from sample import load
+    from trainer.sampling import load
 
     model = load(run, "cpu")[0]
-    want = {o: ev.val_loss(model, tmp_path / "d", 2, 32, 3, order=o)["loss"] for o in ("sequential", "shuffled")}
+    want = {o: scoring.val_loss(model, tmp_path / "d", 2, 32, 3, order=o)["loss"] for o in ("sequential", "shuffled")}
     assert want["sequential"] != pytest.approx(want["shuffled"], rel=1e-6)  # the two orders read other text
     seq, shuf = cli("--order", "sequential"), cli("--order", "shuffled")
     assert (seq["order"], shuf["order"]) == ("sequential", "shuffled")
