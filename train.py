@@ -25,6 +25,7 @@ os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
 # prints it first and the launcher's teardown cannot swallow the only copy (torchrun kills the
 # survivors when one rank exits: a rank that exited silently first used to leave no message).
 SECOND_REPORT_S = 3.0
+LAUNCHER_ENV = "LIONCUB_LAUNCHER"  # set by launch.torchrun for its ranks
 
 
 def report(e: BaseException, rank: int, shared: bool) -> None:
@@ -35,6 +36,11 @@ def report(e: BaseException, rank: int, shared: bool) -> None:
         time.sleep(SECOND_REPORT_S)
     where = "" if shared else f" (rank {rank})"
     print(f"error{where}: {e}", file=sys.stderr, flush=True)
+    if rank == 0 and os.environ.get("TORCHELASTIC_RUN_ID") and not os.environ.get(LAUNCHER_ENV):
+        # plain torchrun follows any failed rank with its own ChildFailedError traceback and exit code 1
+        print("(torchrun's ChildFailedError report that follows is the launcher's own; `python -m launch.torchrun` "
+              "takes the same options, checks the config before starting the ranks and exits with the rank's code)",
+              file=sys.stderr, flush=True)
 
 
 # what a collective raises when a peer process has exited (gloo, NCCL)

@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     # torchrun's per-process lines ("failed (exitcode: 2) local_rank: 0 ...", "Sending process N closing
     # signal SIGTERM") would repeat what the rank said; the failure is summarised below instead
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    os.environ["LIONCUB_LAUNCHER"] = "launch.torchrun"  # the ranks' train.py: no hint about plain torchrun
     try:
         run(args)
     except ChildFailedError as e:

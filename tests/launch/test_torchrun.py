@@ -41,4 +41,14 @@ def test_an_error_a_rank_finds_keeps_its_exit_code_without_a_traceback(tmp_path)
     assert "Traceback" not in p.stderr and "ChildFailedError" not in p.stderr, p.stderr[-3000:]
     assert f"run directory {run} already exists and is not empty" in p.stderr, p.stderr
     assert "launch.torchrun: rank" not in p.stderr  # exit code 2: the rank's own message stands alone
+    assert "ChildFailedError report that follows" not in p.stderr
     assert (run / "notes.txt").read_text() == "someone's file\n"
+
+
+def test_plain_torchrun_names_the_launcher_that_avoids_its_traceback(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(ROOT / "train.py"), str(ROOT / "configs" / "default.yaml"), "train.max_stpes=5"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "train.max_stpes: unknown key" in p.stderr
+    assert "`python -m launch.torchrun` takes the same options" in p.stderr, p.stderr[-3000:]
