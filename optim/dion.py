@@ -50,6 +50,11 @@ of the sharded side, c = ceil(m / S):
                   c r + n r in the fallback (the P gather and the R sum); 2 words for the clipping
                   norm with optim.grad_clip > 0 (`_shard_bytes`, booked in shard_stats and logged as
                   shard_bytes; FSDP's all-gather and reduce-scatter come on top).
+                  Dion Table 1's (m + 1) r takes m <= n: P on the shorter side, Q sharded along the
+                  longer. With the default orientation P is on the longer side of every non-square
+                  matrix (the wide ones run transposed), so this is (max(m, n) + 1) r, ~3x Table 1's
+                  row for GPT-2's matrices; with optim.transpose_wide=false the wide ones are on
+                  Table 1's row and the tall ones are not (docs/modes.md has the numbers).
 Q on Q's side is the rank's block of the whole seeded Q; the diagnostics sum each rank's share of
 ||B - P R^T||^2 and ||B||^2 over the shard group first (the whole matrices' values). Checkpoints
 record how M and Q are split (`state_shard_dims`), so a resume on another mesh joins and re-cuts
