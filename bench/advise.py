@@ -3,7 +3,7 @@ every variant's step time, rank them.
 
     torchrun --nproc_per_node=4 -m bench.advise configs/default.yaml            # every variant
     torchrun --nproc_per_node=4 -m bench.advise configs/gpt2_124m/lion_fp32.yaml --variants lion_fp32,lioncub_1bit
-    python -m launch.netsim --nproc 4 --rate 100mbit -- python -m bench.advise configs/default.yaml
+    python -m bench.netsim --nproc 4 --rate 100mbit -- python -m bench.advise configs/default.yaml
 
 A thin command over trainer/advise.py, which measures and predicts (its docstring says how) for this
 table and for `comm.mode=auto` in training (trainer/automode.py), so both rank alike. `--json PATH`

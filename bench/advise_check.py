@@ -1,6 +1,6 @@
 """Are bench.advise's predictions right? Predicted vs measured step time per variant and rate.
 
-For each link rate: `bench.advise` under launch.netsim predicts every variant's step time (links,
+For each link rate: `bench.advise` under bench.netsim predicts every variant's step time (links,
 compute and local work measured, communication from the registry's alpha-beta models); then
 `bench.step_breakdown` trains each variant for a few steps under the same netsim links and
 measures its median step time. The report puts them side by side (ratio predicted / measured,
@@ -77,7 +77,7 @@ def _num(x, fmt: str) -> str:
 
 def markdown(rows: list[dict], summaries: list[dict], meta: dict) -> str:
     out = ["# bench.advise: predicted vs measured step time", "",
-           f"{meta['nproc']} ranks under launch.netsim ({_layout(meta)}), config dir `{meta['config_dir']}`, overrides `{meta['overrides']}`; measured: median of "
+           f"{meta['nproc']} ranks under bench.netsim ({_layout(meta)}), config dir `{meta['config_dir']}`, overrides `{meta['overrides']}`; measured: median of "
            f"{meta['steps']} steps after {meta['warmup']} warm-up (bench.step_breakdown). Machine: {meta['machine']}; "
            f"1-minute load before: {meta['load_before']}, after: {meta['load_after']}.", "",
            "| rate | variant | mode | predicted (ms) | measured (ms) | predicted / measured | within 25 % | "
@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--nodes", type=int, default=0,
-                    help="emulated nodes (launch.netsim --nodes): ranks of one node share an unlimited loopback, the "
+                    help="emulated nodes (bench.netsim --nodes): ranks of one node share an unlimited loopback, the "
                          "rate limits only the links between nodes; 0 = one namespace per rank")
     ap.add_argument("--config-dir", default="configs/cpu_30m")
     ap.add_argument("--overrides", default=" ".join(DEFAULT_OVERRIDES))
@@ -129,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.nodes < 0 or (args.nodes and args.nproc % args.nodes):
         ap.error(f"--nodes {args.nodes} must divide --nproc {args.nproc} (0 = one namespace per rank)")
-    from launch import netsim
+    from bench import netsim
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

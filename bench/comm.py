@@ -7,11 +7,11 @@ scheme's declared byte formula), and the scheme's alpha-beta prediction with alp
 calibrated on the same live group. Writes results.csv, results.md, time_vs_n.png and meta.json.
 
     python -m bench.comm --nproc 2,4 --sizes 1M,5M,25M              # every scheme, torchrun over loopback
-    python -m bench.comm --nproc 4 --rate 1gbit --sizes 25M          # under launch.netsim, 1 Gbit/s links
+    python -m bench.comm --nproc 4 --rate 1gbit --sizes 25M          # under bench.netsim, 1 Gbit/s links
     python -m bench.comm --nproc 2,3,4 --rate 1gbit --sizes 25M --modes fp32,onebit,pbit:bits=8:quantizer=l1,ps:ps_topology=tree
 
 The driver launches itself (`--worker`) on every rank: with torchrun --standalone when --rate is
-not given, else one rank per network namespace through launch.netsim (needs root). Modes default
+not given, else one rank per network namespace through bench.netsim (needs root). Modes default
 to every registered scheme with its default options; `name:key=value:...` sets options (an
 illegal combination at P, e.g. 4-bit sign lanes at 16 ranks, is reported, not hidden);
 hierarchical takes --node-size.
@@ -239,7 +239,7 @@ def launch(args: argparse.Namespace, world: int, out: Path) -> None:
         rc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, timeout=args.timeout).returncode
         codes = [rc]
     else:
-        from launch import netsim
+        from bench import netsim
 
         cmd = [sys.executable, "-m", "bench.comm", *_worker_argv(args, out, args.rate)]
         codes = netsim.run(world, cmd, args.rate, args.timeout, burst=args.burst, ranks_per_ns=args.ranks_per_ns,
@@ -349,7 +349,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="comma-separated sync schemes, each name[:key=value...] (e.g. pbit:bits=8:quantizer=l1); "
                          "default: every registered scheme with its default options")
     ap.add_argument("--rate", default=None,
-                    help="run under launch.netsim with this per-link rate (e.g. 1gbit, 100mbit, unlimited); "
+                    help="run under bench.netsim with this per-link rate (e.g. 1gbit, 100mbit, unlimited); "
                          "omitted: torchrun over loopback")
     ap.add_argument("--burst", default=None, help="netsim tbf burst (default scales with the rate)")
     ap.add_argument("--latency-model", type=float, default=None, metavar="SECONDS",

@@ -1,7 +1,7 @@
 """Step-time breakdown of every optimizer / comm mode under real bandwidth limits (Lion Cub Fig. 7, Table 4).
 
 For each link rate and variant: run the trainer on `--nproc` ranks, one network namespace each
-(launch.netsim: tbf rate limits on both ends of every veth), `--warmup + --steps` steps with one
+(bench.netsim: tbf rate limits on both ends of every veth), `--warmup + --steps` steps with one
 log record per step; drop the warm-up records and report the median step time, its split into
 compute (data + forward/backward), communication (collectives + quantize/pack, as the trainer's
 comm.CommStats books it) and other (optimizer arithmetic, clipping), the comm share, the bytes per
@@ -624,7 +624,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.report_only:
         net = None
         if args.launcher == "netsim":
-            from launch.netsim import Netsim
+            from bench.netsim import Netsim
 
             net = Netsim(args.nproc, None, ranks_per_ns=args.nproc // args.nodes if args.nodes else 1).up()
         try:

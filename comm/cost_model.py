@@ -252,7 +252,7 @@ TABLE1: dict[str, Callable[..., float]] = {
 # ------------------------------------------------------------------------------------------------
 
 # 1 KB .. 32 MB. The top sizes must sit far above netsim's tbf bucket (128 KB at 1gbit,
-# launch/netsim.py default_burst): the bucket's contents leave at line rate, so a message not much
+# bench/netsim.py default_burst): the bucket's contents leave at line rate, so a message not much
 # larger than the bucket measures faster than the link and would bias beta low. At 1gbit the whole
 # default sweep takes ~2 s at P=2 and ~3 s at P=4 (the 16 MB and 32 MB points dominate).
 DEFAULT_SIZES: tuple[int, ...] = (1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22,
@@ -422,7 +422,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     of N elements (min over --check-repeats calls) against the model.
 
         torchrun --standalone --nproc_per_node=4 -m comm.cost_model
-        python -m launch.netsim --nproc 2 --rate 1gbit -- python -m comm.cost_model --check-n 25000000
+        python -m bench.netsim --nproc 2 --rate 1gbit -- python -m comm.cost_model --check-n 25000000
     """
     import argparse
 

@@ -1,1 +1,1 @@
-"""Launch helpers: the one-machine bandwidth simulator (launch.netsim) and cluster scripts (launch/slurm)."""
+"""Launch helpers: the torchrun wrapper and cluster scripts (launch/slurm); the bandwidth simulator is the lab's (bench.netsim)."""

@@ -1,6 +1,6 @@
 """comm.mode=auto's measure-and-predict core (trainer/advise.py), its thin command bench.advise and
 trainer/automode.py: candidates merged over the user's config, the quality evidence,
-config errors, the pick and its survival across a resume, and (under launch.netsim, root and
+config errors, the pick and its survival across a resume, and (under bench.netsim, root and
 iproute2 only) the link measurement against a known rate and the pick at a slow link."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from bench import advise as advise_command
-from launch import netsim
+from bench import netsim
 from optim import sync
 from tests.dist import ROOT, torchrun
 from trainer import advise
@@ -134,7 +134,7 @@ def test_auto_at_100mbit_picks_a_quantized_update_sync_mode(tmp_path):
     assert sync.get(mode).kind == sync.UPDATE and mode in ("onebit", "pbit", "ps"), mode
 
 
-# ---- several nodes: launch.netsim --nodes, comm.cost_model.NodeLayout ------------------------------
+# ---- several nodes: bench.netsim --nodes, comm.cost_model.NodeLayout ------------------------------
 
 def test_node_layout_corrects_what_crosses_the_ports_and_keeps_rings():
     from comm import cost_model as cm
@@ -219,7 +219,7 @@ def test_advise_check_passes_nodes_to_both_netsim_launches(monkeypatch, tmp_path
 @needs_netsim
 @pytest.mark.slow
 def test_two_node_links_match_the_layout_model(tmp_path):
-    """launch.netsim --nodes 2 at 100 Mbit/s between nodes: the world's ring fit is the inter-node
+    """bench.netsim --nodes 2 at 100 Mbit/s between nodes: the world's ring fit is the inter-node
     rate, and the all-to-all takes at least what the layout puts through a node's port (L(P-L)/P of
     the buffer: 4/3 of the flat model's bytes at 2 x 2)."""
     out = tmp_path / "links.json"

@@ -1,6 +1,6 @@
 """bench.step_breakdown / bench.variants / bench.quality: the table and summary arithmetic on
 synthetic records, the cost-model mapping against a direct transcription of Lion Cub Table 1, and
-a 2-rank smoke run of the real driver through launch.netsim (skipped without root / ip netns)."""
+a 2-rank smoke run of the real driver through bench.netsim (skipped without root / ip netns)."""
 from __future__ import annotations
 
 import csv
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench import quality, step_breakdown as sb, variants
-from launch import netsim
+from bench import netsim
 
 NETSIM_SKIP = netsim.unavailable_reason(need_tc=False)
 

@@ -25,7 +25,7 @@ def test_comm_collectives(nproc: int, check: str) -> None:
 # ------------------------------------------------------------------------------------------------
 
 ALPHA, BETA_1GBIT = 50e-6, 1e-9        # s per message, s per bit
-BUCKET = 128 * 1024                    # netsim's tbf bucket at 1gbit (launch.netsim.default_burst)
+BUCKET = 128 * 1024                    # netsim's tbf bucket at 1gbit (bench.netsim.default_burst)
 STEP_BREAKDOWN_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)   # bench/step_breakdown.py
 
 

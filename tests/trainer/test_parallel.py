@@ -63,7 +63,7 @@ def test_tools_read_a_sharded_checkpoint() -> None:
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-@pytest.mark.parametrize("cmd", [["-m", "launch.netsim", "--nproc", "4", "--nodes", "3", "--", "true"],
+@pytest.mark.parametrize("cmd", [["-m", "bench.netsim", "--nproc", "4", "--nodes", "3", "--", "true"],
                                  ["-m", "bench.step_breakdown", "--nproc", "4", "--nodes", "3", "--report-only"]])
 def test_nodes_must_divide_nproc(cmd) -> None:
     import subprocess

@@ -1,6 +1,6 @@
 """Per-rank worker for tests/launch/test_netsim.py: time a gloo allreduce of a known size over netsim links.
 
-Usage (under launch.netsim, which sets RANK/WORLD_SIZE/MASTER_ADDR/GLOO_SOCKET_IFNAME):
+Usage (under bench.netsim, which sets RANK/WORLD_SIZE/MASTER_ADDR/GLOO_SOCKET_IFNAME):
     netsim_allreduce.py OUT_DIR N_ELEMENTS
 Rank r writes OUT_DIR/rank{r}.json with the median seconds of 3 timed fp32 SUM allreduces, and asserts
 the result is exact (sum of per-rank constants), so a run that "finishes" without moving data fails.

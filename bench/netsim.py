@@ -7,8 +7,8 @@ end) and its download (the switch's end) are each limited to R, as on a switched
 NIC per host. Ranks talk to each other only over their veth (GLOO_SOCKET_IFNAME), with 10.213.0.x
 addresses that exist only inside the namespaces created here.
 
-    python -m launch.netsim --nproc 4 --rate 1gbit -- python -m bench.comm --worker ...
-    python -m launch.netsim --nproc 2 --rate unlimited -- python my_worker.py
+    python -m bench.netsim --nproc 4 --rate 1gbit -- python -m bench.comm --worker ...
+    python -m bench.netsim --nproc 2 --rate unlimited -- python my_worker.py
 
 Each rank runs `ip netns exec <ns> CMD...` with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR (rank 0's address), MASTER_PORT and GLOO_SOCKET_IFNAME set; the exit status is non-zero
@@ -441,7 +441,7 @@ def parse_seconds(s: str) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m launch.netsim", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m bench.netsim", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  usage="%(prog)s --nproc N [--rate 1gbit] [options] -- CMD [ARGS...]")
     ap.add_argument("--nproc", type=int, help="number of ranks")

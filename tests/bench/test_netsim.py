@@ -1,4 +1,4 @@
-"""launch.netsim: rate limits are real, exit codes and timeouts propagate, and nothing is left behind.
+"""bench.netsim: rate limits are real, exit codes and timeouts propagate, and nothing is left behind.
 
 The multi-namespace tests need root and iproute2 (`ip netns`, `tc`); they skip with the reason
 otherwise (CI runs as root and installs iproute2).
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from launch import netsim
+from bench import netsim
 from tests.dist import ROOT, WORKERS
 
 SKIP_REASON = netsim.unavailable_reason(need_tc=True)
@@ -118,7 +118,7 @@ def test_cli_tears_down_on_sigterm(tmp_path) -> None:
     """Killing the launcher with SIGTERM mid-run still deletes its namespaces."""
     import signal
     import time
-    p = subprocess.Popen([sys.executable, "-m", "launch.netsim", "--nproc", "2", "--rate", "unlimited",
+    p = subprocess.Popen([sys.executable, "-m", "bench.netsim", "--nproc", "2", "--rate", "unlimited",
                           "--", "sleep", "30"], cwd=ROOT, env={**os.environ, **ENV},
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     tag_ns: list[str] = []
