@@ -258,6 +258,13 @@ def read_hf_tensors(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
                         f"read; re-save a .bin checkpoint with save_pretrained(..., safe_serialization=True))")
 
 
+CONFIG_INT_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size",
+                   "max_position_embeddings")
+CONFIG_OPTIONAL = {"num_key_value_heads": (int, type(None)), "head_dim": (int, type(None)), "model_type": str,
+                   "rope_theta": float, "rms_norm_eps": float, "tie_word_embeddings": bool, "hidden_act": str,
+                   "rope_parameters": (dict, type(None)), "rope_scaling": (dict, type(None))}
+
+
 def is_hf_dir(path: str | os.PathLike) -> bool:
     return (Path(path) / "config.json").is_file()
 
@@ -270,10 +277,12 @@ def from_hf(hf_dir: str | os.PathLike, device: torch.device | str = "cpu", dtype
     if not is_hf_dir(d):
         raise HFFormatError(f"{d} has no config.json; expected a Hugging Face model directory "
                             f"(e.g. written by `python -m model.export`)")
-    try:
-        hf = json.loads((d / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise HFFormatError(f"{d / 'config.json'} is unreadable or truncated ({e})") from None
+    from util.files import FileShapeError, read_json_object
+
+    try:  # every key config_from_hf reads, of the type it reads it as: a wrong shape is one line
+        hf = read_json_object(d / "config.json", {k: int for k in CONFIG_INT_KEYS}, optional=CONFIG_OPTIONAL)
+    except FileShapeError as e:
+        raise HFFormatError(str(e)) from None
     cfg = config_from_hf(hf)
     sd = from_hf_state_dict(read_hf_tensors(d), cfg)
     return model_from_state_dict(cfg, sd, device, dtype)

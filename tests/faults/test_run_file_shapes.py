@@ -82,3 +82,14 @@ def test_read_json_object_names_the_file_and_the_key(tmp_path):
         assert msg.startswith(str(f)) and why in msg and msg.endswith("delete it to decide again") and "\n" not in msg
     f.write_text(json.dumps({"mode": "x", "rates": {}, "extra": 1}))
     assert read_json_object(f, fields)["extra"] == 1
+
+
+@pytest.mark.parametrize("config", [[1], {"model_type": "llama", "hidden_size": "128"}])
+def test_an_hf_config_json_of_the_wrong_shape_is_one_line(run_copy, tmp_path, config):
+    hf = tmp_path / "hf"
+    assert cli("model.export", run_copy, "--out", hf).returncode == 0
+    full = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(config if isinstance(config, list) else {**full, **config}))
+    proc = cli("sample", hf, "--prompt", "The", "--max-new-tokens", "2", "--device", "cpu")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert str(hf / "config.json") in _one_line(proc.stderr)
