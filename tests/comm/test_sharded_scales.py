@@ -30,7 +30,8 @@ def test_shards_combine_to_the_whole_tensors_mean(p, cuts) -> None:
     got, want = combine_lp_partials(parts, p), lp_mean(x, p).double()
     if math.isinf(p):
         assert torch.equal(got.float(), lp_mean(x, p).reshape(1))
-    assert abs(float(got) - float(want)) <= 1e-6 * float(want), (p, cuts, float(got), float(want))
+    # each within ~(log2(n) + 2) u of the exact M_p (n = 1000, u = 2^-24): ~1.4e-6 apart at most
+    assert abs(float(got) - float(want)) <= 2e-6 * float(want), (p, cuts, float(got), float(want))
 
 
 def test_empty_and_all_zero_tensors_get_zero() -> None:

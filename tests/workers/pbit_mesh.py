@@ -45,11 +45,12 @@ SHAPES = {"emb": (50, 16), "w": (33, 24), "bias": (7,), "norm": (3,), "head": (2
 QUANTIZERS = {"l1": ({"quantizer": "l1"}, 1.0), "l2": ({"quantizer": "l2"}, 2.0),
               "linf": ({"quantizer": "linf"}, math.inf), "l0": ({"quantizer": "l0"}, 0.0),
               "lp0.5": ({"quantizer": "lp", "p": 0.5}, 0.5), "lp3": ({"quantizer": "lp", "p": 3.0}, 3.0)}
-MEAN_RTOL = 1e-6
+MEAN_RTOL = 2e-6
 """|M_p(S) - M_p(1)| / M_p(1): the whole tensor's M_p from the shards' fp32 partials (combined in
-float64) against one fp32 reduction of the whole tensor. Both are within (log2(d) + 2) u of the exact
-value for these sizes (d <= 800, u = 2^-24: ~7e-7 apart at worst); measured here up to ~1e-7. p = inf:
-a max of maxima, exact."""
+float64) against one fp32 reduction of the whole tensor, each within about (log2(d) + 2) u of the
+exact value (pairwise summation of |x|^p >= 0 and a few correctly rounded ops; d <= 800, u = 2^-24:
+at most ~1.4e-6 apart); measured here 1.9e-7 (S = 2) and 3.8e-7 (S = 4). p = inf: a max of maxima,
+exact."""
 VOTE_RTOL = MEAN_RTOL + 2 * torch.finfo(torch.float32).eps
 """A vote may differ only where a replica's y = L x / (clip M_p) is within VOTE_RTOL |y| of a
 midpoint k + 1/2 (y scales with 1 / M_p; the multiplication rounds once more)."""
