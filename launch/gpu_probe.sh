@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A short probe of a lent GPU (at most $PROBE_BUDGET seconds, default 150): what the several-ranks-on-one-
+# A short probe of a lent GPU (at most $PROBE_BUDGET seconds, default 180): what the several-ranks-on-one-
 # device launcher, the fused Lion update and the MFU work need to know. Needs only this repository and
 # an installed torch with CUDA. Every part runs under `timeout`; a failed or timed-out part is reported
 # ("=== part: FAILED ...") and the next one still runs. Result lines start with "PROBE <part>:".
@@ -15,7 +15,7 @@
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-BUDGET=${PROBE_BUDGET:-150}
+BUDGET=${PROBE_BUDGET:-180}
 MFU_VARIANTS=${MFU_VARIANTS:-"12:default 24:default"}  # micro-batch:compile mode[:SDPBackend name]
 PRESET=${PROBE_PRESET:-gpt2-124m}  # PROBE_PRESET=debug LIONCUB_PROBE_DEVICE=cpu: a dry run of the script on CPU
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TORCH_CPP_LOG_LEVEL=ERROR
@@ -39,8 +39,8 @@ part() {  # part NAME LIMIT CMD...: run under min(LIMIT, time left); never abort
   else echo "=== $name: FAILED (exit $rc after ${took} s)"; fi
 }
 
-part env 15 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; $PY -m launch.gpu_probe env"
-part lion 45 $PY -m launch.gpu_probe lion --preset "$PRESET"
+part env 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; $PY -m launch.gpu_probe env"
+part lion 80 $PY -m launch.gpu_probe lion --preset "$PRESET"
 
 # the 2-rank parts in the background (their output is printed after the first MFU variant)
 ( part nccl 30 $PY -m launch.gpu_probe nccl > "$TMP/nccl" 2>&1 ) &
