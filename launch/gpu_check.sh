@@ -92,17 +92,17 @@ stage tests ${TESTS_LIMIT:-95} tests.log $PY -m pytest -q -p no:cacheprovider -o
 # one bench.step_breakdown call per variant (it writes its table when all its runs are done): a variant cut
 # short by the budget loses only itself; the first pays the model's compilation
 TRAIN_VARIANTS=${TRAIN_VARIANTS:-lion_fp32,adamw_fp32}
-lim=${TRAIN_LIMIT:-90}
+lim=${TRAIN_LIMIT:-110}
 for v in ${TRAIN_VARIANTS//,/ }; do
   LABEL="train $v" stage train "$lim" train.log $PY -m bench.step_breakdown --launcher torchrun --rates unlimited --nproc 1 \
     --no-calibrate --config-dir configs/gpt2_124m --variants "$v" --steps 15 --warmup 6 --timeout $((lim - 5)) \
     --overrides "data.dataset=builtin train.compile=true comm.kernels=auto train.ckpt_every=0 train.dtype=bfloat16" \
     --out "$WORK/train/$v"
-  lim=${TRAIN_NEXT_LIMIT:-60}
+  lim=${TRAIN_NEXT_LIMIT:-55}
 done
 
 ALL_VARIANTS=$(ls configs/variants/*.yaml | xargs -n1 basename | sed 's/\.yaml$//' | paste -sd, -)
-stage ranks2 ${RANKS2_LIMIT:-95} ranks.log $PY -m launch.one_device --nproc 2 --device $DEV tests/workers/one_device_train.py \
+stage ranks2 ${RANKS2_LIMIT:-90} ranks.log $PY -m launch.one_device --nproc 2 --device $DEV tests/workers/one_device_train.py \
   "$WORK/ranks2.json" "$ALL_VARIANTS,lion_fp32@comm.bucket_mb=0.01,lion_fp32@comm.bucket_mb=0.01@comm.overlap=true" comm.kernels=eager
 
 stage ranks4 ${RANKS4_LIMIT:-50} ranks.log $PY -m launch.one_device --nproc 4 --device $DEV tests/workers/one_device_train.py \
