@@ -28,7 +28,8 @@ compiler, its flags and the host's CPU flags (LIONCUB_NATIVE_CACHE, default
 never load a half-written file. The build records the library's sha256 beside it (`<file>.sha256`,
 renamed into place before the library); every load first checks the file against it, and a file
 that differs (truncated: mapping it would end the process with SIGBUS; altered; or from a version
-that recorded nothing) is named in a warning, removed and rebuilt, never loaded. LIONCUB_NO_COMPILE=1 turns them off with the compiled kernels.
+that recorded nothing) is named in a warning, removed and rebuilt, never loaded.
+LIONCUB_NO_COMPILE=1 turns them off with the compiled kernels.
 """
 from __future__ import annotations
 
@@ -464,5 +465,5 @@ def unpack_sign(wire: torch.Tensor, bits: int, mul: int, offset: int, out: torch
     _lib.ln_unpack_sign(_ptr(wire), wire.numel(), bits, mul, offset, _ptr(out))
 
 
-__all__ = ["CACHE_ENV", "cache_dir", "disable", "library_path", "majority", "quant_blocks", "sign_bits", "supports", "tb_lanes",
-           "unavailable", "unpack_sign"]
+__all__ = ["CACHE_ENV", "cache_dir", "disable", "library_path", "majority", "quant_blocks", "sign_bits", "supports",
+           "tb_lanes", "unavailable", "unpack_sign"]

@@ -44,7 +44,8 @@ _ALLOWED[("torch", "Size")] = torch.Size
 _ALLOWED[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # name -> a torch.layout
 _ALLOWED[("pathlib", "PosixPath")] = pathlib.PosixPath  # the checkpoint id DCP records (a path, never opened)
 _ALLOWED[("pathlib", "PurePosixPath")] = pathlib.PurePosixPath
-_ALLOWED.update({("torch", n): getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)})
+_ALLOWED.update({("torch", n): getattr(torch, n) for n in dir(torch)
+                 if isinstance(getattr(torch, n, None), torch.dtype)})
 
 
 class MetadataError(ValueError):

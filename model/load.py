@@ -115,9 +115,9 @@ def check_plausible(model: GPT, where: Path, report=None) -> None:
                               f"square overflows float32; no training reaches it (the largest trained weights are "
                               f"about 1), so the file is damaged or was altered; use another checkpoint or export")
     if not finite:
-        raise CheckpointError(f"{where}: refused: its weights give non-finite logits (or log-probabilities) on a {t}-token probe (largest "
-                              f"|weight| {biggest:.3g}, in {name}); a trained model never does, so the file is "
-                              f"damaged or was altered; use another checkpoint or export")
+        raise CheckpointError(f"{where}: refused: its weights give non-finite logits (or log-probabilities) on a "
+                              f"{t}-token probe (largest |weight| {biggest:.3g}, in {name}); a trained model never "
+                              f"does, so the file is damaged or was altered; use another checkpoint or export")
     if biggest > WARN_ABS_WEIGHT:
         report(f"warning: {where}: {name} holds |weight| up to {biggest:.3g}, far above what training reaches "
                f"(below {WARN_ABS_WEIGHT:g}); check where this model came from")

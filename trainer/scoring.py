@@ -182,5 +182,5 @@ def val_loss(model: GPT, data_dir: str | os.PathLike, batch_size: int, seq_len: 
     return {"loss": loss, "ppl": math.exp(loss), "batches": count, "tokens": count * batch_size * seq_len}
 
 
-__all__ = ["MCFormatError", "MCItem", "NonFiniteResult", "ending_logprobs", "item_from", "load_mc_file", "mean_batch_loss",
-           "multiple_choice", "val_loss"]
+__all__ = ["MCFormatError", "MCItem", "NonFiniteResult", "ending_logprobs", "item_from", "load_mc_file",
+           "mean_batch_loss", "multiple_choice", "val_loss"]

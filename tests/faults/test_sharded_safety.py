@@ -63,7 +63,8 @@ READERS = {
     "sample": lambda src, tmp: cli("sample", src, "--prompt", "The", "--max-new-tokens", "2", "--device", "cpu"),
     "eval": lambda src, tmp: cli("eval", "val", src, "--data", "builtin", "--batches", "1", "--batch-size", "1",
                                  "--seq-len", "16", "--device", "cpu", "--json"),
-    "init_from": lambda src, tmp: run1(tmp / "new", "train.max_steps=1", "train.eval_every=0", f"model.init_from={src}"),
+    "init_from": lambda src, tmp: run1(tmp / "new", "train.max_steps=1", "train.eval_every=0",
+                                       f"model.init_from={src}"),
 }
 
 
