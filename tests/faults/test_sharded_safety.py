@@ -112,3 +112,18 @@ def test_a_file_meta_json_does_not_list_is_refused_by_name(run_copy, tmp_path):
     proc = train2(run_copy, "train.max_steps=5", "train.resume=auto", check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"{extra} is not listed in" in proc.stdout and "step_000002 at step 2" in proc.stdout, proc.stdout
+
+
+def test_crafted_dcp_metadata_in_every_checkpoint_stops_the_resume_in_one_line(run_copy, tmp_path):
+    sentinel = tmp_path / "pwned"
+    for step in ("step_000002", "step_000004"):
+        craft_metadata(run_copy / "ckpt" / step, sentinel, listed=True)
+    proc = train2(run_copy, "train.max_steps=5", "train.resume=auto", check=False)
+    assert not sentinel.exists(), "the crafted .metadata ran code"
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    # one line per rank, "error (rank r): " and the same text
+    lines = {x.split("): ", 1)[-1] for x in proc.stderr.strip().splitlines() if x.strip()}
+    assert len(lines) == 1, lines
+    (line,) = lines
+    assert "found no intact checkpoint" in line and "step_000004/model/.metadata: refused to load" in line, line
