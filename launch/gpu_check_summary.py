@@ -9,6 +9,7 @@ step (optimizer, clipping, logging) in ms, tokens/s, the step's MFU and forward 
 issue's two targets (lion_fp32 MFU >= 40 %, Lion's optimizer time <= AdamW's)."""
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import sys
@@ -63,10 +64,12 @@ def train_lines(rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1 or not Path(argv[0]).is_dir():
-        print("usage: python -m launch.gpu_check_summary OUT_DIR (a gpu-check report folder)", file=sys.stderr)
+    ap = argparse.ArgumentParser(prog="python -m launch.gpu_check_summary", description=__doc__.split("\n\n")[0])
+    ap.add_argument("out_dir", help="a gpu-check report folder")
+    d = Path(ap.parse_args(argv).out_dir)
+    if not d.is_dir():
+        print(f"gpu_check_summary: {d} is not a folder; give the report folder launch/gpu_check.sh wrote", file=sys.stderr)
         return 2
-    d = Path(argv[0])
     lines = []
     if (d / "ranks.json").is_file():
         try:

@@ -46,10 +46,10 @@ def free_port() -> int:
 def part_env() -> None:
     say("env", "torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
     try:
-        import triton
-        say("env", "triton", triton.__version__)
+        from importlib.metadata import version
+        say("env", "triton", version("triton"))
     except Exception as e:  # noqa: BLE001
-        say("env", "triton: not importable:", first_line(e))
+        say("env", "triton: not installed:", first_line(e))
     if torch.cuda.is_available():
         say("env", "device", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
         say("env", "nccl", torch.cuda.nccl.version() if hasattr(torch.cuda, "nccl") else "?")
