@@ -1,5 +1,6 @@
 """What a run starts from: its datasets (data.dataset, data.mix: rank 0 resolves and prepares them,
-the others wait and read its answer), the loader over them, and its initial model (model.init_from).
+the others wait and read its answer), the loader over them, and its initial model (seeded, or the
+weights of model.init_from).
 Everything here can fail on bad config or data, so the trainer calls it before the run directory is
 touched."""
 from __future__ import annotations
@@ -10,7 +11,9 @@ import torch.distributed as dist
 
 import data
 from data.loader import MixLoader, ShardLoader
-from model import PRESETS, load_model, pad_vocab
+import torch
+
+from model import GPT, PRESETS, GPTConfig, load_model, pad_vocab, resolve_config
 from model.presets import SHAPE_KEYS
 
 from .config import Config, ConfigError
@@ -88,4 +91,16 @@ def init_source(cfg: Config, vocab_size: int | None):
     return loaded
 
 
-__all__ = ["init_source", "resolve_data", "train_loader"]
+def initial_model(cfg: Config, vocab_size: int, source, device: torch.device) -> tuple[GPTConfig, GPT]:
+    """(the model's config, the model on `device`): initialised from train.seed, the same on every
+    rank, then given `source`'s weights when model.init_from set one (init_source)."""
+    torch.manual_seed(cfg.train.seed)  # same init on every rank
+    model_config = resolve_config(vars(cfg.model), vocab_size=vocab_size)
+    model = GPT(model_config).to(device)
+    if source is not None:
+        model.load_state_dict(source.model.state_dict())  # cast to the model's dtype, exact in fp32
+    model.activation_checkpointing = cfg.model.activation_checkpointing
+    return model_config, model
+
+
+__all__ = ["init_source", "initial_model", "resolve_data", "train_loader"]

@@ -18,14 +18,13 @@ import torch
 
 import data
 from comm import Clock
-from model import GPT, resolve_config
 
 from . import automode, parallel, state
 from .checkpoint import find_resumable
 from .config import AUTO_MODE, Config, ConfigError, validate, warmup_steps
 from .dist import DistInfo
 from .evaluation import Evaluator
-from .inputs import init_source, resolve_data, train_loader
+from .inputs import init_source, initial_model, resolve_data, train_loader
 from .logger import RunLogger, banner, window_record
 from .optimizer import build_run_optimizer
 from .rundir import RunDirError, prepare_run_dir, run_id
@@ -52,13 +51,8 @@ class Trainer:
             cfg, self.auto_decision = automode.resolve(cfg, info, self.data_dir, self._say)
             validate(cfg, world_size=info.world_size)
             self.cfg = cfg
-        torch.manual_seed(cfg.train.seed)  # same init on every rank
-        self.model_config = resolve_config(vars(cfg.model), vocab_size=vocab)
-        self.model = GPT(self.model_config).to(self.device)
-        if source is not None:
-            self.model.load_state_dict(source.model.state_dict())  # cast to the model's dtype, exact in fp32
-            del source
-        self.model.activation_checkpointing = cfg.model.activation_checkpointing
+        self.model_config, self.model = initial_model(cfg, vocab, source, self.device)
+        del source
         # hybrid sharding (trainer/parallel.py): the optimizer sees local shards and the replicate group
         self.parallel = parallel.make_mesh(cfg.parallel.shard_size, info.world_size, self.device)
         groups, order, self.aliases, dims = parallel.place(self.model, self.parallel, cfg.optim)
