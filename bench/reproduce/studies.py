@@ -845,16 +845,16 @@ def horizon_summary(results: list[RunResult], scale: Scale) -> Summary:
             m, sd, n = row["delta_mean"], row["delta_std"], row["delta_n"]
             row["delta_t"] = m / (sd / n ** 0.5) if m is not None and sd and n and n > 1 else None
         rows.append(row)
-    cols = [Column("arm", "arm", align="left"), Column("val_loss_mean", "final val loss"), Column("val_loss_std", "± std"),
-            Column("val_loss_n", "seeds", "d"), Column("reference", "paired against", align="left"),
-            Column("delta_mean", "Δ (paired)", "+.4f"), Column("delta_std", "± std", ".4f"),
-            Column("delta_t", "paired t (seeds - 1 dof)", ".1f"),
+    cols = [Column("arm", "arm", align="left"), Column("val_loss_mean", "final val loss"),
+            Column("val_loss_std", "± std"), Column("val_loss_n", "seeds", "d"),
+            Column("reference", "paired against", align="left"), Column("delta_mean", "Δ (paired)", "+.4f"),
+            Column("delta_std", "± std", ".4f"), Column("delta_t", "paired t (seeds - 1 dof)", ".1f"),
             Column("peak_train_mean", "peak train loss after 15 %"), Column("status", "status", align="left")]
     notes = [f"{scale.steps} steps. Δ: this arm's final val loss minus its reference's at the same seed (same "
-             "initialization and data order); the seeds are the independent units (a paired t at 3 seeds has 2 degrees "
-             "of freedom: 4.3 at the 5 % level). 1-bit Adam diverging (Lion Cub Fig. 20) shows as a peak train loss far "
-             "above AdamW's or a final val loss far above it; Dion's error feedback helping at low rank (Dion §4.1) as "
-             "a positive Δ (off − on) that grows from rank 1/4 to 1/16."]
+             "initialization and data order); the seeds are the independent units (a paired t at 3 seeds has 2 "
+             "degrees of freedom: 4.3 at the 5 % level). 1-bit Adam diverging (Lion Cub Fig. 20) shows as a peak "
+             "train loss far above AdamW's or a final val loss far above it; Dion's error feedback helping at low "
+             "rank (Dion §4.1) as a positive Δ (off − on) that grows from rank 1/4 to 1/16."]
     return Summary(rows, cols, notes)
 
 

@@ -13,7 +13,8 @@ magnitudes differ by orders of magnitude between layers; one model-wide M_p woul
 lm_head's updates to 0). Under hybrid sharding (ctx.shard_group) a rank holds a block of rows of
 each tensor, and M_p is still the whole tensor's (eq. 1 averages over all its elements): the
 shards' partials cross the shard group in one all_gather per step (comm.quantize.sharded_lp_means),
-before quantizing; each replica's scale is that of its own c_i. Stochastic rounding draws from a per-rank generator seeded from the run
+before quantizing; each replica's scale is that of its own c_i. Stochastic rounding draws from a
+per-rank generator seeded from the run
 seed and the rank, saved with the exchange's state so a resumed run is bit-exact.
 """
 from __future__ import annotations

@@ -1084,7 +1084,8 @@ def test_table2_adds_two_seeds_to_the_arms_it_compares():
     for r in runs:
         seeds.setdefault(r.label("arm"), []).append(r.seed)
     five = [*studies.FULL_SEEDS, *studies.TABLE2_ADDED_SEEDS]
-    assert {a: s for a, s in seeds.items() if a in studies.TABLE2_FIVE_SEEDS} == {a: five for a in studies.TABLE2_FIVE_SEEDS}
+    assert {a: s for a, s in seeds.items() if a in studies.TABLE2_FIVE_SEEDS} == \
+        {a: five for a in studies.TABLE2_FIVE_SEEDS}
     assert seeds["8bit_linf"] == studies.FULL_SEEDS
     # explicit --seeds and the committed tiny-builtin setting keep their seeds
     assert {r.seed for r in t2.build(t2.scale(o), [7], Options(setting="study-prose", seeds=[7]))} == {7}

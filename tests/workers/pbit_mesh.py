@@ -168,8 +168,8 @@ def main(checks) -> None:
     dist.all_gather_object(worsts, worst)
     if rank == 0:
         print(f"pbit_mesh S={S} P={REPLICAS}: votes equal to S=1 for {', '.join(QUANTIZERS)} "
-              f"(votes that differ, all ranks: {sum(sum(r) for _, r in flips)}; elements within VOTE_RTOL of a midpoint: "
-              f"{sum(f for f, _ in flips)}); whole-tensor M_p max rel diff "
+              f"(votes that differ, all ranks: {sum(sum(r) for _, r in flips)}; elements within VOTE_RTOL of a "
+              f"midpoint: {sum(f for f, _ in flips)}); whole-tensor M_p max rel diff "
               f"{max(worsts):.3g}", flush=True)
     checks.end()
     dist.barrier()
