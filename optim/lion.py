@@ -20,7 +20,9 @@ It rounds as the foreach kernels do: ATen computes `m.add_(g, alpha=a)` as one f
 fma(g, a, m) (its vectorized CPU kernels and its CUDA kernels), so the pass spells that fma out
 (inductor's fma op) and keeps every product that eager rounds (fl(m * b1), fl(p * (1 - lr*wd)))
 a separate, rounded multiply: on CUDA it compiles without Triton's fp fusion, which would contract
-that multiply into the next add. Every rank runs the same kernel on the same values, so replicas
+that multiply into the next add. Where inductor's Triton fma flushes subnormals to zero (libdevice's
+fma under Triton's default flush-to-zero reflection), the warm-up's check finds it and the step
+computes its fmas exactly in float64 ops instead (`_fma64`). Every rank runs the same kernel on the same values, so replicas
 stay bit-identical whatever the kernel's rounding; tests/optim/test_lion_fused.py checks the bytes
 against the foreach kernels on CPU and, on a GPU, on CUDA.
 
@@ -92,6 +94,30 @@ def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     import torch._inductor.inductor_prims  # noqa: F401  (registers prims.fma)
 
     return torch.ops.prims.fma(a, b, c)
+
+
+_TWO128 = 2.0 ** 128
+
+
+def _fma64(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded float32 a * b + c computed in float64 ops, for a backend whose fma op
+    flushes subnormals (libdevice's fma under Triton's default flush-to-zero reflection; plain
+    float32 and float64 arithmetic keep them). s = a*b + c in float64 (the product is exact);
+    err = the rounding error of that sum (TwoSum). float32(s) is the correct rounding unless s lies
+    exactly halfway between two floats r and o = 2s - r while err != 0: the exact value then lies
+    on err's side of s. r = inf at the overflow threshold is clamped to 2**128 so the halfway test
+    also covers FLT_MAX vs inf. Every product is exact, so contracting a multiply into an add
+    changes nothing."""
+    p = a.to(torch.float64) * b.to(torch.float64)
+    cd = c.to(torch.float64)
+    s = p + cd
+    r = s.to(torch.float32)
+    bb = s - p
+    err = (p - (s - bb)) + (cd - bb)
+    rd = r.to(torch.float64).clamp(-_TWO128, _TWO128)
+    other = 2.0 * s - rd
+    o32 = other.to(torch.float32)
+    return torch.where((other - rd) * err > 0, torch.where(o32.to(torch.float64) == other, o32, r), r)
 
 
 def _fma32(a: torch.Tensor, b: float, c: torch.Tensor) -> torch.Tensor:
@@ -301,13 +327,22 @@ def _k_lion_step(params: list[torch.Tensor], grads: list[torch.Tensor], moms: li
                  hyper: torch.Tensor) -> None:
     """Traced body of the fused step. hyper[i] = (s, -lr, b1, 1 - b1, b2, 1 - b2) of tensor i as
     float32 (s = 1 - lr*wd): c = fma(g, 1-b1, fl(m*b1)); p = fma(sign c, -lr, fl(p*s)); m = fma(g,
-    1-b2, fl(m*b2)) from the old m: lion_group_step_'s roundings (with wd = 0, s = 1 and p*1 = p)."""
+    1-b2, fl(m*b2)) from the old m: lion_group_step_'s roundings (with wd = 0, s = 1 and p*1 = p).
+    `_STEP_FMA` is the fma (a global: FusedLionStep gives each variant its own globals)."""
+    fma = _STEP_FMA
     for i, (p, g, m) in enumerate(zip(params, grads, moms)):
         h = hyper[i]
-        c = _fma(g, h[3].expand_as(g), m * h[2])
-        m_new = _fma(g, h[5].expand_as(g), m * h[4])
-        p.copy_(_fma(torch.sign(c), h[1].expand_as(p), p * h[0]))
+        c = fma(g, h[3].expand_as(g), m * h[2])
+        m_new = fma(g, h[5].expand_as(g), m * h[4])
+        p.copy_(fma(torch.sign(c), h[1].expand_as(p), p * h[0]))
         m.copy_(m_new)
+
+
+_STEP_FMA = _fma
+FMA_VARIANTS = {"fma": _fma, "fma64": _fma64}
+"""How the fused step computes its fmas: inductor's fma op (one instruction), or exactly in float64
+ops (for an inductor whose Triton fma flushes subnormals to zero); the warm-up keeps the first whose
+bytes equal the foreach kernels'."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -322,13 +357,14 @@ class FusedLionStep:
     Each instance traces its own copy of the kernel's code: dynamo keeps at most 8 graphs per code
     object, and a process may build many optimizers (tests do)."""
 
-    def __init__(self, device: torch.device | str) -> None:
-        self.device = torch.device(device)
+    def __init__(self, device: torch.device | str, fma: str = "fma") -> None:
+        self.device, self.fma = torch.device(device), fma
         name = f"lion_step_{id(self):x}"
         code = _k_lion_step.__code__.replace(co_name=name)
         if hasattr(code, "co_qualname"):
             code = code.replace(co_qualname=name)
-        fn = types.FunctionType(code, _k_lion_step.__globals__, name)
+        scope = {**_k_lion_step.__globals__, "_STEP_FMA": FMA_VARIANTS[fma]}
+        fn = types.FunctionType(code, scope, name)
         # eager rounds each product before the add that follows it; Triton's fp fusion would not
         options = {"emulate_precision_casts": True} if self.device.type == "cuda" else {}
         self._run = torch.compile(fn, dynamic=False, fullgraph=True, options=options)
@@ -373,10 +409,10 @@ class FusedLionStep:
         self.calls += 1
 
 
-def check_fused_step(device: torch.device | str) -> list[str]:
-    """Run a FusedLionStep and the foreach kernels on the same small state (random values, exact
-    zeros, -0.0, near-cancellations of b1*m + (1-b1)*g, subnormals; two groups, one without weight
-    decay) and name what differs (empty when the bytes agree)."""
+def check_fused_step(device: torch.device | str, fma: str = "fma") -> list[str]:
+    """Run a FusedLionStep (its `fma` variant) and the foreach kernels on the same small state (random
+    values, exact zeros, -0.0, near-cancellations of b1*m + (1-b1)*g, subnormals; two groups, one
+    without weight decay) and name what differs (empty when the bytes agree)."""
     device = torch.device(device)
     gen = torch.Generator(device="cpu").manual_seed(1234)
     shapes = [(96, 65), (7,), (1000,)]
@@ -404,7 +440,7 @@ def check_fused_step(device: torch.device | str) -> list[str]:
         lion_group_step_(ref_state, groups[0], ref_params[:2])
         lion_group_step_(ref_state, groups[1], ref_params[2:])
         state = {p: {"exp_avg": m.clone()} for p, m in zip(ps, ms)}
-        FusedLionStep(device)(state, split)
+        FusedLionStep(device, fma)(state, split)
     bad = []
     for k, (p, rp) in enumerate(zip(ps, ref_params)):
         if not torch.equal(p.detach().view(torch.int32), rp.detach().view(torch.int32)):
@@ -439,31 +475,37 @@ class Lion(CommOptimizer):
                              f"build_optimizer('lion', ...) builds DistributedLion for update sync")
         self._fused: FusedLionStep | None = None
         self._fused_checked = False
+        self._fma = "fma"  # the warm-up may pick another FMA_VARIANTS entry
 
     def momentum_of(self, p: torch.nn.Parameter) -> torch.Tensor | None:
         return self.state[p].get("exp_avg")
 
     def _warmup_own_kernels(self) -> float:
         """Under comm.kernels=auto on CUDA or =compiled: check the fused step's bytes against the
-        foreach kernels on this device (a small state) and compile it. A mismatch raises under
-        'compiled'; under 'auto' it is logged (a warning) and this optimizer keeps the foreach kernels."""
+        foreach kernels on this device (a small state), its fma variants in order (FMA_VARIANTS), and
+        keep the first that agrees. None agreeing raises under 'compiled'; under 'auto' it is logged
+        (a warning) and this optimizer keeps the foreach kernels."""
         if not fused_step_impl(self.kernels, self.layout.device):
             return 0.0
         t0 = time.perf_counter()
         auto = kernels.resolve_impl(self.kernels) == "auto"
-        try:
-            bad = check_fused_step(self.layout.device)
-        except Exception as e:  # a compiler failure: 'compiled' must hear of it, 'auto' steps eagerly
-            if not auto:
-                raise
-            bad = [f"(it did not compile: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"]
-        if bad:
-            msg = (f"lion: the fused step differs from the foreach kernels on {self.layout.device} in "
-                   f"{', '.join(bad)}")
-            if not auto:
-                raise RuntimeError(msg + "; use comm.kernels=eager or auto")
-            warnings.warn(msg + "; this run steps with the foreach kernels", RuntimeWarning, stacklevel=2)
-            self._fused_checked, self._fused = True, None
+        found = []
+        for variant in FMA_VARIANTS:
+            try:
+                bad = check_fused_step(self.layout.device, variant)
+            except Exception as e:  # a compiler failure: 'compiled' must hear of it, 'auto' steps eagerly
+                if not auto:
+                    raise
+                bad = [f"(it did not compile: {type(e).__name__}: {' '.join(str(e).split())[:200]})"]
+            if not bad:
+                self._fma = variant
+                return time.perf_counter() - t0
+            found.append(f"{variant}: {', '.join(bad)}")
+        msg = f"lion: the fused step differs from the foreach kernels on {self.layout.device} ({'; '.join(found)})"
+        if not auto:
+            raise RuntimeError(msg + "; use comm.kernels=eager or auto")
+        warnings.warn(msg + "; this run steps with the foreach kernels", RuntimeWarning, stacklevel=2)
+        self._fused_checked, self._fused = True, None
         return time.perf_counter() - t0
 
     def _fused_step(self) -> FusedLionStep | None:
@@ -473,7 +515,7 @@ class Lion(CommOptimizer):
             self._fused_checked = True
             params = [p for ks in self.layout.per_group.values() for p in self.layout.params(ks)]
             if fused_step_impl(self.kernels, self.layout.device) and FusedLionStep.fits(params) is None:
-                self._fused = FusedLionStep(self.layout.device)
+                self._fused = FusedLionStep(self.layout.device, self._fma)
         return self._fused
 
     def _update(self, step: int) -> None:

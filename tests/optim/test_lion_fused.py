@@ -33,10 +33,12 @@ class Net(torch.nn.Module):
                 dict(params=[self.a.bias, self.norm], weight_decay=0.0, lr=6e-3, lr_mult=2.0)]
 
 
-def _train(kernels: str, device: str, steps: int = 6, dtype=torch.float32):
+def _train(kernels: str, device: str, steps: int = 6, dtype=torch.float32, warm: bool = False):
     net = Net(dtype, device)
     opt = optim.build_optimizer("lion", net.groups(), betas=(0.9, 0.99), eps=1e-8, comm_mode="fp32",
                                 kernels=kernels, grad_clip=0.0)
+    if warm:  # what the trainer's warm-up runs for the optimizer: the check that picks the fma variant
+        opt._warmup_own_kernels()
     gen = torch.Generator().manual_seed(1)
     for t in range(steps):
         for g in opt.param_groups:  # a schedule: a new lr every step
@@ -53,9 +55,27 @@ def _bits(ts):
 
 
 @compiled
-def test_fused_step_gives_the_foreach_bytes_on_cpu():
+@pytest.mark.parametrize("fma", list(L.FMA_VARIANTS))
+def test_fused_step_gives_the_foreach_bytes_on_cpu(fma):
     """Zeros, -0.0, subnormals, near-cancellations of b1*m + (1-b1)*g, a group without weight decay."""
-    assert L.check_fused_step("cpu") == []
+    assert L.check_fused_step("cpu", fma) == []
+
+
+@compiled
+def test_the_float64_fma_is_correctly_rounded_where_float64_rounding_is_not():
+    """Double-rounding traps (the float64 sum is a float32 midpoint, the exact value is not) and
+    random values: _fma64 against inductor's fma op (std::fma on CPU), both compiled."""
+    e, u, v = 2.0 ** -12, 1 + 2 ** -18, 1 - 2 ** -18
+    gen = torch.Generator().manual_seed(9)
+    a = torch.cat([torch.tensor([u * e, -u * e, -u * e, u * e]), torch.randn(3000, generator=gen) * 1e3])
+    b = torch.cat([torch.tensor([v * e] * 4), torch.randn(3000, generator=gen) * 1e-3])
+    c = torch.cat([torch.tensor([1 + 2 ** -23, 1 + 2 ** -23, -(1 + 2 ** -23), -(1 + 2 ** -23)]),
+                   torch.randn(3000, generator=gen)])
+    naive = (a.double() * b.double() + c.double()).float()
+    f64, one = torch.compile(L._fma64), torch.compile(L._fma)
+    want = one(a, b, c)
+    assert (naive[:4] != want[:4]).all()  # the traps are traps
+    assert torch.equal(f64(a, b, c), want)
 
 
 @compiled
@@ -93,16 +113,21 @@ def test_which_impl_fuses():
 
 @cuda
 def test_fused_step_gives_the_foreach_bytes_on_cuda():
-    """The CUDA pass (Triton, fp fusion off, an explicit fma) against ATen's CUDA foreach kernels."""
-    assert L.check_fused_step("cuda") == []
+    """The CUDA pass (Triton, fp fusion off, an explicit fma) against ATen's CUDA foreach kernels: the
+    float64 fma always (no fma instruction, no flush to zero), inductor's fma op where its Triton fma
+    keeps subnormals (the warm-up then prefers it). Both results are in the assertion's message."""
+    found = {fma: L.check_fused_step("cuda", fma) for fma in L.FMA_VARIANTS}
+    assert found["fma64"] == [], found
+    print("fused Lion step on CUDA, differences per fma variant:", found)
 
 
 @cuda
 def test_lion_on_cuda_auto_fuses_and_equals_eager_and_itself():
     net_e, _ = _train("eager", "cuda")
-    net_a, opt_a = _train("auto", "cuda")
-    net_b, _ = _train("auto", "cuda")
+    net_a, opt_a = _train("auto", "cuda", warm=True)
+    net_b, _ = _train("auto", "cuda", warm=True)
     assert isinstance(opt_a._fused, L.FusedLionStep)
+    print("the warm-up picked fma variant", opt_a._fused.fma)
     for a, b, c in zip(_bits(net_e.parameters()), _bits(net_a.parameters()), _bits(net_b.parameters())):
         assert torch.equal(b, c)  # every rank runs the same kernel: replicas agree bit for bit
         assert torch.equal(a, b)
@@ -116,7 +141,7 @@ def test_auto_steps_on_the_foreach_kernels_when_the_fused_step_does_not_compile(
     def broken(*a, **k):
         raise RuntimeError("backend compiler failed")
 
-    monkeypatch.setattr(L.FusedLionStep, "__init__", lambda self, device: setattr(self, "calls", 0) or
+    monkeypatch.setattr(L.FusedLionStep, "__init__", lambda self, device, fma="fma": setattr(self, "calls", 0) or
                         setattr(self, "device", torch.device(device)) or setattr(self, "_run", broken))
     with pytest.warns(RuntimeWarning, match="did not compile"):
         net_a, opt_a = _train("auto", "cpu")
@@ -124,3 +149,17 @@ def test_auto_steps_on_the_foreach_kernels_when_the_fused_step_does_not_compile(
     assert opt_a._fused is None
     for a, b in zip(_bits(net_e.parameters()), _bits(net_a.parameters())):
         assert torch.equal(a, b)
+
+
+@compiled
+def test_the_warm_up_keeps_the_first_fma_variant_that_gives_the_foreach_bytes(monkeypatch):
+    real = L.check_fused_step
+    monkeypatch.setattr(L, "check_fused_step", lambda device, fma="fma": ["p[2]"] if fma == "fma" else real(device, fma))
+    net_c, opt_c = _train("compiled", "cpu", warm=True)
+    assert opt_c._fused.fma == "fma64"
+    net_e, _ = _train("eager", "cpu")
+    for a, b in zip(_bits(net_e.parameters()), _bits(net_c.parameters())):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(L, "check_fused_step", lambda device, fma="fma": [f"m[0] ({fma})"])
+    with pytest.raises(RuntimeError, match=r"differs from the foreach kernels on cpu \(fma: m\[0\] \(fma\); fma64"):
+        _train("compiled", "cpu", warm=True)
