@@ -1091,3 +1091,24 @@ def test_table2_adds_two_seeds_to_the_arms_it_compares():
     assert {r.seed for r in t2.build(t2.scale(o), [7], Options(setting="study-prose", seeds=[7]))} == {7}
     legacy = Options()
     assert {r.seed for r in t2.build(t2.scale(legacy), studies.FULL_SEEDS, legacy)} == set(studies.FULL_SEEDS)
+
+
+def test_horizon_summary_pairs_each_arm_with_its_reference_by_seed():
+    sc = full_scale(1200)
+    vals = {"adamw_fp32": (5.0, 5.1, 5.2), "onebit_adam": (5.3, 5.3, 5.6), "dion_r0.25_ef1": (4.0, 4.1, 4.2),
+            "dion_r0.25_ef0": (4.01, 4.12, 4.23)}
+    results = []
+    for arm, vs in vals.items():
+        for seed, v in zip(studies.FULL_SEEDS, vs):
+            run = studies.horizon_run(arm, sc, seed)
+            recs = [{"step": 100, "train_loss": 9.0}, {"step": 600, "train_loss": 7.5 if arm == "onebit_adam" else 6.0},
+                    {"step": 1200, "train_loss": 5.0, "val_loss": v}]
+            results.append(RunResult(run, "ok", Path("x"), records=recs))
+    rows = {r["arm"]: r for r in studies.horizon_summary(results, sc).rows}
+    one = rows["onebit_adam"]
+    assert one["reference"] == "adamw_fp32" and one["delta_n"] == 3
+    assert one["delta_mean"] == pytest.approx(0.3) and one["delta_std"] == pytest.approx(statistics.stdev([.3, .2, .4]))
+    assert one["delta_t"] == pytest.approx(0.3 / (statistics.stdev([.3, .2, .4]) / 3 ** 0.5))
+    assert one["peak_train_mean"] == 7.5 and rows["adamw_fp32"]["peak_train_mean"] == 6.0  # step 100 is warm-up
+    assert rows["dion_r0.25_ef0"]["delta_mean"] == pytest.approx(0.02) and rows["adamw_fp32"]["reference"] == "-"
+    assert rows["1bit"]["val_loss_n"] == 0 and rows["1bit"]["delta_n"] == 0  # no run: an empty row
