@@ -508,6 +508,15 @@ class Lion(CommOptimizer):
         self._fused_checked, self._fused = True, None
         return time.perf_counter() - t0
 
+    def kernel_choices(self) -> list[str]:
+        """The base's lines, and how Lion steps: the fused pass and its fma variant, or the foreach kernels."""
+        lines = super().kernel_choices()
+        if fused_step_impl(self.kernels, self.layout.device):
+            refused = self._fused_checked and self._fused is None
+            lines.append("lion step: foreach kernels (the fused pass was refused)" if refused else
+                         f"lion step: fused pass, fma variant {self._fma!r} (bytes equal the foreach kernels')")
+        return lines
+
     def _fused_step(self) -> FusedLionStep | None:
         """The fused step where comm.kernels and the parameters allow it (decided at the first step,
         when the gradients exist; a warm-up that found a mismatch decided already)."""
