@@ -64,6 +64,7 @@ import torch.distributed as dist
 
 import comm
 from comm import cost_model
+from comm.packing import lane_max
 from comm.e3m0 import e3m0_allreduce_mean, e3m0_bytes, e3m0_chunk_bytes, e3m0_layout
 from comm.quantize import segment_lp_means
 
@@ -179,7 +180,7 @@ class DiLoCoOptions(Options):
             elif world_size is not None and comm.max_levels(world_size, self.bits) < 1:
                 better = next((b for b in PBIT_BITS if comm.max_levels(world_size, b) >= 1), None)
                 p.append(f"{self.key('bits')}: {self.bits}-bit lanes leave no quantization level at {world_size} "
-                         f"workers (need P * 2L <= {2 ** self.bits - 1})"
+                         f"workers (need P * 2L <= {lane_max(self.bits)})"
                          + (f"; use {self.key('bits')}={better}" if better else "; use another wire"))
             if self.quantizer not in PBIT_QUANTIZERS:
                 p.append(f"{self.key('quantizer')}: {self.quantizer!r} is not one of {', '.join(PBIT_QUANTIZERS)}")
