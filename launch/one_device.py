@@ -108,6 +108,27 @@ def install(device: str) -> None:
 
     dist.init_process_group = gloo_init
     _stage_p2p(dist)
+    _label_backend(dist)
+
+
+def _label_backend(dist) -> None:
+    """trainer.dist names the backend it asked for (NCCL on CUDA); its DistInfo (and so the run's log
+    header) names the one the group runs on."""
+    try:
+        import dataclasses
+
+        import trainer.dist as tdist
+    except ImportError:  # a script without the trainer
+        return
+    real = tdist.init_distributed
+
+    def init_distributed(*args, **kwargs):
+        info = real(*args, **kwargs)
+        if dataclasses.is_dataclass(info) and dist.is_initialized():
+            info = dataclasses.replace(info, backend=dist.get_backend())
+        return info
+
+    tdist.init_distributed = init_distributed
 
 
 def _run_rank(device: str, script: str, args: list[str]) -> None:

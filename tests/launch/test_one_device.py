@@ -121,3 +121,14 @@ def test_cuda_two_ranks_every_mode_kind_overlap_ps_and_sharded_dcp(tmp_path):
 def test_cuda_four_ranks(tmp_path):
     res, _ = _launch(tmp_path, 4, "cuda", "lion_fp32,lioncub_1bit,lioncub_4bit,dlion_avg")
     assert res["world_size"] == 4 and all(r["device"] == "cuda" for r in res["variants"].values())
+
+
+def test_the_run_names_the_backend_the_group_runs_on(monkeypatch):
+    """trainer.dist asks for NCCL on CUDA; under the launcher its DistInfo names gloo, which the group runs on."""
+    import trainer.dist as tdist
+
+    asked = tdist.DistInfo(0, 2, 0, torch.device("cpu"), "nccl")
+    monkeypatch.setattr(tdist, "init_distributed", lambda *a, **k: asked)
+    one_device._label_backend(SimpleNamespace(is_initialized=lambda: True, get_backend=lambda group=None: "gloo"))
+    info = tdist.init_distributed("cuda")
+    assert info.backend == "gloo" and (info.rank, info.world_size) == (0, 2)
