@@ -52,7 +52,7 @@ def test_every_imported_package_is_declared_and_the_core_is_minimal():
     assert extras["bench"] == {"matplotlib", "scipy"} and "wandb" in extras["wandb"] and "lm-eval" in extras["eval"]
     # `make install` (hence `make test`) installs the extras the suite exercises
     install = (ROOT / "Makefile").read_text()
-    line = next(ln for ln in install.splitlines() if "pip install" in ln and "-e" in ln)
+    line = next(ln for ln in install.splitlines() if "pip install" in ln and " -e " in ln)
     for extra in ("dev", "hf", "wandb", "bench", "eval"):
         assert extra in line.split("[", 1)[1].split("]")[0].split(","), extra
 
