@@ -15,20 +15,35 @@ LIONCUB_KERNEL_PROBE=0 measures in the training process instead (the child is th
 started); a child that fails is reported with its error and the measurement runs in-process; a
 child killed by a signal (`ChildCrashed`) never leads to loading the native library it may have
 crashed on: comm.kernels.warmup names the file and leaves native out in this process.
+
+The child's answer is cached per host, device (CPU model and flags), torch version, thread count,
+layout and warm-up configuration (`cache_key`), one JSON file per key in the user's cache
+directory ($LIONCUB_KERNEL_CACHE, else $XDG_CACHE_HOME/lioncub/kernels, else
+~/.cache/lioncub/kernels; LIONCUB_KERNEL_CACHE=off disables it), so only the first run on a host
+measures. Like the native library's cache (comm/native.py) the file records a sha256 of its
+contents; a file that does not match it, is unreadable, or holds another key is named in a
+warning, removed and measured again. A cached choice is only a choice: the parent still builds
+and byte-checks what it follows, and the ranks still agree on one (comm.kernels.agree_choices).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import platform
+import socket
 import subprocess
 import sys
+import tempfile
 import warnings
 
 import torch
 
 ENV = "LIONCUB_KERNEL_PROBE"  # "0": measure in-process; "child": set in the child itself
 TIMEOUT_S = 300  # under comm.timeout_s's default (600): the other ranks wait in the agreement meanwhile
+CACHE_ENV = "LIONCUB_KERNEL_CACHE"  # a directory, or "off"
+CACHE_VERSION = 1  # bump when a record's meaning changes: older files then miss
 
 
 def inside() -> bool:
@@ -56,12 +71,103 @@ class ChildCrashed(RuntimeError):
         self.signum = signum
 
 
+def cache_dir() -> str | None:
+    """Where measured choices are kept (None: caching is off)."""
+    own = os.environ.get(CACHE_ENV)
+    if own:
+        return None if own.lower() in ("0", "off", "none") else own
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "lioncub", "kernels")
+
+
+def _device_id() -> str:
+    """The CPU the timings were taken on: its model and flags (a cache copied to another host kind misses)."""
+    from . import native  # the CPU flags that key the native library's cache key this one as well
+
+    return hashlib.sha256(f"{platform.machine()}\0{platform.processor()}\0{native._cpu_flags()}".encode()).hexdigest()
+
+
+def cache_key(request: dict) -> dict:
+    """What a measurement depends on: host, device, torch version, threads, layout, configuration."""
+    return {"version": CACHE_VERSION, "host": socket.gethostname(), "device": "cpu " + _device_id(),
+            "torch": torch.__version__, "threads": request["threads"],
+            "layout": hashlib.sha256(json.dumps(request["layout"]).encode()).hexdigest(),
+            "numel": sum(int(m) for _, m in request["layout"]), "cfg": request["cfg"]}
+
+
+def _body_sha(key: dict, records: list) -> str:
+    return hashlib.sha256(json.dumps({"key": key, "records": records}, sort_keys=True).encode()).hexdigest()
+
+
+def cache_file(key: dict) -> str | None:
+    d = cache_dir()
+    if d is None:
+        return None
+    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return os.path.join(d, f"kernel_choice_{name}.json")
+
+
+def cached(key: dict) -> list[dict] | None:
+    """The records cached for `key`, or None (a damaged or foreign file: a warning naming it, removed)."""
+    path = cache_file(key)
+    if path is None or not os.path.exists(path):
+        return None
+    problem = ""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        if not (isinstance(doc, dict) and isinstance(doc.get("records"), list) and isinstance(doc.get("key"), dict)):
+            problem = "not a cache record"
+        elif doc.get("sha256") != _body_sha(doc["key"], doc["records"]):
+            problem = "its contents do not match the sha256 recorded with them (truncated or altered)"
+        elif doc["key"] != key:
+            problem = "it was written for another host, device, torch version or layout"
+        elif not all(isinstance(r, dict) and "chosen" in r and "kernel" in r for r in doc["records"]):
+            problem = "its records are not choice records"
+    except (OSError, ValueError) as e:
+        problem = f"unreadable ({type(e).__name__}: {str(e)[:120]})"
+    if problem:
+        warnings.warn(f"kernels: ignoring the cached kernel choice {path}: {problem}; measuring again", stacklevel=3)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return None
+    return doc["records"]
+
+
+def store(key: dict, records: list[dict]) -> None:
+    """Write the records for `key` atomically (temp file + rename); a cache that cannot be written is
+    a warning, never an error (the next run measures again)."""
+    path = cache_file(key)
+    if path is None:
+        return
+    records = [{k: v for k, v in r.items() if k not in ("line", "agreed")} for r in records]
+    doc = {"key": key, "records": records, "sha256": _body_sha(key, records)}
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        warnings.warn(f"kernels: could not cache the kernel choice in {path} ({e}); the next run measures again",
+                      stacklevel=3)
+
+
 def measure(layout: list[tuple[int, int]], cfg: dict) -> list[dict] | None:
     """Run the auto measurement for `layout` and the warm-up configuration `cfg` (comm.kernels.warmup's
     keywords) in a child process; its choice records, or None (with a warning naming the error)
-    when the child failed."""
+    when the child failed. A measurement cached for the same key (`cache_key`) is returned instead,
+    its records marked "cached" with the file's path; no child is started."""
     req = {"layout": layout, "threads": torch.get_num_threads(),
            "cfg": {k: [_enc(x) for x in v] if isinstance(v, (tuple, list)) else _enc(v) for k, v in cfg.items()}}
+    key = cache_key(req)
+    hit = cached(key)
+    if hit is not None:
+        for rec in hit:
+            rec["probe"], rec["cached"] = True, cache_file(key)
+        return hit
     env = dict(os.environ, **{ENV: "child"})
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     try:  # the child runs comm/kernel_probe_child.py (which imports comm.kernels: no import back from here)
@@ -88,4 +194,5 @@ def measure(layout: list[tuple[int, int]], cfg: dict) -> list[dict] | None:
         return None
     for rec in records:
         rec["probe"] = True  # the caller (comm.kernels.warmup) adds each record's line
+    store(key, records)
     return records

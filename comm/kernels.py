@@ -325,7 +325,8 @@ def _choice_line(rec: dict) -> str:
     return (f"{rec['kernel']} on {rec['device']}{f' (n={n:,})' if n is not None else ''}: {rec['chosen']} ("
             + ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(rec["ms"].items()))
             + (f"; rejected, bytes differ: {', '.join(rec['rejected'])}" if rec["rejected"] else "")
-            + ("; timed in a child process" if rec.get("probe") else "")
+            + (f"; measured by an earlier run on this host, cached in {rec['cached']}" if rec.get("cached")
+               else "; timed in a child process" if rec.get("probe") else "")
             + (f"; agreed by {rec['agreed']} ranks" if rec.get("agreed") else "") + ")")
 
 
@@ -1047,7 +1048,8 @@ def warmup(device: torch.device | str = "cpu", *, bits: Sequence[int] = (), leve
     unpack_majority, the p-bit one (bits) quantize_pack and unpack_sum. On CPU the timing runs in
     a child process (comm.kernel_probe: the same code, the same thread count), whose choices this
     process adopts, then builds and verifies only the chosen candidates: inductor is imported here
-    only when a compiled kernel won (its import and compiled code cost 60-150 MiB of RSS). With
+    only when a compiled kernel won (its import and compiled code cost 60-150 MiB of RSS); a host's
+    later runs with the same key read the child's answer from its cache (comm.kernel_probe). With
     agree=True the ranks of `group` first agree on the choices (`agree_choices`, a collective: every
     rank calls warmup), so what is built is what the group runs."""
     device = torch.device(device)

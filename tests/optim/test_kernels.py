@@ -771,6 +771,12 @@ def _auto_candidates() -> set[str]:
     return {"eager", "compiled"} | ({"native"} if native.unavailable("cpu") is None else set())
 
 
+@pytest.fixture(autouse=True)
+def _private_kernel_cache(monkeypatch, tmp_path):
+    """Each test measures afresh: auto's cached choices (comm/kernel_probe.py) go to a directory of its own."""
+    monkeypatch.setenv(kernel_probe.CACHE_ENV, str(tmp_path / "kernel_cache"))
+
+
 @pytest.fixture
 def fresh_auto(monkeypatch):
     """impl="auto" with no measured choice yet, restored after the test."""
