@@ -238,6 +238,10 @@ class TrainConfig:
     """Checkpoint every N steps (and always at the end); 0 = only at the end."""
     keep_ckpts: int = 2
     """How many checkpoints to keep (oldest deleted first)."""
+    async_ckpt: bool = False
+    """Write checkpoints in a background thread: the state is copied to the CPU at the save, training
+    continues while the files, checksums and meta.json are written; the next save and the end of the
+    run wait for it. A failed background save is reported and never marked intact."""
     out_dir: str = "runs/default"
     """Run directory: config.yaml, metrics.jsonl, ckpt/."""
     stop_after: int = 0
