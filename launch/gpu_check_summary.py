@@ -30,9 +30,9 @@ def ranks_lines(data: dict) -> list[str]:
         for k, r in v.items():
             if "error" in r:
                 out.append(f"{part}: {k} FAILED: {r['error']}")
-            plain, over = v.get("lion_fp32@comm.bucket_mb=0.01"), v.get("lion_fp32@comm.bucket_mb=0.01@comm.overlap=true")
-            if plain and over:
-                out.append(f"{part}: fp32 with buckets, overlap on == off bit for bit: {plain['sha256'] == over['sha256']}")
+        plain, over = ok.get("lion_fp32@comm.bucket_mb=0.01"), ok.get("lion_fp32@comm.bucket_mb=0.01@comm.overlap=true")
+        if plain and over:
+            out.append(f"{part}: fp32 with buckets, overlap on == off bit for bit: {plain['sha256'] == over['sha256']}")
         if "shard" in res:
             s = res["shard"]
             out.append(f"{part}: parallel.shard_size=2 on {s['device']}: resumed from DCP == straight run: "

@@ -5,6 +5,7 @@
     python -m launch.gpu_probe gloo         # every collective the comm layer uses, gloo, CUDA tensors, 2 ranks
     python -m launch.gpu_probe fsdp         # FSDP2 fully_shard + DCP save/load over gloo, 2 ranks on one device
     python -m launch.gpu_probe lion         # fused Lion step candidates vs the foreach kernels vs fused AdamW
+    python -m launch.gpu_probe lionopt      # the optimizers' step as the trainer takes it (Lion eager / auto, AdamW)
     python -m launch.gpu_probe mfu --mb 12 [--mode M] [--sdpa B] [--profile]   # gpt2-124m forward + backward
 
 Every result line starts with "PROBE" and the part's name, so the output of a whole run greps well.
@@ -447,6 +448,70 @@ def part_lion(only: str | None, preset: str) -> None:
     say("lion", f"copy_ of {n / 1e6:.0f}M fp32 (4+4 bytes/element; a Lion pass moves 20): {time_it(lambda: cp.copy_(src)):.3f} ms")
 
 
+# ---- the optimizers' step as the trainer takes it --------------------------------------------------
+def part_lionopt(preset: str, steps: int) -> None:
+    """gpt2-124m's parameters in the trainer's groups (one per role), gradients in the flat buffer:
+    optim.build_optimizer's Lion (comm.kernels eager = the foreach kernels, auto = the fused step) and
+    AdamW, each step started on an idle GPU as in the trainer (it reads the loss first): CUDA-event time
+    of opt.step(), host time of the call, CUDA kernels launched per step, and the recompiles dynamo logs."""
+    import logging
+
+    import torch._logging
+
+    sys.path.insert(0, os.getcwd())
+    import optim
+    from model import get_preset
+    from model.gpt import GPT
+    from trainer.param_groups import param_groups
+
+    torch._logging.set_logs(recompiles=True)
+    logging.getLogger("torch._dynamo").setLevel(logging.WARNING)
+    torch.manual_seed(0)
+    model = GPT(get_preset(preset)).to(DEV)
+    ocfg = argparse.Namespace(lr=6e-5, weight_decay=1.0, embedding_lr_mult=1.0, head_lr_mult=1.0, scalar_lr_mult=1.0)
+    for name, kernels in (("lion", "eager"), ("lion", "auto"), ("adamw", "auto")):
+        groups = param_groups(model, ocfg)
+        opt = optim.build_optimizer(name, groups, betas=(0.9, 0.99), eps=1e-8, comm_mode="fp32", kernels=kernels,
+                                    grad_clip=1.0, param_order=list(model.parameters()))
+        for p in model.parameters():
+            p.grad.normal_(0, 1e-3)
+        t0 = time.perf_counter()
+        opt.warmup()
+        warm = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(3):
+            opt.step()
+        sync()
+        first = time.perf_counter() - t0
+        ms, host = [], []
+        for _ in range(steps):
+            sync()
+            cuda = DEV.type == "cuda"
+            if cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+            h0 = time.perf_counter()
+            opt.step()
+            host.append((time.perf_counter() - h0) * 1e3)
+            if cuda:
+                b.record()
+                b.synchronize()
+                ms.append(a.elapsed_time(b))
+            else:
+                ms.append(host[-1])
+        from torch.profiler import ProfilerActivity, profile as prof
+        n_kernels = 0
+        if DEV.type == "cuda":
+            with prof(activities=[ProfilerActivity.CUDA]) as pr:
+                opt.step()
+                sync()
+            n_kernels = sum(e.count for e in pr.key_averages() if (getattr(e, "device_time_total", 0) or 0) > 0)
+        say("lionopt", f"{name} comm.kernels={kernels}: step {sorted(ms)[len(ms) // 2]:.2f} ms (CUDA events, idle GPU "
+            f"at start), host {sorted(host)[len(host) // 2]:.2f} ms, {n_kernels} CUDA kernels/step, warm-up {warm:.1f} s, "
+            f"first 3 steps {first:.1f} s; {opt.kernel_choices()[-1:] if hasattr(opt, 'kernel_choices') else ''}")
+        del opt
+
+
 # ---- MFU ----------------------------------------------------------------------------------------------
 def part_mfu(mb: int, mode: str | None, sdpa: str | None, profile: bool, steps: int, preset: str) -> None:
     sys.path.insert(0, os.getcwd())
@@ -512,7 +577,7 @@ def part_mfu(mb: int, mode: str | None, sdpa: str | None, profile: bool, steps: 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["env", "nccl", "gloo", "fsdp", "lion", "mfu"])
+    ap.add_argument("part", choices=["env", "nccl", "gloo", "fsdp", "lion", "lionopt", "mfu"])
     ap.add_argument("--mb", type=int, default=12)
     ap.add_argument("--mode", default=None)
     ap.add_argument("--sdpa", default=None, help="SDPBackend name: FLASH_ATTENTION, CUDNN_ATTENTION, EFFICIENT_ATTENTION")
@@ -530,6 +595,8 @@ def main() -> None:
         part_ranks(a.part)
     elif a.part == "lion":
         part_lion(a.only, a.preset)
+    elif a.part == "lionopt":
+        part_lionopt(a.preset, a.steps)
     else:
         part_mfu(a.mb, a.mode, a.sdpa, a.profile, a.steps, a.preset)
 

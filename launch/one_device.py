@@ -13,6 +13,8 @@ Each rank is a torchrun process (`--standalone`) that runs the script in-process
 - gloo's point-to-point calls (send / recv / isend / irecv, used by the parameter-server mode) do not
   take CUDA tensors (writev on a device pointer: "Bad address"), so install() stages them through a
   host copy: the bytes sent are the same;
+- torch's functional collectives (DTensor's full_tensor and redistribution) on CUDA tensors over gloo crashed
+  a process (SIGSEGV), so install() stages them through host copies too;
 - on CPU nothing changes: gloo is the backend anyway; the launcher only starts the ranks.
 Results are the multi-rank code's results (replicas bit-identical, the same wire bytes); the
 speed is not that of P GPUs.
@@ -108,7 +110,35 @@ def install(device: str) -> None:
 
     dist.init_process_group = gloo_init
     _stage_p2p(dist)
+    import torch.distributed._functional_collectives as funcol
+
+    _stage_functional(funcol)
     _label_backend(dist)
+
+
+FUNCTIONAL = ("all_gather_tensor", "all_gather_single", "all_reduce", "reduce_scatter_tensor", "reduce_scatter_single",
+              "all_to_all_single")
+"""torch's functional collectives, which DTensor's redistribution (full_tensor, Shard -> Replicate) calls."""
+
+
+def _stage_functional(funcol) -> None:
+    """The functional collectives on CUDA tensors go through host copies: on gloo they crashed the process
+    (SIGSEGV in an all_gather of DTensor.full_tensor after a sharded run had trained, torch 2.11 on an
+    H100), where gloo's own collectives and FSDP2's did not. Every group here is gloo."""
+    for name in FUNCTIONAL:
+        real = getattr(funcol, name, None)
+        if real is None:
+            continue
+
+        def staged(self, *args, _real=real, **kwargs):
+            if not getattr(self, "is_cuda", False):
+                return _real(self, *args, **kwargs)
+            out = _real(self.cpu(), *args, **kwargs)
+            if hasattr(funcol, "AsyncCollectiveTensor") and isinstance(out, funcol.AsyncCollectiveTensor):
+                out = out.wait()
+            return out.to(self.device)
+
+        setattr(funcol, name, staged)
 
 
 def _label_backend(dist) -> None:

@@ -325,13 +325,15 @@ def warmup_fused_passes(device: torch.device | str = "cpu", *, impl: str | None 
 # ---- Lion's whole step as one pass per tensor ----------------------------------------------------
 def _k_lion_step(params: list[torch.Tensor], grads: list[torch.Tensor], moms: list[torch.Tensor],
                  hyper: torch.Tensor) -> None:
-    """Traced body of the fused step. hyper[i] = (s, -lr, b1, 1 - b1, b2, 1 - b2) of tensor i as
-    float32 (s = 1 - lr*wd): c = fma(g, 1-b1, fl(m*b1)); p = fma(sign c, -lr, fl(p*s)); m = fma(g,
-    1-b2, fl(m*b2)) from the old m: lion_group_step_'s roundings (with wd = 0, s = 1 and p*1 = p).
-    `_STEP_FMA` is the fma (a global: FusedLionStep gives each variant its own globals)."""
+    """Traced body of the fused step. hyper[k] = (s, -lr, b1, 1 - b1, b2, 1 - b2) of param group k as
+    float32 (s = 1 - lr*wd), tensor i in group _STEP_ROWS[i]: c = fma(g, 1-b1, fl(m*b1)); p = fma(sign
+    c, -lr, fl(p*s)); m = fma(g, 1-b2, fl(m*b2)) from the old m: lion_group_step_'s roundings (with
+    wd = 0, s = 1 and p*1 = p). `_STEP_FMA` is the fma; both are globals that FusedLionStep gives each
+    instance (one row per group, not per tensor: tensors of one shape and one group then read the same
+    row, which lets inductor put them in one kernel)."""
     fma = _STEP_FMA
     for i, (p, g, m) in enumerate(zip(params, grads, moms)):
-        h = hyper[i]
+        h = hyper[_STEP_ROWS[i]]
         c = fma(g, h[3].expand_as(g), m * h[2])
         m_new = fma(g, h[5].expand_as(g), m * h[4])
         p.copy_(fma(torch.sign(c), h[1].expand_as(p), p * h[0]))
@@ -339,6 +341,7 @@ def _k_lion_step(params: list[torch.Tensor], grads: list[torch.Tensor], moms: li
 
 
 _STEP_FMA = _fma
+_STEP_ROWS: tuple[int, ...] = ()
 FMA_VARIANTS = {"fma": _fma, "fma64": _fma64}
 """How the fused step computes its fmas: inductor's fma op (one instruction), or exactly in float64
 ops (for an inductor whose Triton fma flushes subnormals to zero); the warm-up keeps the first whose
@@ -359,16 +362,20 @@ class FusedLionStep:
 
     def __init__(self, device: torch.device | str, fma: str = "fma") -> None:
         self.device, self.fma = torch.device(device), fma
+        self._run, self._rows = None, None
+        self.calls = 0
+
+    def _build(self, rows: tuple[int, ...]) -> None:
+        """Compile the step for tensors in groups `rows` (the optimizer's layout: built once)."""
         name = f"lion_step_{id(self):x}"
         code = _k_lion_step.__code__.replace(co_name=name)
         if hasattr(code, "co_qualname"):
             code = code.replace(co_qualname=name)
-        scope = {**_k_lion_step.__globals__, "_STEP_FMA": FMA_VARIANTS[fma]}
+        scope = {**_k_lion_step.__globals__, "_STEP_FMA": FMA_VARIANTS[self.fma], "_STEP_ROWS": rows}
         fn = types.FunctionType(code, scope, name)
         # eager rounds each product before the add that follows it; Triton's fp fusion would not
         options = {"emulate_precision_casts": True} if self.device.type == "cuda" else {}
-        self._run = torch.compile(fn, dynamic=False, fullgraph=True, options=options)
-        self.calls = 0
+        self._run, self._rows = torch.compile(fn, dynamic=False, fullgraph=True, options=options), rows
 
     @staticmethod
     def fits(params: Sequence[torch.Tensor]) -> str | None:
@@ -387,12 +394,12 @@ class FusedLionStep:
 
     def __call__(self, state: dict, groups: Sequence[tuple[dict, Sequence[torch.Tensor]]]) -> None:
         """One Lion step of every (param group, its parameters), momentum in state[p]["exp_avg"]."""
-        ps, gs, ms, rows = [], [], [], []
-        for group, params in groups:
+        ps, gs, ms, rows, hyper = [], [], [], [], []
+        f = kernels.f32
+        for k, (group, params) in enumerate(groups):
             b1, b2 = group["betas"]
             lr, wd = float(group["lr"]), float(group["weight_decay"])
-            f = kernels.f32
-            row = (f(1.0 - lr * wd) if wd != 0.0 else 1.0, f(-lr), f(b1), f(1.0 - b1), f(b2), f(1.0 - b2))
+            hyper.append((f(1.0 - lr * wd) if wd != 0.0 else 1.0, f(-lr), f(b1), f(1.0 - b1), f(b2), f(1.0 - b2)))
             for p in params:
                 st = state[p]
                 if "exp_avg" not in st:
@@ -400,12 +407,14 @@ class FusedLionStep:
                 ps.append(_local(p))
                 gs.append(p.grad)
                 ms.append(st["exp_avg"])
-                rows.append(row)
+                rows.append(k)
         if not ps:
             return
+        if self._rows != tuple(rows):
+            self._build(tuple(rows))
         # pinned: the copy runs in stream order without waiting for the host (no sync on the hot path)
-        hyper = torch.tensor(rows, dtype=torch.float32, pin_memory=self.device.type == "cuda")
-        self._run(ps, gs, ms, hyper.to(self.device, non_blocking=True))
+        h = torch.tensor(hyper, dtype=torch.float32, pin_memory=self.device.type == "cuda")
+        self._run(ps, gs, ms, h.to(self.device, non_blocking=True))
         self.calls += 1
 
 

@@ -132,3 +132,30 @@ def test_the_run_names_the_backend_the_group_runs_on(monkeypatch):
     one_device._label_backend(SimpleNamespace(is_initialized=lambda: True, get_backend=lambda group=None: "gloo"))
     info = tdist.init_distributed("cuda")
     assert info.backend == "gloo" and (info.rank, info.world_size) == (0, 2)
+
+
+def test_functional_collectives_on_cuda_tensors_go_through_host_copies():
+    """DTensor's full_tensor runs a functional all_gather, which crashed on gloo with CUDA tensors: the staged
+    call hands the collective a host tensor and returns the result on the tensor's device; host tensors pass."""
+    seen = []
+
+    def all_gather_single(t, gather_dim, group=None):
+        seen.append(type(t))
+        return torch.cat([torch.Tensor(t), torch.Tensor(t)], gather_dim)
+
+    fake = SimpleNamespace(all_gather_single=all_gather_single)
+    one_device._stage_functional(fake)
+
+    class Dev(torch.Tensor):
+        @property
+        def is_cuda(self):
+            return True
+
+        def cpu(self):
+            return torch.Tensor(self).clone()
+
+    x = torch.tensor([1.0, 2.0]).as_subclass(Dev)
+    out = fake.all_gather_single(x, 0, group=None)
+    assert seen == [torch.Tensor] and torch.equal(torch.Tensor(out), torch.tensor([1.0, 2.0, 1.0, 2.0]))
+    fake.all_gather_single(torch.ones(1), 0)
+    assert seen[-1] is torch.Tensor and len(seen) == 2

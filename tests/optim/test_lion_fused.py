@@ -141,8 +141,8 @@ def test_auto_steps_on_the_foreach_kernels_when_the_fused_step_does_not_compile(
     def broken(*a, **k):
         raise RuntimeError("backend compiler failed")
 
-    monkeypatch.setattr(L.FusedLionStep, "__init__", lambda self, device, fma="fma": setattr(self, "calls", 0) or
-                        setattr(self, "device", torch.device(device)) or setattr(self, "_run", broken))
+    monkeypatch.setattr(L.FusedLionStep, "_build", lambda self, rows: setattr(self, "_run", broken) or
+                        setattr(self, "_rows", rows))
     with pytest.warns(RuntimeWarning, match="did not compile"):
         net_a, opt_a = _train("auto", "cpu")
     net_e, _ = _train("eager", "cpu")
