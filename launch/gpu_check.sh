@@ -128,6 +128,9 @@ for v in ${TRAIN_VARIANTS//,/ }; do  # one table and one CSV for all variants
   fi
 done > "$WORK/train_results.csv"
 [ -s "$WORK/train_results.csv" ] && cp "$WORK/train_results.csv" "$OUT_DIR/train_results.csv"
+for f in "$WORK"/train/*/logs/*/*/torchrun.log; do  # what each training run chose and warned about
+  [ -f "$f" ] && { echo "--- kernel choices and warnings in $f"; grep -h "kernels:\|lion step\|Warning\|compile paid" "$f" | head -20; } >> "$OUT_DIR/train.log"
+done
 for d in train memory; do  # a failed run's reason: the last lines of its log
   for f in "$WORK/$d"/logs/*/*/torchrun.log "$WORK/$d"/*/logs/*/*/torchrun.log; do
     [ -f "$f" ] && grep -q "Traceback\|Error" "$f" && { echo "--- errors in $f"; grep -B2 -A6 "Error" "$f" | tail -20; } >> "$OUT_DIR/$d.log"
