@@ -86,7 +86,7 @@ stage env 20 env.log bash -c "nvidia-smi --query-gpu=name,memory.total,driver_ve
   $PY -c \"import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), torch.cuda.get_device_name())\"; \
   git log -1 --format='code %h %s' 2>/dev/null || true"
 
-stage tests ${TESTS_LIMIT:-95} tests.log $PY -m pytest -q -p no:cacheprovider -o addopts= tests/optim/test_kernels.py \
+stage tests ${TESTS_LIMIT:-95} tests.log $PY -m pytest -q -p no:cacheprovider -o addopts= tests/comm/test_kernels.py \
   tests/optim/test_optim.py tests/optim/test_lion_fused.py -k cuda -rf
 
 # one bench.step_breakdown call per variant (it writes its table when all its runs are done): a variant cut

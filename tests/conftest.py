@@ -9,6 +9,6 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # the tests run comm's value checks that cost a host sync (off by default on the hot path), and
 # the eager kernels unless a test asks for compiled ones (compiling per test process would cost
-# minutes; tests/optim/test_kernels.py and the compiled end-to-end test exercise them)
+# minutes; tests/comm/test_kernels.py and the compiled end-to-end test exercise them)
 os.environ.setdefault("LIONCUB_DEBUG", "1")
 os.environ.setdefault("LIONCUB_KERNELS", "eager")

@@ -1,5 +1,5 @@
 """comm.native: the build (cached per source, compiler and CPU; atomic), its failure modes, and the
-dispatch around it. The bytes of every native kernel are checked in tests/optim/test_kernels.py (each
+dispatch around it. The bytes of every native kernel are checked in tests/comm/test_kernels.py (each
 wire-kernel test runs on native too) and a distributed step in tests/workers/optim_dist.py."""
 from __future__ import annotations
 

@@ -501,7 +501,7 @@ def test_a_lion_cub_step_allocates_no_buffer_of_the_models_size(mode, opts, kern
     separate c of comm.overlap's path is 4 bytes per parameter, and this measurement sees it."""
     from comm import kernels as K
     from comm import native
-    from tests.optim.test_kernels import _allocations
+    from tests.comm.test_kernels import _allocations
 
     if kernels == "native" and native.unavailable("cpu") is not None:
         pytest.skip(f"no native kernels: {native.unavailable('cpu')}")
