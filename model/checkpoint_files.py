@@ -3,7 +3,8 @@ rollback (trainer/checkpoint.py) and by every reader of a trained model (model/l
 sample, eval), so that a file is never trusted by one reader and checked by another.
 
 A checkpoint is a directory step_NNNNNN/ holding model.pt, one rank_NNNNN.pt per rank and
-meta.json, written last, with every file's sha256. A reader
+meta.json, written last, with every file's sha256 (and, where the optimizer state is shared by
+every rank, `optimizer_shared`: the listed file holding it once). A reader
 - verifies meta.json and the sha256 of each file it reads (`verify`): this proves the bytes are
   the ones written, not who wrote them, since whoever can write a file can write meta.json too;
   and that meta.json lists every file in the directory: a file the save did not record is refused
@@ -118,10 +119,13 @@ def read_meta(path: Path) -> dict:
     try:  # every key a reader uses, of the type it uses it as: a wrong shape is one line, not a TypeError
         meta = read_json_object(f, {"step": int, "world_size": int},
                                 optional={"files": dict, "config": dict, "sharded_model": str, "shard_size": int,
-                                          "tokens_seen": int, "finite": bool})
+                                          "tokens_seen": int, "finite": bool, "optimizer_shared": str})
     except FileShapeError as e:
         raise CheckpointError(str(e)) from None
     bad = [k for k, v in (meta.get("files") or {}).items() if not (isinstance(k, str) and isinstance(v, str))]
+    shared = meta.get("optimizer_shared")
+    if shared is not None and shared not in (meta.get("files") or {}):  # a file every rank reads: one it verifies
+        raise CheckpointError(f"{f}: optimizer_shared names {shared!r}, which its files do not list")
     if bad or meta["world_size"] < 1:
         raise CheckpointError(f"{f}: {'files maps ' + repr(bad[0]) + ' to no sha256' if bad else 'world_size < 1'}")
     return meta

@@ -1,8 +1,13 @@
 """Checkpoints: one directory per step, written atomically, verified on resume.
 
 Layout: ckpt/step_000100/{model.pt, rank_00000.pt, ..., meta.json}. The model is identical on all
-ranks and saved once; every rank saves its own optimizer state (update-sync optimizers keep a
-different momentum per rank), data-loader state and RNG states. Ranks write into a hidden temp
+ranks and saved once. Every rank saves its data-loader state, RNG states and its optimizer state;
+where every rank steps one shared optimizer state (gradient sync: `shares_optimizer_state`, from
+the sync-scheme registry's capability), that state is identical on every rank and only rank 0's
+file holds it whole, the others only their per-rank entries (step counter, exchange state), and
+meta.json names the file holding it (SHARED); update-sync optimizers keep a different momentum
+per rank, which every rank writes. Checkpoints of older versions (every rank's whole state in
+its own file, no SHARED) load as before. Ranks write into a hidden temp
 directory; every file's sha256 is taken from the bytes written, and rank 0 writes meta.json LAST
 with every file's checksum. After a barrier rank 0 renames the directory into place and rewrites
 `latest` (temp + rename), so a save killed half-way never touches the last good checkpoint.
@@ -20,9 +25,18 @@ finite); all ranks agree; a
 corrupt, incomplete or foreign checkpoint is reported by name and the next older one is tried.
 RNG states are stored as tensors and plain numbers so that a weights_only load reads them. Leftover temp directories of killed saves are
 removed at start (`clean_partial`). A full disk is reported as such (CheckpointError).
+
+train.async_ckpt (`save_checkpoint_async`): the state is copied to the CPU at the save (after the
+same finite check), the files are written by a background thread and each rank then leaves a
+marker with its files' checksums in the temp directory; rank 0 waits for them, writes meta.json
+and renames the directory into place exactly as above, so verification, the meta.json listing
+and the fallback to the newest intact checkpoint are the same. The next save, a rollback and the
+run's final save wait for it (`wait_pending`); a failed background save is reported at once, is
+never renamed into place, and makes the next wait raise a CheckpointError on every rank.
 """
 from __future__ import annotations
 
+import copy
 import errno
 import hashlib
 import io
@@ -30,6 +44,10 @@ import json
 import os
 import random
 import shutil
+import sys
+import threading
+import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,8 +60,11 @@ from model.checkpoint_files import (META, MODEL, CheckpointError, candidates, ch
                                     nonfinite_keys, read_meta, sha256_file, step_dirs, verify)
 from util import atomic_write, replace_dir
 
-__all__ = ["META", "MODEL", "CheckpointError", "NonFiniteError", "candidates", "find_resumable", "read_meta",
-           "save_checkpoint", "sha256_file", "step_dirs", "verify"]
+from .dist import before_shutdown
+
+__all__ = ["META", "MODEL", "SHARED", "CheckpointError", "NonFiniteError", "candidates", "find_resumable",
+           "optimizer_state", "read_meta", "save_checkpoint", "sha256_file", "shares_optimizer_state",
+           "split_optimizer_state", "step_dirs", "verify"]
 
 
 class NonFiniteError(CheckpointError):
@@ -52,6 +73,46 @@ class NonFiniteError(CheckpointError):
 
 def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
+
+
+SHARED = "optimizer_shared"
+"""meta.json's key naming the rank file that holds the optimizer state every rank shares (absent in
+checkpoints of older versions and where the state is per rank: every rank file then holds its own)."""
+PER_RANK_KEYS = ("comm",)
+"""The entries of a CommOptimizer's state that stay in every rank's file under gradient sync: its
+own rank, step counter and exchange state (a gradient scheme's error feedback is per rank)."""
+UPDATE_PHASE = "update_sync"  # the phase an UPDATE-kind scheme books into (SyncScheme.phase)
+
+
+def shares_optimizer_state(optimizer, world_size: int) -> bool:
+    """Whether every rank steps one optimizer state (identical on every rank, so written once): its
+    sync scheme shares state (the registry's `per_rank_state` is False: gradient sync) and none of
+    its own exchanges is an update sync (Dion's factor exchange keeps a momentum per rank even
+    under a gradient scheme). Anything without a registry scheme keeps its state per rank."""
+    scheme = getattr(optimizer, "scheme", None)
+    if world_size < 2 or scheme is None or getattr(scheme, "per_rank_state", True):
+        return False
+    phases = optimizer.wire_bytes_per_step(world_size=world_size, rank=0)
+    return not any(sent or recv for phase, (sent, recv) in phases.items() if phase == UPDATE_PHASE)
+
+
+def split_optimizer_state(state: dict, rank: int, shared: bool) -> dict:
+    """What rank `rank` writes of its optimizer state: all of it on rank 0 or where the state is per
+    rank; only its per-rank entries (PER_RANK_KEYS) on the other ranks when the rest is shared."""
+    if not shared or rank == 0:
+        return state
+    return {k: v for k, v in state.items() if k in PER_RANK_KEYS}
+
+
+def optimizer_state(files: dict[str, Any], meta: dict, name: str) -> dict:
+    """The whole optimizer state of the rank whose file is `name`, from a loaded checkpoint's files:
+    its own file's, completed by the shared state (meta[SHARED]'s file) when that was written once.
+    A checkpoint of an older version holds every rank's state in its own file."""
+    own = files[name]["optimizer"]
+    shared = meta.get(SHARED)
+    if not shared or name == shared:
+        return own
+    return {**files[shared]["optimizer"], **own}
 
 
 def rng_state() -> dict:
@@ -178,6 +239,154 @@ def save_checkpoint(ckpt_root: Path, step: int, model_state: dict | None, rank_s
     return final
 
 
+# ---- background saves (train.async_ckpt) -------------------------------------------------------------------
+ASYNC_WAIT_S = 600.0  # how long rank 0's writer waits for the other ranks' files before giving the save up
+_pending: dict[str, "_Background"] = {}  # checkpoint root -> this process's save in flight
+
+
+class _Background:
+    """One rank's part of a background save: a thread writing the snapshot into the temp directory."""
+
+    def __init__(self, step: int, target: Callable[["_Background"], None]) -> None:
+        self.step, self.error = step, ""
+        self.thread = threading.Thread(target=self._run, args=(target,), name=f"checkpoint-{step}", daemon=False)
+
+    def _run(self, target) -> None:
+        try:
+            target(self)
+        except Exception as e:  # noqa: BLE001 - every failure is reported and the save never marked intact
+            self.error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            kept = "" if "previous checkpoint" in self.error else "; the previous checkpoint is kept"
+            print(f"checkpoint step {self.step}: the background save failed: {self.error}{kept}", file=sys.stderr,
+                  flush=True)
+
+
+def _snapshot(obj: Any, memo: dict | None = None) -> Any:
+    """A copy of a nested state on the CPU that training cannot change (it updates the originals in
+    place while the copy is written). Each storage is copied once and its tensors become views of
+    the copy, as torch.save stores them: a tied weight stays one storage and the file's bytes are
+    those of a synchronous save."""
+    memo = {} if memo is None else memo
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        st = t.untyped_storage()
+        key = (st.device.type, st.data_ptr(), st.nbytes())
+        if key not in memo:
+            memo[key] = st.clone() if st.device.type == "cpu" else st.cpu()
+        out = torch.empty(0, dtype=t.dtype)
+        out.set_(memo[key], t.storage_offset(), t.size(), t.stride())
+        return out
+    if isinstance(obj, dict):
+        out = (OrderedDict if isinstance(obj, OrderedDict) else dict)((k, _snapshot(v, memo)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):  # a module's state dict: its version metadata is saved with it
+            out._metadata = copy.deepcopy(obj._metadata)
+        return out
+    if isinstance(obj, list):
+        return [_snapshot(v, memo) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_snapshot(v, memo) for v in obj)
+    return obj
+
+
+def wait_pending(ckpt_root: Path, world_size: int = 1) -> None:
+    """Wait for this process's background save under `ckpt_root` (if any). Collective when
+    world_size > 1: every rank learns whether any rank's part failed, and then all raise a
+    CheckpointError naming the step (the checkpoint itself was never marked intact)."""
+    job = _pending.pop(str(ckpt_root), None)
+    if job is None:
+        return
+    job.thread.join()
+    if _agree(bool(job.error)) if world_size > 1 else bool(job.error):
+        raise CheckpointError(f"the background save of checkpoint step {job.step} failed"
+                              f"{': ' + job.error if job.error else ' on another rank'}; the previous checkpoint is "
+                              f"kept. Free space or fix {ckpt_root}, or set train.async_ckpt=false")
+
+
+def join_all() -> None:
+    """Wait for every background save of this process, with no collective (the run is ending, maybe
+    after an error): trainer.dist.shutdown calls it. A failure was reported by its thread."""
+    while _pending:
+        _pending.popitem()[1].thread.join()
+
+
+def _marker(tmp: Path, rank: int, what: str) -> Path:
+    return tmp / f".{rank_file(rank)}.{what}"
+
+
+def _publish(path: Path, text: str) -> None:
+    """Write a small file atomically (temp + rename): a reader never sees it half written."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(text)
+    os.replace(part, path)
+
+
+def save_checkpoint_async(ckpt_root: Path, step: int, model_state: dict | None, rank_state: dict, meta: dict,
+                          rank: int, world_size: int, keep: int) -> Path:
+    """`save_checkpoint` with the writing in a background thread (collective, like it; not for a
+    sharded model). Here, synchronously: the previous background save is waited for, the finite
+    check agreed, the state copied to the CPU and the temp directory made. In the background every
+    rank writes its files and then a marker with their checksums (or one with its error); rank 0
+    waits for every rank's marker, writes meta.json last with every file's checksum, and renames the
+    directory into place, as a synchronous save does. A failed part leaves the temp directory, never
+    a step directory (removed at the next start, `clean_partial`). Returns the directory the
+    checkpoint will have; `wait_pending` waits for it."""
+    wait_pending(ckpt_root, world_size)
+    bad = nonfinite_keys(model_state, "model") if rank == 0 and model_state is not None else []
+    bad += nonfinite_keys(rank_state, f"rank {rank}")
+    if _agree(bool(bad)):
+        raise NonFiniteError(f"refusing to save checkpoint step {step}: non-finite values in "
+                             f"{', '.join(bad[:5]) or 'another rank'}" + (" ..." if len(bad) > 5 else "")
+                             + "; the last good checkpoint is kept")
+    model_state = _snapshot(model_state) if rank == 0 and model_state is not None else None
+    rank_state = _snapshot(rank_state)
+    final = ckpt_root / f"step_{step:06d}"
+    tmp = ckpt_root / f".tmp_step_{step:06d}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            raise _disk_error(tmp, e) from None
+    _barrier(world_size)
+
+    def write(job: _Background) -> None:
+        files = {}
+        try:
+            if model_state is not None:
+                files[MODEL] = _write(model_state, tmp / MODEL)
+            files[rank_file(rank)] = _write(rank_state, tmp / rank_file(rank))
+        except Exception as e:
+            _publish(_marker(tmp, rank, "failed"), str(e) or type(e).__name__)
+            raise
+        if rank != 0:
+            _publish(_marker(tmp, rank, "done"), json.dumps(files))
+            return
+        deadline = time.monotonic() + ASYNC_WAIT_S
+        for r in range(1, world_size):
+            while not _marker(tmp, r, "done").is_file():
+                if _marker(tmp, r, "failed").is_file():
+                    raise CheckpointError(f"rank {r} could not write its part: "
+                                          f"{_marker(tmp, r, 'failed').read_text()[:300]}")
+                if time.monotonic() > deadline:
+                    raise CheckpointError(f"rank {r} did not write its part within {ASYNC_WAIT_S:.0f} s")
+                time.sleep(0.02)
+            files.update(json.loads(_marker(tmp, r, "done").read_text()))
+            _marker(tmp, r, "done").unlink()
+        try:
+            (tmp / META).write_text(json.dumps({**meta, "files": files, "finite": True}, indent=2))  # last
+        except OSError as e:
+            raise _disk_error(tmp / META, e) from None
+        replace_dir(tmp, final, aside=ckpt_root / f".old_step_{step:06d}")
+        atomic_write(ckpt_root / "latest", final.name, suffix=".tmp")
+        _rotate(ckpt_root, keep, final)
+
+    job = _Background(step, write)
+    _pending[str(ckpt_root)] = job
+    before_shutdown(join_all)  # the end of the run waits for it, also when the run stops after this save
+    job.thread.start()
+    return final
+
+
 def _barrier(world_size: int) -> None:
     if world_size > 1:
         dist.barrier()
@@ -216,11 +425,12 @@ def files_needed(meta: dict, rank: int, world_size: int) -> list[str]:
     """The files a rank reads: the model, and its own rank file, or every rank file of the saved
     run when the world size changed (their states are combined)."""
     saved = int(meta["world_size"])
+    shared = [meta[SHARED]] if meta.get(SHARED) else []  # the optimizer state written once, read by all
     if meta.get("sharded_model"):  # every rank verifies its share of the model's shard files
         shards = sorted(n for n in meta.get("files", {}) if n.startswith(meta["sharded_model"] + "/"))
-        return shards[rank::world_size] + ([rank_file(rank)] if rank < saved else [])
+        return shards[rank::world_size] + sorted(set(([rank_file(rank)] if rank < saved else []) + shared))
     if saved == world_size:
-        return [MODEL, rank_file(rank)]
+        return [MODEL] + sorted({rank_file(rank), *shared})
     return [MODEL] + [rank_file(r) for r in range(saved)]
 
 

@@ -80,7 +80,19 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0, init_timeou
     return DistInfo(rank, world, local_rank, dev, backend)
 
 
+_before_shutdown: list = []  # callables run by `shutdown` first (trainer/checkpoint.py: a background save's wait)
+
+
+def before_shutdown(fn) -> None:
+    """Have `shutdown` call fn() (no arguments, no collectives) before it tears the process group down:
+    the process leaves with os._exit right after (train.py), which would cut a background thread short."""
+    if fn not in _before_shutdown:
+        _before_shutdown.append(fn)
+
+
 def shutdown() -> None:
+    while _before_shutdown:
+        _before_shutdown.pop()()
     if dist.is_initialized():
         dist.destroy_process_group()
 

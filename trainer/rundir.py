@@ -35,7 +35,7 @@ from .runlock import LOCK, LockError, RunLock
 
 # keys a resumed run may change; anything else must match the checkpoint's config
 RESUMABLE_KEYS = ("train.max_steps", "train.stop_after", "train.profile", "train.memory_snapshot", "train.resume", "train.eval_every",
-                  "train.eval_steps", "train.ckpt_every", "train.keep_ckpts", "train.log_every",
+                  "train.eval_steps", "train.ckpt_every", "train.keep_ckpts", "train.async_ckpt", "train.log_every",
                   "train.out_dir", "train.device", "train.mc_eval", "train.on_nonfinite", "train.max_skipped_steps",
                   "data.cache_dir", "comm.timeout_s", "comm.init_timeout_s", "comm.kernels", "comm.fine_timing",
                   "comm.auto_", "log.", "diag.", "optim.schedule_steps", "model.init_from",

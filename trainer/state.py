@@ -2,7 +2,9 @@
 including a resume on another world size: the model and the replicated optimizer state load as
 they are, per-rank optimizer state (update-sync momenta) is averaged once over the saved ranks,
 which is exactly one momentum synchronisation, and the data loader's global position carries over,
-so no token is trained twice or skipped; and the policy for a non-finite step (train.on_nonfinite)."""
+so no token is trained twice or skipped; and the policy for a non-finite step (train.on_nonfinite).
+Under gradient sync the optimizer state every rank shares is written once, in rank 0's file
+(trainer/checkpoint.py: shares_optimizer_state); train.async_ckpt saves in the background."""
 from __future__ import annotations
 
 import time
@@ -11,8 +13,9 @@ from pathlib import Path
 from model.checkpoint_files import load_verified
 
 from . import sharded_checkpoint
-from .checkpoint import (MODEL, CheckpointError, find_resumable, rank_file, read_meta, rng_state, save_checkpoint,
-                         set_rng_state, verify)
+from .checkpoint import (MODEL, SHARED, CheckpointError, find_resumable, optimizer_state, rank_file, read_meta,
+                         rng_state, save_checkpoint, save_checkpoint_async, set_rng_state, shares_optimizer_state,
+                         split_optimizer_state, verify, wait_pending)
 from .config import ConfigError
 from .rundir import REPLACED, drop_replaced
 
@@ -24,13 +27,29 @@ class DivergenceError(RuntimeError):
 
 
 def save(trainer) -> Path:
-    rank_state = {"optimizer": trainer.optimizer.state_dict(), "loader": trainer.loader.state_dict(),
+    rank, world = trainer.info.rank, trainer.info.world_size
+    # state every rank shares (gradient sync) is written once, by rank 0; a sharded run's state is
+    # its shards' (different on every shard rank), kept per rank
+    shared = not trainer.parallel.sharded and shares_optimizer_state(trainer.optimizer, world)
+    opt = split_optimizer_state(trainer.optimizer.state_dict(), rank, shared)
+    rank_state = {"optimizer": opt, "loader": trainer.loader.state_dict(),
                   "rng": rng_state(), "step": trainer.step, "train_time": trainer.train_time,
                   "skip_batches": sorted(trainer.skip_batches), "schedule_steps": trainer.schedule_steps,
                   "tokens_seen": trainer.tokens_seen}
     meta = {"step": trainer.step, "world_size": trainer.info.world_size, "config": trainer.cfg.to_dict(),
             "tokens_seen": trainer.tokens_seen,
             "time": time.strftime("%Y-%m-%d %H:%M:%S"), "shard_size": trainer.parallel.shard_size}
+    if shared:
+        meta[SHARED] = rank_file(0)
+    # a background save (train.async_ckpt) where the save is not the run's last and no replaced run waits
+    # for a verified checkpoint; a sharded model's DCP save stays in the foreground (its own collectives)
+    background = (trainer.cfg.train.async_ckpt and not trainer.parallel.sharded
+                  and trainer.step < trainer.cfg.train.max_steps
+                  and not any(p.name.startswith(REPLACED) for p in trainer.out_dir.iterdir()))
+    if background:
+        return save_checkpoint_async(trainer.ckpt_root, trainer.step, trainer.model.state_dict(), rank_state, meta,
+                                     rank, world, trainer.cfg.train.keep_ckpts)
+    wait_pending(trainer.ckpt_root, world)
     if trainer.parallel.sharded:  # every rank writes its model shards (DCP); its file holds its shards'
         # optimizer state (per-replica state is per rank, never merged)
         sharded_checkpoint.check_finite(trainer.model, trainer.step)
@@ -62,12 +81,12 @@ def load(trainer, path: Path, meta: dict, files: dict) -> str:
             trainer.model.load_state_dict(files[MODEL])
         if saved == world:
             mine = files[rank_file(rank)]
-            trainer.optimizer.load_state_dict(mine["optimizer"])
+            trainer.optimizer.load_state_dict(optimizer_state(files, meta, rank_file(rank)))
             note = ""
         else:
             states = [files[rank_file(r)] for r in range(saved)]
             mine = states[min(rank, saved - 1)]
-            trainer.optimizer.load_resharded([s["optimizer"] for s in states])
+            trainer.optimizer.load_resharded([optimizer_state(files, meta, rank_file(r)) for r in range(saved)])
             note = (f" (written by {saved} ranks, resumed on {world}: per-rank optimizer state averaged once, i.e. "
                     f"one momentum synchronisation; data continues at the same global token position)")
     except (ValueError, KeyError, TypeError, RuntimeError) as e:  # a state this run's optimizer cannot take
@@ -105,7 +124,7 @@ def _load_remeshed(trainer, path: Path, meta: dict, files: dict, saved_shard: in
     files = {**files, **load_verified(path, [n for n in names if n not in files])[0]}  # every old rank's state
     try:
         opt = sharded_checkpoint.remesh_optimizer_state(
-            [files[n]["optimizer"] for n in names], saved_shard, par.shard_size, par.replicas,
+            [optimizer_state(files, meta, n) for n in names], saved_shard, par.shard_size, par.replicas,
             rank // par.shard_size, rank % par.shard_size, rank // par.shard_size if par.sharded else rank,
             # how this run's optimizer splits its state (Muon, Dion); the others: dim 0 like their parameters
             getattr(trainer.optimizer, "state_shard_dims", dict)())
@@ -149,6 +168,7 @@ def on_nonfinite(trainer, r: dict) -> None:
         raise DivergenceError(f"non-finite loss or gradient at step {bad} again after a rollback that skipped its "
                               f"batches (loss here: {r['loss']}): the data is not the cause, the run is diverging. "
                               f"The last good checkpoint is kept. Lower optim.lr or raise optim.warmup_steps")
+    wait_pending(trainer.ckpt_root, trainer.info.world_size)  # a background save in flight is a candidate
     found = find_resumable(trainer.ckpt_root, trainer.info.rank, trainer.info.world_size, trainer._say) \
         if policy == "rollback" and trainer.rollbacks < MAX_ROLLBACKS else None
     if found is None:
