@@ -27,6 +27,7 @@ from .evaluation import Evaluator
 from .inputs import init_source, initial_model, resolve_data, train_loader
 from .logger import RunLogger, banner, window_record
 from .optimizer import build_run_optimizer
+from .profiling import StepHooks
 from .rundir import RunDirError, prepare_run_dir, run_id
 from .schedule import lr_at
 from .state import DivergenceError
@@ -177,6 +178,7 @@ class Trainer:
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         self.logger.console(banner(self))
+        self.hooks = StepHooks(cfg, self.info, self.out_dir, self.device, self.logger.console)  # train.profile, memory_snapshot
         warm_up_kernels(self.optimizer, self.logger, self.step)  # compiled kernels: paid here, never inside a timed step
         if self.step >= t.max_steps:  # resumed a finished run: its final eval and checkpoint exist
             self.logger.console(f"run {self.out_dir} is already complete at step {self.step} "
@@ -193,7 +195,9 @@ class Trainer:
         start, steps_at_start = time.perf_counter(), self.step
         while self.step < t.max_steps:
             diagnose = bool(cfg.diag.every) and (self.step + 1) % cfg.diag.every == 0
+            self.hooks.before_step(self.step + 1)
             r = self.train_step(diagnose)
+            self.hooks.after_step(self.step)
             if r["report"].nonfinite:
                 state.on_nonfinite(self, r)
                 continue
@@ -276,6 +280,8 @@ def run(cfg: Config, info: DistInfo) -> dict:
     finally:
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):  # a dying run must die on a signal
             signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+        if getattr(trainer, "hooks", None) is not None:  # set in fit(); a traced step range is written out
+            trainer.hooks.close(trainer.step)
         trainer.logger.close()
         trainer.release()
 
