@@ -36,6 +36,8 @@ from util.files import FileShapeError, strict_yaml
 
 from .schedule import DECAY_SHAPES, SCHEDULES, decay_steps
 
+VARIANTS_DIR = Path(__file__).resolve().parent.parent / "configs" / "variants"  # comm.auto_allow may name them
+
 LAYER_SELECTORS = ROLES + ("all",)
 
 
@@ -177,12 +179,19 @@ class CommConfig:
     aggregated update crosses): onebit (Lion Cub 1-bit compressed allreduce), pbit (Lion Cub p-bit
     direct allreduce), ps (Distributed Lion parameter server), hierarchical (BinSGDM §4 vote), ...
     Each mode's own keys are listed below it. auto: measure the links and the model at start and run
-    the fastest of comm.auto_allow for optim.name (bench.advise; the decision is kept in the run
-    directory, so a resumed run keeps it)."""
+    the fastest of comm.auto_allow for optim.name whose quality evidence allows it, when its predicted
+    gain exceeds comm.auto_min_gain (trainer.advise; the decision is kept in the run directory, so a
+    resumed run keeps it)."""
     auto_allow: list = field(default_factory=lambda: ["fp32", "bf16", "onebit", "pbit"])
-    """comm.mode=auto: the modes it may choose. Default: those whose measured quality matches fp32 in
-    our reproduction results (Lion Cub Table 2: 1-bit and 8-bit L1 within noise of 32-bit Lion or
-    better, 3 seeds); widen it to let auto trade quality for speed."""
+    """comm.mode=auto: the modes (or named variants, configs/variants) it may choose. Among a mode's
+    variants auto keeps only those the study-prose reproduction does not measure worse than fp32
+    beyond noise (configs/auto_quality.yaml states the rule): 8-bit L1 Lion Cub qualifies (-0.025 ±
+    0.022 val loss vs 32-bit Lion, 3 seeds); 1-bit Lion Cub does not (+0.021 ± 0.008), nor do
+    ablations or variants without evidence. Name such a variant here (e.g. lioncub_1bit) to let auto
+    trade that quality for speed."""
+    auto_min_gain: float = 0.10
+    """comm.mode=auto: leave fp32 only when the fastest allowed variant's predicted step time is more
+    than this fraction faster than fp32's (0.10: 10 %); otherwise stay on fp32 and say so."""
     auto_remeasure: bool = False
     """comm.mode=auto on resume: measure again instead of keeping the stored decision (a different
     pick then refuses the resume: no mid-run switching)."""
@@ -725,15 +734,19 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
     if not 0 <= o.min_lr_ratio <= 1:
         p.append(f"optim.min_lr_ratio: {o.min_lr_ratio} must be in [0, 1]")
     choice(p, "comm.mode", c.mode, sync.names() + [AUTO_MODE])
-    bad_allow = [m for m in c.auto_allow if m not in sync.names()] if isinstance(c.auto_allow, list) else c.auto_allow
+    variants = sorted(q.stem for q in VARIANTS_DIR.glob("*.yaml"))
+    bad_allow = ([m for m in c.auto_allow if m not in sync.names() and m not in variants]
+                 if isinstance(c.auto_allow, list) else c.auto_allow)
     if bad_allow or not c.auto_allow:
-        p.append(f"comm.auto_allow: {bad_allow or '[]'} not among the modes {', '.join(sync.names())}; "
-                 f"list one or more of them")
+        p.append(f"comm.auto_allow: {bad_allow or '[]'} not among the modes {', '.join(sync.names())} "
+                 f"(or the variants in configs/variants); list one or more of them")
     elif c.mode == AUTO_MODE and o.name in optimizer_names() and all(
-            compatibility_problem(o.name, m) for m in c.auto_allow):
+            m in sync.names() and compatibility_problem(o.name, m) for m in c.auto_allow):
         p.append(f"comm.auto_allow: optim.name={o.name} runs on none of {c.auto_allow}; allow one of "
                  f"{', '.join(m for m in sync.names() if not compatibility_problem(o.name, m))}")
-    if c.mode == AUTO_MODE and cfg.parallel.shard_size > 1:  # bench.advise predicts replicated runs only
+    if c.auto_min_gain < 0 or not math.isfinite(c.auto_min_gain):
+        p.append(f"comm.auto_min_gain: {c.auto_min_gain} must be a finite fraction >= 0 (0.10: 10 % faster)")
+    if c.mode == AUTO_MODE and cfg.parallel.shard_size > 1:  # trainer.advise predicts replicated runs only
         p.append(f"comm.mode=auto with parallel.shard_size={cfg.parallel.shard_size}: the advisor measures and "
                  f"predicts replicated runs only; pick comm.mode yourself (python -m bench.advise on the "
                  f"replicated config ranks the modes) or set parallel.shard_size=1")
