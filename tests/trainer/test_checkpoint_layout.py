@@ -156,3 +156,11 @@ def test_a_failed_background_save_is_reported_and_never_marked_intact(tmp_path, 
     assert (out / "ckpt" / "latest").read_text().strip() == "step_000002"
     proc = _train(2, out, "train.max_steps=6", "train.resume=auto")
     assert "resumed from" in proc.stdout and "step_000002 at step 2" in proc.stdout
+
+
+def test_a_rollback_waits_for_the_background_save_in_flight(tmp_path):
+    out = tmp_path / "run"
+    torchrun(2, "async_ckpt_rollback.py", str(out), timeout=300)
+    res = json.loads((out / "result.json").read_text())
+    assert res["error"] is None and res["step"] == 6, res
+    assert len(res["rollback"]) == 1 and "step_000004 at step 4" in res["rollback"][0], res["rollback"]
