@@ -16,7 +16,9 @@ started); a child that fails is reported with its error and the measurement runs
 child killed by a signal (`ChildCrashed`) never leads to loading the native library it may have
 crashed on: comm.kernels.warmup names the file and leaves native out in this process.
 
-The child's answer is cached per host, device (CPU model and flags), torch version, thread count,
+The child's answer (and an in-process measurement's: CUDA, or LIONCUB_KERNEL_PROBE=0, through
+comm.kernels.warmup) is cached per host, device (CPU model and flags; GPU model, capability and
+CUDA version), torch version, thread count,
 layout and warm-up configuration (`cache_key`), one JSON file per key in the user's cache
 directory ($LIONCUB_KERNEL_CACHE, else $XDG_CACHE_HOME/lioncub/kernels, else
 ~/.cache/lioncub/kernels; LIONCUB_KERNEL_CACHE=off disables it), so only the first run on a host
@@ -87,9 +89,23 @@ def _device_id() -> str:
     return hashlib.sha256(f"{platform.machine()}\0{platform.processor()}\0{native._cpu_flags()}".encode()).hexdigest()
 
 
-def cache_key(request: dict) -> dict:
+def _gpu_id(device: torch.device) -> str:
+    """A GPU's model, compute capability and the CUDA build the kernels were compiled for."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{device.type} {torch.cuda.get_device_name(device)} sm{major}{minor} cuda {torch.version.cuda}"
+
+
+def request(layout: list[tuple[int, int]], cfg: dict) -> dict:
+    """The measurement's request (what the child reads): layout, thread count, encoded configuration."""
+    return {"layout": layout, "threads": torch.get_num_threads(),
+            "cfg": {k: [_enc(x) for x in v] if isinstance(v, (tuple, list)) else _enc(v) for k, v in cfg.items()}}
+
+
+def cache_key(request: dict, device: torch.device | str = "cpu") -> dict:
     """What a measurement depends on: host, device, torch version, threads, layout, configuration."""
-    return {"version": CACHE_VERSION, "host": socket.gethostname(), "device": "cpu " + _device_id(),
+    device = torch.device(device)
+    return {"version": CACHE_VERSION, "host": socket.gethostname(),
+            "device": "cpu " + _device_id() if device.type == "cpu" else _gpu_id(device),
             "torch": torch.__version__, "threads": request["threads"],
             "layout": hashlib.sha256(json.dumps(request["layout"]).encode()).hexdigest(),
             "numel": sum(int(m) for _, m in request["layout"]), "cfg": request["cfg"]}
@@ -160,8 +176,7 @@ def measure(layout: list[tuple[int, int]], cfg: dict) -> list[dict] | None:
     keywords) in a child process; its choice records, or None (with a warning naming the error)
     when the child failed. A measurement cached for the same key (`cache_key`) is returned instead,
     its records marked "cached" with the file's path; no child is started."""
-    req = {"layout": layout, "threads": torch.get_num_threads(),
-           "cfg": {k: [_enc(x) for x in v] if isinstance(v, (tuple, list)) else _enc(v) for k, v in cfg.items()}}
+    req = request(layout, cfg)
     key = cache_key(req)
     hit = cached(key)
     if hit is not None:

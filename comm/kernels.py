@@ -1085,6 +1085,25 @@ def warmup(device: torch.device | str = "cpu", *, bits: Sequence[int] = (), leve
                 else:
                     adopt(own)
                 return time.perf_counter() - t0
+    from . import kernel_probe
+
+    key = None  # an in-process measurement (CUDA; LIONCUB_KERNEL_PROBE=0) is cached like the child's
+    in_child = os.environ.get(kernel_probe.ENV) == "child"  # the child measures: its parent caches the answer
+    if r == "auto" and layout is not None and not in_child and use_compiled(impl, device):
+        key = kernel_probe.cache_key(kernel_probe.request([(int(o), int(m)) for o, m in layout], cfg), device)
+        hit = kernel_probe.cached(key)
+        if hit is not None:
+            for rec in hit:
+                rec["cached"] = kernel_probe.cache_file(key)
+                rec["line"] = _choice_line(rec)
+                _auto_log.append(rec)
+            _warmups.append((device, cfg, check, impl, set()))
+            own = {f"{rec['kernel']}|{rec['device']}": rec["chosen"] for rec in hit}
+            if agree:  # the ranks agree as after a measurement; then what they follow is built and checked
+                agree_choices(group, own)
+            else:
+                adopt(own)
+            return time.perf_counter() - t0
     cands = []
     if use_compiled(impl, device):
         cands.append("compiled")
@@ -1097,6 +1116,8 @@ def warmup(device: torch.device | str = "cpu", *, bits: Sequence[int] = (), leve
     if layout is not None and r == "auto" and cands:
         _measure(device, [(int(o), int(m)) for o, m in layout], **{k: v for k, v in cfg.items()
                                                                     if k != "sign_dtypes"})
+        if key is not None:  # this rank's own measurement, before any agreement
+            kernel_probe.store(key, [dict(rec) for rec in auto_choices() if rec["device"] == device.type])
     if agree and r == "auto":  # every rank gathers once here, whichever path it took (a failed child too)
         agree_choices(group)
     return time.perf_counter() - t0 if cands else 0.0

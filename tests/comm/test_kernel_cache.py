@@ -113,3 +113,28 @@ def test_the_cache_lives_in_the_users_cache_dir_and_can_be_switched_off(child, t
     _warm(layout)
     _warm(layout)
     assert len(child) == 2 and not (tmp_path / "home" / ".cache").exists()
+
+
+def test_an_in_process_measurement_is_cached_too(child, tmp_path, monkeypatch):
+    """Where auto measures in the training process (CUDA; LIONCUB_KERNEL_PROBE=0 on CPU) its own
+    choice is cached under the same key rules: the second warm-up times nothing."""
+    monkeypatch.setenv(kernel_probe.ENV, "0")
+    monkeypatch.setattr(K, "_check_candidate", lambda *a, **k: None)
+    timed = []
+
+    def measure(device, segs, **kw):
+        timed.append(sum(m for _, m in segs))
+        for k in ("sign_pack", "unpack_majority"):
+            K._auto[(k, "cpu")] = "eager"
+            K._auto_log.append({"kernel": k, "device": "cpu", "n": timed[-1], "chosen": "eager",
+                                "ms": {"eager": 1.0, "compiled": 3.0}, "rejected": [], "line": ""})
+
+    monkeypatch.setattr(K, "_measure", measure)
+    layout = _layout([1234, 5678])
+    first = _warm(layout)
+    assert timed == [6912] and not child and "cached" not in first["sign_pack"]["line"]
+    second = _warm(layout)
+    assert timed == [6912] and not child  # nothing timed, no child started
+    assert "measured by an earlier run on this host" in second["sign_pack"]["line"]
+    _warm(_layout([1234, 5679]))  # another layout: measured
+    assert timed == [6912, 6913]
