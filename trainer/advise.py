@@ -17,9 +17,12 @@ Under the launcher the run would use (same ranks, same links), in seconds:
    corrects the collectives that cross the nodes' ports differently from a ring (predict_comm);
    bytes per step from the same registry (`wire_bytes_per_step`).
 The table ranks candidates by predicted step time, with the speedup over the fp32 baseline and the
-quality evidence measured for each (docs/results/reproduction/compressors.csv: mean final
-validation loss against fp32 Lion, seeds). Candidates are the named variants (configs/variants)
-merged over the user's config.
+quality evidence for each: the paired final-validation-loss difference against its reference in the
+committed tables of the study-prose reproduction setting, which trainer/auto_quality.yaml points at
+(with its rule: ablations, variants without evidence or measured worse beyond noise are out of auto
+unless comm.auto_allow names them). Auto leaves fp32 only for a predicted gain above
+comm.auto_min_gain (pick). Candidates are the named variants (configs/variants) merged over the
+user's config.
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ from .param_groups import param_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS_DIR = ROOT / "configs" / "variants"
-EVIDENCE_CSV = ROOT / "docs" / "results" / "reproduction" / "compressors.csv"
+QUALITY_FILE = Path(__file__).resolve().with_name("auto_quality.yaml")  # what auto trusts, and the rule
 BASELINE = "lion_fp32"
 LINK_SIZES = (1 << 14, 1 << 18, 1 << 20, 1 << 22)  # bytes: 16 KB .. 4 MB (seconds, not minutes)
 
@@ -339,25 +342,84 @@ def measure_local(cfg, model, device: torch.device, steps: int = 3) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
-# quality evidence (what our reproduction suite measured for a variant)
+# quality evidence: which variants auto may trust (trainer/auto_quality.yaml states the rule)
 # ------------------------------------------------------------------------------------------------
 
-def quality_evidence(path: Path = EVIDENCE_CSV) -> dict[str, str]:
-    """variant -> one line: its mean final validation loss minus fp32 Lion's in the Fig. 20 study
-    (tiny preset, 300 steps, 4 ranks, lr 1e-3), over the seeds it finished."""
+@dataclasses.dataclass
+class Verdict:
+    allowed: bool             # may comm.mode=auto choose it
+    evidence: str             # the evidence, and when not allowed, why it is out
+    reference: bool = False   # an optimizer's own fp32 run: the baseline
+
+
+def _study_rows(results: Path, study: str, key: str, arm: str) -> list[dict]:
+    path = results / f"{study}.csv"
     if not path.is_file():
-        return {}
-    rows = {r["optimizer"]: r for r in csv.DictReader(path.open()) if r.get("status") == "ok"}
-    base = rows.get(BASELINE)
+        return []
+    return [r for r in csv.DictReader(path.open()) if r.get(key) == arm and r.get("status", "ok") == "ok"]
+
+
+def quality_verdicts(names: Sequence[str], named: Sequence[str] = (), path: Path = QUALITY_FILE) -> dict[str, Verdict]:
+    """variant -> Verdict from the committed study tables the evidence file points at: out when it is
+    an ablation, has no evidence, has fewer than 2 seeds, or is measured worse than its reference
+    beyond noise (paired mean - k_se standard errors > 0); a variant in `named` (comm.auto_allow
+    names it) is allowed whatever its evidence says, and the evidence says so."""
+    try:
+        doc = read_yaml(path)
+        setting, results, k = doc["setting"], ROOT / doc["results"], float(doc["k_se"])
+        entries = doc["variants"]
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"comm.mode=auto: quality evidence file {path} is unreadable or lacks "
+                          f"setting / results / k_se / variants ({e}); restore it from the repository") from None
     out = {}
-    for name, r in rows.items():
-        if base is None:
-            break
-        d = float(r["val_loss_mean"]) - float(base["val_loss_mean"])
-        out[name] = (f"val {d:+.2f} vs lion_fp32 ({r['val_loss_n']} seeds, tiny 300 steps; "
-                     f"docs/results/reproduction_tiny.md)" if name != BASELINE else
-                     f"reference (val {float(r['val_loss_mean']):.2f}, {r['val_loss_n']} seeds)")
+    for name in names:
+        e = entries.get(name) or {}
+        rows = _study_rows(results, e["study"], e["key"], e["arm"]) if e.get("study") else []
+        where = f"{setting} {e.get('study')}"
+        if e.get("reference"):
+            v = Verdict(True, f"reference ({where}: val {float(rows[0]['val_loss_mean']):.3f}, "
+                              f"{rows[0]['val_loss_n']} seeds)" if rows else f"reference (fp32; {setting})",
+                        reference=True)
+        elif not rows:
+            v = Verdict(False, f"no quality evidence (none in {setting})")
+        else:
+            d = e["delta"]
+            means = [float(r[f"{d}_mean"]) for r in rows]
+            stds = [float(r[f"{d}_std"]) if r.get(f"{d}_std") else math.nan for r in rows]
+            seeds = [int(float(r["val_loss_n"])) for r in rows]
+            if len(rows) == 1:
+                text = f"val {means[0]:+.3f}" + (f" ± {stds[0]:.3f} std" if seeds[0] > 1 else "")
+            else:
+                text = f"val {min(means):+.2f} .. {max(means):+.2f} over {len(rows)} settings"
+            text += f" vs {e['against']} ({min(seeds)} seed{'s' if min(seeds) > 1 else ''}, {where})"
+            worse = [m - k * s / math.sqrt(n) for m, s, n in zip(means, stds, seeds) if n > 1]
+            if e.get("ablation"):
+                v = Verdict(False, f"{text}; out: ablation, {e['ablation']}")
+            elif min(seeds) < 2:
+                v = Verdict(False, f"{text}; out: one seed, no noise estimate")
+            elif max(worse) > 0:
+                v = Verdict(False, f"{text}; out: worse beyond noise (mean - {k:g} s.e. = {max(worse):+.3f} > 0)")
+            else:
+                v = Verdict(True, text)
+        if not v.allowed and name in named:
+            v = Verdict(True, f"{v.evidence.split('; out: ')[0]}; allowed by you (comm.auto_allow)")
+        out[name] = v
     return out
+
+
+def pick(result: dict, min_gain: float) -> tuple[dict, str]:
+    """(the row comm.mode=auto runs, the reason): the fastest allowed row when its predicted step time
+    is more than min_gain faster than the fp32 baseline's, else the baseline. Rows: advise()'s."""
+    ok = [r for r in result["rows"] if r["status"] == "ok"]
+    best = ok[0]  # rows are sorted by predicted step time
+    base = next((r for r in ok if r["variant"] == result.get("baseline")), None)
+    if base is None or best is base:
+        return best, ("fastest predicted" if base is None else "fp32 is the fastest predicted")
+    gain = base["step_s"] / best["step_s"] - 1
+    if gain > min_gain:
+        return best, f"predicted {gain:.0%} faster than {base['variant']}, above comm.auto_min_gain={min_gain:g}"
+    return base, (f"stays on fp32: the fastest allowed, {best['variant']}, is predicted {gain:.0%} faster, "
+                  f"not above comm.auto_min_gain={min_gain:g}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -365,9 +427,13 @@ def quality_evidence(path: Path = EVIDENCE_CSV) -> dict[str, str]:
 # ------------------------------------------------------------------------------------------------
 
 def advise(user_cfg, candidates: list[Candidate], device: torch.device, data_dir, *, steps: int = 3,
-           link_sizes: Sequence[int] = LINK_SIZES, log=print) -> dict:
+           link_sizes: Sequence[int] = LINK_SIZES, log=print, exclude: bool = False,
+           named: Sequence[str] = ()) -> dict:
     """Measure and predict (collective). Returns {"links", "compute", "rows"}; rows sorted by
-    predicted step time, inadmissible candidates last with their reason."""
+    predicted step time, inadmissible candidates last with their reason. With `exclude` (auto) a
+    candidate the quality evidence keeps out is not measured: its row says why (status
+    "excluded"); without it every candidate is measured and its evidence says whether auto may
+    choose it. `named`: the variants comm.auto_allow names (allowed whatever their evidence)."""
     P = dist.get_world_size()
     t0 = time.perf_counter()
     links = measure_links(device, link_sizes)
@@ -377,11 +443,16 @@ def advise(user_cfg, candidates: list[Candidate], device: torch.device, data_dir
     model = build_model(user_cfg, data_dir, device)
     compute = measure_compute(user_cfg, model, device, steps)
     log(f"advise: forward+backward {compute['fwdbwd_s'] * 1e3:.1f} ms/step")
-    evidence = quality_evidence()
+    verdicts = quality_verdicts([c.name for c in candidates], named)
     user = user_cfg.to_dict()
     rows = []
     for cand in candidates:
         row = {"variant": cand.name}
+        verdict = verdicts[cand.name]
+        if exclude and not verdict.allowed:
+            row.update(status="excluded", reason=verdict.evidence)
+            rows.append(row)
+            continue
         try:
             cfg = config_from_dict(candidate_config(user, cand))
             problems = validate(cfg, world_size=P, raise_error=False)
@@ -400,12 +471,13 @@ def advise(user_cfg, candidates: list[Candidate], device: torch.device, data_dir
                    options=cfg.comm.options.as_dict() if cfg.comm.options is not None else {},
                    compute_s=compute["fwdbwd_s"], local_s=local["local_s"], comm_s=comm_s,
                    step_s=compute["fwdbwd_s"] + local["local_s"] + comm_s, bytes_per_step=sent,
-                   evidence=evidence.get(cand.name, "not measured"))
+                   evidence=verdict.evidence if verdict.allowed else f"not for auto: {verdict.evidence}",
+                   reference=verdict.reference)
         rows.append(row)
         del opt
     ok = sorted((r for r in rows if r["status"] == "ok"), key=lambda r: r["step_s"])
     base = next((r for r in ok if r["variant"] == BASELINE), None) or next(
-        (r for r in ok if r["mode"] == "fp32"), None)
+        (r for r in ok if r.get("reference")), None) or next((r for r in ok if r["mode"] == "fp32"), None)
     for r in ok:
         r["speedup_vs_fp32"] = base["step_s"] / r["step_s"] if base else None
     layout = node_layout(links, P)
@@ -422,7 +494,8 @@ def table_markdown(result: dict) -> str:
     k = 0
     for r in result["rows"]:
         if r["status"] != "ok":
-            lines.append(f"| - | {r['variant']} | | | not admissible: {r['reason']} | | | | | | |")
+            why = "excluded from auto" if r["status"] == "excluded" else "not admissible"
+            lines.append(f"| - | {r['variant']} | | | {why}: {r['reason']} | | | | | | |")
             continue
         k += 1
         sp = r.get("speedup_vs_fp32")

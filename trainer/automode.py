@@ -2,9 +2,14 @@
 
 At start (every rank, before the model is built) trainer.advise measures this run's links, its
 model's forward + backward and each candidate's local optimizer work, predicts every candidate's
-step time and picks the fastest. Candidates: the named variants (configs/variants) of the
-configured optimizer whose mode is in comm.auto_allow and that add no momentum synchronisation of
-their own (that is a quality choice, not a speed one; the user's comm.momentum_sync is kept).
+step time and picks the fastest allowed one, leaving fp32 only when it is predicted more than
+comm.auto_min_gain faster (trainer.advise.pick; the decision line says when it stays). Candidates:
+the named variants (configs/variants) of the configured optimizer whose mode (or name) is in
+comm.auto_allow and that add no momentum synchronisation of their own (that is a quality choice, not
+a speed one; the user's comm.momentum_sync is kept); of those, the quality evidence
+(trainer/auto_quality.yaml over the study-prose tables) keeps out ablations, variants without
+evidence and those measured worse than fp32 beyond noise, unless comm.auto_allow names them; the
+table says why each is out.
 The decision, with the whole table, is written to <out_dir>/auto_mode.json and logged (console,
 metrics.jsonl, wandb). A resumed run (train.resume=auto with a checkpoint) reads it back instead of
 measuring, unless comm.auto_remeasure is set; there is no switching mid-run. A stored decision that is
@@ -35,7 +40,8 @@ def candidates(cfg: Config) -> list:
     for name in advise.variant_names():
         cand = advise.load_variant(name)
         o, c = cand.sections.get("optim") or {}, cand.sections.get("comm") or {}
-        if o.get("name", "lion") != cfg.optim.name or c.get("mode", "fp32") not in cfg.comm.auto_allow:
+        if o.get("name", "lion") != cfg.optim.name or (c.get("mode", "fp32") not in cfg.comm.auto_allow
+                                                       and name not in cfg.comm.auto_allow):
             continue
         if (c.get("momentum_sync") or {}).get("every"):
             continue
@@ -98,13 +104,15 @@ def resolve(cfg: Config, info: DistInfo, data_dir: Path, say: Callable[[str], No
                               f"runs on comm.auto_allow={cfg.comm.auto_allow}; widen comm.auto_allow")
         say(f"comm.mode=auto: measuring links, model and {len(cands)} candidate(s) "
             f"({', '.join(c.name for c in cands)})")
-        result = advise.advise(cfg, cands, info.device, data_dir, log=say)
+        result = advise.advise(cfg, cands, info.device, data_dir, log=say, exclude=True,
+                               named=cfg.comm.auto_allow)
         ok = [r for r in result["rows"] if r["status"] == "ok"]
         if not ok:
             reasons = "; ".join(f"{r['variant']}: {r.get('reason')}" for r in result["rows"])
-            raise ConfigError(f"comm.mode=auto: no allowed variant can run this config ({reasons})")
-        best = ok[0]  # rows are sorted by predicted step time
-        decision = {"variant": best["variant"], "mode": best["mode"],
+            raise ConfigError(f"comm.mode=auto: no allowed variant can run this config ({reasons}); name a "
+                              f"variant in comm.auto_allow to allow it anyway, or pick comm.mode yourself")
+        best, why = advise.pick(result, cfg.comm.auto_min_gain)
+        decision = {"variant": best["variant"], "mode": best["mode"], "why": why,
                     "sections": next(c.sections for c in cands if c.name == best["variant"]),
                     "predicted_step_s": best["step_s"], "world_size": info.world_size, "source": "measured",
                     "table": result["rows"], "links": result["links"], "compute": result["compute"]}
@@ -117,7 +125,8 @@ def resolve(cfg: Config, info: DistInfo, data_dir: Path, say: Callable[[str], No
     chosen = advise.config_from_dict(advise.candidate_config(cfg.to_dict(), cand))
     say(f"comm.mode=auto -> {decision['variant']} (comm.mode={chosen.comm.mode}; "
         f"{'kept from ' + DECISION if decision['source'] == 'stored' else 'measured now'}; "
-        f"predicted {1e3 * decision['predicted_step_s']:.0f} ms/step)")
+        f"predicted {1e3 * decision['predicted_step_s']:.0f} ms/step"
+        f"{'; ' + decision['why'] if decision.get('why') else ''})")
     return chosen, decision
 
 
