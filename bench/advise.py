@@ -6,8 +6,10 @@ every variant's step time, rank them.
     python -m bench.netsim --nproc 4 --rate 100mbit -- python -m bench.advise configs/default.yaml
 
 A thin command over trainer/advise.py, which measures and predicts (its docstring says how) for this
-table and for `comm.mode=auto` in training (trainer/automode.py), so both rank alike. `--json PATH`
-writes the table and the measurements.
+table and for `comm.mode=auto` in training (trainer/automode.py), so both rank alike. Every variant
+is measured here; its quality evidence (the study-prose tables, trainer/auto_quality.yaml) says
+"not for auto: ... out: why" where comm.mode=auto would leave it out. `--json PATH` writes the table
+and the measurements.
 """
 from __future__ import annotations
 

@@ -102,8 +102,11 @@ def resolve(cfg: Config, info: DistInfo, data_dir: Path, say: Callable[[str], No
         if not cands:
             raise ConfigError(f"comm.mode=auto: no variant of optim.name={cfg.optim.name} in configs/variants "
                               f"runs on comm.auto_allow={cfg.comm.auto_allow}; widen comm.auto_allow")
-        say(f"comm.mode=auto: measuring links, model and {len(cands)} candidate(s) "
-            f"({', '.join(c.name for c in cands)})")
+        verdicts = advise.quality_verdicts([c.name for c in cands], cfg.comm.auto_allow)
+        allowed = [c.name for c in cands if verdicts[c.name].allowed]
+        say(f"comm.mode=auto: measuring links, model and the {len(allowed)} of {len(cands)} candidate(s) the "
+            f"quality evidence allows ({', '.join(allowed) or 'none'}"
+            f"{'; the table says why the others are out' if len(allowed) < len(cands) else ''})")
         result = advise.advise(cfg, cands, info.device, data_dir, log=say, exclude=True,
                                named=cfg.comm.auto_allow)
         ok = [r for r in result["rows"] if r["status"] == "ok"]
