@@ -4,8 +4,10 @@ For each link rate: `bench.advise` under bench.netsim predicts every variant's s
 compute and local work measured, communication from the registry's alpha-beta models); then
 `bench.step_breakdown` trains each variant for a few steps under the same netsim links and
 measures its median step time. The report puts them side by side (ratio predicted / measured,
-target within 25 %) and says whether comm.mode=auto's pick (the fastest predicted variant among
-the allowed modes) is within 10 % of the measured-fastest allowed variant.
+target within 25 %) and says whether the fastest predicted variant among those comm.mode=auto may
+choose (an allowed mode, and quality evidence that lets it in: bench.advise's evidence column) is
+within 10 % of the measured-fastest of them. A check of the ranking: auto's comm.auto_min_gain,
+which may keep fp32 over a slightly faster variant, is not applied here.
 
     python -m bench.advise_check                                   # 1gbit and 100mbit, 4 ranks, tiny
     python -m bench.advise_check --rates 1gbit --variants lion_fp32,lioncub_1bit --steps 3 --warmup 1
@@ -54,8 +56,9 @@ def join(advice: dict, measured: list[dict], rate: str, allow: Sequence[str]) ->
                      "measured_ms": meas_ms, "pred_over_meas": pred_ms / meas_ms if meas_ms else None,
                      "compute_ms": 1e3 * a["compute_s"], "local_ms": 1e3 * a["local_s"],
                      "comm_model_ms": 1e3 * a["comm_s"], "coll_ms": _float(m, "coll_ms"),
-                     "advise_load1": advice.get("load1"), "measured_load1": _float(m, "load1")})
-    allowed = [r for r in rows if r["mode"] in allow and r["measured_ms"]]
+                     "advise_load1": advice.get("load1"), "measured_load1": _float(m, "load1"),
+                     "auto_may_choose": not str(a.get("evidence", "")).startswith("not for auto")})
+    allowed = [r for r in rows if r["mode"] in allow and r["auto_may_choose"] and r["measured_ms"]]
     pick = min(allowed, key=lambda r: r["predicted_ms"]) if allowed else None
     best = min(allowed, key=lambda r: r["measured_ms"]) if allowed else None
     summary = {"rate": rate, "allow": list(allow), "pick": pick and pick["variant"],

@@ -112,3 +112,18 @@ def test_auto_min_gain_and_variant_names_in_auto_allow_are_checked():
     cfg = load_config(ROOT / "configs/default.yaml", ["comm.mode=auto", "comm.auto_allow=[fp32, lioncub_1bit]"])
     from trainer import automode
     assert [c.name for c in automode.candidates(cfg)] == ["lion_fp32", "lioncub_1bit"]
+
+
+def test_advise_check_judges_the_pick_among_the_variants_auto_may_choose():
+    from bench import advise_check
+
+    def row(name, mode, step_s, evidence):
+        return {"variant": name, "status": "ok", "mode": mode, "step_s": step_s, "compute_s": 0.1, "local_s": 0.0,
+                "comm_s": step_s - 0.1, "evidence": evidence}
+    advice = {"rows": [row("lioncub_1bit_plus", "onebit", 0.11, "not for auto: ...; out: ablation, ..."),
+                       row("lioncub_8bit_l1", "pbit", 0.15, "val -0.025 ± 0.022 std vs 32-bit Lion"),
+                       row("lion_fp32", "fp32", 0.30, "reference (study-prose table2)")]}
+    measured = [{"rate": "1gbit", "variant": v, "status": "ok", "step_ms": ms}
+                for v, ms in (("lioncub_1bit_plus", 100), ("lioncub_8bit_l1", 140), ("lion_fp32", 290))]
+    _, summary = advise_check.join(advice, measured, "1gbit", ["fp32", "onebit", "pbit"])
+    assert summary["pick"] == "lioncub_8bit_l1" and summary["measured_fastest"] == "lioncub_8bit_l1"
