@@ -43,6 +43,7 @@ def test_a_damaged_cached_library_is_named_rebuilt_and_used(tmp_path, damage):
 @needs_cc
 def test_a_crashed_timing_child_never_leads_to_loading_the_library_here(tmp_path, monkeypatch):
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("LIONCUB_KERNEL_CACHE", "off")  # a cached kernel choice would start no timing child
     for name, value in (("_loaded", False), ("_lib", None), ("_why", None)):
         monkeypatch.setattr(native, name, value)
     for name in ("_auto", "_rejected"):
