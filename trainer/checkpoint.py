@@ -196,19 +196,19 @@ def clean_partial(ckpt_root: Path) -> list[Path]:
     return leftovers
 
 
-def save_checkpoint(ckpt_root: Path, step: int, model_state: dict | None, rank_state: dict, meta: dict,
-                    rank: int, world_size: int, keep: int,
-                    write_sharded: Callable[[Path], dict[str, str]] | None = None) -> Path:
-    """Write checkpoint `step` (collective over the default group); returns its directory.
-    `write_sharded(tmp)` (every rank; trainer/sharded_checkpoint.py) writes a sharded model into
-    the temp directory and returns {relative file name: sha256} of the files this rank wrote;
-    model_state is then None (no model.pt)."""
+def _refuse_nonfinite(step: int, model_state: dict | None, rank_state: dict, rank: int) -> None:
+    """NonFiniteError on every rank (collective) when any rank's state to save holds a non-finite value."""
     bad = nonfinite_keys(model_state, "model") if rank == 0 and model_state is not None else []
     bad += nonfinite_keys(rank_state, f"rank {rank}")
     if _agree(bool(bad)):
         raise NonFiniteError(f"refusing to save checkpoint step {step}: non-finite values in "
                              f"{', '.join(bad[:5]) or 'another rank'}" + (" ..." if len(bad) > 5 else "")
                              + "; the last good checkpoint is kept")
+
+
+def _make_temp(ckpt_root: Path, step: int, rank: int, world_size: int) -> tuple[Path, Path]:
+    """(final, temp) directories of checkpoint `step`; rank 0 makes the temp one empty, every rank
+    waits for it (collective)."""
     final = ckpt_root / f"step_{step:06d}"
     tmp = ckpt_root / f".tmp_step_{step:06d}"
     if rank == 0:
@@ -218,6 +218,31 @@ def save_checkpoint(ckpt_root: Path, step: int, model_state: dict | None, rank_s
         except OSError as e:
             raise _disk_error(tmp, e) from None
     _barrier(world_size)
+    return final, tmp
+
+
+def _finish(ckpt_root: Path, step: int, tmp: Path, final: Path, meta: dict, keep: int) -> None:
+    """Rank 0, every file of the save in `tmp`: write meta.json last (its presence marks a complete
+    save), put the directory in place, point `latest` at it and rotate old steps."""
+    try:
+        (tmp / META).write_text(json.dumps(meta, indent=2))
+    except OSError as e:
+        raise _disk_error(tmp / META, e) from None
+    # a re-save of the same step keeps the old copy aside until the new one is in place
+    replace_dir(tmp, final, aside=ckpt_root / f".old_step_{step:06d}")
+    atomic_write(ckpt_root / "latest", final.name, suffix=".tmp")
+    _rotate(ckpt_root, keep, final)
+
+
+def save_checkpoint(ckpt_root: Path, step: int, model_state: dict | None, rank_state: dict, meta: dict,
+                    rank: int, world_size: int, keep: int,
+                    write_sharded: Callable[[Path], dict[str, str]] | None = None) -> Path:
+    """Write checkpoint `step` (collective over the default group); returns its directory.
+    `write_sharded(tmp)` (every rank; trainer/sharded_checkpoint.py) writes a sharded model into
+    the temp directory and returns {relative file name: sha256} of the files this rank wrote;
+    model_state is then None (no model.pt)."""
+    _refuse_nonfinite(step, model_state, rank_state, rank)
+    final, tmp = _make_temp(ckpt_root, step, rank, world_size)
     files = {}
     if rank == 0 and model_state is not None:
         files[MODEL] = _write(model_state, tmp / MODEL)
@@ -226,15 +251,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model_state: dict | None, rank_s
     files[rank_file(rank)] = _write(rank_state, tmp / rank_file(rank))
     all_files = {k: v for d in _gather(files, world_size) for k, v in d.items()}
     if rank == 0:
-        meta = {**meta, "files": all_files, "finite": True}
-        try:
-            (tmp / META).write_text(json.dumps(meta, indent=2))  # last: its presence marks a complete save
-        except OSError as e:
-            raise _disk_error(tmp / META, e) from None
-        # a re-save of the same step keeps the old copy aside until the new one is in place
-        replace_dir(tmp, final, aside=ckpt_root / f".old_step_{step:06d}")
-        atomic_write(ckpt_root / "latest", final.name, suffix=".tmp")
-        _rotate(ckpt_root, keep, final)
+        _finish(ckpt_root, step, tmp, final, {**meta, "files": all_files, "finite": True}, keep)
     _barrier(world_size)
     return final
 
@@ -331,23 +348,10 @@ def save_checkpoint_async(ckpt_root: Path, step: int, model_state: dict | None, 
     a step directory (removed at the next start, `clean_partial`). Returns the directory the
     checkpoint will have; `wait_pending` waits for it."""
     wait_pending(ckpt_root, world_size)
-    bad = nonfinite_keys(model_state, "model") if rank == 0 and model_state is not None else []
-    bad += nonfinite_keys(rank_state, f"rank {rank}")
-    if _agree(bool(bad)):
-        raise NonFiniteError(f"refusing to save checkpoint step {step}: non-finite values in "
-                             f"{', '.join(bad[:5]) or 'another rank'}" + (" ..." if len(bad) > 5 else "")
-                             + "; the last good checkpoint is kept")
+    _refuse_nonfinite(step, model_state, rank_state, rank)
     model_state = _snapshot(model_state) if rank == 0 and model_state is not None else None
     rank_state = _snapshot(rank_state)
-    final = ckpt_root / f"step_{step:06d}"
-    tmp = ckpt_root / f".tmp_step_{step:06d}"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            tmp.mkdir(parents=True)
-        except OSError as e:
-            raise _disk_error(tmp, e) from None
-    _barrier(world_size)
+    final, tmp = _make_temp(ckpt_root, step, rank, world_size)
 
     def write(job: _Background) -> None:
         files = {}
@@ -372,13 +376,7 @@ def save_checkpoint_async(ckpt_root: Path, step: int, model_state: dict | None, 
                 time.sleep(0.02)
             files.update(json.loads(_marker(tmp, r, "done").read_text()))
             _marker(tmp, r, "done").unlink()
-        try:
-            (tmp / META).write_text(json.dumps({**meta, "files": files, "finite": True}, indent=2))  # last
-        except OSError as e:
-            raise _disk_error(tmp / META, e) from None
-        replace_dir(tmp, final, aside=ckpt_root / f".old_step_{step:06d}")
-        atomic_write(ckpt_root / "latest", final.name, suffix=".tmp")
-        _rotate(ckpt_root, keep, final)
+        _finish(ckpt_root, step, tmp, final, {**meta, "files": files, "finite": True}, keep)
 
     job = _Background(step, write)
     _pending[str(ckpt_root)] = job
