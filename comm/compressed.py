@@ -380,6 +380,17 @@ def _pack_wire(codes: torch.Tensor, scales: torch.Tensor | None, rows: int, w: i
 
 # ---- the collective ------------------------------------------------------------------------
 
+def _exchange(wire: torch.Tensor, Q: int, group, timer: CallTimer) -> torch.Tensor:
+    """All-to-all of the Q rows of `wire` among the Q ranks of `group` (timed as the collective):
+    row i of the result is what rank i sent this one. Q = 1: `wire` itself, nothing sent."""
+    if Q <= 1:
+        return wire
+    recv = torch.empty_like(wire)
+    with timer.coll(sent=wire, recv=recv):
+        dist.all_to_all_single(recv, wire, group=group)
+    return recv
+
+
 def _ef_exchange(src: torch.Tensor, werr: torch.Tensor, serr: torch.Tensor, comp: Compressor,
                  c: int, B: int, nb: int, group, Q: int, r: int, timer: CallTimer,
                  generator: torch.Generator | None, err_beta: float) -> torch.Tensor:
@@ -396,12 +407,7 @@ def _ef_exchange(src: torch.Tensor, werr: torch.Tensor, serr: torch.Tensor, comp
         y[nr:] = 0.0
         codes, scales = _compress(y, B, nr, comp, werr, err_beta, generator)
         wire = _pack_wire(codes, scales, Q, w, comp)
-    if Q > 1:
-        recv = torch.empty_like(wire)
-        with timer.coll(sent=wire, recv=recv):
-            dist.all_to_all_single(recv, wire, group=group)
-    else:
-        recv = wire
+    recv = _exchange(wire, Q, group, timer)
     with timer.pack():
         cb = c * comp.bits // 8
         sc = _wire_scales(recv, cb, nb, comp)

@@ -30,9 +30,9 @@ received, all-gather w sent and P w received: (sent, received) = ((P + 1) w, 2 P
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ._groups import device_of, world
+from .compressed import _exchange
 from .packing import pack_lanes, unpack_lanes
 from .stats import CommStats, default_stats
 from .vote import _all_gather_single
@@ -136,12 +136,7 @@ def e3m0_allreduce_mean(x: torch.Tensor, block: int = 2048, group=None, stats: C
             y = torch.zeros(P * c, dtype=torch.float32, device=x.device)
             y[:n] = x.detach().reshape(-1)
             wire = _encode_rows(y, P, c, block)
-        if P > 1:
-            recv = torch.empty_like(wire)
-            with timer.coll(sent=wire, recv=recv):
-                dist.all_to_all_single(recv, wire, group=group)
-        else:
-            recv = wire
+        recv = _exchange(wire, P, group, timer)
         with timer.pack():
             z = _decode_row(recv[0], c, block)
             for i in range(1, P):          # rank order: the sum every rank and simulation reproduces
