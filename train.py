@@ -57,7 +57,7 @@ def peer_failed(e: BaseException) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    from trainer.config import ConfigError, describe, load_config, split_config_args
+    from trainer.config import ConfigError, describe, load_config_args
 
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
@@ -67,11 +67,7 @@ def main(argv: list[str]) -> int:
         return 0
     rank = int(os.environ.get("RANK", "0"))
     try:
-        files, overrides = split_config_args(argv)
-        if not files:
-            raise ConfigError(f"{argv[0]}: expected a config file (*.yaml) first; usage: train.py CONFIG.yaml "
-                              f"[MORE.yaml ...] [section.key=value ...]")
-        cfg = load_config(files, overrides)
+        cfg = load_config_args(argv)
     except ConfigError as e:
         report(e, rank, shared=True)
         return 2

@@ -44,16 +44,12 @@ def _world_size(args) -> int | None:
 
 def check_train_args(script_args: list[str], world_size: int | None) -> str:
     """train.py's own argument and config checks, before launch: the error text, or ''."""
-    from trainer.config import ConfigError, load_config, split_config_args, validate
+    from trainer.config import ConfigError, load_config_args, validate
 
     if not script_args or script_args[0].startswith("-"):
         return ""  # --help, --help-config: train.py answers itself
     try:
-        files, overrides = split_config_args(script_args)
-        if not files:
-            raise ConfigError(f"{script_args[0]}: expected a config file (*.yaml) first; usage: train.py CONFIG.yaml "
-                              f"[MORE.yaml ...] [section.key=value ...]")
-        cfg = load_config(files, overrides)
+        cfg = load_config_args(script_args)
         if world_size is not None:
             validate(cfg, world_size=world_size)
     except ConfigError as e:

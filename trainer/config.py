@@ -587,6 +587,16 @@ def split_config_args(args: list[str]) -> tuple[list[str], list[str]]:
     return files, args[len(files):]
 
 
+def load_config_args(args: list[str]) -> Config:
+    """The Config of train.py's command line (CONFIG.yaml [MORE.yaml ...] [section.key=value ...]);
+    ConfigError when it names no config file first or the config is invalid."""
+    files, overrides = split_config_args(args)
+    if not files:
+        raise ConfigError(f"{args[0]}: expected a config file (*.yaml) first; usage: train.py CONFIG.yaml "
+                          f"[MORE.yaml ...] [section.key=value ...]")
+    return load_config(files, overrides)
+
+
 def load_config(path: str | Path | list | tuple | None, overrides: list[str] | None = None) -> Config:
     """Read YAML (following `extends:`), apply overrides, build and validate the Config.
 
