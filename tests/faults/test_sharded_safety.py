@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import shutil
 from pathlib import Path
 
 import pytest
@@ -32,17 +31,11 @@ def train2(out: Path, *overrides: str, check: bool = True):
 
 
 @pytest.fixture(scope="module")
-def sharded_run(tmp_path_factory) -> Path:
+def trained_run(tmp_path_factory) -> Path:
+    """The sharded run (checkpoints at steps 2 and 4) in place of conftest.py's: its `run_copy` copies this one."""
     run = tmp_path_factory.mktemp("sharded") / "run"
     train2(run, "train.max_steps=4", "train.ckpt_every=2")
     assert (run / "ckpt" / "step_000004" / "model" / ".metadata").is_file()
-    return run
-
-
-@pytest.fixture
-def run_copy(sharded_run: Path, tmp_path: Path) -> Path:
-    run = tmp_path / "run"
-    shutil.copytree(sharded_run, run, symlinks=True)
     return run
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from tests.faults.common import TINY  # noqa: E402
 from trainer import checkpoint  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.dist import init_distributed, shutdown  # noqa: E402
@@ -21,9 +22,8 @@ from trainer.trainer import Trainer  # noqa: E402
 def main(out: str, fail_rank: int) -> None:
     info = init_distributed("cpu")
     cfg = load_config(ROOT / "configs" / "default.yaml", [
-        "model.preset=debug", "data.batch_size=2", "data.seq_len=32", "train.max_steps=6", "train.log_every=1",
-        "train.eval_every=0", "train.eval_steps=1", "train.ckpt_every=2", "train.keep_ckpts=5",
-        "train.async_ckpt=true", f"train.out_dir={out}", "optim.warmup_steps=0", "log.wandb=disabled"])
+        *TINY, "train.max_steps=6", "train.eval_every=0", "train.ckpt_every=2", "train.keep_ckpts=5",
+        "train.async_ckpt=true", f"train.out_dir={out}"])
     real = checkpoint._write
 
     def write(obj, path):
