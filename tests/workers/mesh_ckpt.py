@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 from trainer.config import load_config  # noqa: E402
 from trainer.dist import init_distributed, shutdown  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
+from _trainer import fit  # noqa: E402  (tests/workers/ is the script's directory)
 
 CHECKS = ("muon_resume_exact", "muon_another_mesh", "dion_resume_exact", "dion_another_mesh")
 TOL = 2e-5
@@ -40,14 +41,6 @@ def trainer(out: Path, extra: list[str], variant: str) -> Trainer:
     own = ["optim.grad_clip=0"] if variant == "dion" else []
     return Trainer(load_config(ROOT / f"configs/variants/{variant}.yaml",
                                BASE + [f"train.out_dir={out}"] + own + extra), INFO)
-
-
-def fit(tr: Trainer) -> dict:
-    try:
-        return tr.fit()
-    finally:
-        tr.logger.close()
-        tr.release()
 
 
 def full(tr: Trainer) -> list[torch.Tensor]:

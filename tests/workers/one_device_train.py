@@ -28,6 +28,7 @@ from trainer import parallel  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.dist import init_distributed, shutdown  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
+from _trainer import fit  # noqa: E402  (tests/workers/ is the script's directory)
 
 DEVICE = os.environ.get("LIONCUB_ONE_DEVICE", "cpu")
 # untied embeddings so the head-sync presets are legal; clipping, decay and a warm-up within the run
@@ -43,14 +44,6 @@ SYNC = {"lioncub_4bit_synchead": ["comm.momentum_sync.every=2"], "lioncub_syncal
 def say(info, msg: str) -> None:
     if info.is_main:
         print(f"ONE_DEVICE {msg}", flush=True)
-
-
-def fit(tr: Trainer) -> dict:
-    try:
-        return tr.fit()
-    finally:
-        tr.logger.close()
-        tr.release()
 
 
 def trainer(info, base: str, overrides: list[str]) -> Trainer:

@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT))
 from trainer.config import ConfigError, load_config  # noqa: E402
 from trainer.dist import init_distributed, shutdown  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
+from _trainer import fit  # noqa: E402  (tests/workers/ is the script's directory)
 
 BASE = ["model.preset=debug", "data.batch_size=2", "data.seq_len=32", "train.max_steps=4", "train.eval_every=0",
         "train.eval_steps=1", "log.wandb=disabled", "optim.lr=1e-3", "comm.kernels=eager", "train.ckpt_every=1", "train.keep_ckpts=5",
@@ -36,14 +37,6 @@ def trainer(out: Path, extra: list[str], variant: str = "lioncub_1bit") -> Train
 
 def momenta(tr: Trainer) -> torch.Tensor:
     return torch.cat([tr.optimizer.momentum_of(e.param).reshape(-1).clone() for e in tr.optimizer.layout.entries])
-
-
-def fit(tr: Trainer) -> dict:
-    try:
-        return tr.fit()
-    finally:
-        tr.logger.close()
-        tr.release()
 
 
 def full(tr: Trainer) -> list[torch.Tensor]:
