@@ -13,7 +13,7 @@ every rank, `optimizer_shared`: the listed file holding it once). A reader
   strings, None and lists / tuples / dicts of them. A pickle naming any other Python object
   (a function to call, a class to build) is refused before anything of it runs;
   a sharded run's DCP `.metadata` (a pickle too) is read by model/dcp_metadata.py's allow-list of
-  the types DCP writes, never by DCP's plain pickle.load;
+  the types DCP writes, never by the unrestricted unpickling DCP does itself;
 - checks that no floating tensor holds NaN or inf (`nonfinite_keys`);
 - falls back to the newest intact checkpoint of a run (`newest_intact_model`), saying which
   ones it skipped and why.

@@ -1,8 +1,8 @@
 """Reading a sharded run's model (torch.distributed.checkpoint files, `step_NNNNNN/model/`) without
 running anything its files hold.
 
-DCP's own FileSystemReader reads `.metadata` with a plain `pickle.load`, and its default load
-planner reads any entry the metadata calls "bytes" with `torch.load(weights_only=False)`: either
+DCP's own FileSystemReader unpickles `.metadata` with no restriction, and its default load
+planner reads any entry the metadata calls "bytes" with an unrestricted torch.load: either
 runs whatever code a crafted file names. Here `.metadata` is unpickled by `_MetadataUnpickler`,
 which admits only the types DCP writes into it (its metadata dataclasses, torch.Size, dtypes,
 layouts, the memory-format enum, a path): the allow-list idea of torch.load(weights_only=True),

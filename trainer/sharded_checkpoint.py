@@ -11,7 +11,7 @@ The optimizer state is not in here: every rank's file (rank_*.pt) holds its own 
 momenta and error feedback included, which differ across replicas and are never deduplicated.
 
 Loading: `.metadata` is read by model/dcp_metadata.py (an allow-list of DCP's own metadata types,
-never a plain pickle.load) and handed to DCP, which fills the model's DTensors from whichever files
+never DCP's unrestricted unpickling) and handed to DCP, which fills the model's DTensors from whichever files
 hold their shards (so the model part
 would load at another mesh as well); a replicated checkpoint's model.pt loads into a sharded
 model (`parallel.load_full_state_dict`)."""

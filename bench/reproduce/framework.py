@@ -1102,7 +1102,7 @@ def _walls_by_geometry(planned: Sequence[Planned]) -> dict[tuple[int, int], list
 
 
 def hours_spent(planned: Sequence[Planned], left_minutes: float | None) -> tuple[int, float, float | None]:
-    """The CPU cost of the plan on this machine (issue 29's "whole cost of the suite"): (finished runs, hours of
+    """The CPU cost of the plan on this machine (what the whole suite costs before anyone starts it): (finished runs, hours of
     wall time they recorded, hours of the whole plan: every finished run at the median wall time of its geometry
     plus `left_minutes`, minutes_left's estimate for the rest). A resumed run records only its last launch, so
     the recorded hours understate what the finished runs took; the median total is what the plan costs run

@@ -981,7 +981,7 @@ def test_the_prose_setting_judges_on_a_quarter_of_its_val_split():
 
 
 # ---------------------------------------------------------------------------------------------
-# issue 50: runs shared by spec, the longer-horizon setting, Table 2's added seeds
+# runs shared by spec (none trains twice), the longer-horizon setting, Table 2's added seeds
 
 
 def _dion_pair(o: Options):

@@ -1,4 +1,4 @@
-"""trainer.dashboards (issue 52 item 11): the wandb workspace and comparison report are built offline
+"""trainer.dashboards: the wandb workspace and comparison report are built offline
 (never saved) and every panel's key is one the trainer really logs to wandb: the keys of a real 2-rank
 run's metrics.jsonl through trainer/logger.py's wandb_payload. Renaming a logged key fails here."""
 from __future__ import annotations

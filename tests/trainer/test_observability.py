@@ -1,4 +1,4 @@
-"""Observability (issue 52 item 10): train.profile writes torch.profiler Chrome traces of the chosen
+"""Observability: train.profile writes torch.profiler Chrome traces of the chosen
 steps on every rank, train.memory_snapshot is CUDA-only (a config error on train.device=cpu, a stated
 no-op without CUDA), and log.tensorboard writes the scalars wandb gets to a TensorBoard event file."""
 from __future__ import annotations

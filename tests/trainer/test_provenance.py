@@ -1,4 +1,4 @@
-"""Provenance and the console (issue 52 item 3): git commit with a dirty flag, package, torch / CUDA /
+"""Provenance and the console: git commit with a dirty flag, package, torch / CUDA /
 NCCL versions and the host in the first console line and in <out_dir>/provenance.json (one entry per
 start); the init_from and data.mix lines; a one-line diagnostics summary at log steps."""
 from __future__ import annotations
