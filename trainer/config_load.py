@@ -1,0 +1,228 @@
+"""Config loading: YAML files (strict: a key given twice is an error) and their `extends:` chains,
+`section.key=value` overrides, the typed build of the sections, and train.py's command line.
+
+Precedence: dataclass defaults < YAML file (and the files it `extends:`) < overrides."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from util.files import FileShapeError, strict_yaml
+
+from .config_schema import CommConfig, Config, ConfigError, OptimConfig, _registries
+from .config_validate import _format, validate
+
+
+def _read_yaml(path: Path, seen: tuple = ()) -> dict:
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"config 'extends' cycle: {' -> '.join(map(str, seen + (path,)))}")
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:  # a key given twice (a second `train:` section) is an error naming both lines, never a silent loss
+        raw = strict_yaml(path.read_text(), path) or {}
+    except FileShapeError as e:
+        raise ConfigError(str(e)) from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(raw).__name__}")
+    parents = raw.pop("extends", None) or []
+    if isinstance(parents, str):
+        parents = [parents]
+    base: dict = {}
+    for parent in parents:  # later parents override earlier ones, the file itself overrides all
+        base = _merge(base, _read_yaml(path.parent / parent, seen + (path,)))
+    return _merge(base, raw)
+
+
+def read_yaml(path: str | Path) -> dict:
+    """A config file as a plain dict, its `extends:` chain resolved (ConfigError on a bad file)."""
+    return _read_yaml(Path(path))
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """`section.key=value` (value parsed as YAML) -> nested dict."""
+    out: dict = {}
+    problems = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key or "." not in key:
+            problems.append(f"override {item!r}: expected section.key=value (e.g. train.max_steps=100)")
+            continue
+        try:
+            parsed = strict_yaml(value, f"override {key}") if value != "" else ""
+        except FileShapeError as e:
+            problems.append(str(e))
+            continue
+        except yaml.YAMLError:
+            parsed = value
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                problems.append(f"override {item!r} conflicts with another override of {part}")
+                break
+        else:
+            node[parts[-1]] = parsed
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return out
+
+
+def _type_ok(value: Any, tp) -> bool:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return any(_type_ok(value, t) for t in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is list or origin is list:
+        return isinstance(value, list)
+    if tp is str:
+        return isinstance(value, str)
+    if tp is dict or origin is dict:
+        return isinstance(value, dict)
+    return True
+
+
+def _build(cls, data: dict, prefix: str, problems: list[str]):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.name != "options"]
+    kwargs = {}
+    regs = _registries()
+    section = prefix.rstrip(".")
+    if cls in (CommConfig, OptimConfig) and section in regs:
+        data, kwargs["options"] = _split_options(section, data, names, regs[section], problems)
+    for key, value in data.items():
+        where = f"{prefix}{key}"
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(names)}"
+            problems.append(f"{where}: unknown key{hint}")
+            continue
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                problems.append(f"{where}: expected a mapping of {', '.join(f.name for f in dataclasses.fields(tp))}")
+                continue
+            kwargs[key] = _build(tp, value, where + ".", problems)
+            continue
+        if isinstance(value, str) and float in typing.get_args(tp) + (tp,):
+            try:  # YAML 1.1 reads 3e-4 (no dot) as a string; accept what float() accepts
+                value = float(value)
+            except ValueError:
+                pass
+        if not _type_ok(value, tp):
+            tname = getattr(tp, "__name__", str(tp)).replace("NoneType", "null")
+            problems.append(f"{where}: expected {tname}, got {value!r} ({type(value).__name__})")
+            continue
+        if tp is float and isinstance(value, int):
+            value = float(value)
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _split_options(section: str, data: dict, fixed: list[str], registry, problems: list[str]):
+    """Separate the selected registry entry's option keys from the section's common keys and
+    build the entry's options dataclass (typed, with the same checks as every other key)."""
+    selector, entries = registry
+    default = {"comm": CommConfig.mode, "optim": OptimConfig.name}[section]
+    chosen = data.get(selector, default)
+    classes = dict(entries)
+    if chosen not in classes:
+        return data, None  # the selector itself is reported by validate()
+    ocls = classes[chosen]
+    own = set(ocls.field_names())
+    rest, mine = {}, {}
+    for key, value in data.items():
+        if key in own:
+            mine[key] = value
+        elif key in fixed:
+            rest[key] = value
+        else:
+            owners = [n for n, c in entries if key in c.field_names()]
+            if owners:
+                problems.append(f"{section}.{key}: not an option of {section}.{selector}={chosen} (it belongs to "
+                                f"{', '.join(owners)}); remove it or change {section}.{selector}")
+            else:
+                valid = fixed + sorted(own)
+                close = difflib.get_close_matches(str(key), valid, n=1)
+                hint = f"; did you mean {section}.{close[0]}?" if close else f"; valid keys: {', '.join(valid)}"
+                problems.append(f"{section}.{key}: unknown key{hint}")
+    return rest, _build(ocls, mine, section + ".", problems)
+
+
+def split_config_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """A command line's leading config files (*.yaml / *.yml, no '=') and the key=value overrides after them."""
+    files = []
+    for a in args:
+        if "=" in a or not a.endswith((".yaml", ".yml")):
+            break
+        files.append(a)
+    return files, args[len(files):]
+
+
+def load_config_args(args: list[str]) -> Config:
+    """The Config of train.py's command line (CONFIG.yaml [MORE.yaml ...] [section.key=value ...]);
+    ConfigError when it names no config file first or the config is invalid."""
+    files, overrides = split_config_args(args)
+    if not files:
+        raise ConfigError(f"{args[0]}: expected a config file (*.yaml) first; usage: train.py CONFIG.yaml "
+                          f"[MORE.yaml ...] [section.key=value ...]")
+    return load_config(files, overrides)
+
+
+def load_config(path: str | Path | list | tuple | None, overrides: list[str] | None = None) -> Config:
+    """Read YAML (following `extends:`), apply overrides, build and validate the Config.
+
+    `path` may be several files, merged in order (a size file, then a variant file:
+    `configs/gpt2_124m.yaml configs/variants/lioncub_1bit.yaml`). With several files the run
+    directory defaults to the merged train.out_dir joined with the last file's name
+    (runs/gpt2_124m/lioncub_1bit), unless a file after the first or an override sets it."""
+    paths = [Path(p) for p in (path if isinstance(path, (list, tuple)) else [path] if path else [])]
+    raw: dict = {}
+    for p in paths:
+        raw = _merge(raw, _read_yaml(p))
+    over = parse_overrides(overrides or [])
+    if len(paths) > 1 and "out_dir" in (raw.get("train") or {}) and not any(
+            "out_dir" in (_read_yaml(p).get("train") or {}) for p in paths[1:]) \
+            and "out_dir" not in (over.get("train") or {}):
+        raw["train"] = {**raw["train"], "out_dir": str(Path(raw["train"]["out_dir"]) / paths[-1].stem)}
+    raw = _merge(raw, over)
+    problems: list[str] = []
+    names = [f.name for f in dataclasses.fields(Config)]
+    for key in list(raw):
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            problems.append(f"{key}: unknown section" + (f"; did you mean {close[0]}?" if close else
+                                                         f"; valid sections: {', '.join(names)}"))
+            raw.pop(key)
+        elif not isinstance(raw[key], dict):
+            problems.append(f"{key}: expected a mapping of keys, got {raw[key]!r}")
+            raw.pop(key)
+    for section in _registries():
+        raw.setdefault(section, {})  # so the selected entry's options are always built
+    cfg = _build(Config, raw, "", problems)
+    problems += validate(cfg, world_size=None, raise_error=False)
+    if problems:
+        raise ConfigError(_format(problems))
+    return cfg
