@@ -54,14 +54,9 @@ NaN payloads are not promised to match (NaN positions are).
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
-import math
 import os
-import shutil
-import struct
 import time
-import types
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -72,40 +67,25 @@ from .allreduce import check_lanes
 from .packing import ceil_div, lane_max, lanes_per_word, pack_lanes, pack_words16, unpack_lanes, unpack_words16
 from .quantize import MAX_LEVELS, ROUNDINGS, lp_quantize, segment_lp_means
 from .vote import count_dtype, local_majority, majority_threshold, tb_packed
+# the kernel bodies, the compiled-kernel machinery, the quantizer helpers and the auto choice's
+# arithmetic live in modules of their own; every name stays importable (and patchable) here
+from .kernel_bodies import (_INDUCTOR_OPTIONS, _INDUCTOR_OPTIONS_EAGER_FLOAT_CUDA, _SIGN_BITS, _WORD, _consts,
+                            _k_majority, _k_pack_v, _k_quant_blocks, _k_quant_blocks_stoch, _k_sign_bits,
+                            _k_sign_v, _k_tb_lanes, _k_unpack, _lane_of, _pack_groups, const, eager_float, f32)
+from .kernel_choice import COST_ORDER, TIE, _choice_line, fastest, merge_choices, time_ms
+from .kernel_compile import (_KERNELS, NO_COMPILE_ENV, Kernel, _bound, _compile_seconds, _find_unavailable, _plain,
+                             _unavailable, compile_seconds, compile_unavailable, compiled_kernel, dtype_key)
+from .kernel_quant import (QBLOCK, WIRE_BITS, _block_plan, _check_quantize_args, _check_segments, _PLANS,
+                           _scales_of, _segment_max_abs, _segment_scales,
+                           _sign_of_sum_eager, native_quantizes, unpack_sum_reference, wire_of)
 
 IMPLS = ("auto", "compiled", "eager", "native")
-NO_COMPILE_ENV = native.NO_COMPILE_ENV  # "LIONCUB_NO_COMPILE": neither compiled nor native kernels
 IMPL_ENV = "LIONCUB_KERNELS"
 SMALL = 64  # elements; below this the reference runs (dynamo also specialises sizes 0 and 1)
-WIRE_BITS = (1, 2, 4, 8, 16)
-# inductor's C++ backend refuses to vectorise loops whose loads are mostly strided (the 8 strided
-# loads of a packed byte); with its heuristic off, sign packing runs at copy speed instead of 3x
-_INDUCTOR_OPTIONS = {"cpp.enable_tiling_heuristics": False}
-# Triton contracts a multiply and the add or subtract that follows it into one fma (fp fusion,
-# on by default), where eager CUDA rounds the product first: stochastic rounding's y - floor(y),
-# with y = x * scale, then differed from eager's in the last bit, and an 8-bit L1 wire from the
-# reference in a lane per million (an H200, torch 2.11, Triton 3.6). emulate_precision_casts is
-# inductor's switch for eager numerics: Triton compiles with fp fusion off (and low-precision
-# casts stay where eager has them). Only the kernels marked `eager_float` get it: the quantizers
-# (no slower with it on the H200); the integer kernels have no float arithmetic to fuse, so they
-# keep the default (run 3's 1.7-3x slowdown with it is within how far their compiled speed
-# spreads over fresh processes, e.g. unpack + majority 0.3-3.1 ms at 250M: docs/results/gpu_check/
-# README.md, run 4). The C++ backend compiles with -ffp-contract=off already (inductor's default).
-_INDUCTOR_OPTIONS_EAGER_FLOAT_CUDA = {**_INDUCTOR_OPTIONS, "emulate_precision_casts": True}
-
-
-def eager_float(fn: Callable) -> Callable:
-    """Mark a kernel whose float arithmetic must round as eager's does on CUDA too (a multiply
-    feeding an add): `compiled_kernel` compiles it without Triton's fp fusion."""
-    fn.eager_float = True
-    return fn
 
 
 _impl_default = os.environ.get(IMPL_ENV, "eager")
-_compile_seconds: dict[tuple, float] = {}
 _warned: set[str] = set()
-_consts: dict[tuple, torch.Tensor] = {}
-_unavailable: dict[tuple, str | None] = {}
 _auto: dict[tuple[str, str], str] = {}  # (kernel, device type) -> the candidate "auto" measured fastest
 _auto_log: list[dict] = []
 _rejected: dict[tuple[str, str], set[str]] = {}  # (kernel, device type) -> candidates whose bytes differed
@@ -130,32 +110,6 @@ def get_impl() -> str:
 def resolve_impl(impl: str | None) -> str:
     """`impl`, or the module default for None."""
     return _impl_default if impl is None else impl
-
-
-def compile_unavailable(device: torch.device | str = "cpu") -> str | None:
-    """Why torch.compile cannot build kernels for `device` here, or None when it can."""
-    device = torch.device(device)
-    if os.environ.get(NO_COMPILE_ENV, "0") not in ("", "0"):
-        return f"{NO_COMPILE_ENV}={os.environ[NO_COMPILE_ENV]} is set"
-    key = (device.type, os.environ.get("CXX"))
-    if key not in _unavailable:  # looked up once: it runs on every kernel call
-        _unavailable[key] = _find_unavailable(device)
-    return _unavailable[key]
-
-
-def _find_unavailable(device: torch.device) -> str | None:
-    if not hasattr(torch, "compile"):
-        return f"torch {torch.__version__} has no torch.compile"
-    if device.type == "cpu":
-        cxx = os.environ.get("CXX")
-        if not (shutil.which(cxx) if cxx else any(shutil.which(c) for c in ("g++", "c++", "clang++"))):
-            return "no C++ compiler found (CXX, g++, c++, clang++) for inductor's CPU backend"
-    elif device.type == "cuda":
-        if importlib.util.find_spec("triton") is None:
-            return "Triton is not installed (inductor's GPU backend)"
-    else:
-        return f"no compiled kernels for device type {device.type!r}"
-    return None
 
 
 def use_compiled(impl: str | None, device: torch.device, kernel: str | None = None) -> bool:
@@ -199,76 +153,6 @@ def kernel_impl(impl: str | None, device: torch.device | str, kernel: str) -> st
     return "compiled" if use_compiled(impl, dev, kernel) else "eager"
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """t as a tensor of its own (no view base, storage offset 0) over the same memory.
-
-    Dynamo specialises a view's storage offset on 0 / 1 / other and its base's size on 1 / other,
-    so the views a step passes (parameter slices of a flat buffer) would compile up to 2**k
-    graphs of a k-argument kernel, some inside a timed step, and past 8 run uncompiled. A DLPack
-    round trip shares the memory (writes land in t) and costs a few microseconds."""
-    if t.requires_grad:  # a parameter: the kernel writes its data, outside autograd
-        t = t.detach()
-    if t._base is None and t.storage_offset() == 0:
-        return t
-    return torch.from_dlpack(t)
-
-
-class Kernel:
-    """A traced function compiled once per device type (`options`) with dynamic shapes; the first call per key (kernel,
-    device, dtypes, static arguments: what its graph is specialised on) is timed and booked as
-    compile time."""
-
-    def __init__(self, name: str, fn: Callable, eager_float: bool = False) -> None:
-        self.name, self.fn, self.eager_float = name, fn, eager_float
-        self._compiled: dict[str, Callable] = {}  # per device type: an eager_float one differs on CUDA
-
-    def options(self, device_type: str) -> dict:
-        """The inductor options this kernel compiles with on `device_type`."""
-        return _INDUCTOR_OPTIONS_EAGER_FLOAT_CUDA if self.eager_float and device_type == "cuda" else _INDUCTOR_OPTIONS
-
-    def __call__(self, key: tuple, *args):
-        """key: (device type, what else the graph is specialised on)."""
-        args = tuple(_plain(a) if isinstance(a, torch.Tensor) else a for a in args)
-        run = self._compiled.get(key[0])
-        if run is None:
-            run = self._compiled[key[0]] = torch.compile(self.fn, dynamic=True, fullgraph=True,
-                                                         options=self.options(key[0]))
-        full = (self.name,) + key
-        if full in _compile_seconds:
-            return run(*args)
-        devs = {a.device for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda"}
-        for d in devs:  # compile-time bookkeeping only, never on a warm path
-            torch.cuda.synchronize(d)
-        t0 = time.perf_counter()
-        out = run(*args)
-        for d in devs:
-            torch.cuda.synchronize(d)
-        _compile_seconds[full] = time.perf_counter() - t0
-        return out
-
-
-def compile_seconds(detail: bool = False) -> float | dict[str, float]:
-    """Seconds spent compiling (first calls) so far: the total, or per kernel key."""
-    if detail:
-        return {"/".join(str(k) for k in key): s for key, s in _compile_seconds.items()}
-    return sum(_compile_seconds.values())
-
-
-def time_ms(fn: Callable[[], object], device: torch.device) -> float:
-    """Milliseconds of one call: CUDA events on a GPU (no host sync inside the span), the host
-    clock on CPU."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
 def choose(kernel: str, device: torch.device | str, candidates: dict[str, Callable[[], torch.Tensor]], *,
            reference: str | Callable[[], torch.Tensor] = "eager", repeats: int = 5, n: int | None = None) -> str:
     """The choice of impl="auto" for (kernel, device type): each candidate (name -> a call on the
@@ -300,52 +184,6 @@ def choose(kernel: str, device: torch.device | str, candidates: dict[str, Callab
     _auto_log.append(rec)
     _log.info("kernels auto: %s", rec["line"])
     return chosen
-
-
-# Ties within TIE of the fastest go to the candidate that costs the process least: eager (nothing),
-# native (a C library of ~50 KB, built once per host), compiled (inductor's imports and compiled code:
-# 60-150 MiB of RSS per process, and seconds of compiling). Medians of 9 interleaved calls of the
-# same kernel, native and compiled, moved by 10-20 % between runs on a loaded 2-core machine (4 ranks
-# timing at once), which is why `choose` keeps each candidate's fastest call; within 10 % the
-# measurement still does not tell two candidates apart.
-TIE = 0.10
-COST_ORDER = ("eager", "native", "compiled")
-
-
-def fastest(ms: dict[str, float]) -> str:
-    """The candidate auto keeps from times `ms`: the fastest, except that one within TIE of
-    it that comes earlier in COST_ORDER wins the tie."""
-    best = min(ms.values())
-    close = [name for name in ms if ms[name] <= best * (1 + TIE)]
-    return min(close, key=lambda name: (COST_ORDER.index(name) if name in COST_ORDER else len(COST_ORDER), ms[name]))
-
-
-def _choice_line(rec: dict) -> str:
-    n = rec["n"]
-    return (f"{rec['kernel']} on {rec['device']}{f' (n={n:,})' if n is not None else ''}: {rec['chosen']} ("
-            + ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(rec["ms"].items()))
-            + (f"; rejected, bytes differ: {', '.join(rec['rejected'])}" if rec["rejected"] else "")
-            + (f"; measured by an earlier run on this host, cached in {rec['cached']}" if rec.get("cached")
-               else "; timed in a child process" if rec.get("probe") else "")
-            + (f"; agreed by {rec['agreed']} ranks" if rec.get("agreed") else "") + ")")
-
-
-def merge_choices(per_rank: list[dict[str, dict]]) -> dict[str, str]:
-    """The one choice per kernel that every rank of a group follows, from each rank's measurements
-    ({"kernel|device": {"ms": {candidate: ms}}}, what `agree_choices` gathers): among the
-    candidates every rank accepted (bytes equal to its reference there), the one whose slowest rank
-    is fastest. A kernel some rank did not measure is left to the ranks that did."""
-    keys = set().union(*per_rank) if per_rank else set()
-    out = {}
-    for key in sorted(keys):
-        seen = [r[key]["ms"] for r in per_rank if key in r]
-        if len(seen) < len(per_rank):
-            continue
-        ok = set.intersection(*(set(ms) for ms in seen))
-        if ok:
-            worst = {name: max(ms[name] for ms in seen) for name in sorted(ok)}
-            out[key] = fastest(worst)
-    return out
 
 
 def agree_choices(group=None, own: dict[str, str] | None = None) -> None:
@@ -395,183 +233,6 @@ def auto_choices() -> list[dict]:
     return list(latest.values())
 
 
-def const(value, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A cached 0-d device tensor: a kernel argument that changes rarely, passed without
-    recompiling and without a host-to-device copy per call."""
-    key = (value, dtype, device)
-    if key not in _consts:
-        _consts[key] = torch.tensor(value, dtype=dtype, device=device)
-    return _consts[key]
-
-
-def f32(x: float) -> float:
-    """x rounded to float32 (what ATen does to a Python scalar used with a float32 tensor)."""
-    try:
-        return struct.unpack("f", struct.pack("f", x))[0]
-    except OverflowError:  # finite but beyond float32: the cast gives inf
-        return math.copysign(math.inf, x)
-
-
-# ---- traced kernel bodies (torch ops only: inductor turns each into one loop) ---------------
-def _k_sign_bits(x8: torch.Tensor, odd: torch.Tensor, out: torch.Tensor) -> None:
-    """x8: (nb, 8) -> out[nb] bytes of tb(x) flags, bit k = x8[:, k] (tb as in comm.vote)."""
-    acc = None
-    for k in range(8):
-        xk = x8[:, k]
-        f = ((xk > 0) | ((xk == 0) & odd)).to(torch.int32) * (1 << k)
-        acc = f if acc is None else acc + f
-    out.copy_(acc.to(torch.uint8))
-
-
-def _pack_groups(v: list[torch.Tensor], bits: int) -> torch.Tensor:
-    """v[i]: int32 lane values of lane i of each word -> the word (uint8, or int32 for 16)."""
-    acc = None
-    for i, vi in enumerate(v):
-        f = vi * (1 << (i * bits))
-        acc = f if acc is None else acc + f
-    return acc if bits == 16 else acc.to(torch.uint8)
-
-
-def _k_tb_lanes(c2: torch.Tensor, odd: torch.Tensor, out: torch.Tensor, bits: int) -> None:
-    """levels == 0 wire: lane = 1 for tb(c) = +1 with optim.lioncub's where-form of the tie break
-    (c > 0, or c not < 0 on odd steps), packed `bits` wide; c2: (words, lanes per word)."""
-    v = []
-    for i in range(c2.shape[1]):
-        ci = c2[:, i]
-        v.append(((ci > 0) | (~(ci < 0) & odd)).to(torch.int32))
-    out.copy_(_pack_groups(v, bits))
-
-
-def _k_pack_v(v2: torch.Tensor, out: torch.Tensor, bits: int) -> None:
-    """v2: (words, lanes per word) uint8 lane values -> packed words (comm.packing layout)."""
-    out.copy_(_pack_groups([v2[:, i].to(torch.int32) for i in range(v2.shape[1])], bits))
-
-
-def _lane_of(y: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """The int32 lane value q + L of clamped float y, with q = int8(y) as lp_quantize converts it
-    (through int32: a NaN y, from an inf in the tensor that zeroes its scale, gives q = 0 as the
-    reference's float -> int8 does, not a lane of INT32_MIN's low bits)."""
-    return y.to(torch.int32).to(torch.int8).to(torch.int32) + levels.to(torch.int32)
-
-
-@eager_float
-def _k_quant_blocks(x3: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor, out: torch.Tensor,
-                    bits: int) -> None:
-    """Lion Cub eq. 1 and the lane packing in one pass over whole blocks of the flat vector:
-    x3 (blocks, words per block, lanes per word); block b uses scale[b] (its segment's scale,
-    one per block, not per element) -> out (blocks, words per block)."""
-    s = scale.unsqueeze(1)
-    v = []
-    for i in range(x3.shape[2]):
-        y = torch.clamp(torch.round(x3[:, :, i].to(scale.dtype) * s), -levels, levels)
-        v.append(_lane_of(y, levels))
-    out.copy_(_pack_groups(v, bits))
-
-
-@eager_float
-def _k_quant_blocks_stoch(x3: torch.Tensor, scale: torch.Tensor, u3: torch.Tensor, levels: torch.Tensor,
-                          out: torch.Tensor, bits: int) -> None:
-    """_k_quant_blocks with stochastic rounding: u3, shaped like x3, holds each element's uniform
-    (the rounding of comm.quantize.lp_quantize)."""
-    s = scale.unsqueeze(1)
-    v = []
-    for i in range(x3.shape[2]):
-        y = x3[:, :, i].to(scale.dtype) * s
-        low = torch.floor(y)
-        y = low + (u3[:, :, i] < (y - low)).to(y.dtype)
-        v.append(_lane_of(torch.clamp(y, -levels, levels), levels))
-    out.copy_(_pack_groups(v, bits))
-
-
-def _k_sign_v(x: torch.Tensor, levels: torch.Tensor, out: torch.Tensor) -> None:
-    """The "sign" quantizer with levels >= 1: q = sign(x), shifted by L."""
-    out.copy_((torch.sign(x).to(torch.int32) + levels).to(torch.uint8))
-
-
-def _k_unpack(w2: torch.Tensor, mul: torch.Tensor, offset: torch.Tensor, out: torch.Tensor, bits: int,
-              esize: int, plus: int | None, minus: int | None) -> None:
-    """Summed wire words -> per-lane totals t = mul*v - offset (2v - P for signs, v - P*L), or
-    the bit patterns `plus` / `minus` / 0 of sign(t) in an `esize`-byte type. w2: (m, g) wire
-    words; out: the result viewed as m integers of g*lanes*esize in {1, 4, 8} bytes, one word
-    per row, so the lanes land with contiguous stores (inductor's C++ backend turns the strided
-    stores of a (words, lanes) layout into scalar ones, and does not vectorise int16)."""
-    per = lanes_per_word(bits)
-    E = 8 * esize
-    nbytes = w2.shape[1] * per * esize
-    acc = torch.int64 if nbytes > 4 else torch.int32
-    word = None
-    for gi in range(w2.shape[1]):
-        w = w2[:, gi]
-        wi = w.to(torch.int64) & 0xFFFFFFFF if bits == 16 else w.to(acc)  # int32 carrier may be < 0
-        for lane in range(per):
-            k = gi * per + lane
-            t = ((wi >> (lane * bits)) & lane_max(bits)).to(acc) * mul - offset
-            if plus is not None:
-                t = torch.where(t > 0, plus, torch.where(t < 0, minus, 0)).to(acc)
-            # two's complement lanes: the top lane signed (cannot overflow), the others masked
-            top = k == w2.shape[1] * per - 1
-            term = t if top else t & lane_max(E)
-            term = term * (1 << (k * E)) if k else term
-            word = term if word is None else word + term
-    out.copy_(word.to(out.dtype))
-
-
-# sign(t) as raw bits of the update dtype: +1, -1 (0 is all zero bits)
-_SIGN_BITS = {torch.float32: (4, 0x3F800000, 0xBF800000 - (1 << 32)),
-              torch.bfloat16: (2, 0x3F80, 0xBF80 - (1 << 16)), torch.float16: (2, 0x3C00, 0xBC00 - (1 << 16)),
-              torch.int8: (1, 1, -1), torch.int16: (2, 1, -1), torch.int32: (4, 1, -1)}
-_WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _k_majority(r: torch.Tensor, thr: torch.Tensor, out: torch.Tensor) -> None:
-    """r: (P, c) packed chunks -> out[c]: bit k set when the count of set bits k over the P rows
-    reaches thr (comm.vote.majority_flags' exact threshold form of the tie break)."""
-    acc = None
-    for k in range(8):
-        cnt = ((r >> k) & 1).sum(0, dtype=thr.dtype)
-        f = (cnt >= thr).to(torch.int32) * (1 << k)
-        acc = f if acc is None else acc + f
-    out.copy_(acc.to(torch.uint8))
-
-
-_KERNELS: dict[tuple, Kernel] = {}
-
-
-_BOUND_FN: Callable | None = None  # set in the globals of each copy of _bound (see _kernel)
-_BOUND_STATIC: tuple = ()
-
-
-def _bound(*args):
-    return _BOUND_FN(*args, *_BOUND_STATIC)
-
-
-def compiled_kernel(fn: Callable, *static) -> Kernel:
-    """The compiled kernel of `fn` with its trailing arguments fixed to `static` (lane width,
-    flags). Dynamo keeps its compiled graphs per code object, and a code object past 8 graphs
-    runs uncompiled (or, with fullgraph, raises), so every static tuple gets a code object of
-    its own; within it dynamic shapes make one graph per (device, dtypes) serve every length.
-    Each is a renamed copy of `_bound`'s code with `fn` and `static` in globals of its own
-    (globals, not a closure: dynamo specialises on a global's value, as it must for lane widths
-    and bit patterns). The copy keeps this file as its source: torch.compile up to 2.11 wraps a
-    function with no source file (one made by exec) in one shared frame (external_utils.inner),
-    which put every kernel on one code object and past the limit after 8 graphs (seen on torch
-    2.11 + CUDA; torch 2.13 traces such functions as they are)."""
-    key = (fn.__name__.removeprefix("_k_"),) + static
-    if key not in _KERNELS:
-        name = f"bound_{len(_KERNELS)}"
-        code = _bound.__code__.replace(co_name=name)  # a new code object, same file and line
-        if hasattr(code, "co_qualname"):
-            code = code.replace(co_qualname=name)
-        scope = {"_BOUND_FN": fn, "_BOUND_STATIC": static, "__name__": __name__, "__builtins__": __builtins__}
-        _KERNELS[key] = Kernel("/".join(str(k) for k in key), types.FunctionType(code, scope, name),
-                               getattr(fn, "eager_float", False))
-    return _KERNELS[key]
-
-
-def dtype_key(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
 # ---- sign -> packed bits ---------------------------------------------------------------------
 def sign_pack(x: torch.Tensor, step: int, length: int | None = None, *,
               impl: str | None = None) -> torch.Tensor:
@@ -598,17 +259,6 @@ def sign_pack(x: torch.Tensor, step: int, length: int | None = None, *,
 
 
 # ---- quantize -> packed lanes ------------------------------------------------------------------
-def _check_segments(segments: Sequence[tuple[int, int]], n: int) -> None:
-    pos = 0
-    for off, m in segments:
-        if off != pos or m < 0:
-            raise ValueError(f"quantize_pack: segments must tile [0, {n}) in order as (offset, size); "
-                             f"segment ({off}, {m}) follows position {pos}")
-        pos += m
-    if pos != n:
-        raise ValueError(f"quantize_pack: segments cover {pos} elements but c has {n}")
-
-
 Q_PIECE = 1 << 20  # elements: quantize_q's nearest-rounding pieces (4 MiB of float32 temporaries)
 
 
@@ -658,70 +308,6 @@ def quantize_q(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: int
     return q
 
 
-def wire_of(q: torch.Tensor, levels: int, bits: int) -> torch.Tensor:
-    """The wire comm.int_allreduce builds from int8 q: v = q + L (levels == 0: v = [q > 0]) in
-    `bits`-wide lanes, uint8 bytes (int32 words of two 16-bit lanes for bits = 16)."""
-    q = q.reshape(-1)
-    if bits == 16:
-        return pack_words16((q > 0).to(torch.int32) if levels == 0 else q.to(torch.int32) + levels)
-    v = (q > 0).view(torch.uint8) if levels == 0 else q.view(torch.uint8) + levels
-    return pack_lanes(v, bits, check=False)
-
-
-def _check_quantize_args(levels: int, p: float | None, clip: float, bits: int, rounding: str) -> None:
-    if bits not in WIRE_BITS:
-        raise ValueError(f"quantize_pack: bits={bits!r}; the p-bit allreduce supports {WIRE_BITS}")
-    if not isinstance(levels, int) or not 0 <= levels <= MAX_LEVELS:
-        raise ValueError(f"quantize_pack: levels={levels!r}; need an int in [0, {MAX_LEVELS}]")
-    check_lanes(1, levels, bits)  # the lane must hold at least one rank's 2L
-    if levels and p is not None:
-        if not float(p) >= 0:
-            raise ValueError(f"quantize_pack: p={p}; need p >= 0 (or None for the sign quantizer)")
-        if not clip > 0:
-            raise ValueError(f"quantize_pack: clip={clip}; need clip > 0 (the paper uses 2)")
-        if rounding not in ROUNDINGS:
-            raise ValueError(f"quantize_pack: rounding={rounding!r}; choose one of {ROUNDINGS}")
-
-
-def _segment_scales(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p: float, clip: float,
-                    scratch: torch.Tensor | None, plan: tuple | None = None,
-                    means: torch.Tensor | None = None) -> torch.Tensor:
-    """Scale levels / (clip * M_p) of every segment. p = inf with a block plan: one segmented
-    max over the whole vector (a max is exact in any order, so it equals the per-tensor max).
-    Otherwise comm.quantize.segment_lp_means, as the reference quantize_q computes them: a few
-    calls per distinct tensor size, each value bit-identical to lp_mean on CPU."""
-    mdt = torch.float64 if c.dtype == torch.float64 else torch.float32
-    if means is not None:
-        m = means
-    elif math.isinf(p) and plan is not None:
-        m = _segment_max_abs(c, len(segs), plan).to(mdt)
-    else:
-        m = segment_lp_means(c, segs, p, scratch)
-    return _scales_of(m, levels, clip)
-
-
-def _scales_of(m: torch.Tensor, levels: int, clip: float) -> torch.Tensor:
-    """levels / (clip * M_p), 0 where M_p = 0: the expression of comm.quantize.lp_quantize,
-    elementwise over the segments."""
-    return torch.where(m > 0, levels / (clip * m.clamp_min(torch.finfo(m.dtype).tiny)), m.new_zeros(()))
-
-
-def _segment_max_abs(c: torch.Tensor, nsegs: int, plan: tuple) -> torch.Tensor:
-    """max |c| of every segment as a segmented reduction: per whole block a min and a max (no
-    |c| temporary), reduced into the block's segment, and the gathered elements of the boundary
-    blocks reduced into theirs."""
-    nb, bseg, whole, elems, seg_of = plan[:5]
-    m = torch.zeros(nsegs, dtype=c.dtype, device=c.device)
-    if nb:
-        blocks = c[:nb * QBLOCK].view(nb, QBLOCK)
-        lo, hi = blocks.amin(dim=1), blocks.amax(dim=1)  # torch's aminmax over rows is ~50x slower on CPU
-        # whole: the indices of the blocks inside one segment (a mask here would sync on a GPU)
-        m.scatter_reduce_(0, bseg.index_select(0, whole), torch.maximum(-lo, hi).index_select(0, whole), "amax")
-    if elems.numel():
-        m.scatter_reduce_(0, seg_of, c[elems].abs(), "amax")
-    return m
-
-
 def _pack_v_into(v: torch.Tensor, bits: int, out: torch.Tensor) -> None:
     """Pack uint8 lane values v[n] into out (uint8, or int32 words for bits=16)."""
     per = lanes_per_word(bits)
@@ -734,50 +320,6 @@ def _pack_v_into(v: torch.Tensor, bits: int, out: torch.Tensor) -> None:
     if full < out.numel():
         tail = v[full * per:]
         out[full:] = pack_words16(tail.to(torch.int32)) if bits == 16 else pack_lanes(tail, bits, check=False)
-
-
-_PLANS: dict[tuple, tuple] = {}
-QBLOCK = native.QBLOCK  # elements per block of the one-pass quantizer (a multiple of every lanes-per-word)
-
-
-def _block_plan(segs: list[tuple[int, int]], per: int, n: int, device: torch.device) -> tuple:
-    """How quantize_pack covers the flat vector, once per layout (cached: a run has one): the
-    n // QBLOCK whole blocks go through one kernel, block b with the scale of segment bseg[b] (the
-    segment holding its first element); the words of blocks that hold a segment boundary, and
-    of the partial block at the end, are then rewritten by one gathered pass: for each of their
-    elements its index, its segment, its word slot and lane, and the word positions. The
-    gathered pass is at most (segments + 1) blocks long, whatever n is. whole[b]: block b lies
-    inside one segment (kept as the indices of those blocks)."""
-    key = (tuple(segs), per, n, device)
-    if key not in _PLANS:
-        if len(_PLANS) >= 8:
-            _PLANS.pop(next(iter(_PLANS)))
-        nb = n // QBLOCK
-        nb = nb if nb >= 2 else 0  # dynamo specialises a size-1 dimension: one block goes gathered
-        starts = torch.tensor([off for off, _ in segs], dtype=torch.int64)
-        ends = torch.tensor([off + m for off, m in segs], dtype=torch.int64)
-        first = torch.arange(nb, dtype=torch.int64) * QBLOCK
-        bseg = (torch.searchsorted(starts, first, right=True) - 1).clamp_min(0)
-        whole = ends[bseg] >= first + QBLOCK if nb else torch.zeros(0, dtype=torch.bool)
-        wpb = QBLOCK // per
-        fix = [b * wpb + torch.arange(wpb) for b in (~whole).nonzero().view(-1).tolist()]
-        fix.append(torch.arange(nb * wpb, ceil_div(n, per)))
-        words = torch.cat(fix)
-        elems = (words.view(-1, 1) * per + torch.arange(per)).view(-1)
-        slot = torch.arange(words.numel()).repeat_interleave(per)
-        keep = elems < n  # the last word's padding lanes stay 0
-        elems, slot = elems[keep], slot[keep]
-        seg_of = torch.searchsorted(starts, elems, right=True) - 1
-        _PLANS[key] = tuple(t.to(device) if isinstance(t, torch.Tensor) else t
-                            for t in (nb, bseg, whole.nonzero().view(-1), elems, seg_of, slot, elems % per, words))
-    return _PLANS[key]
-
-
-def native_quantizes(c: torch.Tensor, levels: int, p: float | None, bits: int) -> bool:
-    """Whether comm.native has the quantize_pack loop for this configuration: Lp (nearest or
-    stochastic) and the levels == 0 lanes up to 8 bits, for c's dtype; the "sign" quantizer
-    (p None) has none."""
-    return native.supports(c) and (p is not None if levels else bits <= 8)
 
 
 def _quantize_lanes(c: torch.Tensor, segs: list[tuple[int, int]], levels: int, p: float, clip: float,
@@ -923,28 +465,6 @@ def quantize_pack(c: torch.Tensor, segments: Sequence[tuple[int, int]], levels: 
 
 
 # ---- unpack -> sum / majority ------------------------------------------------------------------
-def unpack_sum_reference(wire: torch.Tensor, bits: int, n: int, levels: int, P: int) -> torch.Tensor:
-    """What comm.int_allreduce returns from the summed wire: int32[n] exact sums of q."""
-    total = unpack_words16(wire, n) if bits == 16 else unpack_lanes(wire, bits, n).to(torch.int32)
-    return total.mul_(2).sub_(P) if levels == 0 else total.sub_(P * levels)
-
-
-def _sign_of_sum_eager(flat: torch.Tensor, bits: int, n: int, levels: int, P: int, rdt: torch.dtype,
-                       out: torch.Tensor | None) -> torch.Tensor:
-    """sign(unpack_sum_reference(...)) in `rdt` by comparing the one-byte lane values with the
-    offset, without the int32 sums: sign(v - P*L) for L >= 1; for signs only, sign(2v - P) is +1
-    for v >= floor(P/2) + 1 and -1 for v < ceil(P/2) (the same integer thresholds as the
-    majority, comm.vote.majority_threshold)."""
-    v = unpack_lanes(flat, bits, n)
-    if levels == 0:
-        plus, minus = v >= majority_threshold(P, 2), v < majority_threshold(P, 1)
-    else:
-        plus, minus = v > P * levels, v < P * levels
-    res = torch.empty(n, dtype=rdt, device=flat.device) if out is None else out
-    res.copy_(plus)
-    return res.masked_fill_(minus, -1)
-
-
 def unpack_sum(wire: torch.Tensor, bits: int, n: int, levels: int, P: int, *, sign: bool = False,
                dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
                impl: str | None = None) -> torch.Tensor:
