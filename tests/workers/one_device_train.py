@@ -58,6 +58,7 @@ def run_variant(info, spec: str, tmp: Path, extra: list[str]) -> dict:
     tr = trainer(info, base, list(more) + extra + [f"train.out_dir={out}"])
     device = next(tr.model.parameters()).device.type
     fit(tr)
+    torch.distributed.barrier()  # rank 0 writes metrics.jsonl: every rank reads it only once rank 0 has closed it
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     shas = [r for r in recs if "param_sha256" in r][-1]["param_sha256"]
     assert len(shas) == info.world_size and len(set(shas)) == 1, (spec, shas)
