@@ -63,7 +63,7 @@ def segment_sizes(n: int) -> list[int]:
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
     """ms of one call: CUDA events on a GPU, no host sync inside the span (comm.kernels.time_ms,
-    the timer of comm.kernels=auto's choice)."""
+    the timer of comm.kernels=auto's choice on CUDA)."""
     return lambda fn: kernels.time_ms(fn, device)
 
 
@@ -117,10 +117,13 @@ def main(argv: list[str] | None = None) -> dict:
     L4, L8 = max_levels(P, 4), max_levels(P, 8)
 
     t0 = time.perf_counter()
-    compile_s = kernels.warmup(dev, bits=(4, 8), levels=(L4, L8), p=(1.0, math.inf), world_sizes=(P,),
-                               impl="compiled") + warmup_fused_passes(dev, impl="compiled")
+    comp = kernels.Kernels("compiled", dev)  # the run's Kernels, one per implementation timed here
+    compile_s = comp.warmup(bits=(4, 8), levels=(L4, L8), p=(1.0, math.inf), world_sizes=(P,)) + \
+        warmup_fused_passes(dev, impl="compiled")
     warm_wall = time.perf_counter() - t0
-    nat = native.unavailable(dev) is None  # the native loops: built (about a second), not compiled
+    nat = native.unavailable(dev) is None  # the native loops: built once per host, not compiled
+    natk = kernels.Kernels("native" if nat else "eager", dev)
+    eag = kernels.Kernels("eager", dev)
 
     g = torch.Generator(device=dev)
     g.manual_seed(0)
@@ -151,10 +154,10 @@ def main(argv: list[str] | None = None) -> dict:
         return lambda: kernels.wire_of(kernels.quantize_q(x, segs, L, p, 2.0), L, bits)
 
     def q_comp(bits: int, L: int, p: float = 1.0):
-        return lambda: kernels.quantize_pack(x, segs, L, p, 2.0, bits, impl="compiled", scratch=scratch)
+        return lambda: comp.quantize_pack(x, segs, L, p, 2.0, bits, scratch=scratch)
 
     def q_nat(bits: int, L: int, p: float = 1.0):
-        return lambda: kernels.quantize_pack(x, segs, L, p, 2.0, bits, impl="native", scratch=scratch)
+        return lambda: natk.quantize_pack(x, segs, L, p, 2.0, bits, scratch=scratch)
 
     def sum_eager(sign: bool):
         def f():
@@ -176,22 +179,21 @@ def main(argv: list[str] | None = None) -> dict:
     # and the float32 sign (comm.native writes the int8 update the optimizer applies)
     rows: list[tuple[str, Callable, Callable | None, Callable | None]] = [
         ("copy_ float32 into buffer", lambda: dst.copy_(x), None, None),
-        ("1-bit tb sign -> packed bits", lambda: tb_packed(x, 1), lambda: kernels.sign_pack(x, 1, impl="compiled"),
-         nat_or_none(lambda: kernels.sign_pack(x, 1, impl="native"))),
+        ("1-bit tb sign -> packed bits", lambda: tb_packed(x, 1), lambda: comp.sign_pack(x, 1),
+         nat_or_none(lambda: natk.sign_pack(x, 1))),
         (f"L1 quantize -> 4-bit lanes (L={L4})", q_eager(4, L4), q_comp(4, L4), nat_or_none(q_nat(4, L4))),
         (f"L1 quantize -> 8-bit lanes (L={L8})", q_eager(8, L8), q_comp(8, L8), nat_or_none(q_nat(8, L8))),
         (f"unpack + majority (P={P}, n/8 B in)", lambda: local_majority(recv, P, 1),
-         lambda: kernels.unpack_majority(recv, P, 1, impl="compiled"),
-         nat_or_none(lambda: kernels.unpack_majority(recv, P, 1, impl="native"))),
+         lambda: comp.unpack_majority(recv, P, 1),
+         nat_or_none(lambda: natk.unpack_majority(recv, P, 1))),
         (f"unpack + sum (4-bit, P={P}) -> int32", sum_eager(False),
-         lambda: kernels.unpack_sum(wire4, 4, n, L4, P, out=sums, impl="compiled"), None),
+         lambda: comp.unpack_sum(wire4, 4, n, L4, P, out=sums), None),
         (f"unpack + sum + sign (4-bit, P={P})", sum_eager(True),
-         lambda: kernels.unpack_sum(wire4, 4, n, L4, P, sign=True, out=upd, impl="compiled"), None),
+         lambda: comp.unpack_sum(wire4, 4, n, L4, P, sign=True, out=upd), None),
         (f"unpack + sign -> int8 update (4-bit, P={P})",
-         lambda: kernels.unpack_sum(wire4, 4, n, L4, P, sign=True, dtype=torch.int8, out=upd8, impl="eager"),
-         lambda: kernels.unpack_sum(wire4, 4, n, L4, P, sign=True, dtype=torch.int8, out=upd8, impl="compiled"),
-         nat_or_none(lambda: kernels.unpack_sum(wire4, 4, n, L4, P, sign=True, dtype=torch.int8, out=upd8,
-                                                impl="native"))),
+         lambda: eag.unpack_sum(wire4, 4, n, L4, P, sign=True, dtype=torch.int8, out=upd8),
+         lambda: comp.unpack_sum(wire4, 4, n, L4, P, sign=True, dtype=torch.int8, out=upd8),
+         nat_or_none(lambda: natk.unpack_sum(wire4, 4, n, L4, P, sign=True, dtype=torch.int8, out=upd8))),
         (f"Linf quantize -> 8-bit lanes (L={L8})", q_eager(8, L8, math.inf), q_comp(8, L8, math.inf),
          nat_or_none(q_nat(8, L8, math.inf))),
         ("Lion direction c", lambda: lion_direction(mv, gv, b1, out=cv),
@@ -234,8 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"bench.packing: n={n:,} ({len(sizes)} tensors) device={dev} threads={torch.get_num_threads()} "
           f"P={P} median of {args.repeats}; torch {torch.__version__}, {platform.processor() or platform.machine()}")
     print(f"load average before: {load_before}   after: {load_after}")
-    print(f"compile (kernels.warmup, outside timing): {compile_s:.1f} s wall, "
-          f"{kernels.compile_seconds():.1f} s in first calls of this process")
+    print(f"compile (kernels.warmup and optim.lion's, outside timing): {compile_s:.1f} s wall")
     copies = [r[4] for r in results.values()]
     copy_ms = statistics.median(copies)
     print(f"copy_ of {n * 4 / 1e6:.1f} MB float32 into a buffer: median {copy_ms:.2f} ms "

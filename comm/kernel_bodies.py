@@ -1,5 +1,5 @@
 """The traced kernel bodies behind comm.kernels (torch ops only: inductor turns each into one
-loop), with the inductor options they compile with and the small constants they take."""
+loop), with the inductor options they compile with and `f32` (a Python float rounded as ATen rounds it)."""
 
 from __future__ import annotations
 
@@ -13,21 +13,17 @@ from .packing import lane_max, lanes_per_word
 
 
 # inductor's C++ backend refuses to vectorise loops whose loads are mostly strided (the 8 strided
-# loads of a packed byte); with its heuristic off, sign packing runs at copy speed instead of 3x
-_INDUCTOR_OPTIONS = {"cpp.enable_tiling_heuristics": False}
+# loads of a packed byte); with its heuristic off, sign packing vectorises
+INDUCTOR_OPTIONS = {"cpp.enable_tiling_heuristics": False}
 
 
-# Triton contracts a multiply and the add or subtract that follows it into one fma (fp fusion,
-# on by default), where eager CUDA rounds the product first: stochastic rounding's y - floor(y),
-# with y = x * scale, then differed from eager's in the last bit, and an 8-bit L1 wire from the
-# reference in a lane per million (an H200, torch 2.11, Triton 3.6). emulate_precision_casts is
-# inductor's switch for eager numerics: Triton compiles with fp fusion off (and low-precision
-# casts stay where eager has them). Only the kernels marked `eager_float` get it: the quantizers
-# (no slower with it on the H200); the integer kernels have no float arithmetic to fuse, so they
-# keep the default (run 3's 1.7-3x slowdown with it is within how far their compiled speed
-# spreads over fresh processes, e.g. unpack + majority 0.3-3.1 ms at 250M: docs/results/gpu_check/
-# README.md, run 4). The C++ backend compiles with -ffp-contract=off already (inductor's default).
-_INDUCTOR_OPTIONS_EAGER_FLOAT_CUDA = {**_INDUCTOR_OPTIONS, "emulate_precision_casts": True}
+# Triton contracts a multiply and the add or subtract that follows it into one fma (fp fusion, on
+# by default) where eager CUDA rounds the product first: stochastic rounding's y - floor(y), with
+# y = x * scale, would differ from eager's in the last bit. emulate_precision_casts is inductor's
+# switch for eager numerics (Triton compiles with fp fusion off). Only the kernels marked
+# `eager_float` get it, the quantizers: the integer kernels have no float arithmetic to fuse.
+# inductor's C++ backend compiles with -ffp-contract=off already.
+INDUCTOR_OPTIONS_EAGER_FLOAT_CUDA = {**INDUCTOR_OPTIONS, "emulate_precision_casts": True}
 
 
 def eager_float(fn: Callable) -> Callable:
@@ -35,18 +31,6 @@ def eager_float(fn: Callable) -> Callable:
     feeding an add): `compiled_kernel` compiles it without Triton's fp fusion."""
     fn.eager_float = True
     return fn
-
-
-_consts: dict[tuple, torch.Tensor] = {}
-
-
-def const(value, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A cached 0-d device tensor: a kernel argument that changes rarely, passed without
-    recompiling and without a host-to-device copy per call."""
-    key = (value, dtype, device)
-    if key not in _consts:
-        _consts[key] = torch.tensor(value, dtype=dtype, device=device)
-    return _consts[key]
 
 
 def f32(x: float) -> float:

@@ -25,11 +25,9 @@ def time_ms(fn: Callable[[], object], device: torch.device) -> float:
 
 
 # Ties within TIE of the fastest go to the candidate that costs the process least: eager (nothing),
-# native (a C library of ~50 KB, built once per host), compiled (inductor's imports and compiled code:
-# 60-150 MiB of RSS per process, and seconds of compiling). Medians of 9 interleaved calls of the
-# same kernel, native and compiled, moved by 10-20 % between runs on a loaded 2-core machine (4 ranks
-# timing at once), which is why `choose` keeps each candidate's fastest call; within 10 % the
-# measurement still does not tell two candidates apart.
+# native (a small C library, built once per host), compiled (inductor's imports and compiled code,
+# and seconds of compiling). Two runs' timings of one kernel spread by about this much on a shared
+# machine (docs/results/fast_path/kernels_simplified.md), so closer candidates are not told apart.
 TIE = 0.10
 
 
@@ -44,13 +42,12 @@ def fastest(ms: dict[str, float]) -> str:
     return min(close, key=lambda name: (COST_ORDER.index(name) if name in COST_ORDER else len(COST_ORDER), ms[name]))
 
 
-def _choice_line(rec: dict) -> str:
+def choice_line(rec: dict) -> str:
+    """One readable line for a choice record (kernel, device, n, chosen, ms, rejected, agreed)."""
     n = rec["n"]
     return (f"{rec['kernel']} on {rec['device']}{f' (n={n:,})' if n is not None else ''}: {rec['chosen']} ("
             + ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(rec["ms"].items()))
             + (f"; rejected, bytes differ: {', '.join(rec['rejected'])}" if rec["rejected"] else "")
-            + (f"; measured by an earlier run on this host, cached in {rec['cached']}" if rec.get("cached")
-               else "; timed in a child process" if rec.get("probe") else "")
             + (f"; agreed by {rec['agreed']} ranks" if rec.get("agreed") else "") + ")")
 
 

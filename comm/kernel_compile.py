@@ -1,8 +1,9 @@
-"""comm.kernels' compiled-kernel machinery: whether a compiler exists, the per-static-tuple
-code copies of `_bound`, the `Kernel` wrapper and its compile timing."""
+"""comm.kernels' compiled-kernel machinery: whether a compiler exists, one code object per
+(kernel body, static arguments), and the `Kernel` wrapper that compiles it and times its first call."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shutil
@@ -13,15 +14,9 @@ from collections.abc import Callable
 import torch
 
 from . import native
-from .kernel_bodies import _INDUCTOR_OPTIONS, _INDUCTOR_OPTIONS_EAGER_FLOAT_CUDA
+from .kernel_bodies import INDUCTOR_OPTIONS, INDUCTOR_OPTIONS_EAGER_FLOAT_CUDA
 
 NO_COMPILE_ENV = native.NO_COMPILE_ENV  # "LIONCUB_NO_COMPILE": neither compiled nor native kernels
-
-
-_compile_seconds: dict[tuple, float] = {}
-
-
-_unavailable: dict[tuple, str | None] = {}
 
 
 def compile_unavailable(device: torch.device | str = "cpu") -> str | None:
@@ -29,13 +24,6 @@ def compile_unavailable(device: torch.device | str = "cpu") -> str | None:
     device = torch.device(device)
     if os.environ.get(NO_COMPILE_ENV, "0") not in ("", "0"):
         return f"{NO_COMPILE_ENV}={os.environ[NO_COMPILE_ENV]} is set"
-    key = (device.type, os.environ.get("CXX"))
-    if key not in _unavailable:  # looked up once: it runs on every kernel call
-        _unavailable[key] = _find_unavailable(device)
-    return _unavailable[key]
-
-
-def _find_unavailable(device: torch.device) -> str | None:
     if not hasattr(torch, "compile"):
         return f"torch {torch.__version__} has no torch.compile"
     if device.type == "cpu":
@@ -65,17 +53,17 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 
 class Kernel:
-    """A traced function compiled once per device type (`options`) with dynamic shapes; the first call per key (kernel,
-    device, dtypes, static arguments: what its graph is specialised on) is timed and booked as
-    compile time."""
+    """A traced function compiled once per device type with dynamic shapes; the first call per key
+    (device type, dtypes: what its graph is specialised on) is timed (`seconds`)."""
 
     def __init__(self, name: str, fn: Callable, eager_float: bool = False) -> None:
         self.name, self.fn, self.eager_float = name, fn, eager_float
         self._compiled: dict[str, Callable] = {}  # per device type: an eager_float one differs on CUDA
+        self.seconds: dict[tuple, float] = {}  # key -> seconds of its first (compiling) call
 
     def options(self, device_type: str) -> dict:
         """The inductor options this kernel compiles with on `device_type`."""
-        return _INDUCTOR_OPTIONS_EAGER_FLOAT_CUDA if self.eager_float and device_type == "cuda" else _INDUCTOR_OPTIONS
+        return INDUCTOR_OPTIONS_EAGER_FLOAT_CUDA if self.eager_float and device_type == "cuda" else INDUCTOR_OPTIONS
 
     def __call__(self, key: tuple, *args):
         """key: (device type, what else the graph is specialised on)."""
@@ -84,8 +72,7 @@ class Kernel:
         if run is None:
             run = self._compiled[key[0]] = torch.compile(self.fn, dynamic=True, fullgraph=True,
                                                          options=self.options(key[0]))
-        full = (self.name,) + key
-        if full in _compile_seconds:
+        if key in self.seconds:
             return run(*args)
         devs = {a.device for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda"}
         for d in devs:  # compile-time bookkeeping only, never on a warm path
@@ -94,21 +81,11 @@ class Kernel:
         out = run(*args)
         for d in devs:
             torch.cuda.synchronize(d)
-        _compile_seconds[full] = time.perf_counter() - t0
+        self.seconds[key] = time.perf_counter() - t0
         return out
 
 
-def compile_seconds(detail: bool = False) -> float | dict[str, float]:
-    """Seconds spent compiling (first calls) so far: the total, or per kernel key."""
-    if detail:
-        return {"/".join(str(k) for k in key): s for key, s in _compile_seconds.items()}
-    return sum(_compile_seconds.values())
-
-
-_KERNELS: dict[tuple, Kernel] = {}
-
-
-_BOUND_FN: Callable | None = None  # set in the globals of each copy of _bound (see _kernel)
+_BOUND_FN: Callable | None = None  # set in the globals of each copy of _bound (see compiled_kernel)
 
 
 _BOUND_STATIC: tuple = ()
@@ -118,27 +95,25 @@ def _bound(*args):
     return _BOUND_FN(*args, *_BOUND_STATIC)
 
 
+@functools.cache
 def compiled_kernel(fn: Callable, *static) -> Kernel:
     """The compiled kernel of `fn` with its trailing arguments fixed to `static` (lane width,
     flags). Dynamo keeps its compiled graphs per code object, and a code object past 8 graphs
     runs uncompiled (or, with fullgraph, raises), so every static tuple gets a code object of
-    its own; within it dynamic shapes make one graph per (device, dtypes) serve every length.
-    Each is a renamed copy of `_bound`'s code with `fn` and `static` in globals of its own
-    (globals, not a closure: dynamo specialises on a global's value, as it must for lane widths
-    and bit patterns). The copy keeps this file as its source: torch.compile up to 2.11 wraps a
-    function with no source file (one made by exec) in one shared frame (external_utils.inner),
-    which put every kernel on one code object and past the limit after 8 graphs (seen on torch
-    2.11 + CUDA; torch 2.13 traces such functions as they are)."""
+    its own, made once per process (this memo: dynamo's graphs hang off that code object, so a
+    second copy would compile again); within it dynamic shapes make one graph per (device,
+    dtypes) serve every length. Each is a renamed copy of `_bound`'s code with `fn` and `static`
+    in globals of its own (globals, not a closure: dynamo specialises on a global's value, as it
+    must for lane widths and bit patterns). The copy keeps this file as its source: some torch
+    versions wrap a function with no source file (one made by exec) in one shared frame, which
+    would put every kernel on one code object."""
+    name = "bound_" + "_".join([fn.__name__.removeprefix("_k_")] + [str(s).replace("-", "m") for s in static])
+    code = _bound.__code__.replace(co_name=name)  # a new code object, same file and line
+    if hasattr(code, "co_qualname"):
+        code = code.replace(co_qualname=name)
+    scope = {"_BOUND_FN": fn, "_BOUND_STATIC": static, "__name__": __name__, "__builtins__": __builtins__}
     key = (fn.__name__.removeprefix("_k_"),) + static
-    if key not in _KERNELS:
-        name = f"bound_{len(_KERNELS)}"
-        code = _bound.__code__.replace(co_name=name)  # a new code object, same file and line
-        if hasattr(code, "co_qualname"):
-            code = code.replace(co_qualname=name)
-        scope = {"_BOUND_FN": fn, "_BOUND_STATIC": static, "__name__": __name__, "__builtins__": __builtins__}
-        _KERNELS[key] = Kernel("/".join(str(k) for k in key), types.FunctionType(code, scope, name),
-                               getattr(fn, "eager_float", False))
-    return _KERNELS[key]
+    return Kernel("/".join(str(k) for k in key), types.FunctionType(code, scope, name), getattr(fn, "eager_float", False))
 
 
 def dtype_key(t: torch.Tensor) -> str:

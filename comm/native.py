@@ -1,11 +1,11 @@
 """Native CPU kernels: the wire kernels of comm.kernels as plain C loops, built once per host with
 the system C compiler and called through ctypes.
 
-They are a third candidate of `comm.kernels=auto` on CPU, beside the eager torch reference and
-the inductor-compiled kernels: the same bytes (checked against the reference in warm-up and by
-tests/optim/test_native.py), no Python compiler stack in the training process (inductor and
-dynamo cost 60-150 MiB of RSS per process, whatever the model size), and a build of about a
-second instead of a compile per kernel.
+They are the CPU's fast implementation (what `comm.kernels=auto` runs on CPU, beside the eager
+torch reference): the same bytes (checked against the reference in warm-up and by the tests), no
+Python compiler stack in the training process (inductor's imports and compiled code cost RSS per
+process whatever the model size: docs/fast_path.md), and one small build per host instead of a
+compile per kernel.
 
 Kernels (each one pass over its input, no temporary):
     sign_bits      tb(x, step) flags -> packed bits              (== comm.vote.tb_packed's bytes)
@@ -346,12 +346,6 @@ def _verified(so: str) -> bool:
     return ok
 
 
-def disable(why: str) -> None:
-    """Never load the library in this process (`unavailable` then answers `why`)."""
-    global _lib, _why, _loaded
-    _loaded, _lib, _why = True, None, why
-
-
 def _build() -> ctypes.CDLL:
     cc, so = _located()
     d = _private_dir(cache_dir())
@@ -465,5 +459,5 @@ def unpack_sign(wire: torch.Tensor, bits: int, mul: int, offset: int, out: torch
     _lib.ln_unpack_sign(_ptr(wire), wire.numel(), bits, mul, offset, _ptr(out))
 
 
-__all__ = ["CACHE_ENV", "cache_dir", "disable", "library_path", "majority", "quant_blocks", "sign_bits", "supports",
+__all__ = ["CACHE_ENV", "cache_dir", "library_path", "majority", "quant_blocks", "sign_bits", "supports",
            "tb_lanes", "unavailable", "unpack_sign"]

@@ -36,9 +36,9 @@ MAX_LEVELS = 127  # quantized votes travel as int8 (comm.int_allreduce takes int
 _GRAIN = 32768
 CPU_CHUNK = 1 << 18  # elements of |x| per reduction call on CPU (1 MiB of float32: cache-resident)
 # exponents whose elementwise work gives the same bits in ATen's vectorized and scalar code (|x|,
-# x / s, x * x, sqrt, max: all correctly rounded). log (p = 0) and a general pow do not (measured
-# on torch 2.13: pow(x, 2/3) differs in ~20 % of values between a 0-d tensor, which takes the
-# scalar code, and a contiguous vector), so `_by_scalar_loop` gives the means' final exp / pow the
+# x / s, x * x, sqrt, max: all correctly rounded). log (p = 0) and a general pow do not (pow(x, 2/3)
+# differs in a sizeable share of values between a 0-d tensor, which takes the scalar code, and a
+# contiguous vector; docs/results/code_notes.md), so `_by_scalar_loop` gives the means' final exp / pow the
 # scalar code of lp_mean's 0-d tensors, and their rows are padded to run as loops of their own,
 # as the reference's tensors do (torch 2.13 gives a contiguous loop's tail the vector code, but a
 # loop that finished with scalar code would then still match)

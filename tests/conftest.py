@@ -12,9 +12,3 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # minutes; tests/comm/test_kernels.py and the compiled end-to-end test exercise them)
 os.environ.setdefault("LIONCUB_DEBUG", "1")
 os.environ.setdefault("LIONCUB_KERNELS", "eager")
-# comm.kernels=auto caches its choice per host (comm/kernel_probe.py): the suite reads and writes a cache of its
-# own, made fresh for each session, never the user's ~/.cache (a choice cached by an earlier run would skip the
-# measuring that tests check); a test about the cache sets LIONCUB_KERNEL_CACHE itself
-if "LIONCUB_KERNEL_CACHE" not in os.environ:
-    import tempfile
-    os.environ["LIONCUB_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="lioncub-kernel-cache-")

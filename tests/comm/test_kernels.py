@@ -12,7 +12,6 @@ exact rational arithmetic for the fused multiply-add), so a shared bug cannot pa
 from __future__ import annotations
 
 import math
-import subprocess
 import time
 import warnings
 from fractions import Fraction
@@ -27,7 +26,10 @@ from comm import quantize as Q
 from comm.packing import unpack_bits, unpack_signs
 from comm.quantize import lp_mean, lp_quantize, segment_lp_means
 from comm import kernels as K
-from comm import kernel_probe, native
+from comm import kernel_bodies as KB
+from comm import kernel_choice as KC
+from comm import kernel_quant as KQ
+from comm import native
 from comm.vote import local_majority, tb_packed
 from optim import lion as Lion
 from optim.lion import apply_update_, lion_direction, momentum_update_
@@ -266,6 +268,7 @@ def _count_kernel_calls(monkeypatch) -> list[str]:
         return lambda *a: (calls.append(fn.__name__), k(*a))[1]
 
     monkeypatch.setattr(K, "compiled_kernel", counting)
+    monkeypatch.setattr(KQ, "compiled_kernel", counting)  # the quantizers' blocks are called from there
     return calls
 
 
@@ -406,7 +409,7 @@ def test_quantize_pack_stochastic_one_stream_over_the_flat_vector(bits, levels, 
     quantize_q. On CPU both equal the per-tensor draws of lp_quantize (today's reference: bytes and
     generator state), for mixed, tiny/huge-norm, zero and 300-small-tensor layouts and p = 0, 1, 2,
     inf; and the kernel calls follow the chunks, not the tensors."""
-    monkeypatch.setattr(K, "STOCH_CHUNK", 2)
+    monkeypatch.setattr(KQ, "STOCH_CHUNK", 2)
     B = K.QBLOCK
     sizes = [3 * B + 1, 7, B - 3, 2 * B + 5, 1, B, 129, 5 * B + 11, 0, 9000]
     mixed = _values("random", sum(sizes), seed=3)
@@ -426,7 +429,7 @@ def test_quantize_pack_stochastic_one_stream_over_the_flat_vector(bits, levels, 
             assert torch.equal(g1.get_state(), g2.get_state())
             assert torch.equal(g2.get_state(), g3.get_state())
     calls = _count_kernel_calls(monkeypatch)
-    monkeypatch.setattr(K, "STOCH_CHUNK", 256)
+    monkeypatch.setattr(KQ, "STOCH_CHUNK", 256)
     for ntensors in (1, 40, 400):
         sz = [257 + 31 * i for i in range(ntensors)] if ntensors > 1 else [4099]
         c = _values("random", sum(sz), seed=ntensors)
@@ -464,13 +467,13 @@ def test_stochastic_bounds_cut_whole_blocks_and_follow_the_device():
     B = K.QBLOCK
     assert K.stochastic_bounds(0, "cpu") == [0, 0]
     assert K.stochastic_bounds(2 * B - 1, "cpu") == [0, 2 * B - 1]
-    n = (2 * K.STOCH_CHUNK + 1) * B + 7  # the last chunk would be one block: it joins the one before
-    assert K.stochastic_bounds(n, "cpu") == [0, K.STOCH_CHUNK * B, n]
-    n = (K.STOCH_CHUNK + 2) * B + 7
-    assert K.stochastic_bounds(n, "cpu") == [0, K.STOCH_CHUNK * B, n]
-    n = (K.STOCH_CHUNK_CUDA + 5) * B
-    assert K.stochastic_bounds(n, "cuda") == [0, K.STOCH_CHUNK_CUDA * B, n]
-    assert len(K.stochastic_bounds(n, "cpu")) - 1 == -(-(K.STOCH_CHUNK_CUDA + 5) // K.STOCH_CHUNK)
+    n = (2 * KQ.STOCH_CHUNK + 1) * B + 7  # the last chunk would be one block: it joins the one before
+    assert K.stochastic_bounds(n, "cpu") == [0, KQ.STOCH_CHUNK * B, n]
+    n = (KQ.STOCH_CHUNK + 2) * B + 7
+    assert K.stochastic_bounds(n, "cpu") == [0, KQ.STOCH_CHUNK * B, n]
+    n = (KQ.STOCH_CHUNK_CUDA + 5) * B
+    assert K.stochastic_bounds(n, "cuda") == [0, KQ.STOCH_CHUNK_CUDA * B, n]
+    assert len(K.stochastic_bounds(n, "cpu")) - 1 == -(-(KQ.STOCH_CHUNK_CUDA + 5) // KQ.STOCH_CHUNK)
 
 
 def test_lp_quantize_rounds_with_given_uniforms():
@@ -689,9 +692,9 @@ def test_lion_passes_bit_identical(kind, dev):
 @compiled
 def test_no_recompiles_across_lengths_and_hyperparameters(dev):
     """After a warm-up, new lengths, steps, P, levels and learning rates reuse the kernels."""
-    K.warmup(dev, bits=(4,), levels=(1, 3), p=(1.0,), world_sizes=(2, 3), impl="compiled", check=True)
+    seconds = K.warmup(dev, bits=(4,), levels=(1, 3), p=(1.0,), world_sizes=(2, 3), impl="compiled", check=True)
     Lion.warmup_fused_passes(dev, impl="compiled")
-    before = K.compile_seconds()
+    assert seconds > 0
     with torch.compiler.set_stance("fail_on_recompile"):
         for n in (1000, 4099):
             x = torch.randn(n, device=dev)
@@ -703,14 +706,12 @@ def test_no_recompiles_across_lengths_and_hyperparameters(dev):
             m, g, o = torch.randn(n, device=dev), torch.randn(n, device=dev), torch.empty(n, device=dev)
             Lion.fused_lion_direction_momentum_([m], [g], 0.9 - 1e-3 * n / 1000, 0.99, [o], impl="compiled")
             Lion.fused_apply_update_([m], [torch.sign(o)], 1e-4 * n, 0.1, u_is_sign=True, impl="compiled")
-    assert K.compile_seconds() == before
-    assert K.compile_seconds() > 0 and all(v >= 0 for v in K.compile_seconds(detail=True).values())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
 def test_lion_passes_run_foreach_on_cuda(monkeypatch):
-    """On CUDA Triton contracts fl(m*b1) + g*(1-b1) into an fma eager does not (1 ulp off, seen
-    on an H100): every impl keeps the Lion passes on the foreach kernels there."""
+    """On CUDA Triton contracts fl(m*b1) + g*(1-b1) into an fma eager does not (1 ulp off):
+    every impl keeps the Lion passes on the foreach kernels there."""
     monkeypatch.setattr(K, "compiled_kernel", lambda *a: pytest.fail("a Lion pass was compiled on CUDA"))
     m, g, out = (torch.randn(1000, device="cuda") for _ in range(3))
     for impl in ("auto", "compiled"):
@@ -719,19 +720,18 @@ def test_lion_passes_run_foreach_on_cuda(monkeypatch):
 
 
 def test_every_kernel_has_its_own_code_object_and_source_file():
-    """Dynamo's compiled-graph cache (8 graphs) is per code object. torch.compile up to 2.11 wraps
-    a function without a source file (made by exec) in one shared frame, which put all kernels on
-    one code object: the 9th graph raised under fullgraph (seen on the GPU machine, torch 2.11).
-    Each kernel is a distinct code object whose source file is comm/kernel_compile.py (where
-    `_bound`, the code it copies, lives)."""
+    """Dynamo's compiled-graph cache (8 graphs) is per code object, and some torch versions wrap a
+    function without a source file (made by exec) in one shared frame, which would put all kernels
+    on one code object. Each kernel is a distinct code object whose source file is
+    comm/kernel_compile.py (where `_bound`, the code it copies, lives)."""
     import inspect
 
-    ks = [K.compiled_kernel(K._k_pack_v, b) for b in (1, 2, 4)] + [
-        K.compiled_kernel(K._k_tb_lanes, 4), K.compiled_kernel(K._k_majority), K.compiled_kernel(K._k_unpack, 4, 4, None, None)]
-    assert K.compiled_kernel(K._k_pack_v, 2) is ks[1]  # cached per (kernel, static arguments)
+    ks = [K.compiled_kernel(KB._k_pack_v, b) for b in (1, 2, 4)] + [
+        K.compiled_kernel(KB._k_tb_lanes, 4), K.compiled_kernel(KB._k_majority), K.compiled_kernel(KB._k_unpack, 4, 4, None, None)]
+    assert K.compiled_kernel(KB._k_pack_v, 2) is ks[1]  # cached per (kernel, static arguments)
     assert len({id(k.fn.__code__) for k in ks}) == len(ks)
     for k in ks:
-        assert inspect.isfunction(k.fn) and inspect.getsourcefile(k.fn) == inspect.getsourcefile(K.compiled_kernel)
+        assert inspect.isfunction(k.fn) and inspect.getsourcefile(k.fn) == inspect.getsourcefile(K.compiled_kernel.__wrapped__)
 
 
 def test_dispatch_and_fallback(monkeypatch):
@@ -739,18 +739,21 @@ def test_dispatch_and_fallback(monkeypatch):
     with pytest.raises(ValueError, match="impl"):
         K.sign_pack(x, 1, impl="fast")
     with pytest.raises(ValueError, match="impl"):
-        K.set_impl("fast")
+        K.Kernels("fast")
+    assert torch.equal(K.sign_pack(x, 1), tb_packed(x, 1)) and K.resolve_impl(None) == "eager"  # None: the reference
     monkeypatch.setenv(K.NO_COMPILE_ENV, "1")
     assert "LIONCUB_NO_COMPILE" in K.compile_unavailable("cpu")
     with pytest.raises(RuntimeError, match="LIONCUB_NO_COMPILE"):
         K.sign_pack(x, 1, impl="compiled")
-    monkeypatch.setattr(K, "_warned", set())
+    with pytest.raises(RuntimeError, match="impl='native'.*LIONCUB_NO_COMPILE"):
+        K.sign_pack(x, 1, impl="native")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert torch.equal(K.sign_pack(x, 1, impl="auto"), tb_packed(x, 1))
-        K.sign_pack(x, 2, impl="auto")
-    assert len([w for w in caught if "LIONCUB_NO_COMPILE" in str(w.message)]) == 1  # one line, once
-    assert K.warmup("cpu", bits=(4,), levels=(1,), impl="auto") == 0.0
+        k = K.Kernels("auto", "cpu")  # the run's Kernels says it once, when it is built
+        assert torch.equal(k.sign_pack(x, 1), tb_packed(x, 1)) and torch.equal(k.sign_pack(x, 2), tb_packed(x, 2))
+    assert len([w for w in caught if "LIONCUB_NO_COMPILE" in str(w.message)]) == 1
+    assert {k.which(name) for name in K.KERNELS} == {"eager"}
+    assert k.warmup(bits=(4,), levels=(1,), layout=[(0, 4096)]) == 0.0
     monkeypatch.delenv(K.NO_COMPILE_ENV)
     # "auto" leaves the Lion passes on the foreach kernels on CPU (compiled they are slower)
     with monkeypatch.context() as mp:
@@ -758,113 +761,100 @@ def test_dispatch_and_fallback(monkeypatch):
         m, g, out = torch.randn(100), torch.randn(100), torch.empty(100)
         Lion.fused_lion_direction_momentum_([m], [g], 0.9, 0.99, [out], impl="auto")
         Lion.fused_apply_update_([m], [torch.sign(out)], 1e-3, 0.1, u_is_sign=True, impl="auto")
-    old = K.get_impl()
-    try:
-        K.set_impl("eager")
-        assert torch.equal(K.sign_pack(x, 1), tb_packed(x, 1))
-    finally:
-        K.set_impl(old)
 
 
-# ---- comm.kernels=auto: chosen by measurement, never a candidate with other bytes ------------
-def _auto_candidates() -> set[str]:
-    """What auto times on this CPU: eager, compiled, and native where a C compiler builds it."""
-    return {"eager", "compiled"} | ({"native"} if native.unavailable("cpu") is None else set())
-
-
+# ---- comm.kernels=auto: the device's fast implementation, timed only where that pays ----------
 @pytest.fixture(autouse=True)
-def _private_kernel_cache(monkeypatch, tmp_path):
-    """Each test measures afresh: auto's cached choices (comm/kernel_probe.py) go to a directory of its own."""
-    monkeypatch.setenv(kernel_probe.CACHE_ENV, str(tmp_path / "kernel_cache"))
+def _fresh_shared_auto(monkeypatch):
+    """Callers that pass the setting "auto" share one Kernels per device: each test starts without one."""
+    monkeypatch.setattr(K, "_SHARED_AUTO", {})
 
 
-@pytest.fixture
-def fresh_auto(monkeypatch):
-    """impl="auto" with no measured choice yet, restored after the test."""
-    monkeypatch.setattr(K, "_auto", {})
-    monkeypatch.setattr(K, "_auto_log", [])
-    monkeypatch.setattr(K, "_rejected", {})
-    monkeypatch.setattr(K, "_warmups", [])
+def test_auto_on_cpu_runs_native_checked_and_never_timed(monkeypatch):
+    """On CPU auto runs the native loops (the eager reference where they cannot be built), checks them
+    against the reference in warm-up once per configuration (the 1-bit and the p-bit kernels), and
+    times nothing."""
+    why = native.unavailable("cpu")
+    k = K.Kernels("auto", "cpu")
+    assert {k.which(name) for name in K.KERNELS} == {"eager" if why else "native"}
+    timed, checked = [], []
+    monkeypatch.setattr(K.Kernels, "choose", lambda self, kernel, *a, **kw: timed.append(kernel))
+    real = K.check_against_reference
+    monkeypatch.setattr(K, "check_against_reference", lambda kk, cfg: checked.append(kk.setting) or real(kk, cfg))
+    layout = _layout([40_000, 999, 30_001])
+    for _ in range(2):
+        k.warmup(bits=(4,), levels=(1,), p=(1.0,), world_sizes=(4,), layout=layout)
+        k.warmup(world_sizes=(4,), layout=layout)
+    assert timed == [] and checked == ([] if why else ["native", "native"]) and k.lines() == []  # once per configuration
+    assert K.kernel_impl("auto", "cpu", "quantize_pack") == k.which("quantize_pack")  # the shared one agrees
 
 
-def test_choose_never_keeps_a_candidate_whose_bytes_differ(fresh_auto):
+def test_choose_never_keeps_a_candidate_whose_bytes_differ():
     x = torch.randn(100_000)
     x[::7] = 0.0
     ref = lambda: tb_packed(x, 1)  # noqa: E731
     wrong = tb_packed(x, 2)  # other bytes (the zeros' tie break differs), returned at no cost
     assert not torch.equal(ref(), wrong)
-    got = K.choose("sign_pack", "cpu", {"eager": ref, "fast_but_wrong": lambda: wrong}, repeats=3, n=x.numel())
-    assert got == "eager" and not K.use_compiled("auto", torch.device("cpu"), "sign_pack")
-    (rec,) = K.auto_choices()
+    k = K.Kernels("auto", "cpu")
+    got = k.choose("sign_pack", {"eager": ref, "fast_but_wrong": lambda: wrong}, repeats=3, n=x.numel())
+    assert got == "eager" and k.which("sign_pack") == "eager"
+    (rec,) = k.records
     assert rec["rejected"] == ["fast_but_wrong"] and rec["chosen"] == "eager" and "bytes differ" in rec["line"]
-    # a right candidate that is faster is kept, and "auto" then dispatches to it
+    # a right candidate that is faster is kept, and the Kernels then dispatches to it
     slow = lambda: (time.sleep(0.01), tb_packed(x, 1))[1]  # noqa: E731
-    got = K.choose("sign_pack", "cpu", {"eager": slow, "compiled": ref, "fast_but_wrong": lambda: wrong}, repeats=3)
-    assert got == "compiled" and K.use_compiled("auto", torch.device("cpu"), "sign_pack")
-    assert len(K.auto_choices()) == 1 and K.auto_choices()[0]["chosen"] == "compiled"
-    assert K.use_compiled("eager", torch.device("cpu"), "sign_pack") is False  # eager stays eager
+    got = k.choose("sign_pack", {"eager": slow, "compiled": ref, "fast_but_wrong": lambda: wrong}, repeats=3)
+    assert got == "compiled" and k.which("sign_pack") == "compiled"
+    assert k.lines() == [k.records[-1]["line"]] and "sign_pack on cpu: compiled" in k.lines()[0]
+    assert K.Kernels("eager").which("sign_pack") == "eager"  # eager stays eager
 
 
 @compiled
-def test_auto_warmup_times_the_real_size_and_rejects_wrong_bytes(fresh_auto, monkeypatch):
-    """warmup(impl="auto", layout=...) times each kernel of the configuration on inputs of the
-    layout's size. A compiled sign_pack that is right at the warm-up check's small size but wrong
-    at the real size is rejected: auto keeps the eager reference."""
-    real = K.sign_pack
+def test_auto_times_the_real_size_where_it_measures_and_rejects_wrong_bytes(monkeypatch):
+    """Where auto measures (CUDA's sign packing and majority: `_measure`, run here on CPU's compiled
+    kernels) it times eager against compiled on inputs of the layout's size, and a compiled
+    sign_pack that is right at the warm-up check's small size but wrong at the real size is
+    rejected: the reference runs."""
+    real = K.Kernels.sign_pack
 
-    def broken(x, step, length=None, *, impl=None):
-        out = real(x, step, length, impl=impl)
-        if impl == "compiled" and x.numel() > 10_000:
+    def broken(self, x, step, length=None):
+        out = real(self, x, step, length)
+        if self.setting == "compiled" and x.numel() > 10_000:
             out = out.clone()
             out[0] ^= 1
         return out
 
-    monkeypatch.setattr(K, "sign_pack", broken)
-    monkeypatch.setenv(kernel_probe.ENV, "0")  # measure in this process, where the patch lives
-    layout = _layout([40_000, 999, 30_001])
-    K.warmup("cpu", world_sizes=(3,), impl="auto", layout=layout, repeats=2)
-    chosen = {r["kernel"]: r for r in K.auto_choices()}
-    assert set(chosen) == {"sign_pack", "unpack_majority"}
-    assert chosen["sign_pack"]["chosen"] in ("eager", "native") and chosen["sign_pack"]["rejected"] == ["compiled"]
-    assert chosen["sign_pack"]["n"] == 71_000 and not K.use_compiled("auto", torch.device("cpu"), "sign_pack")
-    assert chosen["unpack_majority"]["rejected"] == []
-    assert set(chosen["unpack_majority"]["ms"]) == _auto_candidates()
-    # the p-bit configuration times its own two kernels, on the real layout
-    K.warmup("cpu", bits=(4,), levels=(7,), p=(1.0,), world_sizes=(1,), impl="auto", layout=layout, repeats=2)
-    chosen = {r["kernel"]: r for r in K.auto_choices()}
-    assert {"quantize_pack", "unpack_sum"} <= set(chosen)
-    assert all(not chosen[k]["rejected"] and set(chosen[k]["ms"]) == _auto_candidates()
-               for k in ("quantize_pack", "unpack_sum"))
-    for k in ("quantize_pack", "unpack_sum"):
-        assert K.kernel_impl("auto", "cpu", k) == chosen[k]["chosen"]
+    monkeypatch.setattr(K.Kernels, "sign_pack", broken)
+    k = K.Kernels("auto", "cpu")
+    k.chosen = dict.fromkeys(K.KERNELS, "compiled")  # what auto starts from on CUDA
+    cfg = dict(bits=(), world_sizes=(3,))
+    k._measure(_layout([40_000, 999, 30_001]), cfg, 2.0, 2)
+    recs = {r["kernel"]: r for r in k.records}
+    assert set(recs) == set(K.MEASURED_ON_CUDA)
+    assert recs["sign_pack"]["chosen"] == "eager" and recs["sign_pack"]["rejected"] == ["compiled"]
+    assert recs["sign_pack"]["n"] == 71_000 and k.which("sign_pack") == "eager"
+    assert recs["unpack_majority"]["rejected"] == [] and set(recs["unpack_majority"]["ms"]) == {"eager", "compiled"}
+    assert k.which("unpack_majority") == KC.fastest(recs["unpack_majority"]["ms"])
+    k._measure(_layout([5000]), dict(bits=(4,), world_sizes=(3,)), 2.0, 2)  # the p-bit kernels: compiled, untimed
+    assert len(k.records) == 2 and k.which("quantize_pack") == "compiled"
 
 
-@compiled
-def test_auto_on_cpu_measures_in_a_child_process_and_adopts_its_choices(fresh_auto, monkeypatch):
-    """Under auto on CPU the timing runs in `python -m comm.kernel_probe` (so inductor is imported
-    here only when a compiled kernel won): its records come back with their measurements, this
-    process follows them, and a native kernel that won is built and checked here. A child that
-    fails is reported, and the measurement then runs in this process."""
-    monkeypatch.delenv(kernel_probe.ENV, raising=False)
-    layout = _layout([40_000, 999, 30_001])
-    checked = []
-    real = K._check_candidate
-    monkeypatch.setattr(K, "_check_candidate", lambda cand, *a: checked.append(cand) or real(cand, *a))
-    K.warmup("cpu", bits=(4,), levels=(1,), p=(1.0,), world_sizes=(4,), impl="auto", layout=layout, repeats=2)
-    recs = {r["kernel"]: r for r in K.auto_choices()}
-    assert set(recs) == {"quantize_pack", "unpack_sum"}
-    for k, r in recs.items():
-        assert "timed in a child process" in r["line"] and r["n"] == 71_000
-        assert set(r["ms"]) == _auto_candidates() and r["chosen"] == K.fastest(r["ms"])
-        assert K.kernel_impl("auto", "cpu", k) == r["chosen"]
-    assert sorted(checked) == sorted({r["chosen"] for r in recs.values()} - {"eager"})
-    # a child that fails: a warning with its error, then the candidates are checked and timed here
-    monkeypatch.setattr(kernel_probe.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 3, "", "boom"))
-    checked.clear()
-    with pytest.warns(UserWarning, match="exited with 3: boom"):
-        K.warmup("cpu", world_sizes=(4,), impl="auto", layout=layout, repeats=1)
-    assert sorted(checked) == sorted(_auto_candidates() - {"eager"})
-    assert not any("child process" in r["line"] for r in K.auto_choices() if r["kernel"] == "sign_pack")
+def test_a_mismatch_under_auto_runs_eager_and_a_named_setting_raises():
+    """The warm-up's check found fast-path bytes that differ: under auto those kernels run the
+    reference (recorded, so every rank of a group agrees on eager); a setting that names the
+    implementation raises instead."""
+    k = K.Kernels("auto", "cpu")
+    fast = k.which("sign_pack")
+    with pytest.warns(UserWarning, match="differ from the reference"):
+        k.reject(["sign_pack[torch.float32]", "unpack_majority[P=2]"], fast)
+    assert k.which("sign_pack") == "eager" and k.which("unpack_majority") == "eager"
+    assert k.which("quantize_pack") == fast
+    mine = {f"{r['kernel']}|{r['device']}": {"ms": r["ms"]} for r in k.records}
+    other = {"sign_pack|cpu": {"ms": {"eager": 5.0, "compiled": 1.0}}}
+    assert KC.merge_choices([mine, other])["sign_pack|cpu"] == "eager"
+    with pytest.raises(RuntimeError, match="differ from the reference"):
+        K.Kernels("compiled").reject(["sign_pack[torch.float32]"], "compiled")
+    with pytest.raises(RuntimeError, match="differ from the reference"):
+        K.report_mismatch(["p[2]"], torch.device("cpu"), "compiled")
 
 
 # ---- no 4-byte-per-element temporaries in pack / unpack -------------------------------------
@@ -941,68 +931,32 @@ def test_merge_choices_agrees_on_what_every_rank_accepted():
     """Ranks that exchange follow one choice per kernel: among the candidates every rank accepted,
     the one whose slowest rank is fastest; a candidate some rank rejected (bytes differ there) is
     never chosen, however fast elsewhere."""
-    a = {"sign_pack|cpu": {"ms": {"eager": 3.0, "compiled": 1.0}}, "unpack_sum|cpu": {"ms": {"eager": 2.0, "compiled": 1.5}}}
-    b = {"sign_pack|cpu": {"ms": {"eager": 2.5, "compiled": 4.0}}, "unpack_sum|cpu": {"ms": {"eager": 2.2}}}
-    got = K.merge_choices([a, b])
-    assert got == {"sign_pack|cpu": "eager", "unpack_sum|cpu": "eager"}  # 3.0 < 4.0 at the slowest rank; compiled rejected on b
-    assert K.merge_choices([a, a]) == {"sign_pack|cpu": "compiled", "unpack_sum|cpu": "compiled"}
-    assert K.merge_choices([a, {}]) == {}  # measured on one rank only: left alone
+    a = {"sign_pack|cuda": {"ms": {"eager": 3.0, "compiled": 1.0}}, "unpack_sum|cuda": {"ms": {"eager": 2.0, "compiled": 1.5}}}
+    b = {"sign_pack|cuda": {"ms": {"eager": 2.5, "compiled": 4.0}}, "unpack_sum|cuda": {"ms": {"eager": 2.2}}}
+    got = KC.merge_choices([a, b])
+    assert got == {"sign_pack|cuda": "eager", "unpack_sum|cuda": "eager"}  # 3.0 < 4.0 at the slowest rank; compiled rejected on b
+    assert KC.merge_choices([a, a]) == {"sign_pack|cuda": "compiled", "unpack_sum|cuda": "compiled"}
+    assert KC.merge_choices([a, {}]) == {}  # measured on one rank only: left alone
     K.agree_choices()  # no process group: nothing to agree, and no collective is attempted
 
 
 def test_fastest_gives_ties_to_the_cheaper_candidate():
     """Within TIE of the fastest, eager beats native beats compiled (no compiler stack in the process);
     outside it, the fastest wins."""
-    t = K.TIE
+    t = KC.TIE
     assert K.fastest({"eager": 10.0, "compiled": 1.0, "native": 5.0}) == "compiled"
     assert K.fastest({"eager": 10.0, "compiled": 1.0, "native": 1 + 0.9 * t}) == "native"
     assert K.fastest({"eager": 1 + 0.8 * t, "compiled": 1.0, "native": 1 + 0.5 * t}) == "eager"
     assert K.fastest({"compiled": 1.0, "native": 1 + 1.2 * t}) == "compiled"
     # the ranks' agreement: the slowest rank's times, then the same tie rule
-    assert K.merge_choices([{"k|cpu": {"ms": {"compiled": 50.0, "native": 50.0 * (1 + 0.9 * t)}}},
+    assert KC.merge_choices([{"k|cpu": {"ms": {"compiled": 50.0, "native": 50.0 * (1 + 0.9 * t)}}},
                             {"k|cpu": {"ms": {"compiled": 40.0, "native": 49.0}}}]) == {"k|cpu": "native"}
 
 
-@compiled
-def test_an_agreed_choice_this_rank_did_not_keep_is_warmed_before_any_step(fresh_auto, monkeypatch):
-    """The probe kept native here, the ranks agreed on compiled: adopt() builds and checks compiled
-    now (warm-up), not at the first call inside a timed step."""
-    if native.unavailable("cpu") is not None:
-        pytest.skip(f"no native kernels: {native.unavailable('cpu')}")
-    monkeypatch.delenv(kernel_probe.ENV, raising=False)
-    recs = [{"kernel": k, "device": "cpu", "n": 71_000, "chosen": "native", "ms": {"eager": 3.0, "native": 1.0,
-             "compiled": 2.0}, "rejected": [], "line": ""} for k in ("sign_pack", "unpack_majority")]
-    monkeypatch.setattr(kernel_probe, "measure", lambda layout, cfg: [dict(r) for r in recs])
-    checked = []
-    real = K._check_candidate
-    monkeypatch.setattr(K, "_check_candidate", lambda cand, *a: checked.append(cand) or real(cand, *a))
-    K.warmup("cpu", world_sizes=(4,), impl="auto", layout=_layout([40_000, 999]))
-    assert checked == ["native"] and K.kernel_impl("auto", "cpu", "sign_pack") == "native"
-    K.adopt({"sign_pack|cpu": "compiled", "unpack_majority|cpu": "native"}, agreed=4)
-    assert checked == ["native", "compiled"] and K.kernel_impl("auto", "cpu", "sign_pack") == "compiled"
-    assert "agreed by 4 ranks" in {r["kernel"]: r for r in K.auto_choices()}["sign_pack"]["line"]
-    K.adopt({"sign_pack|cpu": "compiled"})  # already warm: nothing rebuilt
-    assert checked == ["native", "compiled"]
-
-
-def test_a_mismatch_under_auto_is_recorded_as_eager(fresh_auto, monkeypatch):
-    """The warm-up's check found compiled bytes that differ: impl="auto" (passed explicitly, as the
-    exchanges do) then runs eager for that kernel, and the record makes every rank of a group agree on
-    eager (merge_choices keeps only what every rank accepted)."""
-    monkeypatch.setattr(K, "_impl_default", K._impl_default)  # report_mismatch sets the module default
-    with pytest.warns(UserWarning, match="differ from the reference"):
-        K.report_mismatch(["sign_pack[torch.float32]", "unpack_majority[P=2]"], torch.device("cpu"), "auto")
-    assert not K.use_compiled("auto", torch.device("cpu"), "sign_pack")
-    assert not K.use_compiled("auto", torch.device("cpu"), "unpack_majority")
-    mine = {f"{r['kernel']}|{r['device']}": {"ms": r["ms"]} for r in K.auto_choices()}
-    other = {"sign_pack|cpu": {"ms": {"eager": 5.0, "compiled": 1.0}}}
-    assert K.merge_choices([mine, other])["sign_pack|cpu"] == "eager"
-
-
 def test_the_quantizers_compile_without_fp_fusion_on_cuda_and_only_they():
-    """Triton's fp fusion turned stochastic rounding's y - floor(y) into an fma and an 8-bit L1
-    wire differed from the reference on an H200 (test_quantize_pack_stochastic_consumes_the_same_randoms
-    there); the integer kernels ran 1.7-3x slower without it. Checked on the installed inductor:
+    """Triton's fp fusion would turn stochastic rounding's y - floor(y) into an fma, off the
+    reference's rounding (docs/results/gpu_check/README.md); the integer kernels have no float
+    arithmetic to fuse and keep the default. Checked on the installed inductor:
     the options each kernel compiles with give Triton fp fusion off exactly for the quantizers,
     and CPU options are the same for every kernel."""
     from torch._inductor import config
@@ -1012,10 +966,10 @@ def test_the_quantizers_compile_without_fp_fusion_on_cuda_and_only_they():
         with config.patch(kernel.options(device_type)):
             return TritonKernel.triton_meta_common()["enable_fp_fusion"]
 
-    floats = [K.compiled_kernel(K._k_quant_blocks, b) for b in (4, 8)]
-    floats += [K.compiled_kernel(K._k_quant_blocks_stoch, b) for b in (4, 8)]
-    ints = [K.compiled_kernel(K._k_majority), K.compiled_kernel(K._k_sign_bits),
-            K.compiled_kernel(K._k_unpack, 4, 1, None, None)]
+    floats = [K.compiled_kernel(KB._k_quant_blocks, b) for b in (4, 8)]
+    floats += [K.compiled_kernel(KB._k_quant_blocks_stoch, b) for b in (4, 8)]
+    ints = [K.compiled_kernel(KB._k_majority), K.compiled_kernel(KB._k_sign_bits),
+            K.compiled_kernel(KB._k_unpack, 4, 1, None, None)]
     assert [fusion(k, "cuda") for k in floats] == [False] * 4
     assert [fusion(k, "cuda") for k in ints] == [True] * 3
-    assert all(k.options("cpu") == K._INDUCTOR_OPTIONS for k in floats + ints)
+    assert all(k.options("cpu") == KB.INDUCTOR_OPTIONS for k in floats + ints)

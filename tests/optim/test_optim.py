@@ -430,7 +430,7 @@ def test_c_over_the_gradient_leaves_c_in_the_gradient_buffer():
 # ---- the base's pieces (optim/base.py composes layout, overlap, accounting, guard) -----------------
 def test_base_decides_by_scheme_capabilities_not_kind_names():
     """optim/base.py compares no scheme `kind` (nor sync.GRADIENT / sync.UPDATE): what the base
-    does per scheme is said by the scheme's capabilities (per_rank_state, phase, bucketable)."""
+    does per kind is its strategy's (optim.strategy), the rest the scheme's capabilities (phase)."""
     import ast
     from pathlib import Path
 

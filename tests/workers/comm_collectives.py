@@ -21,7 +21,7 @@ LARGE = 100_003
 LENGTHS = (0, 1, 7, 8 * P - 1, 8 * P + 1, LARGE)
 ASSERTIONS = 0
 CHECKS = ("sign_vote", "hierarchical", "int_allreduce", "allreduce_mean", "stats", "subgroup",
-          "cost_model_calibrate", "kernel_choice_agreed", "kernel_built_after_agreement")
+          "cost_model_calibrate", "kernel_choice_agreed", "kernel_native_votes_as_eager")
 
 
 def gather(t: torch.Tensor) -> list[torch.Tensor]:
@@ -378,10 +378,10 @@ def test_subgroup() -> None:
 
 
 def test_kernel_choice_agreed() -> None:
-    """comm.kernels=auto: each rank times its candidates alone (here rank 0 finds "b" fastest, the
-    others "a", and the last rank rejects "c", as fast elsewhere: without agreement rank 0 and the
-    last rank differ); after
-    agree_choices every rank follows the same one, never a candidate some rank rejected."""
+    """comm.kernels=auto where it measures: each rank times its candidates alone (here rank 0 finds
+    "b" fastest, the others "a", and the last rank rejects "c", as fast elsewhere: without agreement
+    rank 0 and the last rank differ); after Kernels.agree every rank follows the same one, never a
+    candidate some rank rejected."""
     from comm import kernels as K
 
     x = torch.arange(64, dtype=torch.float32)
@@ -391,74 +391,43 @@ def test_kernel_choice_agreed() -> None:
     cands = {"eager": slow, "a": fast if RANK else slow, "b": slow if RANK else fast}
     if P > 1:
         cands["c"] = wrong
-    K.choose("agree_probe", "cpu", cands, repeats=3)
-    K.agree_choices()
-    chosen = K._auto[("agree_probe", "cpu")]
+    k = K.Kernels("auto", "cpu")
+    k.choose("sign_pack", cands, repeats=3)
+    k.agree()
+    chosen = k.which("sign_pack")
     allc: list = [None] * P
     dist.all_gather_object(allc, chosen)
-    check(len(set(allc)) == 1, f"ranks follow different kernels after agree_choices: {allc}")
+    check(len(set(allc)) == 1, f"ranks follow different kernels after agree: {allc}")
     check(P == 1 or allc[0] != "c", "a candidate rejected on one rank was chosen")
-    del K._auto[("agree_probe", "cpu")]
+    check(P == 1 or f"agreed by {P} ranks" in k.lines()[0], f"the choice's line does not say it was agreed: {k.lines()}")
 
 
-
-def test_kernel_built_after_agreement() -> None:
-    """warmup(impl="auto", agree=True) on CPU: the ranks' child-process timings disagree (rank 0 finds
-    compiled fastest, the others native, by more at their slowest), the group agrees on native, and
-    only native is built and checked, on every rank: rank 0 never compiles the kernel it was overruled
-    on (inductor's imports would stay in its memory)."""
-    from comm import kernel_probe, native
+def test_kernel_native_votes_as_eager() -> None:
+    """The votes of every rank through comm.kernels=auto (the native loops on CPU where they build)
+    equal the eager reference's, bit for bit, on every rank: 1-bit votes and a 4-bit L1 sum."""
     from comm import kernels as K
 
-    if native.unavailable("cpu") is not None:
-        check(True, "")
-        return
-    fast, slow = {"eager": 9.0, "compiled": 1.0, "native": 2.0}, {"eager": 9.0, "compiled": 5.0, "native": 1.0}
-    recs = [{"kernel": k, "device": "cpu", "n": 4096, "chosen": "compiled" if RANK == 0 else "native",
-             "ms": dict(fast if RANK == 0 else slow), "rejected": [], "line": ""}
-            for k in ("sign_pack", "unpack_majority")]
-    saved = (kernel_probe.measure, K._check_candidate, dict(K._auto), list(K._auto_log), list(K._warmups))
-    built: list[str] = []
-    try:
-        kernel_probe.measure = lambda layout, cfg: [dict(r) for r in recs]
-        K._check_candidate = lambda cand, *a: built.append(cand)
-        os.environ.pop(kernel_probe.ENV, None)
-        K.warmup("cpu", world_sizes=(max(P, 2),), impl="auto", layout=[(0, 4096)], agree=True)
-        chosen = K.kernel_impl("auto", "cpu", "sign_pack")
-    finally:
-        kernel_probe.measure, K._check_candidate = saved[0], saved[1]
-        K._auto.clear(), K._auto.update(saved[2])
-        K._auto_log[:], K._warmups[:] = saved[3], saved[4]
-    want = "compiled" if P == 1 else "native"  # one rank: its own timing decides
-    check(chosen == want, f"rank {RANK} follows {chosen}, expected {want}")
-    check(built == [want], f"rank {RANK} built {built}, expected only {want}")
-    # the last rank's child fails: it times in-process instead, and still joins the agreement once, as
-    # the others do (a second gather on their side alone would pair with its first step collective)
-    saved = (kernel_probe.measure, K._check_candidate, K._measure, dict(K._auto), list(K._auto_log),
-             list(K._warmups))
-    failed = RANK == P - 1
-
-    def measure_here(device, segs, **cfg):
-        for k in ("sign_pack", "unpack_majority"):
-            rec = {"kernel": k, "device": "cpu", "n": 4096, "chosen": "native", "rejected": [], "line": "",
-                   "ms": {"eager": 9.0, "compiled": 3.0, "native": 1.0}}
-            K._auto[(k, "cpu")] = "native"
-            K._auto_log.append(rec)
-
-    try:
-        kernel_probe.measure = lambda layout, cfg: None if failed else [dict(r) for r in recs]
-        K._check_candidate = lambda cand, *a: None
-        K._measure = measure_here
-        K.warmup("cpu", world_sizes=(max(P, 2),), impl="auto", layout=[(0, 4096)], agree=True)
-        K.agree_choices()  # the optimizer's own agreement after its exchange's warm-up, on every rank
-        chosen = K.kernel_impl("auto", "cpu", "unpack_majority")
-    finally:
-        kernel_probe.measure, K._check_candidate, K._measure = saved[0], saved[1], saved[2]
-        K._auto.clear(), K._auto.update(saved[3])
-        K._auto_log[:], K._warmups[:] = saved[4], saved[5]
-    allc: list = [None] * P
-    dist.all_gather_object(allc, chosen)  # a collective count off by one would pair wrongly here
-    check(len(set(allc)) == 1, f"after one rank's failed child the ranks follow {allc}")
+    k = K.Kernels("auto", "cpu")
+    k.warmup(bits=(4,), levels=(comm.max_levels(max(P, 2), 4),), p=(1.0,), world_sizes=(max(P, 2),), layout=[(0, 40_000)])
+    g = torch.Generator().manual_seed(100 + RANK)
+    x = torch.randn(40_000, generator=g)
+    x[::9] = 0.0
+    npad = -(-x.numel() // (8 * P)) * 8 * P
+    for step in (1, 2):
+        got = comm.sign_vote_packed(k.sign_pack(x, step, npad), step, local_majority=k.unpack_majority)
+        want = comm.sign_vote_packed(comm.vote.tb_packed(x, step, npad), step)
+        same_on_all_ranks(got, "1-bit vote through the run's Kernels")
+        check(torch.equal(got, want),
+              f"1-bit vote via {k.which('sign_pack')} / {k.which('unpack_majority')} differs")
+    L = comm.max_levels(P, 4)
+    wire = k.quantize_pack(x, [(0, 17_000), (17_000, 23_000)], L, 1.0, 2.0, 4)
+    check(torch.equal(wire, K.wire_of(K.quantize_q(x, [(0, 17_000), (17_000, 23_000)], L, 1.0), L, 4)),
+          f"4-bit L1 wire via {k.which('quantize_pack')} differs")
+    dist.all_reduce(wire, op=dist.ReduceOp.SUM)
+    got = k.unpack_sum(wire, 4, x.numel(), L, P, sign=True, dtype=torch.int8)
+    ref = torch.sign(K.unpack_sum_reference(wire, 4, x.numel(), L, P)).to(torch.int8)
+    same_on_all_ranks(got, "the summed 4-bit update")
+    check(torch.equal(got, ref), f"the summed 4-bit update via {k.which('unpack_sum')} differs")
 
 
 if __name__ == "__main__":

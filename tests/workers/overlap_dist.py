@@ -18,11 +18,12 @@ import optim  # noqa: E402
 from model import GPT, get_preset  # noqa: E402
 from optim import sync  # noqa: E402
 from optim.base import digest  # noqa: E402
+from optim.registry import accepts  # noqa: E402
 from trainer.param_groups import param_groups  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 
 STEPS, ACCUM = 4, 2
-CHECKS = ("fp32", "bf16", "onebit", "ps", "hierarchical", "pbit", "loco", "compressed")
+CHECKS = ("fp32", "bf16", "onebit", "ps", "hierarchical", "pbit", "loco", "compressed", "diloco")
 # the gradient means and Lion Cub's votes are split; the error-feedback schemes keep state that spans the vector
 SPLIT = ("fp32", "bf16", "onebit", "ps", "hierarchical", "pbit")
 
@@ -50,7 +51,7 @@ def run(mode: str, name: str, overlap: bool, bucket_mb: float, rank: int) -> tup
 
 
 def check_scheme(scheme, bucket_mb: float, rank: int, P: int) -> None:
-    users = [o.name for o in optim.optimizers() if o.accepts(scheme)]
+    users = [o.name for o in optim.optimizers() if accepts(o, scheme)]
     name = "lion" if "lion" in users else users[0]
     if scheme.name == "compressed":
         name = "onebit_adam"
