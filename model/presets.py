@@ -41,9 +41,22 @@ def get_preset(name: str, **overrides) -> GPTConfig:
 
 VOCAB_MULTIPLE = 64
 """Vocabulary sizes are padded up to a multiple of 64 (GPT-2's 50257 -> 50304) for fast matmuls."""
-SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden", "block_size", "rope_base", "norm_eps")
-"""GPTConfig fields a config's model section may set over its preset (0 keeps the preset's)."""
-SECTION_KEYS = ("preset", "tie_embeddings", "pos_emb", *SHAPE_KEYS)
+_FROM_DATA = ("vocab_size",)
+"""GPTConfig fields the data decides (the tokenizer's vocabulary), never the model section."""
+
+
+def model_keys(config: type = GPTConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(shape keys, switch keys) of a GPTConfig class: its numeric fields, which a config's model section
+    may set over its preset (0 keeps the preset's), and its other fields (architecture switches such as
+    pos_emb; None keeps the preset's). Derived from the class, so a new GPTConfig field is a model key
+    with no edit here."""
+    fields = [f for f in dataclasses.fields(config) if f.name not in _FROM_DATA]
+    shape = tuple(f.name for f in fields if f.type in ("int", "float", int, float))
+    return shape, tuple(f.name for f in fields if f.name not in shape)
+
+
+SHAPE_KEYS, SWITCH_KEYS = model_keys()
+SECTION_KEYS = ("preset", *SWITCH_KEYS, *SHAPE_KEYS)
 RUN_KEYS = ("init_from", "activation_checkpointing")
 """model-section keys that are not the architecture (the trainer's; resolve_config ignores them)."""
 
@@ -57,7 +70,8 @@ def pad_vocab(n: int, multiple: int = VOCAB_MULTIPLE) -> int:
 
 def resolve_config(section: Mapping[str, Any] | Any, vocab_size: int | None = None) -> GPTConfig:
     """The GPTConfig a config's `model:` section describes: {preset, tie_embeddings (None = the
-    preset's), pos_emb (default rope), the shape keys (SHAPE_KEYS; 0 or absent = the preset's)}, as
+    preset's), the other switches (SWITCH_KEYS: pos_emb, ...; None or absent = the preset's), the shape
+    keys (SHAPE_KEYS; 0 or absent = the preset's)}, as
     a dict or the trainer's dataclass. `vocab_size` (e.g. a dataset's tokenizer vocabulary) replaces
     the preset's, padded up to a multiple of 64; None keeps the preset's (GPT-2, 50304)."""
     if dataclasses.is_dataclass(section) and not isinstance(section, type):
@@ -68,9 +82,10 @@ def resolve_config(section: Mapping[str, Any] | Any, vocab_size: int | None = No
         raise ValueError(f"model section has unknown key(s) {unknown}; known: {list(SECTION_KEYS)}")
     if "preset" not in section:
         raise ValueError(f"model section has no preset; valid presets: {', '.join(PRESETS)}")
-    overrides: dict[str, Any] = {"pos_emb": section.get("pos_emb") or "rope"}
-    if section.get("tie_embeddings") is not None:
-        overrides["tie_embeddings"] = bool(section["tie_embeddings"])
+    overrides: dict[str, Any] = {}
+    for key in SWITCH_KEYS:
+        if section.get(key) is not None and section.get(key) != "":
+            overrides[key] = section[key]
     for key in SHAPE_KEYS:
         if section.get(key):
             overrides[key] = section[key]

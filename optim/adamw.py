@@ -48,8 +48,8 @@ class AdamW(CommOptimizer):
         self._load_comm_state(state_dict.get("comm"))
 
 
-def _build_adamw(groups, *, betas, eps, options, **comm_kwargs) -> AdamW:
-    return AdamW(groups, betas=betas, eps=eps, **comm_kwargs)
+def _build_adamw(groups, *, plan, **runtime) -> AdamW:
+    return AdamW(groups, betas=plan.betas, eps=plan.eps, plan=plan, **runtime)
 
 
 register_optimizer(OptimizerSpec(

@@ -1,14 +1,18 @@
 """The optimizer base that owns communication (in the style of modded-nanogpt's distributed
 optimizers: the collective happens inside `step()`; there is no DDP wrapper).
 
-A `CommOptimizer` composes:
+A `CommOptimizer` is built from the run's `RunPlan` (optim/plan.py: scheme, options, buckets,
+overlap, kernels, momentum sync, clipping, world size; resolved and validated once by
+optim.registry.resolve) and composes:
 - the flat layout (optim/layout.py, Lion Cub App. D.2): `FlatLayout`, every trainable parameter
   once in role order (or bucket order), with views by parameter and by role, for update-sync
   vectors (Lion Cub's c_local), momentum sync and diagnostics; and `GradBuffers`, ONE flat
   gradient buffer per dtype of which every `.grad` is a view;
-- the sync scheme chosen by `comm.mode` (optim.sync): for a GRADIENT scheme, `step()` exchanges
-  the flat gradient before the update; for an UPDATE scheme the subclass's `_update` calls
-  `self.exchange` on its own vector;
+- the sync scheme chosen by `comm.mode` (optim.sync) and the strategy of its kind
+  (optim/strategy.py): `GradientSync` exchanges the flat gradient before the update;
+  under `UpdateSync` the subclass's `_update` calls `self.exchange` on its own vector; a strategy
+  also has a hook after the update (`after_update`), so a kind that synchronises otherwise plugs
+  in without a change here;
 - buckets and overlap (optim/overlap.py), when `comm.bucket_mb` > 0;
 - byte and time accounting (optim/accounting.py): the per-phase CommStats, the `StepReport`, and
   the step's exact bytes and alpha-beta time from what `_exchanged` / `_extra_calls` list;
@@ -29,7 +33,6 @@ no method a subclass overrides), and through the class attributes `optim_name` a
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterable
 
 import torch
@@ -41,33 +44,14 @@ from comm import native as _native
 
 from . import overlap as _overlap
 from . import sync
-from .accounting import BACKGROUND, Call, PhaseStats, SideCall, StepReport
+from .accounting import Call, PhaseStats, SideCall, StepReport
 from .accounting import predict_seconds as _predict_seconds
 from .accounting import wire_bytes as _wire_bytes
 from .diagnostics import momentum_spread
 from .guard import Guard, Verdict
 from .layout import Entry, FlatLayout, GradBuffers, model_order
-from .options import choice, common_problems
-from .registry import compatibility_problem
-
-
-@dataclass
-class MomentumSync:
-    """Lion Cub §5: mean-allreduce (fp32, one flat buffer) the momenta of the selected roles after
-    the momentum update of every step t with t % every == 0 and start <= t (<= stop unless 0)."""
-
-    every: int = 0
-    layers: list = field(default_factory=lambda: ["all"])
-    start: int = 0
-    stop: int = 0
-
-    def due(self, t: int) -> bool:
-        if self.every <= 0 or t < self.start or (self.stop and t > self.stop):
-            return False
-        return t % self.every == 0
-
-    def selects(self, role: str) -> bool:
-        return "all" in self.layers or role in self.layers
+from .plan import MomentumSync, RunPlan
+from .registry import resolve
 
 
 class CommOptimizer(torch.optim.Optimizer):
@@ -81,80 +65,87 @@ class CommOptimizer(torch.optim.Optimizer):
     flat gradient under gradient sync; under update sync the subclass's own vector, which it then
     cuts with `_bucket_vector` (an update-sync optimizer without one cannot)."""
 
-    def __init__(self, param_groups: Iterable, defaults: dict, *, scheme: str | sync.SyncScheme = "fp32",
-                 scheme_options: sync.SchemeOptions | dict | None = None, group=None, grad_clip: float = 0.0,
-                 momentum_sync: MomentumSync | dict | None = None,
-                 param_order: list[torch.nn.Parameter] | None = None, kernels: str = "eager",
-                 fine_timing: bool = True, bucket_mb: float = 0.0, overlap: bool = False,
-                 shard_group=None) -> None:
+    def __init__(self, param_groups: Iterable, defaults: dict, *, plan: RunPlan | None = None, group=None,
+                 param_order: list[torch.nn.Parameter] | None = None, shard_group=None, **settings: Any) -> None:
+        """`plan`: the run's resolved settings (optim.registry.resolve; build_optimizer passes it). A
+        class built directly passes the plan's keywords instead (scheme, scheme_options, grad_clip,
+        momentum_sync, kernels, fine_timing, bucket_mb, overlap) and gets a plan resolved from them
+        and `defaults` against its registry entry (`optim_name`)."""
         super().__init__(param_groups, defaults)
         # hybrid sharding (trainer/parallel.py): the parameters are this rank's local shards,
         # `group` the replicate group; per-tensor reductions (norms, the guard) also sum over the
         # shard group, which holds the other shards
         self.shard_group = shard_group
-        self.scheme = sync.get(scheme) if isinstance(scheme, str) else scheme
-        if scheme_options is None or isinstance(scheme_options, dict):
-            scheme_options = self.scheme.options(**(scheme_options or {}))
-        self.scheme_options = scheme_options
         self.group = group
         self.world_size, self.rank = comm.world(group)
-        if isinstance(momentum_sync, dict):
-            momentum_sync = MomentumSync(**momentum_sync)
-        every = momentum_sync.every if momentum_sync is not None else 0
-        # the registries' rules, not restated by any constructor: the entry's accepts, the common
-        # optim.* keys of `defaults`, and the scheme's own run_problems
-        problems = self._registry_problems() + common_problems(
-            lr=defaults.get("lr"), betas=defaults.get("betas"), eps=defaults.get("eps"),
-            weight_decay=defaults.get("weight_decay"), grad_clip=grad_clip, beta1=defaults.get("beta"))
-        problems += self.scheme.run_problems(
-            self.scheme_options, self.world_size, bucket_mb=bucket_mb, overlap=overlap, grad_clip=grad_clip,
-            momentum_sync_every=every, shard_size=comm.world(shard_group)[0] if shard_group is not None else 1)
-        if problems:
-            raise ValueError("; ".join(problems))
+        if plan is None:
+            plan = self._plan_from(defaults, settings)
+        elif settings:
+            raise TypeError(f"{type(self).__name__}: pass either a plan or its settings, not both "
+                            f"(got {', '.join(sorted(settings))})")
+        if plan.world_size != self.world_size:
+            raise ValueError(f"{type(self).__name__}: the plan was resolved for {plan.world_size} ranks, the group "
+                             f"has {self.world_size}; resolve it with world_size={self.world_size}")
+        self.plan = plan
+        self.scheme, self.scheme_options = plan.scheme, plan.scheme_options
+        self.strategy = plan.strategy()
         order = model_order(self.param_groups, param_order)
         if not order:
             raise ValueError("the optimizer got no trainable parameter")
-        self._check_buckets(bucket_mb)
-        self.bucket_bytes, self.overlap = bucket_mb * 2 ** 20, overlap
-        # update sync in buckets: the vector in bucket order, so every bucket is one contiguous part
-        bucketed_update = self.bucket_bytes > 0 and self.scheme.per_rank_state
-        self.layout = FlatLayout(self.param_groups, _overlap.update_order(order, self.bucket_bytes)
-                                 if bucketed_update else None)
-        problems = []
-        choice(problems, "comm.kernels", kernels, _kernels.IMPLS)
-        why = _native.unavailable(self.layout.device) if not problems and kernels == "native" else None
-        if why is not None:
-            problems.append(f"comm.kernels=native: {why}; use comm.kernels=auto, compiled or eager")
-        if problems:
-            raise ValueError(problems[0])
-        self.kernels = kernels
-        self.stats = PhaseStats(timing=fine_timing)
+        self.bucket_bytes, self.overlap = plan.bucket_bytes, plan.overlap
+        if self.bucket_bytes > 0 and self.strategy.bucket_problem(self):  # the scheme's side is in the plan
+            raise ValueError(f"comm.bucket_mb / comm.overlap: {type(self).__name__} on comm.mode={self.scheme.name} "
+                             f"cannot exchange its vector in buckets; set comm.bucket_mb=0 and comm.overlap=false")
+        self.layout = FlatLayout(self.param_groups, self.strategy.layout_order(order, self.bucket_bytes))
+        self.kernels = plan.kernels
+        why = _native.unavailable(self.layout.device) if self.kernels == "native" else None
+        if why is not None:  # a fact of this device, not of the settings: only known here
+            raise ValueError(f"comm.kernels=native: {why}; use comm.kernels=auto, compiled or eager")
+        self.stats = PhaseStats(timing=plan.fine_timing)
         self.grads = GradBuffers(order)
-        self.grad_clip = float(grad_clip)
-        self.momentum_sync = momentum_sync if momentum_sync is not None and momentum_sync.every > 0 else None
-        if self.momentum_sync is not None:
-            if not any(self.momentum_sync.selects(r) for r in self.layout.roles):
-                raise ValueError(f"comm.momentum_sync.layers={self.momentum_sync.layers} selects no parameter; roles "
-                                 f"present: {self.layout.roles} (a head tied to the embedding has role 'embedding')")
+        self.grad_clip = plan.grad_clip
+        self.momentum_sync = plan.momentum_sync
+        if self.momentum_sync is not None and not any(self.momentum_sync.selects(r) for r in self.layout.roles):
+            raise ValueError(f"comm.momentum_sync.layers={list(self.momentum_sync.layers)} selects no parameter; "
+                             f"roles present: {self.layout.roles} (a head tied to the embedding has role 'embedding')")
         device = self.layout.device
+        # the run's wire kernels: which implementation runs each, what auto measured (one object per
+        # optimizer, handed to its exchange; self.kernels stays the comm.kernels setting)
+        self.kernel_set = _kernels.Kernels(self.kernels, device)
         self.clock = Clock(device)
         self.guard = Guard(group, self.stats["guard"], shard_group)
         # independent random stream per rank, reproducible from the run's seed
         seed = (torch.initial_seed() * 1_000_003 + 7919 * (self.rank + 1)) % (2 ** 63 - 1)
         self.ctx = sync.ExchangeContext(
             world_size=self.world_size, rank=self.rank, group=group, stats=self.stats[self.scheme.phase],
-            segments=self.layout.segments, rows=self.layout.rows, device=device, seed=seed, kernels=kernels,
+            segments=self.layout.segments, rows=self.layout.rows, device=device, seed=seed, kernels=self.kernel_set,
             shard_group=shard_group)
         self.exchange = self.scheme.build(self.scheme_options, self.ctx)
         self._step = 0
         self._bucket_results = None
         self._buckets: _overlap.Overlap | None = None
         if self.bucket_bytes > 0:
-            buckets = (_overlap.update_buckets(order, self.bucket_bytes, self.ctx, self.stats[BACKGROUND],
-                                               self._bucket_vector) if bucketed_update else
-                       _overlap.gradient_buckets(order, self.bucket_bytes, self.grads.buffers))
-            self._buckets = _overlap.Overlap(buckets, self.exchange, self._book_bucket, self.ctx.stats, self.clock,
-                                             self.overlap)
+            self._buckets = _overlap.Overlap(self.strategy.buckets(self, order), self.exchange, self._book_bucket,
+                                             self.ctx.stats, self.clock, self.overlap)
+        self.strategy.bind(self)
+
+    def _plan_from(self, defaults: dict, settings: dict) -> RunPlan:
+        """The plan of a class built directly: its keywords and `defaults`, checked against its entry."""
+        known = {"scheme", "scheme_options", "grad_clip", "momentum_sync", "kernels", "fine_timing", "bucket_mb",
+                 "overlap"}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise TypeError(f"{type(self).__name__}: unexpected keyword argument(s) {', '.join(unknown)}")
+        scheme = settings.get("scheme", "fp32")
+        return resolve(self.optim_name, comm_mode=scheme, comm_options=settings.get("scheme_options"),
+                       betas=defaults.get("betas"), eps=defaults.get("eps"), lr=defaults.get("lr"),
+                       weight_decay=defaults.get("weight_decay"), beta1=defaults.get("beta"),
+                       grad_clip=settings.get("grad_clip", 0.0), momentum_sync=settings.get("momentum_sync"),
+                       world_size=self.world_size,
+                       shard_size=comm.world(self.shard_group)[0] if self.shard_group is not None else 1,
+                       bucket_mb=settings.get("bucket_mb", 0.0), overlap=settings.get("overlap", False),
+                       kernels=settings.get("kernels", "eager"), fine_timing=settings.get("fine_timing", True),
+                       shard_dims={})  # a class that asks for placements takes them as its own keyword (Muon, Dion)
 
     @property
     def grad_buffers(self) -> dict[torch.dtype, torch.Tensor]:
@@ -166,25 +157,15 @@ class CommOptimizer(torch.optim.Optimizer):
         exchanges only some gradients puts them first, so they form one contiguous slice). Called
         from a subclass's constructor, before any backward; not with gradient buckets (they are
         slices of the buffers; an update-sync optimizer's buckets cut its own vector)."""
-        if self._buckets is not None and not self.scheme.per_rank_state:
+        if self._buckets is not None and not self.strategy.exchanges_own_vector:
             raise ValueError(f"{type(self).__name__}: the gradient buffers are bucketed; they cannot be reordered")
         self.grads = GradBuffers(order)
 
-    def _registry_problems(self) -> list[str]:
-        if self.optim_name is None:
-            return []
-        problem = compatibility_problem(self.optim_name, self.scheme.name, self.scheme_options)
-        return [problem] if problem else []
-
     # ---- buckets and overlap (optim/overlap.py) -----------------------------------------------------
-    def _check_buckets(self, bucket_mb: float) -> None:
-        """The optimizer's side of buckets (the scheme's, `bucketable`, is in its run_problems)."""
-        if bucket_mb <= 0:
-            return
-        own_vector = type(self)._bucket_vector is not CommOptimizer._bucket_vector
-        if not self.bucketed or (self.scheme.per_rank_state and not own_vector):
-            raise ValueError(f"comm.bucket_mb / comm.overlap: {type(self).__name__} on comm.mode={self.scheme.name} "
-                             f"cannot exchange its vector in buckets; set comm.bucket_mb=0 and comm.overlap=false")
+    @property
+    def cuts_own_vector(self) -> bool:
+        """This class cuts its own update vector into buckets (it overrides `_bucket_vector`)."""
+        return type(self)._bucket_vector is not CommOptimizer._bucket_vector
 
     def expect_backward(self, final: bool = True) -> None:
         """Call before each backward of a step: `final` on the last micro-batch of the accumulation
@@ -211,17 +192,10 @@ class CommOptimizer(torch.optim.Optimizer):
         return None
 
     def _exchange_gradients(self, step: int) -> None:
-        """Before clipping and the update: a gradient scheme averages every flat gradient buffer
-        (one collective each, or one per bucket); under update sync the subclass exchanges its own
-        vector in `_update`. Subclasses that exchange only part of the gradient override this."""
-        if self.scheme.per_rank_state:
-            return
-        if self._buckets is not None:
-            if self._bucket_results is None:  # overlap drained them at the start of the step
-                self._buckets.finish(step)
-            return
-        for buf in self.grads.buffers.values():
-            self.exchange(buf, step)
+        """Before clipping and the update: the strategy's (optim.strategy: a gradient scheme averages
+        every flat gradient buffer; under update sync the subclass exchanges its own vector in
+        `_update`). Subclasses that exchange only part of the gradient override this."""
+        self.strategy.exchange_gradients(self, step)
 
     def warmup(self) -> float:
         """Compile the fused kernels this optimizer and its exchange use (comm.kernels), before the
@@ -229,13 +203,13 @@ class CommOptimizer(torch.optim.Optimizer):
         if self.kernels == "eager":
             return 0.0
         seconds = self._warmup_own_kernels() + self.exchange.warmup()
-        if self.kernels == "auto":  # ranks that exchange run the same kernels (comm.kernels.agree_choices)
-            _kernels.agree_choices(self.group)
+        if self.kernels == "auto":  # ranks that exchange run the same kernels
+            self.kernel_set.agree(self.group)
         return seconds
 
     def kernel_choices(self) -> list[str]:
         """One line per kernel that comm.kernels=auto timed in warm-up: the candidate it keeps."""
-        return [c["line"] for c in _kernels.auto_choices()]
+        return self.kernel_set.lines()
 
     def _warmup_own_kernels(self) -> float:
         """Compile the optimizer's own fused passes (a subclass that has some); seconds spent."""
@@ -287,6 +261,7 @@ class CommOptimizer(torch.optim.Optimizer):
         if self.grad_clip > 0:
             self._clip_(grad_norms[-1])
         out = self._update(t)
+        self.strategy.after_update(self, t)
         report = StepReport(step=t, loss=loss, grad_norms=grad_norms, stop=verdict.stop)
         due = self.momentum_sync is not None and self.momentum_sync.due(t)
         if diagnose:
@@ -340,7 +315,7 @@ class CommOptimizer(torch.optim.Optimizer):
             d, h = self._diagnostics(out)
             report.diagnostics.update(d)
             report.histograms.update(h)
-        if self.scheme.per_rank_state:  # momenta that can drift apart: their spread
+        if not self.strategy.shared_state:  # momenta that can drift apart: their spread
             moms = self._momenta()
             if moms:
                 prefix = "diag/momentum_spread_after_sync" if after_sync else "diag/momentum_spread"
@@ -402,12 +377,7 @@ class CommOptimizer(torch.optim.Optimizer):
         """Every call of the scheme's exchange in one step: the flat gradient buffers (or their
         buckets) for gradient sync, the update vector (or its buckets) for update sync. Optimizers
         with other exchanges override."""
-        phase = self.scheme.phase
-        if self._buckets is not None:
-            return [Call(phase, b.hi - b.lo, b.rows) for b in self._buckets.buckets]
-        if self.scheme.per_rank_state:
-            return [Call(phase, self.layout.numel, sum(self.layout.rows))]
-        return [Call(phase, buf.numel(), 1) for buf in self.grads.buffers.values()]
+        return self.strategy.exchanged(self)
 
     def _extra_calls(self) -> list[SideCall]:
         """Collectives outside the scheme (e.g. Dion's clipping norm); momentum sync and the

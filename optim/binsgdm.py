@@ -53,7 +53,9 @@ class BinSGDM(CommOptimizer):
         problems = BinSGDMOptions(t0=t0).problems()
         if problems:
             raise ValueError("; ".join(problems))
-        super().__init__(params, dict(lr=lr, beta=beta, weight_decay=weight_decay), scheme=scheme, **comm_kwargs)
+        if "plan" not in comm_kwargs:  # built directly: the scheme is one of the plan's keywords
+            comm_kwargs["scheme"] = scheme
+        super().__init__(params, dict(lr=lr, beta=beta, weight_decay=weight_decay), **comm_kwargs)
         self.t0 = int(t0)
         lay = self.layout
         self.m = torch.zeros(lay.numel, dtype=torch.float32, device=lay.device)
@@ -119,9 +121,9 @@ def _compressor_problems(o: sync.SchemeOptions) -> list[str]:
     return []
 
 
-def _build(groups, *, betas, eps, options: BinSGDMOptions, **comm_kwargs):
+def _build(groups, *, plan, **runtime):
     # one factor for m and b keeps |m/b| <= 1 (BinSGDM §2): optim.betas[0]
-    return BinSGDM(groups, beta=betas[0], t0=options.t0, **comm_kwargs)
+    return BinSGDM(groups, beta=plan.betas[0], t0=plan.optim_options.t0, plan=plan, **runtime)
 
 
 register_optimizer(OptimizerSpec(

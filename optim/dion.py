@@ -116,8 +116,7 @@ class DionOptions(MatrixOptions):
     is fan_in x r, Q and R fan_out x r, so Q always lies on the shorter side. false: P = B Q on the fan_out side
     for every shape (this project's earlier convention: Q is fan_in x r; needed to resume its checkpoints). The
     two differ on wide matrices only; bytes per step are the same. With optim.ortho=qr the Householder QR of the
-    longer P costs more on a GPU (H200, 768 x 3072 at r = 192: 1.35 against 1.0 ms per step); cholesky_qr costs
-    the same in both."""
+    longer P costs more on a GPU (docs/results/code_notes.md); cholesky_qr costs the same in both."""
 
     def problems(self, world_size: int | None = None) -> list[str]:
         p = super().problems(world_size)
@@ -457,8 +456,9 @@ class Dion(MatrixOptimizer):
                                  f"{str(tw).lower()}): {fix}")
 
 
-def _build_dion(groups, *, betas, eps, options, **comm_kwargs) -> Dion:
-    return Dion(groups, betas=betas, eps=eps, options=options, **comm_kwargs)
+def _build_dion(groups, *, plan, **runtime) -> Dion:
+    return Dion(groups, betas=plan.betas, eps=plan.eps, options=plan.optim_options, shard_dims=dict(plan.shard_dims),
+                plan=plan, **runtime)
 
 
 register_optimizer(OptimizerSpec(

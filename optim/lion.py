@@ -159,8 +159,8 @@ def _lion_compiled(tensors: Sequence[torch.Tensor], impl: str | None) -> bool:
         return False
     dev = tensors[0].device
     # CUDA: Triton contracts a multiply with the add that follows it into one fma where the eager
-    # kernels round the product first (fl(m*b1), then fma(g, 1-b1, .)): compiled c, m and p were
-    # 1 ulp off eager on an H100 (torch 2.11, Triton 3.6). So the Lion passes stay on the foreach
+    # kernels round the product first (fl(m*b1), then fma(g, 1-b1, .)), so compiled c, m and p can
+    # differ from eager by an ulp (docs/results/code_notes.md). So the Lion passes stay on the foreach
     # kernels there (the reference, and on CUDA already multi-tensor kernels), for every impl.
     if dev.type == "cuda":
         return False
@@ -479,7 +479,7 @@ class Lion(CommOptimizer):
     def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, **comm_kwargs) -> None:
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), **comm_kwargs)
-        if self.scheme.per_rank_state:  # which schemes fit "lion" is its registry entry's to say (the base asks it)
+        if self.strategy.exchanges_own_vector:  # which schemes fit "lion" is its entry's; this is its gradient half
             raise ValueError(f"Lion steps one shared state and needs a gradient-sync comm.mode, not {self.scheme.name}; "
                              f"build_optimizer('lion', ...) builds DistributedLion for update sync")
         self._fused: FusedLionStep | None = None

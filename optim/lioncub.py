@@ -49,12 +49,13 @@ class DistributedLion(CommOptimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, *, scheme: str | sync.SyncScheme = "onebit", **comm_kwargs) -> None:
-        s = sync.get(scheme) if isinstance(scheme, str) else scheme
-        if not s.per_rank_state:  # which update-sync schemes fit is the registry's entry "lion" (the base asks it)
+        if "plan" not in comm_kwargs:  # built directly: the scheme is one of the plan's keywords
+            comm_kwargs["scheme"] = scheme
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), **comm_kwargs)
+        # which update-sync schemes fit is the registry's entry "lion"; this class is its per-rank half
+        if not self.strategy.exchanges_own_vector:
             raise ValueError(f"DistributedLion keeps a momentum per rank and needs an update-sync comm.mode, not "
-                             f"{s.name}; build_optimizer('lion', ...) builds Lion for gradient sync")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), scheme=s,
-                         **comm_kwargs)
+                             f"{self.scheme.name}; build_optimizer('lion', ...) builds Lion for gradient sync")
         # c over the gradient: c is made wave by wave in a small scratch and written over g, and m is
         # updated in the same pass (both from the old m; nothing else reads g in the step), so the step
         # holds no c of the model's size (Lion itself makes its update direction per step). Not with
@@ -197,12 +198,13 @@ def _runs_by_group(lay, ks: list[int]) -> list[list[int]]:
     return list(by.values())
 
 
-def _build_lion(groups, *, betas, eps, options, **comm_kwargs) -> CommOptimizer:
-    """Lion on a gradient-sync scheme (one shared momentum), Distributed Lion / Lion Cub on an
-    update-sync one. The entry lives here, beside the update-sync class, because it builds both:
-    optim/lion.py stays the single-momentum Lion and its passes, which this module imports."""
-    cls = Lion if comm_kwargs["scheme"].kind == sync.GRADIENT else DistributedLion
-    return cls(groups, betas=betas, **comm_kwargs)
+def _build_lion(groups, *, plan, **runtime) -> CommOptimizer:
+    """Lion where the strategy exchanges the gradient (gradient sync: one momentum), Distributed
+    Lion / Lion Cub where the optimizer hands the exchange its own vector (update sync). The entry
+    lives here, beside the update-sync class, because it builds both: optim/lion.py stays the
+    single-momentum Lion and its passes, which this module imports."""
+    cls = DistributedLion if plan.strategy.exchanges_own_vector else Lion
+    return cls(groups, betas=plan.betas, plan=plan, **runtime)
 
 
 register_optimizer(OptimizerSpec(

@@ -269,10 +269,10 @@ class MatrixOptimizer(CommOptimizer):
         (hybrid sharding; absent: 0), what `shard_dim` asked for."""
         name = type(self).__name__
         self._placements = dict(shard_dims or {})
-        s = sync.get(scheme) if isinstance(scheme, str) else scheme
         options = _options(self.options_class, options)
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), scheme=s,
-                         **comm_kwargs)
+        if "plan" not in comm_kwargs:  # built directly: the scheme is one of the plan's keywords
+            comm_kwargs["scheme"] = scheme
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), **comm_kwargs)
         self.options = options
         entries = self.layout.entries
         self.matrix_idx = [k for k, e in enumerate(entries) if e.matrix]
@@ -550,8 +550,9 @@ def _matrix_state_words(o: MatrixOptions, matrix: bool, matrix_words: float) -> 
     return 2.0 if o.scalar_opt == "adamw" else 1.0
 
 
-def _build_muon(groups, *, betas, eps, options, **comm_kwargs) -> Muon:
-    return Muon(groups, betas=betas, eps=eps, options=options, **comm_kwargs)
+def _build_muon(groups, *, plan, **runtime) -> Muon:
+    return Muon(groups, betas=plan.betas, eps=plan.eps, options=plan.optim_options, shard_dims=dict(plan.shard_dims),
+                plan=plan, **runtime)
 
 
 register_optimizer(OptimizerSpec(

@@ -75,7 +75,9 @@ class OneBitAdam(AdamW):
         problems = OneBitAdamOptions(freeze_step=freeze_step).problems()
         if problems:
             raise ValueError("; ".join(problems))
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, scheme=scheme, **comm_kwargs)
+        if "plan" not in comm_kwargs:  # built directly: the scheme is one of the plan's keywords
+            comm_kwargs["scheme"] = scheme
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **comm_kwargs)
         self.freeze_step = int(freeze_step)
         fp32 = sync.get("fp32")
         self.grad_exchange = fp32.build(fp32.default_options(), sync.ExchangeContext(
@@ -184,8 +186,9 @@ def _compressor_problems(o: sync.SchemeOptions) -> list[str]:
     return []
 
 
-def _build(groups, *, betas, eps, options: OneBitAdamOptions, **comm_kwargs):
-    return OneBitAdam(groups, betas=betas, eps=eps, freeze_step=options.freeze_step, **comm_kwargs)
+def _build(groups, *, plan, **runtime):
+    return OneBitAdam(groups, betas=plan.betas, eps=plan.eps, freeze_step=plan.optim_options.freeze_step, plan=plan,
+                      **runtime)
 
 
 register_optimizer(OptimizerSpec(

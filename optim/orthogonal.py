@@ -52,8 +52,8 @@ def newton_schulz(G: torch.Tensor, steps: int = NS_STEPS, eps: float = 1e-7,
     rounded to `dtype` once, where forming A A, scaling it and adding b A as three bf16 tensors
     rounds three times; the normalisation divides in float32 and rounds once. In bf16 this lands
     0.9-1.2 % (Frobenius, relative) from the exact-arithmetic map, as torch.optim.Muon does; the
-    unfused form lands 2.6-4 % on CPU and 1.1-1.8 % on an H200 (tests/optim/test_orthogonal.py checks
-    the CPU numbers). The fused form is no slower (H200: 0.32 against 0.38 ms at 768 x 3072)."""
+    unfused form lands further off (tests/optim/test_orthogonal.py checks the bounds on CPU; the
+    measurements are in docs/results/code_notes.md). The fused form is no slower."""
     if G.ndim < 2:
         raise ValueError(f"newton_schulz: G has shape {tuple(G.shape)}; need a matrix (..., m, n). "
                          "1-D parameters (biases, norms) belong to the scalar optimizer (AdamW/Lion)")

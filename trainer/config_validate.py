@@ -5,11 +5,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from comm.kernels import IMPLS as kernel_impls
 from data.loader import ORDERS as DATA_ORDERS
 from optim import sync
-from optim.options import at_least, choice, common_problems
-from optim.registry import compatibility_problem, optimizer_names, run_problems
+from optim.options import at_least, choice
+from optim.registry import compatibility_problem, optimizer_names, plan_problems
 
 from .config_schema import AUTO_MODE, LAYER_SELECTORS, VARIANTS_DIR, Config, ConfigError, OptimConfig
 from .schedule import DECAY_SHAPES, SCHEDULES, decay_steps
@@ -118,7 +117,6 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
             warm + decay_steps(horizon, o.decay_fraction) > horizon:
         p.append(f"optim.decay_fraction: warmup ({warm}) + decay ({decay_steps(horizon, o.decay_fraction)} steps) "
                  f"exceed {where}={horizon}; lower optim.warmup_steps or optim.decay_fraction")
-    p += common_problems(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, grad_clip=o.grad_clip)
     for key, val in [("optim.embedding_lr_mult", o.embedding_lr_mult),
                      ("optim.head_lr_mult", o.head_lr_mult), ("optim.scalar_lr_mult", o.scalar_lr_mult)]:
         at_least(p, key, val, 0)
@@ -144,26 +142,21 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
     S = cfg.parallel.shard_size
     replicas = world_size // S if world_size is not None and S >= 1 and world_size % S == 0 else world_size
     ms = c.momentum_sync
-    if c.mode in sync.names() and c.options is not None:
-        # whether this optimizer runs on this mode with these options and settings: the registries
-        # decide (world-size checks across the replicas); comm.mode=auto is checked once resolved
-        run = dict(bucket_mb=c.bucket_mb, overlap=c.overlap, grad_clip=o.grad_clip, momentum_sync_every=ms.every,
-                   shard_size=max(S, 1))
-        p += run_problems(o.name, c.mode, c.options, replicas, **run) if o.name in optimizer_names() else \
-            sync.get(c.mode).run_problems(c.options, replicas, **run)
+    # the run's optimizer plan, checked by the function that builds it (optim.registry.resolve's
+    # problems-only twin): the entry and the mode, their options at the replica count, the common
+    # optim.* keys, momentum sync's schedule, comm.kernels; comm.mode=auto is checked once resolved.
+    # An unknown optim.name or comm.mode is reported above, so the plan is asked without it.
+    mode = c.mode if c.mode in sync.names() and c.options is not None else None
+    p += plan_problems(o.name if o.name in optimizer_names() else None, comm_mode=mode, comm_options=c.options,
+                       optim_options=o.options, betas=o.betas, eps=o.eps, lr=o.lr, weight_decay=o.weight_decay,
+                       grad_clip=o.grad_clip, momentum_sync=vars(ms), world_size=replicas, shard_size=max(S, 1),
+                       bucket_mb=c.bucket_mb, overlap=c.overlap, kernels=c.kernels)
     if c.options is not None:
         p += c.options.run_problems(t.max_steps)
     if o.options is not None:
-        p += o.options.problems(replicas) + o.options.run_problems(t.max_steps)
-    choice(p, "comm.kernels", c.kernels, kernel_impls)
+        p += o.options.run_problems(t.max_steps)
     if c.timeout_s <= 0 or c.init_timeout_s <= 0:
         p.append(f"comm.timeout_s: {c.timeout_s}, comm.init_timeout_s: {c.init_timeout_s}; both must be > 0")
-    if ms.every < 0 or ms.start < 0 or ms.stop < 0:
-        p.append("comm.momentum_sync: every, start and stop must be >= 0")
-    if ms.stop and ms.start > ms.stop:
-        p.append(f"comm.momentum_sync: start={ms.start} is after stop={ms.stop}; no sync would run")
-    if ms.every and not ms.layers:
-        p.append("comm.momentum_sync.layers: empty; select layers (e.g. [head]) or set every: 0")
     bad = [x for x in ms.layers if x not in LAYER_SELECTORS]
     if bad:
         p.append(f"comm.momentum_sync.layers: {bad} not among {', '.join(LAYER_SELECTORS)}")

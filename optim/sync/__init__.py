@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from . import allreduce, pbit, votes  # noqa: F401  (registers the built-in schemes)
 from . import compressed  # noqa: F401  (loco, compressed: error-feedback compressed schemes)
+from .diloco import LOCAL  # registers diloco (the local-update scheme, after the wires it uses); LOCAL: its kind
 from .pbit import effective_levels
 from .registry import (GRADIENT, MEAN, SIGN, UPDATE, Exchange, ExchangeContext, SchemeOptions, SyncScheme, get,
                        names, option_owners, register, schemes, unregister)

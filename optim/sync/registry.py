@@ -57,9 +57,10 @@ class ExchangeContext:
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
     seed: int = 0
     """Seed for per-rank random streams (stochastic rounding, stochastic compressors)."""
-    kernels: str = "eager"
-    """Which implementation of the fused hot-path kernels to use (comm.kernels): compiled, eager or
-    auto; every implementation gives the same bytes and updates."""
+    kernels: Any = "eager"
+    """The run's wire kernels: a comm.kernels.Kernels (what the optimizer hands its exchange: one object
+    per run holding auto's choices), or a comm.kernels setting (eager, compiled, native or auto);
+    every implementation gives the same bytes and updates."""
     shard_group: Any = None
     """Hybrid sharding (parallel.shard_size > 1): the group holding the other shards of every tensor
     whose local shard is in the vector (`group` is then the replicate group); None = whole tensors.

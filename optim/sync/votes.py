@@ -110,7 +110,7 @@ class OneBit(VoteExchange):
 
     def aggregate(self, c, step, ctx):
         tb = self.o.tb_step(step)
-        if ctx.world_size == 1 or ctx.kernels == "eager":
+        if ctx.world_size == 1 or kernels.resolve_impl(ctx.kernels) == "eager":
             return comm.sign_vote_1bit(c, tb, group=ctx.group, stats=ctx.stats)
         n = c.numel()
         dev = c.device if c.is_cuda else None
