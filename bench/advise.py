@@ -3,6 +3,7 @@ every variant's step time, rank them.
 
     torchrun --nproc_per_node=4 -m bench.advise configs/default.yaml            # every variant
     torchrun --nproc_per_node=4 -m bench.advise configs/gpt2_124m/lion_fp32.yaml --variants lion_fp32,lioncub_1bit
+    python -m bench.advise configs/cpu_30m.yaml --variants configs/variants/lion_fp32.yaml my_variant.yaml
     python -m bench.netsim --nproc 4 --rate 100mbit -- python -m bench.advise configs/default.yaml
 
 A thin command over trainer/advise.py, which measures and predicts (its docstring says how) for this
@@ -10,6 +11,14 @@ table and for `comm.mode=auto` in training (trainer/automode.py), so both rank a
 is measured here; its quality evidence (the study-prose tables, trainer/auto_quality.yaml) says
 "not for auto: ... out: why" where comm.mode=auto would leave it out. `--json PATH` writes the table
 and the measurements.
+
+Arguments follow every command's convention (util/cli.py): the run's config files compose in order
+(as train.py composes them) and overrides go anywhere among the flags. `--variants` compares: each
+.yaml file given there is one candidate (the files outside --variants, then it, then the overrides),
+a word without .yaml a comma list of configs/variants names; without --variants every
+configs/variants file is a candidate. The run's model and data are those of the files outside
+--variants (or of the first candidate's file when there are none); candidates differing in them are
+refused: the advice compares optimizers and modes on one model.
 """
 from __future__ import annotations
 
@@ -23,36 +32,63 @@ from typing import Sequence
 import torch.distributed as dist
 
 import data
-from trainer.advise import (ROOT, advise, links_markdown, load_variant, measure_links, table_markdown,
+from trainer.advise import (ROOT, Candidate, advise, links_markdown, load_variant, measure_links, table_markdown,
                             variant_names)
-from trainer.config import ConfigError, load_config, split_config_args
+from trainer.config import Config, ConfigError, load_config
 from trainer.dist import init_distributed
+from util.cli import Parser, is_config, variant_runs
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m bench.advise", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("config", nargs="+", help="the run's YAML config file(s), then section.key=value overrides, "
-                                              "as train.py takes them")
-    ap.add_argument("--variants", default="", help="comma list of configs/variants names (default: all)")
+    ap = Parser(prog="python -m bench.advise", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                require_config=True, variants=True,
+                config_help="the run's config files (composed in order, as train.py composes them) and "
+                            "section.key=value overrides, in any order with the flags")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per measurement (after one warm-up)")
     ap.add_argument("--json", default="", help="also write the table and the measurements here")
     ap.add_argument("--links-only", action="store_true", help="measure and print the links only")
     return ap.parse_args(argv)
 
 
+def candidates_of(args: argparse.Namespace) -> tuple[Config, list[Candidate]]:
+    """The run's config and the candidates to compare. A --variants entry ending in .yaml is one candidate:
+    the config files outside --variants, then it, then the overrides, composed as train.py composes them
+    (its optimizer and mode are the candidate's); other entries are comma lists of configs/variants names.
+    Without --variants: every configs/variants file. ConfigError / ValueError on bad input."""
+    files = [v for v in args.variants if is_config(v)]
+    named = [n for v in args.variants if not is_config(v) for n in v.split(",") if n]
+    cfg = load_config(args.configs, args.overrides) if args.configs else None
+    candidates = []
+    for name, paths in variant_runs(argparse.Namespace(configs=args.configs, variants=files)):
+        own = load_config(paths, args.overrides)
+        if cfg is None:  # no config outside --variants: the first candidate's file is the run's
+            cfg = own
+        for section in ("model", "data", "parallel"):
+            if own.to_dict()[section] != cfg.to_dict()[section]:
+                run = " ".join(args.configs) or files[0]
+                raise ConfigError(f"--variants {paths[-1]}: its {section} section differs from the run's ({run}); "
+                                  f"advise compares optimizers and modes on one model: give the model and data in "
+                                  f"a config file outside --variants")
+        d = own.to_dict()
+        candidates.append(Candidate(name, {"optim": d["optim"], "comm": d["comm"]}))
+    if cfg is None:
+        raise ConfigError(f"--variants {' '.join(args.variants)}: names no model; give the run's config file "
+                          f"(e.g. configs/default.yaml) or a candidate's .yaml file")
+    candidates += [load_variant(n) for n in named]
+    if not args.variants:
+        candidates = [load_variant(n) for n in variant_names()]
+    return cfg, candidates
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("LIONCUB_CACHE", str(ROOT / ".cache"))
     try:
-        files, overrides = split_config_args(args.config)
-        cfg = load_config(files, overrides)
+        cfg, candidates = candidates_of(args)
         if cfg.parallel.shard_size > 1:
             raise ConfigError(f"parallel.shard_size={cfg.parallel.shard_size}: bench.advise predicts replicated "
                               f"runs only (per-rank shards and the replicate axis are not modelled yet); run it "
                               f"with parallel.shard_size=1")
-        names = [v for v in args.variants.split(",") if v] or variant_names()
-        candidates = [load_variant(n) for n in names]
     except (ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from pathlib import Path
 from typing import Sequence
 
@@ -119,6 +120,27 @@ def plot_momentum_spread(runs: dict[str, list[dict]], path: str | Path) -> Serie
         if lines:
             panels[label] = lines
     _draw(Path(path), panels, {k: f"{k}: momentum spread (max std over ranks)" for k in panels}, ylog=set(panels))
+    return panels
+
+
+def plot_time_to_loss(panels: Series, path: str | Path, target: float, metric: str = "val_loss") -> Series:
+    """Loss against wall time (bench.time_to_loss): one panel per setting (simulated link, cluster),
+    one line per variant, the target as a dashed line."""
+    plt = _plt()
+    names = list(panels) or ["(no step times)"]
+    fig, axes = plt.subplots(1, len(names), figsize=(5.6 * len(names), 3.8), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        for label, (xs, ys) in panels.get(name, {}).items():
+            ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=label)
+        ax.axhline(target, color="k", linestyle="--", linewidth=0.8, label=f"target {target:.3f}")
+        ax.set_title("\n".join(textwrap.wrap(name, 60)), fontsize=9)
+        ax.set_xlabel("wall time (s)")
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
     return panels
 
 

@@ -39,6 +39,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -198,8 +199,17 @@ def calibrate_worker(out_path: Path) -> None:
 # summarising one run (pure: tested on synthetic records)
 # ------------------------------------------------------------------------------------------------
 
-def summarize_run(records: list[dict], warmup: int) -> dict:
-    """Medians over the train records after the first `warmup` steps.
+def cycle_steps(cfg: dict) -> int:
+    """Steps over which a run's step time repeats: comm.diloco.inner_steps for a local-update run
+    (comm.mode=diloco: most inner steps send nothing, every fragment's average falls once in any
+    inner_steps consecutive steps), else 1."""
+    c = cfg.get("comm") or {}
+    return int((c.get("diloco") or {}).get("inner_steps", 1)) if c.get("mode") == "diloco" else 1
+
+
+def summarize_run(records: list[dict], warmup: int, cycle: int = 1) -> dict:
+    """Medians over the train records after the first `warmup` steps; with `cycle` > 1 (cycle_steps)
+    means over the last whole cycles of them instead, since a median would drop the steps that sync.
 
     compute = data + forward/backward, comm = collectives + quantize/pack, other = the optimizer's
     remaining time (the trainer's opt_ms); medians are taken per component, so the three parts sum
@@ -209,20 +219,32 @@ def summarize_run(records: list[dict], warmup: int) -> dict:
         steps = [r["step"] for r in train_records(records)]
         raise ValueError(f"no train records after {warmup} warm-up steps (steps logged: {steps}); "
                          f"run more steps or lower --warmup")
-    step = median(r["step_ms"] for r in recs)
-    comm = median(r["comm_ms"] for r in recs)
+    stat = median
+    if cycle > 1:
+        logged = [r["step"] for r in recs]
+        if logged != list(range(logged[0], logged[0] + len(logged))):
+            raise ValueError(f"a cycle of {cycle} steps needs one record per step (train.log_every=1); steps "
+                             f"logged: {logged[:8]}...")
+        if len(recs) < cycle:
+            raise ValueError(f"{len(recs)} measured steps after {warmup} warm-up are less than one cycle of "
+                             f"{cycle} inner steps (comm.diloco.inner_steps); run at least --steps {cycle}")
+        recs = recs[len(recs) % cycle:]
+        stat = (lambda xs: statistics.fmean(list(xs)))
+    step = stat(r["step_ms"] for r in recs)
+    comm = stat(r["comm_ms"] for r in recs)
     out = {"steps": len(recs), "step_ms": step,
-           "compute_ms": median(r.get("data_ms", 0.0) + r["fwdbwd_ms"] for r in recs),
-           "comm_ms": comm, "coll_ms": median(r.get("coll_ms", r["comm_ms"]) for r in recs),
-           "pack_ms": median(r.get("pack_ms", 0.0) for r in recs),
-           "other_ms": median(r.get("opt_ms", 0.0) for r in recs),
+           "compute_ms": stat(r.get("data_ms", 0.0) + r["fwdbwd_ms"] for r in recs),
+           "comm_ms": comm, "coll_ms": stat(r.get("coll_ms", r["comm_ms"]) for r in recs),
+           "pack_ms": stat(r.get("pack_ms", 0.0) for r in recs),
+           "other_ms": stat(r.get("opt_ms", 0.0) for r in recs),
            "comm_share": comm / step if step > 0 else float("nan"),
-           "comm_bytes": median(r["comm_bytes"] for r in recs),
+           "comm_bytes": stat(r["comm_bytes"] for r in recs),
            # hybrid sharding: what the matrix optimizers send inside the shard group (FSDP's own not counted)
-           "shard_bytes": median(r["shard_bytes"] for r in recs) if all("shard_bytes" in r for r in recs) else None}
+           "shard_bytes": stat(r["shard_bytes"] for r in recs) if all("shard_bytes" in r for r in recs) else None,
+           "cycle": cycle}
     mem = [r["peak_mem_gib"] for r in recs if "peak_mem_gib" in r]
     out["peak_mem_gib"] = max(mem) if mem else None
-    out["tokens_per_s"] = median(r["tokens_per_s"] for r in recs) if all("tokens_per_s" in r for r in recs) else None
+    out["tokens_per_s"] = stat(r["tokens_per_s"] for r in recs) if all("tokens_per_s" in r for r in recs) else None
     mfu = [r["mfu"] for r in recs if "mfu" in r]  # CUDA with a known peak only (trainer.logger.peak_flops)
     out["mfu"] = median(mfu) if len(mfu) == len(recs) else None
     return out
@@ -487,7 +509,7 @@ def run_one(args: argparse.Namespace, rate: str, variant: str, net: object | Non
         row["status"] = f"failed rc={codes}"
         print(f"   FAILED {codes}; logs in {log_dir}", flush=True)
         return row
-    row.update(summarize_run(read_jsonl(run_dir / "metrics.jsonl"), args.warmup))
+    row.update(summarize_run(read_jsonl(run_dir / "metrics.jsonl"), args.warmup, cycle_steps(load_run_config(run_dir))))
     row["peak_rss_mib"], row["peak_tree_rss_mib"] = _rss(rss_dir)
     row["status"] = "ok"
     row["wall_s"] = time.perf_counter() - t0
@@ -536,7 +558,7 @@ def collect_rows(args: argparse.Namespace, calib: dict[str, tuple[float, float]]
             if not metrics.exists():
                 continue
             try:
-                row.update(summarize_run(read_jsonl(metrics), args.warmup))
+                row.update(summarize_run(read_jsonl(metrics), args.warmup, cycle_steps(load_run_config(run_dir))))
             except ValueError as e:
                 row["status"] = f"incomplete: {e}"
                 rows.append(row)

@@ -71,13 +71,13 @@ def load_run_config(run_dir: str | Path) -> dict:
     return yaml.safe_load(path.read_text())
 
 
-def _meta_model(model_cfg: dict):
+def _meta_model(model_cfg: dict, vocab_size: int | None = None):
     import torch
 
     from model import GPT, resolve_config
 
     with torch.device("meta"):  # shapes only: no memory, no init time
-        return GPT(resolve_config(model_cfg))
+        return GPT(resolve_config(model_cfg, vocab_size))
 
 
 def num_params(model_cfg: dict) -> int:
@@ -90,11 +90,12 @@ def num_rows(model_cfg: dict) -> int:
     return sum(p.shape[0] if p.ndim >= 2 else 1 for p in _meta_model(model_cfg).parameters())
 
 
-def role_params(model_cfg: dict) -> dict[str, int]:
-    """Elements per parameter role (embedding/head/attn/mlp/norm), for momentum-sync traffic."""
+def role_params(model_cfg: dict, vocab_size: int | None = None) -> dict[str, int]:
+    """Elements per parameter role (embedding/head/attn/mlp/norm), for momentum-sync traffic; at
+    `vocab_size` (a dataset's tokenizer; None = the preset's)."""
     from model import param_roles
 
-    m = _meta_model(model_cfg)
+    m = _meta_model(model_cfg, vocab_size)
     named = dict(m.named_parameters())
     out: dict[str, int] = {}
     for name, role in param_roles(m).items():
@@ -102,9 +103,10 @@ def role_params(model_cfg: dict) -> dict[str, int]:
     return out
 
 
-def build_optimizer_for(cfg: dict):
+def build_optimizer_for(cfg: dict, vocab_size: int | None = None):
     """The optimizer a resolved run config builds (one process, CPU), for its byte formula and its
-    alpha-beta prediction at any world size (CommOptimizer.wire_bytes_per_step / predict_comm_seconds)."""
+    alpha-beta prediction at any world size (CommOptimizer.wire_bytes_per_step / predict_comm_seconds);
+    the model at `vocab_size` (a dataset's tokenizer resizes the embedding and head; None = the preset's)."""
     import torch
 
     from model import GPT, resolve_config
@@ -116,7 +118,7 @@ def build_optimizer_for(cfg: dict):
     c = load_config(None, [f"{sec}.{k}={_yaml(v)}" for sec, d in sections.items() for k, v in d.items()
                            if not isinstance(v, dict)] + ["comm.momentum_sync.every=0"])
     torch.manual_seed(0)
-    model = GPT(resolve_config(cfg["model"]))
+    model = GPT(resolve_config(cfg["model"], vocab_size))
     o, cc = c.optim, c.comm
     return build_optimizer(o.name, param_groups(model, o), betas=tuple(o.betas), eps=o.eps, comm_mode=cc.mode,
                            comm_options=cc.options, optim_options=o.options, grad_clip=o.grad_clip,
@@ -129,17 +131,18 @@ def _yaml(v) -> str:
     return json.dumps(v) if not isinstance(v, str) else v
 
 
-def predict_step_comm_s(cfg: dict, world: int, alpha: float, beta: float, *, sync_step: bool = False) -> float:
+def predict_step_comm_s(cfg: dict, world: int, alpha: float, beta: float, *, sync_step: bool = False,
+                        vocab_size: int | None = None) -> float:
     """Predicted seconds of communication in one training step: the optimizer's own alpha-beta
     prediction (each exchange's scheme model from the optim.sync registry, Lion Cub Table 1 formulas
     via comm.cost_model); with `sync_step`, plus the fp32 momentum allreduce of the selected layers
     that a momentum-sync step adds (Lion Cub §5)."""
     from comm import cost_model
 
-    t = build_optimizer_for(cfg).predict_comm_seconds(alpha, beta, world)
+    t = build_optimizer_for(cfg, vocab_size).predict_comm_seconds(alpha, beta, world)
     ms = cfg["comm"].get("momentum_sync") or {}
     if sync_step and ms.get("every"):
-        roles = role_params(cfg["model"])
+        roles = role_params(cfg["model"], vocab_size)
         layers = ms.get("layers") or []
         m = sum(v for r, v in roles.items() if "all" in layers or r in layers)
         t += cost_model.ring_allreduce(world, m, 32, alpha, beta)

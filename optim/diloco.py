@@ -48,165 +48,25 @@ One `DiLoCo` object per worker (rank of the replicate axis). The caller runs the
 this step and applies their outer steps); `after_inner_step()` does both. Outer state (global
 parameters, momentum, pending averages, the wires' error feedback) round-trips through
 `state_dict()` / `load_state_dict()` between steps, so a resume is exact mid-inner-phase, mid-overlap
-and at an outer step. docs/diloco.md says how it will plug into the sync-scheme registry
-(`comm.mode=diloco`); that integration is not done.
+and at an outer step. `OuterLoop` binds one to a run's optimizer: comm.mode=diloco (the registry
+entry, its options and byte formulas: optim/sync/diloco.py; docs/diloco.md).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 
-import comm
-from comm import cost_model
-from comm.packing import lane_max
-from comm.e3m0 import e3m0_allreduce_mean, e3m0_bytes, e3m0_chunk_bytes, e3m0_layout
-from comm.quantize import segment_lp_means
+from comm import CommStats
 
 from . import sync
-from .options import Options
-
-WIRES = ("fp32", "bf16", "loco", "sign", "e3m0", "pbit_mean")
-"""Wire formats of the pseudo-gradient average: each gives an estimate of the real-valued mean."""
-PBIT_QUANTIZERS = {"linf": math.inf, "l1": 1.0}
-PBIT_BITS = (4, 8, 16)
-
-
-def _wire_scheme(wire: str) -> tuple[sync.SyncScheme, sync.SchemeOptions] | None:
-    """The registry scheme and options a wire runs on (None: e3m0 and pbit_mean, which are ours only)."""
-    if wire in ("fp32", "bf16"):
-        s = sync.get(wire)
-        return s, s.default_options()
-    if wire == "loco":
-        s = sync.get("loco")
-        return s, s.options()
-    if wire == "sign":
-        s = sync.get("compressed")
-        return s, s.options(compressor="scaled_sign", scale="mean_abs")
-    return None
-
-
-@dataclass
-class DiLoCoOptions(Options):
-    """The comm.diloco.* keys (docs/diloco.md)."""
-
-    section = "comm.diloco"
-
-    inner_steps: int = 500
-    """H: inner steps of each worker between two syncs of a fragment (DiLoCo: 500)."""
-    outer_lr: float = 0.7
-    """Learning rate of the outer SGD applied to the averaged pseudo-gradient (DiLoCo: 0.7)."""
-    outer_momentum: float = 0.9
-    """Momentum of the outer SGD (DiLoCo: 0.9; 0 = plain averaging of the models with outer_lr 1)."""
-    nesterov: bool = True
-    """Nesterov momentum for the outer SGD (DiLoCo); false = heavy ball."""
-    fragments: int = 1
-    """F: fragments synchronised on staggered offsets (Streaming DiLoCo); 1 = DiLoCo."""
-    overlap_steps: int = 0
-    """tau: inner steps a fragment's exchange overlaps before its outer step is applied (0 = none)."""
-    alpha: float = 0.0
-    """Mixing factor: after a fragment's outer step, local = alpha * local + (1 - alpha) * global
-    (0 = adopt the global parameters, DiLoCo's reset)."""
-    wire: str = "fp32"
-    """Wire format of the pseudo-gradient average: fp32, bf16, loco (4-bit, error feedback), sign
-    (1-bit with a scale per block, error feedback), e3m0 (4-bit float, Streaming DiLoCo) or
-    pbit_mean (Lion Cub's integer lanes with a shared scale per block)."""
-    block: int = 2048
-    """Elements per fp32 scale of the loco, sign, e3m0 and pbit_mean wires (a positive multiple of 8)."""
-    bits: int = 8
-    """pbit_mean: lane width (4, 8 or 16 bits); the levels are the largest L with P * 2L <= 2**bits - 1."""
-    quantizer: str = "linf"
-    """pbit_mean: the block's scale M_p of Lion Cub eq. 1: linf (max |x|, nothing clipped) or l1 (mean |x|)."""
-    clip: float = 1.0
-    """pbit_mean: clip ratio of eq. 1 (values beyond clip * M_p saturate at +-L; 1 with linf clips nothing)."""
-
-    def problems(self, world_size: int | None = None, blocks: int | None = None) -> list[str]:
-        """Every problem of these options; `blocks`: the model's transformer blocks (fragments are
-        made of whole blocks), checked when given."""
-        p: list[str] = []
-
-        def is_int(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        H = self.inner_steps
-        if not is_int(H) or H < 1:
-            p.append(f"{self.key('inner_steps')}: {H!r} must be an integer >= 1 (inner steps between syncs; "
-                     f"DiLoCo uses 500)")
-        if not (isinstance(self.outer_lr, (int, float)) and math.isfinite(self.outer_lr) and self.outer_lr > 0):
-            p.append(f"{self.key('outer_lr')}: {self.outer_lr!r} must be a positive number (DiLoCo: 0.7)")
-        if not (isinstance(self.outer_momentum, (int, float)) and 0 <= self.outer_momentum < 1):
-            p.append(f"{self.key('outer_momentum')}: {self.outer_momentum!r} must be in [0, 1) (DiLoCo: 0.9)")
-        if not isinstance(self.nesterov, bool):
-            p.append(f"{self.key('nesterov')}: {self.nesterov!r} must be true or false")
-        F = self.fragments
-        if not is_int(F) or F < 1:
-            p.append(f"{self.key('fragments')}: {F!r} must be an integer >= 1 (1 = DiLoCo, F > 1 = Streaming "
-                     f"DiLoCo's fragments)")
-        else:
-            if blocks is not None and F > blocks:
-                p.append(f"{self.key('fragments')}: {F} fragments but the model has {blocks} blocks (a fragment "
-                         f"is made of whole blocks); use at most {blocks}")
-            if is_int(H) and H >= 1 and F > H:
-                p.append(f"{self.key('fragments')}: {F} fragments need distinct offsets within the "
-                         f"{self.key('inner_steps')}={H} steps of a cycle; use at most {H} fragments or more "
-                         f"inner steps")
-        tau = self.overlap_steps
-        if not is_int(tau) or tau < 0:
-            p.append(f"{self.key('overlap_steps')}: {tau!r} must be an integer >= 0 (0 = no overlap)")
-        elif is_int(H) and H >= 1 and tau >= H:
-            p.append(f"{self.key('overlap_steps')}: {tau} must be < {self.key('inner_steps')}={H} (a fragment's "
-                     f"average must arrive before its next pseudo-gradient is sent)")
-        if not (isinstance(self.alpha, (int, float)) and 0 <= self.alpha <= 1):
-            p.append(f"{self.key('alpha')}: {self.alpha!r} must be in [0, 1] (0 = adopt the global parameters)")
-        if self.wire not in WIRES:
-            known = {s.name: s for s in sync.schemes()}
-            if self.wire in known and known[self.wire].result != sync.MEAN:
-                p.append(f"{self.key('wire')}: {self.wire!r} returns a sign vote, not a mean, so it cannot carry "
-                         f"the average of the pseudo-gradients; use one of {', '.join(WIRES)}")
-            else:
-                p.append(f"{self.key('wire')}: {self.wire!r} is not one of {', '.join(WIRES)}")
-        if not is_int(self.block) or self.block <= 0 or self.block % 8:
-            p.append(f"{self.key('block')}: {self.block!r} must be a positive multiple of 8 (elements per fp32 "
-                     f"scale of the loco, sign, e3m0 and pbit_mean wires; e.g. 2048, about one weight row)")
-        if self.wire == "pbit_mean":
-            if self.bits not in PBIT_BITS:
-                p.append(f"{self.key('bits')}: {self.bits!r} is not one of {', '.join(map(str, PBIT_BITS))} "
-                         f"(pbit_mean needs at least one quantization level per rank)")
-            elif world_size is not None and comm.max_levels(world_size, self.bits) < 1:
-                better = next((b for b in PBIT_BITS if comm.max_levels(world_size, b) >= 1), None)
-                p.append(f"{self.key('bits')}: {self.bits}-bit lanes leave no quantization level at {world_size} "
-                         f"workers (need P * 2L <= {lane_max(self.bits)})"
-                         + (f"; use {self.key('bits')}={better}" if better else "; use another wire"))
-            if self.quantizer not in PBIT_QUANTIZERS:
-                p.append(f"{self.key('quantizer')}: {self.quantizer!r} is not one of {', '.join(PBIT_QUANTIZERS)}")
-            if not (isinstance(self.clip, (int, float)) and math.isfinite(self.clip) and self.clip > 0):
-                p.append(f"{self.key('clip')}: {self.clip!r} must be a positive number (1 with linf clips nothing)")
-        return p
-
-    def check(self, world_size: int | None = None, blocks: int | None = None) -> "DiLoCoOptions":
-        """Raise ValueError with every problem, one per line; return self when there is none."""
-        bad = self.problems(world_size, blocks)
-        if bad:
-            raise ValueError("\n".join(bad))
-        return self
-
-    def offsets(self) -> list[int]:
-        """o_k: the inner step (1-based) of fragment k's first sync; then every inner_steps steps."""
-        return [((k + 1) * self.inner_steps) // self.fragments for k in range(self.fragments)]
-
-    def wire_options(self) -> sync.SchemeOptions | None:
-        ws = _wire_scheme(self.wire)
-        if ws is None:
-            return None
-        scheme, opts = ws
-        if "block" in type(opts).field_names():
-            opts = dataclasses.replace(opts, block=self.block)
-        return opts
+from .sync.diloco import (LOCAL, PBIT_BITS, PBIT_QUANTIZERS, WIRES, CycleBytes, DiLoCoOptions, DiLoCoSchemeOptions,
+                          E3M0Exchange, OuterExchange, PBitMeanExchange, build_averages, cycle_bytes, cycle_seconds,
+                          wire_bytes, wire_seconds)
 
 
 # ---- fragments --------------------------------------------------------------------------------
@@ -232,80 +92,6 @@ def strided_fragments(blocks: Sequence[Sequence[torch.Tensor]], rest: Sequence[t
 # ---- wires ------------------------------------------------------------------------------------
 Average = Callable[[torch.Tensor, int], torch.Tensor]
 """average(x, step) -> the mean of x over the workers (an optim.sync Exchange fits)."""
-
-
-class E3M0Exchange(sync.Exchange):
-    """The E3M0 4-bit float mean of comm.e3m0 as an Exchange (stateless: no error feedback)."""
-
-    def __init__(self, block: int, ctx: sync.ExchangeContext) -> None:
-        self.block, self.ctx = block, ctx
-
-    def __call__(self, x: torch.Tensor, step: int) -> torch.Tensor:
-        return e3m0_allreduce_mean(x, self.block, group=self.ctx.group, stats=self.ctx.stats)
-
-
-def _pbit_lane_bytes(bits: int, n: int) -> int:
-    """Bytes of n values in `bits`-wide lanes as comm.int_allreduce sends them (16-bit: two per int32)."""
-    return 4 * comm.ceil_div(n, 2) if bits == 16 else comm.ceil_div(n * bits, 8)
-
-
-class PBitMeanExchange(sync.Exchange):
-    """A real mean through Lion Cub's integer lanes (App. F.1): per block of `block` elements,
-    M = M_p of the block (eq. 1; linf or l1), the ranks agree on the largest M (one fp32 MAX
-    allreduce of the block scales), each quantizes q = clamp(round(L / (clip * M) * x), -L, L)
-    (round half to even) with L = comm.max_levels(P, bits), comm.int_allreduce sums the q exactly,
-    and the mean is sum * (clip * M / L) / P, identical on every rank. Stateless (no error
-    feedback): with linf and clip 1 nothing saturates and the error is at most half a level per
-    rank, clip * M / (2L)."""
-
-    def __init__(self, options: DiLoCoOptions, ctx: sync.ExchangeContext) -> None:
-        bad = options.problems(ctx.world_size)
-        if bad:
-            raise ValueError("\n".join(bad))
-        self.o, self.ctx = options, ctx
-        self.levels = comm.max_levels(ctx.world_size, options.bits)
-        self.p = PBIT_QUANTIZERS[options.quantizer]
-
-    def __call__(self, x: torch.Tensor, step: int) -> torch.Tensor:
-        o, ctx, L = self.o, self.ctx, self.levels
-        flat = x.detach().reshape(-1).to(torch.float32)
-        n, B = flat.numel(), o.block
-        sizes = [min(B, n - a) for a in range(0, n, B)]
-        M = segment_lp_means(flat, [(i * B, m) for i, m in enumerate(sizes)], self.p).to(torch.float32)
-        with ctx.stats.call("pbit_mean_scales") as timer:
-            if ctx.world_size > 1:
-                with timer.coll(sent=M, recv=M):
-                    dist.all_reduce(M, op=dist.ReduceOp.MAX, group=ctx.group)
-        with ctx.stats.timed_pack():
-            per = torch.tensor(sizes, device=flat.device)
-            unit = torch.where(M > 0, o.clip * M / L, 0.0)            # the value of one level
-            inv = torch.where(M > 0, L / (o.clip * M), 0.0)
-            q = (flat * inv.repeat_interleave(per)).round_().clamp_(-L, L)
-            q = q.to(torch.int8 if L <= 127 else torch.int32)
-        total = comm.int_allreduce(q, L, o.bits, group=ctx.group, stats=ctx.stats)
-        return (total.to(torch.float32) * unit.repeat_interleave(per) / ctx.world_size).view(x.shape)
-
-
-def _pbit_mean_bytes(options: DiLoCoOptions, P: int, n: int) -> tuple[int, int]:
-    """The block scales' MAX allreduce (4 bytes a block) and the integer lanes' SUM allreduce."""
-    b = 4 * comm.ceil_div(n, options.block) + _pbit_lane_bytes(options.bits, n)
-    return b, b
-
-
-def build_averages(options: DiLoCoOptions, numels: Sequence[int], ctx: sync.ExchangeContext
-                   ) -> list[sync.Exchange]:
-    """One average per fragment (an exchange holds error feedback sized for its vector), over the
-    ranks of ctx.group (the replicate axis), booking bytes into ctx.stats."""
-    out: list[sync.Exchange] = []
-    for _ in numels:
-        ws = _wire_scheme(options.wire)
-        if options.wire == "pbit_mean":
-            out.append(PBitMeanExchange(options, ctx))
-        elif ws is None:
-            out.append(E3M0Exchange(options.block, ctx))
-        else:
-            out.append(ws[0].build(options.wire_options(), ctx))
-    return out
 
 
 class BackgroundAverage:
@@ -347,55 +133,6 @@ def background_averages(averages: Sequence[Average]) -> list[BackgroundAverage]:
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-average")
     return [BackgroundAverage(a, pool) for a in averages]
 
-
-def wire_bytes(options: DiLoCoOptions, P: int, n: int) -> tuple[int, int]:
-    """Exact (sent, received) bytes of one average of n elements on one rank of P (CommStats' rule)."""
-    if P <= 1:
-        return 0, 0
-    ws = _wire_scheme(options.wire)
-    if options.wire == "pbit_mean":
-        return _pbit_mean_bytes(options, P, n)
-    if ws is None:
-        return e3m0_bytes(n, P, options.block)
-    return ws[0].bytes_per_call(options.wire_options(), P, n, rank=0)
-
-
-def wire_seconds(options: DiLoCoOptions, P: int, n: int, alpha: float, beta: float) -> float:
-    """Alpha-beta seconds of one average of n elements over P ranks (comm.cost_model)."""
-    if P <= 1 or n == 0:
-        return 0.0
-    ws = _wire_scheme(options.wire)
-    if options.wire == "pbit_mean":
-        return (cost_model.allreduce_time(P, 32 * comm.ceil_div(n, options.block), alpha, beta)
-                + cost_model.direct_allreduce(P, n, options.bits, alpha, beta))
-    if ws is None:
-        w = e3m0_chunk_bytes(e3m0_layout(n, P, options.block), options.block)
-        return cost_model.all_to_all_time(P, 8 * P * w, alpha, beta) + cost_model.all_gather_time(P, 8 * P * w,
-                                                                                                alpha, beta)
-    return ws[0].predict(options.wire_options(), P, n, alpha, beta)
-
-
-@dataclass(frozen=True)
-class CycleBytes:
-    """Bytes one rank sends / receives over one cycle of H inner steps (every fragment once)."""
-    sent: int
-    recv: int
-    per_inner_step: float
-    """sent / H: the average the per-step schemes are compared with."""
-    peak_step: int
-    """The most bytes sent after one inner step (one fragment's average: what Streaming DiLoCo lowers)."""
-
-
-def cycle_bytes(options: DiLoCoOptions, P: int, numels: Sequence[int]) -> CycleBytes:
-    per = [wire_bytes(options, P, n) for n in numels]
-    sent, recv = sum(s for s, _ in per), sum(r for _, r in per)
-    return CycleBytes(sent, recv, sent / options.inner_steps, max((s for s, _ in per), default=0))
-
-
-def cycle_seconds(options: DiLoCoOptions, P: int, numels: Sequence[int], alpha: float, beta: float) -> float:
-    """Alpha-beta seconds of one cycle's averages: all exposed when the exchanges run when started;
-    with background_averages the overlap_steps inner steps after each send hide part of it."""
-    return sum(wire_seconds(options, P, n, alpha, beta) for n in numels)
 
 
 # ---- diagnostics -------------------------------------------------------------------------------
@@ -482,7 +219,9 @@ class DiLoCo:
                 raise RuntimeError(f"DiLoCo: fragment {k}'s previous average was never applied")
             delta = self.glob[k] - self._flat(k)    # the exchange may average it in place
             avg = self.averages[k]
-            start = getattr(avg, "start", None)
+            # a registry Exchange is called whole, so it books its own bytes (its `start` leaves the
+            # booking to the caller: buckets); a background or simulated average is started
+            start = None if isinstance(avg, sync.Exchange) else getattr(avg, "start", None)
             self.pending[k] = start(delta, self.syncs[k]) if start is not None else _Done(avg(delta, self.syncs[k]))
         return due
 
@@ -527,16 +266,19 @@ class DiLoCo:
         else:
             update = delta
         g.add_(update, alpha=-o.outer_lr)
+        if o.alpha == 0:
+            self._write(k, g)
+        else:
+            self._write(k, self._flat(k).mul_(o.alpha).add_(g, alpha=1.0 - o.alpha))
+        self.syncs[k] += 1
+
+    def _write(self, k: int, flat: torch.Tensor) -> None:
+        """Copy a flat fp32 vector into fragment k's parameter tensors (in their dtype)."""
         off = 0
         for p in self.local[k]:
             n = p.numel()
-            new = g[off:off + n].view(p.shape)
-            if o.alpha == 0:
-                p.copy_(new)
-            else:
-                p.copy_(p.to(torch.float32).mul(o.alpha).add_(new, alpha=1.0 - o.alpha))
+            p.copy_(flat[off:off + n].view(p.shape))
             off += n
-        self.syncs[k] += 1
 
     # ---- checkpoint ------------------------------------------------------------------------
     def _identity(self) -> dict[str, Any]:
@@ -583,3 +325,132 @@ class DiLoCo:
             elif s:
                 raise ValueError(f"DiLoCo: the checkpoint holds average state {sorted(s)} but this wire keeps none")
         self._sent = False
+
+
+# ---- a run's outer loop, bound to its optimizer ---------------------------------------------------
+class OuterLoop:
+    """comm.mode=diloco in a run: the `DiLoCo` of this rank over its optimizer's parameters (the
+    model's, or a sharded model's local shards), with the replicate group as the workers. The
+    strategy (optim/strategy.py LocalSync) builds it when the optimizer is built, runs
+    `after_inner_step` after every applied update, and the optimizer's checkpoint carries
+    `state_dict()` (the outer state plus this rank's local parameters, which differ between
+    workers within a cycle) as its exchange's state."""
+
+    def __init__(self, outer: DiLoCo, booked: Sequence[CommStats] = (), into: CommStats | None = None) -> None:
+        self.outer = outer
+        # background averages book into a CommStats per fragment (only the averaging thread writes
+        # it while that fragment's average runs); the main thread moves the bytes into the step's
+        # phase once the average is waited for, at its outer step
+        self.booked, self.into = list(booked), into
+        self.moved = [(0, 0)] * len(self.booked)
+
+    @classmethod
+    def for_optimizer(cls, opt: Any) -> "OuterLoop":
+        """From a CommOptimizer built on a DiLoCoSchemeOptions plan: fragments from its parameter
+        groups' `layers` ("block.<i>" per parameter, trainer/param_groups.py; groups without them are
+        one block), averages over its group (the replicate axis) booked in its scheme's phase.
+        ValueError naming the comm.diloco key when the options do not fit the model or world size."""
+        o = opt.scheme_options.diloco
+        blocks: dict[int, list[torch.Tensor]] = {}
+        rest: list[torch.Tensor] = []
+        for g in opt.param_groups:
+            for p, layer in zip(g["params"], g.get("layers") or [""] * len(g["params"])):
+                if str(layer).startswith("block."):
+                    blocks.setdefault(int(str(layer).split(".", 1)[1]), []).append(p)
+                else:
+                    rest.append(p)
+        ordered = [blocks[i] for i in sorted(blocks)]
+        if not ordered:
+            ordered, rest = [rest], []
+        o.check(world_size=opt.world_size, blocks=len(ordered))
+        fragments = strided_fragments(ordered, rest, o.fragments)
+        phase = opt.stats[opt.scheme.phase]
+        ctx = sync.ExchangeContext(world_size=opt.world_size, rank=opt.rank, group=opt.group, stats=phase,
+                                   device=opt.layout.device, seed=opt.ctx.seed, kernels=opt.ctx.kernels,
+                                   shard_group=opt.shard_group)
+        numels = [sum(p.numel() for p in f) for f in fragments]
+        if not (o.overlap_steps and opt.world_size > 1):
+            return cls(DiLoCo(fragments, o, build_averages(o, numels, ctx)))
+        # tau > 0: the averages run on a background thread while the next tau inner steps compute,
+        # over a group of their own (the main thread's collectives, the divergence guard's on the
+        # replicate group among them, never interleave with theirs)
+        ctx = dataclasses.replace(ctx, group=_private_group(opt.group))
+        booked = [CommStats(timing=False) for _ in numels]
+        averages = [build_averages(o, [n], dataclasses.replace(ctx, stats=s))[0] for n, s in zip(numels, booked)]
+        return cls(DiLoCo(fragments, o, background_averages(averages)), booked, phase)
+
+    def after_inner_step(self) -> list[int]:
+        done = self.outer.after_inner_step()
+        self._move_bytes(done)
+        return done
+
+    def _move_bytes(self, fragments: Sequence[int]) -> None:
+        for k in fragments if self.booked else ():
+            t = self.booked[k].totals()
+            sent, recv = int(t["bytes_sent"]), int(t["bytes_recv"])
+            if (sent, recv) != self.moved[k]:
+                self.into.add_bytes(f"diloco_average[{k}]", sent - self.moved[k][0], recv - self.moved[k][1])
+                self.moved[k] = (sent, recv)
+
+    @contextlib.contextmanager
+    def global_params(self) -> Iterator[None]:
+        """The global parameters in the model for the duration (evaluation reports the model DiLoCo
+        trains, identical on every worker); the local ones are put back after."""
+        d = self.outer
+        with torch.no_grad():
+            saved = [d._flat(k) for k in range(len(d.local))]
+            for k in range(len(d.local)):
+                d._write(k, d.glob[k])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for k in range(len(d.local)):
+                    d._write(k, saved[k])
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """The end of training: apply the averages in flight, then every worker adopts the global
+        parameters (the model DiLoCo reports; the replicas end bit-identical)."""
+        d = self.outer
+        self._move_bytes(d.finish())
+        for k in range(len(d.local)):
+            d._write(k, d.glob[k])
+
+    @torch.no_grad()
+    def state_dict(self) -> dict[str, Any]:
+        d = self.outer
+        # waits for the averages in flight; their bytes join the step of their outer step, as without a save
+        return {**d.state_dict(), "local": [d._flat(k) for k in range(len(d.local))]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        local = state.pop("local", None)
+        d = self.outer
+        if local is None or len(local) != len(d.local):
+            raise ValueError("comm.mode=diloco: the checkpoint lacks this rank's local parameters (its exchange state "
+                             "has no 'local' entry per fragment)")
+        d.load_state_dict(state)
+        for k, flat in enumerate(local):
+            if flat.numel() != d.glob[k].numel():
+                raise ValueError(f"DiLoCo: the checkpoint's local parameters of fragment {k} hold {flat.numel()} "
+                                 f"elements, this model's {d.glob[k].numel()}")
+            d._write(k, flat)
+
+
+def _private_group(group: Any) -> Any:
+    """A process group with the ranks of `group` (None: the world) that nothing else uses. Every
+    rank of the world creates every rank's (new_group is collective over the world and must see the
+    groups in one order), so the replicate groups of all shard indices are made alike."""
+    import torch.distributed as dist
+
+    mine = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, sorted(mine))
+    out = None
+    for ranks in sorted({tuple(r) for r in every}):
+        g = dist.new_group(list(ranks))
+        if dist.get_rank() in ranks:
+            out = g
+    return out

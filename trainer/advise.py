@@ -514,3 +514,54 @@ def links_markdown(result: dict) -> str:
         lines.append(f"| {name} | {v['P']} | {v['alpha_s'] * 1e6:.0f} | {v['gbit_s']:.3g} | {f('all_to_all')} | "
                      f"{f('all_gather')} |")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# DiLoCo: a local-update scheme, compared with the per-step schemes per inner step
+# ------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class DiLoCoPrediction:
+    """DiLoCo's communication on a link, from optim.diloco's formulas (comm.cost_model's alpha-beta)."""
+    comm_s: float           # exposed seconds per inner step, averaged over a cycle: what ranks it with per-step schemes
+    cycle_comm_s: float     # exposed seconds of one cycle of inner_steps inner steps (every fragment once)
+    wire_s: float           # alpha-beta seconds of the cycle's averages before any overlap hides them
+    bytes_per_step: float   # bytes one rank sends per inner step, averaged over the cycle
+    peak_step_bytes: int    # the most bytes sent after one inner step (one fragment: what Streaming DiLoCo lowers)
+    cycle_bytes: int        # bytes one rank sends over one cycle
+
+
+def diloco_fragment_numels(model, fragments: int) -> list[int]:
+    """Elements per fragment of `model` (optim.diloco.strided_fragments over model.param_layers' blocks)."""
+    from model import param_layers
+    from optim.diloco import strided_fragments
+
+    where = param_layers(model)
+    named = dict(model.named_parameters())
+    blocks: dict[str, list] = {}
+    for name, layer in where.items():
+        if layer:
+            blocks.setdefault(layer, []).append(named[name])
+    order = sorted(blocks, key=lambda b: int(b.split(".")[1]))
+    rest = [named[n] for n, layer in where.items() if not layer]
+    return [sum(t.numel() for t in f) for f in strided_fragments([blocks[b] for b in order], rest, fragments)]
+
+
+def predict_diloco(options, P: int, numels: Sequence[int], alpha: float, beta: float, *,
+                   step_compute_s: float = 0.0, background: bool = False) -> DiLoCoPrediction:
+    """DiLoCo's predicted communication per inner step over P workers (the replicate axis), from
+    optim.diloco's wire_seconds / cycle_bytes per fragment of `numels`. An exchange that runs when
+    it is started is exposed whole; with `background` (optim.diloco.background_averages) the
+    overlap_steps inner steps of `step_compute_s` each that follow a send hide up to that much of it.
+    Every average of the cycle is divided over its inner_steps steps, so the per-step schemes
+    (optimizer.predict_comm_seconds) and DiLoCo rank on one axis."""
+    from optim.diloco import cycle_bytes, wire_seconds
+
+    options.check(world_size=P)
+    H = options.inner_steps
+    wire = [wire_seconds(options, P, n, alpha, beta) for n in numels]
+    hidden = options.overlap_steps * step_compute_s if background else 0.0
+    exposed = sum(max(0.0, w - hidden) for w in wire)
+    cb = cycle_bytes(options, P, numels)
+    return DiLoCoPrediction(comm_s=exposed / H, cycle_comm_s=exposed, wire_s=sum(wire),
+                            bytes_per_step=cb.per_inner_step, peak_step_bytes=cb.peak_step, cycle_bytes=cb.sent)

@@ -238,3 +238,48 @@ def test_two_node_links_match_the_layout_model(tmp_path):
     # the layout model within 30 % and the flat model's 4/3 shortfall seen, with room for a loaded
     # machine (the ratios on an idle and a loaded one: docs/results/code_notes.md)
     assert 0.8 <= a2a["measured_over_model"] <= 1.3 and a2a["measured_s"] / a2a["model_flat_s"] >= 1.15, a2a
+
+
+def _advise_main(monkeypatch, argv: list[str]) -> tuple[int, list]:
+    """bench.advise's main up to the measurement: the run's config and the candidates it would compare."""
+    from types import SimpleNamespace
+
+    import torch
+
+    seen: list = []
+    monkeypatch.setattr(advise_command, "init_distributed",
+                        lambda *a, **k: SimpleNamespace(is_main=True, device=torch.device("cpu"), world_size=1))
+    monkeypatch.setattr(advise_command, "dist", SimpleNamespace(broadcast_object_list=lambda box, src: None,
+                                                                destroy_process_group=lambda: None))
+    monkeypatch.setattr(advise_command, "advise",
+                        lambda cfg, cands, *a, **k: seen.append((cfg, cands)) or {"links": {}, "rows": []})
+    return advise_command.main(argv), seen
+
+
+def test_variants_files_are_compared_and_config_files_compose(monkeypatch, capsys):
+    default, variants = str(ROOT / "configs/default.yaml"), ROOT / "configs/variants"
+    one, eight = str(variants / "lioncub_1bit.yaml"), str(variants / "lioncub_8bit_l1.yaml")
+    # --variants A.yaml B.yaml: each file one candidate, composed over the run's config and the overrides
+    rc, seen = _advise_main(monkeypatch, [default, "--variants", one, eight, "optim.lr=2e-4", "--steps", "1"])
+    assert rc == 0, capsys.readouterr().err
+    (cfg, cands), = seen
+    assert [c.name for c in cands] == ["lioncub_1bit", "lioncub_8bit_l1"] and cfg.optim.name == "lion"
+    for c, f in zip(cands, (one, eight)):
+        want = load_config([default, f], ["optim.lr=2e-4"]).to_dict()
+        assert c.sections == {"optim": want["optim"], "comm": want["comm"]} and c.sections["optim"]["lr"] == 2e-4
+    assert cfg.to_dict() == load_config([default], ["optim.lr=2e-4"]).to_dict()
+    # without --variants the files compose into the run's config, and every configs/variants file is a candidate
+    rc, seen = _advise_main(monkeypatch, [default, one, "--steps", "1", "optim.lr=2e-4"])
+    (cfg, cands), = seen
+    assert rc == 0 and cfg.comm.mode == "onebit" and cfg.optim.lr == 2e-4
+    assert [c.name for c in cands] == advise.variant_names()
+    # registry names keep working, and a candidate on another model is refused in one line
+    rc, seen = _advise_main(monkeypatch, [default, "--variants", "lion_fp32,lioncub_1bit"])
+    assert rc == 0 and [c.name for c in seen[0][1]] == ["lion_fp32", "lioncub_1bit"]
+    capsys.readouterr()
+    assert _advise_main(monkeypatch, ["--variants", "lion_fp32"])[0] == 2
+    assert "--variants lion_fp32: names no model" in capsys.readouterr().err
+    rc, _ = _advise_main(monkeypatch, [str(ROOT / "configs/gpt2_124m.yaml"), "--variants", one,
+                                       str(ROOT / "configs/gpt2_774m/onebit_adam.yaml")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "onebit_adam.yaml: its model section differs" in err and err.count("\n") == 1

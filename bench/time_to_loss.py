@@ -1,0 +1,799 @@
+"""Which variant reaches a given loss first on my links? Loss against wall time per variant, and the
+time each needs to reach a target loss: (a) on this machine under the bandwidth simulator at one link,
+(b) on a cluster you describe.
+
+    python -m bench.time_to_loss --variants adamw_fp32 lion_fp32 lioncub_1bit --setting study-prose \\
+        --link 1gbit --cluster "nodes=2 gpus_per_node=8 gpu=h100 inter=10gbit intra=nvlink" --train --measure
+    python -m bench.time_to_loss --variants adamw_fp32 lioncub_1bit --runs RUNS --breakdown BD --link 100mbit
+
+How the time axis is built (docs/time_to_loss.md): the numerics of a step do not depend on the link, so
+each variant is trained once, unsimulated (`--train`, or runs you already have: `--runs DIR` holding
+DIR/<variant>/metrics.jsonl and config.yaml), and its loss-against-step curve (validation loss by
+default) is stretched by its time per step:
+(a) MEASURED: the step time of the same variant and setting trained under bench.netsim at `--link`
+    by bench.step_breakdown (`--measure` runs it into `--breakdown`; the median step, or for a
+    local-update run, comm.mode=diloco, the mean over whole cycles of comm.diloco.inner_steps steps);
+(b) PREDICTED: compute = training FLOPs per step (model.flops_per_token x tokens per step) over the
+    cluster's GPUs at their dense bf16 peak x MFU (the MFU you give, or the one the GPU check measured,
+    docs/results/gpu_check), plus communication = the registry's alpha-beta model of the variant's
+    exchange (optimizer.predict_comm_seconds; DiLoCo: trainer.advise.predict_diloco, its cycle's
+    averages spread over the inner steps) on the links you name, under comm.cost_model.NodeLayout.
+The target (default: the final `--metric` of the synchronous AdamW run, `--reference`) is crossed
+where the curve first reaches it, interpolated linearly between evaluations; a variant whose curve
+never reaches it is reported as such. Output in `--out`: results.md (tables, what is measured and
+what predicted), results.csv, time_to_loss.png, meta.json.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from bench.variants import ROOT, load_run_config, read_jsonl, train_records
+from optim import sync
+from util.cli import Parser, variant_runs
+
+GPU_CHECK_DIR = ROOT / "docs" / "results" / "gpu_check"
+REFERENCE = "adamw_fp32"
+# Per-direction link rates of the named intra-node links (bit/s): NVLink 4 (H100 SXM) moves 450 GB/s
+# each way per GPU; PCIe 5.0 x16 about 64 GB/s.
+NAMED_LINKS = {"nvlink": 3.6e12, "pcie": 5.12e11}
+DEFAULT_LATENCY = {"inter": 30e-6, "intra": 5e-6}   # seconds per message, assumed (override inter_latency=...)
+CLUSTER_KEYS = ("nodes", "gpus_per_node", "gpu", "inter", "intra", "mfu", "inter_latency", "intra_latency")
+
+
+# ------------------------------------------------------------------------------------------------
+# curves: loss against step from a run directory
+# ------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Curve:
+    name: str
+    source: str                     # the run directories / run-store entries it was read from
+    steps: list[float]
+    losses: list[float]             # the mean over its runs (seeds) at the steps all of them evaluated
+    tokens_per_step: float | None   # global tokens per optimizer step (the train records' tokens / step)
+    config: dict
+    runs: int = 1
+
+
+ARM_KEYS = ("model", "data", "optim", "comm", "parallel")   # what two seeds of one arm share
+
+
+def _records_and_config(name: str, src: Path) -> tuple[list[dict], dict]:
+    """A run directory (metrics.jsonl, config.yaml) or an entry of bench.reproduce's run store (*.json.gz)."""
+    if src.name.endswith(".json.gz"):
+        from bench.reproduce.framework import load_stored
+
+        entry = load_stored(src.parent, src.name[: -len(".json.gz")])
+        if not entry or not isinstance(entry.get("records"), list) or not isinstance(entry.get("config"), dict):
+            raise ValueError(f"{name}: {src} is not a readable run-store entry with records and config")
+        return entry["records"], entry["config"]
+    if not (src / "metrics.jsonl").is_file():
+        raise FileNotFoundError(f"{name}: {src / 'metrics.jsonl'} is missing; train it (--train) or point "
+                                f"--run {name}=DIR at a run")
+    return read_jsonl(src / "metrics.jsonl"), load_run_config(src)
+
+
+def load_curve(name: str, sources: str | Path | Sequence[str | Path], metric: str = "val_loss") -> Curve:
+    """`metric` against step of one run, or the mean of several runs of one arm (seeds: their configs
+    may differ in nothing but train.*) at the steps every one evaluated; a repeated step keeps its last
+    record. A source is a run directory or a run-store entry (*.json.gz)."""
+    srcs = [Path(sources)] if isinstance(sources, (str, Path)) else [Path(x) for x in sources]
+    per = []
+    for src in srcs:
+        recs, cfg = _records_and_config(name, src)
+        pts = {r["step"]: float(r[metric]) for r in recs if metric in r and "step" in r}
+        if not pts:
+            raise ValueError(f"{name}: {src} has no {metric} record; evaluate during the run (train.eval_every) "
+                             f"or use --metric train_loss")
+        if per:
+            bad = _differs(per[0][2], cfg, ARM_KEYS)
+            if bad:
+                raise ValueError(f"{name}: {src} is another arm than {srcs[0]} ({bad}); give one arm's seeds "
+                                 f"per variant")
+        per.append((pts, recs, cfg))
+    steps = sorted(set.intersection(*(set(p) for p, _, _ in per)))
+    if not steps:
+        raise ValueError(f"{name}: its runs share no step with a {metric} record; give runs evaluated alike")
+    train = [r for r in train_records(per[0][1]) if r.get("tokens") and r["step"] > 0]
+    tps = train[-1]["tokens"] / train[-1]["step"] if train else None
+    losses = [sum(p[s] for p, _, _ in per) / len(per) for s in steps]
+    return Curve(name, ", ".join(map(str, srcs)), [float(s) for s in steps], losses, tps, per[0][2], len(per))
+
+
+def crossing_step(steps: Sequence[float], losses: Sequence[float], target: float) -> float | None:
+    """The first step at which the curve reaches `target` (loss <= target), interpolated linearly
+    between the two evaluations around it; the first evaluation's step when it is already there;
+    None when the curve never reaches it."""
+    for i, (s, loss) in enumerate(zip(steps, losses)):
+        if loss <= target:
+            if i == 0:
+                return float(s)
+            s0, l0 = steps[i - 1], losses[i - 1]
+            return float(s0 + (s - s0) * (l0 - target) / (l0 - loss))
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# (b) a cluster described in words
+# ------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    gpus_per_node: int
+    gpu: str                  # a key of trainer.logger.PEAK_FLOPS (its dense bf16 peak)
+    inter_bps: float | None   # per-node network port, bit/s each way (None on one node)
+    intra_bps: float
+    mfu: float | None         # None: the GPU check's measurement (gpu_check_mfu)
+    inter_latency: float = DEFAULT_LATENCY["inter"]
+    intra_latency: float = DEFAULT_LATENCY["intra"]
+    text: str = ""
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def world_link(self) -> tuple[float, float]:
+        """(alpha, beta) of a ring over every rank: across the node ports on several nodes (a ring in
+        rank order crosses each port once each way, comm.cost_model's NodeLayout), else the intra link."""
+        if self.nodes > 1:
+            return self.inter_latency, 1.0 / self.inter_bps
+        return self.intra_latency, 1.0 / self.intra_bps
+
+    def layout(self):
+        from comm import cost_model
+
+        if self.nodes <= 1 or self.gpus_per_node <= 1:
+            return None
+        # the inter axis: one rank per node, all gpus_per_node such groups at once sharing each port
+        return cost_model.NodeLayout(self.ranks, self.gpus_per_node, intra=(self.intra_latency, 1.0 / self.intra_bps),
+                                     inter=(self.inter_latency, self.gpus_per_node / self.inter_bps))
+
+
+def _link(key: str, value: str) -> float:
+    from bench.netsim import parse_rate
+
+    if value.lower() in NAMED_LINKS:
+        return NAMED_LINKS[value.lower()]
+    try:
+        bps = parse_rate(value)
+    except ValueError:
+        bps = None
+    if bps is None:
+        raise ValueError(f"--cluster {key}={value}: not a link rate; use e.g. {key}=10gbit, {key}=400gbit"
+                         + (" or nvlink / pcie" if key == "intra" else ""))
+    return bps
+
+
+def parse_cluster(text: str) -> Cluster:
+    """`nodes=2 gpus_per_node=8 gpu=h100 inter=10gbit intra=nvlink [mfu=0.35] [inter_latency=30us]`
+    -> Cluster; every bad key or value is a one-line ValueError naming it."""
+    from trainer.logger import PEAK_FLOPS
+
+    kv: dict[str, str] = {}
+    for word in text.replace(",", " ").split():
+        key, sep, value = word.partition("=")
+        if not sep or not value:
+            raise ValueError(f"--cluster: {word!r} is not key=value; e.g. \"nodes=2 gpus_per_node=8 gpu=h100 "
+                             f"inter=10gbit intra=nvlink\"")
+        if key not in CLUSTER_KEYS:
+            raise ValueError(f"--cluster: unknown key {key!r}; valid: {', '.join(CLUSTER_KEYS)}")
+        if key in kv:
+            raise ValueError(f"--cluster: {key} given twice; give it once")
+        kv[key] = value
+
+    def count(key: str, default: int | None = None) -> int:
+        if key not in kv:
+            if default is None:
+                raise ValueError(f"--cluster: {key}= is missing; e.g. {key}=2")
+            return default
+        try:
+            n = int(kv[key])
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"--cluster {key}={kv[key]}: must be an integer >= 1")
+        return n
+
+    def seconds(key: str) -> float:
+        if key not in kv:
+            return DEFAULT_LATENCY[key.removesuffix("_latency")]
+        v = kv[key].lower()
+        for unit, f in (("us", 1e-6), ("ms", 1e-3), ("s", 1.0)):
+            if v.endswith(unit):
+                try:
+                    x = float(v[: -len(unit)]) * f
+                except ValueError:
+                    break
+                if x >= 0 and math.isfinite(x):
+                    return x
+                break
+        raise ValueError(f"--cluster {key}={kv[key]}: a latency with its unit, e.g. {key}=30us")
+
+    nodes, per = count("nodes"), count("gpus_per_node", 1)
+    gpu = kv.get("gpu", "")
+    peaks = {k.lower(): k for k in PEAK_FLOPS}
+    if gpu.lower() not in peaks:
+        raise ValueError(f"--cluster gpu={gpu or '?'}: {'unknown GPU' if gpu else 'missing'}; one of "
+                         f"{', '.join(sorted(peaks))} (its dense bf16 peak sets the compute time)")
+    if nodes > 1 and "inter" not in kv:
+        raise ValueError(f"--cluster: {nodes} nodes need inter=<rate> (each node's network port, e.g. inter=10gbit)")
+    mfu = None
+    if "mfu" in kv and kv["mfu"] != "gpu-check":
+        try:
+            mfu = float(kv["mfu"])
+        except ValueError:
+            mfu = -1.0
+        if not 0 < mfu <= 1:
+            raise ValueError(f"--cluster mfu={kv['mfu']}: a fraction in (0, 1], e.g. mfu=0.35, or mfu=gpu-check "
+                             f"(the GPU check's measurement)")
+    return Cluster(nodes, per, peaks[gpu.lower()], _link("inter", kv["inter"]) if nodes > 1 else None,
+                   _link("intra", kv.get("intra", "nvlink")), mfu, seconds("inter_latency"), seconds("intra_latency"),
+                   text=" ".join(f"{k}={v}" for k, v in kv.items()))
+
+
+def gpu_check_mfu(gpu: str, variant: str, reference: str = REFERENCE, results: Path = GPU_CHECK_DIR
+                  ) -> tuple[float, str]:
+    """(MFU, where it comes from): the `variant` row (else the `reference` row) of the latest GPU
+    check's step tables on that GPU (docs/results/gpu_check/<gpu>_run<k>[_*]_train_results.csv, every
+    table of run k: a rerun's rows replace the first table's)."""
+    runs: dict[int, list[Path]] = {}
+    for p in results.glob(f"{gpu.lower()}_run*_train_results.csv"):
+        k = p.name.removeprefix(f"{gpu.lower()}_run").split("_", 1)[0]
+        if k.isdigit():
+            runs.setdefault(int(k), []).append(p)
+    by: dict[str, tuple[dict, Path]] = {}
+    for k in sorted(runs, reverse=True):
+        for path in sorted(runs[k], key=lambda q: (len(q.name), q.name)):   # the run's own table, then reruns
+            by.update({r["variant"]: (r, path) for r in csv.DictReader(path.open())
+                       if r.get("status") == "ok" and r.get("mfu")})
+        if by:
+            break
+    if not by:
+        raise ValueError(f"--cluster gpu={gpu}: the GPU check measured no MFU on a {gpu} ({results}); give mfu=0.35")
+    pick = variant if variant in by else reference if reference in by else None
+    if pick is None:
+        raise ValueError(f"--cluster: the GPU check on {gpu} measured neither {variant} nor {reference} "
+                         f"(it has {', '.join(sorted(by))}); give mfu=0.35")
+    row, path = by[pick]
+    why = "" if pick == variant else f", {variant} was not measured there"
+    return float(row["mfu"]), f"GPU check {path.name}, {pick} row{why}"
+
+
+def run_vocab(cfg: dict, vocab_size: int | None = None) -> int | None:
+    """The vocabulary the run's model had: `vocab_size` when given, else its dataset's tokenizer's
+    (None: the preset's, GPT-2)."""
+    import data
+
+    if vocab_size:
+        return vocab_size
+    ds = (cfg.get("data") or {}).get("dataset", "builtin")
+    where = ds if Path(ds).is_absolute() or ds == "builtin" else str(ROOT / ds)
+    try:
+        return data.dataset_vocab_size(where)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"data.dataset={ds}: cannot read its vocabulary here ({str(e).splitlines()[0]}); give "
+                         f"--vocab-size N (study-prose: 8192) or prepare the dataset") from None
+
+
+def _model(cfg: dict, vocab: int | None = None):
+    import torch
+
+    from model import GPT, resolve_config
+
+    with torch.device("meta"):
+        return GPT(resolve_config(cfg["model"], vocab_size=vocab))
+
+
+def predict_cluster_step(curve: Curve, cluster: Cluster, reference: str = REFERENCE,
+                         vocab_size: int | None = None) -> dict:
+    """Predicted seconds per step of `curve`'s variant on `cluster` at the curve's global batch:
+    compute from FLOPs and MFU, communication from the registry's cost model (module docstring)."""
+    from comm import cost_model
+    from trainer.logger import PEAK_FLOPS
+
+    cfg = curve.config
+    if curve.tokens_per_step is None:
+        raise ValueError(f"{curve.name}: its metrics.jsonl has no train record with tokens; cannot size a step")
+    shard = int((cfg.get("parallel") or {}).get("shard_size", 1) or 1)
+    if shard > 1:
+        raise ValueError(f"{curve.name}: parallel.shard_size={shard} is not modelled on --cluster (FSDP's traffic "
+                         f"inside the shard group); predict it at parallel.shard_size=1")
+    vocab = run_vocab(cfg, vocab_size)
+    model = _model(cfg, vocab)
+    P = cluster.ranks
+    if cluster.mfu is not None:
+        mfu, mfu_src = cluster.mfu, "given"
+    else:
+        mfu, mfu_src = gpu_check_mfu(cluster.gpu, curve.name, reference)
+    flops = model.flops_per_token((cfg.get("data") or {}).get("seq_len")) * curve.tokens_per_step
+    compute = flops / (P * PEAK_FLOPS[cluster.gpu] * mfu)
+    alpha, beta = cluster.world_link()
+    c = cfg.get("comm") or {}
+    out = {"ranks": P, "mfu": mfu, "mfu_source": mfu_src, "compute_s": compute, "flops_per_step": flops}
+    with cost_model.node_layout(cluster.layout()):
+        if sync.get(c.get("mode", "fp32")).kind == sync.LOCAL:  # a local-update scheme: its cycle, not a step
+            from optim.diloco import DiLoCoOptions
+            from trainer.advise import diloco_fragment_numels, predict_diloco
+
+            o = _diloco_options(DiLoCoOptions, c.get("diloco") or {}, curve.name)
+            pred = predict_diloco(o, P, diloco_fragment_numels(model, o.fragments), alpha, beta,
+                                  step_compute_s=compute)
+            out.update(comm_s=pred.comm_s, bytes_per_step=pred.bytes_per_step, peak_step_bytes=pred.peak_step_bytes,
+                       comm_how=f"DiLoCo: a cycle's averages ({pred.cycle_comm_s * 1e3:.1f} ms, exposed) over "
+                                f"{o.inner_steps} inner steps")
+        else:
+            from bench.variants import build_optimizer_for, predict_step_comm_s
+
+            opt = build_optimizer_for(cfg, vocab)
+            step = opt.predict_comm_seconds(alpha, beta, P)
+            every = int((c.get("momentum_sync") or {}).get("every", 0) or 0)
+            how = "per step"
+            if every:
+                with_sync = predict_step_comm_s(cfg, P, alpha, beta, sync_step=True, vocab_size=vocab)
+                step += (with_sync - step) / every
+                how = f"per step, with the momentum sync every {every} steps spread over them"
+            sent = sum(s for s, _ in opt.wire_bytes_per_step(P, 0).values())
+            out.update(comm_s=step, bytes_per_step=sent, peak_step_bytes=sent, comm_how=how)
+    out["step_s"] = out["compute_s"] + out["comm_s"]
+    return out
+
+
+def _diloco_options(cls, section: dict, name: str):
+    fields = {f.name for f in dataclasses.fields(cls)}
+    bad = sorted(set(section) - fields)
+    if bad:
+        raise ValueError(f"{name}: comm.diloco.{bad[0]} is not a key of optim.diloco.DiLoCoOptions "
+                         f"({', '.join(sorted(fields))})")
+    return cls(**section)
+
+
+# ------------------------------------------------------------------------------------------------
+# (a) step times measured under the simulator by bench.step_breakdown
+# ------------------------------------------------------------------------------------------------
+
+STEP_KEYS = ("model", "data.batch_size", "data.seq_len", "data.grad_accum", "optim.name", "comm", "parallel")
+
+
+def _get(cfg: dict, dotted: str):
+    v = cfg
+    for part in dotted.split("."):
+        v = (v or {}).get(part) if isinstance(v, dict) else None
+    return v
+
+
+def config_mismatch(curve_cfg: dict, measured_cfg: dict) -> str | None:
+    """The first setting that shapes a step's time and differs between the two runs, or None."""
+    return _differs(curve_cfg, measured_cfg, STEP_KEYS, ("curve run", "measured run"))
+
+
+def _differs(cfg_a: dict, cfg_b: dict, keys: Sequence[str], names: tuple[str, str] = ("one", "the other")
+             ) -> str | None:
+    """The first of `keys` (dotted; a section compares key by key) whose value differs, said in words."""
+    x, y = names
+    for key in keys:
+        a, b = _get(cfg_a, key), _get(cfg_b, key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b)):
+                if a.get(k) != b.get(k):
+                    return f"{key}.{k}: {x} {a.get(k)!r}, {y} {b.get(k)!r}"
+        elif a != b:
+            return f"{key}: {x} {a!r}, {y} {b!r}"
+    return None
+
+
+def measured_step(curve: Curve, breakdown: Path, link: str, warmup: int) -> dict:
+    """The step time of `curve`'s variant in bench.step_breakdown's run at `link` ({} with a reason
+    in "missing" when there is none or it ran another setting)."""
+    from bench.step_breakdown import cycle_steps, summarize_run
+
+    run = breakdown / "runs" / link / curve.name
+    if not (run / "metrics.jsonl").is_file():
+        return {"missing": f"no step_breakdown run at {run} (--measure runs it)"}
+    cfg = load_run_config(run)
+    bad = config_mismatch(curve.config, cfg)
+    recs = read_jsonl(run / "metrics.jsonl")
+    train = [r for r in train_records(recs) if r.get("tokens") and r["step"] > 0]
+    tps = train[-1]["tokens"] / train[-1]["step"] if train else None
+    if bad is None and curve.tokens_per_step and tps and abs(tps - curve.tokens_per_step) > 0.5:
+        bad = f"global tokens per step: curve run {curve.tokens_per_step:g}, measured run {tps:g} (another world size?)"
+    if bad:
+        return {"missing": f"the run measured at {link} differs from the curve's: {bad}"}
+    s = summarize_run(recs, warmup, cycle_steps(cfg))
+    k = s["steps"] // s["cycle"]
+    how = (f"mean of {s['steps']} steps = {k} whole cycle{'s' if k > 1 else ''}" if s["cycle"] > 1
+           else f"median of {s['steps']} steps")
+    return {"step_s": s["step_ms"] / 1e3, "comm_s": s["comm_ms"] / 1e3, "compute_s": s["compute_ms"] / 1e3, "how": how}
+
+
+# ------------------------------------------------------------------------------------------------
+# the table
+# ------------------------------------------------------------------------------------------------
+
+def default_target(curves: dict[str, Curve], reference: str, metric: str) -> tuple[float, str]:
+    if reference not in curves:
+        raise ValueError(f"no --target given and no {reference} run among the variants ({', '.join(curves)}) to take "
+                         f"it from; give --target LOSS or --reference VARIANT")
+    c = curves[reference]
+    return c.losses[-1], f"{reference}'s final {metric} (step {c.steps[-1]:g})"
+
+
+def report_rows(curves: dict[str, Curve], target: float, step_times: dict[str, dict[str, dict]],
+                reference: str) -> list[dict]:
+    """One row per (setting, variant): the step time, the step and time of the target crossing
+    (None: never reached), and the ratio to the reference's time. step_times: {setting: {variant:
+    {"step_s", ... } or {"missing": why}}}."""
+    rows = []
+    for setting, by in step_times.items():
+        ref_time = None
+        part = []
+        for name, c in curves.items():
+            st = by.get(name) or {"missing": "not evaluated"}
+            cross = crossing_step(c.steps, c.losses, target)
+            row = {"setting": setting, "variant": name, "final_loss": c.losses[-1], "steps": c.steps[-1],
+                   "target_step": cross, **{k: v for k, v in st.items()}}
+            if "step_s" in st:
+                row["total_s"] = c.steps[-1] * st["step_s"]
+                row["target_s"] = cross * st["step_s"] if cross is not None else None
+                if name == reference:
+                    ref_time = row["target_s"]
+            part.append(row)
+        for row in part:
+            t = row.get("target_s")
+            row["speedup"] = ref_time / t if ref_time and t else None
+        rows += part
+    return rows
+
+
+def _fmt_s(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x / 3600:.2f} h" if x >= 7200 else f"{x / 60:.1f} min" if x >= 120 else f"{x:.2f} s"
+
+
+def markdown(rows: list[dict], settings: dict[str, str], target: float, target_src: str, metric: str) -> str:
+    out = []
+    for setting, what in settings.items():
+        out += [f"## {setting}", "", what, "",
+                "| variant | final " + metric + " | steps | step (ms) | compute (ms) | comm (ms) | step time from | "
+                f"reaches {target:.4f} at step | time to target | vs reference | whole run |",
+                "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+        for r in (r for r in rows if r["setting"] == setting):
+            if "step_s" not in r:
+                out.append(f"| {r['variant']} | {r['final_loss']:.4f} | {r['steps']:g} | - | - | - | "
+                           f"{r['missing']} | {_cross(r)} | - | - | - |")
+                continue
+            sp = r.get("speedup")
+            out.append(f"| {r['variant']} | {r['final_loss']:.4f} | {r['steps']:g} | {1e3 * r['step_s']:.1f} | "
+                       f"{_ms(r.get('compute_s'))} | {_ms(r.get('comm_s'))} | {r['how']} | {_cross(r)} | "
+                       f"{_fmt_s(r['target_s']) if r['target_s'] is not None else 'not reached'} | "
+                       f"{f'{sp:.2f}x' if sp else '-'} | {_fmt_s(r['total_s'])} |")
+        out.append("")
+    return "\n".join([f"Target {metric} {target:.4f}: {target_src}.", "", *out])
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{1e3 * x:.1f}" if x >= 0.1 else f"{1e3 * x:.3g}"
+
+
+def _cross(r: dict) -> str:
+    return "not reached" if r["target_step"] is None else f"{r['target_step']:.0f}"
+
+
+def curve_panels(curves: dict[str, Curve], step_times: dict[str, dict[str, dict]]) -> dict:
+    """{setting: {variant: (seconds, losses)}} for the variants with a step time."""
+    return {setting: {n: ([s * by[n]["step_s"] for s in c.steps], list(c.losses))
+                      for n, c in curves.items() if "step_s" in by.get(n, {})}
+            for setting, by in step_times.items()}
+
+
+def end_to_end(curves: dict[str, Curve], e2e: Path, metric: str, target: float, measured: dict[str, dict]
+               ) -> tuple[list[dict], dict]:
+    """The check of the construction: runs trained end to end under the simulator (e2e/<variant>/,
+    same setting and link) give loss against the trainer's train_time_s (seconds inside timed train
+    steps); their time to the target and whole-run time beside the constructed ones (curve step x
+    measured step time). Returns (rows, {variant: (seconds, losses)})."""
+    rows, panel = [], {}
+    for name, c in curves.items():
+        path = e2e / name / "metrics.jsonl"
+        if not path.is_file():
+            continue
+        pts = {r["step"]: (float(r["train_time_s"]), float(r[metric])) for r in read_jsonl(path)
+               if metric in r and "train_time_s" in r}
+        steps = sorted(pts)
+        if not steps:
+            rows.append({"variant": name, "missing": f"{path} has no {metric} record with train_time_s"})
+            continue
+        secs, losses = [pts[s][0] for s in steps], [pts[s][1] for s in steps]
+        panel[name] = (secs, losses)
+        m = measured.get(name, {})
+        cross_t = crossing_step(secs, losses, target)
+        cross_s = crossing_step(c.steps, c.losses, target)
+        row = {"variant": name, "e2e_target_s": cross_t, "e2e_total_s": secs[-1], "e2e_steps": steps[-1],
+               "e2e_final_loss": losses[-1], "curve_final_loss": c.losses[-1]}
+        if "step_s" in m:
+            row["built_target_s"] = cross_s * m["step_s"] if cross_s is not None else None
+            row["built_total_s"] = steps[-1] * m["step_s"]
+        rows.append(row)
+    return rows, panel
+
+
+def end_to_end_markdown(rows: list[dict], link: str, metric: str) -> str:
+    out = [f"## Check: trained end to end under the simulator at {link}", "",
+           f"The same variants trained under bench.netsim at {link} end to end; time = the trainer's train_time_s "
+           f"(MEASURED), against the construction above (curve x measured step time).", "",
+           f"| variant | final {metric} end to end / curve run | time to target end to end | constructed | ratio | "
+           f"whole run end to end | constructed | ratio |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "missing" in r:
+            out.append(f"| {r['variant']} | {r['missing']} | | | | | | |")
+            continue
+        ratio = (lambda a, b: f"{b / a:.2f}" if a and b else "-")
+        bt, bw = r.get("built_target_s"), r.get("built_total_s")
+        out.append(f"| {r['variant']} | {r['e2e_final_loss']:.4f} / {r['curve_final_loss']:.4f} | "
+                   f"{_fmt_s(r['e2e_target_s']) if r['e2e_target_s'] is not None else 'not reached'} | "
+                   f"{_fmt_s(bt) if bt is not None else '-'} | {ratio(r['e2e_target_s'], bt)} | "
+                   f"{_fmt_s(r['e2e_total_s'])} | {_fmt_s(bw)} | {ratio(r['e2e_total_s'], bw)} |")
+    return "\n".join(out + [""])
+
+
+# ------------------------------------------------------------------------------------------------
+# training the curves and measuring the steps (subprocesses)
+# ------------------------------------------------------------------------------------------------
+
+def setting_overrides(setting: str) -> tuple[tuple[str, ...], int, int]:
+    """(overrides, steps, evaluations) of a bench.reproduce setting at its full scale."""
+    from bench.reproduce import framework as fw
+
+    if setting not in fw.SETTINGS:
+        raise ValueError(f"--setting {setting}: unknown; one of {', '.join(fw.SETTINGS)}")
+    st = fw.SETTINGS[setting]
+    return fw.merge_overrides(fw.FULL_OVERRIDES, st.full), st.steps or 300, st.evals or 10
+
+
+def _env() -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "OMP_NUM_THREADS":
+           os.environ.get("OMP_NUM_THREADS", "1")}
+    env.pop("RANK", None)
+    return env
+
+
+def train_curve(name: str, files: list[str], overrides: list[str], run_dir: Path, nproc: int, steps: int,
+                evals: int, link: str = "", nodes: int = 0) -> None:
+    """Train one variant: unsimulated (torchrun), or with `link` end to end under bench.netsim (for
+    --e2e: one network namespace per rank, or per node of nproc / nodes ranks)."""
+    args = ["train.py", *files, *overrides, f"train.max_steps={steps}", f"train.eval_every={max(1, steps // evals)}",
+            "train.log_every=1", "diag.every=0", "log.wandb=disabled", f"train.out_dir={run_dir}"]
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    log_path = run_dir.parent / f"{name}.log"
+    if link:
+        from bench import netsim
+
+        print(f"== training {name} under bench.netsim at {link}: {' '.join(args)}", flush=True)
+        with open(log_path, "w") as log:
+            codes = netsim.run(nproc, [sys.executable, *args], link, timeout=3600, env=_env(), cwd=str(ROOT),
+                               log_dir=str(run_dir.parent / f"{name}.logs"), stream=log,
+                               ranks_per_ns=nproc // nodes if nodes else 1)
+        rc = max(codes, key=abs)
+    else:
+        launcher = ([sys.executable, "-m", "launch.torchrun", "--standalone", f"--nproc_per_node={nproc}"]
+                    if nproc > 1 else [sys.executable])
+        print(f"== training {name} (unsimulated): {' '.join([*launcher, *args])}", flush=True)
+        with open(log_path, "w") as log:
+            rc = subprocess.run([*launcher, *args], cwd=ROOT, env=_env(), stdout=log,
+                                stderr=subprocess.STDOUT).returncode
+    if rc:
+        said = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip().startswith("- ")]
+        raise RuntimeError(f"training {name} failed (exit {rc}{': ' + said[0] if said else ''}); see {log_path}")
+
+
+def measure_steps(names: list[str], overrides: list[str], link: str, breakdown: Path, nproc: int, steps: int,
+                  warmup: int, nodes: int = 0) -> None:
+    cmd = [sys.executable, "-m", "bench.step_breakdown", "--rates", link, "--variants", ",".join(names),
+           "--config-dir", "configs/variants", "--overrides", " ".join(overrides), "--out", str(breakdown),
+           "--nproc", str(nproc), "--nodes", str(nodes), "--steps", str(steps), "--warmup", str(warmup),
+           "--no-calibrate"]
+    print(f"== measuring step times at {link}: {' '.join(cmd)}", flush=True)
+    rc = subprocess.run(cmd, cwd=ROOT, env=_env()).returncode
+    if rc:
+        print(f"   bench.step_breakdown exited {rc}; variants without a measurement are reported as such", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# the command
+# ------------------------------------------------------------------------------------------------
+
+def parse_args(argv: Sequence[str] | None = None):
+    ap = Parser(prog="python -m bench.time_to_loss", description=__doc__.split("\n\n")[0], configs=True,
+                variants=True, epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--setting", default="study-prose", help="bench.reproduce setting of the runs (model, corpus, "
+                                                              "batch): its overrides come before yours")
+    ap.add_argument("--metric", default="val_loss", choices=["val_loss", "train_loss"])
+    ap.add_argument("--target", type=float, default=None, help="loss to reach (default: --reference's final)")
+    ap.add_argument("--reference", default=REFERENCE, help="the synchronous baseline variant")
+    ap.add_argument("--runs", default="", help="directory of curve runs, <runs>/<variant>/ (default: <out>/runs)")
+    ap.add_argument("--run", action="append", default=[], metavar="VARIANT=SRC[,SRC...]",
+                    help="one variant's curve: run directories or bench.reproduce run-store entries (*.json.gz); "
+                         "several (seeds of one arm) are averaged")
+    ap.add_argument("--train", action="store_true", help="train the curve runs that are missing (unsimulated)")
+    ap.add_argument("--steps", type=int, default=0, help="steps of a trained curve run (default: the setting's)")
+    ap.add_argument("--nproc", type=int, default=4, help="ranks of trained and measured runs")
+    ap.add_argument("--link", default="", help="(a): the simulated links, comma list of bench.netsim rates "
+                                                "(100mbit,1gbit)")
+    ap.add_argument("--nodes", type=int, default=0, help="(a): simulated nodes (bench.netsim: the ranks of a node "
+                                                         "share an unlimited loopback); 0 = one namespace per rank")
+    ap.add_argument("--breakdown", default="", help="(a): bench.step_breakdown --out directory (default: "
+                                                     "<out>/breakdown)")
+    ap.add_argument("--measure", action="store_true", help="(a): run bench.step_breakdown for variants not measured")
+    ap.add_argument("--measure-steps", type=int, default=10, help="(a): measured steps per run (DiLoCo: whole cycles)")
+    ap.add_argument("--warmup", type=int, default=3, help="(a): warm-up steps dropped from a measured run")
+    ap.add_argument("--e2e", default="", help="(a): runs trained end to end under the simulator at --link, "
+                                              "<e2e>/<variant>/, to check the construction against")
+    ap.add_argument("--train-e2e", action="store_true", help="(a): train the --e2e runs that are missing, under "
+                                                             "bench.netsim at --link (needs root)")
+    ap.add_argument("--cluster", action="append", default=[],
+                    help='(b), repeatable: e.g. "nodes=2 gpus_per_node=8 gpu=h100 inter=10gbit intra=nvlink '
+                         '[mfu=0.35|gpu-check] [inter_latency=30us]"')
+    ap.add_argument("--vocab-size", type=int, default=0, help="(b): the runs' vocabulary where their dataset is "
+                                                              "not on this machine (study-prose: 8192)")
+    ap.add_argument("--out", default="bench/out/time_to_loss")
+    ns = ap.parse_args(argv)
+    ns.argv = list(sys.argv[1:] if argv is None else argv)
+    ns.links = [x for x in ns.link.split(",") if x]
+
+    def resolve(v: str) -> str:
+        path = ROOT / "configs" / "variants" / f"{v}.yaml"
+        if not path.is_file():
+            names = sorted(p.stem for p in (ROOT / "configs" / "variants").glob("*.yaml"))
+            ap.error(f"--variants {v}: no configs/variants/{v}.yaml; one of {', '.join(names)}, or a config file")
+        return str(path.relative_to(ROOT))
+
+    try:
+        ns.candidates = variant_runs(ns, resolve)
+        ns.cluster_specs = [parse_cluster(c) for c in ns.cluster]
+        from bench.netsim import parse_rate
+
+        for link in ns.links:
+            try:
+                parse_rate(link)
+            except ValueError as e:
+                raise ValueError(f"--link {link}: {e}") from None
+        ns.setting_overrides, ns.setting_steps, ns.evals = setting_overrides(ns.setting)
+    except ValueError as e:
+        ap.error(str(e))
+    if not ns.candidates:
+        ap.error("--variants: name at least one variant (configs/variants name or a config file)")
+    if (ns.e2e or ns.train_e2e or ns.measure) and not ns.links:
+        ap.error("--e2e, --train-e2e and --measure are about the simulated link: give --link RATE too")
+    if ns.e2e and len(ns.links) != 1:
+        ap.error(f"--e2e checks one link; give one --link, not {ns.link}")
+    if ns.nodes and (ns.nodes < 1 or ns.nproc % ns.nodes):
+        ap.error(f"--nodes {ns.nodes} must divide --nproc {ns.nproc}")
+    if ns.train_e2e and not ns.e2e:
+        ap.error("--train-e2e: give --e2e DIR (where the end-to-end runs go)")
+    if not ns.links and not ns.cluster:
+        ap.error("nothing to report: give --link RATE (measured under the simulator) and/or --cluster \"...\" "
+                 "(predicted)")
+    for r in ns.run:
+        if "=" not in r:
+            ap.error(f"--run {r}: expected VARIANT=DIR")
+    return ns
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from bench.reproduce.framework import merge_overrides
+
+    ns = parse_args(argv)
+    out = Path(ns.out)
+    runs = Path(ns.runs) if ns.runs else out / "runs"
+    given = dict(r.split("=", 1) for r in ns.run)
+    overrides = list(merge_overrides(ns.setting_overrides, ns.overrides))   # yours replace the setting's
+    sources = {}
+    steps = ns.steps or ns.setting_steps
+    try:
+        for name, files in ns.candidates:
+            src = given[name].split(",") if name in given else [runs / name]
+            if name not in given and not (runs / name / "metrics.jsonl").is_file() and ns.train:
+                train_curve(name, files, overrides, runs / name, ns.nproc, steps, ns.evals)
+            sources[name] = src
+            e2e = Path(ns.e2e) / name if ns.e2e else None
+            if e2e is not None and ns.train_e2e and not (e2e / "metrics.jsonl").is_file():
+                train_curve(name, files, overrides, e2e, ns.nproc, steps, ns.evals, link=ns.links[0], nodes=ns.nodes)
+        curves = {n: load_curve(n, src, ns.metric) for n, src in sources.items()}
+        target, target_src = ((ns.target, "given (--target)") if ns.target is not None
+                              else default_target(curves, ns.reference, ns.metric))
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"python -m bench.time_to_loss: error: {e}", file=sys.stderr)
+        return 2
+    step_times: dict[str, dict[str, dict]] = {}
+    settings: dict[str, str] = {}
+    bd = Path(ns.breakdown) if ns.breakdown else out / "breakdown"
+    where = f"{ns.nproc} ranks" + (f" on {ns.nodes} simulated nodes" if ns.nodes else ", one namespace each")
+    for link in ns.links:
+        missing = [n for n in curves if "step_s" not in measured_step(curves[n], bd, link, ns.warmup)]
+        # bench.step_breakdown runs variants by name (configs/variants/<name>.yaml) with overrides only
+        odd = [n for n, files in ns.candidates if n in missing and files != [f"configs/variants/{n}.yaml"]]
+        if odd and ns.measure:
+            print(f"   --measure: {', '.join(odd)} are not a bare configs/variants file; measure them with "
+                  f"bench.step_breakdown yourself and pass --breakdown", flush=True)
+        missing = [n for n in missing if n not in odd]
+        if missing and ns.measure:
+            from bench.step_breakdown import cycle_steps
+
+            cycle = math.lcm(*(cycle_steps(curves[n].config) for n in missing))  # DiLoCo: whole cycles
+            measure_steps(missing, overrides, link, bd, ns.nproc, -(-ns.measure_steps // cycle) * cycle,
+                          ns.warmup, ns.nodes)
+        key = f"(a) this machine, simulated link {link}"
+        step_times[key] = {n: measured_step(c, bd, link, ns.warmup) for n, c in curves.items()}
+        settings[key] = (f"Step times MEASURED: each variant trained under bench.netsim at {link} ({where}) by "
+                         f"bench.step_breakdown ({bd}); loss against step from the unsimulated runs (MEASURED).")
+    for cl in ns.cluster_specs:
+        key = f"(b) cluster {cl.text}"
+        by = {}
+        for n, c in curves.items():
+            try:
+                by[n] = predict_cluster_step(c, cl, ns.reference, ns.vocab_size)
+                by[n]["how"] = f"predicted: MFU {by[n]['mfu']:.3f} ({by[n]['mfu_source']}); comm {by[n]['comm_how']}"
+            except ValueError as e:
+                by[n] = {"missing": str(e)}
+        step_times[key] = by
+        a, b = cl.world_link()
+        settings[key] = (f"Step times PREDICTED for {cl.ranks} GPUs: compute = FLOPs per step / ({cl.ranks} x "
+                         f"{cl.gpu} dense bf16 peak x MFU), communication = the registry's alpha-beta model at "
+                         f"alpha {a * 1e6:.0f} us, {1 / b / 1e9:.3g} Gbit/s per ring hop"
+                         f"{' (assumed latency)' if 'latency' not in cl.text else ''}. The loss curves are the "
+                         f"runs' (MEASURED at their own world size and global batch, kept on the cluster); methods "
+                         f"whose numerics depend on the worker count (votes, DiLoCo) may train differently at "
+                         f"{cl.ranks} workers.")
+    rows = report_rows(curves, target, step_times, ns.reference)
+    check = ([], {})
+    if ns.e2e:
+        check = end_to_end(curves, Path(ns.e2e), ns.metric, target,
+                           step_times[f"(a) this machine, simulated link {ns.links[0]}"])
+    write_outputs(out, rows, curves, step_times, settings, target, target_src, ns, check)
+    print((out / "results.md").read_text())
+    return 0
+
+
+def write_outputs(out: Path, rows: list[dict], curves: dict[str, Curve], step_times: dict, settings: dict,
+                  target: float, target_src: str, ns, check: tuple[list[dict], dict] = ([], {})) -> None:
+    from bench.plot import plot_time_to_loss
+
+    out.mkdir(parents=True, exist_ok=True)
+    cols = ["setting", "variant", "final_loss", "steps", "step_s", "comm_s", "target_step", "target_s", "speedup",
+            "total_s", "how", "missing", "compute_s", "mfu", "bytes_per_step", "peak_step_bytes"]
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    md = ["# Time to loss", "", f"Setting `{ns.setting}`. Curves (MEASURED, unsimulated; the mean of a variant's runs "
+          f"where it has several) from:", "", *[f"- {n} ({c.runs} run{'s' if c.runs > 1 else ''}): {c.source}"
+                                               for n, c in curves.items()],
+          "", markdown(rows, settings, target, target_src, ns.metric)]
+    panels = curve_panels(curves, step_times)
+    if check[0]:
+        md.append(end_to_end_markdown(check[0], ns.links[0], ns.metric))
+        panels[f"(a) end to end under the simulator at {ns.links[0]} (check)"] = check[1]
+        with open(out / "end_to_end.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=sorted({k for r in check[0] for k in r}))
+            w.writeheader()
+            w.writerows(check[0])
+    (out / "results.md").write_text("\n".join(md))
+    plot_time_to_loss(panels, out / "time_to_loss.png", target, ns.metric)
+    (out / "meta.json").write_text(json.dumps({
+        "argv": ns.argv, "setting": ns.setting, "target": target, "target_source": target_src, "metric": ns.metric,
+        "clusters": ns.cluster, "links": ns.links, "nodes": ns.nodes,
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,351 @@
+"""bench.time_to_loss on small synthetic run directories: the target crossing, the curves stretched by
+measured step times, --cluster parsing and its predicted compute and DiLoCo communication."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import subprocess
+
+import pytest
+import yaml
+
+from bench import time_to_loss as ttl
+from bench.step_breakdown import cycle_steps, summarize_run
+
+DEBUG = ["model.preset=debug", "data.batch_size=2", "data.seq_len=32"]
+_CONFIGS: dict[str, dict] = {}
+
+
+def resolved(variant: str) -> dict:
+    """The resolved config a run of `variant` on the debug model writes (config.yaml)."""
+    if variant not in _CONFIGS:
+        from trainer.config import load_config
+
+        _CONFIGS[variant] = load_config([f"configs/variants/{variant}.yaml"], DEBUG).to_dict()
+    return json.loads(json.dumps(_CONFIGS[variant]))
+
+
+def make_run(d, cfg: dict, vals: dict[int, float], steps: int = 20, step_ms=100.0, comm_ms=None, tokens=128):
+    """A run directory: config.yaml, one train record per step (step_ms may be a function of the
+    step), val records at the steps of `vals`."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    recs = []
+    for s in range(1, steps + 1):
+        ms = step_ms(s) if callable(step_ms) else step_ms
+        cm = comm_ms(s) if callable(comm_ms) else (comm_ms if comm_ms is not None else ms / 2)
+        recs.append({"step": s, "train_loss": 6.0 - 0.1 * s, "step_ms": ms, "comm_ms": cm, "fwdbwd_ms": ms - cm,
+                     "comm_bytes": 8, "tokens": tokens * s})
+        if s in vals:
+            recs.append({"step": s, "val_loss": vals[s], "train_time_s": 0.1 * s})
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    return d
+
+
+# ---- curves and the target crossing ---------------------------------------------------------------
+
+def test_crossing_is_interpolated_between_evaluations():
+    steps, losses = [10, 20, 30], [4.0, 3.0, 2.0]
+    assert ttl.crossing_step(steps, losses, 2.5) == pytest.approx(25.0)
+    assert ttl.crossing_step(steps, losses, 3.0) == pytest.approx(20.0)
+    assert ttl.crossing_step(steps, losses, 5.0) == 10.0          # there at the first evaluation
+    assert ttl.crossing_step(steps, losses, 1.0) is None          # never reached
+    # the FIRST crossing counts, also when the curve rises again afterwards
+    assert ttl.crossing_step([10, 20, 30, 40], [4.0, 2.9, 3.5, 2.0], 3.0) == pytest.approx(10 + 10 * 1.0 / 1.1)
+
+
+def test_load_curve_reads_val_loss_and_tokens_per_step(tmp_path):
+    d = make_run(tmp_path / "adamw_fp32", resolved("adamw_fp32"), {5: 4.0, 10: 3.5, 20: 3.0}, tokens=256)
+    with open(d / "metrics.jsonl", "a") as f:  # a re-logged evaluation of step 20 keeps the last
+        f.write(json.dumps({"step": 20, "val_loss": 2.95}) + "\n")
+    c = ttl.load_curve("adamw_fp32", d)
+    assert c.steps == [5, 10, 20] and c.losses == [4.0, 3.5, 2.95]
+    assert c.tokens_per_step == 256
+    t = ttl.load_curve("adamw_fp32", d, metric="train_loss")
+    assert len(t.steps) == 20 and t.losses[0] == pytest.approx(5.9)
+    with pytest.raises(FileNotFoundError, match="--train"):
+        ttl.load_curve("x", tmp_path / "nothing")
+
+
+def test_time_axis_is_steps_times_measured_step_and_missing_target_reported(tmp_path):
+    runs, bd = tmp_path / "runs", tmp_path / "bd" / "runs" / "1gbit"
+    cfg_a, cfg_l = resolved("adamw_fp32"), resolved("lion_fp32")
+    make_run(runs / "adamw_fp32", cfg_a, {10: 4.0, 20: 3.0})
+    make_run(runs / "lion_fp32", cfg_l, {10: 3.5, 20: 3.2})                  # never reaches 3.0
+    make_run(bd / "adamw_fp32", cfg_a, {}, step_ms=200.0)
+    make_run(bd / "lion_fp32", cfg_l, {}, step_ms=50.0)
+    curves = {n: ttl.load_curve(n, runs / n) for n in ("adamw_fp32", "lion_fp32")}
+    target, src = ttl.default_target(curves, "adamw_fp32", "val_loss")
+    assert target == 3.0 and "adamw_fp32" in src
+    key = "(a) sim"
+    times = {key: {n: ttl.measured_step(c, tmp_path / "bd", "1gbit", warmup=3) for n, c in curves.items()}}
+    assert times[key]["adamw_fp32"]["step_s"] == pytest.approx(0.2)
+    rows = {r["variant"]: r for r in ttl.report_rows(curves, target, times, "adamw_fp32")}
+    assert rows["adamw_fp32"]["target_s"] == pytest.approx(20 * 0.2)
+    assert rows["lion_fp32"]["target_step"] is None and rows["lion_fp32"]["target_s"] is None
+    assert rows["lion_fp32"]["speedup"] is None and rows["lion_fp32"]["total_s"] == pytest.approx(20 * 0.05)
+    md = ttl.markdown(list(rows.values()), {key: "MEASURED"}, target, src, "val_loss")
+    assert "| lion_fp32 |" in md and "not reached" in md.split("| lion_fp32 |")[1].splitlines()[0]
+    panels = ttl.curve_panels(curves, times)
+    assert panels[key]["lion_fp32"][0] == pytest.approx([10 * 0.05, 20 * 0.05])
+
+
+def test_curve_of_several_seeds_and_run_store_entries(tmp_path):
+    import gzip
+
+    cfg = resolved("adamw_fp32")
+    a = make_run(tmp_path / "s1", cfg, {10: 4.0, 20: 3.0, 30: 2.0}, steps=30)
+    b = make_run(tmp_path / "s2", {**cfg, "train": {**cfg["train"], "seed": 7}}, {10: 3.0, 20: 2.0}, steps=30)
+    entry = tmp_path / "store" / "adamw_s3.json.gz"   # bench.reproduce's run store: records and config
+    entry.parent.mkdir()
+    with gzip.open(entry, "wt") as f:
+        json.dump({"config": cfg, "records": [{"step": 10, "val_loss": 2.0}, {"step": 20, "val_loss": 1.0},
+                                              {"step": 20, "step_ms": 1.0, "tokens": 2560}]}, f)
+    c = ttl.load_curve("adamw_fp32", [a, b, entry])
+    assert c.runs == 3 and c.steps == [10, 20]                 # the steps every run evaluated
+    assert c.losses == pytest.approx([3.0, 2.0]) and c.tokens_per_step == 128
+    other = json.loads(json.dumps(cfg))
+    other["optim"]["lr"] = 1.0
+    with pytest.raises(ValueError, match="optim.lr"):
+        ttl.load_curve("adamw_fp32", [a, make_run(tmp_path / "s4", other, {10: 3.0})])
+
+
+def test_measured_run_of_another_setting_is_not_used(tmp_path):
+    cfg = resolved("adamw_fp32")
+    make_run(tmp_path / "runs" / "adamw_fp32", cfg, {10: 3.0})
+    other = json.loads(json.dumps(cfg))
+    other["data"]["seq_len"] = 64
+    make_run(tmp_path / "bd" / "runs" / "1gbit" / "adamw_fp32", other, {})
+    got = ttl.measured_step(ttl.load_curve("adamw_fp32", tmp_path / "runs" / "adamw_fp32"), tmp_path / "bd",
+                            "1gbit", 3)
+    assert "step_s" not in got and "data.seq_len" in got["missing"]
+
+
+def test_command_end_to_end_on_synthetic_runs(tmp_path, capsys):
+    runs, bd = tmp_path / "runs", tmp_path / "bd" / "runs" / "100mbit"
+    for name, vals, ms in (("adamw_fp32", {10: 4.0, 20: 3.0}, 300.0), ("lioncub_1bit", {10: 3.6, 20: 2.9}, 60.0)):
+        make_run(runs / name, resolved(name), vals)
+        make_run(bd / name, resolved(name), {}, step_ms=ms)
+    # the check: adamw_fp32 also trained end to end under the simulator (train_time_s = 0.1 s a step)
+    make_run(tmp_path / "e2e" / "adamw_fp32", resolved("adamw_fp32"), {10: 4.0, 20: 3.0})
+    out = tmp_path / "out"
+    assert ttl.main(["--variants", "adamw_fp32", "lioncub_1bit", "--runs", str(runs), "--breakdown",
+                     str(tmp_path / "bd"), "--link", "100mbit", "--setting", "tiny-builtin", "--out", str(out),
+                     "--e2e", str(tmp_path / "e2e")]) == 0
+    md = (out / "results.md").read_text()
+    assert "MEASURED" in md and (out / "time_to_loss.png").stat().st_size > 0
+    (check,) = csv.DictReader((out / "end_to_end.csv").open())
+    assert check["variant"] == "adamw_fp32" and float(check["e2e_target_s"]) == pytest.approx(2.0)
+    assert float(check["built_target_s"]) == pytest.approx(20 * 0.3)
+    rows = {r["variant"]: r for r in csv.DictReader((out / "results.csv").open())}
+    # lioncub_1bit crosses 3.0 at step 10 + 10 * 0.6 / 0.7 at 60 ms a step
+    assert float(rows["lioncub_1bit"]["target_s"]) == pytest.approx((10 + 10 * 0.6 / 0.7) * 0.06)
+    assert float(rows["lioncub_1bit"]["speedup"]) == pytest.approx(20 * 0.3 / ((10 + 60 / 7) * 0.06))
+
+
+# ---- (b) the cluster --------------------------------------------------------------------------------
+
+def test_parse_cluster():
+    c = ttl.parse_cluster("nodes=2 gpus_per_node=8 gpu=h100 inter=10gbit intra=nvlink")
+    assert (c.nodes, c.gpus_per_node, c.ranks, c.gpu, c.mfu) == (2, 8, 16, "H100", None)
+    assert c.inter_bps == 10e9 and c.intra_bps == ttl.NAMED_LINKS["nvlink"]
+    assert c.world_link() == (ttl.DEFAULT_LATENCY["inter"], 1 / 10e9)
+    one = ttl.parse_cluster("nodes=1 gpus_per_node=4 gpu=a100 intra=400gbit mfu=0.4 intra_latency=2us")
+    assert one.world_link() == (pytest.approx(2e-6), 1 / 400e9) and one.mfu == 0.4 and one.layout() is None
+
+
+@pytest.mark.parametrize("text,names", [
+    ("nodes=2 gpus=8 gpu=h100 inter=10gbit", "'gpus'"),
+    ("nodes=0 gpu=h100", "nodes=0"),
+    ("nodes=2 gpu=h100", "inter="),
+    ("nodes=1 gpu=tpu9", "gpu=tpu9"),
+    ("nodes=1 gpu=h100 mfu=1.5", "mfu=1.5"),
+    ("nodes=1 gpu=h100 intra=fast", "intra=fast"),
+    ("nodes=1 gpu=h100 inter_latency=30", "inter_latency=30"),
+    ("nodes=1 gpu=h100 nodes=2", "nodes given twice"),
+    ("nodes 2", "'nodes' is not key=value"),
+])
+def test_bad_cluster_is_one_line_naming_the_key(text, names):
+    with pytest.raises(ValueError) as e:
+        ttl.parse_cluster(text)
+    assert names in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_cluster_on_the_command_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        ttl.main(["--variants", "adamw_fp32", "--cluster", "nodes=2 gpu_per_node=8 gpu=h100 inter=10gbit"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "'gpu_per_node'" in err
+
+
+def test_predicted_compute_from_flops_and_mfu(tmp_path):
+    import torch
+
+    from model import GPT, resolve_config
+    from trainer.logger import PEAK_FLOPS
+
+    cfg = resolved("adamw_fp32")
+    curve = ttl.load_curve("adamw_fp32", make_run(tmp_path / "a", cfg, {10: 3.0}, tokens=4096))
+    fast = ttl.predict_cluster_step(curve, ttl.parse_cluster("nodes=1 gpus_per_node=2 gpu=h100 intra=nvlink mfu=0.5"))
+    slow = ttl.predict_cluster_step(curve, ttl.parse_cluster("nodes=1 gpus_per_node=2 gpu=h100 intra=nvlink mfu=0.25"))
+    with torch.device("meta"):
+        fpt = GPT(resolve_config(cfg["model"])).flops_per_token(32)
+    assert fast["compute_s"] == pytest.approx(fpt * 4096 / (2 * PEAK_FLOPS["H100"] * 0.5))
+    assert slow["compute_s"] == pytest.approx(2 * fast["compute_s"])
+    assert fast["comm_s"] == pytest.approx(slow["comm_s"]) and fast["comm_s"] > 0
+    assert fast["step_s"] == pytest.approx(fast["compute_s"] + fast["comm_s"])
+
+
+def test_predicted_bytes_at_the_runs_vocabulary(tmp_path):
+    import torch
+
+    from model import GPT, resolve_config
+
+    curve = ttl.load_curve("adamw_fp32", make_run(tmp_path / "a", resolved("adamw_fp32"), {10: 3.0}))
+    cl = ttl.parse_cluster("nodes=1 gpus_per_node=4 gpu=h100 mfu=0.5")
+    with torch.device("meta"):
+        n = {v: sum(p.numel() for p in GPT(resolve_config({"preset": "debug"}, vocab_size=v)).parameters())
+             for v in (None, 8192)}
+    assert n[8192] < n[None]
+    assert ttl.predict_cluster_step(curve, cl)["bytes_per_step"] == 4 * n[None]       # fp32 gradients
+    small = ttl.predict_cluster_step(curve, cl, vocab_size=8192)
+    assert small["bytes_per_step"] == 4 * n[8192]
+    import model
+
+    assert model.resolve_config({"preset": "debug"}).vocab_size != 8192            # restored afterwards
+
+
+def test_mfu_from_the_gpu_check(tmp_path):
+    cols = ["rate", "variant", "status", "mfu"]
+    for run, rows in ((2, [("adamw_fp32", 0.1)]), (10, [("adamw_fp32", 0.30), ("lion_fp32", 0.28)])):
+        with open(tmp_path / f"h100_run{run}_train_results.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(cols)
+            w.writerows([("unlimited", v, "ok", m) for v, m in rows])
+    assert ttl.gpu_check_mfu("H100", "lion_fp32", results=tmp_path)[0] == 0.28   # run 10, not run 2
+    with open(tmp_path / "h100_run10_rerun_lion_train_results.csv", "w", newline="") as f:   # a rerun's row wins
+        csv.writer(f).writerows([cols, ("unlimited", "lion_fp32", "ok", 0.29), ("unlimited", "muon", "ok", 0.2)])
+    mfu, src = ttl.gpu_check_mfu("H100", "lion_fp32", results=tmp_path)
+    assert mfu == 0.29 and "rerun" in src and ttl.gpu_check_mfu("H100", "adamw_fp32", results=tmp_path)[0] == 0.30
+    mfu, src = ttl.gpu_check_mfu("H100", "lioncub_1bit", results=tmp_path)
+    assert mfu == 0.30 and "adamw_fp32 row" in src and "lioncub_1bit was not measured" in src
+    with pytest.raises(ValueError, match="mfu=0.35"):
+        ttl.gpu_check_mfu("A100", "lion_fp32", results=tmp_path)
+
+
+# ---- DiLoCo: step time over a whole outer cycle --------------------------------------------------
+
+def diloco_config(**opts) -> dict:
+    cfg = resolved("adamw_fp32")
+    cfg["comm"] = {"mode": "diloco", "diloco": opts}
+    return cfg
+
+
+def test_measured_diloco_step_is_the_mean_over_whole_cycles():
+    H = 4
+    cfg = diloco_config(inner_steps=H)
+    assert cycle_steps(cfg) == H and cycle_steps(resolved("adamw_fp32")) == 1
+    recs = [{"step": s, "step_ms": 500.0 if s % H == 0 else 100.0, "comm_ms": 400.0 if s % H == 0 else 0.0,
+             "fwdbwd_ms": 100.0, "comm_bytes": 1000 if s % H == 0 else 0} for s in range(1, 25)]
+    s = summarize_run(recs, warmup=3, cycle=H)
+    assert s["steps"] == 20 and s["step_ms"] == pytest.approx((3 * 100 + 500) / 4)
+    assert summarize_run(recs, warmup=3)["step_ms"] == 100.0       # the median would drop the sync steps
+    with pytest.raises(ValueError, match="one cycle"):
+        summarize_run(recs[:5], warmup=3, cycle=H)
+
+
+def test_predicted_diloco_step_spreads_a_cycle_over_its_inner_steps(tmp_path):
+    from comm import cost_model
+    from optim.diloco import DiLoCoOptions, cycle_bytes, cycle_seconds
+    from trainer.advise import diloco_fragment_numels
+
+    cfg = diloco_config(inner_steps=10, fragments=2, wire="e3m0")
+    curve = ttl.load_curve("diloco", make_run(tmp_path / "d", cfg, {10: 3.0}))
+    cl = ttl.parse_cluster("nodes=2 gpus_per_node=2 gpu=h100 inter=1gbit mfu=0.4")
+    got = ttl.predict_cluster_step(curve, cl)
+    o = DiLoCoOptions(inner_steps=10, fragments=2, wire="e3m0")
+    numels = diloco_fragment_numels(ttl._model(cfg), 2)
+    assert len(numels) == 2 and sum(numels) == sum(p.numel() for p in ttl._model(cfg).parameters())
+    with cost_model.node_layout(cl.layout()):
+        cycle = cycle_seconds(o, 4, numels, *cl.world_link())
+    assert got["comm_s"] == pytest.approx(cycle / 10) and got["comm_s"] > 0
+    cb = cycle_bytes(o, 4, numels)
+    assert got["bytes_per_step"] == pytest.approx(cb.sent / 10)
+    assert got["peak_step_bytes"] == cb.peak_step and 0 < got["peak_step_bytes"] < cb.sent
+    # an exchange on a background thread: tau inner steps of compute hide part of each average
+    from trainer.advise import predict_diloco
+
+    o2 = DiLoCoOptions(inner_steps=10, fragments=2, wire="e3m0", overlap_steps=2)
+    exposed = predict_diloco(o2, 4, numels, 1e-5, 1e-9)
+    hidden = predict_diloco(o2, 4, numels, 1e-5, 1e-9, step_compute_s=1e-4, background=True)
+    assert hidden.comm_s < exposed.comm_s and exposed.wire_s == pytest.approx(hidden.wire_s)
+    assert math.isclose(predict_diloco(o2, 4, numels, 1e-5, 1e-9, step_compute_s=10.0, background=True).comm_s, 0.0)
+    bad = diloco_config(inner_steps=10, nonsense=1)
+    with pytest.raises(ValueError, match="comm.diloco.nonsense"):
+        ttl.predict_cluster_step(ttl.load_curve("bad", make_run(tmp_path / "b", bad, {10: 3.0})), cl)
+
+
+def test_measure_rounds_a_diloco_measurement_up_to_whole_cycles(tmp_path, monkeypatch):
+    runs = tmp_path / "runs"
+    make_run(runs / "adamw_fp32", resolved("adamw_fp32"), {10: 3.0})
+    make_run(runs / "diloco", diloco_config(inner_steps=4), {10: 3.1})
+    (tmp_path / "diloco.yaml").write_text("comm:\n  mode: fp32\n")   # a config file: not runnable by name
+    calls = []
+    monkeypatch.setattr(ttl, "measure_steps", lambda names, overrides, link, bd, nproc, steps, warmup, nodes:
+                        calls.append((names, overrides, steps)))
+    assert ttl.main(["--variants", "adamw_fp32", str(tmp_path / "diloco.yaml"), "--runs", str(runs), "--link",
+                     "1gbit", "--measure", "--measure-steps", "10", "--setting", "tiny-builtin", "optim.lr=3e-4",
+                     "--out", str(tmp_path / "out")]) == 0
+    (names, overrides, steps), = calls
+    assert names == ["adamw_fp32"] and steps == 10            # the config file is named as not measurable
+    assert overrides[-1] == "optim.lr=3e-4" and "optim.lr=1e-3" not in overrides   # yours replace the setting's
+    calls.clear()
+    monkeypatch.setattr(ttl, "measured_step", lambda c, bd, link, warmup: {"missing": "none"})
+    monkeypatch.setattr(ttl, "load_curve", lambda n, d, metric: ttl.Curve(n, d, [1.0], [3.0], 1.0, diloco_config(
+        inner_steps=4)))
+    ttl.main(["--variants", "adamw_fp32", "--runs", str(runs), "--link", "1gbit", "--measure", "--measure-steps",
+              "10", "--target", "3", "--setting", "tiny-builtin", "--out", str(tmp_path / "out2")])
+    assert calls[0][2] == 12                                   # 10 steps rounded up to 3 cycles of 4
+
+
+def test_train_curve_command(tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_run(cmd, **kw):
+        seen["cmd"] = cmd
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(ttl.subprocess, "run", fake_run)
+    ttl.train_curve("adamw_fp32", ["configs/variants/adamw_fp32.yaml"], ["model.preset=debug"], tmp_path / "r",
+                    nproc=2, steps=40, evals=4)
+    cmd = seen["cmd"]
+    assert cmd[1:3] == ["-m", "launch.torchrun"] and "--nproc_per_node=2" in cmd
+    i = cmd.index("train.py")
+    assert cmd[i + 1:i + 3] == ["configs/variants/adamw_fp32.yaml", "model.preset=debug"]
+    assert {"train.max_steps=40", "train.eval_every=10", f"train.out_dir={tmp_path / 'r'}"} <= set(cmd)
+
+    def failing(cmd, stdout=None, **kw):
+        stdout.write("Error: 1 config problem(s):\n  - optim.lr: -1 must be > 0\n")
+        return subprocess.CompletedProcess(cmd, 2)
+
+    monkeypatch.setattr(ttl.subprocess, "run", failing)
+    with pytest.raises(RuntimeError, match="optim.lr: -1 must be > 0"):
+        ttl.train_curve("x", [], [], tmp_path / "x", nproc=1, steps=4, evals=1)
+
+
+def test_several_clusters_and_links_each_get_a_table(tmp_path):
+    runs = tmp_path / "runs"
+    make_run(runs / "adamw_fp32", resolved("adamw_fp32"), {10: 4.0, 20: 3.0})
+    for rate in ("100mbit", "1gbit"):
+        make_run(tmp_path / "bd" / "runs" / rate / "adamw_fp32", resolved("adamw_fp32"), {},
+                 step_ms=300.0 if rate == "100mbit" else 100.0)
+    out = tmp_path / "out"
+    assert ttl.main(["--variants", "adamw_fp32", "--runs", str(runs), "--breakdown", str(tmp_path / "bd"), "--link",
+                     "100mbit,1gbit", "--cluster", "nodes=1 gpus_per_node=4 gpu=h100 mfu=0.5", "--cluster",
+                     "nodes=2 gpus_per_node=4 gpu=h100 inter=1gbit mfu=0.5", "--setting", "tiny-builtin",
+                     "--out", str(out)]) == 0
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert [r["setting"][:3] for r in rows] == ["(a)", "(a)", "(b)", "(b)"]
+    assert [float(r["step_s"]) for r in rows[:2]] == [pytest.approx(0.3), pytest.approx(0.1)]
+    assert float(rows[3]["comm_s"]) > float(rows[2]["comm_s"])       # 1 Gbit/s ports against NVLink

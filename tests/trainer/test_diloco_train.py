@@ -1,0 +1,82 @@
+"""comm.mode=diloco end to end: the trainer on 2 gloo ranks (tests/workers/diloco_train.py), and its
+bad configurations (one line naming the key, exit 2)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.dist import ROOT, torchrun
+from trainer.config import ConfigError, load_config, validate
+
+TINY = ["model.preset=debug", "data.batch_size=2", "data.seq_len=32", "train.eval_steps=1", "log.wandb=disabled",
+        "optim.name=adamw", "comm.mode=diloco"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("diloco_train")
+    torchrun(2, "diloco_train.py", str(out), timeout=480)
+    return [json.loads((out / f"result_{r}.json").read_text()) for r in range(2)]
+
+
+def test_replicas_hold_identical_global_parameters_after_every_outer_step(results):
+    watch = results[0]["streaming"]["watch"]
+    # H = 3, F = 2, tau = 1: fragment 0 is sent after steps 1, 4, 7 and applied after 2, 5 (7's is
+    # applied by the end of training); fragment 1 is sent after 3, 6 and applied after 4, 7
+    assert [(w["step"], w["fragments"]) for w in watch] == [(2, [0]), (4, [1]), (5, [0]), (7, [1])]
+    for w in watch:
+        assert len(set(w["global"])) == 1, w            # every rank's global parameters, bit for bit
+        assert len(set(w["local_before"])) == 2, w      # the workers trained apart in between
+    assert len(set(results[0]["streaming"]["final"])) == 1  # after the run's end: one model everywhere
+    assert results[0]["streaming"] == results[1]["streaming"]
+
+
+def test_bytes_on_the_replicate_axis_equal_the_formula(results):
+    s = results[0]["streaming"]
+    assert s["background"] == ["BackgroundAverage"] * 2   # tau > 0: the averages run on their own thread
+    booked = {int(k): v for k, v in s["booked"].items()}
+    formula = {int(k): v for k, v in s["formula"].items()}
+    assert booked == formula
+    assert [t for t, b in sorted(formula.items()) if b] == [2, 4, 5, 7]   # the outer steps: nothing between
+    assert len(set(b for b in formula.values() if b)) == 2                   # one size per fragment
+    blocking = results[0]["blocking_bytes"]
+    assert blocking["booked"] == blocking["formula"]
+    assert [t for t, b in sorted(blocking["formula"].items(), key=lambda kv: int(kv[0])) if b] == ["3", "6"]
+
+
+def test_resume_at_an_outer_step_and_mid_inner_phase_continues_exactly(results):
+    whole, pieces = results[0]["whole"], results[0]["pieces"]
+    assert pieces["resumed_at"] == [3, 4]
+    assert pieces["losses"] == whole["losses"] and len(whole["losses"]) == 7
+    assert pieces["val_loss"] == whole["val_loss"]
+    assert pieces["final"] == whole["final"] and len(set(whole["final"])) == 1
+
+
+def test_a_damaged_outer_state_falls_back_to_the_previous_checkpoint(results):
+    assert [r["damaged"] for r in results] == [{"step": 4, "outer_step": 4}] * 2
+
+
+@pytest.mark.parametrize("override,key", [("comm.diloco.inner_steps=0", "comm.diloco.inner_steps"),
+                                          ("comm.diloco.wire=pbit", "comm.diloco.wire"),
+                                          ("comm.diloco.wire=onebit", "comm.diloco.wire"),
+                                          ("comm.diloco.nonsense=1", "comm.diloco.nonsense"),
+                                          ("comm.momentum_sync.every=2", "comm.momentum_sync.every"),
+                                          ("comm.bucket_mb=1", "comm.bucket_mb")])
+def test_bad_options_are_config_errors_naming_the_key(override, key):
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(ROOT / "configs/default.yaml", TINY + [override]), world_size=2)
+    lines = [ln for ln in str(e.value).splitlines() if key in ln]
+    assert len(lines) == 1, str(e.value)
+
+
+def test_more_fragments_than_blocks_exits_2_naming_the_key(tmp_path):
+    proc = subprocess.run([sys.executable, "train.py", "configs/default.yaml", *TINY, "comm.diloco.fragments=3",
+                           "comm.diloco.inner_steps=4", f"train.out_dir={tmp_path / 'run'}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    assert len(err) == 1 and "comm.diloco.fragments: 3 fragments but the model has 2 blocks" in err[0], proc.stderr
+    assert not (tmp_path / "run").exists()

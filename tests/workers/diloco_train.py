@@ -1,0 +1,129 @@
+"""comm.mode=diloco in the trainer on 2 gloo ranks (launched by tests/trainer/test_diloco_train.py).
+
+Streaming DiLoCo (H = 3, F = 2 fragments = the debug model's 2 blocks, tau = 1, alpha = 0.5, the
+e3m0 wire) trains 7 steps uninterrupted; after every outer step the ranks all-gather digests of
+their global parameters (they must be bit-identical) and of their local ones (different between
+the workers before a sync: they do train apart). DiLoCo (H = 3, F = 1, fp32) trains 7 steps
+uninterrupted, and again in three pieces: stopped at step 3 (right after its outer step), resumed and
+stopped at step 4 (in the inner phase), resumed to the end; then rank 1's file of the last
+checkpoint is damaged and a resume must fall back to the one of step 4. Each rank writes what the test compares
+(`result_<rank>.json`): the per-step bytes each run booked (metrics.jsonl) with the formula's
+(optim.diloco.wire_bytes of each fragment whose outer step that step applied: with tau > 0 the
+averages run on a background thread and their bytes join the step that waits for them), the digest checks, and every run's
+final parameter digests, val loss and train losses."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from optim.base import digest  # noqa: E402
+from optim.diloco import wire_bytes  # noqa: E402
+from trainer.config import load_config  # noqa: E402
+from trainer.dist import init_distributed, shutdown  # noqa: E402
+from trainer.trainer import Trainer  # noqa: E402
+
+BASE = ["model.preset=debug", "data.batch_size=2", "data.seq_len=32", "train.eval_every=0", "train.eval_steps=1",
+        "log.wandb=disabled", "optim.warmup_steps=0", "train.log_every=1", "optim.name=adamw", "optim.lr=3e-3",
+        "comm.mode=diloco", "comm.diloco.inner_steps=3", "train.max_steps=7"]
+STREAMING = ["comm.diloco.fragments=2", "comm.diloco.overlap_steps=1", "comm.diloco.alpha=0.5",
+             "comm.diloco.wire=e3m0", "comm.diloco.block=64"]
+DILOCO = ["comm.diloco.fragments=1", "comm.diloco.wire=fp32"]
+
+
+def gathered(x) -> list:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, x)
+    return out
+
+
+def records(run: Path, key: str) -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if key in r]
+
+
+def train(run: Path, extra: list[str], watch: list | None = None) -> Trainer:
+    """Fit one run; with `watch`, every applied outer step appends (step, fragments, global digests of
+    every rank, local digests of every rank before the step)."""
+    tr = Trainer(load_config(ROOT / "configs/default.yaml", BASE + [f"train.out_dir={run}", *extra]), INFO)
+    loop = tr.optimizer.strategy.loop
+    if watch is not None:
+        d, receive = loop.outer, loop.outer.receive
+
+        def checked_receive() -> list[int]:
+            due = d.receives_at(d.step)
+            before = gathered(digest(p for f in d.local for p in f)) if due else None
+            done = receive()
+            if done:
+                watch.append({"step": d.step, "fragments": done, "global": gathered(digest(d.glob)),
+                              "local_before": before})
+            return done
+
+        d.receive = checked_receive
+    try:
+        tr.fit()
+    finally:
+        tr.logger.close()
+        tr.release()
+    return tr
+
+
+def main(tmp: str) -> None:
+    global INFO
+    INFO = init_distributed("cpu")
+    tmp_dir = Path(tmp)
+    out: dict = {}
+
+    # Streaming DiLoCo: identical global parameters after every outer step; bytes at the collectives
+    watch: list = []
+    run = tmp_dir / "streaming"
+    tr = train(run, STREAMING, watch)
+    d = tr.optimizer.strategy.loop.outer
+    P = tr.optimizer.world_size
+    # tau = 1 at 2 ranks: the averages run on the background thread; the bytes they booked at their
+    # collectives join the step of their outer step (the send after step 7 is applied by the end)
+    formula = {t: sum(wire_bytes(d.o, P, d.numels[k])[0] for k in d.receives_at(t)) for t in range(1, 8)}
+    out["streaming"] = {"watch": watch, "formula": formula, "numels": d.numels,
+                        "background": [type(a).__name__ for a in d.averages],
+                        "booked": {r["step"]: r["comm_bytes"] for r in records(run, "train_loss")},
+                        "final": records(run, "param_sha256")[-1]["param_sha256"]}
+
+    # DiLoCo: uninterrupted, then in three pieces (stop at 3 = an outer step, at 4 = inner phase)
+    whole = tmp_dir / "whole"
+    d = train(whole, DILOCO).optimizer.strategy.loop.outer
+    out["blocking_bytes"] = {  # tau = 0: each average runs when sent and books in that step
+        "booked": {r["step"]: r["comm_bytes"] for r in records(whole, "train_loss")},
+        "formula": {t: sum(wire_bytes(d.o, P, d.numels[k])[0] for k in d.sends_at(t)) for t in range(1, 8)}}
+    pieces = tmp_dir / "pieces"
+    train(pieces, DILOCO + ["train.stop_after=3"])
+    train(pieces, DILOCO + ["train.stop_after=1", "train.resume=auto"])
+    train(pieces, DILOCO + ["train.resume=auto"])
+    for name, r in (("whole", whole), ("pieces", pieces)):
+        out[name] = {"final": records(r, "param_sha256")[-1]["param_sha256"],
+                     "val_loss": records(r, "val_loss")[-1]["val_loss"],
+                     "losses": {x["step"]: x["train_loss"] for x in records(r, "train_loss")},
+                     "resumed_at": [x["step"] for x in records(r, "event") if x["event"] == "resume"]}
+    # a damaged outer state (rank 1's file of the last checkpoint: its outer state and local
+    # parameters) falls back to the previous checkpoint like any damaged file
+    last = pieces / "ckpt" / "step_000007" / "rank_00001.pt"
+    if INFO.is_main:
+        blob = bytearray(last.read_bytes())
+        blob[len(blob) // 2] ^= 0xFF
+        last.write_bytes(bytes(blob))
+    dist.barrier()
+    tr = Trainer(load_config(ROOT / "configs/default.yaml", BASE + [f"train.out_dir={pieces}", *DILOCO,
+                                                                    "train.resume=auto"]), INFO)
+    out["damaged"] = {"step": tr.step, "outer_step": tr.optimizer.strategy.loop.outer.step}
+    tr.logger.close()
+    tr.release()
+    (tmp_dir / f"result_{INFO.rank}.json").write_text(json.dumps(out, indent=1))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
