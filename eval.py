@@ -32,13 +32,13 @@ world_size=)` at eval steps; each rank scores items[rank::world_size] and return
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 # the logic lives in trainer/scoring.py (the trainer's evaluation calls it too); this is the command
 from trainer.scoring import (MCFormatError, MCItem, NonFiniteResult, ending_logprobs, item_from,  # noqa: F401
                              load_mc_file, mean_batch_loss, multiple_choice, val_loss)
+from util.cli import Parser
 
 _item_from = item_from  # the name tests/model/test_eval.py and older callers use
 
@@ -48,8 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from data.loader import ORDERS
     from trainer.sampling import load
 
-    p = argparse.ArgumentParser(prog="python -m eval", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = Parser(prog="python -m eval", description=__doc__.split("\n\n")[0], epilog=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("val", help="validation loss and perplexity on a prepared dataset")
     v.add_argument("src", metavar="RUN_DIR_OR_EXPORT")

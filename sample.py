@@ -14,19 +14,18 @@ prompt starts from <|endoftext|>, i.e. from the beginning of a document.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 # the logic lives in trainer/sampling.py (eval.py loads models through it too); this is the command
 from trainer.sampling import (TextCodec, check_logits, check_vocab, generate_ids, load, load_codec,  # noqa: F401
                               resolve_device, run_tokenizer, tiktoken_codec)
+from util.cli import Parser
 
 _tiktoken_codec = tiktoken_codec  # the name older callers use
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sample", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = Parser(prog="python -m sample", description=__doc__.split("\n\n")[0], epilog=__doc__)
     p.add_argument("src", metavar="RUN_DIR_OR_EXPORT", help="run dir, RUN/ckpt/step_NNNNNN, or an HF export dir")
     p.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
     p.add_argument("--max-new-tokens", type=int, default=200)

@@ -5,8 +5,10 @@
     torchrun --nproc_per_node=8 train.py configs/gpt2_774m/lioncub_8bit_l1.yaml train.max_steps=5000
     python train.py --help-config                                          # every key, with its help
 
-Overrides follow the config path as section.key=value (values parsed as YAML). The run directory
-(train.out_dir) gets config.yaml, metrics.jsonl and ckpt/; see README.md.
+Config files compose in order (a size file, then a variant file); section.key=value overrides (values
+parsed as YAML) apply over all of them, wherever they stand on the line: every command takes its
+arguments this way (util/cli.py). The run directory (train.out_dir) gets config.yaml, metrics.jsonl
+and ckpt/; see README.md.
 """
 from __future__ import annotations
 
@@ -59,10 +61,10 @@ def peer_failed(e: BaseException) -> bool:
 def main(argv: list[str]) -> int:
     from trainer.config import ConfigError, describe, load_config_args
 
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv or {"-h", "--help"} & set(argv):
         print(__doc__)
         return 0 if argv else 2
-    if argv[0] == "--help-config":
+    if "--help-config" in argv:
         print(describe())
         return 0
     rank = int(os.environ.get("RANK", "0"))

@@ -57,6 +57,7 @@ from data.sources import IndexedSource, collect_files, StreamSource, count_token
 from data.writer import LOCK, PROGRESS, PrepareStopped, Writer, check_out, open_work
 from data.tokenizer import copy_tokenizer, eot_id, get_encoding, tokenizer_info
 from util import replace_dir
+from util.cli import Parser
 
 OWT_VAL_FRACTION = 0.0005  # nanoGPT data/openwebtext/prepare.py
 OWT_SEED = 2357
@@ -309,8 +310,7 @@ PROSE_MOVED = ("the prose corpus is built by the lab now: python -m bench.prose 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m data.prepare", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="source", required=True, metavar="{openwebtext,fineweb,text}")
 
     def hub_flags(sp: argparse.ArgumentParser, hub_id: str) -> None:

@@ -117,7 +117,8 @@ def install(device: str) -> None:
 
 
 FUNCTIONAL = ("all_gather_tensor", "all_gather_single", "all_reduce", "reduce_scatter_tensor", "reduce_scatter_single",
-              "all_to_all_single")
+              "all_to_all_single", "all_gather_tensor_autograd", "reduce_scatter_tensor_autograd",
+              "all_to_all_single_autograd")
 """torch's functional collectives, which DTensor's redistribution (full_tensor, Shard -> Replicate) calls."""
 
 

@@ -46,8 +46,8 @@ def check_train_args(script_args: list[str], world_size: int | None) -> str:
     """train.py's own argument and config checks, before launch: the error text, or ''."""
     from trainer.config import ConfigError, load_config_args, validate
 
-    if not script_args or script_args[0].startswith("-"):
-        return ""  # --help, --help-config: train.py answers itself
+    if not script_args or {"-h", "--help", "--help-config"} & set(script_args):
+        return ""  # train.py answers these itself, wherever they stand (util/cli.py's convention)
     try:
         cfg = load_config_args(script_args)
         if world_size is not None:

@@ -18,13 +18,13 @@ generation_config.json's suppress_tokens, so `generate` never emits an undecodab
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
 from pathlib import Path
 
 from util import replace_dir
+from util.cli import Parser
 
 from .hf import DTYPES, HFFormatError, save_hf
 from .load import load_model
@@ -176,8 +176,7 @@ def _umask() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m model.export", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = Parser(prog="python -m model.export", description=__doc__.split("\n\n")[0], epilog=__doc__)
     p.add_argument("src", metavar="RUN_DIR_OR_CKPT", help="run dir (train.out_dir) or RUN/ckpt/step_NNNNNN")
     p.add_argument("--out", required=True, help="output directory (Hugging Face format)")
     p.add_argument("--dtype", choices=list(DTYPES), default=None, help="stored precision (default: as trained)")

@@ -1,5 +1,6 @@
-"""Per-rank memory of a training run; its command is `python -m trainer.memory CONFIG [key=value ...]
---world N [--shard-size S] [--device-gib G]` (trainer/memory.py: it reads a config).
+"""Per-rank memory of a training run; its command is `python -m trainer.memory CONFIG [MORE.yaml ...]
+[key=value ...] --world N [--shard-size S] [--device-gib G] [--variants A.yaml B.yaml]` (trainer/memory.py:
+it reads a config).
 
 What one rank holds, for the config's model, optimizer and comm mode at world size N with S ranks
 sharding one copy of the model (parallel.shard_size; replicate = N / S):
@@ -191,10 +192,12 @@ def moved(argv: list[str] | None = None) -> int:
     """The command used to live here; it reads a config, which is the trainer's, so it is
     `python -m trainer.memory` now (the model imports nothing of the trainer)."""
     ap = argparse.ArgumentParser(prog="python -m model.memory",
-                                 description="moved: python -m trainer.memory CONFIG [key=value ...] --world N")
+                                 description="moved: python -m trainer.memory CONFIG [MORE.yaml ...] [key=value ...] "
+                                             "--world N")
     ap.parse_known_args(argv)
-    print("error: the memory estimate's command is `python -m trainer.memory CONFIG [key=value ...] --world N "
-          "[--shard-size S] [--device-gib G]` (same arguments); run that", file=sys.stderr)
+    print("error: the memory estimate's command is `python -m trainer.memory CONFIG [MORE.yaml ...] [key=value ...] "
+          "--world N [--shard-size S] [--device-gib G] [--variants A.yaml B.yaml]` (the same arguments, in any "
+          "order); run that", file=sys.stderr)
     return 2
 
 

@@ -1,5 +1,6 @@
 """Config loading: YAML files (strict: a key given twice is an error) and their `extends:` chains,
-`section.key=value` overrides, the typed build of the sections, and train.py's command line.
+`section.key=value` overrides, the typed build of the sections, and train.py's command line (sorted
+as every command sorts its words: util/cli.py).
 
 Precedence: dataclass defaults < YAML file (and the files it `extends:`) < overrides."""
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from util.cli import split_words
 from util.files import FileShapeError, strict_yaml
 
 from .config_schema import CommConfig, Config, ConfigError, OptimConfig, _registries
@@ -44,6 +46,16 @@ def _read_yaml(path: Path, seen: tuple = ()) -> dict:
 def read_yaml(path: str | Path) -> dict:
     """A config file as a plain dict, its `extends:` chain resolved (ConfigError on a bad file)."""
     return _read_yaml(Path(path))
+
+
+def compose_yaml(paths: list[str | Path] | tuple) -> dict:
+    """Config files composed in order as plain dicts, the way load_config composes them before the
+    overrides (each file's `extends:` resolved; a later file overrides an earlier one key by key,
+    nested mappings merged)."""
+    raw: dict = {}
+    for p in paths:
+        raw = _merge(raw, _read_yaml(Path(p)))
+    return raw
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -172,21 +184,23 @@ def _split_options(section: str, data: dict, fixed: list[str], registry, problem
 
 
 def split_config_args(args: list[str]) -> tuple[list[str], list[str]]:
-    """A command line's leading config files (*.yaml / *.yml, no '=') and the key=value overrides after them."""
-    files = []
-    for a in args:
-        if "=" in a or not a.endswith((".yaml", ".yml")):
-            break
-        files.append(a)
-    return files, args[len(files):]
+    """A command line's config files (*.yaml / *.yml) and key=value overrides, each in its order, wherever
+    they stand (util/cli.py's convention: overrides apply over every file). A word that is neither goes
+    with the overrides, where parse_overrides names it."""
+    files, overrides, other = split_words(args)
+    return files, overrides + other
 
 
 def load_config_args(args: list[str]) -> Config:
-    """The Config of train.py's command line (CONFIG.yaml [MORE.yaml ...] [section.key=value ...]);
-    ConfigError when it names no config file first or the config is invalid."""
-    files, overrides = split_config_args(args)
+    """The Config of train.py's command line: config files (composed in order) and section.key=value
+    overrides, in any order (CONFIG.yaml [MORE.yaml ...] [section.key=value ...] is the usual one);
+    ConfigError when it names no config file, a word is neither, or the config is invalid."""
+    files, overrides, other = split_words(args)
+    if other:
+        raise ConfigError(f"{other[0]}: expected a config file (*.yaml) or a section.key=value override; usage: "
+                          f"train.py CONFIG.yaml [MORE.yaml ...] [section.key=value ...]")
     if not files:
-        raise ConfigError(f"{args[0]}: expected a config file (*.yaml) first; usage: train.py CONFIG.yaml "
+        raise ConfigError(f"expected a config file (*.yaml), e.g. configs/default.yaml; usage: train.py CONFIG.yaml "
                           f"[MORE.yaml ...] [section.key=value ...]")
     return load_config(files, overrides)
 
@@ -199,9 +213,7 @@ def load_config(path: str | Path | list | tuple | None, overrides: list[str] | N
     directory defaults to the merged train.out_dir joined with the last file's name
     (runs/gpt2_124m/lioncub_1bit), unless a file after the first or an override sets it."""
     paths = [Path(p) for p in (path if isinstance(path, (list, tuple)) else [path] if path else [])]
-    raw: dict = {}
-    for p in paths:
-        raw = _merge(raw, _read_yaml(p))
+    raw = compose_yaml(paths)
     over = parse_overrides(overrides or [])
     if len(paths) > 1 and "out_dir" in (raw.get("train") or {}) and not any(
             "out_dir" in (_read_yaml(p).get("train") or {}) for p in paths[1:]) \

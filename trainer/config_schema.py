@@ -181,11 +181,12 @@ class CommConfig:
     timeout_s: float = 600.0
     """Collective timeout in seconds (process group); a hung peer fails the run after this."""
     kernels: str = "auto"
-    """The fused hot-path kernels (quantize/pack, unpack/vote, Lion passes; comm.kernels, optim.lion): auto (per
-    kernel, the fastest of eager, compiled with torch.compile and native C loops (CPU), timed in warm-up on
-    the run's sizes and agreed by the ranks; $LIONCUB_KERNELS overrides auto), compiled (an error where no
-    compiler exists), native (comm.native, CPU only) or eager. Every choice gives the same bytes and updates;
-    compilation is paid once before the first timed step and reported."""
+    """The fused hot-path kernels (quantize/pack, unpack/vote, Lion passes; comm.kernels, optim.lion): auto (the
+    device's fast implementation: the native C loops on CPU, the compiled kernels on CUDA, where sign packing
+    and the majority are timed against eager in warm-up and the ranks agree on one choice; $LIONCUB_KERNELS
+    overrides auto), compiled (an error where no compiler exists), native (comm.native, CPU only) or eager.
+    Every choice gives the same bytes and updates; compilation is paid once before the first timed step and
+    reported."""
     bucket_mb: float = 0.0
     """Exchange the vector in buckets of about this many MiB, in the order backward finishes their
     gradients (DDP's reducer uses 25); 0 = one bucket, the whole vector. Results are the same with and

@@ -1,23 +1,25 @@
-"""Per-rank memory of a training run and whether it fits: `python -m trainer.memory CONFIG
-[key=value ...] --world N [--shard-size S] [--device-gib G]`.
+"""Per-rank memory of a training run and whether it fits: `python -m trainer.memory CONFIG [MORE.yaml ...]
+[key=value ...] --world N [--shard-size S] [--device-gib G] [--variants A.yaml B.yaml ...]`.
 
 The command reads the config (trainer.config) and prints model.memory's estimate and report; the
-estimate itself (model/memory.py) says what each line counts.
+estimate itself (model/memory.py) says what each line counts. Arguments follow every command's
+convention (util/cli.py): config files compose in order, overrides and flags in any order;
+`--variants A.yaml B.yaml` prints one estimate per file (each composed over the config files given
+outside --variants, then the overrides) and a table comparing their totals.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
-from model.memory import estimate, report
+from model.memory import GIB, estimate, report
+from util.cli import Parser, variant_runs
 
 from .config import ConfigError, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m trainer.memory", description=__doc__.split("\n\n")[0])
-    ap.add_argument("config", help="a YAML config (configs/...)")
-    ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    ap = Parser(prog="python -m trainer.memory", description=__doc__.split("\n\n")[0], require_config=True,
+                variants=True, epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--world", type=int, required=True, help="ranks in the run")
     ap.add_argument("--shard-size", type=int, default=None,
                     help="ranks sharding one copy of the model (default: the config's parallel.shard_size)")
@@ -26,15 +28,27 @@ def main(argv: list[str] | None = None) -> int:
                     help="activation width: cuda uses train.dtype (bfloat16 by default), cpu fp32")
     args = ap.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
-        shard = args.shard_size if args.shard_size is not None else getattr(cfg, "parallel").shard_size
-        mem = estimate(cfg, args.world, shard, device=args.device)
+        runs = variant_runs(args) if args.variants else [("", args.configs)]
+        rows = []
+        for name, files in runs:
+            cfg = load_config(files, args.overrides)
+            shard = args.shard_size if args.shard_size is not None else cfg.parallel.shard_size
+            rows.append((name, cfg, shard, estimate(cfg, args.world, shard, device=args.device)))
     except (ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{cfg.model.preset} | optim.name={cfg.optim.name} comm.mode={cfg.comm.mode} | world {args.world}, "
-          f"shard size {shard} (replicas {args.world // shard}) | batch {cfg.data.batch_size} x {cfg.data.seq_len}")
-    print(report(mem, args.device_gib))
+    for name, cfg, shard, mem in rows:
+        if name:
+            print(f"== {name}")
+        print(f"{cfg.model.preset} | optim.name={cfg.optim.name} comm.mode={cfg.comm.mode} | world {args.world}, "
+              f"shard size {shard} (replicas {args.world // shard}) | batch {cfg.data.batch_size} x {cfg.data.seq_len}")
+        print(report(mem, args.device_gib))
+    if args.variants:
+        width = max(len(r[0]) for r in rows)
+        print(f"\n{'variant':{width}s}  {'model state':>12s}  {'total':>10s}  of {args.device_gib:g} GiB")
+        for name, _, _, mem in rows:
+            print(f"{name:{width}s}  {mem.model_state / GIB:8.2f} GiB  {mem.total / GIB:6.2f} GiB  "
+                  f"{'fits' if mem.total <= args.device_gib * GIB else 'does NOT fit'}")
     return 0
 
 

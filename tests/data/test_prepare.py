@@ -162,3 +162,14 @@ def test_hub_without_network_fails_fast_with_instructions(tmp_path: Path) -> Non
     proc, secs = run_cli(["fineweb", "--sample", "sample-100BT", "--online", "--out", str(tmp_path / "fw")], env)
     assert proc.returncode == 2 and "127.0.0.1:9 is unreachable" in proc.stderr, proc.stderr[-2000:]
     assert secs < 15 and not (tmp_path / "fw").exists()
+
+
+
+def test_prepare_takes_flags_only_and_says_so_in_one_line(capsys) -> None:
+    """util/cli.py's convention for a command with no config: a config file or key=value is refused by name,
+    every error is one line with exit code 2 (argparse printed its usage block first)."""
+    for argv, want in ((['text', '--out', 'o', 'data.tokenizer=gpt2', '--input', 'a.txt'], "'data.tokenizer=gpt2': this command takes no config"), (['text', '--input', 'a.txt'], 'required: --out')):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and want in err and err.count("\n") == 1, err

@@ -52,3 +52,12 @@ def test_plain_torchrun_names_the_launcher_that_avoids_its_traceback(tmp_path):
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "train.max_stpes: unknown key" in p.stderr
     assert "`python -m launch.torchrun` takes the same options" in p.stderr, p.stderr[-3000:]
+
+
+def test_help_anywhere_is_left_to_train_py():
+    """train.py answers --help / --help-config wherever they stand; the launcher's check must not turn a
+    help request after the config file into a config error."""
+    from launch.torchrun import check_train_args
+    assert check_train_args(["configs/default.yaml", "--help-config"], 2) == ""
+    assert check_train_args(["configs/default.yaml", "train.max_steps=1", "-h"], 2) == ""
+    assert "no_such_key" in check_train_args(["configs/default.yaml", "train.no_such_key=1"], 2)

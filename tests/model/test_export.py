@@ -305,3 +305,14 @@ def test_grouped_query_attention_round_trips_through_export_and_import(tmp_path:
     x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert (mine.logits(x) - foreign(x).logits).abs().max().item() < 1e-4
+
+
+
+def test_export_takes_flags_only_and_says_so_in_one_line(capsys) -> None:
+    """util/cli.py's convention for a command with no config: a config file or key=value is refused by name,
+    every error is one line with exit code 2 (argparse printed its usage block first)."""
+    for argv, want in ((['runs/x', '--out', 'o', 'model.n_layer=2'], "'model.n_layer=2': this command takes no config file"), (['runs/x'], 'required: --out')):
+        with pytest.raises(SystemExit) as e:
+            export_main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and want in err and err.count("\n") == 1, err

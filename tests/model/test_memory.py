@@ -90,3 +90,31 @@ def test_update_sync_buffer_is_the_wave_scratch_unless_overlap() -> None:
     assert buffers("lioncub_1bit", "comm.bucket_mb=25", "comm.overlap=true", "optim.grad_clip=0")[0] == 4 * n
     assert buffers("lion_fp32")[0] == 0
     assert buffers("binsgdm")[0] == 4 * n  # its m/b buffer is the whole vector
+
+
+def test_command_line_convention(capsys) -> None:
+    """util/cli.py's convention: overrides after a flag, several config files composing as train.py
+    composes them, --variants printing one estimate per file and a comparison."""
+    from trainer.memory import main
+
+    size, variant = str(ROOT / "configs/gpt2_124m.yaml"), str(ROOT / "configs/variants/lioncub_1bit.yaml")
+    assert main([size, "--world", "8", "data.batch_size=1", "--shard-size", "1", variant]) == 0
+    out = capsys.readouterr().out
+    assert "gpt2-124m | optim.name=lion comm.mode=onebit | world 8" in out and "batch 1 x" in out, out
+    composed = estimate(load_config([size, variant], ["data.batch_size=1"]), 8, 1)
+    assert f"{composed.local_elements:,} local elements" in out
+
+    adamw = str(ROOT / "configs/variants/adamw_fp32.yaml")
+    assert main([size, "--variants", adamw, variant, "data.batch_size=1", "--world", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "== adamw_fp32" in out and "== lioncub_1bit" in out and "optim.name=adamw comm.mode=fp32" in out
+    table = {line.split()[0]: float(line.split()[3]) for line in out.splitlines()
+             if line.startswith(("adamw_fp32 ", "lioncub_1bit "))}
+    want = {n: estimate(load_config([size, f], ["data.batch_size=1"]), 8, 1).total / 2 ** 30
+            for n, f in (("adamw_fp32", adamw), ("lioncub_1bit", variant))}
+    assert table == pytest.approx(want, abs=0.006) and table["adamw_fp32"] > table["lioncub_1bit"]
+
+    with pytest.raises(SystemExit) as e:
+        main([size, "--world", "8", "data.batch_size"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "'data.batch_size': expected a config file" in err and err.count("\n") == 1

@@ -169,7 +169,21 @@ def test_a_size_file_and_a_variant_file_compose_on_the_command_line():
                        ["train.out_dir=/tmp/x", "optim.lr=1e-4"])
     assert over.train.out_dir == "/tmp/x" and over.optim.lr == 1e-4 and over.model.preset == "gpt2-774m"
     assert load_config([ROOT / "configs/default.yaml"]).train.out_dir == "runs/default"  # one file: as written
-    assert split_config_args(["a.yaml", "b.yml", "x.y=1", "c.yaml"]) == (["a.yaml", "b.yml"], ["x.y=1", "c.yaml"])
+    # every file composes wherever it stands (util/cli.py's convention); a stray word goes to the overrides' check
+    assert split_config_args(["a.yaml", "x.y=1", "b.yml", "c"]) == (["a.yaml", "b.yml"], ["x.y=1", "c"])
+
+
+def test_train_py_takes_files_and_overrides_in_any_order():
+    from trainer.config import load_config_args
+
+    want = load_config([ROOT / "configs/gpt2_774m.yaml", ROOT / "configs/variants/lioncub_1bit.yaml"],
+                       ["train.max_steps=7", "optim.lr=1e-4"]).to_dict()
+    for argv in (["configs/gpt2_774m.yaml", "configs/variants/lioncub_1bit.yaml", "train.max_steps=7", "optim.lr=1e-4"],
+                 ["train.max_steps=7", "configs/gpt2_774m.yaml", "optim.lr=1e-4", "configs/variants/lioncub_1bit.yaml"]):
+        got = load_config_args([str(ROOT / a) if a.endswith(".yaml") else a for a in argv]).to_dict()
+        assert got == want and got["train"]["out_dir"] == "runs/gpt2_774m/lioncub_1bit"
+    with pytest.raises(ConfigError, match="^configs/default: expected a config file"):
+        load_config_args([str(ROOT / "configs/default.yaml"), "configs/default"])
 
 
 def test_every_variant_composes_with_every_size_file():
@@ -191,8 +205,9 @@ def test_every_variant_composes_with_every_size_file():
     assert all("ties embedding and head" in p for p in problems), problems
 
 
-def test_train_py_wants_a_config_file_first(capsys):
+def test_train_py_wants_a_config_file(capsys):
     import train
 
     assert train.main(["optim.lr=1e-3"]) == 2
-    assert "expected a config file (*.yaml) first" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "expected a config file (*.yaml)" in err and err.count("\n") == 1

@@ -127,3 +127,14 @@ def test_cli_top_p(tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit):
         sample.main([str(run), "--top-p", "1.5"])
     assert "--top-p 1.5: must be in (0, 1]" in capsys.readouterr().err
+
+
+
+def test_sample_takes_flags_only_and_says_so_in_one_line(capsys) -> None:
+    """util/cli.py's convention for a command with no config: a config file or key=value is refused by name,
+    every error is one line with exit code 2 (argparse printed its usage block first)."""
+    for argv, want in ((['runs/x', '--prompt', 'a=b', 'train.max_steps=5'], "'train.max_steps=5': this command takes no config file"), (['runs/x', '--top-k', 'many'], '--top-k: invalid int value')):
+        with pytest.raises(SystemExit) as e:
+            sample.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and want in err and err.count("\n") == 1, err

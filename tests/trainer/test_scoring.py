@@ -227,3 +227,14 @@ def test_cli_val_reads_the_batches_of_the_runs_own_data_order(tmp_path: Path, ca
     with pytest.raises(SystemExit) as exc:  # argparse refuses another order, naming the choices
         ev.main(args + ["--order", "random"])
     assert exc.value.code == 2 and "choose from 'run', 'sequential', 'shuffled'" in capsys.readouterr().err
+
+
+
+def test_eval_takes_flags_only_and_says_so_in_one_line(capsys) -> None:
+    """util/cli.py's convention for a command with no config: a config file or key=value is refused by name,
+    every error is one line with exit code 2 (argparse printed its usage block first)."""
+    for argv, want in ((['val', 'runs/x', '--data', 'builtin', 'configs/default.yaml'], "'configs/default.yaml': this command takes no config"), (['mc', 'runs/x'], 'required: --file')):
+        with pytest.raises(SystemExit) as e:
+            ev.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and want in err and err.count("\n") == 1, err
