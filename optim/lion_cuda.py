@@ -1,0 +1,80 @@
+"""Lion's fused step replayed as one CUDA graph: the kernels of optim.lion.FusedLionStep, launched by
+one graph replay instead of one Python-side launch per tensor (and the compiled function's guard
+checks on every tensor), so a step that starts on an idle GPU waits microseconds, not the host time of
+every launch, for its first kernel.
+
+The replay runs the very kernels FusedLionStep runs, on the same tensors, so its bytes are that
+step's bytes. A graph holds addresses: it is captured for the tensors of one call and replayed while
+every parameter, gradient and momentum keeps its storage; a call on other storage runs the compiled
+step directly and captures again at the next one.
+The hyperparameter rows travel into a device tensor the graph reads, so a schedule needs no capture.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from comm import kernels
+
+
+def step_inputs(state: dict, groups: Sequence[tuple[dict, Sequence[torch.Tensor]]]):
+    """FusedLionStep's inputs: parameters, gradients, momenta (made on first use), each tensor's group row,
+    and the rows (s, -lr, b1, 1 - b1, b2, 1 - b2) as float32 numbers."""
+    ps, gs, ms, rows, hyper = [], [], [], [], []
+    f = kernels.f32
+    for k, (group, params) in enumerate(groups):
+        b1, b2 = group["betas"]
+        lr, wd = float(group["lr"]), float(group["weight_decay"])
+        hyper.append((f(1.0 - lr * wd) if wd != 0.0 else 1.0, f(-lr), f(b1), f(1.0 - b1), f(b2), f(1.0 - b2)))
+        for p in params:
+            st = state[p]
+            if "exp_avg" not in st:
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            ps.append(p.detach() if p.requires_grad else p)  # the data a kernel writes, outside autograd
+            gs.append(p.grad)
+            ms.append(st["exp_avg"])
+            rows.append(k)
+    return ps, gs, ms, tuple(rows), hyper
+
+
+class GraphedLionStep:
+    """A FusedLionStep (same call) whose kernels replay from a CUDA graph after the first two calls: the
+    first compiles and steps, the second captures and replays, the later ones copy the rows and replay.
+    Wraps the step it is given (this module does not import optim.lion, so optim.lion may import it)."""
+
+    def __init__(self, fused) -> None:
+        """`fused`: the optim.lion.FusedLionStep to replay (its compiled step is reused)."""
+        self.device = torch.device(fused.device)
+        if self.device.type != "cuda":
+            raise ValueError(f"GraphedLionStep needs a CUDA device, not {self.device}; use optim.lion.FusedLionStep")
+        self.fused = fused
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self._key: tuple | None = None
+        self._hyper: torch.Tensor | None = None
+        self.calls = self.captures = 0
+
+    def __call__(self, state: dict, groups: Sequence[tuple[dict, Sequence[torch.Tensor]]]) -> None:
+        ps, gs, ms, rows, hyper = step_inputs(state, groups)
+        if not ps:
+            return
+        key = (rows, tuple(t.data_ptr() for t in ps + gs + ms))
+        if self.fused._rows != rows:
+            self.fused._build(rows)
+        h = torch.tensor(hyper, dtype=torch.float32, pin_memory=True)
+        if self._hyper is None or self._hyper.shape != h.shape:
+            self._hyper, self.graph = torch.empty(h.shape, dtype=torch.float32, device=self.device), None
+        self._hyper.copy_(h, non_blocking=True)  # in stream order, before the kernels that read it
+        if self.graph is not None and key == self._key:
+            self.graph.replay()
+        elif self._key == key:  # compiled and run once for these tensors: capture (nothing runs), then replay
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self.fused._run(ps, gs, ms, self._hyper)
+            self.graph = graph
+            self.captures += 1
+            graph.replay()
+        else:  # first call, or the tensors moved: the compiled step directly
+            self.graph, self._key = None, key
+            self.fused._run(ps, gs, ms, self._hyper)
+        self.calls += 1
