@@ -1,11 +1,22 @@
-"""Command line of the reproduction suite: `python -m bench.reproduce <study> [options]`."""
+"""Command line of the reproduction suite: `python -m bench.reproduce <study> [CONFIG.yaml ...]
+[section.key=value ...] [options]`, in any order (util/cli.py's convention). Config files and
+key=value words change every run of the study after the setting's own overrides, as --set does: a
+file counts as its section.key=value lines (the files composed as train.py composes them), then
+the key=value words, then --set."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
+
+import yaml
+
+from trainer.config import ConfigError
+from trainer.config_load import compose_yaml
+from util.cli import Parser
 
 from . import STUDIES, Options, StudyUnavailable, framework
 
@@ -24,10 +35,11 @@ def _floats(s: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"{s!r}: expected comma-separated numbers, e.g. 2,1.5,1,0.5")
 
 
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m bench.reproduce",
-                                 description="Reproduce Lion Cub's findings with this tool's own training.")
-    ap.add_argument("study", nargs="?", help="study name (see --list), or 'all': every study in turn")
+def parser() -> Parser:
+    ap = Parser(prog="python -m bench.reproduce", description="Reproduce Lion Cub's findings with this tool's own "
+                "training.", epilog=__doc__, configs=True, positionals=("study",), override_lists=("sets",),
+                config_help="the study name (see --list), or 'all': every study in turn; config files and "
+                            "section.key=value overrides for every run, after the setting's (as --set)")
     ap.add_argument("--list", action="store_true", help="list the registered studies and exit")
     ap.add_argument("--quick", action="store_true",
                     help="minutes: debug model, a handful of steps, 2 ranks (what the tests run); results go to "
@@ -70,9 +82,27 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def config_sets(files: Sequence[str]) -> list[str]:
+    """The section.key=value lines of config files composed as train.py composes them (a key's nested
+    mapping, such as data.mix or comm.momentum_sync, stays one value)."""
+    out = []
+    for section, keys in compose_yaml(files).items():
+        if not isinstance(keys, dict):
+            raise ConfigError(f"{' '.join(files)}: {section}: expected a mapping of keys, got {keys!r}")
+        for key, v in keys.items():
+            text = v if isinstance(v, str) and yaml.safe_load(v) == v else json.dumps(v)
+            out.append(f"{section}.{key}={text}")
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
+    try:
+        args.sets = config_sets(args.configs) + args.overrides + args.sets
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.import_raw:
         store = Options(quick=args.quick, out=args.out).store_dir()
         for f in args.import_raw:

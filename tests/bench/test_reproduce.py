@@ -848,23 +848,30 @@ EXPECTED_COLUMNS = {
 }
 
 
+def check_quick_study(out, name: str) -> list[dict]:
+    """The files a --quick study writes into `out`: its csv's columns, plot, report, meta and run records;
+    returns the run records."""
+    rows = list(csv.DictReader(open(out / f"{name}.csv")))
+    assert rows and EXPECTED_COLUMNS[name] <= set(rows[0]), (name, rows[:1])
+    assert (out / f"{name}.png").stat().st_size > 5_000
+    md = (out / f"{name}.md").read_text()
+    assert md.startswith(("# Lion Cub", "# Dion", "# Learning-rate")) and "tokens seen / tokens available" in md and "|---" in md and "Machine (this report):" in md and "Runs trained on" in md
+    meta = json.loads((out / f"{name}_meta.json").read_text())
+    assert meta["machine"]["cpu_count"] and meta["scale"]["quick"] is True
+    runs = [json.loads(x) for x in open(out / f"{name}_runs.jsonl")]
+    for r in runs:
+        if not r["status"].startswith("pending"):
+            assert r["status"] in ("ok", "reused") and r["final_val_loss"] is not None, r
+            assert r["load_before"] and r["wall_s"] > 0
+    return runs
+
+
 @pytest.mark.slow
 def test_quick_training_studies_end_to_end(tmp_path):
     out, work = tmp_path / "results", tmp_path / "work"
-    for name in ["table2", "table3", "fig10", "fig5", "fig6_17", "compressors", "dion_ef", "lr_sweep"]:
+    for name in ["table2", "table3", "fig10", "dion_ef"]:  # the other quick studies: test_reproduce_quick.py
         assert main([name, "--quick", "--out", str(out), "--work", str(work)]) == 0, name
-        rows = list(csv.DictReader(open(out / f"{name}.csv")))
-        assert rows and EXPECTED_COLUMNS[name] <= set(rows[0]), (name, rows[:1])
-        assert (out / f"{name}.png").stat().st_size > 5_000
-        md = (out / f"{name}.md").read_text()
-        assert md.startswith(("# Lion Cub", "# Dion", "# Learning-rate")) and "tokens seen / tokens available" in md and "|---" in md and "Machine (this report):" in md and "Runs trained on" in md
-        meta = json.loads((out / f"{name}_meta.json").read_text())
-        assert meta["machine"]["cpu_count"] and meta["scale"]["quick"] is True
-        runs = [json.loads(x) for x in open(out / f"{name}_runs.jsonl")]
-        for r in runs:
-            if not r["status"].startswith("pending"):
-                assert r["status"] in ("ok", "reused") and r["final_val_loss"] is not None, r
-                assert r["load_before"] and r["wall_s"] > 0
+        runs = check_quick_study(out, name)
         if name in ("table3", "fig6_17"):  # reused from table2 / fig5 through the shared --work
             assert {r["how"] for r in runs} == {"reused"}
 
@@ -892,24 +899,6 @@ def test_quick_training_studies_end_to_end(tmp_path):
     t2 = {r["arm"]: r for r in csv.DictReader(open(out / "table2.csv"))}
     assert float(t2["8bit_l1"]["sign_match_pct"]) > float(t2["1bit"]["sign_match_pct"])
     assert t2["fp32"]["sign_match_pct"] == ""  # gradient sync: no diagnostics
-    # fig5: the head-sync arm really syncs (more bytes per logged window than the no-sync arm)
-    def bytes_of(run):
-        recs = map(json.loads, open(work / "runs" / run / "metrics.jsonl"))
-        return [r["comm_bytes"] for r in recs if "comm_bytes" in r]
-    assert min(bytes_of("b0.95_sync_head_every_2_p2_s1337")) > max(bytes_of("b0.95_none_p2_s1337"))
-    # and the paper's arm, embedding + head, more than the head alone (untied: two matrices of the same size)
-    assert max(bytes_of("b0.95_sync_emb_head_every_2_p2_s1337")) > max(bytes_of("b0.95_sync_head_every_2_p2_s1337"))
-    # lr_sweep: three values of one arm, the best written for --lr from-sweep
-    assert len(list(csv.DictReader(open(out / "lr_sweep.csv")))) == 3
-    assert set(json.loads((out / framework.BEST_LR_FILE).read_text())["best"]) == {"lion_fp32"}
-    # compressors: every optimizer ran, and 1-bit Adam's exchanges (after its one fp32 warm-up step) send far
-    # fewer bytes than AdamW's fp32 mean
-    comp = {r["optimizer"]: r for r in csv.DictReader(open(out / "compressors.csv"))}
-    assert set(comp) == {"adamw_fp32", "onebit_adam"} and all(r["status"] == "ok" for r in comp.values()), comp
-    assert float(comp["onebit_adam"]["bytes_per_step"]) < 0.1 * float(comp["adamw_fp32"]["bytes_per_step"])
-    # wire bytes at P = 2: a ring allreduce sends its buffer once (2(P-1)/P = 1); the all-to-all keeps half at home
-    assert float(comp["adamw_fp32"]["wire_factor"]) == 1.0 and float(comp["onebit_adam"]["wire_factor"]) < 1
-    assert float(comp["adamw_fp32"]["wire_bytes_per_step"]) == float(comp["adamw_fp32"]["bytes_per_step"])
     # dion_ef: both arms, and the gap column filled on the "off" row
     dion = {r["error_feedback"]: r for r in csv.DictReader(open(out / "dion_ef.csv"))}
     assert {(r["rank_fraction"], ef) for ef, r in dion.items()} == {("0.0625", "on"), ("0.0625", "off")}
@@ -1112,3 +1101,39 @@ def test_horizon_summary_pairs_each_arm_with_its_reference_by_seed():
     assert one["peak_train_mean"] == 7.5 and rows["adamw_fp32"]["peak_train_mean"] == 6.0  # step 100 is warm-up
     assert rows["dion_r0.25_ef0"]["delta_mean"] == pytest.approx(0.02) and rows["adamw_fp32"]["reference"] == "-"
     assert rows["1bit"]["val_loss_n"] == 0 and rows["1bit"]["delta_n"] == 0  # no run: an empty row
+
+
+def test_config_files_and_overrides_go_anywhere_and_become_sets(tmp_path, monkeypatch, capsys):
+    """util/cli.py's convention: config files and key=value words in any order with the flags and the study
+    name; each changes every run after the setting, as --set does (files' lines first, in order, then the
+    words, then --set), and the study sees them in Options.sets."""
+    seen: list = []
+
+    def execute(self, opts, echo=print):
+        seen.append((self.name, opts.sets, opts.quick))
+        return []
+
+    monkeypatch.setattr(framework.Study, "execute", execute)
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("optim: {lr: 0.001, betas: [0.9, 0.99]}\ndata:\n  mix: {builtin: 1.0}\n")
+    b.write_text("extends: a.yaml\ntrain: {out_dir: runs/x}\n")
+    c = tmp_path / "c.yaml"  # a later file: its keys win, a nested mapping merges key by key (as in train.py)
+    c.write_text("optim: {lr: 0.002}\ndata:\n  mix: {data/owt: 0.5}\n")
+    assert main(["optim.warmup_steps=3", "--quick", str(b), "table2", "--set", "train.log_every=1", str(c),
+                 "--out", str(tmp_path / "out")]) == 0
+    want = ("optim.lr=0.002", "optim.betas=[0.9, 0.99]", "data.mix={\"builtin\": 1.0, \"data/owt\": 0.5}",
+            "train.out_dir=runs/x", "optim.warmup_steps=3", "train.log_every=1")
+    assert seen == [("table2", want, True)]
+    # the lines parse back to the files' values (as a run's overrides), and through the setting's own merge
+    from trainer.config import parse_overrides
+
+    assert parse_overrides(list(want[:4])) == {"optim": {"lr": 0.002, "betas": [0.9, 0.99]},
+                                               "data": {"mix": {"builtin": 1.0, "data/owt": 0.5}},
+                                               "train": {"out_dir": "runs/x"}}
+    opts = Options(quick=True, sets=want)
+    merged = dict(x.split("=", 1) for x in opts.setting_overrides())
+    assert merged["optim.lr"] == "0.002" and merged["train.log_every"] == "1"
+    with pytest.raises(SystemExit) as e:
+        main(["table2", "fig10"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "'fig10': expected a config file" in err and err.count("\n") == 1
