@@ -14,7 +14,7 @@ from data.loader import MixLoader, ShardLoader
 import torch
 
 from model import GPT, PRESETS, GPTConfig, load_model, pad_vocab, resolve_config
-from model.presets import SHAPE_KEYS
+from model.presets import SHAPE_KEYS, SWITCH_KEYS
 
 from .config import Config, ConfigError
 from .dist import DistInfo
@@ -81,9 +81,13 @@ def init_source(cfg: Config, vocab_size: int | None):
                             f"remove model.{key} (the architecture is the source's)")
         else:
             setattr(m, key, getattr(src, key))
-    if m.tie_embeddings is not None and m.tie_embeddings != src.tie_embeddings:
-        problems.append(f"model.tie_embeddings: {m.tie_embeddings}, but model.init_from has {src.tie_embeddings}")
-    m.tie_embeddings, m.pos_emb = src.tie_embeddings, src.pos_emb
+    defaults = type(m)()
+    for key in SWITCH_KEYS:  # unset (None or the schema's default) keeps the preset's: here the source's
+        mine = getattr(m, key)
+        if mine not in (None, getattr(defaults, key)) and mine != getattr(src, key):
+            problems.append(f"model.{key}: {mine}, but model.init_from has {getattr(src, key)}; remove model.{key} "
+                            "(the architecture is the source's)")
+        setattr(m, key, getattr(src, key))
     if cfg.data.seq_len > src.block_size:
         problems.append(f"data.seq_len: {cfg.data.seq_len} exceeds model.init_from's block size {src.block_size}")
     if problems:

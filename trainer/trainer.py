@@ -234,6 +234,9 @@ class Trainer:
                 return {"step": self.step, "stopped": True}
         if window:
             self._log_window(window, start, steps_at_start)
+        # a local-update scheme ends its outer loop here (in-flight averages applied, every replica
+        # on the global parameters), so the final evaluation, digests and checkpoint see that model
+        self.optimizer.strategy.finish(self.optimizer)
         last_eval = self._eval_and_log()
         digests = parallel.param_digests(self.model, self.parallel, self.info.world_size)
         self.logger.log({"step": self.step, "param_sha256": digests, "params_identical": len(set(digests)) == 1})
@@ -245,10 +248,12 @@ class Trainer:
         return {"step": self.step, "val_loss": last_eval, "stopped": False}
 
     def _eval_and_log(self) -> float:
-        val = self.evaluator.val_loss(self.model, self.forward)
-        mc = self.evaluator.multiple_choice(self.model)
-        if self.parallel.sharded:
-            parallel.reshard(self.model)
+        # the parameters the run reports (a local-update scheme's global ones, equal on every replica)
+        with self.optimizer.strategy.evaluation(self.optimizer):
+            val = self.evaluator.val_loss(self.model, self.forward)
+            mc = self.evaluator.multiple_choice(self.model)
+            if self.parallel.sharded:
+                parallel.reshard(self.model)
         self.logger.log({"step": self.step, "val_loss": val, **mc, "train_time_s": self.train_time})
         self.logger.console(f"step {self.step:>6} | val loss {val:.4f}"
                             + (f" | mc acc {mc['mc_acc']:.4f} acc_norm {mc['mc_acc_norm']:.4f} ({mc['mc_items']} items)"

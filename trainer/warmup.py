@@ -1,6 +1,6 @@
 """What a run pays before its first timed step, so that it is reported apart and never lands in a
 step's timing: the wire kernels' warm-up (built, compiled, checked against the reference, and with
-comm.kernels=auto timed) and the model's torch.compile."""
+comm.kernels=auto on CUDA timed) and the model's torch.compile."""
 from __future__ import annotations
 
 import time
@@ -9,14 +9,14 @@ import torch
 
 
 def warm_up_kernels(optimizer, logger, step: int) -> None:
-    """Build, compile, check (and with comm.kernels=auto time) the wire kernels before any timed
+    """Build, compile, check (and with comm.kernels=auto on CUDA time) the wire kernels before any timed
     step, and log what it cost and what auto chose; nothing when the kernels need no warm-up."""
     compile_s = optimizer.warmup()
     if not compile_s:
         return
+    choices = optimizer.kernel_choices()  # what auto timed (on CUDA; on CPU auto runs the native loops untimed)
     logger.console(f"kernels: {optimizer.kernels}, warmed up (built or compiled, checked against "
-                   f"the reference{', timed' if optimizer.kernels == 'auto' else ''}) in {compile_s:.1f} s")
-    choices = optimizer.kernel_choices()
+                   f"the reference{', timed' if choices else ''}) in {compile_s:.1f} s")
     for line in choices:
         logger.console(f"kernels: auto chose {line}")
     logger.log({"step": step, "event": "kernels", "compile_s": compile_s, "choices": choices})
