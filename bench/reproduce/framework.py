@@ -788,9 +788,11 @@ def seed_stats(group: Sequence[RunResult], value: Callable[[RunResult], float | 
 
 def paired_stats(group: Sequence[RunResult], ref: Sequence[RunResult], value: Callable[[RunResult], float | None],
                  prefix: str) -> dict:
-    """{prefix_mean, prefix_std, prefix_n} of value(run) - value(reference run of the same seed), over the seeds
-    finished in both groups. Arms trained from the same seed share the initialization and the data order, so the
-    per-seed difference has a smaller spread than either arm's own and is the statistic to compare arms with."""
+    """{prefix_mean, prefix_std, prefix_n, prefix_t} of value(run) - value(reference run of the same seed), over
+    the seeds finished in both groups. Arms trained from the same seed share the initialization and the data order,
+    so the per-seed difference has a smaller spread than either arm's own and is the statistic to compare arms
+    with; prefix_t is the paired t statistic mean / (std / sqrt(n)) on n - 1 degrees of freedom (None below two
+    seeds or for a zero spread)."""
     refs = {r.run.seed: value(r) for r in ref if r.ok}
     diffs = []
     for r in group:
@@ -798,7 +800,8 @@ def paired_stats(group: Sequence[RunResult], ref: Sequence[RunResult], value: Ca
         if v is not None and b is not None:
             diffs.append(v - b)
     m, s, n = mean_std(diffs)
-    return {f"{prefix}_mean": m, f"{prefix}_std": s, f"{prefix}_n": n}
+    t = m / (s / math.sqrt(n)) if s else None
+    return {f"{prefix}_mean": m, f"{prefix}_std": s, f"{prefix}_n": n, f"{prefix}_t": t}
 
 
 def status_of(group: Sequence[RunResult]) -> str:

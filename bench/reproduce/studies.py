@@ -157,6 +157,7 @@ def table2_summary(results: list[RunResult], scale: Scale) -> Summary:
             Column("paper_delta", "paper Δ vs 32 bit", "+.2f"), Column("paper_rank", "paper rank", "d"),
             Column("val_loss", "val loss (mean ± std)"), Column("val_loss_n", "seeds", "d"),
             Column("delta_vs_fp32_mean", "Δ vs 32 bit (paired)", "+.4f"), Column("delta_vs_fp32_std", "± std", ".4f"),
+            Column("delta_vs_fp32_t", "paired t", ".1f"), Column("delta_vs_fp32_n", "pairs", "d"),
             Column("rank", "rank", "d"),
             Column("train_loss_mean", "train loss (last 10 %)", ".4f"),
             Column("sign_match_pct", "sign match %", ".1f"), Column("sign_flip_pct", "sign flip %", ".1f"),

@@ -771,13 +771,14 @@ def test_paired_stats_pairs_by_seed():
     assert st["d_n"] == 2
     assert st["d_mean"] == pytest.approx(0.3)
     assert st["d_std"] == pytest.approx(statistics.stdev([0.1, 0.5]))
+    assert st["d_t"] == pytest.approx(0.3 / (statistics.stdev([0.1, 0.5]) / 2 ** 0.5))  # paired t, 1 dof
     # a common offset per seed cancels: the unpaired spread is large, the paired one is zero
     arm2 = [_finished("c", s, v + 0.25) for s, v in ((1, 3.0), (2, 5.0), (3, 4.0))]
     st2 = framework.paired_stats(arm2, ref, lambda r: r.final("val_loss"), "d")
     assert st2["d_mean"] == pytest.approx(0.25) and st2["d_std"] == pytest.approx(0.0, abs=1e-12)
     assert framework.seed_stats(arm2, lambda r: r.final("val_loss"), "v")["v_std"] == pytest.approx(1.0)
     assert framework.paired_stats(arm, [], lambda r: r.final("val_loss"), "d") == {"d_mean": None, "d_std": None,
-                                                                                   "d_n": 0}
+                                                                                   "d_n": 0, "d_t": None}
 
 
 def test_table2_summary_pairs_and_leaves_the_control_unranked():
@@ -872,7 +873,7 @@ def test_quick_training_studies_end_to_end(tmp_path):
     for name in ["table2", "table3", "fig10", "dion_ef"]:  # the other quick studies: test_reproduce_quick.py
         assert main([name, "--quick", "--out", str(out), "--work", str(work)]) == 0, name
         runs = check_quick_study(out, name)
-        if name in ("table3", "fig6_17"):  # reused from table2 / fig5 through the shared --work
+        if name == "table3":  # reused from table2 through the shared --work
             assert {r["how"] for r in runs} == {"reused"}
 
     # fig10's weight columns are filled from each run's final checkpoint (values: test_final_matrix_weights)
