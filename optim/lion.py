@@ -392,8 +392,12 @@ class FusedLionStep:
                 return "a parameter or its gradient is not dense and contiguous"
         return None
 
-    def __call__(self, state: dict, groups: Sequence[tuple[dict, Sequence[torch.Tensor]]]) -> None:
-        """One Lion step of every (param group, its parameters), momentum in state[p]["exp_avg"]."""
+    @staticmethod
+    def inputs(state: dict, groups: Sequence[tuple[dict, Sequence[torch.Tensor]]]):
+        """The step's inputs: parameters (their data, outside autograd), gradients, momenta (made on
+        first use), each tensor's group row as a tuple, and one row (s, -lr, b1, 1 - b1, b2, 1 - b2) of
+        float32-rounded numbers per group, s = 1 - lr * wd (1.0 without weight decay). One place for
+        every caller: this step and optim.lion_cuda's graphed replay of it."""
         ps, gs, ms, rows, hyper = [], [], [], [], []
         f = kernels.f32
         for k, (group, params) in enumerate(groups):
@@ -408,10 +412,15 @@ class FusedLionStep:
                 gs.append(p.grad)
                 ms.append(st["exp_avg"])
                 rows.append(k)
+        return ps, gs, ms, tuple(rows), hyper
+
+    def __call__(self, state: dict, groups: Sequence[tuple[dict, Sequence[torch.Tensor]]]) -> None:
+        """One Lion step of every (param group, its parameters), momentum in state[p]["exp_avg"]."""
+        ps, gs, ms, rows, hyper = self.inputs(state, groups)
         if not ps:
             return
-        if self._rows != tuple(rows):
-            self._build(tuple(rows))
+        if self._rows != rows:
+            self._build(rows)
         # pinned: the copy runs in stream order without waiting for the host (no sync on the hot path)
         h = torch.tensor(hyper, dtype=torch.float32, pin_memory=self.device.type == "cuda")
         self._run(ps, gs, ms, h.to(self.device, non_blocking=True))

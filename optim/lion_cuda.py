@@ -15,33 +15,12 @@ from collections.abc import Sequence
 
 import torch
 
-from comm import kernels
-
-
-def step_inputs(state: dict, groups: Sequence[tuple[dict, Sequence[torch.Tensor]]]):
-    """FusedLionStep's inputs: parameters, gradients, momenta (made on first use), each tensor's group row,
-    and the rows (s, -lr, b1, 1 - b1, b2, 1 - b2) as float32 numbers."""
-    ps, gs, ms, rows, hyper = [], [], [], [], []
-    f = kernels.f32
-    for k, (group, params) in enumerate(groups):
-        b1, b2 = group["betas"]
-        lr, wd = float(group["lr"]), float(group["weight_decay"])
-        hyper.append((f(1.0 - lr * wd) if wd != 0.0 else 1.0, f(-lr), f(b1), f(1.0 - b1), f(b2), f(1.0 - b2)))
-        for p in params:
-            st = state[p]
-            if "exp_avg" not in st:
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            ps.append(p.detach() if p.requires_grad else p)  # the data a kernel writes, outside autograd
-            gs.append(p.grad)
-            ms.append(st["exp_avg"])
-            rows.append(k)
-    return ps, gs, ms, tuple(rows), hyper
-
 
 class GraphedLionStep:
     """A FusedLionStep (same call) whose kernels replay from a CUDA graph after the first two calls: the
     first compiles and steps, the second captures and replays, the later ones copy the rows and replay.
-    Wraps the step it is given (this module does not import optim.lion, so optim.lion may import it)."""
+    Wraps the step it is given and gathers its inputs through that step's `inputs` (this module does not
+    import optim.lion, so optim.lion may import it)."""
 
     def __init__(self, fused) -> None:
         """`fused`: the optim.lion.FusedLionStep to replay (its compiled step is reused)."""
@@ -55,7 +34,7 @@ class GraphedLionStep:
         self.calls = self.captures = 0
 
     def __call__(self, state: dict, groups: Sequence[tuple[dict, Sequence[torch.Tensor]]]) -> None:
-        ps, gs, ms, rows, hyper = step_inputs(state, groups)
+        ps, gs, ms, rows, hyper = self.fused.inputs(state, groups)
         if not ps:
             return
         key = (rows, tuple(t.data_ptr() for t in ps + gs + ms))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from optim.lion import FusedLionStep
-from optim.lion_cuda import GraphedLionStep, step_inputs
+from optim.lion_cuda import GraphedLionStep
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (runs in make gpu-check)")
 
@@ -16,14 +16,14 @@ def test_graphed_step_refuses_a_device_without_cuda_graphs():
         GraphedLionStep(FusedLionStep("cpu"))
 
 
-def test_step_inputs_make_momenta_and_one_row_per_group():
+def test_fused_step_inputs_make_momenta_and_one_row_per_group():
     ps = [torch.nn.Parameter(torch.randn(3)) for _ in range(3)]
     for p in ps:
         p.grad = torch.randn(3)
     state = {p: {} for p in ps}
     groups = [(dict(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.99)), ps[:2]), (dict(lr=2e-3, weight_decay=0.1,
                                                                                  betas=(0.95, 0.98)), ps[2:])]
-    p_in, g_in, m_in, rows, hyper = step_inputs(state, groups)
+    p_in, g_in, m_in, rows, hyper = FusedLionStep.inputs(state, groups)
     assert rows == (0, 0, 1) and len(hyper) == 2 and hyper[0][0] == 1.0 and hyper[1][0] < 1.0
     assert all(m is state[p]["exp_avg"] and not m.any() for p, m in zip(ps, m_in))
     assert all(g is p.grad for p, g in zip(ps, g_in)) and not any(t.requires_grad for t in p_in)
