@@ -32,17 +32,27 @@ def describe() -> str:
             owners: dict[str, list[str]] = {}
             helps: dict[str, str] = {}
             for name, ocls in entries:
-                d = field_docs(ocls)
-                defaults = {f.name: f for f in dataclasses.fields(ocls)}
-                for key in ocls.field_names():
+                for key, text in _option_lines(ocls):
                     owners.setdefault(key, []).append(name)
-                    f = defaults[key]
-                    value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-                    helps.setdefault(key, f"({_type_and_default(ocls, key, value)}) {d.get(key, '')}")
+                    helps.setdefault(key, text)
             for key, names in owners.items():
                 lines.append(f"  {key} {helps[key].split(') ', 1)[0]}): [{sec.name}.{selector}={'|'.join(names)}] "
                              f"{helps[key].split(') ', 1)[1]}")
     return "\n".join(lines)
+
+
+def _option_lines(ocls, prefix: str = "") -> list[tuple[str, str]]:
+    """(key, "(type, default) help") of every option of a registry entry's options class; an option
+    whose default is itself an options dataclass (a sub-section, e.g. comm.diloco) is followed by
+    each of its keys, dotted, with their own type, default and help."""
+    out = []
+    d = field_docs(ocls)
+    for f in dataclasses.fields(ocls):
+        value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        out.append((prefix + f.name, f"({_type_and_default(ocls, f.name, value)}) {d.get(f.name, '')}"))
+        if dataclasses.is_dataclass(value):
+            out += _option_lines(type(value), f"{prefix}{f.name}.")
+    return out
 
 
 def _type_and_default(cls, name: str, value: Any) -> str:

@@ -1,3 +1,4 @@
+import dataclasses
 import glob
 import subprocess
 import sys
@@ -7,6 +8,7 @@ import pytest
 
 from optim import optimizer_names, sync
 from trainer.config import ConfigError, describe, load_config, validate
+from trainer.config_schema import field_docs
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(glob.glob(str(ROOT / "configs" / "**" / "*.yaml"), recursive=True))
@@ -90,6 +92,20 @@ def test_help_text_covers_every_field():
             line = next(ln for ln in text.splitlines() if ln.startswith(f"  {key} (") and "[comm.mode=" in ln)
             assert scheme.name in line.split("]")[0], (key, scheme.name, line)
     assert "ps_aggregate (str, default vote): [comm.mode=ps]" in text
+    # an option that is a section of its own (comm.diloco) lists each of its keys, dotted, with its help
+    nested = 0
+    for scheme in sync.schemes():
+        for f in dataclasses.fields(scheme.options):
+            value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if not dataclasses.is_dataclass(value):
+                continue
+            docs = field_docs(type(value))
+            for g in dataclasses.fields(value):
+                line = next(ln for ln in text.splitlines() if ln.startswith(f"  {f.name}.{g.name} ("))
+                assert f"[comm.mode={scheme.name}]" in line and docs[g.name] in line, line
+                nested += 1
+    assert nested >= 12
+    assert "  diloco.inner_steps (int, default 500): [comm.mode=diloco] H: inner steps" in text
     assert "bits (int, default 4): [comm.mode=pbit]" in text
     assert all(name in text for name in optimizer_names())
     # each key's type and default, nested sections dotted
