@@ -75,11 +75,42 @@ def _records_and_config(name: str, src: Path) -> tuple[list[dict], dict]:
         entry = load_stored(src.parent, src.name[: -len(".json.gz")])
         if not entry or not isinstance(entry.get("records"), list) or not isinstance(entry.get("config"), dict):
             raise ValueError(f"{name}: {src} is not a readable run-store entry with records and config")
-        return entry["records"], entry["config"]
+        return entry["records"], ran_config(name, src, entry["config"], entry["records"])
     if not (src / "metrics.jsonl").is_file():
         raise FileNotFoundError(f"{name}: {src / 'metrics.jsonl'} is missing; train it (--train) or point "
                                 f"--run {name}=DIR at a run")
-    return read_jsonl(src / "metrics.jsonl"), load_run_config(src)
+    recs = read_jsonl(src / "metrics.jsonl")
+    return recs, ran_config(name, src, load_run_config(src), recs)
+
+
+def ran_config(name: str, src: Path, cfg: dict, records: Sequence[dict]) -> dict:
+    """The config the run trained with: `cfg` itself, or for a config that says comm.mode=auto, `cfg`
+    with the mode and options it chose (trainer.automode): from <run dir>/auto_mode.json, else from the
+    auto_mode event of its records (a run-store entry keeps those; the variant's sections are read from
+    configs/variants), applied as the trainer applies them. Neither there: one error saying so."""
+    from trainer.config import AUTO_MODE
+
+    if (cfg.get("comm") or {}).get("mode") != AUTO_MODE:
+        return cfg
+    from trainer import advise, automode
+
+    decision = automode.stored_decision(src) if src.is_dir() else None   # a wrong shape: ConfigError
+    if decision is not None:
+        cand = advise.Candidate(decision["variant"], decision["sections"])
+    else:
+        events = [r for r in records if r.get("event") == "auto_mode" and isinstance(r.get("variant"), str)]
+        if not events:
+            where = src / automode.DECISION if src.is_dir() else f"a run directory beside {src.name}"
+            raise ValueError(f"{name}: {src} trained with comm.mode=auto and nothing records the mode it chose "
+                             f"(no readable {where}, no auto_mode event in its metrics); point --run {name}=DIR "
+                             f"at the run directory holding its auto_mode.json, or train the variant it should "
+                             f"stand for with a fixed comm.mode")
+        try:
+            cand = advise.load_variant(events[-1]["variant"])
+        except ValueError as e:
+            raise ValueError(f"{name}: {src} chose {events[-1]['variant']!r} under comm.mode=auto, which configs/"
+                             f"variants no longer holds ({e}); give its {automode.DECISION}") from None
+    return advise.config_from_dict(advise.candidate_config(cfg, cand)).to_dict()
 
 
 def load_curve(name: str, sources: str | Path | Sequence[str | Path], metric: str = "val_loss") -> Curve:
@@ -399,9 +430,12 @@ def measured_step(curve: Curve, breakdown: Path, link: str, warmup: int) -> dict
     run = breakdown / "runs" / link / curve.name
     if not (run / "metrics.jsonl").is_file():
         return {"missing": f"no step_breakdown run at {run} (--measure runs it)"}
-    cfg = load_run_config(run)
-    bad = config_mismatch(curve.config, cfg)
     recs = read_jsonl(run / "metrics.jsonl")
+    try:
+        cfg = ran_config(curve.name, run, load_run_config(run), recs)
+    except ValueError as e:
+        return {"missing": f"the run measured at {link}: {e}"}
+    bad = config_mismatch(curve.config, cfg)
     train = [r for r in train_records(recs) if r.get("tokens") and r["step"] > 0]
     tps = train[-1]["tokens"] / train[-1]["step"] if train else None
     if bad is None and curve.tokens_per_step and tps and abs(tps - curve.tokens_per_step) > 0.5:

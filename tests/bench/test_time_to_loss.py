@@ -111,6 +111,45 @@ def test_curve_of_several_seeds_and_run_store_entries(tmp_path):
         ttl.load_curve("adamw_fp32", [a, make_run(tmp_path / "s4", other, {10: 3.0})])
 
 
+def _auto(variant_cfg: dict) -> dict:
+    """variant_cfg as the config of a run started with comm.mode=auto (before the trainer's choice)."""
+    cfg = json.loads(json.dumps(variant_cfg))
+    cfg["comm"] = {"mode": "auto"}
+    return cfg
+
+
+def test_a_run_trained_with_comm_mode_auto_is_read_at_the_mode_it_chose(tmp_path, capsys):
+    import gzip
+
+    from trainer.advise import load_variant
+
+    chosen = load_variant("lioncub_1bit")
+    d = make_run(tmp_path / "runs" / "auto", _auto(resolved("lion_fp32")), {10: 3.0})
+    (d / "auto_mode.json").write_text(json.dumps({"variant": chosen.name, "mode": "onebit", "predicted_step_s": 0.1,
+                                                  "sections": chosen.sections}))
+    c = ttl.load_curve("auto", d)
+    assert c.config["comm"] == resolved("lioncub_1bit")["comm"] and c.config["comm"]["mode"] == "onebit"
+    cl = ttl.parse_cluster("nodes=1 gpus_per_node=4 gpu=h100 mfu=0.5")
+    ref = ttl.load_curve("lioncub_1bit", make_run(tmp_path / "lc", resolved("lioncub_1bit"), {10: 3.0}))
+    assert ttl.predict_cluster_step(c, cl)["bytes_per_step"] == ttl.predict_cluster_step(ref, cl)["bytes_per_step"]
+    # a run-store entry has no directory: the auto_mode event of its records names the variant
+    entry = tmp_path / "store" / "auto_s1.json.gz"
+    entry.parent.mkdir()
+    with gzip.open(entry, "wt") as f:
+        json.dump({"config": _auto(resolved("lion_fp32")), "records": [
+            {"step": 0, "event": "auto_mode", "variant": "lioncub_1bit", "mode": "onebit"},
+            {"step": 10, "val_loss": 2.0}, {"step": 10, "step_ms": 1.0, "tokens": 1280}]}, f)
+    assert ttl.load_curve("auto", entry).config["comm"] == c.config["comm"]
+    # nothing records the choice: one line naming the file and the fix, exit code 2
+    (d / "auto_mode.json").unlink()
+    with pytest.raises(ValueError, match="comm.mode=auto and nothing records the mode it chose"):
+        ttl.load_curve("auto", d)
+    assert ttl.main(["--variants", "lion_fp32", "--run", f"lion_fp32={d}", "--target", "3", "--out",
+                     str(tmp_path / "out"), "--cluster", "nodes=1 gpus_per_node=4 gpu=h100 mfu=0.5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "auto_mode.json" in err and "--run lion_fp32=DIR" in err
+
+
 def test_measured_run_of_another_setting_is_not_used(tmp_path):
     cfg = resolved("adamw_fp32")
     make_run(tmp_path / "runs" / "adamw_fp32", cfg, {10: 3.0})
