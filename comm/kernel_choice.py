@@ -53,7 +53,7 @@ def choice_line(rec: dict) -> str:
 
 def merge_choices(per_rank: list[dict[str, dict]]) -> dict[str, str]:
     """The one choice per kernel that every rank of a group follows, from each rank's measurements
-    ({"kernel|device": {"ms": {candidate: ms}}}, what `agree_choices` gathers): among the
+    ({"kernel|device": {"ms": {candidate: ms}}}, what `Kernels.agree` gathers): among the
     candidates every rank accepted (bytes equal to its reference there), the one whose slowest rank
     is fastest. A kernel some rank did not measure is left to the ranks that did."""
     keys = set().union(*per_rank) if per_rank else set()

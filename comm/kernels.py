@@ -372,22 +372,14 @@ class Kernels:
             self._record(rec)
 
 
-# ---- the settings as strings: callers that do not hold a Kernels yet --------------------------
-# comm.kernels=auto keeps what its warm-up rejected or measured, so callers that pass the setting
-# string share one Kernels per device; a caller holding its own Kernels never touches this.
-_SHARED_AUTO: dict[torch.device, Kernels] = {}
-
-
+# ---- the settings as strings: callers that do not hold a Kernels --------------------------------
+# A run builds one Kernels (the optimizer's kernel_set, handed to its exchange) and passes it; a call
+# given a setting string gets a Kernels of its own, for that call only: there is no module-level
+# state, so one caller's warm-up choices never leak into another's.
 def of(impl: Kernels | str | None, device: torch.device | str) -> Kernels:
-    """The Kernels a call runs on: `impl` itself, or a setting string (None: eager)."""
-    if isinstance(impl, Kernels):
-        return impl
-    if impl == "auto":
-        dev = torch.device(device)
-        if dev not in _SHARED_AUTO:
-            _SHARED_AUTO[dev] = Kernels("auto", dev)
-        return _SHARED_AUTO[dev]
-    return Kernels(impl, device)
+    """The Kernels a call runs on: `impl` itself, or a new one for a setting string (None: eager; "auto":
+    the device's fast implementation, unchecked and untimed, since this call has no warm-up)."""
+    return impl if isinstance(impl, Kernels) else Kernels(impl, device)
 
 
 def resolve_impl(impl: Kernels | str | None) -> str:
@@ -441,25 +433,14 @@ def unpack_majority(recv: torch.Tensor, P: int, step: int, *, impl: Kernels | st
 
 def warmup(device: torch.device | str = "cpu", *, impl: Kernels | str | None = None, agree: bool = False, group=None,
            **config) -> float:
-    """Kernels.warmup under `impl` (a Kernels or a setting); with agree=True the ranks of `group`
-    then agree on auto's measured choices (`Kernels.agree`, a collective). Returns seconds."""
+    """Kernels.warmup under `impl` (a Kernels or a setting: then of a Kernels built for this call, whose
+    choices go with it; compiled and native code stays built for the process); with agree=True the ranks
+    of `group` then agree on auto's measured choices (`Kernels.agree`, a collective). Returns seconds."""
     k = of(impl, device)
     seconds = k.warmup(**config)
     if agree and k.setting == "auto":
         k.agree(group)
     return seconds
-
-
-def agree_choices(group=None) -> None:
-    """`Kernels.agree` for the shared auto Kernels of this process (collective)."""
-    for k in list(_SHARED_AUTO.values()):
-        k.agree(group)
-
-
-def auto_choices() -> list[dict]:
-    """What the shared auto Kernels measured or rejected: the latest record per (kernel, device):
-    kernel, device, n, chosen, ms (the fastest call per candidate), rejected, line."""
-    return [r for k in _SHARED_AUTO.values() for r in {r["kernel"]: r for r in k.records}.values()]
 
 
 def report_mismatch(bad: Sequence[str], device: torch.device | str, impl: Kernels | str | None,
@@ -475,7 +456,7 @@ def report_mismatch(bad: Sequence[str], device: torch.device | str, impl: Kernel
 
 
 __all__ = ["IMPLS", "KERNELS", "MEASURED_ON_CUDA", "NO_COMPILE_ENV", "QBLOCK", "SMALL", "Kernel", "Kernels",
-           "agree_choices", "auto_choices", "compile_unavailable", "compiled_kernel", "dtype_key", "eager_float", "f32",
+           "compile_unavailable", "compiled_kernel", "dtype_key", "eager_float", "f32",
            "fastest", "kernel_impl", "native_quantizes", "of", "quantize_pack", "quantize_q", "report_mismatch",
            "resolve_impl", "sign_pack", "stochastic_bounds", "time_ms", "unpack_majority", "unpack_sum",
            "unpack_sum_reference", "use_compiled", "warmup", "wire_of"]

@@ -764,10 +764,25 @@ def test_dispatch_and_fallback(monkeypatch):
 
 
 # ---- comm.kernels=auto: the device's fast implementation, timed only where that pays ----------
-@pytest.fixture(autouse=True)
-def _fresh_shared_auto(monkeypatch):
-    """Callers that pass the setting "auto" share one Kernels per device: each test starts without one."""
-    monkeypatch.setattr(K, "_SHARED_AUTO", {})
+def test_a_setting_string_gets_a_kernels_of_its_own_call_and_no_module_state(monkeypatch):
+    """The kernel choice lives in a Kernels object a run builds once and passes; a call given the
+    setting "auto" builds one for that call: a choice another Kernels made (here a rejection) does
+    not reach it, and comm.kernels keeps no Kernels at module level."""
+    k = K.Kernels("auto", "cpu")
+    assert K.of(k, "cpu") is k
+    a, b = K.of("auto", "cpu"), K.of("auto", "cpu")
+    assert a is not b and a.setting == b.setting == "auto"
+    k.chosen["sign_pack"] = "eager"  # what a warm-up's rejection leaves
+    fast = "eager" if native.unavailable("cpu") else "native"
+    assert K.kernel_impl("auto", "cpu", "sign_pack") == fast and K.kernel_impl(k, "cpu", "sign_pack") == "eager"
+    x = torch.randn(5000)
+    assert torch.equal(K.sign_pack(x, 3, impl="auto"), tb_packed(x, 3))
+
+    def holds_kernels(v) -> bool:
+        vals = v.values() if isinstance(v, dict) else v if isinstance(v, (list, set, tuple)) else [v]
+        return any(isinstance(x, K.Kernels) for x in vals)
+
+    assert [n for n, v in vars(K).items() if holds_kernels(v)] == []
 
 
 def test_auto_on_cpu_runs_native_checked_and_never_timed(monkeypatch):
@@ -786,7 +801,7 @@ def test_auto_on_cpu_runs_native_checked_and_never_timed(monkeypatch):
         k.warmup(bits=(4,), levels=(1,), p=(1.0,), world_sizes=(4,), layout=layout)
         k.warmup(world_sizes=(4,), layout=layout)
     assert timed == [] and checked == ([] if why else ["native", "native"]) and k.lines() == []  # once per configuration
-    assert K.kernel_impl("auto", "cpu", "quantize_pack") == k.which("quantize_pack")  # the shared one agrees
+    assert K.kernel_impl("auto", "cpu", "quantize_pack") == k.which("quantize_pack")  # a call's own Kernels agrees
 
 
 def test_choose_never_keeps_a_candidate_whose_bytes_differ():
@@ -937,7 +952,7 @@ def test_merge_choices_agrees_on_what_every_rank_accepted():
     assert got == {"sign_pack|cuda": "eager", "unpack_sum|cuda": "eager"}  # 3.0 < 4.0 at the slowest rank; compiled rejected on b
     assert KC.merge_choices([a, a]) == {"sign_pack|cuda": "compiled", "unpack_sum|cuda": "compiled"}
     assert KC.merge_choices([a, {}]) == {}  # measured on one rank only: left alone
-    K.agree_choices()  # no process group: nothing to agree, and no collective is attempted
+    K.Kernels("auto", "cpu").agree()  # no process group: nothing to agree, and no collective is attempted
 
 
 def test_fastest_gives_ties_to_the_cheaper_candidate():
