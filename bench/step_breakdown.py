@@ -473,8 +473,20 @@ def write_reports(out: Path, rows: list[dict], rates: list[str], variants: list[
 # driver
 # ------------------------------------------------------------------------------------------------
 
+def child_pythonpath() -> str:
+    """PYTHONPATH for the processes a benchmark starts: the repository first (its packages win), then the
+    caller's entries in their order, each once (empty entries, which would mean the working directory,
+    dropped)."""
+    out: list[str] = []
+    for p in [str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]:
+        if p and p not in out:
+            out.append(p)
+    return os.pathsep.join(out)
+
+
 def _env() -> dict[str, str]:
-    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": str(ROOT),
+    """What the runs' environment sets over the caller's (netsim and torchrun merge it into os.environ)."""
+    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": child_pythonpath(),
             "WANDB_MODE": "disabled", "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1"}
 
 

@@ -595,7 +595,9 @@ def setting_overrides(setting: str) -> tuple[tuple[str, ...], int, int]:
 
 
 def _env() -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "OMP_NUM_THREADS":
+    from bench.step_breakdown import child_pythonpath
+
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "WANDB_MODE": "disabled", "OMP_NUM_THREADS":
            os.environ.get("OMP_NUM_THREADS", "1")}
     env.pop("RANK", None)
     return env

@@ -21,6 +21,20 @@ def _rec(step, step_ms, data, fwd, coll, pack, opt, nbytes=1000, **kw):
             "coll_ms": coll, "pack_ms": pack, "comm_ms": coll + pack, "opt_ms": opt, "comm_bytes": nbytes, **kw}
 
 
+@pytest.mark.parametrize("caller,want", [(None, []), ("", []), ("/x{sep}{root}{sep}/x{sep}{sep}/y", ["/x", "/y"])])
+def test_runs_get_the_repository_before_the_callers_pythonpath_each_entry_once(monkeypatch, caller, want):
+    import os
+
+    from bench import time_to_loss
+
+    if caller is None:
+        monkeypatch.delenv("PYTHONPATH", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONPATH", caller.format(sep=os.pathsep, root=sb.ROOT))
+    expected = os.pathsep.join([str(sb.ROOT), *want])
+    assert sb._env()["PYTHONPATH"] == expected and time_to_loss._env()["PYTHONPATH"] == expected
+
+
 def test_summarize_run_drops_warmup_and_takes_medians():
     recs = [_rec(1, 9000, 1, 5000, 3000, 0, 999),            # warm-up outlier, must be dropped
             _rec(2, 100, 1, 19, 60, 10, 10),
