@@ -11,8 +11,9 @@ optim.registry.resolve) and composes:
 - the sync scheme chosen by `comm.mode` (optim.sync) and the strategy of its kind
   (optim/strategy.py): `GradientSync` exchanges the flat gradient before the update;
   under `UpdateSync` the subclass's `_update` calls `self.exchange` on its own vector; a strategy
-  also has a hook after the update (`after_update`), so a kind that synchronises otherwise plugs
-  in without a change here;
+  also has a hook after the update (`after_update`; `diagnosed_update` on a diagnostics step,
+  which may add the kind's own diagnostics), so a kind that synchronises otherwise plugs in
+  without a change here;
 - buckets and overlap (optim/overlap.py), when `comm.bucket_mb` > 0;
 - byte and time accounting (optim/accounting.py): the per-phase CommStats, the `StepReport`, and
   the step's exact bytes and alpha-beta time from what `_exchanged` / `_extra_calls` list;
@@ -261,8 +262,12 @@ class CommOptimizer(torch.optim.Optimizer):
         if self.grad_clip > 0:
             self._clip_(grad_norms[-1])
         out = self._update(t)
-        self.strategy.after_update(self, t)
         report = StepReport(step=t, loss=loss, grad_norms=grad_norms, stop=verdict.stop)
+        if diagnose:  # the strategy's own diagnostics of the step (e.g. DiLoCo's worker drift)
+            kind_diag, report.diag_seconds = self.strategy.diagnosed_update(self, t)
+            report.diagnostics.update(kind_diag)
+        else:
+            self.strategy.after_update(self, t)
         due = self.momentum_sync is not None and self.momentum_sync.due(t)
         if diagnose:
             report.diag_seconds += self._run_diagnostics(report, out, after_sync=False)

@@ -49,7 +49,11 @@ this step and applies their outer steps); `after_inner_step()` does both. Outer 
 parameters, momentum, pending averages, the wires' error feedback) round-trips through
 `state_dict()` / `load_state_dict()` between steps, so a resume is exact mid-inner-phase, mid-overlap
 and at an outer step. `OuterLoop` binds one to a run's optimizer: comm.mode=diloco (the registry
-entry, its options and byte formulas: optim/sync/diloco.py; docs/diloco.md).
+entry, its options and byte formulas: optim/sync/diloco.py; docs/diloco.md); on diagnostic steps
+it reports the workers' drift (`worker_drift`'s numbers from four scalars per worker and an exact
+mean: `drift_scalars`, `drift_from_scalars`), and inside `global_params()` the model holds the
+global parameters (evaluation, and the model a checkpoint writes) while `state_dict()` still
+gives this rank's local ones.
 """
 from __future__ import annotations
 
@@ -61,6 +65,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+import comm
 from comm import CommStats
 
 from . import sync
@@ -147,6 +152,29 @@ def worker_drift(deltas: Sequence[torch.Tensor]) -> dict[str, Any]:
     return {"spread": spread, "cosine": cos}
 
 
+def drift_scalars(delta: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """One worker's share of `worker_drift`, from its own pseudo-gradient and the exact mean of all
+    of them: float64 [||Delta_i||^2, Delta_i . mean, ||Delta_i - mean||^2, ||mean||^2] (fp32 products
+    summed in float64; the deviation is summed directly, not as ||Delta_i||^2 - ||mean||^2, whose
+    difference cancels when the workers agree). Sums over parts: a worker holding its fragment in
+    shards adds its shards' scalars."""
+    d, m = delta.reshape(-1).to(torch.float32), mean.reshape(-1).to(torch.float32)
+    f64 = torch.float64
+    return torch.stack([d.square().sum(dtype=f64), (d * m).sum(dtype=f64), (d - m).square().sum(dtype=f64),
+                        m.square().sum(dtype=f64)])
+
+
+def drift_from_scalars(scalars: torch.Tensor) -> dict[str, Any]:
+    """`worker_drift` from every worker's `drift_scalars` (one row per worker): spread =
+    sqrt(mean_i ||Delta_i - mean||^2) / ||mean|| and cosine_i = Delta_i . mean / (||Delta_i|| ||mean||),
+    with worker_drift's conventions (spread inf, cosines 0 when the mean is 0)."""
+    rows = scalars.to(torch.float64).reshape(-1, 4).cpu().tolist()
+    mn = math.sqrt(rows[0][3])
+    spread = math.sqrt(sum(r[2] for r in rows) / len(rows)) / mn if mn > 0 else math.inf
+    cos = [r[1] / (math.sqrt(r[0]) * mn) if r[0] > 0 and mn > 0 else 0.0 for r in rows]
+    return {"spread": spread, "cosine": cos}
+
+
 # ---- the outer loop -----------------------------------------------------------------------------
 class _Done:
     """A finished average (a blocking exchange, or one restored from a checkpoint)."""
@@ -206,9 +234,10 @@ class DiLoCo:
         return self._due(t, self.o.overlap_steps)
 
     @torch.no_grad()
-    def send(self) -> list[int]:
+    def send(self, observe: Callable[[int, torch.Tensor], None] | None = None) -> list[int]:
         """After an inner step: count it, and start the average of the pseudo-gradient (global minus
-        local) of every fragment due now. Returns those fragments."""
+        local) of every fragment due now. Returns those fragments. `observe(k, delta)`, when given,
+        sees each fragment's pseudo-gradient before its average starts (it must not change it)."""
         if self._sent:
             raise RuntimeError("DiLoCo.send: called twice without receive(); call receive() after each send()")
         self.step += 1
@@ -218,6 +247,8 @@ class DiLoCo:
             if k in self.pending:
                 raise RuntimeError(f"DiLoCo: fragment {k}'s previous average was never applied")
             delta = self.glob[k] - self._flat(k)    # the exchange may average it in place
+            if observe is not None:
+                observe(k, delta)
             avg = self.averages[k]
             # a registry Exchange is called whole, so it books its own bytes (its `start` leaves the
             # booking to the caller: buckets); a background or simulated average is started
@@ -248,9 +279,9 @@ class DiLoCo:
             self._outer_step(k, self.pending.pop(k).wait())
         return done
 
-    def after_inner_step(self) -> list[int]:
+    def after_inner_step(self, observe: Callable[[int, torch.Tensor], None] | None = None) -> list[int]:
         """send() then receive(): the call of a real (one process per worker) run."""
-        self.send()
+        self.send(observe)
         return self.receive()
 
     def _outer_step(self, k: int, delta: torch.Tensor) -> None:
@@ -334,10 +365,20 @@ class OuterLoop:
     strategy (optim/strategy.py LocalSync) builds it when the optimizer is built, runs
     `after_inner_step` after every applied update, and the optimizer's checkpoint carries
     `state_dict()` (the outer state plus this rank's local parameters, which differ between
-    workers within a cycle) as its exchange's state."""
+    workers within a cycle) as its exchange's state.
 
-    def __init__(self, outer: DiLoCo, booked: Sequence[CommStats] = (), into: CommStats | None = None) -> None:
+    On a step that takes diagnostics (`diagnosed_inner_step`), each fragment sent in it reports the
+    workers' drift (`drift`): an exact fp32 mean of the pseudo-gradients (one allreduce, apart from
+    the wire's average), four float64 scalars per worker, one all-gather of them over `group`."""
+
+    def __init__(self, outer: DiLoCo, booked: Sequence[CommStats] = (), into: CommStats | None = None, *,
+                 group: Any = None, shard_group: Any = None, world_size: int = 1,
+                 diag_stats: CommStats | None = None, clock: Any = None) -> None:
         self.outer = outer
+        self.group, self.shard_group, self.world_size = group, shard_group, world_size
+        self.diag_stats = CommStats(timing=False) if diag_stats is None else diag_stats
+        self.clock = clock
+        self._put_aside: list[torch.Tensor] | None = None   # the local parameters while global_params() runs
         # background averages book into a CommStats per fragment (only the averaging thread writes
         # it while that fragment's average runs); the main thread moves the bytes into the step's
         # phase once the average is waited for, at its outer step
@@ -369,20 +410,67 @@ class OuterLoop:
                                    device=opt.layout.device, seed=opt.ctx.seed, kernels=opt.ctx.kernels,
                                    shard_group=opt.shard_group)
         numels = [sum(p.numel() for p in f) for f in fragments]
+        diag = {"group": opt.group, "shard_group": opt.shard_group, "world_size": opt.world_size,
+                "diag_stats": opt.stats["diag"], "clock": opt.clock}
         if not (o.overlap_steps and opt.world_size > 1):
-            return cls(DiLoCo(fragments, o, build_averages(o, numels, ctx)))
+            return cls(DiLoCo(fragments, o, build_averages(o, numels, ctx)), **diag)
         # tau > 0: the averages run on a background thread while the next tau inner steps compute,
         # over a group of their own (the main thread's collectives, the divergence guard's on the
         # replicate group among them, never interleave with theirs)
         ctx = dataclasses.replace(ctx, group=_private_group(opt.group))
         booked = [CommStats(timing=False) for _ in numels]
         averages = [build_averages(o, [n], dataclasses.replace(ctx, stats=s))[0] for n, s in zip(numels, booked)]
-        return cls(DiLoCo(fragments, o, background_averages(averages)), booked, phase)
+        return cls(DiLoCo(fragments, o, background_averages(averages)), booked, phase, **diag)
 
     def after_inner_step(self) -> list[int]:
         done = self.outer.after_inner_step()
         self._move_bytes(done)
         return done
+
+    def diagnosed_inner_step(self) -> tuple[dict[str, float], float]:
+        """`after_inner_step` on a step that takes diagnostics: also the drift of the fragment sent
+        after it, if any (at most one per step: the offsets are distinct), and the seconds the
+        diagnostic took. The parameters and the outer state end as without it."""
+        out: dict[str, float] = {}
+        spent = 0.0
+
+        def observe(k: int, delta: torch.Tensor) -> None:
+            nonlocal spent
+            t0 = self.clock.now() if self.clock is not None else 0.0
+            out.update(self.drift(k, delta))
+            spent += (self.clock.now() - t0) if self.clock is not None else 0.0
+
+        done = self.outer.after_inner_step(observe)
+        self._move_bytes(done)
+        return out, spent
+
+    @torch.no_grad()
+    def drift(self, k: int, delta: torch.Tensor) -> dict[str, float]:
+        """The workers' drift of fragment k's pseudo-gradients (`worker_drift`'s numbers) without
+        gathering them: the exact mean by one fp32 SUM allreduce of a copy of this worker's delta over
+        the workers (the wire's own average is an estimate on a compressed wire), this worker's
+        `drift_scalars` (summed over its shard group under hybrid sharding), then one all-gather of
+        the four scalars per worker. Booked in the optimizer's "diag" phase. Keys: diag/diloco_drift_
+        spread, cos_min, cos_mean (over the workers) and fragment (k)."""
+        import torch.distributed as dist
+
+        mean = comm.allreduce_mean(delta, wire_dtype=torch.float32, group=self.group, stats=self.diag_stats)
+        mine = drift_scalars(delta, mean)
+        device = mine.device if mine.is_cuda else None
+        with self.diag_stats.call("diloco_drift_scalars[float64]", device) as timer:
+            if self.shard_group is not None:
+                with timer.coll(sent=mine, recv=mine):
+                    dist.all_reduce(mine, op=dist.ReduceOp.SUM, group=self.shard_group)
+            every = [torch.empty_like(mine) for _ in range(self.world_size)]
+            if self.world_size > 1:
+                with timer.coll(sent=mine, recv=every):
+                    dist.all_gather(every, mine, group=self.group)
+            else:
+                every = [mine]
+        d = drift_from_scalars(torch.stack(every))
+        return {"diag/diloco_drift_spread": d["spread"], "diag/diloco_drift_cos_min": min(d["cosine"]),
+                "diag/diloco_drift_cos_mean": sum(d["cosine"]) / len(d["cosine"]),
+                "diag/diloco_drift_fragment": float(k)}
 
     def _move_bytes(self, fragments: Sequence[int]) -> None:
         for k in fragments if self.booked else ():
@@ -397,13 +485,17 @@ class OuterLoop:
         """The global parameters in the model for the duration (evaluation reports the model DiLoCo
         trains, identical on every worker); the local ones are put back after."""
         d = self.outer
+        if self._put_aside is not None:
+            raise RuntimeError("OuterLoop.global_params: already inside global_params()")
         with torch.no_grad():
             saved = [d._flat(k) for k in range(len(d.local))]
             for k in range(len(d.local)):
                 d._write(k, d.glob[k])
+        self._put_aside = saved
         try:
             yield
         finally:
+            self._put_aside = None
             with torch.no_grad():
                 for k in range(len(d.local)):
                     d._write(k, saved[k])
@@ -420,8 +512,12 @@ class OuterLoop:
     @torch.no_grad()
     def state_dict(self) -> dict[str, Any]:
         d = self.outer
-        # waits for the averages in flight; their bytes join the step of their outer step, as without a save
-        return {**d.state_dict(), "local": [d._flat(k) for k in range(len(d.local))]}
+        # waits for the averages in flight; their bytes join the step of their outer step, as without a
+        # save. Inside global_params() (a checkpoint's model holds the global parameters) the local
+        # parameters are the ones put aside
+        local = ([x.clone() for x in self._put_aside] if self._put_aside is not None
+                 else [d._flat(k) for k in range(len(d.local))])
+        return {**d.state_dict(), "local": local}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:

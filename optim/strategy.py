@@ -13,10 +13,13 @@ the kind.
   registry's "lion" entry then builds Lion, not Distributed Lion), `exchange_gradients` does
   nothing, `bind` builds the outer loop from the optimizer's parameter groups and group,
   `after_update` counts the applied steps and runs the outer step when one is due (a step the
-  divergence guard skipped never reaches it).
+  divergence guard skipped never reaches it); on a diagnostics step (`diagnosed_update`) the
+  fragment sent after it also reports the workers' drift; `evaluation` puts the global
+  parameters in the model (evaluation and a checkpoint's model).
 
 A strategy hooks into a step at two points: `exchange_gradients` (before clipping) and
-`after_update` (after the update, before momentum sync and diagnostics), and tells the base how
+`after_update` (after the update, before momentum sync and diagnostics; `diagnosed_update` in its
+place on a step that takes diagnostics), and tells the base how
 to lay out and bucket the exchanged vector and what one step sends; the trainer asks it for the
 parameters evaluation reports (`evaluation`) and ends it before the final evaluation (`finish`).
 A new kind registers its own strategy with `register_strategy(cls)`; the base does not change.
@@ -65,12 +68,21 @@ class SyncStrategy:
     def after_update(self, opt: Any, step: int) -> None:
         """After the update of step `step`, before momentum sync and diagnostics."""
 
+    def diagnosed_update(self, opt: Any, step: int) -> tuple[dict[str, float], float]:
+        """`after_update` on a step that takes diagnostics (step(diagnose=True)): also this kind's own
+        diagnostics of the step ("diag/..." keys, collectives booked in opt.stats["diag"]) and the
+        seconds they took (left out of the step's time). Default: after_update, none."""
+        self.after_update(opt, step)
+        return {}, 0.0
+
     def exchanged(self, opt: Any) -> list[Call]:
         """Every call of the scheme's exchange in one step (the byte formula and the prediction)."""
         return []
 
     def evaluation(self, opt: Any) -> contextlib.AbstractContextManager:
-        """The parameters evaluation reports, in the model for the duration (default: as they are)."""
+        """The parameters evaluation reports, in the model for the duration (default: as they are);
+        the trainer also writes a checkpoint's model inside it. The optimizer's state_dict inside it
+        is the one outside it."""
         return contextlib.nullcontext()
 
     def finish(self, opt: Any) -> None:
@@ -145,6 +157,10 @@ class LocalSync(SyncStrategy):
 
     def after_update(self, opt, step):
         self.loop.after_inner_step()
+
+    def diagnosed_update(self, opt, step):
+        # the workers' drift of the fragment sent after this step, if one is
+        return self.loop.diagnosed_inner_step()
 
     def exchanged(self, opt):
         # the scheme's formula for the whole vector is its average per inner step over a cycle

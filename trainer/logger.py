@@ -63,7 +63,9 @@ def wandb_payload(record: dict) -> dict:
 DIAG_SUMMARY = (("diag/sign_match", "sign match", "{:.4f}"), ("diag/sign_flip", "flip", "{:.4f}"),
                 ("diag/tie_rate", "tie rate", "{:.4f}"), ("diag/momentum_spread", "momentum spread", "{:.3g}"),
                 ("diag/muon_update_rms", "muon update rms", "{:.3g}"), ("diag/dion_rel_error", "dion rel error",
-                                                                        "{:.3g}"))
+                                                                        "{:.3g}"),
+                ("diag/diloco_drift_spread", "diloco drift spread", "{:.3g}"),
+                ("diag/diloco_drift_cos_min", "drift cos min", "{:.4f}"))
 
 
 def diag_summary(record: dict) -> str | None:

@@ -160,7 +160,10 @@ class Trainer:
                 "shard_bytes": shard_stats.totals()["bytes_sent"] - shard_before if shard_stats is not None else 0}
 
     def save(self) -> Path:
-        return state.save(self)
+        # the checkpoint's model is the one the run reports (a local-update scheme's global
+        # parameters, between outer steps too); each rank's own local ones ride in its optimizer state
+        with self.optimizer.strategy.evaluation(self.optimizer):
+            return state.save(self)
 
     # ------------------------------------------------------------------ loop
     def _on_signal(self, signum, _frame) -> None:

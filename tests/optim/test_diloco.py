@@ -34,7 +34,7 @@ import torch
 from comm.e3m0 import e3m0_allreduce_mean, e3m0_bytes, e3m0_chunk_bytes, e3m0_decode, e3m0_encode, e3m0_layout
 from optim import sync
 from optim.diloco import (WIRES, DiLoCo, DiLoCoOptions, build_averages, cycle_bytes, strided_fragments,
-                          wire_bytes, worker_drift)
+                          drift_from_scalars, drift_scalars, wire_bytes, worker_drift)
 from tests.dist import torchrun
 
 SHAPES = [(3, 4), (4,), (2, 3), (3,)]   # four "blocks", one tensor each
@@ -472,6 +472,34 @@ def test_worker_drift() -> None:
     d = worker_drift([a, b])
     assert abs(d["spread"] - 1.0) < 1e-9 and all(abs(c - 2 ** -0.5) < 1e-9 for c in d["cosine"])
     assert worker_drift([a, a])["spread"] == 0.0
+
+
+@pytest.mark.parametrize("P,noise", [(2, 1.0), (3, 0.3), (4, 1e-4)])
+def test_drift_from_per_worker_scalars_equals_worker_drift(P: int, noise: float) -> None:
+    """The drift a run logs (four scalars per worker and the exact mean, optim/diloco.py
+    OuterLoop.drift) is worker_drift on the gathered pseudo-gradients, also when each worker's
+    fragment is in shards whose scalars add up, and when the workers nearly agree (noise 1e-4:
+    ||Delta_i||^2 - ||mean||^2 in fp32 would lose the spread there)."""
+    g = torch.Generator().manual_seed(P)
+    base = torch.randn(5000, generator=g)
+    deltas = [base + noise * torch.randn(5000, generator=g) for _ in range(P)]
+    mean = torch.stack(deltas).mean(0)   # fp32, as the allreduce computes it
+    want = worker_drift(deltas)
+    whole = torch.stack([drift_scalars(d, mean) for d in deltas])
+    sharded = torch.stack([drift_scalars(d[:1234], mean[:1234]) + drift_scalars(d[1234:], mean[1234:])
+                           for d in deltas])
+    for scalars in (whole, sharded):
+        got = drift_from_scalars(scalars)
+        assert got["spread"] == pytest.approx(want["spread"], rel=1e-4)
+        assert got["cosine"] == pytest.approx(want["cosine"], rel=1e-6, abs=1e-7)
+    assert 0.5 * noise < want["spread"] < 2 * noise
+    # the scalars need the exact mean: a compressed wire's decoded average (here 1 bit with a mean |x|
+    # scale, the sign wire without its error feedback) gives other numbers
+    rough = drift_from_scalars(torch.stack([drift_scalars(d, mean.sign() * mean.abs().mean()) for d in deltas]))
+    assert rough["spread"] != pytest.approx(want["spread"], rel=1e-2)
+    assert rough["cosine"] != pytest.approx(want["cosine"], rel=1e-2)
+    assert drift_from_scalars(torch.stack([drift_scalars(torch.zeros(3), torch.zeros(3))] * 2)) == \
+        {"spread": float("inf"), "cosine": [0.0, 0.0]}
 
 
 @pytest.mark.parametrize("nproc", [2, 3])

@@ -55,6 +55,29 @@ def test_resume_at_an_outer_step_and_mid_inner_phase_continues_exactly(results):
     assert pieces["final"] == whole["final"] and len(set(whole["final"])) == 1
 
 
+def test_worker_drift_is_logged_on_outer_steps_at_the_diagnostics_cadence(results):
+    s = results[0]["streaming"]
+    # diag.every = 2: diagnostics at 2, 4, 6; sends after 1, 4, 7 (fragment 0) and 3, 6 (fragment 1)
+    assert s["diag_steps"] == [2, 4, 6]
+    assert [(r["step"], r["diag/diloco_drift_fragment"]) for r in s["drift_logged"]] == [(4, 0), (6, 1)]
+    want = {(w["step"], w["fragment"]): w for w in s["drift"]}
+    assert sorted(want) == [(1, 0), (3, 1), (4, 0), (6, 1), (7, 0)]
+    for r in s["drift_logged"]:   # the scalars on the e3m0 wire: the exact mean, not the decoded one
+        w = want[(r["step"], int(r["diag/diloco_drift_fragment"]))]
+        assert w["spread"] > 1e-3 and w["cos_min"] < 1
+        for key in ("spread", "cos_min", "cos_mean"):
+            assert r[f"diag/diloco_drift_{key}"] == pytest.approx(w[key], rel=1e-5, abs=1e-7), key
+    assert results[1]["streaming"]["drift_logged"] == s["drift_logged"]
+    # the uninterrupted DiLoCo run took diagnostics, the pieces none: the same parameters bit for bit
+    assert results[0]["pieces"]["final"] == results[0]["whole"]["final"]
+
+
+def test_a_checkpoint_inside_a_cycle_holds_the_global_model(results):
+    for r in results:
+        c = r["checkpoint_mid_cycle"]
+        assert c["model_is_global"] and not c["model_is_local"] and c["rank_file_local"], c
+
+
 def test_a_damaged_outer_state_falls_back_to_the_previous_checkpoint(results):
     assert [r["damaged"] for r in results] == [{"step": 4, "outer_step": 4}] * 2
 

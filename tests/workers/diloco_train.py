@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from optim.base import digest  # noqa: E402
-from optim.diloco import wire_bytes  # noqa: E402
+from optim.diloco import wire_bytes, worker_drift  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.dist import init_distributed, shutdown  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
@@ -47,11 +47,26 @@ def records(run: Path, key: str) -> list[dict]:
     return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if key in r]
 
 
-def train(run: Path, extra: list[str], watch: list | None = None) -> Trainer:
+def train(run: Path, extra: list[str], watch: list | None = None, drift: list | None = None) -> Trainer:
     """Fit one run; with `watch`, every applied outer step appends (step, fragments, global digests of
-    every rank, local digests of every rank before the step)."""
+    every rank, local digests of every rank before the step); with `drift`, every send appends the
+    step, the fragment and worker_drift of every rank's pseudo-gradient (gathered whole here)."""
     tr = Trainer(load_config(ROOT / "configs/default.yaml", BASE + [f"train.out_dir={run}", *extra]), INFO)
     loop = tr.optimizer.strategy.loop
+    if drift is not None:
+        d, send = loop.outer, loop.outer.send
+
+        def recorded_send(observe=None) -> list[int]:
+            due = d.sends_at(d.step + 1)
+            deltas = {k: d.glob[k] - d._flat(k) for k in due}
+            done = send(observe)
+            for k in due:
+                w = worker_drift(gathered(deltas[k]))
+                drift.append({"step": d.step, "fragment": k, "spread": w["spread"], "cos_min": min(w["cosine"]),
+                              "cos_mean": sum(w["cosine"]) / len(w["cosine"])})
+            return done
+
+        d.send = recorded_send
     if watch is not None:
         d, receive = loop.outer, loop.outer.receive
 
@@ -73,6 +88,20 @@ def train(run: Path, extra: list[str], watch: list | None = None) -> Trainer:
     return tr
 
 
+def _find(tree, key: str):
+    """The first value under `key` in nested dicts / lists (the outer state in a rank file)."""
+    if isinstance(tree, dict):
+        if key in tree:
+            return tree[key]
+        tree = list(tree.values())
+    if isinstance(tree, (list, tuple)):
+        for v in tree:
+            found = _find(v, key)
+            if found is not None:
+                return found
+    return None
+
+
 def main(tmp: str) -> None:
     global INFO
     INFO = init_distributed("cpu")
@@ -80,9 +109,11 @@ def main(tmp: str) -> None:
     out: dict = {}
 
     # Streaming DiLoCo: identical global parameters after every outer step; bytes at the collectives
+    # with diag.every = 2: the drift of the fragments sent after steps 4 and 6 (not 1, 3, 7), none at 2
     watch: list = []
+    drift: list = []
     run = tmp_dir / "streaming"
-    tr = train(run, STREAMING, watch)
+    tr = train(run, STREAMING + ["diag.every=2"], watch, drift)
     d = tr.optimizer.strategy.loop.outer
     P = tr.optimizer.world_size
     # tau = 1 at 2 ranks: the averages run on the background thread; the bytes they booked at their
@@ -91,17 +122,34 @@ def main(tmp: str) -> None:
     out["streaming"] = {"watch": watch, "formula": formula, "numels": d.numels,
                         "background": [type(a).__name__ for a in d.averages],
                         "booked": {r["step"]: r["comm_bytes"] for r in records(run, "train_loss")},
-                        "final": records(run, "param_sha256")[-1]["param_sha256"]}
+                        "final": records(run, "param_sha256")[-1]["param_sha256"],
+                        "drift": drift, "drift_logged": records(run, "diag/diloco_drift_spread"),
+                        "diag_steps": [r["step"] for r in records(run, "diag/seconds")]}
 
     # DiLoCo: uninterrupted, then in three pieces (stop at 3 = an outer step, at 4 = inner phase)
+    # the uninterrupted run takes diagnostics (drift at step 6), the pieces none: same parameters
     whole = tmp_dir / "whole"
-    d = train(whole, DILOCO).optimizer.strategy.loop.outer
+    d = train(whole, DILOCO + ["diag.every=2"]).optimizer.strategy.loop.outer
     out["blocking_bytes"] = {  # tau = 0: each average runs when sent and books in that step
         "booked": {r["step"]: r["comm_bytes"] for r in records(whole, "train_loss")},
         "formula": {t: sum(wire_bytes(d.o, P, d.numels[k])[0] for k in d.sends_at(t)) for t in range(1, 8)}}
     pieces = tmp_dir / "pieces"
     train(pieces, DILOCO + ["train.stop_after=3"])
-    train(pieces, DILOCO + ["train.stop_after=1", "train.resume=auto"])
+    tr = train(pieces, DILOCO + ["train.stop_after=1", "train.resume=auto"])
+    # the checkpoint of step 4 (inside a cycle): model.pt holds the global parameters, which
+    # differ from this rank's local ones, and the rank file the local ones
+    d, ckpt = tr.optimizer.strategy.loop.outer, pieces / "ckpt" / "step_000004"
+    names = {id(p): n for n, p in tr.model.named_parameters()}
+    saved = torch.load(ckpt / "model.pt", map_location="cpu", weights_only=False)
+    saved = saved.get("model", saved)
+    chunks = d.glob[0].split([p.numel() for p in d.local[0]])
+    rank_file = torch.load(ckpt / f"rank_{INFO.rank:05d}.pt", map_location="cpu", weights_only=False)
+    out["checkpoint_mid_cycle"] = {
+        "model_is_global": all(torch.equal(saved[names[id(p)]].float().reshape(-1), c)
+                               for p, c in zip(d.local[0], chunks)),
+        "model_is_local": all(torch.equal(saved[names[id(p)]], p) for p in d.local[0]),
+        "rank_file_local": torch.equal(_find(rank_file, "local")[0], d._flat(0)),
+        "model_keys": sorted(saved)[:3]}
     train(pieces, DILOCO + ["train.resume=auto"])
     for name, r in (("whole", whole), ("pieces", pieces)):
         out[name] = {"final": records(r, "param_sha256")[-1]["param_sha256"],
