@@ -372,6 +372,11 @@ def _mean_seconds(options: DiLoCoSchemeOptions, P: int, n: int, alpha: float, be
     return cycle_seconds(o, P, _even(n, o.fragments), alpha, beta) / o.inner_steps
 
 
+def _cycle_steps(options: DiLoCoSchemeOptions) -> int:
+    """H: every fragment's average is sent once in any comm.diloco.inner_steps consecutive inner steps."""
+    return options.diloco.inner_steps
+
+
 def _state_bytes(options: DiLoCoSchemeOptions, P: int, n: int) -> int:
     """fp32 global parameters and outer momentum (8 n), an average in flight (one fragment, fp32)
     when exchanges overlap inner steps, and the wire's own error feedback (loco, sign)."""
@@ -387,7 +392,9 @@ def _state_bytes(options: DiLoCoSchemeOptions, P: int, n: int) -> int:
 class LocalScheme(SyncScheme):
     """A sync scheme of the local-update kind (LOCAL): every worker keeps its own optimizer state and
     parameters between outer steps (`per_rank_state`), and inner steps exchange nothing, so inner
-    momenta have no place to be synchronised (comm.momentum_sync is refused)."""
+    momenta have no place to be synchronised (comm.momentum_sync is refused). It declares its `cycle`
+    (the steps in which every fragment is synchronised once), which the benchmarks read through
+    `cycle_steps` to measure over whole cycles."""
 
     def __post_init__(self) -> None:
         if self.kind != LOCAL:
@@ -396,6 +403,9 @@ class LocalScheme(SyncScheme):
             raise ValueError(f"scheme {self.name}: the outer average is a mean; result must be {MEAN!r}")
         if not (dataclasses.is_dataclass(self.options) and issubclass(self.options, SchemeOptions)):
             raise TypeError(f"scheme {self.name}: options must be a SchemeOptions dataclass")
+        if self.cycle is None:
+            raise ValueError(f"scheme {self.name}: a LocalScheme declares its cycle: cycle(options) -> the inner "
+                             f"steps in which every fragment is synchronised once")
 
     @property
     def per_rank_state(self) -> bool:
@@ -418,7 +428,7 @@ register(LocalScheme(
          "comm.diloco.wire (fp32, bf16, loco, sign, e3m0, pbit_mean); bytes: the average per inner step",
     help="DiLoCo (Douillard et al. 2023) and Streaming DiLoCo (2025): H local steps of any optimizer per "
          "worker, then an outer Nesterov SGD on the averaged pseudo-gradient",
-    state_bytes=_state_bytes, shards=True, bucketable=False))
+    state_bytes=_state_bytes, shards=True, bucketable=False, cycle=_cycle_steps))
 
 __all__ = ["LOCAL", "LocalScheme", "PBIT_BITS", "PBIT_QUANTIZERS", "WIRES", "CycleBytes", "DiLoCoOptions", "DiLoCoSchemeOptions",
            "E3M0Exchange", "OuterExchange", "PBitMeanExchange", "build_averages", "cycle_bytes", "cycle_seconds",

@@ -134,6 +134,10 @@ class SyncScheme:
     comm.overlap) with the same result element by element; False = whole-vector (its state or
     its scales span the vector). A bucketable mean exchange also has `start(x, step)`
     (asynchronous), a bucketable sign exchange takes `ctx=` (the part's ExchangeContext.restrict)."""
+    cycle: Callable[[SchemeOptions], int] | None = None
+    """cycle(options): the steps over which the scheme's traffic repeats (a local-update scheme: the
+    inner steps in which every fragment's average is sent once); None = 1, a per-step scheme.
+    Read through `cycle_steps`."""
 
     def __post_init__(self) -> None:
         if self.kind not in (GRADIENT, UPDATE):
@@ -145,6 +149,16 @@ class SyncScheme:
 
     def default_options(self) -> SchemeOptions:
         return self.options()
+
+    def cycle_steps(self, options: SchemeOptions) -> int:
+        """Steps over which a run's communication (and so its step time) repeats with `options`: 1 for
+        a scheme that exchanges every step, the declared `cycle` otherwise (e.g. DiLoCo's inner_steps)."""
+        if self.cycle is None:
+            return 1
+        n = self.cycle(options)
+        if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+            raise ValueError(f"scheme {self.name}: cycle(options) gave {n!r}; it must be an integer >= 1")
+        return n
 
     @property
     def stateful(self) -> bool:

@@ -95,3 +95,38 @@ def test_sign_flip_denominator_is_stated_in_code_and_metrics_docs():
     docs = (ROOT / "docs" / "running.md").read_text()  # the diagnostics table (the README links it)
     row = next(ln for ln in docs.splitlines() if ln.startswith("| `diag/sign_flip` |"))
     assert "Denominator: all elements" in row
+
+
+def test_cycle_steps_come_from_the_scheme_so_a_new_local_scheme_needs_no_bench_edit():
+    """A per-step scheme repeats every step; a local-update scheme declares its cycle (DiLoCo: its
+    inner_steps), and the benchmarks' cycle (bench.step_breakdown.cycle_steps, read from a run's
+    config) is the scheme's, also for a local-update scheme registered here."""
+    from dataclasses import dataclass
+
+    from bench.step_breakdown import cycle_steps
+    from optim.sync.diloco import LocalScheme
+
+    diloco = sync.get("diloco")
+    assert diloco.cycle_steps(diloco.options(diloco={"inner_steps": 7})) == 7
+    assert all(sync.get(n).cycle_steps(sync.get(n).default_options()) == 1
+               for n in sync.names() if sync.get(n).kind != sync.LOCAL)
+    assert cycle_steps({"comm": {"mode": "diloco", "diloco": {"inner_steps": 5}}}) == 5
+    assert cycle_steps({"comm": {"mode": "fp32"}}) == 1
+
+    @dataclass
+    class Every(sync.SchemeOptions):
+        toy_period: int = 3
+
+    def local(**kw):
+        return LocalScheme(name="toy_local", kind=sync.LOCAL, result=sync.MEAN, options=Every, build=lambda o, c: None,
+                           wire_bytes=lambda *a, **k: (0, 0), predict=lambda *a, **k: 0.0, wire="-", help="-", **kw)
+
+    with pytest.raises(ValueError, match="declares its cycle"):
+        local()
+    sync.register(local(cycle=lambda o: 2 * o.toy_period))
+    try:
+        assert cycle_steps({"comm": {"mode": "toy_local", "toy_period": 4, "diloco": {"inner_steps": 9}}}) == 8
+    finally:
+        sync.unregister("toy_local")
+    with pytest.raises(ValueError, match="comm.mode='auto' is not a registered sync scheme"):
+        cycle_steps({"comm": {"mode": "auto"}})
