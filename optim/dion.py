@@ -153,7 +153,7 @@ class Dion(MatrixOptimizer):
         # the P and R exchanges: the same scheme, booked in update_sync
         self.factor_exchange = self.scheme.build(self.scheme_options, sync.ExchangeContext(
             world_size=self.world_size, rank=self.rank, group=self.group, stats=self.stats["update_sync"],
-            device=self.layout.device))
+            device=self.layout.device, kernels=self.kernel_set))
 
     # ---- layout: which gradients cross the network ------------------------------------------------
     def _grad_order(self, order: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:

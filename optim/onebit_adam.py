@@ -82,7 +82,7 @@ class OneBitAdam(AdamW):
         fp32 = sync.get("fp32")
         self.grad_exchange = fp32.build(fp32.default_options(), sync.ExchangeContext(
             world_size=self.world_size, rank=self.rank, group=self.group, stats=self.stats["grad_sync"],
-            segments=self.layout.segments, device=self.layout.device))
+            segments=self.layout.segments, device=self.layout.device, kernels=self.kernel_set))
         self.m_flat: torch.Tensor | None = None     # after the freeze: the momentum (role order)
         self.denom: torch.Tensor | None = None      # after the freeze: sqrt(v) / sqrt(1 - b2^T) + eps
         self.dead: torch.Tensor | None = None       # elements with denom = inf, when there are any

@@ -71,6 +71,15 @@ def test_onebit_adam_warmup_is_torch_adamw_at_p1() -> None:
     assert not torch.equal(first, _model()[0].weight)  # it trained, so the match is not trivial
 
 
+def test_onebit_adam_gradient_exchange_runs_on_the_optimizers_kernels() -> None:
+    """The warm-up's fp32 gradient exchange carries the optimizer's wire kernels (comm.kernels: the one
+    Kernels object of the run), like its compressed momentum exchange, not the context's default."""
+    opt = build_optimizer("onebit_adam", _groups(_model(), 1e-2), betas=(0.9, 0.999), eps=1e-8,
+                          comm_mode="compressed", optim_options={"freeze_step": 5}, kernels="auto")
+    assert opt.kernel_set.setting == "auto"
+    assert opt.grad_exchange.ctx.kernels is opt.kernel_set and opt.exchange.ctx.kernels is opt.kernel_set
+
+
 def _fixed_stream(n: int, T: int) -> list[torch.Tensor]:
     """Gradients independent of the parameters: a fixed direction plus noise (so the exact
     accumulated update can be computed apart)."""

@@ -206,6 +206,20 @@ def test_muon_diagnostics_and_one_rank_bytes():
                                                         "diag/muon_update_rms/mlp"}
 
 
+def test_dion_factor_exchange_runs_on_the_optimizers_kernels():
+    """The P and R exchanges' context carries the optimizer's wire kernels (comm.kernels: the one
+    Kernels object of the run), not the context's default setting."""
+    params = {n: torch.nn.Parameter(x) for n, x in init_params().items()}
+    groups = [{"params": [params[n] for n in PARAMS if PARAMS[n][1] == role], "role": role, "lr": LR,
+               "lr_mult": 1.0, "weight_decay": 0.0, "matrix": role in MATRIX_ROLES}
+              for role in ("embedding", "head", "attn", "mlp", "norm")]
+    opt = optim.build_optimizer("dion", groups, betas=BETAS, eps=EPS, comm_mode="fp32",
+                                optim_options={"rank_fraction": 0.5}, kernels="auto",
+                                param_order=list(params.values()))
+    assert opt.kernel_set.setting == "auto"
+    assert opt.factor_exchange.ctx.kernels is opt.kernel_set and opt.exchange.ctx.kernels is opt.kernel_set
+
+
 # ---- Dion at one rank: bit for bit the math kernels ---------------------------------------------------
 @pytest.mark.parametrize("opts", [{"rank_fraction": 0.5}, {"rank": 2, "mu": 0.9, "ortho": "cholesky_qr"},
                                   {"rank_fraction": 0.5, "transpose_wide": False}])
