@@ -15,13 +15,15 @@ the kind.
   `after_update` counts the applied steps and runs the outer step when one is due (a step the
   divergence guard skipped never reaches it); on a diagnostics step (`diagnosed_update`) the
   fragment sent after it also reports the workers' drift; `evaluation` puts the global
-  parameters in the model (evaluation and a checkpoint's model).
+  parameters in the model (evaluation and a checkpoint's model); `finish` applies the averages
+  still in flight and reports their bytes.
 
 A strategy hooks into a step at two points: `exchange_gradients` (before clipping) and
 `after_update` (after the update, before momentum sync and diagnostics; `diagnosed_update` in its
 place on a step that takes diagnostics), and tells the base how
 to lay out and bucket the exchanged vector and what one step sends; the trainer asks it for the
-parameters evaluation reports (`evaluation`) and ends it before the final evaluation (`finish`).
+parameters evaluation reports (`evaluation`) and ends it before the final evaluation (`finish`,
+which returns a report of what the end sends, e.g. DiLoCo's averages still in flight, or None).
 A new kind registers its own strategy with `register_strategy(cls)`; the base does not change.
 """
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 
 from . import overlap as _overlap
 from . import sync
-from .accounting import BACKGROUND, Call
+from .accounting import BACKGROUND, Call, StepReport
 from .diloco import OuterLoop
 
 
@@ -85,8 +87,11 @@ class SyncStrategy:
         is the one outside it."""
         return contextlib.nullcontext()
 
-    def finish(self, opt: Any) -> None:
-        """The end of training, before the final evaluation, parameter check and checkpoint."""
+    def finish(self, opt: Any) -> StepReport | None:
+        """The end of training, before the final evaluation, parameter check and checkpoint. A kind
+        whose end sends something returns a StepReport of it (booked in the optimizer's phases like a
+        step's; the trainer writes it as a record of its own, event "finish"); None: nothing is sent."""
+        return None
 
 
 class GradientSync(SyncStrategy):
@@ -170,7 +175,12 @@ class LocalSync(SyncStrategy):
         return self.loop.global_params()
 
     def finish(self, opt):
+        # the averages still in flight (sent in the last tau steps) are waited for and applied here,
+        # after the last step's report: their bytes are this report's
+        t0 = opt.clock.now()
+        opt.stats.begin_step()
         self.loop.finish()
+        return StepReport(step=opt.steps_done, seconds=opt.clock.now() - t0, phases=opt.stats.step_summary())
 
 
 _STRATEGIES: dict[str, type[SyncStrategy]] = {}

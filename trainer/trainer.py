@@ -22,7 +22,7 @@ from comm import Clock
 from . import automode, parallel, state
 from .checkpoint import find_resumable
 from .config import AUTO_MODE, Config, ConfigError, validate, warmup_steps
-from .dist import DistInfo
+from .dist import DistInfo, mean_over_ranks
 from .evaluation import Evaluator
 from .inputs import init_source, initial_model, resolve_data, train_loader
 from .logger import RunLogger, banner, window_record
@@ -238,8 +238,11 @@ class Trainer:
         if window:
             self._log_window(window, start, steps_at_start)
         # a local-update scheme ends its outer loop here (in-flight averages applied, every replica
-        # on the global parameters), so the final evaluation, digests and checkpoint see that model
-        self.optimizer.strategy.finish(self.optimizer)
+        # on the global parameters), so the final evaluation, digests and checkpoint see that model;
+        # what its end sends belongs to no step: a record of its own books it
+        finished = self.optimizer.strategy.finish(self.optimizer)
+        if finished is not None:
+            self._log_finish(finished)
         last_eval = self._eval_and_log()
         digests = parallel.param_digests(self.model, self.parallel, self.info.world_size)
         self.logger.log({"step": self.step, "param_sha256": digests, "params_identical": len(set(digests)) == 1})
@@ -249,6 +252,15 @@ class Trainer:
         self.logger.console(f"done: {self.step} steps, val loss {last_eval:.4f}, parameters bit-identical on "
                             f"{self.info.world_size} rank(s), checkpoint {path}")
         return {"step": self.step, "val_loss": last_eval, "stopped": False}
+
+    def _log_finish(self, report) -> None:
+        """The {"event": "finish"} record: what the strategy's end of training sent (rank means, as a
+        train record's), under keys of its own so no per-step series takes it for a step's."""
+        sent, recv, comm_s, seconds = mean_over_ranks([report.bytes_sent, report.bytes_recv, report.comm_s,
+                                                       report.seconds], self.device)
+        self.logger.log({"step": self.step, "event": "finish", "finish_comm_bytes": int(sent),
+                         "finish_comm_bytes_recv": int(recv), "finish_comm_ms": 1e3 * comm_s,
+                         "finish_ms": 1e3 * seconds})
 
     def _eval_and_log(self) -> float:
         # the parameters the run reports (a local-update scheme's global ones, equal on every replica)

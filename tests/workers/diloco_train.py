@@ -9,7 +9,8 @@ stopped at step 4 (in the inner phase), resumed to the end; then rank 1's file o
 checkpoint is damaged and a resume must fall back to the one of step 4. Each rank writes what the test compares
 (`result_<rank>.json`): the per-step bytes each run booked (metrics.jsonl) with the formula's
 (optim.diloco.wire_bytes of each fragment whose outer step that step applied: with tau > 0 the
-averages run on a background thread and their bytes join the step that waits for them), the digest checks, and every run's
+averages run on a background thread and their bytes join the step that waits for them; the one
+still in flight at the end, in the {"event": "finish"} record), the digest checks, and every run's
 final parameter digests, val loss and train losses."""
 from __future__ import annotations
 
@@ -122,6 +123,9 @@ def main(tmp: str) -> None:
     out["streaming"] = {"watch": watch, "formula": formula, "numels": d.numels,
                         "background": [type(a).__name__ for a in d.averages],
                         "booked": {r["step"]: r["comm_bytes"] for r in records(run, "train_loss")},
+                        "sent": {t: sum(wire_bytes(d.o, P, d.numels[k])[0] for k in d.sends_at(t))
+                                 for t in range(1, 8)},
+                        "finish": records(run, "finish_comm_bytes"),
                         "final": records(run, "param_sha256")[-1]["param_sha256"],
                         "drift": drift, "drift_logged": records(run, "diag/diloco_drift_spread"),
                         "diag_steps": [r["step"] for r in records(run, "diag/seconds")]}
@@ -132,7 +136,8 @@ def main(tmp: str) -> None:
     d = train(whole, DILOCO + ["diag.every=2"]).optimizer.strategy.loop.outer
     out["blocking_bytes"] = {  # tau = 0: each average runs when sent and books in that step
         "booked": {r["step"]: r["comm_bytes"] for r in records(whole, "train_loss")},
-        "formula": {t: sum(wire_bytes(d.o, P, d.numels[k])[0] for k in d.sends_at(t)) for t in range(1, 8)}}
+        "formula": {t: sum(wire_bytes(d.o, P, d.numels[k])[0] for k in d.sends_at(t)) for t in range(1, 8)},
+        "finish": records(whole, "finish_comm_bytes")}
     pieces = tmp_dir / "pieces"
     train(pieces, DILOCO + ["train.stop_after=3"])
     tr = train(pieces, DILOCO + ["train.stop_after=1", "train.resume=auto"])
