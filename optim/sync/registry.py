@@ -12,7 +12,8 @@ A scheme is one named `comm.mode`. Its entry declares, in one place:
 - `wire_bytes(options, P, n, rank, rows)`: the exact payload bytes (sent, received) of one
   exchange of n elements on `rank`, as comm.CommStats counts them;
 - `predict(options, P, n, alpha, beta, rows)`: its alpha-beta time (comm.cost_model formulas);
-- `wire`: one line for the README's table of what crosses the network.
+- `wire`: one line for the README's table of what crosses the network;
+- `cycle(options)`: the steps over which its traffic repeats (`cycle_steps`; None = 1, every step).
 
 Everything that lists modes (the config's allowed `comm.mode` values, `--help-config`, the
 benchmarks, the README tables via `python -m optim`) iterates over this registry. Adding a
