@@ -150,10 +150,11 @@ class Dion(MatrixOptimizer):
         """The arguments of MatrixOptimizer (options: DionOptions or a dict of its fields)."""
         super().__init__(*args, **kwargs)
         self._order_grads(self._grad_order(self.grads.order))
-        # the P and R exchanges: the same scheme, booked in update_sync
+        # the P and R exchanges: the same scheme, booked in update_sync; a random stream of their own per
+        # rank (a stochastic wire format must not round alike on every rank, nor replay the base exchange's)
         self.factor_exchange = self.scheme.build(self.scheme_options, sync.ExchangeContext(
             world_size=self.world_size, rank=self.rank, group=self.group, stats=self.stats["update_sync"],
-            device=self.layout.device, kernels=self.kernel_set))
+            device=self.layout.device, kernels=self.kernel_set, seed=(self.ctx.seed + 1) % (2 ** 63 - 1)))
 
     # ---- layout: which gradients cross the network ------------------------------------------------
     def _grad_order(self, order: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:

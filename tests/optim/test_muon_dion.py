@@ -218,6 +218,8 @@ def test_dion_factor_exchange_runs_on_the_optimizers_kernels():
                                 param_order=list(params.values()))
     assert opt.kernel_set.setting == "auto"
     assert opt.factor_exchange.ctx.kernels is opt.kernel_set and opt.exchange.ctx.kernels is opt.kernel_set
+    # the per-rank random stream: derived from the run's seed and the rank like the base exchange's, not its copy
+    assert opt.factor_exchange.ctx.seed not in (0, opt.exchange.ctx.seed)
 
 
 # ---- Dion at one rank: bit for bit the math kernels ---------------------------------------------------
