@@ -122,6 +122,7 @@ class Setting:
     eval_steps: int = 0     # ... of this many global batches (0: the scale's)
     steps: int = 0          # full scale: the steps of every study's runs (0: each study's own)
     lr_from: str = ""       # --lr from-sweep reads this setting's sweep ("": its own); same overrides required
+    vocab: int = 0          # its corpus's vocabulary (0: the preset's), for predictions where the corpus is absent
 
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
@@ -134,14 +135,14 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             quick=("data.dataset=data/prose", "data.order=shuffled"),
             # the verdicts are final val losses: 64 global batches (131K tokens at 4 ranks, a quarter of the val
             # split, in windows spread over all of it) instead of 8, three times a run
-            evals=3, eval_steps=64),
+            evals=3, eval_steps=64, vocab=8192),
     # the first study-prose runs (2026-11-26), superseded: the train stream read in order, so the four ranks of
     # a step read adjacent chunks of one document (correlated workers), and evaluation the val split's first
     # quarter; kept so that its committed lr sweep rebuilds from its store
     Setting("study-prose-sequential", "as study-prose, but the train stream read in order (the four ranks of a "
                                       "step read adjacent chunks of one document; superseded)",
             full=("model.preset=study", "data.dataset=data/prose"), quick=("data.dataset=data/prose",),
-            evals=3, eval_steps=64),
+            evals=3, eval_steps=64, vocab=8192),
     # the verdicts that are claims about longer training (1-bit Adam's divergence, Fig. 20; Dion's error feedback
     # at low rank, Dion §4.1) at 4x study-prose's 300 steps, each arm at study-prose's swept lr (its best values
     # lay inside their grids at 300 steps; re-sweep only if a best sits at an edge at this length)
@@ -149,7 +150,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
                                 "study-prose's swept lr (--lr from-sweep reads study-prose's sweep)",
             full=("model.preset=study", "data.dataset=data/prose", "data.order=shuffled"),
             quick=("data.dataset=data/prose", "data.order=shuffled"),
-            evals=6, eval_steps=64, steps=1200, lr_from="study-prose"),
+            evals=6, eval_steps=64, steps=1200, lr_from="study-prose", vocab=8192),
 )}
 
 
@@ -296,6 +297,7 @@ class RunResult:
     machine: dict | None = None      # the host it trained on (stored runs: as the entry recorded it, if it did)
     tokens: dict | None = None       # {"read", "available"} training tokens (token_budget); None: not recorded
     same_as: str = ""                # read from the store entry of another name with the same spec (stored_specs)
+    entry: Path | None = None        # the run-store entry holding it (a stored run, or one Study.execute stored)
 
     @property
     def ok(self) -> bool:
@@ -486,7 +488,8 @@ def ensure_run(run: Run, scale: Scale, work: Path, *, restart: bool = False, rep
         return RunResult(run, "reused", run_dir, records=entry["records"], config=entry["config"],
                          wall_s=entry["wall_s"], load_before=entry["load_before"], load_after=entry["load_after"],
                          how="stored", extras=entry.get("extras") or {}, source=entry.get("source", "trained"),
-                         machine=entry.get("machine"), tokens=entry.get("tokens"), same_as=same_as)
+                         machine=entry.get("machine"), tokens=entry.get("tokens"), same_as=same_as,
+                         entry=store_file(store, same_as or run.name))
     elif report_only:
         res.status = f"{NOT_RUN} (--report-only)"
         return res
@@ -903,6 +906,9 @@ class Study:
     # more runs decided by the finished ones (the lr sweep's grid extended past a best at its edge):
     # (results so far, scale, seeds, options) -> runs; called until it adds no run it has not listed before
     extend: Callable[[list["RunResult"], Scale, list[int], Options], list[Run]] | None = None
+    # --plan: stand-ins for the runs `extend` will add once the runs it waits on have finished (the outer-lr
+    # sweep's best value names them): same arguments; counted and timed as runs to train, never launched
+    awaiting: Callable[[list["RunResult"], Scale, list[int], Options], list[Run]] | None = None
 
     def scale(self, opts: Options) -> Scale:
         s = self.quick if opts.quick else self.full
@@ -925,7 +931,15 @@ class Study:
     def runs(self, scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
         """The study's runs for these options: `build`, each arm at the sweep's lr under --lr from-sweep
         (StudyUnavailable while the sweep has not written it)."""
-        runs = self.build(scale, seeds, opts)
+        return self.at_lr(self.build(scale, seeds, opts), scale, opts)
+
+    def more_runs(self, results: list[RunResult], scale: Scale, seeds: list[int], opts: Options,
+                  hook: Callable | None = None) -> list[Run]:
+        """The runs `extend` (or `hook`, e.g. `awaiting`) adds after `results`, at the best lr as `runs` gives."""
+        hook = hook or self.extend
+        return self.at_lr(hook(results, scale, seeds, opts), scale, opts) if hook else []
+
+    def at_lr(self, runs: list[Run], scale: Scale, opts: Options) -> list[Run]:
         if opts.lr == FROM_SWEEP and self.lr_from_sweep:
             runs = at_best_lr(runs, read_best_lr(opts, scale), self)
         return runs
@@ -970,12 +984,12 @@ class Study:
                 if r.ok and r.how != "stored":
                     r.extras = self.extras(r) if self.extras else {}
                     save_stored(store, r, run_spec(r.run, scale), r.extras)
+                    r.entry = store_file(store, r.run.name)
                     key, every = spec_key(run_spec(r.run, scale))
                     by_spec.setdefault(key, []).append((r.run.name, every))
                 results.append(r)
             listed = {r.run.name for r in results}
-            more = self.extend(results, scale, seeds, opts) if self.extend else []
-            runs = [r for r in more if r.name not in listed]
+            runs = [r for r in self.more_runs(results, scale, seeds, opts) if r.name not in listed]
             if len({r.name for r in runs}) != len(runs):
                 raise ValueError(f"study {self.name}: its extend hook listed a run twice: {[r.name for r in runs]}")
             for r in runs:
@@ -1028,14 +1042,20 @@ def plan_study(study: "Study", opts: Options, by_spec: dict[str, list[tuple[str,
     seeds = opts.seeds or (study.quick_seeds if opts.quick else study.seeds)
     note = ""
     try:
-        runs = study.runs(scale, seeds, opts)
+        runs, at_lr = study.runs(scale, seeds, opts), True
     except StudyUnavailable:
-        runs = study.build(scale, seeds, opts)
+        runs, at_lr = study.build(scale, seeds, opts), False
         note = (f"each arm's lr comes from the sweep, whose {BEST_LR_FILE} has no value for every arm yet: "
                 "the runs are named (and looked up) here without it")
     work, store = opts.work_dir(study.name), opts.store_dir()
     out: list[Planned] = []
     results: list[RunResult] = []
+
+    def more(hook: Callable | None) -> list[Run]:
+        """The runs `hook` (extend, awaiting) adds after the results so far, at the lr `runs` gave."""
+        new = hook(results, scale, seeds, opts) if hook else []
+        return study.at_lr(new, scale, opts) if at_lr else new
+
     while runs:
         for run in runs:
             r = ensure_run(run, scale, work, report_only=True, echo=lambda s: None, store=store, by_spec=by_spec)
@@ -1051,7 +1071,13 @@ def plan_study(study: "Study", opts: Options, by_spec: dict[str, list[tuple[str,
             out.append(Planned(study.name, run, scale.steps, state, r.wall_s if r.ok else None,
                                spec_key(run_spec(run, scale))))
         listed = {r.run.name for r in results}
-        runs = [r for r in (study.extend(results, scale, seeds, opts) if study.extend else []) if r.name not in listed]
+        runs = [r for r in more(study.extend) if r.name not in listed]
+    later = more(study.awaiting)
+    for run in later:
+        out.append(Planned(study.name, run, scale.steps, "to train", None, spec_key(run_spec(run, scale))))
+    if later:
+        note = "; ".join(x for x in (note, f"{len(later)} of the runs to train are stand-ins for runs that wait on "
+                                           "others (named here before those decide them)") if x)
     return out, note
 
 

@@ -9,16 +9,20 @@ so orderings and qualitative effects are comparable, absolute losses are not.
 """
 from __future__ import annotations
 
+import os
+import shlex
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
 import comm
 from model import IO_ROLES, MATRIX_ROLES, ROLES
 
-from .framework import (BEST_LR_FILE, DEFAULT_SETTING, FROM_SWEEP, NOT_RUN, Column, Options, Run, RunResult, Scale,
-                        Study, Summary, full_scale, group_runs, mean_curve, mean_std, paired_stats, pyplot,
-                        quick_scale, register, run_wire_factor, seed_stats, status_of)
+from .framework import (BEST_LR_FILE, DEFAULT_SETTING, FROM_SWEEP, NOT_RUN, ROOT, SETTINGS, Column, Options, Run,
+                        RunResult, Scale, Study, Summary, full_scale, group_runs, markdown_table, mean_curve, mean_std,
+                        paired_stats, preset_of, pyplot, quick_scale, register, run_wire_factor, seed_stats, status_of,
+                        tokens_read)
 
 FULL_SEEDS = [1337, 1338, 1339]
 QUICK_SEEDS = [1337]
@@ -1055,3 +1059,311 @@ register(Study(
     quick=quick_scale(4), full=full_scale(300), seeds=[SWEEP_SEED], quick_seeds=[SWEEP_SEED],
     build=lr_sweep_runs, summarize=lr_sweep_summary, plot=lr_sweep_plot, outputs=lr_sweep_best,
     extend=lr_sweep_extend, lr_from_sweep=False))
+
+
+# ---------------------------------------------------------------------------------------------
+# DiLoCo and Streaming DiLoCo against the synchronous baselines, at the longer horizon
+
+# (arm, preset, parallel.shard_size): at P = 4, S = 1 makes four workers of one rank, S = 2 two workers of two
+# (an FSDP group each; the pseudo-gradient averages cross the replicate axis, FSDP's traffic stays in the group)
+DILOCO_ARMS = (("diloco_h10_s1", "diloco_h10", 1), ("diloco_h10_s2", "diloco_h10", 2),
+               ("diloco_h50_s1", "diloco_h50", 1), ("diloco_h50_s2", "diloco_h50", 2),
+               ("streaming_s1", "streaming_diloco", 1), ("streaming_s2", "streaming_diloco", 2))
+# the synchronous baselines at S = 1: horizon's runs (horizon_run), so the two studies train them once
+DILOCO_BASELINES = ("adamw_fp32", "fp32", "1bit", "8bit_l1", "dion_r0.0625_ef1")
+DILOCO_REFERENCE = "adamw_fp32"    # the synchronous run DiLoCo's inner optimizer is: every Δ is paired with it
+OUTER_LR_KEY = "comm.diloco.outer_lr"
+OUTER_LRS = (0.3, 0.7, 1.0)        # swept per DiLoCo arm on SWEEP_SEED; the three seeds run at the best
+DILOCO_QUICK = ("diloco_h10_s1",)  # --quick (2 ranks): one arm at S = 1, its sweep, AdamW beside it ...
+QUICK_INNER = ("comm.diloco.inner_steps=3",)  # ... with outer steps inside its 6 steps
+DILOCO_LINKS = ("100mbit", "1gbit")  # time to loss measured under bench.netsim (two simulated nodes)
+# time to loss predicted for two real cluster shapes (bench.time_to_loss --cluster; the shapes of its committed
+# study-prose table, docs/results/time_to_loss/study_prose_predicted)
+DILOCO_CLUSTERS = ("nodes=2 gpus_per_node=8 gpu=h100 inter=10gbit intra=nvlink",
+                   "nodes=4 gpus_per_node=8 gpu=h100 inter=100gbit intra=nvlink")
+DILOCO_TTL_DIR = "diloco_time_to_loss"   # under the results directory: s<S>/ per shard size, bench.time_to_loss's
+# the 5 % two-sided critical value of Student's t by degrees of freedom (pairs - 1)
+T_CRIT_5 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+
+
+def _diloco_arm(arm: str) -> tuple[str, int]:
+    return next((preset, s) for a, preset, s in DILOCO_ARMS if a == arm)
+
+
+def diloco_run(arm: str, outer_lr: float, scale: Scale, seed: int, role: str) -> Run:
+    """A DiLoCo arm's run at one outer lr; role "sweep" (the outer-lr sweep's seed) or "compare" (a comparison
+    seed, at the sweep's best outer lr)."""
+    preset, shard = _diloco_arm(arm)
+    ov = (f"{OUTER_LR_KEY}={outer_lr:g}", *((f"parallel.shard_size={shard}",) if shard > 1 else ()),
+          *(QUICK_INNER if scale.quick else ()))
+    return Run(run_name(f"{arm}_outer{outer_lr:g}", scale.nproc, seed), variant(preset), ov, seed, scale.nproc,
+               (("arm", arm), ("outer_lr", outer_lr), ("role", role), ("shard", shard)))
+
+
+def diloco_arms(scale: Scale) -> list[str]:
+    return [a for a, _, _ in DILOCO_ARMS if not scale.quick or a in DILOCO_QUICK]
+
+
+def diloco_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
+    """The baselines (horizon's runs, relabelled: labels are not part of a run's spec) at every seed, and each
+    DiLoCo arm's outer-lr sweep at SWEEP_SEED; the comparison seeds' DiLoCo runs follow the sweep (diloco_extend)."""
+    baselines = (DILOCO_REFERENCE,) if scale.quick else DILOCO_BASELINES
+    base = [replace(r, labels=(("arm", arm), ("role", "compare"), ("shard", 1)))
+            for arm in baselines for seed in seeds for r in [horizon_run(arm, scale, seed)]]
+    return base + [diloco_run(arm, lr, scale, SWEEP_SEED, "sweep") for arm in diloco_arms(scale) for lr in OUTER_LRS]
+
+
+def outer_lr_choice(results: Sequence[RunResult]) -> dict[str, float | None]:
+    """Each DiLoCo arm's best outer lr (lowest final val loss at the sweep seed), or None while a value of the grid
+    has not run: a run that failed after its launch (a divergence) counts as worse, one not run yet (absent,
+    pending, or NOT_RUN under --report-only) leaves the arm undecided."""
+    out: dict[str, float | None] = {}
+    for (arm,), group in group_runs([r for r in results if r.run.label("role") == "sweep"], "arm").items():
+        by = {r.run.label("outer_lr"): r for r in group}
+        ran = all(lr in by and (by[lr].ok or (by[lr].status.startswith("failed")
+                                              and not by[lr].status.startswith(NOT_RUN))) for lr in OUTER_LRS)
+        vals = {lr: _val(r) for lr, r in by.items() if r.ok and _val(r) is not None}
+        out[arm] = min(vals, key=vals.get) if ran and vals else None
+    return out
+
+
+def diloco_extend(results: list[RunResult], scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
+    """The comparison seeds of every DiLoCo arm whose sweep has decided, at its best outer lr."""
+    return [diloco_run(arm, lr, scale, seed, "compare") for arm, lr in outer_lr_choice(results).items()
+            if lr is not None for seed in seeds]
+
+
+def diloco_awaiting(results: list[RunResult], scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
+    """--plan: stand-ins for the comparison runs of the arms whose sweep has not decided (named 'outerbest')."""
+    chosen = outer_lr_choice(results)
+    return [replace(r, name=r.name.replace(f"_outer{OUTER_LRS[0]:g}_", "_outerbest_"))
+            for arm in diloco_arms(scale) if chosen.get(arm) is None
+            for seed in seeds for r in [diloco_run(arm, OUTER_LRS[0], scale, seed, "compare")]]
+
+
+def slow_axis_bytes(r: RunResult) -> float | None:
+    """Bytes a rank handed to the collectives of the replicate axis (the slow one: between workers) over the run,
+    from the train records' comm_bytes (a record's value is the mean per step of its window): sum of value x
+    window length, plus what the end of training sent (the finish record's finish_comm_bytes: a local-update
+    scheme's averages still in flight). FSDP's traffic inside a shard group is not in comm_bytes."""
+    pts = [(x["step"], x["comm_bytes"]) for x in r.records if "comm_bytes" in x and "step" in x]
+    if not pts:
+        return None
+    total, prev = float(sum(x.get("finish_comm_bytes", 0) for x in r.records)), 0
+    for step, b in sorted(pts):
+        total += b * (step - prev)
+        prev = step
+    return total
+
+
+def slow_axis_bytes_per_step(r: RunResult) -> float | None:
+    """slow_axis_bytes over the steps the train records cover."""
+    total, steps = slow_axis_bytes(r), max((x["step"] for x in r.records if "comm_bytes" in x), default=0)
+    return total / steps if total is not None and steps else None
+
+
+def _workers(r: RunResult) -> str:
+    s = r.run.label("shard", 1)
+    return f"{r.run.nproc // s} x {s}"
+
+
+def ttl_command(shard: int, curves: dict[str, list[Path]], target: float, setting: str, out: Path) -> list[str]:
+    """The bench.time_to_loss command that times the curves of one shard size: `curves` variant (preset) -> its
+    seeds' run-store entries; measured at DILOCO_LINKS on two simulated nodes from step_breakdown runs in
+    <out>/breakdown (--measure runs them: root needed), predicted for DILOCO_CLUSTERS; written into <out>."""
+    rel = lambda p: os.path.relpath(p, ROOT)  # noqa: E731
+    st = SETTINGS.get(setting.split("+")[0])
+    cmd = ["python", "-m", "bench.time_to_loss", "--setting", setting.split("+")[0], "--variants", *curves,
+           *(x for v, ps in curves.items() for x in ("--run", f"{v}={','.join(rel(p) for p in ps)}")),
+           "--target", repr(float(target)), "--link", ",".join(DILOCO_LINKS), "--nodes", "2", "--nproc", "4",
+           "--breakdown", rel(out / "breakdown"),
+           *(x for c in DILOCO_CLUSTERS for x in ("--cluster", c)),
+           *(("--vocab-size", str(st.vocab)) if st and st.vocab else ()), "--out", rel(out)]
+    return cmd + ([f"parallel.shard_size={shard}"] if shard > 1 else [])
+
+
+def ttl_cells(out: Path, argv: list[str]) -> tuple[dict[tuple[str, str], str], str]:
+    """{(variant, setting): cell} from bench.time_to_loss's results.csv in `out`, when its meta.json records the
+    command `argv` (else the results are of other runs or another target: none, and why)."""
+    import csv
+    import json
+
+    meta, res = out / "meta.json", out / "results.csv"
+    if not (meta.is_file() and res.is_file()):
+        return {}, "not computed"
+    if json.loads(meta.read_text()).get("argv") != argv[3:]:
+        return {}, "stale (computed from other runs)"
+    cells = {}
+    for row in csv.DictReader(open(res)):
+        if row.get("missing"):
+            what = "not measured" if row["setting"].startswith("(a)") else "not predicted"
+            cells[(row["variant"], row["setting"])] = f"{what}: {row['missing']}"
+        elif row.get("target_s"):
+            cells[(row["variant"], row["setting"])] = _fmt_seconds(float(row["target_s"]))
+        else:
+            cells[(row["variant"], row["setting"])] = "not reached"
+    return cells, ""
+
+
+def _fmt_seconds(x: float) -> str:
+    return f"{x / 3600:.2f} h" if x >= 7200 else f"{x / 60:.1f} min" if x >= 120 else f"{x:.2f} s"
+
+
+def ttl_settings() -> list[tuple[str, str]]:
+    """(key, the row's `setting` in bench.time_to_loss's results.csv) of each time-to-loss column."""
+    return ([(f"ttl_{link}", f"(a) this machine, simulated link {link}") for link in DILOCO_LINKS]
+            + [(f"ttl_cluster{i}", f"(b) cluster {c}") for i, c in enumerate(DILOCO_CLUSTERS, 1)])
+
+
+def diloco_summary(results: list[RunResult], scale: Scale) -> Summary:
+    chosen = outer_lr_choice(results)
+    compare = [r for r in results if r.run.label("role") == "compare"
+               and (r.run.label("outer_lr") is None or r.run.label("outer_lr") == chosen.get(r.run.label("arm")))]
+    groups = group_runs(compare, "arm")
+    ref = groups.get((DILOCO_REFERENCE,), [])
+    target = seed_stats(ref, _val, "v")["v_mean"]
+    rows = []
+    present = {r.run.label("arm") for r in results}
+    for arm in [a for a in (*DILOCO_BASELINES, *(a for a, _, _ in DILOCO_ARMS)) if a in present]:
+        group = groups.get((arm,), [])
+        sweep = [r for r in results if r.run.label("role") == "sweep" and r.run.label("arm") == arm]
+        row = {"arm": arm, "kind": "baseline" if arm in DILOCO_BASELINES else "DiLoCo",
+               "workers": _workers((group or sweep)[0]) if group or sweep else "-", "outer_lr": chosen.get(arm),
+               "status": status_of(group + sweep) if group or sweep else "not run",
+               **seed_stats(group, _val, "val_loss"), "tokens": max((tokens_read(r) or 0 for r in group if r.ok),
+                                                                   default=None) or None,
+               **seed_stats(group, slow_axis_bytes, "bytes"), "bytes_per_step":
+               seed_stats(group, slow_axis_bytes_per_step, "b")["b_mean"]}
+        if arm != DILOCO_REFERENCE:
+            row.update(paired_stats(group, ref, _val, "delta"))
+            n, t = row["delta_n"], row["delta_t"]
+            row["verdict"] = ("-" if n < 2 else "no difference at 5 %" if t is None or abs(t) < T_CRIT_5.get(n - 1, 2.0)
+                              else "worse" if t > 0 else "better")
+        rows.append(row)
+    ref_bytes = next((r["bytes_per_step"] for r in rows if r["arm"] == DILOCO_REFERENCE), None)
+    for r in rows:
+        r["bytes_vs_ref"] = ref_bytes / r["bytes_per_step"] if ref_bytes and r["bytes_per_step"] else None
+
+    # time to loss: bench.time_to_loss over the stored runs, one command per shard size (its results read back)
+    notes, commands, why = [], [], {}
+    stored = {arm: [r.entry for r in g if r.ok and r.entry is not None] for (arm,), g in groups.items()}
+    where = next((r.entry.parent.parent for r in compare if r.entry is not None), None)
+    for shard in sorted({r.run.label("shard", 1) for r in compare}):
+        curves = {}
+        for (arm,), g in groups.items():
+            if g[0].run.label("shard", 1) == shard and stored.get(arm) and len(stored[arm]) == len(g):
+                curves[preset_of(g[0].run)] = stored[arm]
+        if target is None or where is None or not curves or scale.quick:
+            continue
+        out = where / DILOCO_TTL_DIR / f"s{shard}"
+        cmd = ttl_command(shard, curves, target, scale.setting, out)
+        commands.append(shlex.join(cmd))
+        cells, why[shard] = ttl_cells(out, cmd)
+        for r in rows:
+            g = groups.get((r["arm"],), [])
+            if g and g[0].run.label("shard", 1) == shard:
+                for key, setting in ttl_settings():
+                    r[key] = cells.get((preset_of(g[0].run), setting), why[shard] or "not in its results")
+    for r in rows:
+        for key, _ in ttl_settings():
+            r.setdefault(key, "not computed" if r["val_loss_n"] else "-")
+    # long reasons go below the table, the cell says what kind
+    reasons = {}
+    for r in rows:
+        for key, _ in ttl_settings():
+            head, sep, tail = str(r[key]).partition(": ")
+            if sep and head in ("not measured", "not predicted"):
+                reasons.setdefault(tail, []).append(f"{r['arm']} ({key.removeprefix('ttl_')})")
+                r[key] = head
+
+    sweep_rows = []
+    for (arm,), g in group_runs([r for r in results if r.run.label("role") == "sweep"], "arm").items():
+        for r in sorted(g, key=lambda x: x.run.label("outer_lr")):
+            sweep_rows.append({"arm": arm, "outer_lr": r.run.label("outer_lr"), "val": _val(r) if r.ok else None,
+                               "best": "best" if chosen.get(arm) == r.run.label("outer_lr") else "",
+                               "edge": "edge" if chosen.get(arm) in (min(OUTER_LRS), max(OUTER_LRS))
+                               and chosen.get(arm) == r.run.label("outer_lr") else "", "status": r.status})
+    ttl_cols = [Column(key, ("time to target, " + (f"{setting.rsplit(' ', 1)[1]} simulated (measured)"
+                                                    if setting.startswith("(a)") else
+                                                    f"{setting.removeprefix('(b) cluster ')} (predicted)")),
+                       align="left") for key, setting in ttl_settings()]
+    cols = [Column("arm", "arm", align="left"), Column("kind", "kind", align="left"),
+            Column("workers", "workers x ranks", align="left"), Column("outer_lr", "outer lr (swept)", ".1f"),
+            Column("val_loss_mean", "final val loss"), Column("val_loss_std", "± std"),
+            Column("val_loss_n", "seeds", "d"), Column("tokens", "train tokens per run", ",d"),
+            Column("delta_mean", f"Δ vs {DILOCO_REFERENCE} (paired)", "+.4f"), Column("delta_std", "± std", ".4f"),
+            Column("delta_t", "paired t", ".1f"), Column("verdict", "verdict (5 %)", align="left"),
+            Column("bytes_per_step", "slow-axis bytes / rank / step", ",.0f"),
+            Column("bytes_vs_ref", f"÷ {DILOCO_REFERENCE}'s", ".1f"), *ttl_cols,
+            Column("status", "status", align="left"), Column("bytes_mean", "slow-axis bytes / rank / run", md=False)]
+    notes.append(
+        f"{scale.steps} steps at P = {scale.nproc}, every arm reading the same training tokens (equal tokens: the "
+        f"same global batch and steps), up to {max((r['val_loss_n'] for r in rows), default=0)} seeds each. DiLoCo arms: the inner AdamW at AdamW's lr (its best from "
+        f"the lr sweep under --lr from-sweep), the outer lr swept over {', '.join(map(str, OUTER_LRS))} on one seed "
+        f"({SWEEP_SEED}, not a comparison seed, as the lr sweep does) and the comparison seeds run at the best "
+        "(table below); a best at the grid's edge is flagged there. workers x ranks: 4 x 1 is four DiLoCo workers, "
+        "2 x 2 two workers of two ranks (parallel.shard_size=2). Δ: final val loss minus AdamW's at the same seed; "
+        "verdict: the paired t against the 5 % two-sided critical value at pairs - 1 degrees of freedom.")
+    notes.append(
+        "Slow-axis bytes: what a rank handed to the collectives across workers (the replicate axis) over the run, "
+        "from the train records' comm_bytes and the finish record's (the averages still in flight at the end), "
+        "divided by the steps; FSDP's traffic inside a worker (S = 2) is on the "
+        "fast axis and not counted. ÷ AdamW's: how many times fewer bytes than synchronous AdamW.")
+    target_line = (f"Time to target: the time each arm's mean val-loss curve needs to reach AdamW's final val loss "
+                   f"({target:.4f}), by bench.time_to_loss over the stored runs (its arithmetic: crossing step x step "
+                   "time). Measured: step times from bench.step_breakdown runs under bench.netsim on two simulated "
+                   "nodes at each link, of the same configuration (time_to_loss compares model, batch, optimizer, "
+                   "the whole comm section, outer lr included, and parallel; a run of another configuration is "
+                   "'not measured'). Predicted: compute from FLOPs and the GPU check's MFU, communication from "
+                   "the registry's cost model, on the cluster's GPUs (the curves are the 4-worker runs'; DiLoCo's "
+                   "numerics at the cluster's worker count may differ; sharded arms are not modelled there). "
+                   if target is not None else "Time to target: no finished AdamW run to take the target from. ")
+    notes.append(target_line + ("Commands (rerun the study with --report-only afterwards to fill the columns): "
+                                + " ; ".join(f"`{c}`" for c in commands) if commands else
+                                "Not computed in quick mode." if scale.quick else
+                                "No command yet: the arms' runs are not all stored."))
+    if reasons:
+        notes.append("Why a cell is empty: " + "; ".join(f"{', '.join(w)}: {t}" for t, w in reasons.items()) + ".")
+    notes.append(diloco_finding(rows))
+    sweep_table = markdown_table(sweep_rows, [Column("arm", "arm", align="left"), Column("outer_lr", "outer lr", ".1f"),
+                                              Column("val", f"final val loss (seed {SWEEP_SEED})"),
+                                              Column("best", "best", align="left"),
+                                              Column("edge", "at grid edge", align="left"),
+                                              Column("status", "status", align="left")])
+    return Summary(rows, cols, notes, extra_tables=[("Outer-lr sweep (one seed):", sweep_table)])
+
+
+def diloco_finding(rows: Sequence[dict]) -> str:
+    """DiLoCo's own finding against ours, arm by arm, from the rows (nothing said of an arm without pairs)."""
+    said = []
+    for r in rows:
+        if r["kind"] == "DiLoCo" and r.get("delta_n", 0) >= 2:
+            said.append(f"{r['arm']} ({r['workers']}): Δ {r['delta_mean']:+.4f} ({r['verdict']}), "
+                        + (f"{r['bytes_vs_ref']:.0f}x fewer slow-axis bytes" if r["bytes_vs_ref"] else "bytes -"))
+    return ("DiLoCo's finding (Douillard et al. 2023, abstract and §3): with 8 workers and H = 500 inner steps it "
+            "matches fully synchronous training while communicating 500x less. Ours differ in the worker count "
+            "(4, or 2 workers of 2 ranks), in H (10 and 50: a 1,200-step run has 120 or 24 outer steps, where the "
+            "paper's runs have far more), in the length of training and the model size. "
+            + ("Here: " + "; ".join(said) + "." if said else "No DiLoCo arm has two paired seeds yet."))
+
+
+def diloco_plot(results: list[RunResult], path: Path) -> None:
+    chosen = outer_lr_choice(results)
+    compare = [r for r in results if r.run.label("role") == "compare"
+               and (r.run.label("outer_lr") is None or r.run.label("outer_lr") == chosen.get(r.run.label("arm")))]
+    _loss_panels(compare, path, None, "arm", "DiLoCo / Streaming DiLoCo vs synchronous baselines (mean over seeds)")
+
+
+register(Study(
+    "diloco", "DiLoCo (H = 10, 50) and Streaming DiLoCo against AdamW, Lion, Lion Cub 1-bit / 8-bit L1 and Dion "
+              "1/16 at the longer horizon, 4 ranks as 4 workers or 2 workers of 2 (run it with --setting "
+              "study-prose-1200)",
+    "DiLoCo (Douillard et al. 2023), abstract and §3: 8 workers with H = 500 inner steps match fully synchronous "
+    "training while communicating 500x less. Streaming DiLoCo (Douillard et al. 2025): fragments synchronised on "
+    "staggered schedules, overlapped with computation, with 4-bit pseudo-gradients, keep that quality at a lower "
+    "peak bandwidth.",
+    # horizon's scale (no diagnostics): its baseline runs are these runs (same name and spec), trained once
+    quick=quick_scale(6), full=full_scale(300), seeds=FULL_SEEDS, quick_seeds=QUICK_SEEDS,
+    build=diloco_runs, summarize=diloco_summary, plot=diloco_plot, extend=diloco_extend, awaiting=diloco_awaiting,
+    # --lr from-sweep: the inner optimizer is the adamw_fp32 recipe, so it runs at AdamW's best lr
+    lr_alias={preset: DILOCO_REFERENCE for _, preset, _ in DILOCO_ARMS}))

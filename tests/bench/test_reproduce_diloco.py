@@ -1,0 +1,229 @@
+"""The diloco study of the reproduction suite: its run list (the baselines shared with horizon, the outer-lr
+sweep on one seed, the comparison seeds at its best, the S = 2 arms), its summary on synthetic runs and its
+--plan. No training: runs are built and summarized, never launched."""
+from __future__ import annotations
+
+import csv
+import json
+import re
+import shlex
+import shutil
+import statistics
+
+import pytest
+
+from bench.reproduce import STUDIES, framework, studies
+from bench.reproduce.__main__ import main, parser, show_plan
+from bench.reproduce.framework import NOT_RUN, Options, Run, RunResult
+
+SETTING = "study-prose-1200"
+DILOCO_ARMS = {a for a, _, _ in studies.DILOCO_ARMS}
+
+
+def _opts(**kw) -> Options:
+    return Options(setting=SETTING, lr=framework.FROM_SWEEP, **kw)
+
+
+def _done(run: Run, val: float | None, status: str = "ok", records: list | None = None) -> RunResult:
+    recs = records if records is not None else ([{"step": 1200, "val_loss": val}] if val is not None else [])
+    return RunResult(run, status, framework.ROOT, records=recs)
+
+
+def test_run_list_shares_horizons_baselines_and_sweeps_the_outer_lr_on_one_seed():
+    o = _opts()
+    st, hz = STUDIES["diloco"], STUDIES["horizon"]
+    sc = st.scale(o)
+    assert sc == hz.scale(o) and (sc.steps, sc.nproc, sc.diag_every) == (1200, 4, 0)
+    runs = st.runs(sc, studies.FULL_SEEDS, o)
+    base = [r for r in runs if r.label("arm") in studies.DILOCO_BASELINES]
+    # the baselines are horizon's runs: the same names and specs, so the run store trains them once
+    horizon = {r.name: framework.run_spec(r, sc) for r in hz.runs(sc, studies.FULL_SEEDS, o)}
+    assert len(base) == 5 * 3 and all(horizon.get(r.name) == framework.run_spec(r, sc) for r in base)
+    assert {r.label("arm") for r in base} == {"adamw_fp32", "fp32", "1bit", "8bit_l1", "dion_r0.0625_ef1"}
+    # the DiLoCo arms list only their sweep: 6 arms x 3 outer lrs at the sweep seed (not a comparison seed)
+    sweep = [r for r in runs if r.label("arm") in DILOCO_ARMS]
+    assert len(runs) == len(base) + len(sweep) and len(sweep) == 6 * 3
+    assert {(r.label("arm"), r.label("outer_lr"), r.seed) for r in sweep} == {
+        (a, lr, studies.SWEEP_SEED) for a in DILOCO_ARMS for lr in (0.3, 0.7, 1.0)}
+    assert studies.SWEEP_SEED not in studies.FULL_SEEDS
+    best = json.loads((Options(setting="study-prose").results_dir() / framework.BEST_LR_FILE).read_text())["best"]
+    for r in sweep:  # the resolved config: the arm's preset, outer lr, shard size, and AdamW's swept lr inside
+        cfg = framework.run_config(r, sc)
+        preset, shard = studies._diloco_arm(r.label("arm"))
+        assert cfg.comm.mode == "diloco" and r.config == f"configs/variants/{preset}.yaml"
+        assert cfg.comm.diloco.outer_lr == r.label("outer_lr") and cfg.parallel.shard_size == shard
+        assert cfg.optim.name == "adamw" and cfg.optim.lr == best["adamw_fp32"]["value"]
+    assert {r.label("arm") for r in sweep if framework.run_config(r, sc).parallel.shard_size == 2} == {
+        "diloco_h10_s2", "diloco_h50_s2", "streaming_s2"}
+    assert len({r.name for r in runs}) == len(runs)
+
+
+def test_the_sweep_decides_each_arms_comparison_runs():
+    o = _opts()
+    st = STUDIES["diloco"]
+    sc = st.scale(o)
+    sweep = {(r.label("arm"), r.label("outer_lr")): r for r in st.runs(sc, studies.FULL_SEEDS, o)
+             if r.label("role") == "sweep"}
+    val = {0.3: 5.3, 0.7: 5.1, 1.0: 5.2}
+    results = []
+    for (arm, lr), run in sweep.items():
+        if arm == "diloco_h10_s1":      # 1.0 diverged: counts as worse, the arm is decided
+            results.append(_done(run, None, "failed rc=1 (see log)") if lr == 1.0 else _done(run, val[lr]))
+        elif arm == "diloco_h50_s2":    # the best at the grid's edge
+            results.append(_done(run, 6.0 - lr))
+        elif arm == "streaming_s1":     # 1.0 not run yet (--report-only): undecided
+            results.append(_done(run, None, f"{NOT_RUN} (--report-only)") if lr == 1.0 else _done(run, val[lr]))
+        elif arm == "streaming_s2":     # 0.7 missing altogether: undecided
+            if lr != 0.7:
+                results.append(_done(run, val[lr]))
+        else:
+            results.append(_done(run, val[lr]))
+    chosen = studies.outer_lr_choice(results)
+    assert chosen == {"diloco_h10_s1": 0.7, "diloco_h10_s2": 0.7, "diloco_h50_s1": 0.7, "diloco_h50_s2": 1.0,
+                      "streaming_s1": None, "streaming_s2": None}
+    more = st.more_runs(results, sc, studies.FULL_SEEDS, o)
+    assert {(r.label("arm"), r.label("outer_lr"), r.seed) for r in more} == {
+        (a, lr, s) for a, lr in chosen.items() if lr is not None for s in studies.FULL_SEEDS}
+    best = json.loads((Options(setting="study-prose").results_dir() / framework.BEST_LR_FILE).read_text())["best"]
+    lr = best["adamw_fp32"]["value"]
+    for r in more:  # at the inner lr the sweep gives AdamW, the outer lr in the name and in the spec
+        assert r.name.endswith(f"_outer{r.label('outer_lr'):g}_p4_s{r.seed}_lr{lr:g}") and r.label("role") == "compare"
+        assert f"optim.lr={lr:g}" in r.overrides and f"comm.diloco.outer_lr={r.label('outer_lr'):g}" in r.overrides
+    # the plan's stand-ins: the comparison seeds of the undecided arms, never named like a real run
+    later = st.more_runs(results, sc, studies.FULL_SEEDS, o, st.awaiting)
+    assert sorted((r.label("arm"), r.seed) for r in later) == sorted(
+        (a, s) for a in ("streaming_s1", "streaming_s2") for s in studies.FULL_SEEDS)
+    assert all("_outerbest_" in r.name for r in later) and not {r.name for r in later} & {r.name for r in more}
+
+
+def _records(val: float, bytes_a: int, bytes_b: int) -> list[dict]:
+    """Two log windows of 600 steps (comm_bytes: the window's mean per step) and two evaluations."""
+    return [{"step": 600, "comm_bytes": bytes_a, "val_loss": val + 0.5, "train_loss": 9.0},
+            {"step": 1200, "comm_bytes": bytes_b, "val_loss": val, "train_loss": 8.0}]
+
+
+def _synthetic(sc, tmp_path) -> list[RunResult]:
+    o = Options(setting=SETTING)
+    st = STUDIES["diloco"]
+    built = st.build(sc, studies.FULL_SEEDS, o)
+    store = tmp_path / "results" / "store"
+    out = []
+
+    def add(run, val, b1, b2, status="ok"):
+        r = RunResult(run, status, framework.ROOT, records=_records(val, b1, b2) if val is not None else [])
+        r.entry = store / f"{run.name}.json.gz"
+        r.tokens = {"read": 1200 * 4 * 4 * 128 + 1, "available": 26_463_019}  # as counted at launch
+        out.append(r)
+
+    ref = {1337: 5.0, 1338: 5.1, 1339: 5.2}
+    for r in built:
+        arm = r.label("arm")
+        if arm == "adamw_fp32":
+            add(r, ref[r.seed], 1000, 1000)
+        elif arm == "fp32":
+            add(r, ref[r.seed] + 0.1 + 0.01 * (r.seed - 1337), 1000, 1000)
+        elif r.label("role") == "sweep" and arm in ("diloco_h10_s1", "diloco_h50_s1", "diloco_h10_s2"):
+            lr = r.label("outer_lr")
+            best = 1.0 if arm == "diloco_h50_s1" else 0.7
+            add(r, 5.1 + abs(lr - best), 100, 0)
+    for arm, lr, delta in (("diloco_h10_s1", 0.7, {1337: 0.02, 1338: 0.01, 1339: 0.03}),
+                           ("diloco_h50_s1", 1.0, {1337: 0.30, 1338: 0.31, 1339: 0.29}),
+                           ("diloco_h10_s2", 0.7, {1337: 0.0, 1338: 0.01, 1339: -0.01}),
+                           ("diloco_h10_s1", 0.3, {1337: -1.0, 1338: -1.0, 1339: -1.0})):  # not the chosen lr
+        for seed in studies.FULL_SEEDS:
+            add(studies.diloco_run(arm, lr, sc, seed, "compare"), ref[seed] + delta[seed], 100, 0)
+            out[-1].records.append({"event": "finish", "step": 1200, "finish_comm_bytes": 12000})  # sent at the end
+    return out
+
+
+def test_summary_reads_losses_bytes_and_time_to_loss_from_stored_runs(tmp_path):
+    sc = STUDIES["diloco"].scale(Options(setting=SETTING))
+    results = _synthetic(sc, tmp_path)
+    s = studies.diloco_summary(results, sc)
+    rows = {r["arm"]: r for r in s.rows}
+    # the arms with runs only, each DiLoCo arm at the outer lr its sweep chose (the decoy at 0.3 left out)
+    assert set(rows) == {"adamw_fp32", "fp32", "diloco_h10_s1", "diloco_h50_s1", "diloco_h10_s2"}
+    h10 = rows["diloco_h10_s1"]
+    assert (h10["outer_lr"], h10["workers"], rows["diloco_h10_s2"]["workers"]) == (0.7, "4 x 1", "2 x 2")
+    assert h10["val_loss_n"] == 3 and h10["val_loss_mean"] == pytest.approx(5.12)
+    assert h10["delta_mean"] == pytest.approx(0.02) and h10["delta_std"] == pytest.approx(0.01)
+    assert h10["verdict"] == "no difference at 5 %"  # t = 3.5 < 4.30 at 2 dof
+    assert rows["diloco_h50_s1"]["outer_lr"] == 1.0 and rows["diloco_h50_s1"]["verdict"] == "worse"
+    assert rows["fp32"]["verdict"] == "worse" and "verdict" not in rows["adamw_fp32"]
+    # slow-axis bytes: comm_bytes x window length summed with what the end sent, over the steps; vs AdamW's
+    assert rows["adamw_fp32"]["bytes_per_step"] == pytest.approx(1000.0)
+    assert h10["bytes_mean"] == pytest.approx(600 * 100 + 12000)
+    assert h10["bytes_per_step"] == pytest.approx(60.0) and h10["bytes_vs_ref"] == pytest.approx(1000 / 60)
+    assert h10["tokens"] == rows["adamw_fp32"]["tokens"] == 1200 * 4 * 4 * 128 + 1  # equal tokens
+    # the sweep's table: every value, the best marked, a best at the grid's edge flagged
+    table = dict(s.extra_tables)["Outer-lr sweep (one seed):"]
+    assert re.search(r"\| diloco_h10_s1 \| 0.7 \| 5.1000 \| best \|  \|", table)
+    assert re.search(r"\| diloco_h50_s1 \| 1.0 \| 5.1000 \| best \| edge \|", table)
+    # time to loss: nothing computed yet; one bench.time_to_loss command per shard size over the stored entries
+    assert {h10[k] for k, _ in studies.ttl_settings()} == {"not computed"}
+    text = "\n".join(s.notes)
+    cmds = re.findall(r"`(python -m bench\.time_to_loss [^`]*)`", text)
+    assert len(cmds) == 2 and "parallel.shard_size=2" in cmds[1] and "parallel.shard_size" not in cmds[0]
+    assert f"--target {statistics.fmean([5.0, 5.1, 5.2])!r}" in cmds[0]
+    assert "--link 100mbit,1gbit --nodes 2" in cmds[0] and cmds[0].count("--cluster") == 2
+    assert "diloco_h10=" in cmds[0] and "diloco_h10_s1_outer0.7_p4_s1338.json.gz" in cmds[0]
+    assert "_outer0.3_" not in cmds[0] and "--vocab-size 8192" in cmds[0]
+    assert "DiLoCo's finding" in text and "diloco_h50_s1 (4 x 1): Δ +0.3000 (worse)" in text
+
+    # bench.time_to_loss's results written for the S = 1 command: its cells read back; a long reason goes below
+    out = tmp_path / "results" / studies.DILOCO_TTL_DIR / "s1"
+    out.mkdir(parents=True)
+    argv = shlex.split(cmds[0])
+    (out / "meta.json").write_text(json.dumps({"argv": argv[3:]}))
+    link, cluster = studies.ttl_settings()[0][1], studies.ttl_settings()[2][1]
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["setting", "variant", "step_s", "target_s", "missing"])
+        w.writeheader()
+        w.writerows([{"setting": link, "variant": "diloco_h10", "step_s": 0.5, "target_s": 300.0},
+                     {"setting": link, "variant": "adamw_fp32", "step_s": 2.0, "target_s": 2400.0},
+                     {"setting": link, "variant": "lion_fp32", "step_s": 2.0},
+                     {"setting": cluster, "variant": "diloco_h10", "missing": "the MFU is unknown"}])
+    s = studies.diloco_summary(results, sc)
+    rows = {r["arm"]: r for r in s.rows}
+    assert (rows["diloco_h10_s1"]["ttl_100mbit"], rows["adamw_fp32"]["ttl_100mbit"]) == ("5.0 min", "40.0 min")
+    assert rows["fp32"]["ttl_100mbit"] == "not reached" and rows["diloco_h10_s1"]["ttl_cluster1"] == "not predicted"
+    assert rows["diloco_h50_s1"]["ttl_100mbit"] == "not in its results"
+    assert rows["diloco_h10_s2"]["ttl_100mbit"] == "not computed"  # its shard size's command has not run
+    assert "diloco_h10_s1 (cluster1): the MFU is unknown" in "\n".join(s.notes)
+    # results of another command (other runs or another target) are not read
+    (out / "meta.json").write_text(json.dumps({"argv": argv[3:-1]}))
+    rows = {r["arm"]: r for r in studies.diloco_summary(results, sc).rows}
+    assert rows["diloco_h10_s1"]["ttl_100mbit"] == "stale (computed from other runs)"
+
+
+def test_plan_counts_the_runs_left_and_their_hours(tmp_path, capsys):
+    """--plan before anything trained: every run to train, the comparison runs as stand-ins; with one arm's sweep
+    stored, its comparison runs named at the chosen outer lr and the hours from the stored runs' wall time; the
+    baselines counted once beside horizon."""
+    out, work = tmp_path / "results", tmp_path / "work"
+    out.mkdir()
+    shutil.copy(Options(setting="study-prose").results_dir() / framework.BEST_LR_FILE, out)
+    common = ["--setting", SETTING, "--lr", framework.FROM_SWEEP, "--out", str(out), "--work", str(work)]
+    assert main(["diloco", "--plan", *common]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"^diloco +51 +0 +0 +0 +51 +0$", text, re.M), text
+    assert "18 of the runs to train are stand-ins" in text and "left: 51 of 51 run(s) (no finished run to time)" in text
+    st = STUDIES["diloco"]
+    o = _opts(out=out, work=work)
+    sc = st.scale(o)
+    for run in st.runs(sc, studies.FULL_SEEDS, o):
+        if run.label("arm") == "diloco_h10_s1":
+            r = _done(run, 5.0 + abs(run.label("outer_lr") - 0.3))
+            r.wall_s = 1800.0
+            framework.save_stored(out / framework.STORE_DIR, r, framework.run_spec(run, sc))
+    assert main(["diloco", "--plan", *common]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"^diloco +51 +3 +0 +0 +48 +0$", text, re.M), text
+    assert "15 of the runs to train are stand-ins" in text
+    assert "diloco_h10_s1_outer0.3_p4_s1338_lr0.001" in text and "diloco_h10_s1_outerbest" not in text
+    assert "left: 48 of 51 run(s), about 24.0 h on this machine" in text  # 48 x the stored median, 30 min
+    assert "cost: 3 finished run(s) recorded 1.5 h" in text
+    # beside horizon (as `all` lists them): the five baselines' 15 runs are horizon's, counted there once
+    show_plan(["horizon", "diloco"], parser().parse_args(["diloco", "--plan", *common]))
+    text = capsys.readouterr().out
+    assert re.search(r"^diloco +36 .*\(\+15 shared with an earlier study\)$", text, re.M), text
