@@ -201,7 +201,7 @@ def calibrate_worker(out_path: Path) -> None:
 
 def cycle_steps(cfg: dict) -> int:
     """Steps over which a run's step time repeats: its sync scheme's cycle (optim.sync SyncScheme.
-    cycle_steps on the options of the config's comm section: for a local-update run, e.g.
+    cycle_steps on the scheme's options_from the config's comm section: for a local-update run, e.g.
     comm.mode=diloco, most inner steps send nothing and every fragment's average falls once in any
     comm.diloco.inner_steps consecutive steps), 1 for a scheme that exchanges every step."""
     from optim import sync
@@ -212,7 +212,7 @@ def cycle_steps(cfg: dict) -> int:
         raise ValueError(f"comm.mode={mode!r} is not a registered sync scheme ({', '.join(sync.names())}); read the "
                          f"run at the mode it trained with (a comm.mode=auto run: the one its auto_mode.json names)")
     scheme = sync.get(mode)
-    return scheme.cycle_steps(scheme.options(**{k: c[k] for k in scheme.options.field_names() if k in c}))
+    return scheme.cycle_steps(scheme.options_from(c))
 
 
 def summarize_run(records: list[dict], warmup: int, cycle: int = 1) -> dict:

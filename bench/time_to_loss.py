@@ -16,8 +16,9 @@ default) is stretched by its time per step:
 (b) PREDICTED: compute = training FLOPs per step (model.flops_per_token x tokens per step) over the
     cluster's GPUs at their dense bf16 peak x MFU (the MFU you give, or the one the GPU check measured,
     docs/results/gpu_check), plus communication = the registry's alpha-beta model of the variant's
-    exchange (optimizer.predict_comm_seconds; DiLoCo: trainer.advise.predict_diloco, its cycle's
-    averages spread over the inner steps) on the links you name, under comm.cost_model.NodeLayout.
+    exchange (optimizer.predict_comm_seconds; a local-update scheme such as DiLoCo: its own
+    LocalScheme.predict_local, its cycle's exchanges spread over the inner steps, less what the inner
+    steps after each hide) on the links you name, under comm.cost_model.NodeLayout.
 The target (default: the final `--metric` of the synchronous AdamW run, `--reference`) is crossed
 where the curve first reaches it, interpolated linearly between evaluations; a variant whose curve
 never reaches it is reported as such. Output in `--out`: results.md (tables, what is measured and
@@ -352,16 +353,19 @@ def predict_cluster_step(curve: Curve, cluster: Cluster, reference: str = REFERE
     c = cfg.get("comm") or {}
     out = {"ranks": P, "mfu": mfu, "mfu_source": mfu_src, "compute_s": compute, "flops_per_step": flops}
     with cost_model.node_layout(cluster.layout()):
-        if sync.get(c.get("mode", "fp32")).kind == sync.LOCAL:  # a local-update scheme: its cycle, not a step
-            from optim.diloco import DiLoCoOptions
-            from trainer.advise import diloco_fragment_numels, predict_diloco
+        scheme = sync.get(c.get("mode", "fp32"))
+        if scheme.kind == sync.LOCAL:  # a local-update scheme predicts its own cycle on the model
+            from trainer.advise import param_layout
 
-            o = _diloco_options(DiLoCoOptions, c.get("diloco") or {}, curve.name)
-            pred = predict_diloco(o, P, diloco_fragment_numels(model, o.fragments), alpha, beta,
-                                  step_compute_s=compute)
+            try:
+                options = scheme.options_from(c)
+            except ValueError as e:
+                raise ValueError(f"{curve.name}: {e}") from None
+            pred = scheme.predict_local(options, P, param_layout(model), alpha, beta, step_compute_s=compute,
+                                        background=True)
             out.update(comm_s=pred.comm_s, bytes_per_step=pred.bytes_per_step, peak_step_bytes=pred.peak_step_bytes,
-                       comm_how=f"DiLoCo: a cycle's averages ({pred.cycle_comm_s * 1e3:.1f} ms, exposed) over "
-                                f"{o.inner_steps} inner steps")
+                       comm_how=f"{scheme.name}: a cycle's exchanges ({pred.cycle_comm_s * 1e3:.1f} ms exposed of "
+                                f"{pred.wire_s * 1e3:.1f} ms) over {pred.cycle_steps} inner steps")
         else:
             from bench.variants import build_optimizer_for, predict_step_comm_s
 
@@ -377,15 +381,6 @@ def predict_cluster_step(curve: Curve, cluster: Cluster, reference: str = REFERE
             out.update(comm_s=step, bytes_per_step=sent, peak_step_bytes=sent, comm_how=how)
     out["step_s"] = out["compute_s"] + out["comm_s"]
     return out
-
-
-def _diloco_options(cls, section: dict, name: str):
-    fields = {f.name for f in dataclasses.fields(cls)}
-    bad = sorted(set(section) - fields)
-    if bad:
-        raise ValueError(f"{name}: comm.diloco.{bad[0]} is not a key of optim.diloco.DiLoCoOptions "
-                         f"({', '.join(sorted(fields))})")
-    return cls(**section)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -15,7 +15,9 @@ Under the launcher the run would use (same ranks, same links), in seconds:
    (`CommOptimizer.predict_comm_seconds`, each scheme's formula from the optim.sync registry) at
    the world axis's alpha and beta; on several nodes under comm.cost_model.NodeLayout, which
    corrects the collectives that cross the nodes' ports differently from a ring (predict_comm);
-   bytes per step from the same registry (`wire_bytes_per_step`).
+   bytes per step from the same registry (`wire_bytes_per_step`). A local-update scheme (DiLoCo)
+   predicts itself on the model's parameters (LocalScheme.predict_local: its cycle's exchanges per
+   inner step, less what the following inner steps hide; predict_candidate_comm).
 The table ranks candidates by predicted step time, with the speedup over the fp32 baseline and the
 quality evidence for each: the paired final-validation-loss difference against its reference in the
 committed tables of the study-prose reproduction setting, which trainer/auto_quality.yaml points at
@@ -44,7 +46,8 @@ import yaml
 
 import data
 from comm import Clock, cost_model
-from model import GPT, resolve_config
+from model import GPT, param_layers, resolve_config
+from optim import sync
 
 from .config import CommConfig, ConfigError, OptimConfig, load_config, read_yaml, validate
 from .optimizer import build_run_optimizer
@@ -465,8 +468,8 @@ def advise(user_cfg, candidates: list[Candidate], device: torch.device, data_dir
             rows.append(row)
             continue
         opt = local.pop("predictor")
-        comm_s = predict_comm(opt, links, P)
-        sent = sum(s for s, _ in opt.wire_bytes_per_step(P, dist.get_rank()).values())
+        comm_s, sent = predict_candidate_comm(cfg, opt, links, P, model, compute["fwdbwd_s"] + local["local_s"],
+                                              dist.get_rank())
         row.update(status="ok", optimizer=cfg.optim.name, mode=cfg.comm.mode,
                    options=cfg.comm.options.as_dict() if cfg.comm.options is not None else {},
                    compute_s=compute["fwdbwd_s"], local_s=local["local_s"], comm_s=comm_s,
@@ -517,51 +520,30 @@ def links_markdown(result: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
-# DiLoCo: a local-update scheme, compared with the per-step schemes per inner step
+# a local-update scheme (DiLoCo): compared with the per-step schemes per inner step
 # ------------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class DiLoCoPrediction:
-    """DiLoCo's communication on a link, from optim.diloco's formulas (comm.cost_model's alpha-beta)."""
-    comm_s: float           # exposed seconds per inner step, averaged over a cycle: what ranks it with per-step schemes
-    cycle_comm_s: float     # exposed seconds of one cycle of inner_steps inner steps (every fragment once)
-    wire_s: float           # alpha-beta seconds of the cycle's averages before any overlap hides them
-    bytes_per_step: float   # bytes one rank sends per inner step, averaged over the cycle
-    peak_step_bytes: int    # the most bytes sent after one inner step (one fragment: what Streaming DiLoCo lowers)
-    cycle_bytes: int        # bytes one rank sends over one cycle
-
-
-def diloco_fragment_numels(model, fragments: int) -> list[int]:
-    """Elements per fragment of `model` (optim.diloco.strided_fragments over model.param_layers' blocks)."""
-    from model import param_layers
-    from optim.diloco import strided_fragments
-
+def param_layout(model) -> list[tuple[str, int]]:
+    """(layer, numel) of every parameter of `model` in its order: layer "block.<i>" inside transformer
+    block i, "" outside (model.param_layers): what a local-update scheme's prediction fragments
+    (optim.sync LocalScheme.predict_local)."""
     where = param_layers(model)
-    named = dict(model.named_parameters())
-    blocks: dict[str, list] = {}
-    for name, layer in where.items():
-        if layer:
-            blocks.setdefault(layer, []).append(named[name])
-    order = sorted(blocks, key=lambda b: int(b.split(".")[1]))
-    rest = [named[n] for n, layer in where.items() if not layer]
-    return [sum(t.numel() for t in f) for f in strided_fragments([blocks[b] for b in order], rest, fragments)]
+    return [(where[name], p.numel()) for name, p in model.named_parameters()]
 
 
-def predict_diloco(options, P: int, numels: Sequence[int], alpha: float, beta: float, *,
-                   step_compute_s: float = 0.0, background: bool = False) -> DiLoCoPrediction:
-    """DiLoCo's predicted communication per inner step over P workers (the replicate axis), from
-    optim.diloco's wire_seconds / cycle_bytes per fragment of `numels`. An exchange that runs when
-    it is started is exposed whole; with `background` (optim.diloco.background_averages) the
-    overlap_steps inner steps of `step_compute_s` each that follow a send hide up to that much of it.
-    Every average of the cycle is divided over its inner_steps steps, so the per-step schemes
-    (optimizer.predict_comm_seconds) and DiLoCo rank on one axis."""
-    from optim.diloco import cycle_bytes, wire_seconds
-
-    options.check(world_size=P)
-    H = options.inner_steps
-    wire = [wire_seconds(options, P, n, alpha, beta) for n in numels]
-    hidden = options.overlap_steps * step_compute_s if background else 0.0
-    exposed = sum(max(0.0, w - hidden) for w in wire)
-    cb = cycle_bytes(options, P, numels)
-    return DiLoCoPrediction(comm_s=exposed / H, cycle_comm_s=exposed, wire_s=sum(wire),
-                            bytes_per_step=cb.per_inner_step, peak_step_bytes=cb.peak_step, cycle_bytes=cb.sent)
+def predict_candidate_comm(cfg, opt, links: dict, P: int, model, step_compute_s: float,
+                           rank: int = 0) -> tuple[float, float]:
+    """(seconds of communication, bytes one rank sends) per step of a candidate: config `cfg`, its
+    optimizer `opt`, on the measured links. A per-step scheme: predict_comm and the registry's
+    wire_bytes_per_step. A local-update scheme (kind LOCAL) predicts itself (LocalScheme.predict_local
+    on cfg.comm.options) on `model`'s parameters (param_layout): its cycle's exchanges per inner step,
+    less what the inner steps of `step_compute_s` that follow an exchange hide on the background
+    thread the trainer runs it on; same links and node layout as predict_comm."""
+    scheme = sync.get(cfg.comm.mode)
+    if scheme.kind != sync.LOCAL:
+        return predict_comm(opt, links, P), sum(s for s, _ in opt.wire_bytes_per_step(P, rank).values())
+    world = links["world"]
+    with cost_model.node_layout(node_layout(links, P)):
+        pred = scheme.predict_local(cfg.comm.options, P, param_layout(model), world["alpha_s"],
+                                    world["beta_s_per_bit"], step_compute_s=step_compute_s, background=True)
+    return pred.comm_s, pred.bytes_per_step

@@ -9,9 +9,11 @@ This module holds what the registry says about the mode, in one place: its optio
 `comm.diloco.*` sub-section: `DiLoCoOptions`, carried by `DiLoCoSchemeOptions` so the keys live
 under `comm.diloco` and never clash with another scheme's flat `comm.*` keys such as pbit's
 `bits`, `quantizer`, `clip`), the wires of the pseudo-gradient mean and their exact byte formulas
-and alpha-beta times (`wire_bytes`, `wire_seconds`, `cycle_bytes`, `cycle_seconds`), and the
-registry entry. The per-step exchange the base builds (`OuterExchange`) sends nothing; it carries
-the outer loop's state into the optimizer's checkpoint (docs/diloco.md).
+and alpha-beta times (`wire_bytes`, `wire_seconds`, `cycle_bytes`, `cycle_seconds`), the prediction
+of a cycle on a model (`fragment_numels`, `predict_cycle`: the entry's predict_cycle), and the
+registry entry (a LocalScheme, optim/sync/registry.py). The per-step exchange the base builds
+(`OuterExchange`) sends nothing; it carries the outer loop's state into the optimizer's checkpoint
+(docs/diloco.md).
 """
 from __future__ import annotations
 
@@ -30,10 +32,8 @@ from comm.packing import lane_max
 from comm.quantize import segment_lp_means
 
 from ..options import Options
-from .registry import MEAN, Exchange, ExchangeContext, SchemeOptions, SyncScheme, get, register, schemes
-
-LOCAL = "local"
-"""The kind of a local-update scheme: no exchange per step; an outer synchronisation every H steps."""
+from .registry import (LOCAL, MEAN, Exchange, ExchangeContext, LocalPrediction, LocalScheme, SchemeOptions, SyncScheme,
+                       get, register, schemes)
 
 WIRES = ("fp32", "bf16", "loco", "sign", "e3m0", "pbit_mean")
 """Wire formats of the pseudo-gradient average: each gives an estimate of the real-valued mean."""
@@ -372,6 +372,58 @@ def _mean_seconds(options: DiLoCoSchemeOptions, P: int, n: int, alpha: float, be
     return cycle_seconds(o, P, _even(n, o.fragments), alpha, beta) / o.inner_steps
 
 
+def fragment_numels(options: DiLoCoOptions, params: Sequence[tuple[str, int]]) -> list[int]:
+    """Elements per fragment of a model whose parameters are `params`, (layer, numel) in the model's
+    order (layer "block.<i>" inside transformer block i, "" outside): optim.diloco.strided_fragments'
+    rule on sizes (fragment k = blocks k, k + F, ...; every other parameter, in order, joins the
+    smallest fragment so far); a model without blocks is one block, as OuterLoop.for_optimizer has it."""
+    blocks: dict[int, int] = {}
+    rest: list[int] = []
+    for layer, n in params:
+        if str(layer).startswith("block."):
+            i = int(str(layer).split(".", 1)[1])
+            blocks[i] = blocks.get(i, 0) + n
+        else:
+            rest.append(n)
+    ordered = [blocks[i] for i in sorted(blocks)]
+    if not ordered:
+        ordered, rest = [sum(rest)], []
+    options.check(blocks=len(ordered))
+    F = options.fragments
+    sizes = [sum(ordered[k::F]) for k in range(F)]
+    for n in rest:
+        k = min(range(F), key=lambda j: (sizes[j], j))
+        sizes[k] += n
+    return sizes
+
+
+def predict_cycle(options: DiLoCoOptions, P: int, numels: Sequence[int], alpha: float, beta: float, *,
+                  step_compute_s: float = 0.0, background: bool = False) -> LocalPrediction:
+    """DiLoCo's communication per inner step over P workers (the replicate axis) for fragments of
+    `numels` elements, from wire_seconds / cycle_bytes per fragment. An exchange that runs when it
+    is started is exposed whole; with `background` (optim.diloco.background_averages, which the
+    trainer uses whenever overlap_steps > 0) the overlap_steps inner steps of `step_compute_s` each
+    that follow a send hide up to that much of it. The cycle's exchanges are divided over its
+    inner_steps steps, so the per-step schemes (optimizer.predict_comm_seconds) and DiLoCo rank on
+    one axis."""
+    options.check(world_size=P)
+    H = options.inner_steps
+    wire = [wire_seconds(options, P, n, alpha, beta) for n in numels]
+    hidden = options.overlap_steps * step_compute_s if background else 0.0
+    exposed = sum(max(0.0, w - hidden) for w in wire)
+    cb = cycle_bytes(options, P, numels)
+    return LocalPrediction(cycle_steps=H, comm_s=exposed / H, cycle_comm_s=exposed, wire_s=sum(wire),
+                           bytes_per_step=cb.per_inner_step, peak_step_bytes=cb.peak_step, cycle_bytes=cb.sent)
+
+
+def _predict_local(options: DiLoCoSchemeOptions, P: int, params: Sequence[tuple[str, int]], alpha: float,
+                   beta: float, step_compute_s: float, background: bool) -> LocalPrediction:
+    """The registry's predict_cycle: predict_cycle on the model's strided fragments (fragment_numels)."""
+    o = options.diloco
+    return predict_cycle(o, P, fragment_numels(o, params), alpha, beta, step_compute_s=step_compute_s,
+                         background=background)
+
+
 def _cycle_steps(options: DiLoCoSchemeOptions) -> int:
     """H: every fragment's average is sent once in any comm.diloco.inner_steps consecutive inner steps."""
     return options.diloco.inner_steps
@@ -388,39 +440,6 @@ def _state_bytes(options: DiLoCoSchemeOptions, P: int, n: int) -> int:
     return own
 
 
-@dataclass(frozen=True)
-class LocalScheme(SyncScheme):
-    """A sync scheme of the local-update kind (LOCAL): every worker keeps its own optimizer state and
-    parameters between outer steps (`per_rank_state`), and inner steps exchange nothing, so inner
-    momenta have no place to be synchronised (comm.momentum_sync is refused). It declares its `cycle`
-    (the steps in which every fragment is synchronised once), which the benchmarks read through
-    `cycle_steps` to measure over whole cycles."""
-
-    def __post_init__(self) -> None:
-        if self.kind != LOCAL:
-            raise ValueError(f"scheme {self.name}: a LocalScheme has kind {LOCAL!r}, got {self.kind!r}")
-        if self.result != MEAN:
-            raise ValueError(f"scheme {self.name}: the outer average is a mean; result must be {MEAN!r}")
-        if not (dataclasses.is_dataclass(self.options) and issubclass(self.options, SchemeOptions)):
-            raise TypeError(f"scheme {self.name}: options must be a SchemeOptions dataclass")
-        if self.cycle is None:
-            raise ValueError(f"scheme {self.name}: a LocalScheme declares its cycle: cycle(options) -> the inner "
-                             f"steps in which every fragment is synchronised once")
-
-    @property
-    def per_rank_state(self) -> bool:
-        return True
-
-    def run_problems(self, options: SchemeOptions, world_size: int | None = None, *, momentum_sync_every: int = 0,
-                     **run: Any) -> list[str]:
-        p = super().run_problems(options, world_size, momentum_sync_every=0, **run)
-        if momentum_sync_every:
-            p.append(f"comm.momentum_sync.every: {momentum_sync_every} but comm.mode={self.name} is a local-update "
-                     f"scheme: its workers' inner steps exchange nothing between outer steps; set "
-                     f"comm.momentum_sync.every=0")
-        return p
-
-
 register(LocalScheme(
     name="diloco", kind=LOCAL, result=MEAN, options=DiLoCoSchemeOptions, build=OuterExchange,
     wire_bytes=_mean_wire_bytes, predict=_mean_seconds,
@@ -428,8 +447,8 @@ register(LocalScheme(
          "comm.diloco.wire (fp32, bf16, loco, sign, e3m0, pbit_mean); bytes: the average per inner step",
     help="DiLoCo (Douillard et al. 2023) and Streaming DiLoCo (2025): H local steps of any optimizer per "
          "worker, then an outer Nesterov SGD on the averaged pseudo-gradient",
-    state_bytes=_state_bytes, shards=True, bucketable=False, cycle=_cycle_steps))
+    state_bytes=_state_bytes, shards=True, bucketable=False, cycle=_cycle_steps, predict_cycle=_predict_local))
 
 __all__ = ["LOCAL", "LocalScheme", "PBIT_BITS", "PBIT_QUANTIZERS", "WIRES", "CycleBytes", "DiLoCoOptions", "DiLoCoSchemeOptions",
            "E3M0Exchange", "OuterExchange", "PBitMeanExchange", "build_averages", "cycle_bytes", "cycle_seconds",
-           "wire_bytes", "wire_seconds"]
+           "fragment_numels", "predict_cycle", "wire_bytes", "wire_seconds"]

@@ -15,6 +15,12 @@ A scheme is one named `comm.mode`. Its entry declares, in one place:
 - `wire`: one line for the README's table of what crosses the network;
 - `cycle(options)`: the steps over which its traffic repeats (`cycle_steps`; None = 1, every step).
 
+A local-update scheme (kind LOCAL, a `LocalScheme`: DiLoCo) sends nothing on most inner steps; it
+also declares `predict_cycle`, its own prediction of a cycle's communication on a model
+(`predict_local` -> `LocalPrediction`), which comm.mode=auto (trainer.advise) and the benchmarks
+ask instead of knowing the scheme. Every scheme reads its options from a config's `comm` section
+through `options_from`.
+
 Everything that lists modes (the config's allowed `comm.mode` values, `--help-config`, the
 benchmarks, the README tables via `python -m optim`) iterates over this registry. Adding a
 mode: write one module with its options, exchange, byte formula and prediction, and `register`
@@ -24,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -34,6 +40,8 @@ from ..options import Options
 
 GRADIENT = "gradient"
 UPDATE = "update"
+LOCAL = "local"
+"""The kind of a local-update scheme: no exchange per step; an outer synchronisation every H steps."""
 MEAN = "mean"
 SIGN = "sign"
 
@@ -151,6 +159,13 @@ class SyncScheme:
     def default_options(self) -> SchemeOptions:
         return self.options()
 
+    def options_from(self, section: dict | None) -> SchemeOptions:
+        """Its options from a config's `comm` section as config.yaml holds it (a mapping): the keys
+        this scheme declares, sub-sections included (DiLoCo's comm.diloco); the section's common
+        keys and other schemes' keys are not its own and are left out. ValueError naming a bad key."""
+        c = section or {}
+        return self.options(**{k: c[k] for k in self.options.field_names() if k in c})
+
     def cycle_steps(self, options: SchemeOptions) -> int:
         """Steps over which a run's communication (and so its step time) repeats with `options`: 1 for
         a scheme that exchanges every step, the declared `cycle` otherwise (e.g. DiLoCo's inner_steps)."""
@@ -212,6 +227,73 @@ class SyncScheme:
         if P <= 1:
             return 0, 0
         return self.wire_bytes(options, P, n, rank, rows)
+
+
+@dataclass(frozen=True)
+class LocalPrediction:
+    """A local-update scheme's communication on one link (comm.cost_model's alpha-beta), over one
+    cycle and per inner step: what its `predict_cycle` returns."""
+    cycle_steps: int        # H: the inner steps of one cycle (every fragment synchronised once)
+    comm_s: float           # exposed seconds per inner step, averaged over a cycle: what ranks it with per-step schemes
+    cycle_comm_s: float     # exposed seconds of one cycle
+    wire_s: float           # alpha-beta seconds of the cycle's exchanges before any overlap hides them
+    bytes_per_step: float   # bytes one rank sends per inner step, averaged over the cycle
+    peak_step_bytes: int    # the most bytes sent after one inner step (one fragment's exchange)
+    cycle_bytes: int        # bytes one rank sends over one cycle
+
+
+@dataclass(frozen=True)
+class LocalScheme(SyncScheme):
+    """A sync scheme of the local-update kind (LOCAL): every worker keeps its own optimizer state and
+    parameters between outer steps (`per_rank_state`), and inner steps exchange nothing, so inner
+    momenta have no place to be synchronised (comm.momentum_sync is refused). It declares its `cycle`
+    (the steps in which every fragment is synchronised once), which the benchmarks read through
+    `cycle_steps` to measure over whole cycles, and `predict_cycle`, its communication on a model,
+    which auto and the benchmarks read through `predict_local`."""
+
+    predict_cycle: Callable[..., LocalPrediction] | None = None
+    """predict_cycle(options, P, params, alpha, beta, step_compute_s, background) -> LocalPrediction:
+    the scheme's communication over P workers (the replicate axis) at alpha (s per message) and beta
+    (s per bit) for a model whose parameters are `params`, (layer, numel) in the model's order (layer
+    "block.<i>" inside transformer block i, "" outside: model.param_layers); `step_compute_s`, the
+    seconds of one inner step's compute, and `background`, whether exchanges run on a background
+    thread while the next inner steps compute (as the trainer runs them), say what overlap hides."""
+
+    def __post_init__(self) -> None:
+        if self.kind != LOCAL:
+            raise ValueError(f"scheme {self.name}: a LocalScheme has kind {LOCAL!r}, got {self.kind!r}")
+        if self.result != MEAN:
+            raise ValueError(f"scheme {self.name}: the outer average is a mean; result must be {MEAN!r}")
+        if not (dataclasses.is_dataclass(self.options) and issubclass(self.options, SchemeOptions)):
+            raise TypeError(f"scheme {self.name}: options must be a SchemeOptions dataclass")
+        if self.cycle is None:
+            raise ValueError(f"scheme {self.name}: a LocalScheme declares its cycle: cycle(options) -> the inner "
+                             f"steps in which every fragment is synchronised once")
+        if self.predict_cycle is None:
+            raise ValueError(f"scheme {self.name}: a LocalScheme declares its prediction: predict_cycle(options, P, "
+                             f"params, alpha, beta, step_compute_s, background) -> LocalPrediction")
+
+    @property
+    def per_rank_state(self) -> bool:
+        return True
+
+    def run_problems(self, options: SchemeOptions, world_size: int | None = None, *, momentum_sync_every: int = 0,
+                     **run: Any) -> list[str]:
+        p = super().run_problems(options, world_size, momentum_sync_every=0, **run)
+        if momentum_sync_every:
+            p.append(f"comm.momentum_sync.every: {momentum_sync_every} but comm.mode={self.name} is a local-update "
+                     f"scheme: its workers' inner steps exchange nothing between outer steps; set "
+                     f"comm.momentum_sync.every=0")
+        return p
+
+    def predict_local(self, options: SchemeOptions, P: int, params: Sequence[tuple[str, int]], alpha: float,
+                      beta: float, *, step_compute_s: float = 0.0, background: bool = False) -> LocalPrediction:
+        """The scheme's own prediction (`predict_cycle`) of its communication per inner step and per
+        cycle, for a model of parameters `params` ((layer, numel) in the model's order)."""
+        pred = self.predict_cycle(options, P, list(params), alpha, beta, step_compute_s, background)
+        if not isinstance(pred, LocalPrediction):
+            raise TypeError(f"scheme {self.name}: predict_cycle returned {type(pred).__name__}, not a LocalPrediction")
+        return pred
 
 
 _REGISTRY: dict[str, SyncScheme] = {}

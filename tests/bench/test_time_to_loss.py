@@ -296,15 +296,15 @@ def test_measured_diloco_step_is_the_mean_over_whole_cycles():
 
 def test_predicted_diloco_step_spreads_a_cycle_over_its_inner_steps(tmp_path):
     from comm import cost_model
-    from optim.diloco import DiLoCoOptions, cycle_bytes, cycle_seconds
-    from trainer.advise import diloco_fragment_numels
+    from optim.sync.diloco import DiLoCoOptions, cycle_bytes, cycle_seconds, fragment_numels, predict_cycle
+    from trainer.advise import param_layout
 
     cfg = diloco_config(inner_steps=10, fragments=2, wire="e3m0")
     curve = ttl.load_curve("diloco", make_run(tmp_path / "d", cfg, {10: 3.0}))
     cl = ttl.parse_cluster("nodes=2 gpus_per_node=2 gpu=h100 inter=1gbit mfu=0.4")
     got = ttl.predict_cluster_step(curve, cl)
     o = DiLoCoOptions(inner_steps=10, fragments=2, wire="e3m0")
-    numels = diloco_fragment_numels(ttl._model(cfg), 2)
+    numels = fragment_numels(o, param_layout(ttl._model(cfg)))
     assert len(numels) == 2 and sum(numels) == sum(p.numel() for p in ttl._model(cfg).parameters())
     with cost_model.node_layout(cl.layout()):
         cycle = cycle_seconds(o, 4, numels, *cl.world_link())
@@ -312,14 +312,19 @@ def test_predicted_diloco_step_spreads_a_cycle_over_its_inner_steps(tmp_path):
     cb = cycle_bytes(o, 4, numels)
     assert got["bytes_per_step"] == pytest.approx(cb.sent / 10)
     assert got["peak_step_bytes"] == cb.peak_step and 0 < got["peak_step_bytes"] < cb.sent
+    assert got["comm_how"].startswith("diloco: ") and "over 10 inner steps" in got["comm_how"]
     # an exchange on a background thread: tau inner steps of compute hide part of each average
-    from trainer.advise import predict_diloco
-
     o2 = DiLoCoOptions(inner_steps=10, fragments=2, wire="e3m0", overlap_steps=2)
-    exposed = predict_diloco(o2, 4, numels, 1e-5, 1e-9)
-    hidden = predict_diloco(o2, 4, numels, 1e-5, 1e-9, step_compute_s=1e-4, background=True)
+    exposed = predict_cycle(o2, 4, numels, 1e-5, 1e-9)
+    hidden = predict_cycle(o2, 4, numels, 1e-5, 1e-9, step_compute_s=1e-4, background=True)
     assert hidden.comm_s < exposed.comm_s and exposed.wire_s == pytest.approx(hidden.wire_s)
-    assert math.isclose(predict_diloco(o2, 4, numels, 1e-5, 1e-9, step_compute_s=10.0, background=True).comm_s, 0.0)
+    assert math.isclose(predict_cycle(o2, 4, numels, 1e-5, 1e-9, step_compute_s=10.0, background=True).comm_s, 0.0)
+    # the cluster prediction runs them as the trainer does (background at overlap_steps > 0): hidden by compute
+    tau = ttl.predict_cluster_step(ttl.load_curve("tau", make_run(tmp_path / "t", diloco_config(
+        inner_steps=10, fragments=2, wire="e3m0", overlap_steps=2), {10: 3.0})), cl)
+    with cost_model.node_layout(cl.layout()):
+        want = predict_cycle(o2, 4, numels, *cl.world_link(), step_compute_s=tau["compute_s"], background=True)
+    assert tau["comm_s"] == pytest.approx(want.comm_s) and tau["comm_s"] < got["comm_s"]
     bad = diloco_config(inner_steps=10, nonsense=1)
     with pytest.raises(ValueError, match="comm.diloco.nonsense"):
         ttl.predict_cluster_step(ttl.load_curve("bad", make_run(tmp_path / "b", bad, {10: 3.0})), cl)

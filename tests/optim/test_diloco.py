@@ -246,6 +246,33 @@ def test_strided_fragments() -> None:
         strided_fragments(blocks, rest, 6)
 
 
+def test_fragment_numels_are_the_sizes_of_strided_fragments() -> None:
+    """The registry's prediction fragments (parameter, size) pairs by strided_fragments' rule: the same
+    sizes as the tensors' fragments, on the example above and on a GPT's blocks, embeddings and head."""
+    from model import GPT, get_preset, param_layers
+    from optim.sync.diloco import fragment_numels
+
+    sizes = [[4], [4], [4], [4, 2], [4]]
+    params = [(f"block.{i}", n) for i, b in enumerate(sizes) for n in b] + [("", 7), ("", 3)]
+    assert fragment_numels(DiLoCoOptions(fragments=2), params) == [15, 17]
+    assert fragment_numels(DiLoCoOptions(fragments=1), [("", 5), ("", 6)]) == [11]   # no blocks: one block
+    with pytest.raises(ValueError, match="comm.diloco.fragments"):
+        fragment_numels(DiLoCoOptions(fragments=6), params)
+    with torch.device("meta"):
+        model = GPT(get_preset("debug"))
+    where, named = param_layers(model), list(model.named_parameters())
+    blocks: dict[str, list] = {}
+    for name, p in named:
+        if where[name]:
+            blocks.setdefault(where[name], []).append(p)
+    order = sorted(blocks, key=lambda b: int(b.split(".")[1]))
+    rest = [p for name, p in named if not where[name]]
+    layout = [(where[name], p.numel()) for name, p in named]
+    for F in range(1, len(order) + 1):
+        want = [sum(t.numel() for t in f) for f in strided_fragments([blocks[b] for b in order], rest, F)]
+        assert fragment_numels(DiLoCoOptions(inner_steps=8, fragments=F), layout) == want, F
+
+
 def _streaming_reference(W: int, steps: int, finish: bool = False) -> list[torch.Tensor]:
     """Streaming DiLoCo written out for H = 4, F = 2, tau = 1, alpha = 0.25 on SHAPES + REST:
     fragment 0 = blocks 0, 2 (18 elements), fragment 1 = blocks 1, 3 (7) and REST's tensor (it joins

@@ -104,7 +104,7 @@ def test_cycle_steps_come_from_the_scheme_so_a_new_local_scheme_needs_no_bench_e
     from dataclasses import dataclass
 
     from bench.step_breakdown import cycle_steps
-    from optim.sync.diloco import LocalScheme
+    from optim.sync.registry import LocalScheme
 
     diloco = sync.get("diloco")
     assert diloco.cycle_steps(diloco.options(diloco={"inner_steps": 7})) == 7
@@ -122,11 +122,72 @@ def test_cycle_steps_come_from_the_scheme_so_a_new_local_scheme_needs_no_bench_e
                            wire_bytes=lambda *a, **k: (0, 0), predict=lambda *a, **k: 0.0, wire="-", help="-", **kw)
 
     with pytest.raises(ValueError, match="declares its cycle"):
-        local()
-    sync.register(local(cycle=lambda o: 2 * o.toy_period))
+        local(predict_cycle=lambda *a: None)
+    with pytest.raises(ValueError, match="declares its prediction"):
+        local(cycle=lambda o: 1)
+    sync.register(local(cycle=lambda o: 2 * o.toy_period, predict_cycle=lambda *a: None))
     try:
         assert cycle_steps({"comm": {"mode": "toy_local", "toy_period": 4, "diloco": {"inner_steps": 9}}}) == 8
     finally:
         sync.unregister("toy_local")
     with pytest.raises(ValueError, match="comm.mode='auto' is not a registered sync scheme"):
         cycle_steps({"comm": {"mode": "auto"}})
+
+
+def test_a_local_scheme_registered_here_is_predicted_by_its_own_method_in_auto_and_the_lab():
+    """comm.mode=auto's row (trainer.advise.predict_candidate_comm) and bench.time_to_loss's cluster
+    prediction ask a local-update scheme for its communication (LocalScheme.predict_local): a scheme
+    registered here, unknown to both, gets its own numbers from the model's parameters, P, the link
+    and the step's compute, not DiLoCo's."""
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+
+    from bench import time_to_loss as ttl
+    from trainer import advise
+    from optim.sync.registry import LocalPrediction, LocalScheme
+
+    @dataclass
+    class Toy(sync.SchemeOptions):
+        toy_period: int = 3
+
+    seen = []
+
+    def predict_cycle(o, P, params, alpha, beta, step_compute_s, background):
+        seen.append((o, P, params, alpha, beta, step_compute_s, background))
+        n = sum(k for _, k in params)
+        wire = alpha * P + 8 * 4 * n * beta           # one fp32 send of every parameter a cycle
+        exposed = max(0.0, wire - step_compute_s) if background else wire
+        return LocalPrediction(cycle_steps=o.toy_period, comm_s=exposed / o.toy_period, cycle_comm_s=exposed,
+                               wire_s=wire, bytes_per_step=4 * n / o.toy_period, peak_step_bytes=4 * n,
+                               cycle_bytes=4 * n)
+
+    sync.register(LocalScheme(name="toy_local", kind=sync.LOCAL, result=sync.MEAN, options=Toy,
+                              build=lambda o, c: None, wire_bytes=lambda *a, **k: (0, 0),
+                              predict=lambda *a, **k: 123.0, wire="-", help="-", cycle=lambda o: o.toy_period,
+                              predict_cycle=predict_cycle))
+    try:
+        cfg = {"model": {"preset": "debug"}, "data": {"seq_len": 32}, "comm": {"mode": "toy_local", "toy_period": 4,
+                                                                             "bucket_mb": 0.0}}
+        curve = ttl.Curve("toy", "-", [10.0], [3.0], tokens_per_step=64.0, config=cfg)
+        cl = ttl.parse_cluster("nodes=2 gpus_per_node=2 gpu=h100 inter=1gbit mfu=0.4")
+        got = ttl.predict_cluster_step(curve, cl, vocab_size=512)
+        model = ttl._model(cfg, 512)
+        n = sum(p.numel() for p in model.parameters())
+        opts, P, params, alpha, beta, compute, background = seen[-1]
+        assert opts == Toy(toy_period=4) and P == 4 and (alpha, beta) == cl.world_link()
+        assert params == advise.param_layout(model) and sum(k for _, k in params) == n
+        assert any(layer.startswith("block.") for layer, _ in params) and ("", 512 * 64) in params
+        assert compute == pytest.approx(got["compute_s"]) and compute > 0 and background is True
+        wire = alpha * 4 + 32 * n * beta
+        assert got["comm_s"] == pytest.approx(max(0.0, wire - compute) / 4) and got["comm_s"] != 123.0
+        assert got["bytes_per_step"] == pytest.approx(n) and got["peak_step_bytes"] == 4 * n
+        assert got["comm_how"].startswith("toy_local: ") and "over 4 inner steps" in got["comm_how"]
+        # auto's row: the candidate config's scheme and options, the measured links, the row's compute
+        links = {"world": {"alpha_s": 2e-5, "beta_s_per_bit": 1e-9, "node_size": 1}}
+        row = SimpleNamespace(comm=SimpleNamespace(mode="toy_local", options=Toy(toy_period=5)))
+        comm_s, sent = advise.predict_candidate_comm(row, None, links, 2, model, 1e-6)
+        assert seen[-1] == (Toy(toy_period=5), 2, advise.param_layout(model), 2e-5, 1e-9, 1e-6, True)
+        assert comm_s == pytest.approx((2e-5 * 2 + 32 * n * 1e-9 - 1e-6) / 5) and comm_s != 123.0
+        assert sent == pytest.approx(4 * n / 5)
+    finally:
+        sync.unregister("toy_local")
