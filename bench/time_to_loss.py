@@ -37,6 +37,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from bench import runstore
 from bench.variants import ROOT, load_run_config, read_jsonl, train_records
 from optim import sync
 from util.cli import Parser, variant_runs
@@ -69,11 +70,10 @@ ARM_KEYS = ("model", "data", "optim", "comm", "parallel")   # what two seeds of 
 
 
 def _records_and_config(name: str, src: Path) -> tuple[list[dict], dict]:
-    """A run directory (metrics.jsonl, config.yaml) or an entry of bench.reproduce's run store (*.json.gz)."""
+    """A run directory (metrics.jsonl, config.yaml) or an entry of bench.reproduce's run store (*.json.gz,
+    read by bench.runstore: this module imports no study, so the studies may import it)."""
     if src.name.endswith(".json.gz"):
-        from bench.reproduce.framework import load_stored
-
-        entry = load_stored(src.parent, src.name[: -len(".json.gz")])
+        entry = runstore.load_stored(src.parent, src.name[: -len(".json.gz")])
         if not entry or not isinstance(entry.get("records"), list) or not isinstance(entry.get("config"), dict):
             raise ValueError(f"{name}: {src} is not a readable run-store entry with records and config")
         return entry["records"], ran_config(name, src, entry["config"], entry["records"])
@@ -581,12 +581,10 @@ def end_to_end_markdown(rows: list[dict], link: str, metric: str) -> str:
 
 def setting_overrides(setting: str) -> tuple[tuple[str, ...], int, int]:
     """(overrides, steps, evaluations) of a bench.reproduce setting at its full scale."""
-    from bench.reproduce import framework as fw
-
-    if setting not in fw.SETTINGS:
-        raise ValueError(f"--setting {setting}: unknown; one of {', '.join(fw.SETTINGS)}")
-    st = fw.SETTINGS[setting]
-    return fw.merge_overrides(fw.FULL_OVERRIDES, st.full), st.steps or 300, st.evals or 10
+    if setting not in runstore.SETTINGS:
+        raise ValueError(f"--setting {setting}: unknown; one of {', '.join(runstore.SETTINGS)}")
+    st = runstore.SETTINGS[setting]
+    return runstore.merge_overrides(runstore.FULL_OVERRIDES, st.full), st.steps or 300, st.evals or 10
 
 
 def _env() -> dict:
@@ -721,13 +719,11 @@ def parse_args(argv: Sequence[str] | None = None):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from bench.reproduce.framework import merge_overrides
-
     ns = parse_args(argv)
     out = Path(ns.out)
     runs = Path(ns.runs) if ns.runs else out / "runs"
     given = dict(r.split("=", 1) for r in ns.run)
-    overrides = list(merge_overrides(ns.setting_overrides, ns.overrides))   # yours replace the setting's
+    overrides = list(runstore.merge_overrides(ns.setting_overrides, ns.overrides))   # yours replace the setting's
     sources = {}
     steps = ns.steps or ns.setting_steps
     try:

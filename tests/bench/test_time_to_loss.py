@@ -393,3 +393,23 @@ def test_several_clusters_and_links_each_get_a_table(tmp_path):
     assert [r["setting"][:3] for r in rows] == ["(a)", "(a)", "(b)", "(b)"]
     assert [float(r["step_s"]) for r in rows[:2]] == [pytest.approx(0.3), pytest.approx(0.1)]
     assert float(rows[3]["comm_s"]) > float(rows[2]["comm_s"])       # 1 Gbit/s ports against NVLink
+
+
+def test_time_to_loss_imports_no_study_so_a_study_may_import_it():
+    """bench.time_to_loss reads run-store entries and settings through bench.runstore, never through
+    bench.reproduce (whose package registers the studies): a study importing it adds no cycle."""
+    from tests.project.test_imports import cycles, import_graph
+
+    graph = import_graph()
+    seen, todo = set(), ["bench.time_to_loss"]
+    while todo:
+        for m in graph[todo.pop()] - seen:
+            seen.add(m)
+            todo.append(m)
+    assert "bench.runstore" in seen and not any(m.startswith("bench.reproduce") for m in seen), sorted(seen)
+    graph["bench.reproduce.studies"].add("bench.time_to_loss")
+    assert cycles(graph) == []
+    from bench import runstore
+    from bench.reproduce import framework
+
+    assert framework.load_stored is runstore.load_stored and framework.SETTINGS is runstore.SETTINGS
