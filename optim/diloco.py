@@ -71,7 +71,7 @@ from comm import CommStats
 from . import sync
 from .sync.diloco import (LOCAL, PBIT_BITS, PBIT_QUANTIZERS, WIRES, CycleBytes, DiLoCoOptions, DiLoCoSchemeOptions,
                           E3M0Exchange, OuterExchange, PBitMeanExchange, build_averages, cycle_bytes, cycle_seconds,
-                          wire_bytes, wire_seconds)
+                          strided_assignment, wire_bytes, wire_seconds)
 
 
 # ---- fragments --------------------------------------------------------------------------------
@@ -80,17 +80,13 @@ def strided_fragments(blocks: Sequence[Sequence[torch.Tensor]], rest: Sequence[t
     """Fragment k = blocks k, k + F, k + 2F, ... (Streaming DiLoCo's strided pattern); each tensor
     of `rest` (embeddings, final norm, head), in order, joins the fragment with the fewest elements
     so far (the first such on a tie). Fragments keep the model's order inside them."""
-    if fragments < 1 or fragments > len(blocks):
-        raise ValueError(f"comm.diloco.fragments: {fragments} fragments but the model has {len(blocks)} blocks; "
-                         f"use 1 to {len(blocks)}")
+    of_block, of_rest = strided_assignment([sum(t.numel() for t in b) for b in blocks], [t.numel() for t in rest],
+                                           fragments)
     out: list[list[torch.Tensor]] = [[] for _ in range(fragments)]
-    for i, block in enumerate(blocks):
-        out[i % fragments].extend(block)
-    sizes = [sum(t.numel() for t in f) for f in out]
-    for t in rest:
-        k = min(range(fragments), key=lambda j: (sizes[j], j))
+    for block, k in zip(blocks, of_block):
+        out[k].extend(block)
+    for t, k in zip(rest, of_rest):
         out[k].append(t)
-        sizes[k] += t.numel()
     return out
 
 

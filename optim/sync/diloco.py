@@ -372,11 +372,31 @@ def _mean_seconds(options: DiLoCoSchemeOptions, P: int, n: int, alpha: float, be
     return cycle_seconds(o, P, _even(n, o.fragments), alpha, beta) / o.inner_steps
 
 
+def strided_assignment(block_sizes: Sequence[int], rest_sizes: Sequence[int], fragments: int) -> tuple[list[int], list[int]]:
+    """Streaming DiLoCo's strided pattern as indices: block i goes to fragment i % F; each element
+    count of `rest` (embeddings, final norm, head), in order, to the fragment with the fewest
+    elements so far (the first such on a tie). Returns (fragment of each block, fragment of each
+    rest entry); optim.diloco.strided_fragments applies it to tensors, fragment_numels to sizes."""
+    F = fragments
+    if F < 1 or F > len(block_sizes):
+        raise ValueError(f"comm.diloco.fragments: {F} fragments but the model has {len(block_sizes)} blocks; "
+                         f"use 1 to {len(block_sizes)}")
+    of_block = [i % F for i in range(len(block_sizes))]
+    sizes = [0] * F
+    for i, n in enumerate(block_sizes):
+        sizes[of_block[i]] += n
+    of_rest = []
+    for n in rest_sizes:
+        k = min(range(F), key=lambda j: (sizes[j], j))
+        of_rest.append(k)
+        sizes[k] += n
+    return of_block, of_rest
+
+
 def fragment_numels(options: DiLoCoOptions, params: Sequence[tuple[str, int]]) -> list[int]:
     """Elements per fragment of a model whose parameters are `params`, (layer, numel) in the model's
-    order (layer "block.<i>" inside transformer block i, "" outside): optim.diloco.strided_fragments'
-    rule on sizes (fragment k = blocks k, k + F, ...; every other parameter, in order, joins the
-    smallest fragment so far); a model without blocks is one block, as OuterLoop.for_optimizer has it."""
+    order (layer "block.<i>" inside transformer block i, "" outside): strided_assignment's rule on
+    sizes; a model without blocks is one block, as OuterLoop.for_optimizer has it."""
     blocks: dict[int, int] = {}
     rest: list[int] = []
     for layer, n in params:
@@ -389,10 +409,9 @@ def fragment_numels(options: DiLoCoOptions, params: Sequence[tuple[str, int]]) -
     if not ordered:
         ordered, rest = [sum(rest)], []
     options.check(blocks=len(ordered))
-    F = options.fragments
-    sizes = [sum(ordered[k::F]) for k in range(F)]
-    for n in rest:
-        k = min(range(F), key=lambda j: (sizes[j], j))
+    of_block, of_rest = strided_assignment(ordered, rest, options.fragments)
+    sizes = [0] * options.fragments
+    for k, n in zip([*of_block, *of_rest], [*ordered, *rest]):
         sizes[k] += n
     return sizes
 
