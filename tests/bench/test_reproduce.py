@@ -21,6 +21,8 @@ from bench.reproduce.__main__ import main
 from bench.reproduce.framework import Options, Run, RunResult, ensure_run, full_scale, quick_scale
 from optim.quantize import lp_quantize
 
+from .quick_launch import direct_launches
+
 
 # ---------------------------------------------------------------------------------------------
 # App. C.1 toy
@@ -868,13 +870,15 @@ def check_quick_study(out, name: str) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_quick_training_studies_end_to_end(tmp_path):
+def test_quick_training_studies_end_to_end(tmp_path, monkeypatch):
     out, work = tmp_path / "results", tmp_path / "work"
+    launches = direct_launches(monkeypatch)  # the first run by torchrun, the others forked (quick_launch.py)
     for name in ["table2", "table3", "fig10", "dion_ef"]:  # the other quick studies: test_reproduce_quick.py
         assert main([name, "--quick", "--out", str(out), "--work", str(work)]) == 0, name
         runs = check_quick_study(out, name)
         if name == "table3":  # reused from table2 through the shared --work
             assert {r["how"] for r in runs} == {"reused"}
+    assert launches.real == 1 and launches.direct > 0, vars(launches)
 
     # fig10's weight columns are filled from each run's final checkpoint (values: test_final_matrix_weights)
     for r in csv.DictReader(open(out / "fig10.csv")):

@@ -11,17 +11,20 @@ import pytest
 from bench.reproduce import framework
 from bench.reproduce.__main__ import main
 
+from .quick_launch import direct_launches
 from .test_reproduce import check_quick_study
 
 
 @pytest.mark.slow
-def test_quick_training_studies_end_to_end_second_half(tmp_path):
+def test_quick_training_studies_end_to_end_second_half(tmp_path, monkeypatch):
     out, work = tmp_path / "results", tmp_path / "work"
+    launches = direct_launches(monkeypatch)  # the first run by torchrun, the others forked (quick_launch.py)
     for name in ["fig5", "fig6_17", "compressors", "lr_sweep"]:
         assert main([name, "--quick", "--out", str(out), "--work", str(work)]) == 0, name
         runs = check_quick_study(out, name)
         if name == "fig6_17":  # reused from fig5 through the shared --work
             assert {r["how"] for r in runs} == {"reused"}
+    assert launches.real == 1 and launches.direct > 0, vars(launches)
 
     # fig5: the head-sync arm really syncs (more bytes per logged window than the no-sync arm)
     def bytes_of(run):
