@@ -11,10 +11,14 @@ are stopped once one fails. Tests of torchrun's own behaviour pass launcher="tor
 
 Each rank is forked from a zygote (tests/zygote.py: one Python process per rank index that has
 imported torch and torch._dynamo) instead of starting a new interpreter, which saves those imports
-in every rank of every launch. When a launch's environment differs from its zygote's in a variable
-read when torch is imported (`FORK_SENSITIVE`), the zygote is replaced by one started with the new
-values (or, while ranks of the old one still run, the rank is started as a plain process); every
-rank is a plain process when LIONCUB_TEST_FORK=0 (tests/harness/test_dist_launcher.py checks the two agree).
+in every rank of every launch. The zygotes hold the launches' ordinary environment (the test process's
+with the variables `torchrun` sets): a launch whose `env` argument changes a variable read when torch
+is imported (`FORK_SENSITIVE`) gets plain processes and leaves the zygotes for the ordinary launches
+around it (a zygote costs more to start than such a launch's ranks); when the ordinary environment
+itself changes in such a variable (a test sets it in os.environ), the zygote is replaced by one
+started with the new values (or, while ranks of the old one still run, the rank is started as a plain
+process). Every rank is a plain process when LIONCUB_TEST_FORK=0 (tests/harness/test_dist_launcher.py
+checks the two agree).
 """
 from __future__ import annotations
 
@@ -51,16 +55,17 @@ def torchrun(nproc: int, script: str | os.PathLike, *args: str, timeout: float =
     path = Path(script)
     if not path.is_absolute() and not path.exists():
         path = WORKERS / path
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+    ordinary = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
                 "TORCH_CPP_LOG_LEVEL": "ERROR", "WANDB_MODE": "disabled"}
-    full_env.pop("RANK", None)
-    full_env.update(env or {})
+    ordinary.pop("RANK", None)
+    full_env = {**ordinary, **(env or {})}
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={nproc}", "--master_port", str(free_port()), str(path), *map(str, args)]
         proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     elif launcher == "direct":
-        proc = _direct(nproc, path, [str(a) for a in args], full_env, timeout)
+        proc = _direct(nproc, path, [str(a) for a in args], full_env, timeout,
+                       fork=_sensitive(full_env) == _sensitive(ordinary))
     else:
         raise ValueError(f"launcher={launcher!r}: 'direct' or 'torchrun'")
     if check and proc.returncode != 0:
@@ -70,11 +75,11 @@ def torchrun(nproc: int, script: str | os.PathLike, *args: str, timeout: float =
 
 
 def _direct(nproc: int, path: Path, args: list[str], env: dict, timeout: float,
-            grace: float = 5.0) -> subprocess.CompletedProcess:
+            grace: float = 5.0, fork: bool = True) -> subprocess.CompletedProcess:
     """nproc ranks of `path` with torchrun's environment variables; stdout / stderr of every rank
     (rank order) in the result; the first failing rank's exit code. When a rank fails, the others
     get `grace` seconds (a rank that found the error may still be printing it), then SIGTERM and,
-    5 s later, SIGKILL."""
+    5 s later, SIGKILL. fork=False: plain processes, whatever the zygotes hold."""
     cmd = [sys.executable, str(path), *args]
     port = str(free_port())
     with tempfile.TemporaryDirectory(prefix="ranks_") as tmp:
@@ -85,7 +90,7 @@ def _direct(nproc: int, path: Path, args: list[str], env: dict, timeout: float,
             rank_env = {**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
                         "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": port}
-            procs.append(_start(r, path, args, rank_env, out, err))
+            procs.append(_start(r, path, args, rank_env, out, err, fork))
         deadline, failed_at, code = time.monotonic() + timeout, None, 0
         try:
             while True:
@@ -134,9 +139,10 @@ def _read(files: list[tuple], which: int) -> str:
     return "".join(text)
 
 
-def _start(rank: int, path: Path, args: list[str], env: dict, out, err):
-    """Rank `rank` of a launch: forked from its zygote when one agrees with `env`, else a new process."""
-    zygote = _zygote(rank, env)
+def _start(rank: int, path: Path, args: list[str], env: dict, out, err, fork: bool = True):
+    """Rank `rank` of a launch: forked from its zygote when `fork` and one agrees with `env`, else a new
+    process."""
+    zygote = _zygote(rank, env) if fork else None
     if zygote is not None:
         return zygote.spawn(path, args, env, out.name, err.name)
     return subprocess.Popen([sys.executable, str(path), *args], cwd=ROOT, env=env, stdout=out, stderr=err, text=True)

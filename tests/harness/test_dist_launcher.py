@@ -60,14 +60,18 @@ def test_exit_codes_errors_and_signals_are_reported_as_for_a_process(tmp_path):
 
 def test_a_launch_that_sets_a_torch_import_variable_gets_ranks_that_imported_torch_with_it():
     """ATEN_CPU_CAPABILITY is read when torch is imported: the ranks must run torch's default kernels, which
-    a zygote that imported torch without it cannot give; the next ordinary launch is forked again."""
+    a zygote that imported torch without it cannot give (they are plain processes); the zygotes of the
+    ordinary launches stay, and the next ordinary launch is forked from them again."""
+    before = _records(torchrun(2, "launch_probe.py", "0"))
     forced = _records(torchrun(2, "launch_probe.py", "0", env={"ATEN_CPU_CAPABILITY": "default"}))
     assert [r["cpu_capability"] for r in forced] == ["DEFAULT", "DEFAULT"]
     normal = _records(torchrun(2, "launch_probe.py", "0"))
     import torch
     assert [r["cpu_capability"] for r in normal] == [torch.backends.cpu.get_cpu_capability()] * 2
     if os.environ.get("LIONCUB_TEST_FORK", "1") != "0":
+        assert [r["torch_preloaded"] for r in forced] == [False, False]
         assert [r["torch_preloaded"] for r in normal] == [True, True]
+        assert [r["hash"] for r in normal] == [r["hash"] for r in before]  # the same zygotes (hash seed per zygote)
 
 
 def test_a_variable_torch_compile_sets_in_the_test_process_keeps_the_zygotes(monkeypatch):
