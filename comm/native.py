@@ -1,5 +1,5 @@
-"""Native CPU kernels: the wire kernels of comm.kernels as plain C loops, built once per host with
-the system C compiler and called through ctypes.
+"""Native CPU kernels: the wire kernels of comm.kernels as plain C loops (comm/native_kernels.cpp),
+built once per host by torch.utils.cpp_extension into a small pybind11 module.
 
 They are the CPU's fast implementation (what `comm.kernels=auto` runs on CPU, beside the eager
 torch reference): the same bytes (checked against the reference in warm-up and by the tests), no
@@ -22,23 +22,38 @@ y converts to the int8 q the reference's float -> int8 conversion gives (0: thro
 x86's cvttps2dq gives INT32_MIN, whose low byte is 0); an inf in a tensor makes its scale 0 and
 that element's y NaN, so this is reached by an overflowing gradient (tested).
 
-The library is built with -O3 -march=native into a cache directory keyed by the source, the
-compiler, its flags and the host's CPU flags (LIONCUB_NATIVE_CACHE, default
-<tempdir>/lioncub_native_<uid>), atomically, so concurrent ranks build it at most once each and
-never load a half-written file. The build records the library's sha256 beside it (`<file>.sha256`,
-renamed into place before the library); every load first checks the file against it, and a file
-that differs (truncated: mapping it would end the process with SIGBUS; altered; or from a version
-that recorded nothing) is named in a warning, removed and rebuilt, never loaded.
+Build: torch.utils.cpp_extension.load compiles native_kernels.cpp (C kernel bodies in a C++
+translation unit that includes <pybind11/pybind11.h>, not torch/extension.h, which would cost a
+build of minutes) with ninja (from PATH, else the `ninja` package, a dependency of the project) and
+the C++ compiler cpp_extension uses ($CXX, else c++). cpp_extension adds -fPIC, its -std=c++ and
+include paths and no optimisation flag of its own; FLAGS come after them: -O3 -march=native
+-ffp-contract=off -fno-math-errno. The bindings take the tensors' data pointers as integers and
+their sizes, as the C functions do, and release the GIL while a loop runs.
+
+Cache: each build has a directory of its own in LIONCUB_NATIVE_CACHE (default
+<tempdir>/lioncub_native_<uid>, private to the user), named by a key of the source, FLAGS, the
+compiler and its version, torch's version and directory, Python's version and the host's CPU flags,
+so a host builds each combination once. One process at a time holds an flock on the directory's
+lioncub.lock while it checks, builds and imports the module; concurrent ranks wait for it and then
+import the finished file. The build records the module's sha256 beside it (`<module>.sha256`).
+Before any import an existing module is checked against it: one that matches is imported as it is
+(no cpp_extension, hence no setuptools, in the process; ninja would find it up to date, since the
+key names everything it was built from); one that differs (truncated: mapping it would end the
+process with SIGBUS; altered; or with nothing recorded) is named in a warning, removed and rebuilt
+(ninja relinks it from the object file), never loaded. A cpp_extension baton file found under the
+flock was left by a process killed mid-build (it would make every later build wait forever) and is
+removed.
 LIONCUB_NO_COMPILE=1 turns them off with the compiled kernels.
 """
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import hashlib
 import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 
@@ -46,227 +61,55 @@ import torch
 
 CACHE_ENV = "LIONCUB_NATIVE_CACHE"
 NO_COMPILE_ENV = "LIONCUB_NO_COMPILE"  # comm.kernels.NO_COMPILE_ENV: no kernel is built
-QBLOCK = 1024  # elements per quantizer block, comm.kernels.QBLOCK's one definition (SOURCE's #define is made from it)
-FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno", "-std=c11"]
+QBLOCK = 1024  # elements per quantizer block, comm.kernels.QBLOCK's one definition (passed as -DQBLOCK)
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", f"-DQBLOCK={QBLOCK}"]
+SOURCE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native_kernels.cpp")
+try:
+    with open(SOURCE_FILE) as _f:
+        SOURCE: str | None = _f.read()
+except OSError:  # an install without the package data: a reason in unavailable(), not an import error
+    SOURCE = None
+LOCK = "lioncub.lock"  # the flock of a build directory (cpp_extension's own baton file is "lock")
+LIB_EXT = ".pyd" if os.name == "nt" else ".so"  # torch.utils.cpp_extension.LIB_EXT, the module's suffix
 
-SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
-#include <math.h>
-
-#define QBLOCK @QBLOCK@
-
-static inline float bf16_f32(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
-static inline float ld_f32(const float* x, int64_t i) { return x[i]; }
-static inline double ld_f64(const double* x, int64_t i) { return x[i]; }
-static inline float ld_bf16(const uint16_t* x, int64_t i) { return bf16_f32(x[i]); }
-
-/* float -> int32 as x86 cvtt: NaN and out-of-range give INT32_MIN (values here are clamped) */
-static inline int32_t to_i32f(float v) { return v != v ? INT32_MIN : (int32_t)v; }
-static inline int32_t to_i32d(double v) { return v != v ? INT32_MIN : (int32_t)v; }
-
-/* ---- tb(x) flags -> packed bits: byte j bit k = x[8j+k] > 0 or (x == 0 and odd) ---- */
-#define SIGN_BITS(NAME, T, LD)                                                             \
-void NAME(const T* x, int64_t nb, int32_t odd, uint8_t* out) {                             \
-    const int o = odd != 0;                                                                \
-    for (int64_t j = 0; j < nb; j++) {                                                     \
-        uint32_t b = 0;                                                                    \
-        for (int k = 0; k < 8; k++) {                                                      \
-            __typeof__(LD(x, 0)) v = LD(x, 8 * j + k);                                     \
-            b |= (uint32_t)((v > 0) | ((v == 0) & o)) << k;                                \
-        }                                                                                  \
-        out[j] = (uint8_t)b;                                                               \
-    }                                                                                      \
-}
-SIGN_BITS(ln_sign_bits_f32, float, ld_f32)
-SIGN_BITS(ln_sign_bits_f64, double, ld_f64)
-SIGN_BITS(ln_sign_bits_bf16, uint16_t, ld_bf16)
-
-/* ---- levels == 0 lanes: 1 where c > 0, or c not < 0 on odd steps; 8 / bits lanes per byte ---- */
-/* In chunks: the 0/1 flags as bytes (a loop the compiler vectorises), then 8 / bits flag bytes read
-   as one little-endian word and folded into one byte (lane i = byte i). */
-#define TB_LANES(NAME, T, LD)                                                              \
-void NAME(const T* x, int64_t words, int32_t odd, int32_t bits, uint8_t* out) {            \
-    enum { C = 4096 };                                                                     \
-    const int o = odd != 0, per = 8 / bits;                                                \
-    uint8_t f[C];                                                                          \
-    for (int64_t w0 = 0; w0 < words; w0 += C / 8) {                                        \
-        const int64_t nw = words - w0 < C / 8 ? words - w0 : C / 8;                        \
-        const int64_t ne = nw * per;                                                       \
-        const T* xc = x + w0 * per;                                                        \
-        for (int64_t e = 0; e < ne; e++) {                                                 \
-            __typeof__(LD(x, 0)) v = LD(xc, e);                                            \
-            f[e] = (uint8_t)((v > 0) | (!(v < 0) & o));                                    \
-        }                                                                                  \
-        uint8_t* oc = out + w0;                                                            \
-        switch (bits) {                                                                    \
-        case 1:                                                                            \
-            for (int64_t w = 0; w < nw; w++) {                                             \
-                uint64_t t; memcpy(&t, f + 8 * w, 8);                                      \
-                oc[w] = (uint8_t)((t * 0x0102040810204080ull) >> 56);                      \
-            }                                                                              \
-            break;                                                                         \
-        case 2:                                                                            \
-            for (int64_t w = 0; w < nw; w++) {                                             \
-                uint32_t t; memcpy(&t, f + 4 * w, 4);                                      \
-                oc[w] = (uint8_t)((t & 1) | ((t >> 6) & 4) | ((t >> 12) & 16) | ((t >> 18) & 64)); \
-            }                                                                              \
-            break;                                                                         \
-        case 4:                                                                            \
-            for (int64_t w = 0; w < nw; w++) {                                             \
-                uint16_t t; memcpy(&t, f + 2 * w, 2);                                      \
-                oc[w] = (uint8_t)((t & 1) | ((t >> 4) & 16));                              \
-            }                                                                              \
-            break;                                                                         \
-        default:                                                                           \
-            memcpy(oc, f, (size_t)nw);                                                     \
-        }                                                                                  \
-    }                                                                                      \
-}
-TB_LANES(ln_tb_lanes_f32, float, ld_f32)
-TB_LANES(ln_tb_lanes_f64, double, ld_f64)
-TB_LANES(ln_tb_lanes_bf16, uint16_t, ld_bf16)
-
-/* ---- majority: r = P rows of c bytes; bit k of out[j] = count over rows of bit k >= thr ---- */
-void ln_majority(const uint8_t* r, int64_t P, int64_t c, int64_t thr, uint8_t* out) {
-    enum { B = 256 };
-    uint8_t cnt[8][B];
-    for (int64_t j0 = 0; j0 < c; j0 += B) {
-        const int m = (int)(c - j0 < B ? c - j0 : B);
-        memset(cnt, 0, sizeof cnt);
-        for (int64_t p = 0; p < P; p++) {
-            const uint8_t* row = r + p * c + j0;
-            for (int k = 0; k < 8; k++)
-                for (int j = 0; j < m; j++) cnt[k][j] += (row[j] >> k) & 1;
-        }
-        for (int j = 0; j < m; j++) {
-            uint32_t b = 0;
-            for (int k = 0; k < 8; k++) b |= (uint32_t)(cnt[k][j] >= thr) << k;
-            out[j0 + j] = (uint8_t)b;
-        }
-    }
-}
-
-/* ---- Lion Cub eq. 1 over whole blocks into lanes: v = clamp(round(x * s), -L, L) + L ---- */
-/* Per block: the lane values as int32 (a pass the compiler vectorises), then the packing with
-   the lane width a constant (one loop per width). S: the scale's type; block b uses scale[b];
-   out: bytes (bits 1..8) or int32 words of two lanes (16). */
-#define PACK(B)                                                                            \
-    for (int w = 0; w < QBLOCK / (8 / B); w++) {                                           \
-        uint32_t acc = 0;                                                                  \
-        for (int i = 0; i < 8 / B; i++) acc += (uint32_t)v[w * (8 / B) + i] << (B * i);   \
-        out[w] = (uint8_t)acc;                                                             \
-    }
-static void pack_block(const int32_t* v, int bits, void* out_) {
-    if (bits == 16) {
-        int32_t* out = (int32_t*)out_;
-        for (int w = 0; w < QBLOCK / 2; w++)
-            out[w] = (int32_t)((uint32_t)v[2 * w] + ((uint32_t)v[2 * w + 1] << 16));
-        return;
-    }
-    uint8_t* out = (uint8_t*)out_;
-    switch (bits) {
-    case 1: PACK(1) break;
-    case 2: PACK(2) break;
-    case 4: PACK(4) break;
-    default: PACK(8) break;
-    }
-}
-
-/* ROUND: the rounding of y = x * s in place (e: the element's index in its block, ub: the block's
-   uniforms, NULL for nearest rounding). q = int8(y) as the reference converts (a NaN y, from an inf
-   in the tensor that makes its scale 0, gives q = 0 there), then the lane value q + L. */
-#define QUANT_LOOP(T, S, LD, CVT, ROUND)                                                   \
-    const int64_t wbytes = (int64_t)QBLOCK * bits / 8;                                     \
-    const S lo = (S)(-L), hi = (S)L;                                                       \
-    int32_t v[QBLOCK];                                                                     \
-    for (int64_t b = 0; b < nb; b++) {                                                     \
-        const S s = scale[b];                                                              \
-        const T* xb = x + b * QBLOCK;                                                      \
-        const S* ub = u ? u + b * QBLOCK : 0;                                              \
-        (void)ub;                                                                          \
-        for (int e = 0; e < QBLOCK; e++) {                                                 \
-            S y = (S)LD(xb, e) * s;                                                        \
-            ROUND;                                                                         \
-            y = y < lo ? lo : (y > hi ? hi : y);                                           \
-            v[e] = (int32_t)(int8_t)CVT(y) + L;                                            \
-        }                                                                                  \
-        pack_block(v, bits, (uint8_t*)out_ + b * wbytes);                                  \
-    }
-
-/* nearest: round half to even (the current rounding mode, as torch.round) */
-#define QUANT(NAME, T, S, LD, RND, CVT)                                                    \
-void NAME(const T* x, int64_t nb, const S* scale, int32_t L, int32_t bits, void* out_) {   \
-    const S* u = 0;                                                                        \
-    QUANT_LOOP(T, S, LD, CVT, y = RND(y))                                                  \
-}
-QUANT(ln_quant_f32, float, float, ld_f32, nearbyintf, to_i32f)
-QUANT(ln_quant_bf16, uint16_t, float, ld_bf16, nearbyintf, to_i32f)
-QUANT(ln_quant_f64, double, double, ld_f64, nearbyint, to_i32d)
-
-/* stochastic: low = floor(y); y = low + (u < y - low); u: one uniform per element */
-#define QUANT_STOCH(NAME, T, S, LD, FLOOR, CVT)                                            \
-void NAME(const T* x, int64_t nb, const S* scale, const S* u, int32_t L, int32_t bits,     \
-          void* out_) {                                                                    \
-    QUANT_LOOP(T, S, LD, CVT, { S f = FLOOR(y); y = f + (S)(ub[e] < y - f); })             \
-}
-QUANT_STOCH(ln_quant_stoch_f32, float, float, ld_f32, floorf, to_i32f)
-QUANT_STOCH(ln_quant_stoch_bf16, uint16_t, float, ld_bf16, floorf, to_i32f)
-QUANT_STOCH(ln_quant_stoch_f64, double, double, ld_f64, floor, to_i32d)
-
-/* ---- summed wire -> int8 sign(mul * v - offset) per lane; words: whole wire words ---- */
-/* bits <= 8: a table from the byte to its 8 / bits signs, stored as one word per byte */
-#define UNPACK_LUT(B, W)                                                                   \
-    {                                                                                      \
-        W lut[256];                                                                        \
-        for (int byte = 0; byte < 256; byte++) {                                           \
-            uint64_t acc = 0;                                                              \
-            for (int i = 0; i < 8 / B; i++) {                                              \
-                int32_t t = (int32_t)((byte >> (B * i)) & ((1 << B) - 1)) * mul - (int32_t)offset; \
-                acc |= (uint64_t)(uint8_t)(int8_t)((t > 0) - (t < 0)) << (8 * i);          \
-            }                                                                              \
-            lut[byte] = (W)acc;                                                            \
-        }                                                                                  \
-        const uint8_t* wire = (const uint8_t*)wire_;                                       \
-        for (int64_t w = 0; w < words; w++) {                                              \
-            W val = lut[wire[w]];                                                          \
-            memcpy(out + w * (8 / B), &val, sizeof(W));                                    \
-        }                                                                                  \
-    }
-void ln_unpack_sign(const void* wire_, int64_t words, int32_t bits, int32_t mul, int64_t offset, int8_t* out) {
-    if (bits == 16) {
-        const uint32_t* wire = (const uint32_t*)wire_;
-        for (int64_t w = 0; w < words; w++) {
-            for (int i = 0; i < 2; i++) {
-                int64_t t = (int64_t)((wire[w] >> (16 * i)) & 0xFFFF) * mul - offset;
-                out[2 * w + i] = (int8_t)((t > 0) - (t < 0));
-            }
-        }
-        return;
-    }
-    switch (bits) {
-    case 1: UNPACK_LUT(1, uint64_t) break;
-    case 2: UNPACK_LUT(2, uint32_t) break;
-    case 4: UNPACK_LUT(4, uint16_t) break;
-    default: UNPACK_LUT(8, uint8_t) break;
-    }
-}
-""".replace("@QBLOCK@", str(QBLOCK))
-
-_lib: ctypes.CDLL | None = None
+_mod = None  # the built module
 _why: str | None = None
 _loaded = False
 
 
 def _compiler() -> str | None:
-    cc = os.environ.get("CC")
-    if cc:
-        return shutil.which(cc)
-    for c in ("cc", "gcc", "clang"):
-        path = shutil.which(c)
-        if path:
-            return path
-    return None
+    """The C++ compiler torch.utils.cpp_extension builds with (its get_cxx_compiler: $CXX, else c++),
+    as a path; None when missing. (Read here, not imported: a process that loads a built module
+    never imports cpp_extension, which brings setuptools.)"""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def _ninja_dir() -> str | None:
+    """"" when ninja is on PATH, else the directory of the ninja package's binary; None when neither."""
+    if shutil.which("ninja"):
+        return ""
+    try:
+        import ninja
+    except ImportError:
+        return None
+    d = getattr(ninja, "BIN_DIR", "")
+    return d if d and shutil.which("ninja", path=d) else None
+
+
+@contextlib.contextmanager
+def _ninja_on_path(d: str):
+    """PATH with d in front while cpp_extension runs `ninja` (it looks only on PATH)."""
+    old = os.environ.get("PATH")
+    if d:
+        os.environ["PATH"] = d + os.pathsep + (old or "")
+    try:
+        yield
+    finally:
+        if d:
+            if old is None:
+                os.environ.pop("PATH", None)
+            else:
+                os.environ["PATH"] = old
 
 
 def _cpu_flags() -> str:
@@ -282,7 +125,7 @@ def _cpu_flags() -> str:
 
 def _private_dir(d: str) -> str:
     """d, created with mode 0700 if missing, refused unless this user owns it and nobody else may
-    write to it: a library is loaded from it, so another local user must not be able to plant one."""
+    write to it: a module is loaded from it, so another local user must not be able to plant one."""
     os.makedirs(d, mode=0o700, exist_ok=True)
     st = os.stat(d)
     if hasattr(os, "getuid") and (st.st_uid != os.getuid() or st.st_mode & 0o022):
@@ -293,28 +136,40 @@ def _private_dir(d: str) -> str:
 
 
 def cache_dir() -> str:
-    """Where the library is built: $LIONCUB_NATIVE_CACHE, else one directory per user in the temp dir."""
+    """Where the module is built: $LIONCUB_NATIVE_CACHE, else one directory per user in the temp dir."""
     user = os.getuid() if hasattr(os, "getuid") else 0
     return os.environ.get(CACHE_ENV) or os.path.join(tempfile.gettempdir(), f"lioncub_native_{user}")
 
 
-def _located() -> tuple[str, str]:
-    """(compiler, path of the cached library for this source, compiler and CPU); nothing is built."""
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler found (CC, cc, gcc, clang)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, errors="replace").stdout
-    key = hashlib.sha256("\0".join([SOURCE, cc, version, " ".join(FLAGS), platform.machine(),
+def _located() -> tuple[str, str, str, str]:
+    """(compiler, ninja's directory ("" on PATH), build directory, module name) of this source,
+    toolchain, torch and CPU; nothing is built."""
+    if SOURCE is None:
+        raise RuntimeError(f"the native kernels' source {SOURCE_FILE} is missing (installed without the "
+                           f"package's data files); reinstall the project")
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found ($CXX, else c++: the one torch.utils.cpp_extension builds with)")
+    ninja_dir = _ninja_dir()
+    if ninja_dir is None:
+        raise RuntimeError("no ninja found (on PATH, or the ninja package: pip install ninja, a dependency of "
+                           "this project) to build with torch.utils.cpp_extension")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, errors="replace").stdout
+    key = hashlib.sha256("\0".join([SOURCE, cxx, version, " ".join(FLAGS), torch.__version__,
+                                    os.path.dirname(torch.__file__), sys.version, platform.machine(),
                                     _cpu_flags()]).encode()).hexdigest()[:20]
-    return cc, os.path.join(cache_dir(), f"lioncub_native_{key}.so")
+    name = f"lioncub_native_{key}"
+    return cxx, ninja_dir, os.path.join(cache_dir(), name), name
 
 
 def library_path() -> str:
-    """The file the native kernels are (or would be) loaded from here ("" without a compiler)."""
+    """The module file the native kernels are (or would be) loaded from here ("" without a compiler
+    or ninja)."""
     try:
-        return _located()[1]
+        _, _, d, name = _located()
     except (RuntimeError, OSError):
         return ""
+    return os.path.join(d, name + LIB_EXT)
 
 
 def _sha256(path: str) -> str:
@@ -346,46 +201,77 @@ def _verified(so: str) -> bool:
     return ok
 
 
-def _build() -> ctypes.CDLL:
-    cc, so = _located()
-    d = _private_dir(cache_dir())
-    if not _verified(so):
-        fd, src = tempfile.mkstemp(suffix=".c", dir=d)
-        with os.fdopen(fd, "w") as f:
-            f.write(SOURCE)
-        fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=d)  # unique even across PID namespaces
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def _record(so: str) -> None:
+    fd, tmp = tempfile.mkstemp(suffix=".sha256.tmp", dir=os.path.dirname(so))
+    with os.fdopen(fd, "w") as f:
+        f.write(_sha256(so))
+    os.replace(tmp, so + ".sha256")
+
+
+@contextlib.contextmanager
+def _locked(path: str):
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when the process ends, however it ends
+        yield
+    finally:
         os.close(fd)
+
+
+def _import(name: str, path: str):
+    """The extension module at path, imported under name (as cpp_extension.load imports what it built)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _build():
+    cxx, ninja_dir, d, name = _located()
+    _private_dir(cache_dir())
+    _private_dir(d)
+    so = os.path.join(d, name + LIB_EXT)
+    with _locked(os.path.join(d, LOCK)):
+        if _verified(so):  # built before, from what the key names: ninja would find it up to date
+            return _import(name, so)
+        from torch.utils import cpp_extension
+
+        baton = os.path.join(d, "lock")
+        if os.path.exists(baton):  # nobody holds it while we hold the flock: a killed build's leftover
+            os.unlink(baton)
+        src = os.path.join(d, "native_kernels.cpp")  # in the directory: one path (and mtime) for ninja
+        if _read(src) != SOURCE:
+            with open(src, "w") as f:
+                f.write(SOURCE)
+        # cpp_extension renames a module it was asked to load again in this process with other
+        # inputs (name_v1, ...): forget it, so the name stays the key's and ninja alone decides
+        cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(name, None)
         try:
-            done = subprocess.run([cc, *FLAGS, src, "-o", tmp, "-lm"], capture_output=True, text=True,
-                                  errors="replace")
-            if done.returncode != 0:
-                raise RuntimeError(f"building the native kernels with {cc} failed:\n{done.stderr[-2000:]}")
-            digest = _sha256(tmp)
-            fd, tmp_sum = tempfile.mkstemp(suffix=".sha256.tmp", dir=d)
-            with os.fdopen(fd, "w") as f:
-                f.write(digest)
-            os.replace(tmp_sum, so + ".sha256")  # recorded before the library appears under its name
-            os.replace(tmp, so)  # atomic: a concurrent rank loads a whole file or builds its own
-        finally:
-            for path in (src, tmp):
-                if os.path.exists(path):
-                    os.unlink(path)
-    lib = ctypes.CDLL(so)
-    i64, i32, vp = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
-    for t in ("f32", "f64", "bf16"):
-        getattr(lib, f"ln_sign_bits_{t}").argtypes = [vp, i64, i32, vp]
-        getattr(lib, f"ln_tb_lanes_{t}").argtypes = [vp, i64, i32, i32, vp]
-        getattr(lib, f"ln_quant_{t}").argtypes = [vp, i64, vp, i32, i32, vp]
-        getattr(lib, f"ln_quant_stoch_{t}").argtypes = [vp, i64, vp, vp, i32, i32, vp]
-    lib.ln_majority.argtypes = [vp, i64, i64, i64, vp]
-    lib.ln_unpack_sign.argtypes = [vp, i64, i32, i32, i64, vp]
-    return lib
+            with _ninja_on_path(ninja_dir):
+                mod = cpp_extension.load(name, [src], extra_cflags=FLAGS, build_directory=d, verbose=False)
+        except Exception as e:
+            raise RuntimeError(f"building the native kernels with {cxx} (torch.utils.cpp_extension) failed:\n"
+                               f"{str(e)[-2000:]}") from e
+        _record(so)
+    return mod
 
 
 def unavailable(device: torch.device | str = "cpu") -> str | None:
     """Why the native kernels cannot run on `device` here, or None when they can (built and loaded
     on the first call)."""
-    global _lib, _why, _loaded
+    global _mod, _why, _loaded
     if torch.device(device).type != "cpu":
         return f"native kernels run on the CPU only, not on {torch.device(device).type}"
     if os.environ.get(NO_COMPILE_ENV, "0") not in ("", "0"):  # builds nothing, as for inductor
@@ -393,17 +279,17 @@ def unavailable(device: torch.device | str = "cpu") -> str | None:
     if not _loaded:
         _loaded = True
         try:
-            _lib = _build()
-        except Exception as e:  # any failure is a reason, never a silent "available" with no library
+            _mod = _build()
+        except Exception as e:  # any failure is a reason, never a silent "available" with no module
             _why = f"{type(e).__name__}: {e}" if not isinstance(e, RuntimeError) else str(e)
     return _why
 
 
-def _need() -> ctypes.CDLL:
+def _need():
     why = unavailable("cpu")
     if why is not None:
         raise RuntimeError(f"native kernels: {why}; use comm.kernels=eager or compiled")
-    return _lib
+    return _mod
 
 
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
@@ -422,20 +308,17 @@ def _ptr(t: torch.Tensor) -> int:
 
 def sign_bits(x: torch.Tensor, odd: bool, out: torch.Tensor) -> None:
     """out[j] (uint8) = packed tb flags of x[8j:8j+8], for j < out.numel() (x holds 8 per byte)."""
-    _need()
-    getattr(_lib, f"ln_sign_bits_{_SUFFIX[x.dtype]}")(_ptr(x), out.numel(), int(odd), _ptr(out))
+    getattr(_need(), f"sign_bits_{_SUFFIX[x.dtype]}")(_ptr(x), out.numel(), int(odd), _ptr(out))
 
 
 def tb_lanes(x: torch.Tensor, odd: bool, bits: int, out: torch.Tensor) -> None:
     """out[w] = the levels == 0 lanes of x[w*per:(w+1)*per] (per = 8 // bits), bits in 1, 2, 4, 8."""
-    _need()
-    getattr(_lib, f"ln_tb_lanes_{_SUFFIX[x.dtype]}")(_ptr(x), out.numel(), int(odd), bits, _ptr(out))
+    getattr(_need(), f"tb_lanes_{_SUFFIX[x.dtype]}")(_ptr(x), out.numel(), int(odd), bits, _ptr(out))
 
 
 def majority(recv: torch.Tensor, P: int, thr: int, out: torch.Tensor) -> None:
     """out[c] = majority bits over the P rows of recv (uint8[P * c]) with threshold thr."""
-    _need()
-    _lib.ln_majority(_ptr(recv), P, out.numel(), thr, _ptr(out))
+    _need().majority(_ptr(recv), P, out.numel(), thr, _ptr(out))
 
 
 def quant_blocks(x: torch.Tensor, scale: torch.Tensor, levels: int, bits: int, out: torch.Tensor,
@@ -443,20 +326,19 @@ def quant_blocks(x: torch.Tensor, scale: torch.Tensor, levels: int, bits: int, o
     """Lion Cub eq. 1 of x's whole QBLOCK blocks (block b with scale[b], float64 for float64 x,
     else float32) into `bits`-wide lanes of out; u: the uniforms of stochastic rounding (one per
     element, the scale's dtype), None for round half to even."""
-    _need()
+    m = _need()
     nb = x.numel() // QBLOCK
     sfx = _SUFFIX[x.dtype]
     if u is None:
-        getattr(_lib, f"ln_quant_{sfx}")(_ptr(x), nb, _ptr(scale), levels, bits, _ptr(out))
+        getattr(m, f"quant_{sfx}")(_ptr(x), nb, _ptr(scale), levels, bits, _ptr(out))
     else:
-        getattr(_lib, f"ln_quant_stoch_{sfx}")(_ptr(x), nb, _ptr(scale), _ptr(u), levels, bits, _ptr(out))
+        getattr(m, f"quant_stoch_{sfx}")(_ptr(x), nb, _ptr(scale), _ptr(u), levels, bits, _ptr(out))
 
 
 def unpack_sign(wire: torch.Tensor, bits: int, mul: int, offset: int, out: torch.Tensor) -> None:
     """out (int8) = sign(mul * lane - offset) of every lane of wire's whole words (uint8, or int32
     words of two 16-bit lanes)."""
-    _need()
-    _lib.ln_unpack_sign(_ptr(wire), wire.numel(), bits, mul, offset, _ptr(out))
+    _need().unpack_sign(_ptr(wire), wire.numel(), bits, mul, offset, _ptr(out))
 
 
 __all__ = ["CACHE_ENV", "cache_dir", "library_path", "majority", "quant_blocks", "sign_bits", "supports",

@@ -1,9 +1,10 @@
-"""comm.native: the build (cached per source, compiler and CPU; atomic), its failure modes, and the
+"""comm.native: the build (torch.utils.cpp_extension; cached per source, toolchain and CPU), its failure modes, and the
 dispatch around it. The bytes of every native kernel are checked in tests/comm/test_kernels.py (each
 wire-kernel test runs on native too) and a distributed step in tests/workers/optim_dist.py."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,42 +16,71 @@ from comm import kernels as K
 from comm import native
 
 ROOT = Path(__file__).resolve().parents[2]
-needs_cc = pytest.mark.skipif(native._compiler() is None, reason="no C compiler")
+needs_cc = pytest.mark.skipif(native._compiler() is None, reason="no C++ compiler")
+needs_build = pytest.mark.skipif(native._compiler() is None or native._ninja_dir() is None,
+                                 reason="no C++ compiler or no ninja")
 
 
 @pytest.fixture
 def fresh_native(monkeypatch):
     """comm.native as if never loaded in this process, restored after the test."""
     monkeypatch.setattr(native, "_loaded", False)
-    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_mod", None)
     monkeypatch.setattr(native, "_why", None)
 
 
-@needs_cc
-def test_the_library_is_built_once_into_its_cache_and_reused(tmp_path, monkeypatch, fresh_native):
-    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+@needs_build
+def test_the_module_is_built_once_into_its_cache_and_reused(native_cache, monkeypatch, fresh_native):
+    monkeypatch.setenv(native.CACHE_ENV, str(native_cache))
     assert native.unavailable("cpu") is None
-    libs = list(tmp_path.glob("lioncub_native_*.so"))
-    assert len(libs) == 1 and not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob("*.c"))
-    mtime = libs[0].stat().st_mtime_ns
-    # another process with the same cache loads that file and builds nothing
-    code = ("from comm import native; assert native.unavailable() is None; "
+    mods = list(native_cache.glob("lioncub_native_*/lioncub_native_*.so"))
+    assert len(mods) == 1 and not list(native_cache.rglob("*.tmp")) and not list(native_cache.rglob("lock"))
+    assert str(mods[0]) == native.library_path()
+    mtime = mods[0].stat().st_mtime_ns
+    # built with our flags after cpp_extension's own, and nothing that would change a float step
+    (cflags,) = [ln.split()[2:] for ln in (mods[0].parent / "build.ninja").read_text().splitlines()
+                 if ln.startswith("cflags =")]
+    assert set(native.FLAGS) <= set(cflags) and "-ffast-math" not in cflags and "-Ofast" not in cflags
+    assert [f for f in cflags if f.startswith("-O")][-1] == "-O3"
+    assert [f for f in cflags if f.startswith("-ffp-contract")] == ["-ffp-contract=off"]
+    assert "-march=native" in cflags and "-fno-math-errno" in cflags
+    assert "#include <torch/extension.h>" not in native.SOURCE
+    # another process with the same cache imports that file: it builds nothing (no cpp_extension)
+    code = ("import sys; from comm import native; assert native.unavailable() is None; "
             "import torch; o = torch.empty(1, dtype=torch.uint8); native.sign_bits(torch.ones(8), True, o); "
-            "assert int(o) == 255")
+            "assert int(o) == 255; assert 'torch.utils.cpp_extension' not in sys.modules")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, native.CACHE_ENV: str(tmp_path)})
+                       env={**os.environ, native.CACHE_ENV: str(native_cache)})
     assert r.returncode == 0, r.stderr[-2000:]
-    assert [p.stat().st_mtime_ns for p in tmp_path.glob("lioncub_native_*.so")] == [mtime]
+    assert [p.stat().st_mtime_ns for p in native_cache.glob("lioncub_native_*/lioncub_native_*.so")] == [mtime]
+
+
+def test_the_toolchain_is_the_one_cpp_extension_builds_with(monkeypatch):
+    """comm.native names cpp_extension's compiler and module suffix without importing it (a loaded
+    module costs no setuptools import): the two agree."""
+    from torch.utils import cpp_extension
+
+    assert native.LIB_EXT == cpp_extension.LIB_EXT
+    for cxx in (None, "g++", "/nonexistent/c++-for-test"):
+        if cxx is None:
+            monkeypatch.delenv("CXX", raising=False)
+        else:
+            monkeypatch.setenv("CXX", cxx)
+        assert native._compiler() == shutil.which(cpp_extension.get_cxx_compiler())
 
 
 def test_no_compiler_or_no_compile_names_the_reason(monkeypatch, fresh_native):
-    monkeypatch.setenv("CC", "/nonexistent/cc-for-test")
-    monkeypatch.setattr(native.shutil, "which", lambda c: None)
+    monkeypatch.setenv("CXX", "/nonexistent/c++-for-test")
+    monkeypatch.setattr(native.shutil, "which", lambda c, *a, **k: None)
     why = native.unavailable("cpu")
-    assert why is not None and "no C compiler" in why
+    assert why is not None and "no C++ compiler" in why
     x = torch.randn(1000)
-    with pytest.raises(RuntimeError, match="impl='native'.*no C compiler"):
+    with pytest.raises(RuntimeError, match=r"impl='native'.*no C\+\+ compiler"):
         K.sign_pack(x, 1, impl="native")
+    monkeypatch.setattr(native, "_loaded", False)
+    monkeypatch.setattr(native, "_why", None)
+    monkeypatch.setattr(native, "SOURCE", None)  # installed without native_kernels.cpp
+    assert f"{native.SOURCE_FILE} is missing" in native.unavailable("cpu")
     monkeypatch.setattr(native, "_loaded", False)
     monkeypatch.setattr(native, "_why", None)
     monkeypatch.setenv(native.NO_COMPILE_ENV, "1")
@@ -59,12 +89,29 @@ def test_no_compiler_or_no_compile_names_the_reason(monkeypatch, fresh_native):
 
 
 @needs_cc
+def test_ninja_comes_from_path_or_its_package_and_its_absence_is_named(monkeypatch, fresh_native):
+    real = shutil.which
+    no_path = lambda c, *a, path=None, **k: None if c == "ninja" and path is None else real(c, *a, path=path, **k)  # noqa: E731
+    monkeypatch.setattr(native.shutil, "which", no_path)
+    try:
+        import ninja
+    except ImportError:
+        pass
+    else:  # not on PATH (a venv's python run without activating it): the package's binary
+        assert native._ninja_dir() == ninja.BIN_DIR and real("ninja", path=ninja.BIN_DIR)
+    monkeypatch.setitem(sys.modules, "ninja", None)  # the package missing too
+    assert native._ninja_dir() is None
+    why = native.unavailable("cpu")
+    assert why is not None and "no ninja found" in why and "pip install ninja" in why
+
+
+@needs_build
 def test_a_failing_build_reports_the_compiler_error(tmp_path, monkeypatch, fresh_native):
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(native, "SOURCE", native.SOURCE + "\nthis is not C;\n")
     why = native.unavailable("cpu")
     assert why is not None and "building the native kernels" in why and "error" in why
-    assert not list(tmp_path.glob("*.so")) and not list(tmp_path.glob("*.tmp"))
+    assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp")) and not list(tmp_path.rglob("lock"))
 
 
 def test_comm_kernels_native_is_refused_where_it_cannot_run(monkeypatch):
