@@ -189,7 +189,7 @@ class Trainer:
             return {"step": self.step, "stopped": False, "already_complete": True}
         if cfg.train.compile:
             model_s = compile_model(self.model, self.forward, cfg.data.batch_size, cfg.data.seq_len, self.autocast,
-                                    self.device)
+                                    self.device, evaluation=t.eval_steps > 0)
             self.logger.console(f"model: torch.compile paid in {model_s:.1f} s before the first timed step")
             self.logger.log({"step": self.step, "event": "compile", "compile_s": model_s})
         if cfg.model.init_from and self.step == 0:  # the starting point's val loss, e.g. the export's own
