@@ -115,11 +115,13 @@ def main(out_path: str, variants: list[str], flags: list[str]) -> None:
         except Exception as e:  # noqa: BLE001  the same error on every rank (a config or code error): go on
             failed.append(spec)
             result["variants"][spec] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
-            say(info, f"{spec}: FAILED {result['variants'][spec]['error']}")
+            # every rank says its own failure: one rank's error (not the others') would otherwise go unseen
+            print(f"ONE_DEVICE {spec}: FAILED on rank {info.rank}: {result['variants'][spec]['error']}", flush=True)
         write()
     if "--shard" in flags:
         result["shard"] = shard_check(info, tmp / "shard")
         write()
+    torch.distributed.barrier()  # every rank has read its last metrics.jsonl before rank 0 removes the runs
     if info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
     shutdown()
