@@ -166,8 +166,8 @@ class CommConfig:
     auto_allow: list = field(default_factory=lambda: ["fp32", "bf16", "onebit", "pbit"])
     """comm.mode=auto: the modes (or named variants, configs/variants) it may choose. Among a mode's
     variants auto keeps only those the study-prose reproduction does not measure worse than fp32
-    beyond noise (configs/auto_quality.yaml states the rule): 8-bit L1 Lion Cub qualifies (-0.025 ±
-    0.022 val loss vs 32-bit Lion, 3 seeds); 1-bit Lion Cub does not (+0.021 ± 0.008), nor do
+    beyond noise (configs/auto_quality.yaml states the rule): 8-bit L1 Lion Cub qualifies (-0.030 ±
+    0.017 val loss vs 32-bit Lion, 5 seeds); 1-bit Lion Cub does not (+0.017 ± 0.007), nor do
     ablations or variants without evidence. Name such a variant here (e.g. lioncub_1bit) to let auto
     trade that quality for speed."""
     auto_min_gain: float = 0.10
