@@ -1,4 +1,4 @@
-# issue 12 GPU checks, device call 1: environment, kernel tests on CUDA, packing bench, a smoke
+# The fast path's GPU checks (wire kernels and Lion Cub on CUDA), device call 1: environment, kernel tests on CUDA, packing bench, a smoke
 # step-breakdown run with every rank on the one GPU (gloo). Run from the repo root; $OUT collects.
 export PYTHONPATH=$PWD:$PWD/.devsite PYTHONUNBUFFERED=1 WANDB_MODE=disabled LIONCUB_CACHE=/tmp/lcache
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv

@@ -1,4 +1,4 @@
-# issue 12 GPU checks, device call 2 (after the kernels.py fix): kernel tests on CUDA, packing
+# The fast path's GPU checks (wire kernels and Lion Cub on CUDA), device call 2 (after the kernels.py fix): kernel tests on CUDA, packing
 # bench alone on the GPU, then the 4-rank shared-GPU step breakdown (memory + times).
 export PYTHONPATH=$PWD:$PWD/.devsite PYTHONUNBUFFERED=1 WANDB_MODE=disabled LIONCUB_CACHE=/tmp/lcache
 python3 -c "from data.builtin import prepare_builtin; print(prepare_builtin())" >/dev/null &

@@ -1,4 +1,4 @@
-# issue 12 GPU checks, device call 3 (after the kernels.py and lioncub.py fixes): tests on CUDA
+# The fast path's GPU checks (wire kernels and Lion Cub on CUDA), device call 3 (after the kernels.py and lioncub.py fixes): tests on CUDA
 # (+ two CPU tests on this machine's torch), packing bench alone on the GPU, then the 4-rank
 # shared-GPU step breakdown (device memory, CUDA-event times, overlap, fine timing on/off).
 export PYTHONPATH=$PWD:$PWD/.devsite PYTHONUNBUFFERED=1 WANDB_MODE=disabled LIONCUB_CACHE=/tmp/lcache

@@ -1,4 +1,4 @@
-# issue 12 GPU checks, device call 4: what makes up Lion Cub's peak device memory. The same
+# The fast path's GPU checks (wire kernels and Lion Cub on CUDA), device call 4: what makes up Lion Cub's peak device memory. The same
 # 4-rank shared-GPU runs with rank 0's CUDA allocation history recorded (LIONCUB_MEMORY_SNAPSHOT=1).
 export PYTHONPATH=$PWD:$PWD/.devsite PYTHONUNBUFFERED=1 WANDB_MODE=disabled LIONCUB_CACHE=/tmp/lcache LIONCUB_MEMORY_SNAPSHOT=1
 python3 -c "from data.builtin import prepare_builtin; print(prepare_builtin())" >/dev/null

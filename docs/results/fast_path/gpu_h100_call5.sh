@@ -1,4 +1,4 @@
-# issue 12 GPU checks, device call 5: the same 4-rank shared-GPU breakdown at a per-rank batch of
+# The fast path's GPU checks (wire kernels and Lion Cub on CUDA), device call 5: the same 4-rank shared-GPU breakdown at a per-rank batch of
 # 8 x 256 tokens (instead of 1 x 64), where activations, not the optimizer, set the peak.
 export PYTHONPATH=$PWD:$PWD/.devsite PYTHONUNBUFFERED=1 WANDB_MODE=disabled LIONCUB_CACHE=/tmp/lcache
 python3 -c "from data.builtin import prepare_builtin; print(prepare_builtin())" >/dev/null

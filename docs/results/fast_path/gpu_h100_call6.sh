@@ -1,4 +1,4 @@
-# issue 12 GPU-machine call 6: the CPU side of the changed tests on the device machine's 16 cores
+# The fast path's GPU checks, device-machine call 6: the CPU side of the changed tests on the device machine's 16 cores
 # (torch 2.11 there): test_kernels' CPU parametrisations, test_optim, the update-sync and overlap
 # multi-process tests (gloo, CPU).
 export PYTHONPATH=$PWD:$PWD/.devsite PYTHONUNBUFFERED=1 WANDB_MODE=disabled LIONCUB_CACHE=/tmp/lcache OMP_NUM_THREADS=1
