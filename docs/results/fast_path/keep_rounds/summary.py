@@ -2,7 +2,9 @@
 # rounds.sh ran them (worktrees of each commit, ABBA order); summary.py prints the tables in keep_step_breakdown.md.
 import csv, glob, statistics, sys, re
 rows = {}
-for d in sorted(glob.glob('docs/results/fast_path/keep_rounds/*_r*.csv')):
+# argument: the rounds' directory (default: this one; keep_rounds_quiet holds the quiet-machine rounds)
+ROUNDS = sys.argv[1] if len(sys.argv) > 1 else 'docs/results/fast_path/keep_rounds'
+for d in sorted(glob.glob(ROUNDS + '/*_r*.csv')):
     tree, rnd = re.search(r'/(before|after)_r(\d)\.csv', d).groups()
     for r in csv.DictReader(open(d)):
         rows[(tree, rnd, r['rate'], r['variant'])] = r
