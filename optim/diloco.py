@@ -60,6 +60,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Sequence
 
@@ -120,13 +121,19 @@ class BackgroundAverage:
 
 class Future:
     """A started background average; `wait()` returns its result (an exception raised by the
-    exchange is raised here, in the caller's thread)."""
+    exchange is raised here, in the caller's thread). `waited`: the seconds the caller's thread was
+    blocked in `wait()`, the part of the exchange the overlapped inner steps did not hide."""
 
     def __init__(self, fut) -> None:
         self.fut = fut
+        self.waited = 0.0
 
     def wait(self) -> torch.Tensor:
-        return self.fut.result()
+        t0 = time.perf_counter()
+        try:
+            return self.fut.result()
+        finally:
+            self.waited += time.perf_counter() - t0
 
 
 def background_averages(averages: Sequence[Average]) -> list[BackgroundAverage]:
@@ -208,6 +215,7 @@ class DiLoCo:
         self.syncs = [0] * len(self.local)      # outer steps applied per fragment
         self.step = 0                           # inner steps completed
         self.pending: dict[int, Any] = {}       # fragment -> started average
+        self.waited: dict[int, float] = {}      # fragment -> seconds its last applied average was waited for
         self._sent = False
 
     @property
@@ -261,8 +269,16 @@ class DiLoCo:
         self._sent = False
         due = self.receives_at(self.step)
         for k in due:
-            self._outer_step(k, self.pending.pop(k).wait())
+            self._outer_step(k, self._collect(k))
         return due
+
+    def _collect(self, k: int) -> torch.Tensor:
+        """Fragment k's average, waited for; the seconds the wait blocked go to `waited[k]` (0 for an
+        average that ran when it was started, or that a checkpoint already waited for)."""
+        handle = self.pending.pop(k)
+        mean = handle.wait()
+        self.waited[k] = getattr(handle, "waited", 0.0)
+        return mean
 
     @torch.no_grad()
     def finish(self) -> list[int]:
@@ -272,7 +288,7 @@ class DiLoCo:
             raise RuntimeError("DiLoCo.finish: called between send() and receive(); call receive() first")
         done = sorted(self.pending)
         for k in done:
-            self._outer_step(k, self.pending.pop(k).wait())
+            self._outer_step(k, self._collect(k))
         return done
 
     def after_inner_step(self, observe: Callable[[int, torch.Tensor], None] | None = None) -> list[int]:
@@ -380,6 +396,9 @@ class OuterLoop:
         # phase once the average is waited for, at its outer step
         self.booked, self.into = list(booked), into
         self.moved = [(0, 0)] * len(self.booked)
+        # the bytes of averages that were in flight when the checkpoint this run resumed from was
+        # written: sent by the run that wrote it, booked here at their outer step as in a run never stopped
+        self.carried: dict[int, tuple[int, int]] = {}
 
     @classmethod
     def for_optimizer(cls, opt: Any) -> "OuterLoop":
@@ -469,12 +488,29 @@ class OuterLoop:
                 "diag/diloco_drift_fragment": float(k)}
 
     def _move_bytes(self, fragments: Sequence[int]) -> None:
+        """Book the background averages of `fragments`, just applied, into the step's phase: the bytes
+        their collectives booked (plus any carried over a resume) and, as the call's seconds, the time
+        this thread was blocked waiting for them (the exchange the overlapped inner steps did not hide)."""
         for k in fragments if self.booked else ():
             t = self.booked[k].totals()
             sent, recv = int(t["bytes_sent"]), int(t["bytes_recv"])
-            if (sent, recv) != self.moved[k]:
-                self.into.add_bytes(f"diloco_average[{k}]", sent - self.moved[k][0], recv - self.moved[k][1])
-                self.moved[k] = (sent, recv)
+            carried_sent, carried_recv = self.carried.pop(k, (0, 0))
+            waited = self.outer.waited.pop(k, 0.0)
+            d_sent = sent - self.moved[k][0] + carried_sent
+            d_recv = recv - self.moved[k][1] + carried_recv
+            if d_sent or d_recv or waited:
+                self.into.add_bytes(f"diloco_average[{k}]", d_sent, d_recv, coll_s=waited)
+            self.moved[k] = (sent, recv)
+
+    def _in_flight_bytes(self) -> dict[int, list[int]]:
+        """Per fragment still in flight: the bytes its average sent that no step has booked yet."""
+        out = {}
+        for k in self.outer.pending if self.booked else ():
+            t = self.booked[k].totals()
+            carried = self.carried.get(k, (0, 0))
+            out[k] = [int(t["bytes_sent"]) - self.moved[k][0] + carried[0],
+                      int(t["bytes_recv"]) - self.moved[k][1] + carried[1]]
+        return out
 
     @contextlib.contextmanager
     def global_params(self) -> Iterator[None]:
@@ -513,12 +549,15 @@ class OuterLoop:
         # parameters are the ones put aside
         local = ([x.clone() for x in self._put_aside] if self._put_aside is not None
                  else [d._flat(k) for k in range(len(d.local))])
-        return {**d.state_dict(), "local": local}
+        outer = d.state_dict()  # waits for the averages in flight: their bytes are booked after this
+        # a run resumed from this checkpoint books them at their outer step (this one, going on, too)
+        return {**outer, "local": local, "in_flight_bytes": self._in_flight_bytes()}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         state = dict(state)
         local = state.pop("local", None)
+        in_flight = state.pop("in_flight_bytes", None) or {}  # absent from checkpoints of older versions
         d = self.outer
         if local is None or len(local) != len(d.local):
             raise ValueError("comm.mode=diloco: the checkpoint lacks this rank's local parameters (its exchange state "
@@ -529,6 +568,7 @@ class OuterLoop:
                 raise ValueError(f"DiLoCo: the checkpoint's local parameters of fragment {k} hold {flat.numel()} "
                                  f"elements, this model's {d.glob[k].numel()}")
             d._write(k, flat)
+        self.carried = {int(k): (int(v[0]), int(v[1])) for k, v in in_flight.items()}
 
 
 def _private_group(group: Any) -> Any:

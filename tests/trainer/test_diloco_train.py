@@ -67,6 +67,31 @@ def test_resume_at_an_outer_step_and_mid_inner_phase_continues_exactly(results):
     assert pieces["final"] == whole["final"] and len(set(whole["final"])) == 1
 
 
+def test_streaming_resume_with_an_average_in_flight_books_its_bytes_and_continues_exactly(results):
+    s, p = results[0]["streaming"], results[0]["streaming_pieces"]
+    assert p["resumed_at"] == [3]
+    # fragment 1's average was sent after step 3 and in flight at the stop; the resumed run books it
+    # at its outer step (4) as the uninterrupted run does: no byte lost or booked twice
+    assert p["booked"] == s["booked"]
+    assert p["finish"][0]["finish_comm_bytes"] == s["finish"][0]["finish_comm_bytes"] > 0
+    assert p["final"] == s["final"] and len(set(p["final"])) == 1
+    assert results[1]["streaming_pieces"]["booked"] == p["booked"]
+
+
+def test_the_wait_for_a_background_average_is_booked_as_comm_time(results):
+    for run in ("streaming", "streaming_pieces"):
+        s = results[0][run]
+        booked = {int(k): v for k, v in s["booked"].items()}
+        comm_ms = {int(k): v for k, v in s["comm_ms"].items()}
+        # tau = 1: the averages run on a background thread; the step that applies one waits for it,
+        # and that wait (the exchange the inner step did not hide) is the step's comm time
+        # (the pieces' step 4 applies the average the checkpoint at step 3 had waited for: that wait
+        # belongs to the save, and step 4 has its bytes with no wait)
+        saved = {4} if run == "streaming_pieces" else set()
+        assert all(comm_ms[t] > 0 for t, b in booked.items() if b and t not in saved), (run, comm_ms)
+        assert all(comm_ms[t] == 0 for t, b in booked.items() if not b or t in saved), (run, comm_ms)
+
+
 def test_worker_drift_is_logged_on_outer_steps_at_the_diagnostics_cadence(results):
     s = results[0]["streaming"]
     # diag.every = 2: diagnostics at 2, 4, 6; sends after 1, 4, 7 (fragment 0) and 3, 6 (fragment 1)

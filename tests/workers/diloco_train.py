@@ -6,7 +6,8 @@ their global parameters (they must be bit-identical) and of their local ones (di
 the workers before a sync: they do train apart). DiLoCo (H = 3, F = 1, fp32) trains 7 steps
 uninterrupted, and again in three pieces: stopped at step 3 (right after its outer step), resumed and
 stopped at step 4 (in the inner phase), resumed to the end; then rank 1's file of the last
-checkpoint is damaged and a resume must fall back to the one of step 4. Each rank writes what the test compares
+checkpoint is damaged and a resume must fall back to the one of step 4. The streaming run trains
+again in two pieces, stopped at step 3 with an average in flight. Each rank writes what the test compares
 (`result_<rank>.json`): the per-step bytes each run booked (metrics.jsonl) with the formula's
 (optim.diloco.wire_bytes of each fragment whose outer step that step applied: with tau > 0 the
 averages run on a background thread and their bytes join the step that waits for them; the one
@@ -123,12 +124,25 @@ def main(tmp: str) -> None:
     out["streaming"] = {"watch": watch, "formula": formula, "numels": d.numels,
                         "background": [type(a).__name__ for a in d.averages],
                         "booked": {r["step"]: r["comm_bytes"] for r in records(run, "train_loss")},
+                        "comm_ms": {r["step"]: r["comm_ms"] for r in records(run, "train_loss")},
                         "sent": {t: sum(wire_bytes(d.o, P, d.numels[k])[0] for k in d.sends_at(t))
                                  for t in range(1, 8)},
                         "finish": records(run, "finish_comm_bytes"),
                         "final": records(run, "param_sha256")[-1]["param_sha256"],
                         "drift": drift, "drift_logged": records(run, "diag/diloco_drift_spread"),
                         "diag_steps": [r["step"] for r in records(run, "diag/seconds")]}
+
+    # Streaming DiLoCo stopped at step 3 while fragment 1's average (sent after step 3) is in flight,
+    # then resumed to the end: the same parameters, and the same bytes per step as the run above (the
+    # average in flight at the stop is booked at its outer step, step 4, by the resumed run)
+    spieces = tmp_dir / "streaming_pieces"
+    train(spieces, STREAMING + ["train.stop_after=3"])
+    train(spieces, STREAMING + ["train.resume=auto"])
+    out["streaming_pieces"] = {"booked": {r["step"]: r["comm_bytes"] for r in records(spieces, "train_loss")},
+                               "comm_ms": {r["step"]: r["comm_ms"] for r in records(spieces, "train_loss")},
+                               "finish": records(spieces, "finish_comm_bytes"),
+                               "final": records(spieces, "param_sha256")[-1]["param_sha256"],
+                               "resumed_at": [x["step"] for x in records(spieces, "event") if x["event"] == "resume"]}
 
     # DiLoCo: uninterrupted, then in three pieces (stop at 3 = an outer step, at 4 = inner phase)
     # the uninterrupted run takes diagnostics (drift at step 6), the pieces none: same parameters
