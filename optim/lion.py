@@ -16,6 +16,8 @@ before `_update`.
 The fused step (`FusedLionStep`: comm.kernels=auto on CUDA, =compiled anywhere) does the whole
 update in one compiled pass per tensor that reads p, g and m once and writes p and m (20 bytes
 an element where the seven foreach passes move 60), all tensors of a step in one compiled graph.
+Under auto on CUDA its kernels replay from a CUDA graph (optim.lion_cuda.GraphedLionStep: the same
+kernels and bytes, a fraction of the host time); =compiled keeps the plain pass.
 It rounds as the foreach kernels do: ATen computes `m.add_(g, alpha=a)` as one fused multiply-add
 fma(g, a, m) (its vectorized CPU kernels and its CUDA kernels), so the pass spells that fma out
 (inductor's fma op) and keeps every product that eager rounds (fl(m * b1), fl(p * (1 - lr*wd)))
@@ -44,6 +46,7 @@ import torch
 from comm import kernels
 
 from .base import CommOptimizer
+from .lion_cuda import GraphCaptureError, GraphedLionStep
 
 
 def lion_direction(exp_avgs: list[torch.Tensor], grads: list[torch.Tensor], beta1: float,
@@ -479,6 +482,18 @@ def fused_step_impl(impl: str | None, device: torch.device | str) -> bool:
     return impl == "auto" and device.type == "cuda" and kernels.compile_unavailable(device) is None
 
 
+def cuda_graphs_on(device: torch.device | str) -> bool:
+    """Whether `device` replays CUDA graphs (a CUDA device)."""
+    return torch.device(device).type == "cuda"
+
+
+def graphed_step_impl(impl: str | None, device: torch.device | str) -> bool:
+    """Whether Lion's fused step replays from a CUDA graph (GraphedLionStep): under comm.kernels=auto where
+    the fused step runs and the device replays graphs; 'compiled' keeps the plain fused pass everywhere
+    (the way to turn the graph off)."""
+    return kernels.resolve_impl(impl) == "auto" and cuda_graphs_on(device) and fused_step_impl(impl, device)
+
+
 class Lion(CommOptimizer):
     """Lion on one shared state (gradient sync, or one process): every rank averages its gradient
     through the scheme (fp32 / bf16 allreduce), then takes the same step."""
@@ -491,7 +506,7 @@ class Lion(CommOptimizer):
         if self.strategy.exchanges_own_vector:  # which schemes fit "lion" is its entry's; this is its gradient half
             raise ValueError(f"Lion steps one shared state and needs a gradient-sync comm.mode, not {self.scheme.name}; "
                              f"build_optimizer('lion', ...) builds DistributedLion for update sync")
-        self._fused: FusedLionStep | None = None
+        self._fused: FusedLionStep | GraphedLionStep | None = None
         self._fused_checked = False
         self._fma = "fma"  # the warm-up may pick another FMA_VARIANTS entry
 
@@ -527,35 +542,47 @@ class Lion(CommOptimizer):
         return time.perf_counter() - t0
 
     def kernel_choices(self) -> list[str]:
-        """The base's lines, and how Lion steps: the fused pass and its fma variant, or the foreach kernels."""
+        """The base's lines, and how Lion steps: the fused pass (replayed as a CUDA graph) and its fma
+        variant, or the foreach kernels."""
         lines = super().kernel_choices()
         if fused_step_impl(self.kernels, self.layout.device):
             refused = self._fused_checked and self._fused is None
+            graphed = (isinstance(self._fused, GraphedLionStep) if self._fused_checked else
+                       graphed_step_impl(self.kernels, self.layout.device))
+            how = "fused pass replayed as a CUDA graph" if graphed else "fused pass"
             lines.append("lion step: foreach kernels (the fused pass was refused)" if refused else
-                         f"lion step: fused pass, fma variant {self._fma!r} (bytes equal the foreach kernels')")
+                         f"lion step: {how}, fma variant {self._fma!r} (bytes equal the foreach kernels')")
         return lines
 
-    def _fused_step(self) -> FusedLionStep | None:
-        """The fused step where comm.kernels and the parameters allow it (decided at the first step,
-        when the gradients exist; a warm-up that found a mismatch decided already)."""
+    def _fused_step(self) -> FusedLionStep | GraphedLionStep | None:
+        """The fused step where comm.kernels and the parameters allow it, replayed from a CUDA graph
+        where graphed_step_impl says so (decided at the first step, when the gradients exist; a
+        warm-up that found a mismatch decided already)."""
         if not self._fused_checked:
             self._fused_checked = True
             params = [p for ks in self.layout.per_group.values() for p in self.layout.params(ks)]
             if fused_step_impl(self.kernels, self.layout.device) and FusedLionStep.fits(params) is None:
-                self._fused = FusedLionStep(self.layout.device, self._fma)
+                step = FusedLionStep(self.layout.device, self._fma)
+                self._fused = GraphedLionStep(step) if graphed_step_impl(self.kernels, self.layout.device) else step
         return self._fused
 
     def _update(self, step: int) -> None:
         fused = self._fused_step()
         if fused is not None:
             groups = [(self.param_groups[gi], self.layout.params(ks)) for gi, ks in self.layout.per_group.items()]
-            if fused.calls or kernels.resolve_impl(self.kernels) != "auto":
-                fused(self.state, groups)
-                return
+            first = not fused.calls and kernels.resolve_impl(self.kernels) == "auto"
             try:  # the first call compiles the model's shapes: under 'auto' a compiler failure is a warning
                 fused(self.state, groups)
                 return
+            except GraphCaptureError as e:  # the capture ran nothing: the plain pass takes this step and the rest
+                warnings.warn(f"lion: the fused step's CUDA graph capture failed ({e}); this run continues with "
+                              "the uncaptured fused pass", RuntimeWarning, stacklevel=2)
+                self._fused = fused.fused
+                self._fused(self.state, groups)
+                return
             except Exception as e:  # noqa: BLE001  (compilation fails before any tensor is written)
+                if not first:
+                    raise
                 warnings.warn(f"lion: the fused step did not compile for this model ({type(e).__name__}: "
                               f"{' '.join(str(e).split())[:200]}); this run steps with the foreach kernels",
                               RuntimeWarning, stacklevel=2)

@@ -8,12 +8,18 @@ step's bytes. A graph holds addresses: it is captured for the tensors of one cal
 every parameter, gradient and momentum keeps its storage; a call on other storage runs the compiled
 step directly and captures again at the next one.
 The hyperparameter rows travel into a device tensor the graph reads, so a schedule needs no capture.
+A capture that fails raises GraphCaptureError: a capture records kernels without launching them, so
+that call changed no parameter or momentum and its caller can run the plain fused step for it.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
+
+
+class GraphCaptureError(RuntimeError):
+    """The capture of a GraphedLionStep call failed; nothing of that call ran (the message names the error)."""
 
 
 class GraphedLionStep:
@@ -47,13 +53,24 @@ class GraphedLionStep:
         if self.graph is not None and key == self._key:
             self.graph.replay()
         elif self._key == key:  # compiled and run once for these tensors: capture (nothing runs), then replay
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self.fused._run(ps, gs, ms, self._hyper)
-            self.graph = graph
+            self.graph = self._capture(ps, gs, ms)
             self.captures += 1
-            graph.replay()
+            self.graph.replay()
         else:  # first call, or the tensors moved: the compiled step directly
             self.graph, self._key = None, key
             self.fused._run(ps, gs, ms, self._hyper)
         self.calls += 1
+
+    def _capture(self, ps: list, gs: list, ms: list) -> torch.cuda.CUDAGraph:
+        """The graph of one compiled step over these tensors; GraphCaptureError where the capture fails.
+        The capture's kernels are recorded, not launched, so a failure leaves every tensor as it was."""
+        stream = torch.cuda.current_stream(self.device)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self.fused._run(ps, gs, ms, self._hyper)
+        except Exception as e:  # noqa: BLE001  (any failure: the caller steps without the graph)
+            # a capture_end that raises skips the exit of the capture's side stream: make the caller's current again
+            torch.cuda.set_stream(stream)
+            raise GraphCaptureError(f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from e
+        return graph

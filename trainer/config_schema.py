@@ -183,8 +183,9 @@ class CommConfig:
     kernels: str = "auto"
     """The fused hot-path kernels (quantize/pack, unpack/vote, Lion passes; comm.kernels, optim.lion): auto (the
     device's fast implementation: the native C loops on CPU, the compiled kernels on CUDA, where sign packing
-    and the majority are timed against eager in warm-up and the ranks agree on one choice; $LIONCUB_KERNELS
-    overrides auto), compiled (an error where no compiler exists), native (comm.native, CPU only) or eager.
+    and the majority are timed against eager in warm-up and the ranks agree on one choice, and Lion's fused
+    step replays from a CUDA graph; $LIONCUB_KERNELS overrides auto), compiled (an error where no compiler
+    exists; Lion's fused step without the graph), native (comm.native, CPU only) or eager.
     Every choice gives the same bytes and updates; compilation is paid once before the first timed step and
     reported."""
     bucket_mb: float = 0.0
