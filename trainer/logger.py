@@ -275,6 +275,17 @@ def window_record(trainer, window: list[dict]) -> dict:
     return rec
 
 
+def finish_record(trainer, report) -> dict:
+    """The {"event": "finish"} record: what the strategy's end of training sent (rank means, as a
+    train record's), under keys of its own so no per-step series takes it for a step's."""
+    from .dist import mean_over_ranks
+
+    sent, recv, comm_s, seconds = mean_over_ranks([report.bytes_sent, report.bytes_recv, report.comm_s,
+                                                   report.seconds], trainer.device)
+    return {"step": trainer.step, "event": "finish", "finish_comm_bytes": int(sent),
+            "finish_comm_bytes_recv": int(recv), "finish_comm_ms": 1e3 * comm_s, "finish_ms": 1e3 * seconds}
+
+
 def banner(trainer) -> str:
     """The run log's opening lines: code and library versions, the machine, model, optimizer, data."""
     import platform

@@ -54,3 +54,11 @@ def lr_at(step: int, base_lr: float, max_steps: int, warmup_steps: int = 0, sche
     if schedule == "cosine":  # this exact expression: the golden digests depend on its rounding
         return min_lr + 0.5 * (base_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
     raise ValueError(f"schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+
+
+def schedule_note(horizon: int, max_steps: int) -> str:
+    """The console line of a resumed run whose train.max_steps differs from its schedule's horizon."""
+    what = (f"the lr stays at the schedule's final value from step {horizon} to {max_steps}" if max_steps > horizon
+            else f"the run stops at step {max_steps}, before the schedule's decay ends")
+    return (f"schedule: train.max_steps={max_steps} but this run's lr schedule ends at step {horizon} (kept from the "
+            f"run's start); {what}. Set optim.schedule_steps={max_steps} to stretch the schedule to the new length")

@@ -1,4 +1,6 @@
-"""Saving and restoring a Trainer's state through verified checkpoints (trainer/checkpoint.py),
+"""Opening a run in its run directory (a resume from its last checkpoint, config.yaml, the logger)
+and its normal end (final evaluation, parameter check, last checkpoint); saving and restoring a
+Trainer's state through verified checkpoints (trainer/checkpoint.py),
 including a resume on another world size: the model and the replicated optimizer state load as
 they are, per-rank optimizer state (update-sync momenta) is averaged once over the saved ranks,
 which is exactly one momentum synchronisation, and the data loader's global position carries over,
@@ -12,18 +14,51 @@ from pathlib import Path
 
 from model.checkpoint_files import load_verified
 
-from . import sharded_checkpoint
+from . import automode, parallel, sharded_checkpoint
 from .checkpoint import (MODEL, SHARED, CheckpointError, find_resumable, optimizer_state, rank_file, read_meta,
                          rng_state, save_checkpoint, save_checkpoint_async, set_rng_state, shares_optimizer_state,
                          split_optimizer_state, verify, wait_pending)
 from .config import ConfigError
-from .rundir import REPLACED, drop_replaced
+from .logger import RunLogger, finish_record
+from .rundir import REPLACED, drop_replaced, run_id
+from .schedule import schedule_note
 
 MAX_ROLLBACKS = 5
 
 
 class DivergenceError(RuntimeError):
     """The loss or a gradient turned non-finite and the policy says stop (or rollback is exhausted)."""
+
+
+def open_run(trainer) -> RunLogger:
+    """The start of a run in its (locked) run directory: resume from its last checkpoint under
+    train.resume=auto, write config.yaml (and comm.mode=auto's decision), and return the run's
+    logger, whose first records are that decision and the resume. A failure before the logger
+    exists releases the directory's lock."""
+    cfg, info = trainer.cfg, trainer.info
+    try:
+        found = find_resumable(trainer.ckpt_root, info.rank, info.world_size, trainer._say) \
+            if cfg.train.resume == "auto" else None
+        if found is not None:
+            trainer._say(load(trainer, *found))
+            if trainer.schedule_steps != cfg.train.max_steps:
+                trainer._say(schedule_note(trainer.schedule_steps, cfg.train.max_steps))
+        if info.is_main:  # only now: a config that fails while building leaves no run directory behind
+            (trainer.out_dir / "config.yaml").write_text(cfg.dump())
+            if trainer.auto_decision is not None:
+                automode.write_decision(trainer.out_dir, trainer.auto_decision)
+        logger = RunLogger(trainer.out_dir, info.is_main, cfg.log.wandb, cfg.log.project,
+                           cfg.log.run_name or trainer.out_dir.name, cfg.log.group, cfg.to_dict(),
+                           run_id=run_id(trainer.out_dir))
+    except BaseException:
+        trainer.release()
+        raise
+    if trainer.auto_decision is not None:
+        automode.log_decision(logger, trainer.step, trainer.auto_decision)
+    if found is not None:
+        logger.log({"step": trainer.step, "event": "resume", "checkpoint": str(found[0]),
+                    "world_size": info.world_size})
+    return logger
 
 
 def save(trainer) -> Path:
@@ -65,6 +100,27 @@ def save(trainer) -> Path:
         for gone in drop_replaced(trainer.out_dir):
             trainer.logger.console(f"removed {gone} (the replaced run): checkpoint {path} is verified")
     return path
+
+
+def finish(trainer) -> dict:
+    """The normal end of a run at train.max_steps: the strategy's end of training, the final
+    evaluation, the check that every rank holds the same parameters, and the last checkpoint;
+    returns fit()'s result."""
+    # a local-update scheme ends its outer loop here (in-flight averages applied, every replica
+    # on the global parameters), so the final evaluation, digests and checkpoint see that model;
+    # what its end sends belongs to no step: a record of its own books it
+    finished = trainer.optimizer.strategy.finish(trainer.optimizer)
+    if finished is not None:
+        trainer.logger.log(finish_record(trainer, finished))
+    last_eval = trainer._eval_and_log()
+    digests = parallel.param_digests(trainer.model, trainer.parallel, trainer.info.world_size)
+    trainer.logger.log({"step": trainer.step, "param_sha256": digests, "params_identical": len(set(digests)) == 1})
+    if len(set(digests)) != 1:
+        raise RuntimeError(f"parameters differ across ranks after step {trainer.step}: {digests}")
+    path = trainer.save()
+    trainer.logger.console(f"done: {trainer.step} steps, val loss {last_eval:.4f}, parameters bit-identical on "
+                           f"{trainer.info.world_size} rank(s), checkpoint {path}")
+    return {"step": trainer.step, "val_loss": last_eval, "stopped": False}
 
 
 def load(trainer, path: Path, meta: dict, files: dict) -> str:

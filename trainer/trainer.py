@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -19,21 +17,20 @@ import torch
 import data
 from comm import Clock
 
-from . import automode, parallel, state
-from .checkpoint import find_resumable
+from . import automode, parallel, signals, state
 from .config import AUTO_MODE, Config, ConfigError, validate, warmup_steps
-from .dist import DistInfo, mean_over_ranks
+from .dist import DistInfo
 from .evaluation import Evaluator
 from .inputs import init_source, initial_model, resolve_data, train_loader
-from .logger import RunLogger, banner, window_record
+from .logger import banner, window_record
 from .optimizer import build_run_optimizer
 from .profiling import StepHooks
-from .rundir import RunDirError, prepare_run_dir, run_id
-from .schedule import lr_at
+from .rundir import RunDirError, prepare_run_dir
+from .schedule import lr_at, schedule_note
 from .state import DivergenceError
 from .warmup import compile_model, warm_up_kernels
 
-__all__ = ["DivergenceError", "RunDirError", "Trainer", "run"]
+__all__ = ["DivergenceError", "RunDirError", "Trainer", "run", "schedule_note"]
 
 
 class Trainer:
@@ -80,31 +77,11 @@ class Trainer:
         self.schedule_steps = cfg.optim.schedule_steps or cfg.train.max_steps
         self.skip_batches: set[int] = set()  # steps whose batches a rollback skips
         self.rollbacks = 0
-        self._stop_signal, self._signals = None, 0  # set by a signal handler (fit)
+        self.signals = signals.StopSignals(info.rank)  # its stop flag is set by a signal handler (fit installs it)
         self.skipped_in_row, self.last_skipped = 0, -1  # train.on_nonfinite=skip_step's consecutive count
         self.lock = prepare_run_dir(self.out_dir, cfg.train.resume, cfg.to_dict(), info)
-        try:
-            found = find_resumable(self.ckpt_root, info.rank, info.world_size, self._say) \
-                if cfg.train.resume == "auto" else None
-            if found is not None:
-                self._say(state.load(self, *found))
-                if self.schedule_steps != cfg.train.max_steps:
-                    self._say(schedule_note(self.schedule_steps, cfg.train.max_steps))
-            if info.is_main:  # only now: a config that fails while building leaves no run directory behind
-                (self.out_dir / "config.yaml").write_text(cfg.dump())
-                if self.auto_decision is not None:
-                    automode.write_decision(self.out_dir, self.auto_decision)
-            self.logger = RunLogger(self.out_dir, info.is_main, cfg.log.wandb, cfg.log.project,
-                                    cfg.log.run_name or self.out_dir.name, cfg.log.group, cfg.to_dict(),
-                                    run_id=run_id(self.out_dir))
-        except BaseException:
-            self.release()
-            raise
-        if self.auto_decision is not None:
-            automode.log_decision(self.logger, self.step, self.auto_decision)
-        if found is not None:
-            self.logger.log({"step": self.step, "event": "resume", "checkpoint": str(found[0]),
-                             "world_size": info.world_size})
+        # resumes from the last checkpoint (train.resume=auto), writes config.yaml; releases the lock if it fails
+        self.logger = state.open_run(self)
 
     def _say(self, msg: str) -> None:
         if self.info.is_main:
@@ -150,7 +127,7 @@ class Trainer:
         shard_stats = getattr(self.optimizer, "shard_stats", None)
         shard_before = shard_stats.totals()["bytes_sent"] if shard_stats is not None else 0
         report = self.optimizer.step(diagnose=diagnose, loss_finite=math.isfinite(loss_val),
-                                     stop=self._stop_signal is not None)
+                                     stop=self.signals.signum is not None)
         self.step += 1
         return {"loss": loss_val, "lr": lr, "step_s": t1 - t0 + report.seconds, "data_s": data_s,
                 "fwdbwd_s": t1 - t0 - data_s, "comm_s": report.comm_s, "coll_s": report.coll_s,
@@ -166,20 +143,13 @@ class Trainer:
             return state.save(self)
 
     # ------------------------------------------------------------------ loop
-    def _on_signal(self, signum, _frame) -> None:
-        self._signals += 1
-        if signum == signal.SIGINT and self._signals > 1:  # a second Ctrl-C: leave at once
-            raise KeyboardInterrupt
-        if self._stop_signal is None:  # os.write: safe inside a handler (print could re-enter buffered I/O)
-            more = "; Ctrl-C again to leave at once without one" if signum == signal.SIGINT else ""
-            os.write(2, f"rank {self.info.rank}: signal {signum} received: checkpointing at the end of this "
-                        f"step, then stopping{more}\n".encode())
-        self._stop_signal = signum
+    def _on_signal(self, signum, frame) -> None:
+        """What a stop signal does (trainer/signals.py); a test calls it to signal one rank only."""
+        self.signals.handle(signum, frame)
 
     def fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
+        self.signals.install()
         self.logger.console(banner(self))
         self.hooks = StepHooks(cfg, self.info, self.out_dir, self.device, self.logger.console)  # train.profile, memory_snapshot
         warm_up_kernels(self.optimizer, self.logger, self.step)  # compiled kernels: paid here, never inside a timed step
@@ -220,7 +190,7 @@ class Trainer:
             if saved:
                 path = self.save()
             if self.step >= t.max_steps:
-                break  # the normal finish below: final eval, parameter check, checkpoint
+                break  # the normal finish after the loop (state.finish): final eval, parameter check, checkpoint
             stop_after = t.stop_after and self.step - steps_at_start >= t.stop_after
             # signals reach ranks at different moments: the stop flag rides on the step's guard
             # collective, so every rank acts on it at the same step, whatever train.log_every is
@@ -231,36 +201,13 @@ class Trainer:
                 if not saved:
                     path = self.save()
                 why = "train.stop_after" if stop_after else (
-                    f"signal {self._stop_signal}" if self._stop_signal is not None else "a signal on another rank")
+                    f"signal {self.signals.signum}" if self.signals.signum is not None else "a signal on another rank")
                 self.logger.console(f"stopping ({why}) at step {self.step}; checkpoint {path}; "
                                     f"continue with train.resume=auto")
                 return {"step": self.step, "stopped": True}
         if window:
             self._log_window(window, start, steps_at_start)
-        # a local-update scheme ends its outer loop here (in-flight averages applied, every replica
-        # on the global parameters), so the final evaluation, digests and checkpoint see that model;
-        # what its end sends belongs to no step: a record of its own books it
-        finished = self.optimizer.strategy.finish(self.optimizer)
-        if finished is not None:
-            self._log_finish(finished)
-        last_eval = self._eval_and_log()
-        digests = parallel.param_digests(self.model, self.parallel, self.info.world_size)
-        self.logger.log({"step": self.step, "param_sha256": digests, "params_identical": len(set(digests)) == 1})
-        if len(set(digests)) != 1:
-            raise RuntimeError(f"parameters differ across ranks after step {self.step}: {digests}")
-        path = self.save()
-        self.logger.console(f"done: {self.step} steps, val loss {last_eval:.4f}, parameters bit-identical on "
-                            f"{self.info.world_size} rank(s), checkpoint {path}")
-        return {"step": self.step, "val_loss": last_eval, "stopped": False}
-
-    def _log_finish(self, report) -> None:
-        """The {"event": "finish"} record: what the strategy's end of training sent (rank means, as a
-        train record's), under keys of its own so no per-step series takes it for a step's."""
-        sent, recv, comm_s, seconds = mean_over_ranks([report.bytes_sent, report.bytes_recv, report.comm_s,
-                                                       report.seconds], self.device)
-        self.logger.log({"step": self.step, "event": "finish", "finish_comm_bytes": int(sent),
-                         "finish_comm_bytes_recv": int(recv), "finish_comm_ms": 1e3 * comm_s,
-                         "finish_ms": 1e3 * seconds})
+        return state.finish(self)
 
     def _eval_and_log(self) -> float:
         # the parameters the run reports (a local-update scheme's global ones, equal on every replica)
@@ -282,14 +229,6 @@ class Trainer:
                                                    self.step - steps_at_start))
 
 
-def schedule_note(horizon: int, max_steps: int) -> str:
-    """The console line of a resumed run whose train.max_steps differs from its schedule's horizon."""
-    what = (f"the lr stays at the schedule's final value from step {horizon} to {max_steps}" if max_steps > horizon
-            else f"the run stops at step {max_steps}, before the schedule's decay ends")
-    return (f"schedule: train.max_steps={max_steps} but this run's lr schedule ends at step {horizon} (kept from the "
-            f"run's start); {what}. Set optim.schedule_steps={max_steps} to stretch the schedule to the new length")
-
-
 def run(cfg: Config, info: DistInfo) -> dict:
     trainer = Trainer(cfg, info)
     try:
@@ -298,8 +237,7 @@ def run(cfg: Config, info: DistInfo) -> dict:
         raise data.DataError(f"{e}. The run stopped at step {trainer.step}; {trainer.out_dir} keeps its checkpoints: "
                              f"fix the data, then rerun with train.resume=auto to continue from the last one") from None
     finally:
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):  # a dying run must die on a signal
-            signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+        signals.restore_defaults()  # a dying run must die on a signal
         if getattr(trainer, "hooks", None) is not None:  # set in fit(); a traced step range is written out
             trainer.hooks.close(trainer.step)
         trainer.logger.close()
