@@ -492,25 +492,24 @@ class OuterLoop:
         their collectives booked (plus any carried over a resume) and, as the call's seconds, the time
         this thread was blocked waiting for them (the exchange the overlapped inner steps did not hide)."""
         for k in fragments if self.booked else ():
-            t = self.booked[k].totals()
-            sent, recv = int(t["bytes_sent"]), int(t["bytes_recv"])
-            carried_sent, carried_recv = self.carried.pop(k, (0, 0))
+            totals, (d_sent, d_recv) = self._unbooked(k)
+            self.carried.pop(k, None)
             waited = self.outer.waited.pop(k, 0.0)
-            d_sent = sent - self.moved[k][0] + carried_sent
-            d_recv = recv - self.moved[k][1] + carried_recv
             if d_sent or d_recv or waited:
                 self.into.add_bytes(f"diloco_average[{k}]", d_sent, d_recv, coll_s=waited)
-            self.moved[k] = (sent, recv)
+            self.moved[k] = totals
+
+    def _unbooked(self, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """Fragment k's background CommStats totals (sent, received), and the bytes of its average that no
+        step has booked yet: those totals past what was moved, plus any carried over a resume."""
+        t = self.booked[k].totals()
+        totals = (int(t["bytes_sent"]), int(t["bytes_recv"]))
+        carried = self.carried.get(k, (0, 0))
+        return totals, (totals[0] - self.moved[k][0] + carried[0], totals[1] - self.moved[k][1] + carried[1])
 
     def _in_flight_bytes(self) -> dict[int, list[int]]:
         """Per fragment still in flight: the bytes its average sent that no step has booked yet."""
-        out = {}
-        for k in self.outer.pending if self.booked else ():
-            t = self.booked[k].totals()
-            carried = self.carried.get(k, (0, 0))
-            out[k] = [int(t["bytes_sent"]) - self.moved[k][0] + carried[0],
-                      int(t["bytes_recv"]) - self.moved[k][1] + carried[1]]
-        return out
+        return {k: list(self._unbooked(k)[1]) for k in (self.outer.pending if self.booked else ())}
 
     @contextlib.contextmanager
     def global_params(self) -> Iterator[None]:
