@@ -215,8 +215,9 @@ class DiLoCo:
         self.syncs = [0] * len(self.local)      # outer steps applied per fragment
         self.step = 0                           # inner steps completed
         self.pending: dict[int, Any] = {}       # fragment -> started average
-        self.waited: dict[int, float] = {}      # fragment -> seconds its last applied average was waited for
+        self.waited: dict[int, float] = {}      # fragment -> seconds its applied averages were waited for (popped when booked)
         self._sent = False
+        self._final: list[int] = []             # fragments whose final average finish_send() started
 
     @property
     def numels(self) -> list[int]:
@@ -253,12 +254,21 @@ class DiLoCo:
             delta = self.glob[k] - self._flat(k)    # the exchange may average it in place
             if observe is not None:
                 observe(k, delta)
-            avg = self.averages[k]
-            # a registry Exchange is called whole, so it books its own bytes (its `start` leaves the
-            # booking to the caller: buckets); a background or simulated average is started
-            start = None if isinstance(avg, sync.Exchange) else getattr(avg, "start", None)
-            self.pending[k] = start(delta, self.syncs[k]) if start is not None else _Done(avg(delta, self.syncs[k]))
+            self._start(k, delta)
         return due
+
+    def _start(self, k: int, delta: torch.Tensor) -> None:
+        """Start fragment k's average of `delta`; pending until _collect(k)."""
+        avg = self.averages[k]
+        # a registry Exchange is called whole, so it books its own bytes (its `start` leaves the
+        # booking to the caller: buckets); a background or simulated average is started
+        start = None if isinstance(avg, sync.Exchange) else getattr(avg, "start", None)
+        self.pending[k] = start(delta, self.syncs[k]) if start is not None else _Done(avg(delta, self.syncs[k]))
+
+    def last_send(self, k: int) -> int:
+        """The inner step after which fragment k's pseudo-gradient was last sent (0: never yet)."""
+        o, t = self.offsets[k], self.step
+        return 0 if t < o else t - (t - o) % self.o.inner_steps
 
     @torch.no_grad()
     def receive(self) -> list[int]:
@@ -277,19 +287,44 @@ class DiLoCo:
         average that ran when it was started, or that a checkpoint already waited for)."""
         handle = self.pending.pop(k)
         mean = handle.wait()
-        self.waited[k] = getattr(handle, "waited", 0.0)
+        self.waited[k] = self.waited.get(k, 0.0) + getattr(handle, "waited", 0.0)
         return mean
 
     @torch.no_grad()
     def finish(self) -> list[int]:
-        """Apply every average still in flight (training ends within tau steps of a send): their
-        outer steps and merges run now. Returns those fragments."""
+        """The end of training: finish_send() then finish_receive() (the call of a real run). Returns
+        the fragments whose averages ran here, each once, sorted."""
+        done = self.finish_send()
+        self.finish_receive()
+        return done
+
+    @torch.no_grad()
+    def finish_send(self) -> list[int]:
+        """The end of training, first half. Apply every average still in flight (training ends within
+        tau steps of a send): their outer steps and merges run now. Then, with `final_average`, every
+        fragment that trained since its last send starts the average of those steps' pseudo-gradient
+        (finish_receive applies it). Returns the fragments of both, each once, sorted."""
         if self._sent:
             raise RuntimeError("DiLoCo.finish: called between send() and receive(); call receive() first")
         done = sorted(self.pending)
         for k in done:
             self._outer_step(k, self._collect(k))
-        return done
+        self._final = [k for k in range(len(self.local)) if self.o.final_average and self.last_send(k) < self.step]
+        for k in self._final:
+            self._start(k, self.glob[k] - self._flat(k))
+        return sorted({*done, *self._final})
+
+    @torch.no_grad()
+    def finish_receive(self) -> None:
+        """The end of training, second half: each final average's fragment takes the workers' mean
+        (global minus the averaged pseudo-gradient: no outer lr, no momentum; the outer step is tuned
+        for whole inner phases, and extrapolating its momentum on the last, partial one would move the
+        final model where no worker went). Without final_average those steps are dropped."""
+        for k in self._final:
+            self.glob[k].sub_(self._collect(k).to(torch.float32).reshape(-1))
+            self._write(k, self.glob[k])
+            self.syncs[k] += 1
+        self._final = []
 
     def after_inner_step(self, observe: Callable[[int, torch.Tensor], None] | None = None) -> list[int]:
         """send() then receive(): the call of a real (one process per worker) run."""

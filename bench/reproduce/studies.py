@@ -1318,6 +1318,13 @@ def diloco_summary(results: list[RunResult], scale: Scale) -> Summary:
                    "the registry's cost model, on the cluster's GPUs (the curves are the 4-worker runs'; DiLoCo's "
                    "numerics at the cluster's worker count may differ; sharded arms are not modelled there). "
                    if target is not None else "Time to target: no finished AdamW run to take the target from. ")
+    notes.append(
+        "Evaluations read each arm's global model. DiLoCo's (H = 10, 50) fall on its outer steps; Streaming "
+        "DiLoCo's (H = 50, F = 2, tau = 1: fragment 0 sent after steps 25, 75, ..., fragment 1 after 50, 100, ..., "
+        "each applied one step later) see fragment 0 as of 25 steps before and fragment 1 as of 50 before at "
+        "steps 200-1,000, so its curve there lags by that much. Its final model holds every step: the end of "
+        "training averages in each fragment's steps since its last send (comm.diloco.final_average; fragment 0's "
+        "last 25), one fragment's bytes more, counted in its finish record.")
     notes.append(target_line + ("Commands (rerun the study with --report-only afterwards to fill the columns): "
                                 + " ; ".join(f"`{c}`" for c in commands) if commands else
                                 "Not computed in quick mode." if scale.quick else

@@ -76,6 +76,11 @@ class DiLoCoOptions(Options):
     alpha: float = 0.0
     """Mixing factor: after a fragment's outer step, local = alpha * local + (1 - alpha) * global
     (0 = adopt the global parameters, DiLoCo's reset)."""
+    final_average: bool = True
+    """At the end of training, average in the steps each fragment trained since its last sync (the
+    workers' mean, no outer momentum), so no worker's last inner steps are dropped (train.max_steps
+    not a multiple of inner_steps, and every Streaming DiLoCo run); false = the global parameters of
+    each fragment's last outer step."""
     wire: str = "fp32"
     """Wire format of the pseudo-gradient average: fp32, bf16, loco (4-bit, error feedback), sign
     (1-bit with a scale per block, error feedback), e3m0 (4-bit float, Streaming DiLoCo) or
@@ -107,6 +112,8 @@ class DiLoCoOptions(Options):
             p.append(f"{self.key('outer_momentum')}: {self.outer_momentum!r} must be in [0, 1) (DiLoCo: 0.9)")
         if not isinstance(self.nesterov, bool):
             p.append(f"{self.key('nesterov')}: {self.nesterov!r} must be true or false")
+        if not isinstance(self.final_average, bool):
+            p.append(f"{self.key('final_average')}: {self.final_average!r} must be true or false")
         F = self.fragments
         if not is_int(F) or F < 1:
             p.append(f"{self.key('fragments')}: {F!r} must be an integer >= 1 (1 = DiLoCo, F > 1 = Streaming "

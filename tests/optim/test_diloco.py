@@ -19,7 +19,8 @@ stands in for the allreduce. tests/workers/diloco_dist.py checks the real wires 
   continues bit for bit, also with LoCo's error feedback as the wire;
 - the E3M0 codec: exact on its representable values, nearest rounding, bytes = formula; the
   pbit_mean wire at one rank is eq. 1's quantization per block, dequantized; its bytes;
-- finish() applies the averages still in flight as the reference does;
+- finish() applies the averages still in flight as the reference does, then averages in the steps each
+  fragment trained since its last send (comm.diloco.final_average; without it they are dropped);
 - bad options: one line each, naming the comm.diloco key.
 """
 from __future__ import annotations
@@ -273,7 +274,7 @@ def test_fragment_numels_are_the_sizes_of_strided_fragments() -> None:
         assert fragment_numels(DiLoCoOptions(inner_steps=8, fragments=F), layout) == want, F
 
 
-def _streaming_reference(W: int, steps: int, finish: bool = False) -> list[torch.Tensor]:
+def _streaming_reference(W: int, steps: int, finish: bool = False, final_average: bool = True) -> list[torch.Tensor]:
     """Streaming DiLoCo written out for H = 4, F = 2, tau = 1, alpha = 0.25 on SHAPES + REST:
     fragment 0 = blocks 0, 2 (18 elements), fragment 1 = blocks 1, 3 (7) and REST's tensor (it joins
     the smaller fragment); fragment 0 sends after steps 2, 6, 10, ..., fragment 1 after 4, 8, ...; each applies its
@@ -309,6 +310,14 @@ def _streaming_reference(W: int, steps: int, finish: bool = False) -> list[torch
             with torch.no_grad():
                 for w in workers:
                     w.params[j].copy_(0.25 * w.params[j] + 0.75 * theta[j])
+    for k in (0, 1) if finish and final_average else ():   # then the steps since a fragment's last send
+        if max(x for x in sends[k] if x <= steps) < steps:
+            for j in frag[k]:
+                d = sum((theta[j] - w.params[j].detach() for w in workers[1:]), theta[j] - workers[0].params[j].detach())
+                theta[j] = theta[j] - d / W                   # the workers' mean: no outer lr, no momentum
+                with torch.no_grad():
+                    for w in workers:
+                        w.params[j].copy_(theta[j])
     return [p.detach().clone() for p in workers[1].params]
 
 
@@ -322,10 +331,57 @@ def test_streaming_matches_hand_written_reference() -> None:
         torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6)
     assert dl[0].syncs == [2, 2]   # fragment 0 applied at 3 and 7, fragment 1 at 5 and 9
     for d in dl:
-        assert d.finish() == [0] and not d.pending and d.syncs == [3, 2]
+        # fragment 0's average in flight is applied; fragment 1 (last sent after step 8) sends the
+        # pseudo-gradient of steps 9-10 and becomes the workers' mean
+        assert d.last_send(0) == 10 and d.last_send(1) == 8
+        assert d.finish_send() == [0, 1]
+    for d in dl:                                   # (lockstep: every worker starts before any waits)
+        d.finish_receive()
+        assert not d.pending and d.syncs == [3, 3]
     for p, r, q in zip(workers[1].params, _streaming_reference(2, 10, finish=True), ref):
         torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6)
     assert any(not torch.allclose(p.detach(), q) for p, q in zip(workers[1].params, ref))
+    for j in (1, 3, 4):                            # fragment 1: one model on every worker (fragment 0's
+        assert torch.equal(workers[0].params[j], workers[1].params[j])   # alpha merge is OuterLoop's to end)
+
+
+def test_without_final_average_the_last_steps_of_a_fragment_are_dropped() -> None:
+    o = DiLoCoOptions(inner_steps=4, outer_lr=0.7, outer_momentum=0.9, fragments=2, overlap_steps=1, alpha=0.25,
+                      final_average=False)
+    workers, dl = _run_diloco(2, o, 10, "adamw")
+    for d in dl:
+        assert d.finish() == [0] and d.syncs == [3, 2]
+    for p, r in zip(workers[1].params, _streaming_reference(2, 10, finish=True, final_average=False)):
+        torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6)
+    with_avg = _streaming_reference(2, 10, finish=True)
+    assert any(not torch.allclose(p.detach(), q) for p, q in zip(workers[1].params, with_avg))
+
+
+@pytest.mark.parametrize("final_average", [True, False])
+def test_diloco_ending_inside_an_inner_phase(final_average: bool) -> None:
+    """H = 3, 11 steps: the outer steps after 3, 6, 9, then steps 10-11. With final_average the model is
+    the workers' mean after step 11 (global minus the averaged pseudo-gradient); without it, the global
+    parameters of step 9's outer step."""
+    o = DiLoCoOptions(inner_steps=3, outer_lr=0.7, outer_momentum=0.9, final_average=final_average)
+    workers, dl = _run_diloco(2, o, 11, "adamw")
+    glob9 = [g.clone() for g in dl[0].glob]
+    mean = [(a.detach() + b.detach()) / 2 for a, b in zip(workers[0].params, workers[1].params)]
+    mom = [m.clone() for m in dl[0].momentum]
+    for d in dl:
+        assert d.finish_send() == ([0] if final_average else [])
+    for d in dl:
+        d.finish_receive()
+        assert d.syncs == [4 if final_average else 3]
+    assert torch.equal(dl[0].glob[0], dl[1].glob[0])
+    assert all(torch.equal(m, n) for m, n in zip(dl[0].momentum, mom))   # the momentum is not touched
+    if final_average:
+        want = torch.cat([m.reshape(-1) for m in mean])
+        torch.testing.assert_close(dl[0].glob[0], want, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(dl[0].glob[0], glob9[0])
+        for a, b in zip(workers[0].params, workers[1].params):
+            assert torch.equal(a, b)
+    else:
+        assert torch.equal(dl[0].glob[0], glob9[0])
 
 
 # ---- (d) exact resume -----------------------------------------------------------------------------

@@ -46,16 +46,20 @@ def test_bytes_on_the_replicate_axis_equal_the_formula(results):
     assert blocking["booked"] == blocking["formula"]
     assert [t for t, b in sorted(blocking["formula"].items(), key=lambda kv: int(kv[0])) if b] == ["3", "6"]
     # the run's total over its records is every average sent: the one sent after the last step (tau
-    # = 1: fragment 0's, after step 7) is applied by the end of training and booked in the finish record
+    # = 1: fragment 0's, after step 7) is applied by the end of training, and fragment 1 (last sent
+    # after step 6) sends step 7's pseudo-gradient for the final average; both in the finish record
     sent = {int(k): v for k, v in s["sent"].items()}
     assert [t for t, b in sorted(sent.items()) if b] == [1, 3, 4, 6, 7]   # five outer steps sent
     [finish] = s["finish"]
     assert finish["event"] == "finish" and finish["step"] == 7
-    assert finish["finish_comm_bytes"] == sent[7] > 0 and finish["finish_comm_bytes_recv"] > 0
-    assert sum(booked.values()) + finish["finish_comm_bytes"] == sum(sent.values())
+    assert s["final_sent"] == formula[4] > 0             # fragment 1's size on the wire
+    assert finish["finish_comm_bytes"] == sent[7] + s["final_sent"] and finish["finish_comm_bytes_recv"] > 0
+    assert sum(booked.values()) + finish["finish_comm_bytes"] == sum(sent.values()) + s["final_sent"]
     assert sum(booked.values()) < sum(sent.values())   # the train records alone undercount
-    # tau = 0: nothing is in flight at the end; the finish record says so
-    assert [r["finish_comm_bytes"] for r in blocking["finish"]] == [0]
+    # tau = 0: nothing is in flight at the end; the finish record holds the final average of step 7
+    # (the last outer step was after step 6)
+    assert [r["finish_comm_bytes"] for r in blocking["finish"]] == [blocking["final_sent"]]
+    assert blocking["final_sent"] == blocking["formula"]["6"] > 0
     assert sum(blocking["booked"].values()) == sum(blocking["formula"].values())
 
 

@@ -11,7 +11,8 @@ again in two pieces, stopped at step 3 with an average in flight. Each rank writ
 (`result_<rank>.json`): the per-step bytes each run booked (metrics.jsonl) with the formula's
 (optim.diloco.wire_bytes of each fragment whose outer step that step applied: with tau > 0 the
 averages run on a background thread and their bytes join the step that waits for them; the one
-still in flight at the end, in the {"event": "finish"} record), the digest checks, and every run's
+still in flight at the end, and the final average of each fragment that trained since its last send
+(comm.diloco.final_average), in the {"event": "finish"} record), the digest checks, and every run's
 final parameter digests, val loss and train losses."""
 from __future__ import annotations
 
@@ -128,6 +129,8 @@ def main(tmp: str) -> None:
                         "sent": {t: sum(wire_bytes(d.o, P, d.numels[k])[0] for k in d.sends_at(t))
                                  for t in range(1, 8)},
                         "finish": records(run, "finish_comm_bytes"),
+                        "final_sent": sum(wire_bytes(d.o, P, d.numels[k])[0] for k in range(d.o.fragments)
+                                          if d.last_send(k) < d.step),
                         "final": records(run, "param_sha256")[-1]["param_sha256"],
                         "drift": drift, "drift_logged": records(run, "diag/diloco_drift_spread"),
                         "diag_steps": [r["step"] for r in records(run, "diag/seconds")]}
@@ -151,7 +154,8 @@ def main(tmp: str) -> None:
     out["blocking_bytes"] = {  # tau = 0: each average runs when sent and books in that step
         "booked": {r["step"]: r["comm_bytes"] for r in records(whole, "train_loss")},
         "formula": {t: sum(wire_bytes(d.o, P, d.numels[k])[0] for k in d.sends_at(t)) for t in range(1, 8)},
-        "finish": records(whole, "finish_comm_bytes")}
+        "finish": records(whole, "finish_comm_bytes"),
+        "final_sent": sum(wire_bytes(d.o, P, d.numels[k])[0] for k in range(d.o.fragments) if d.last_send(k) < d.step)}
     pieces = tmp_dir / "pieces"
     train(pieces, DILOCO + ["train.stop_after=3"])
     tr = train(pieces, DILOCO + ["train.stop_after=1", "train.resume=auto"])
