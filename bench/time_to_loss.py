@@ -32,10 +32,11 @@ import datetime
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Iterator, Sequence
 
 from bench import runstore
 from bench.variants import ROOT, load_run_config, read_jsonl, train_records
@@ -137,7 +138,9 @@ def load_curve(name: str, sources: str | Path | Sequence[str | Path], metric: st
         raise ValueError(f"{name}: its runs share no step with a {metric} record; give runs evaluated alike")
     train = [r for r in train_records(per[0][1]) if r.get("tokens") and r["step"] > 0]
     tps = train[-1]["tokens"] / train[-1]["step"] if train else None
-    losses = [sum(p[s] for p, _, _ in per) / len(per) for s in steps]
+    # statistics.fmean (an exactly rounded sum): the same bits as a study's mean of the same finals in any
+    # order, so a target taken from them is reached by this curve
+    losses = [statistics.fmean(p[s] for p, _, _ in per) for s in steps]
     return Curve(name, ", ".join(map(str, srcs)), [float(s) for s in steps], losses, tps, per[0][2], len(per))
 
 
@@ -387,7 +390,17 @@ def predict_cluster_step(curve: Curve, cluster: Cluster, reference: str = REFERE
 # (a) step times measured under the simulator by bench.step_breakdown
 # ------------------------------------------------------------------------------------------------
 
-STEP_KEYS = ("model", "data.batch_size", "data.seq_len", "data.grad_accum", "optim.name", "comm", "parallel")
+STEP_KEYS = ("model", "data.batch_size", "data.seq_len", "data.grad_accum", "optim", "comm", "parallel")
+# keys inside STEP_KEYS that change a step's numbers but not its work or bytes: two runs differing only
+# in them share a step time (an arm's swept lr, DiLoCo's swept outer lr). Every other key counts, so a
+# key added later is compared until it is listed here.
+NUMBERS_ONLY = frozenset({
+    "optim.lr", "optim.betas", "optim.eps", "optim.weight_decay", "optim.grad_clip", "optim.schedule",
+    "optim.warmup_steps", "optim.warmup_fraction", "optim.min_lr_ratio", "optim.decay_fraction",
+    "optim.decay_shape", "optim.schedule_steps", "optim.embedding_lr_mult", "optim.head_lr_mult",
+    "optim.scalar_lr_mult", "optim.matrix_lr", "optim.mu",
+    "comm.diloco.outer_lr", "comm.diloco.outer_momentum", "comm.diloco.nesterov", "comm.diloco.alpha",
+    "comm.diloco.final_average"})
 
 
 def _get(cfg: dict, dotted: str):
@@ -399,30 +412,69 @@ def _get(cfg: dict, dotted: str):
 
 def config_mismatch(curve_cfg: dict, measured_cfg: dict) -> str | None:
     """The first setting that shapes a step's time and differs between the two runs, or None."""
-    return _differs(curve_cfg, measured_cfg, STEP_KEYS, ("curve run", "measured run"))
+    return _differs(curve_cfg, measured_cfg, STEP_KEYS, ("curve run", "measured run"), NUMBERS_ONLY)
 
 
-def _differs(cfg_a: dict, cfg_b: dict, keys: Sequence[str], names: tuple[str, str] = ("one", "the other")
-             ) -> str | None:
-    """The first of `keys` (dotted; a section compares key by key) whose value differs, said in words."""
+def step_differences(curve_cfg: dict, variant_cfg: dict) -> list[tuple[str, Any]]:
+    """(dotted key, the curve's value) of every setting that shapes a step's time where the curve's run
+    differs from `variant_cfg` (its variant file with the same overrides): what bench.step_breakdown must
+    add to the variant (`name@key=value`) to time the step the curve trained."""
+    out: list[tuple[str, Any]] = []
+    for key in STEP_KEYS:
+        for dotted, a, b in _leaves(_get(curve_cfg, key), _get(variant_cfg, key), key):
+            if a != b and dotted not in NUMBERS_ONLY:
+                out.append((dotted, a))
+    return out
+
+
+def _leaves(a: Any, b: Any, key: str) -> Iterator[tuple[str, Any, Any]]:
+    """(dotted key, a's value, b's value) at every leaf of two config sections, nested sections walked."""
+    if isinstance(a, dict) or isinstance(b, dict):
+        a, b = a if isinstance(a, dict) else {}, b if isinstance(b, dict) else {}
+        for k in sorted(set(a) | set(b)):
+            yield from _leaves(a.get(k), b.get(k), f"{key}.{k}")
+    else:
+        yield key, a, b
+
+
+def _override(key: str, value: Any) -> str:
+    """key=value as a config override reads it back (YAML flow: true/false, null, numbers, lists)."""
+    return f"{key}={json.dumps(value) if not isinstance(value, str) else value}"
+
+
+def _differs(cfg_a: dict, cfg_b: dict, keys: Sequence[str], names: tuple[str, str] = ("one", "the other"),
+             ignore: frozenset[str] = frozenset()) -> str | None:
+    """The first of `keys` (dotted; a section compares leaf by leaf, nested sections too) whose value
+    differs, said in words; keys in `ignore` are not compared."""
     x, y = names
     for key in keys:
-        a, b = _get(cfg_a, key), _get(cfg_b, key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            for k in sorted(set(a) | set(b)):
-                if a.get(k) != b.get(k):
-                    return f"{key}.{k}: {x} {a.get(k)!r}, {y} {b.get(k)!r}"
-        elif a != b:
-            return f"{key}: {x} {a!r}, {y} {b!r}"
+        for dotted, a, b in _leaves(_get(cfg_a, key), _get(cfg_b, key), key):
+            if a != b and dotted not in ignore:
+                return f"{dotted}: {x} {a!r}, {y} {b!r}"
     return None
 
 
-def measured_step(curve: Curve, breakdown: Path, link: str, warmup: int) -> dict:
+def measured_name(name: str, files: Sequence[str], overrides: Sequence[str], curve: Curve) -> str:
+    """The bench.step_breakdown variant that times the step `curve` trained: `name`, plus `@key=value` for
+    each step-shaping setting in which the curve's runs differ from the variant's files with these
+    overrides (an arm trained at another Dion rank than its variant file is measured at its own; an lr
+    is not a difference: NUMBERS_ONLY). `name` alone when the files do not load (measured_step says why)."""
+    from trainer.config import ConfigError, load_config
+
+    try:
+        cfg = load_config([ROOT / f for f in files], list(overrides)).to_dict()
+    except (ConfigError, OSError):
+        return name
+    return "@".join([name, *(_override(k, v) for k, v in step_differences(curve.config, cfg))])
+
+
+def measured_step(curve: Curve, breakdown: Path, link: str, warmup: int, as_name: str | None = None) -> dict:
     """The step time of `curve`'s variant in bench.step_breakdown's run at `link` ({} with a reason
-    in "missing" when there is none or it ran another setting)."""
+    in "missing" when there is none or it ran another setting); `as_name`: the variant string it was
+    measured as (measured_name), when not the curve's name."""
     from bench.step_breakdown import cycle_steps, summarize_run
 
-    run = breakdown / "runs" / link / curve.name
+    run = breakdown / "runs" / link / (as_name or curve.name)
     if not (run / "metrics.jsonl").is_file():
         return {"missing": f"no step_breakdown run at {run} (--measure runs it)"}
     recs = read_jsonl(run / "metrics.jsonl")
@@ -745,8 +797,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings: dict[str, str] = {}
     bd = Path(ns.breakdown) if ns.breakdown else out / "breakdown"
     where = f"{ns.nproc} ranks" + (f" on {ns.nodes} simulated nodes" if ns.nodes else ", one namespace each")
+    own = {n: measured_name(n, files, overrides, curves[n]) for n, files in ns.candidates}
     for link in ns.links:
-        missing = [n for n in curves if "step_s" not in measured_step(curves[n], bd, link, ns.warmup)]
+        # a run under the variant's bare name that trained the curve's step serves; else the curve's own
+        as_name = {n: n if "step_s" in measured_step(c, bd, link, ns.warmup) else own[n] for n, c in curves.items()}
+        missing = [n for n in curves if "step_s" not in measured_step(curves[n], bd, link, ns.warmup, as_name[n])]
         # bench.step_breakdown runs variants by name (configs/variants/<name>.yaml) with overrides only
         odd = [n for n, files in ns.candidates if n in missing and files != [f"configs/variants/{n}.yaml"]]
         if odd and ns.measure:
@@ -757,10 +812,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from bench.step_breakdown import cycle_steps
 
             cycle = math.lcm(*(cycle_steps(curves[n].config) for n in missing))  # DiLoCo: whole cycles
-            measure_steps(missing, overrides, link, bd, ns.nproc, -(-ns.measure_steps // cycle) * cycle,
-                          ns.warmup, ns.nodes)
+            measure_steps([as_name[n] for n in missing], overrides, link, bd, ns.nproc,
+                          -(-ns.measure_steps // cycle) * cycle, ns.warmup, ns.nodes)
         key = f"(a) this machine, simulated link {link}"
-        step_times[key] = {n: measured_step(c, bd, link, ns.warmup) for n, c in curves.items()}
+        step_times[key] = {n: measured_step(c, bd, link, ns.warmup, as_name[n]) for n, c in curves.items()}
         settings[key] = (f"Step times MEASURED: each variant trained under bench.netsim at {link} ({where}) by "
                          f"bench.step_breakdown ({bd}); loss against step from the unsimulated runs (MEASURED).")
     for cl in ns.cluster_specs:

@@ -1146,7 +1146,12 @@ def slow_axis_bytes(r: RunResult) -> float | None:
     from the train records' comm_bytes (a record's value is the mean per step of its window): sum of value x
     window length, plus what the end of training sent (the finish record's finish_comm_bytes: a local-update
     scheme's averages still in flight). FSDP's traffic inside a shard group is not in comm_bytes."""
-    pts = [(x["step"], x["comm_bytes"]) for x in r.records if "comm_bytes" in x and "step" in x]
+    pts: list[tuple[int, float]] = []
+    for x in r.records:
+        if x.get("event") == "resume" and "step" in x:   # a stop's records past its checkpoint were trained again
+            pts = [p for p in pts if p[0] <= x["step"]]
+        elif "comm_bytes" in x and "step" in x:
+            pts.append((x["step"], x["comm_bytes"]))
     if not pts:
         return None
     total, prev = float(sum(x.get("finish_comm_bytes", 0) for x in r.records)), 0
@@ -1176,7 +1181,7 @@ def ttl_command(shard: int, curves: dict[str, list[Path]], target: float, settin
     cmd = ["python", "-m", "bench.time_to_loss", "--setting", setting.split("+")[0], "--variants", *curves,
            *(x for v, ps in curves.items() for x in ("--run", f"{v}={','.join(rel(p) for p in ps)}")),
            "--target", repr(float(target)), "--link", ",".join(DILOCO_LINKS), "--nodes", "2", "--nproc", "4",
-           "--breakdown", rel(out / "breakdown"),
+           "--breakdown", rel(out / "breakdown"), "--measure",
            *(x for c in DILOCO_CLUSTERS for x in ("--cluster", c)),
            *(("--vocab-size", str(st.vocab)) if st and st.vocab else ()), "--out", rel(out)]
     return cmd + ([f"parallel.shard_size={shard}"] if shard > 1 else [])
@@ -1308,13 +1313,19 @@ def diloco_summary(results: list[RunResult], scale: Scale) -> Summary:
         "Slow-axis bytes: what a rank handed to the collectives across workers (the replicate axis) over the run, "
         "from the train records' comm_bytes and the finish record's (the averages still in flight at the end), "
         "divided by the steps; FSDP's traffic inside a worker (S = 2) is on the "
-        "fast axis and not counted. ÷ AdamW's: how many times fewer bytes than synchronous AdamW.")
+        "fast axis and not counted. ÷ AdamW's: how many times fewer bytes than synchronous AdamW. These are bytes "
+        "handed to the collectives, not bytes through a port: a ring allreduce of B bytes moves 2 (P - 1) / P x B "
+        "through each rank's port (1.5 B among 4 workers, B among 2), so against AdamW's 4-worker ring an fp32 arm "
+        "of 2 workers (2 x 2) saves 1.5x more port traffic than this column says; the other wires' port traffic "
+        "is their own formula (docs/diloco.md, Wire formats and bytes).")
     target_line = (f"Time to target: the time each arm's mean val-loss curve needs to reach AdamW's final val loss "
                    f"({target:.4f}), by bench.time_to_loss over the stored runs (its arithmetic: crossing step x step "
                    "time). Measured: step times from bench.step_breakdown runs under bench.netsim on two simulated "
-                   "nodes at each link, of the same configuration (time_to_loss compares model, batch, optimizer, "
-                   "the whole comm section, outer lr included, and parallel; a run of another configuration is "
-                   "'not measured'). Predicted: compute from FLOPs and the GPU check's MFU, communication from "
+                   "nodes at each link, of the step each arm trained (time_to_loss's --measure times an arm whose "
+                   "step-shaping settings differ from its variant file, Dion at rank 1/16, as variant@key=value; "
+                   "lrs and the outer lr do not shape a step and are not compared; a run of another step is "
+                   "'not measured'; measuring needs root). A target reached at the first evaluation (step 200) "
+                   "is reported there: an upper bound. Predicted: compute from FLOPs and the GPU check's MFU, communication from "
                    "the registry's cost model, on the cluster's GPUs (the curves are the 4-worker runs'; DiLoCo's "
                    "numerics at the cluster's worker count may differ; sharded arms are not modelled there). "
                    if target is not None else "Time to target: no finished AdamW run to take the target from. ")
@@ -1349,8 +1360,7 @@ def diloco_finding(rows: Sequence[dict]) -> str:
                         + (f"{r['bytes_vs_ref']:.0f}x fewer slow-axis bytes" if r["bytes_vs_ref"] else "bytes -"))
     return ("DiLoCo's finding (Douillard et al. 2023, abstract and §3): with 8 workers and H = 500 inner steps it "
             "matches fully synchronous training while communicating 500x less. Ours differ in the worker count "
-            "(4, or 2 workers of 2 ranks), in H (10 and 50: a 1,200-step run has 120 or 24 outer steps, where the "
-            "paper's runs have far more), in the length of training and the model size. "
+            "(4, or 2 workers of 2 ranks), in H (10 and 50: a 1,200-step run has 120 or 24 outer steps), in the length of training and the model size. "
             + ("Here: " + "; ".join(said) + "." if said else "No DiLoCo arm has two paired seeds yet."))
 
 

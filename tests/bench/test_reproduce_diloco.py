@@ -166,6 +166,7 @@ def test_summary_reads_losses_bytes_and_time_to_loss_from_stored_runs(tmp_path):
     assert len(cmds) == 2 and "parallel.shard_size=2" in cmds[1] and "parallel.shard_size" not in cmds[0]
     assert f"--target {statistics.fmean([5.0, 5.1, 5.2])!r}" in cmds[0]
     assert "--link 100mbit,1gbit --nodes 2" in cmds[0] and cmds[0].count("--cluster") == 2
+    assert all(" --measure " in c for c in cmds)   # the printed command measures what is missing, then reports
     assert "diloco_h10=" in cmds[0] and "diloco_h10_s1_outer0.7_p4_s1338.json.gz" in cmds[0]
     assert "_outer0.3_" not in cmds[0] and "--vocab-size 8192" in cmds[0]
     assert "DiLoCo's finding" in text and "diloco_h50_s1 (4 x 1): Δ +0.3000 (worse)" in text
@@ -194,6 +195,19 @@ def test_summary_reads_losses_bytes_and_time_to_loss_from_stored_runs(tmp_path):
     (out / "meta.json").write_text(json.dumps({"argv": argv[3:-1]}))
     rows = {r["arm"]: r for r in studies.diloco_summary(results, sc).rows}
     assert rows["diloco_h10_s1"]["ttl_100mbit"] == "stale (computed from other runs)"
+
+
+def test_slow_axis_bytes_drop_a_stopped_run_s_records_past_its_checkpoint():
+    """A run stopped at step 417 (its last log window flushed there) and resumed from the checkpoint of 300
+    trains 301-417 again: the records before the resume past step 300 are not counted twice or mixed with
+    the resumed windows."""
+    run = studies.diloco_run("diloco_h10_s1", 0.7, STUDIES["diloco"].scale(Options(setting=SETTING)), 1337,
+                             "compare")
+    recs = [{"step": 200, "comm_bytes": 10}, {"step": 400, "comm_bytes": 10}, {"step": 417, "comm_bytes": 999},
+            {"event": "resume", "step": 300}, {"step": 400, "comm_bytes": 10}, {"step": 600, "comm_bytes": 10}]
+    r = RunResult(run, "ok", framework.ROOT, records=recs)
+    assert studies.slow_axis_bytes(r) == 600 * 10
+    assert studies.slow_axis_bytes_per_step(r) == 10
 
 
 def test_plan_counts_the_runs_left_and_their_hours(tmp_path, capsys):

@@ -342,10 +342,12 @@ def test_measure_rounds_a_diloco_measurement_up_to_whole_cycles(tmp_path, monkey
                      "1gbit", "--measure", "--measure-steps", "10", "--setting", "tiny-builtin", "optim.lr=3e-4",
                      "--out", str(tmp_path / "out")]) == 0
     (names, overrides, steps), = calls
-    assert names == ["adamw_fp32"] and steps == 10            # the config file is named as not measurable
+    # the config file is named as not measurable; adamw_fp32 is measured as its curve trained (the debug
+    # model, not the setting's): the variant plus the step-shaping settings in which the curve differs
+    assert names == ["adamw_fp32@model.preset=debug@data.batch_size=2@data.seq_len=32"] and steps == 10
     assert overrides[-1] == "optim.lr=3e-4" and "optim.lr=1e-3" not in overrides   # yours replace the setting's
     calls.clear()
-    monkeypatch.setattr(ttl, "measured_step", lambda c, bd, link, warmup: {"missing": "none"})
+    monkeypatch.setattr(ttl, "measured_step", lambda c, bd, link, warmup, as_name=None: {"missing": "none"})
     monkeypatch.setattr(ttl, "load_curve", lambda n, d, metric: ttl.Curve(n, d, [1.0], [3.0], 1.0, diloco_config(
         inner_steps=4)))
     ttl.main(["--variants", "adamw_fp32", "--runs", str(runs), "--link", "1gbit", "--measure", "--measure-steps",
@@ -413,3 +415,48 @@ def test_time_to_loss_imports_no_study_so_a_study_may_import_it():
     from bench.reproduce import framework
 
     assert framework.load_stored is runstore.load_stored and framework.SETTINGS is runstore.SETTINGS
+
+
+def test_seeds_mean_reaches_a_target_taken_from_the_same_finals(tmp_path):
+    """A study takes its target as statistics.fmean of the reference's final losses; the curve's mean of the
+    same seeds must be those bits, or the reference would not reach its own target (with these three finals
+    sum / 3 is one ulp above fmean)."""
+    import statistics
+
+    finals = [4.9721, 4.6007, 4.9342]
+    assert sum(finals) / 3 > statistics.fmean(finals)
+    runs = [make_run(tmp_path / f"s{i}", resolved("adamw_fp32"), {10: 6.0, 20: v}) for i, v in enumerate(finals)]
+    c = ttl.load_curve("adamw_fp32", runs)
+    assert c.losses[-1] == statistics.fmean(finals)
+    assert ttl.crossing_step(c.steps, c.losses, statistics.fmean(finals)) == 20.0
+
+
+def test_an_lr_does_not_make_a_measured_step_another_one_but_a_dion_rank_does(tmp_path):
+    """Settings that change a step's numbers but not its work or bytes (lrs, DiLoCo's outer lr) do not stop
+    a measured run from timing a curve; any other step-shaping setting does (Dion's rank: another factor
+    size on the wire), and measured_name then asks bench.step_breakdown for the curve's own."""
+    dion = resolved("dion")
+    curve = json.loads(json.dumps(dion))
+    curve["optim"]["lr"], curve["optim"]["matrix_lr"] = 0.5, 0.7
+    assert ttl.config_mismatch(curve, dion) is None
+    curve["optim"]["rank_fraction"] = dion["optim"]["rank_fraction"] / 4
+    assert "optim.rank_fraction" in ttl.config_mismatch(curve, dion)
+    assert ttl.step_differences(curve, dion) == [("optim.rank_fraction", curve["optim"]["rank_fraction"])]
+    make_run(tmp_path / "runs" / "dion", curve, {10: 3.0})
+    c = ttl.load_curve("dion", tmp_path / "runs" / "dion")
+    name = ttl.measured_name("dion", ["configs/variants/dion.yaml"], DEBUG, c)
+    assert name == f"dion@optim.rank_fraction={curve['optim']['rank_fraction']}"
+    from bench.variants import variant_args
+    assert variant_args(name, "configs/variants")[1] == [name.split("@")[1]]   # what step_breakdown adds
+    # the variant's own run measures another step; the one at the curve's rank is read under its name
+    make_run(tmp_path / "bd" / "runs" / "1gbit" / "dion", dion, {}, step_ms=300.0)
+    assert "optim.rank_fraction" in ttl.measured_step(c, tmp_path / "bd", "1gbit", 3)["missing"]
+    make_run(tmp_path / "bd" / "runs" / "1gbit" / name, curve, {}, step_ms=200.0)
+    assert ttl.measured_step(c, tmp_path / "bd", "1gbit", 3, name)["step_s"] == pytest.approx(0.2)
+    # DiLoCo: the swept outer lr is not a difference, its inner steps are
+    d = resolved("diloco_h10")
+    e = json.loads(json.dumps(d))
+    e["comm"]["diloco"]["outer_lr"] = 0.3
+    assert ttl.config_mismatch(e, d) is None and ttl.step_differences(e, d) == []
+    e["comm"]["diloco"]["inner_steps"] = 50
+    assert ttl.step_differences(e, d) == [("comm.diloco.inner_steps", 50)]
