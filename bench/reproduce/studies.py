@@ -830,12 +830,44 @@ def horizon_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
     return [horizon_run(arm, scale, seed) for arm, _ in HORIZON_ARMS for seed in seeds]
 
 
-def _peak_train(r: RunResult) -> float | None:
-    """The highest logged train loss after the first 15 % of the run (past warm-up and 1-bit Adam's exact
-    phase): a divergence shows here before (or instead of) the final val loss."""
-    xs, ys = r.series("train_loss")
-    late = [y for x, y in zip(xs, ys) if x > 0.15 * xs[-1]] if xs else []
-    return max(late) if late else None
+# the 5 % two-sided critical value of Student's t by degrees of freedom (pairs - 1)
+T_CRIT_5 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+# a run diverged: its val loss rose this much above its own lowest value after the first 15 % of the run,
+# or it stopped on a non-finite loss (the trainer's exit code 3, train.on_nonfinite=stop)
+DIVERGED_RISE = 0.05
+DIVERGED_RC = "failed rc=3"
+
+
+def paired_verdict(n: int, t: float | None) -> str:
+    """The verdict of a paired Δ (positive: worse) over n pairs at the 5 % level ("-" below two pairs)."""
+    if n < 2:
+        return "-"
+    if t is None or abs(t) < T_CRIT_5[min(n - 1, 9)]:
+        return "no difference at 5 %"
+    return "worse" if t > 0 else "better"
+
+
+def _val_rise(r: RunResult) -> float | None:
+    """The largest rise of the val loss above its lowest value so far, after the first 15 % of the run (past
+    warm-up and 1-bit Adam's exact phase): 0 for a curve that only falls."""
+    xs, ys = r.series("val_loss")
+    late = [y for x, y in zip(xs, ys) if y is not None and x > 0.15 * xs[-1]] if xs else []
+    return max((y - min(late[:i + 1]) for i, y in enumerate(late)), default=None)
+
+
+def diverged(r: RunResult) -> bool | None:
+    """Whether the run diverged (DIVERGED_RISE, DIVERGED_RC); None when it did not run to a verdict."""
+    if r.status.startswith(DIVERGED_RC):
+        return True
+    rise = _val_rise(r) if r.ok else None
+    return None if rise is None else rise > DIVERGED_RISE
+
+
+def _per_seed(group: Sequence[RunResult], ref: Sequence[RunResult]) -> dict[int, float]:
+    """seed -> final val loss of the run minus its reference's at that seed (both finished)."""
+    refs = {r.run.seed: _val(r) for r in ref if r.ok}
+    return {r.run.seed: _val(r) - refs[r.run.seed] for r in group
+            if r.ok and _val(r) is not None and refs.get(r.run.seed) is not None}
 
 
 def horizon_summary(results: list[RunResult], scale: Scale) -> Summary:
@@ -843,24 +875,52 @@ def horizon_summary(results: list[RunResult], scale: Scale) -> Summary:
     rows = []
     for arm, ref in HORIZON_ARMS:
         group = groups.get((arm,), [])
+        verdicts = [v for v in map(diverged, group) if v is not None]
         row = {"arm": arm, "reference": ref or "-", "status": status_of(group), **seed_stats(group, _val, "val_loss"),
-               **seed_stats(group, _peak_train, "peak_train")}
+               "val_rise": max((x for x in map(_val_rise, group) if x is not None), default=None),
+               "diverged": f"{sum(verdicts)} of {len(verdicts)}" if verdicts else "-"}
         if ref is not None:
             row.update(paired_stats(group, groups.get((ref,), []), _val, "delta"))
-            m, sd, n = row["delta_mean"], row["delta_std"], row["delta_n"]
-            row["delta_t"] = m / (sd / n ** 0.5) if m is not None and sd and n and n > 1 else None
+            row["verdict"] = paired_verdict(row["delta_n"], row["delta_t"])
         rows.append(row)
     cols = [Column("arm", "arm", align="left"), Column("val_loss_mean", "final val loss"),
             Column("val_loss_std", "± std"), Column("val_loss_n", "seeds", "d"),
             Column("reference", "paired against", align="left"), Column("delta_mean", "Δ (paired)", "+.4f"),
-            Column("delta_std", "± std", ".4f"), Column("delta_t", "paired t (seeds - 1 dof)", ".1f"),
-            Column("peak_train_mean", "peak train loss after 15 %"), Column("status", "status", align="left")]
+            Column("delta_std", "± std", ".4f"), Column("delta_n", "pairs", "d"),
+            Column("delta_t", "paired t (pairs - 1 dof)", ".1f"), Column("verdict", "verdict (5 %)", align="left"),
+            Column("val_rise", "largest val-loss rise after 15 %", ".3f"),
+            Column("diverged", "seeds diverged", align="left"), Column("status", "status", align="left")]
     notes = [f"{scale.steps} steps. Δ: this arm's final val loss minus its reference's at the same seed (same "
-             "initialization and data order); the seeds are the independent units (a paired t at 3 seeds has 2 "
-             "degrees of freedom: 4.3 at the 5 % level). 1-bit Adam diverging (Lion Cub Fig. 20) shows as a peak "
-             "train loss far above AdamW's or a final val loss far above it; Dion's error feedback helping at low "
-             "rank (Dion §4.1) as a positive Δ (off − on) that grows from rank 1/4 to 1/16."]
+             "initialization and data order); the seeds are the independent units: the paired t has pairs - 1 "
+             "degrees of freedom (4.30 at the 5 % level for 3 pairs, 12.71 for 2), and the verdict says whether it "
+             "passes. A run diverged when its val loss rose more than "
+             f"{DIVERGED_RISE} above its own lowest value after the first 15 % of the run, or it stopped on a "
+             "non-finite loss (exit code 3; such a run is not stored, so a later session trains it again): Lion Cub "
+             "Fig. 20's claim, 1-bit Adam diverging where AdamW converges, reproduces only on diverged seeds.",
+             ef_growth_note(groups)]
     return Summary(rows, cols, notes)
+
+
+def ef_growth_note(groups: dict) -> str:
+    """Dion §4.1 (error feedback matters more as the rank falls) as its own paired statistic: per seed, the gain
+    of error feedback at rank 1/16 minus its gain at rank 1/4 (each gain: final val loss without it minus with
+    it), its mean, spread and t over the seeds that ran all four arms."""
+    at = {r: _per_seed(groups.get((f"dion_r{r}_ef0",), []), groups.get((f"dion_r{r}_ef1",), []))
+          for r in ("0.25", "0.0625")}
+    seeds = sorted(at["0.25"].keys() & at["0.0625"].keys())
+    m, sd, n = mean_std(at["0.0625"][k] - at["0.25"][k] for k in seeds)
+    t = m / (sd / n ** 0.5) if m is not None and sd and n > 1 else None
+    head = ("Dion §4.1 (error feedback helps more at lower rank), per seed: the gain of error feedback at rank 1/16 "
+            "minus its gain at rank 1/4 (gain = val loss without it minus with it; positive = it helps more at "
+            "1/16): ")
+    if not n:
+        return head + "no seed has all four Dion runs yet."
+    said = f"{m:+.4f}" + (f" ± {sd:.4f}, t {t:.1f} at {n - 1} dof" if t is not None else "") + f" over {n} seed(s)"
+    if n < 2:
+        return head + said + ": one unit, no verdict."
+    grows = t is not None and t >= T_CRIT_5[min(n - 1, 9)]
+    return head + said + (": reproduces (the gain grows, significant at 5 %)." if grows else
+                          ": does not reproduce here (no significant growth at 5 %).")
 
 
 def horizon_plot(results: list[RunResult], path: Path) -> None:
@@ -1082,8 +1142,6 @@ DILOCO_LINKS = ("100mbit", "1gbit")  # time to loss measured under bench.netsim 
 DILOCO_CLUSTERS = ("nodes=2 gpus_per_node=8 gpu=h100 inter=10gbit intra=nvlink",
                    "nodes=4 gpus_per_node=8 gpu=h100 inter=100gbit intra=nvlink")
 DILOCO_TTL_DIR = "diloco_time_to_loss"   # under the results directory: s<S>/ per shard size, bench.time_to_loss's
-# the 5 % two-sided critical value of Student's t by degrees of freedom (pairs - 1)
-T_CRIT_5 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
 
 
 def _diloco_arm(arm: str) -> tuple[str, int]:
@@ -1241,9 +1299,7 @@ def diloco_summary(results: list[RunResult], scale: Scale) -> Summary:
                seed_stats(group, slow_axis_bytes_per_step, "b")["b_mean"]}
         if arm != DILOCO_REFERENCE:
             row.update(paired_stats(group, ref, _val, "delta"))
-            n, t = row["delta_n"], row["delta_t"]
-            row["verdict"] = ("-" if n < 2 else "no difference at 5 %" if t is None or abs(t) < T_CRIT_5.get(n - 1, 2.0)
-                              else "worse" if t > 0 else "better")
+            row["verdict"] = paired_verdict(row["delta_n"], row["delta_t"])
         rows.append(row)
     ref_bytes = next((r["bytes_per_step"] for r in rows if r["arm"] == DILOCO_REFERENCE), None)
     for r in rows:

@@ -1095,7 +1095,9 @@ def test_horizon_summary_pairs_each_arm_with_its_reference_by_seed():
     for arm, vs in vals.items():
         for seed, v in zip(studies.FULL_SEEDS, vs):
             run = studies.horizon_run(arm, sc, seed)
-            recs = [{"step": 100, "train_loss": 9.0}, {"step": 600, "train_loss": 7.5 if arm == "onebit_adam" else 6.0},
+            # val losses at 100 (warm-up: not judged), 600 and 1200; 1-bit Adam's seed 1338 rises 0.3 after 600
+            up = arm == "onebit_adam" and seed == 1338
+            recs = [{"step": 100, "train_loss": 9.0, "val_loss": 9.0}, {"step": 600, "val_loss": v - (0.3 if up else -0.2)},
                     {"step": 1200, "train_loss": 5.0, "val_loss": v}]
             results.append(RunResult(run, "ok", Path("x"), records=recs))
     rows = {r["arm"]: r for r in studies.horizon_summary(results, sc).rows}
@@ -1103,9 +1105,45 @@ def test_horizon_summary_pairs_each_arm_with_its_reference_by_seed():
     assert one["reference"] == "adamw_fp32" and one["delta_n"] == 3
     assert one["delta_mean"] == pytest.approx(0.3) and one["delta_std"] == pytest.approx(statistics.stdev([.3, .2, .4]))
     assert one["delta_t"] == pytest.approx(0.3 / (statistics.stdev([.3, .2, .4]) / 3 ** 0.5))
-    assert one["peak_train_mean"] == 7.5 and rows["adamw_fp32"]["peak_train_mean"] == 6.0  # step 100 is warm-up
+    assert one["verdict"] == "worse"                                  # t 5.2 > 4.30 at 2 dof
+    assert one["val_rise"] == pytest.approx(0.3) and one["diverged"] == "1 of 3"
+    assert rows["adamw_fp32"]["val_rise"] == 0 and rows["adamw_fp32"]["diverged"] == "0 of 3"
     assert rows["dion_r0.25_ef0"]["delta_mean"] == pytest.approx(0.02) and rows["adamw_fp32"]["reference"] == "-"
+    assert rows["dion_r0.25_ef0"]["verdict"] == "no difference at 5 %"   # 0.01, 0.02, 0.03: t 3.5 < 4.30
     assert rows["1bit"]["val_loss_n"] == 0 and rows["1bit"]["delta_n"] == 0  # no run: an empty row
+    # a pair missing: the t and the verdict are over the pairs, not the arm's seeds
+    short = [r for r in results if not (r.run.label("arm") == "adamw_fp32" and r.run.seed == 1339)]
+    one = {r["arm"]: r for r in studies.horizon_summary(short, sc).rows}["onebit_adam"]
+    assert (one["val_loss_n"], one["delta_n"]) == (3, 2) and one["verdict"] == "no difference at 5 %"  # 12.71 at 1 dof
+    # a run that stopped on a non-finite loss diverged, whatever its records say
+    failed = [RunResult(r.run, "failed rc=3 (see x.log)", Path("x"), records=r.records) if r.run.label("arm") ==
+              "onebit_adam" and r.run.seed == 1337 else r for r in results]
+    assert {r["arm"]: r for r in studies.horizon_summary(failed, sc).rows}["onebit_adam"]["diverged"] == "2 of 3"
+
+
+def test_dion_ef_growth_is_a_paired_statistic_of_its_own():
+    """Dion §4.1 (error feedback helps more as the rank falls) is judged on the per-seed difference of the two
+    ranks' gains, not by comparing two rows: noisy gains whose means grow do not reproduce it."""
+    sc = full_scale(1200)
+
+    def results(gain_quarter, gain_sixteenth):
+        out = []
+        for rank, gains in (("0.25", gain_quarter), ("0.0625", gain_sixteenth)):
+            for seed, g in zip(studies.FULL_SEEDS, gains):
+                for ef, v in (("1", 5.0), ("0", 5.0 + g)):
+                    recs = [{"step": 1200, "val_loss": v}]
+                    out.append(RunResult(studies.horizon_run(f"dion_r{rank}_ef{ef}", sc, seed), "ok", Path("x"),
+                                         records=recs))
+        return out
+
+    def note(res):
+        return next(n for n in studies.horizon_summary(res, sc).notes if n.startswith("Dion §4.1"))
+
+    assert note(results((.020, .021, .019), (.050, .052, .055))).endswith("reproduces (the gain grows, significant at 5 %).")
+    noisy = note(results((.020, .021, .019), (.060, .010, .045)))   # means 0.020 -> 0.038, paired t 1.2
+    assert "does not reproduce here" in noisy and "t 1.2 at 2 dof over 3 seed(s)" in noisy
+    assert note(results((.020,), (.018,))).endswith("-0.0020 over 1 seed(s): one unit, no verdict.")
+    assert note([]).endswith("no seed has all four Dion runs yet.")
 
 
 def test_config_files_and_overrides_go_anywhere_and_become_sets(tmp_path, monkeypatch, capsys):
