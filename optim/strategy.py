@@ -36,7 +36,7 @@ import torch
 from . import overlap as _overlap
 from . import sync
 from .accounting import BACKGROUND, Call, StepReport
-from .diloco import OuterLoop
+from .outer_loop import OuterLoop
 
 
 class SyncStrategy:
