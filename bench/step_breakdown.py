@@ -527,7 +527,8 @@ def run_one(args: argparse.Namespace, rate: str, variant: str, net: object | Non
     row: dict = {"rate": rate, "variant": variant}
     if any(codes):
         row["status"] = f"failed rc={codes}"
-        print(f"   FAILED {codes}; logs in {log_dir}", flush=True)
+        said = first_error(log_dir)
+        print(f"   FAILED {codes}; logs in {log_dir}" + (f"\n   {said}" if said else ""), flush=True)
         return row
     row.update(summarize_run(read_jsonl(run_dir / "metrics.jsonl"), args.warmup, cycle_steps(load_run_config(run_dir))))
     row["peak_rss_mib"], row["peak_tree_rss_mib"] = _rss(rss_dir)
@@ -536,6 +537,22 @@ def run_one(args: argparse.Namespace, rate: str, variant: str, net: object | Non
     print(f"   step {row['step_ms']:.0f} ms, comm {row['comm_ms']:.0f} ms ({100 * row['comm_share']:.0f} %), "
           f"{row['wall_s']:.0f} s wall", flush=True)
     return row
+
+
+def first_error(log_dir: Path) -> str:
+    """The first rank log's error with the problems it lists ("Error: ..." then "  - problem" lines), or ''."""
+    for log in sorted(log_dir.glob("*.log")):
+        lines = log.read_text(errors="replace").splitlines()
+        at = next((i for i, ln in enumerate(lines) if ln.startswith("Error")), None)
+        if at is None:
+            continue
+        said = [lines[at].strip()]
+        for ln in lines[at + 1:]:
+            if not ln.startswith("  - "):
+                break
+            said.append(ln.strip())
+        return " ".join(said)
+    return ""
 
 
 def _torchrun(nproc: int, cmd: list[str], timeout: float, log_dir: Path) -> int:

@@ -36,7 +36,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from bench import runstore
 from bench.variants import ROOT, load_run_config, read_jsonl, train_records
@@ -468,6 +468,17 @@ def measured_name(name: str, files: Sequence[str], overrides: Sequence[str], cur
     return "@".join([name, *(_override(k, v) for k, v in step_differences(curve.config, cfg))])
 
 
+def schedule_of(curves: Iterable[Curve]) -> list[str]:
+    """The override that gives a short measured run the lr schedule of the curves' runs, so that it times
+    their first steps: the schedule's horizon (optim.schedule_steps, else train.max_steps; the longest of
+    the curves'). The lr does not shape a step's time, but a run shorter than its warmup is refused
+    (optim.warmup_steps >= train.max_steps), which a 1,200-step study's 20 warmup steps are against
+    the 13 steps measured."""
+    horizon = max((_get(c.config, "optim.schedule_steps") or _get(c.config, "train.max_steps") or 0
+                   for c in curves), default=0)
+    return [f"optim.schedule_steps={horizon}"] if horizon else []
+
+
 def measured_step(curve: Curve, breakdown: Path, link: str, warmup: int, as_name: str | None = None) -> dict:
     """The step time of `curve`'s variant in bench.step_breakdown's run at `link` ({} with a reason
     in "missing" when there is none or it ran another setting); `as_name`: the variant string it was
@@ -812,8 +823,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from bench.step_breakdown import cycle_steps
 
             cycle = math.lcm(*(cycle_steps(curves[n].config) for n in missing))  # DiLoCo: whole cycles
-            measure_steps([as_name[n] for n in missing], overrides, link, bd, ns.nproc,
-                          -(-ns.measure_steps // cycle) * cycle, ns.warmup, ns.nodes)
+            measure_steps([as_name[n] for n in missing], [*schedule_of(curves[n] for n in missing), *overrides],
+                          link, bd, ns.nproc, -(-ns.measure_steps // cycle) * cycle, ns.warmup, ns.nodes)
         key = f"(a) this machine, simulated link {link}"
         step_times[key] = {n: measured_step(c, bd, link, ns.warmup, as_name[n]) for n, c in curves.items()}
         settings[key] = (f"Step times MEASURED: each variant trained under bench.netsim at {link} ({where}) by "

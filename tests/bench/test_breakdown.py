@@ -232,3 +232,15 @@ def test_runs_without_fine_timing_are_not_judged_on_their_comm_split():
     fast = sb.check_fast_path_targets(rows)
     assert any("lioncub_1bit optimizer time 100 ms vs 80 ms" in ln for ln in fast)
     assert not any("fine_timing=false optimizer time" in ln for ln in fast)
+
+
+def test_a_failed_run_says_the_trainers_error(tmp_path: Path):
+    """A measured run the trainer refuses prints the reason, not only its exit codes: the first rank log's
+    error line and the problems listed under it (and nothing when no log has one)."""
+    (tmp_path / "rank0.log").write_text("starting\n")
+    (tmp_path / "rank1.log").write_text("x\nError: 2 config problem(s):\n  - optim.warmup_steps: 20 >= 13\n"
+                                        "  - data.seq_len: too long\ntraceback follows\n  - not this one\n")
+    assert sb.first_error(tmp_path) == ("Error: 2 config problem(s): - optim.warmup_steps: 20 >= 13 "
+                                        "- data.seq_len: too long")
+    (tmp_path / "rank1.log").write_text("killed\n")
+    assert sb.first_error(tmp_path) == ""

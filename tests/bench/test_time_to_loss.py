@@ -346,6 +346,9 @@ def test_measure_rounds_a_diloco_measurement_up_to_whole_cycles(tmp_path, monkey
     # model, not the setting's): the variant plus the step-shaping settings in which the curve differs
     assert names == ["adamw_fp32@model.preset=debug@data.batch_size=2@data.seq_len=32"] and steps == 10
     assert overrides[-1] == "optim.lr=3e-4" and "optim.lr=1e-3" not in overrides   # yours replace the setting's
+    # the short run keeps the curves' lr schedule (their horizon), yours coming after it
+    horizon = max(resolved("adamw_fp32")["train"]["max_steps"], diloco_config(inner_steps=4)["train"]["max_steps"])
+    assert overrides[0] == f"optim.schedule_steps={horizon}"
     calls.clear()
     monkeypatch.setattr(ttl, "measured_step", lambda c, bd, link, warmup, as_name=None: {"missing": "none"})
     monkeypatch.setattr(ttl, "load_curve", lambda n, d, metric: ttl.Curve(n, d, [1.0], [3.0], 1.0, diloco_config(
@@ -353,6 +356,28 @@ def test_measure_rounds_a_diloco_measurement_up_to_whole_cycles(tmp_path, monkey
     ttl.main(["--variants", "adamw_fp32", "--runs", str(runs), "--link", "1gbit", "--measure", "--measure-steps",
               "10", "--target", "3", "--setting", "tiny-builtin", "--out", str(tmp_path / "out2")])
     assert calls[0][2] == 12                                   # 10 steps rounded up to 3 cycles of 4
+
+
+def test_a_measured_run_shorter_than_the_curves_warmup_keeps_their_schedule(tmp_path):
+    """The study's runs warm up for 20 of 1,200 steps; a measured run of 3 + 10 steps with their overrides is
+    refused by the trainer's config check, and with schedule_of's override it is a valid run of their first
+    steps (the lr, which does not shape a step, as in the curves' runs)."""
+    from trainer.config import ConfigError, load_config
+
+    files = ["configs/variants/adamw_fp32.yaml"]
+    cfg = load_config(files, [*DEBUG, "optim.warmup_steps=20", "train.max_steps=1200"])
+    long = ttl.Curve("adamw_fp32", str(tmp_path), [1200.0], [3.0], 1.0, cfg.to_dict())
+    short = [*DEBUG, "optim.warmup_steps=20", "train.max_steps=13"]
+    with pytest.raises(ConfigError, match="optim.warmup_steps: 20 >= train.max_steps=13"):
+        load_config(files, short)
+    extra = ttl.schedule_of([long, ttl.Curve("x", str(tmp_path), [1.0], [3.0], 1.0, {"train": {"max_steps": 300}})])
+    assert extra == ["optim.schedule_steps=1200"]                    # the longest horizon of the curves
+    ran = load_config(files, [*extra, *short])                        # valid: the curves' first 13 steps
+    assert ran.train.max_steps == 13 and ran.optim.schedule_steps == 1200
+    cfg2 = cfg.to_dict()
+    cfg2["optim"]["schedule_steps"] = 5000                             # a curve's own schedule horizon wins
+    assert ttl.schedule_of([ttl.Curve("y", str(tmp_path), [1.0], [3.0], 1.0, cfg2)]) == ["optim.schedule_steps=5000"]
+    assert ttl.schedule_of([ttl.Curve("z", str(tmp_path), [1.0], [3.0], 1.0, {})]) == []
 
 
 def test_train_curve_command(tmp_path, monkeypatch):
