@@ -157,6 +157,20 @@ def crossing_step(steps: Sequence[float], losses: Sequence[float], target: float
     return None
 
 
+def loss_at_step(steps: Sequence[float], losses: Sequence[float], step: float) -> float | None:
+    """The curve's loss at `step`, linear between the two evaluations around it; None before its first
+    evaluation or past its last (a curve says nothing there)."""
+    for i, s in enumerate(steps):
+        if math.isclose(step, s, rel_tol=1e-9):
+            return float(losses[i])
+        if step < s:
+            if i == 0:
+                return None
+            s0, l0 = steps[i - 1], losses[i - 1]
+            return float(l0 + (losses[i] - l0) * (step - s0) / (s - s0))
+    return None
+
+
 # ------------------------------------------------------------------------------------------------
 # (b) a cluster described in words
 # ------------------------------------------------------------------------------------------------
@@ -522,8 +536,9 @@ def default_target(curves: dict[str, Curve], reference: str, metric: str) -> tup
 def report_rows(curves: dict[str, Curve], target: float, step_times: dict[str, dict[str, dict]],
                 reference: str) -> list[dict]:
     """One row per (setting, variant): the step time, the step and time of the target crossing
-    (None: never reached), and the ratio to the reference's time. step_times: {setting: {variant:
-    {"step_s", ... } or {"missing": why}}}."""
+    (None: never reached), the ratio to the reference's time, and the loss at equal time (budget_loss:
+    the curve at the step it reaches when the setting's quickest whole run ends, budget_s; None before
+    its first evaluation). step_times: {setting: {variant: {"step_s", ... } or {"missing": why}}}."""
     rows = []
     for setting, by in step_times.items():
         ref_time = None
@@ -539,9 +554,15 @@ def report_rows(curves: dict[str, Curve], target: float, step_times: dict[str, d
                 if name == reference:
                     ref_time = row["target_s"]
             part.append(row)
+        # equal time: each curve where the quickest whole run of this setting ends
+        budget = min((row["total_s"] for row in part if "total_s" in row), default=None)
         for row in part:
             t = row.get("target_s")
             row["speedup"] = ref_time / t if ref_time and t else None
+            if budget is not None and "step_s" in row:
+                c = curves[row["variant"]]
+                row["budget_s"], row["budget_step"] = budget, min(budget / row["step_s"], c.steps[-1])
+                row["budget_loss"] = loss_at_step(c.steps, c.losses, row["budget_step"])
         rows += part
     return rows
 
@@ -555,26 +576,41 @@ def _fmt_s(x: float | None) -> str:
 def markdown(rows: list[dict], settings: dict[str, str], target: float, target_src: str, metric: str) -> str:
     out = []
     for setting, what in settings.items():
+        mine = [r for r in rows if r["setting"] == setting]
+        budget = next((r["budget_s"] for r in mine if r.get("budget_s")), None)
         out += [f"## {setting}", "", what, "",
                 "| variant | final " + metric + " | steps | step (ms) | compute (ms) | comm (ms) | step time from | "
-                f"reaches {target:.4f} at step | time to target | vs reference | whole run |",
-                "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
-        for r in (r for r in rows if r["setting"] == setting):
+                f"reaches {target:.4f} at step | time to target | vs reference | whole run | "
+                f"{metric} at {_fmt_s(budget)} (at step) |",
+                "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+        for r in mine:
             if "step_s" not in r:
                 out.append(f"| {r['variant']} | {r['final_loss']:.4f} | {r['steps']:g} | - | - | - | "
-                           f"{r['missing']} | {_cross(r)} | - | - | - |")
+                           f"{r['missing']} | {_cross(r)} | - | - | - | - |")
                 continue
             sp = r.get("speedup")
             out.append(f"| {r['variant']} | {r['final_loss']:.4f} | {r['steps']:g} | {1e3 * r['step_s']:.1f} | "
                        f"{_ms(r.get('compute_s'))} | {_ms(r.get('comm_s'))} | {r['how']} | {_cross(r)} | "
                        f"{_fmt_s(r['target_s']) if r['target_s'] is not None else 'not reached'} | "
-                       f"{f'{sp:.2f}x' if sp else '-'} | {_fmt_s(r['total_s'])} |")
+                       f"{f'{sp:.2f}x' if sp else '-'} | {_fmt_s(r['total_s'])} | {_at_budget(r)} |")
+        if budget is not None:
+            out += ["", f"Equal time: each curve where the quickest whole run here ends ({_fmt_s(budget)}): its "
+                        f"{metric} at that time's step (step time x step = {_fmt_s(budget)}), linear between its "
+                        "evaluations; 'before its first evaluation' where the curve has none yet."]
         out.append("")
     return "\n".join([f"Target {metric} {target:.4f}: {target_src}.", "", *out])
 
 
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{1e3 * x:.1f}" if x >= 0.1 else f"{1e3 * x:.3g}"
+
+
+def _at_budget(r: dict) -> str:
+    if r.get("budget_step") is None:
+        return "-"
+    if r.get("budget_loss") is None:
+        return f"before its first evaluation ({r['budget_step']:.0f})"
+    return f"{r['budget_loss']:.4f} ({r['budget_step']:.0f})"
 
 
 def _cross(r: dict) -> str:
@@ -863,7 +899,8 @@ def write_outputs(out: Path, rows: list[dict], curves: dict[str, Curve], step_ti
 
     out.mkdir(parents=True, exist_ok=True)
     cols = ["setting", "variant", "final_loss", "steps", "step_s", "comm_s", "target_step", "target_s", "speedup",
-            "total_s", "how", "missing", "compute_s", "mfu", "bytes_per_step", "peak_step_bytes"]
+            "total_s", "budget_s", "budget_step", "budget_loss", "how", "missing", "compute_s", "mfu",
+            "bytes_per_step", "peak_step_bytes"]
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         w.writeheader()

@@ -89,6 +89,27 @@ def test_time_axis_is_steps_times_measured_step_and_missing_target_reported(tmp_
     assert "| lion_fp32 |" in md and "not reached" in md.split("| lion_fp32 |")[1].splitlines()[0]
     panels = ttl.curve_panels(curves, times)
     assert panels[key]["lion_fp32"][0] == pytest.approx([10 * 0.05, 20 * 0.05])
+    # equal time: lion_fp32's whole run (1.0 s) is the quickest; adamw_fp32 is at step 5 then, before its
+    # first evaluation; with lion at 0.3 s a step (6.0 s whole), adamw's 4.0 s reads its curve at step 20 and
+    # lion's at 4.0 / 0.3 = 13.3 (3.5 + 0.3 x 3.3 / 10)
+    assert rows["lion_fp32"]["budget_s"] == pytest.approx(1.0) and rows["lion_fp32"]["budget_loss"] == 3.2
+    assert rows["adamw_fp32"]["budget_step"] == pytest.approx(5) and rows["adamw_fp32"]["budget_loss"] is None
+    assert "before its first evaluation (5)" in md.split("| adamw_fp32 |")[1].splitlines()[0]
+    times[key]["lion_fp32"]["step_s"] = 0.3
+    rows = {r["variant"]: r for r in ttl.report_rows(curves, target, times, "adamw_fp32")}
+    assert rows["adamw_fp32"]["budget_s"] == pytest.approx(4.0) and rows["adamw_fp32"]["budget_loss"] == 3.0
+    assert rows["lion_fp32"]["budget_loss"] == pytest.approx(3.5 - 0.3 * (4.0 / 0.3 - 10) / 10)
+    md = ttl.markdown(list(rows.values()), {key: "MEASURED"}, target, src, "val_loss")
+    assert "val_loss at 4.00 s (at step)" in md and "| 3.0000 (20) |" in md
+
+
+def test_loss_at_step_reads_between_evaluations_only():
+    steps, losses = [10, 20, 40], [4.0, 3.0, 2.0]
+    assert ttl.loss_at_step(steps, losses, 15) == pytest.approx(3.5)
+    assert ttl.loss_at_step(steps, losses, 30) == pytest.approx(2.5)
+    assert ttl.loss_at_step(steps, losses, 10) == 4.0 and ttl.loss_at_step(steps, losses, 40) == 2.0
+    assert ttl.loss_at_step(steps, losses, 9.9) is None          # before the first evaluation
+    assert ttl.loss_at_step(steps, losses, 40.5) is None         # past the last
 
 
 def test_curve_of_several_seeds_and_run_store_entries(tmp_path):
