@@ -194,6 +194,9 @@ def test_smoke_two_ranks_through_netsim(tmp_path: Path):
     assert (out / "breakdown.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| lioncub_1bit |" in (out / "results.md").read_text()
     assert not math.isnan(float(r["comm_share"]))
+    # what a measurement is read from stays; the trainer's final checkpoint does not
+    run = out / "runs" / "unlimited" / "lioncub_1bit"
+    assert (run / "metrics.jsonl").is_file() and (run / "config.yaml").is_file() and not (run / "ckpt").exists()
 
 
 def test_targets_are_checked_at_the_comm_bound_rate():
