@@ -89,6 +89,25 @@ def test_speedup_and_comm_reduction_per_rate():
     assert "failed" in next(ln for ln in md.splitlines() if ln.startswith("| dlion_mavo"))
 
 
+def test_a_hidden_exchange_makes_no_comm_ratio():
+    """Streaming DiLoCo's average overlaps the next step and books only the wait: a comm time under the
+    tables' resolution gives no comm ratio (it made 8661907.0x), and a missing ratio reads '-', not '-x'."""
+    base = {"rate": "1gbit", "variant": "lion_fp32", "status": "ok", "step_ms": 900.0, "comm_ms": 600.0,
+            "compute_ms": 250.0, "coll_ms": 590.0, "pack_ms": 10.0, "other_ms": 50.0, "comm_bytes": 4e7}
+    hidden = {**base, "variant": "streaming_diloco", "step_ms": 300.0, "comm_ms": 0.0007, "coll_ms": 0.0007,
+              "pack_ms": 0.0}
+    some = {**base, "variant": "diloco_h50", "step_ms": 310.0, "comm_ms": 12.0}
+    rows = sb.add_relative([base, hidden, some])
+    assert hidden["comm_reduction"] is None and hidden["speedup"] == pytest.approx(3.0)
+    assert some["comm_reduction"] == pytest.approx(50.0)
+    for r in rows:
+        r["comm_share"] = r["comm_ms"] / r["step_ms"]
+    md = sb.detail_markdown(rows, "1gbit", ["lion_fp32", "streaming_diloco", "diloco_h50"])
+    cells = next(ln for ln in md.splitlines() if ln.startswith("| streaming_diloco")).split(" | ")
+    assert cells[10:13] == ["3.00x", "-", "-"]     # speedup, vs overlapped fp32 (no such row), comm ÷
+    assert "| 50.0x |" in next(ln for ln in md.splitlines() if ln.startswith("| diloco_h50"))
+
+
 def test_prediction_matches_table1_transcription():
     model = {"preset": "tiny", "tie_embeddings": False, "pos_emb": "rope", "block_size": 0}
     from model import get_preset
