@@ -467,6 +467,12 @@ def plot_breakdown(path: Path, rows: list[dict], rates: list[str], variants: lis
     plt.close(fig)
 
 
+def _steps_measured(rows: list[dict], meta: dict) -> str:
+    """The measured steps of the rows (a --report-only over runs of several lengths: their range)."""
+    got = sorted({int(r["steps"]) for r in rows if r.get("status") == "ok" and r.get("steps")})
+    return (f"{got[0]}" if len(got) == 1 else f"{got[0]}-{got[-1]}") if got else str(meta.get("steps"))
+
+
 def write_reports(out: Path, rows: list[dict], rates: list[str], variants: list[str], meta: dict) -> None:
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
@@ -476,7 +482,7 @@ def write_reports(out: Path, rows: list[dict], rates: list[str], variants: list[
     loads = [r["load1"] for r in rows if r.get("load1") is not None]
     md = [f"# Step-time breakdown ({meta.get('machine', '')})", "",
           f"{meta.get('nproc')} ranks, overrides `{' '.join(meta.get('overrides', []))}`, "
-          f"{meta.get('steps')} measured steps after {meta.get('warmup')} warm-up; medians"
+          f"{_steps_measured(rows, meta)} measured steps after {meta.get('warmup')} warm-up; medians"
           f"{', but for a local-update run (comm.mode=diloco) the mean over its whole cycles' if any(r.get('cycle', 1) > 1 for r in rows) else ''}.", "",
           *([f"Machine load (1-minute average at the end of each run): {min(loads):.1f}-{max(loads):.1f} "
              f"on {os.cpu_count()} CPUs.", ""] if loads else []),
@@ -554,10 +560,11 @@ def run_one(args: argparse.Namespace, rate: str, variant: str, net: object | Non
 
 
 def first_error(log_dir: Path) -> str:
-    """The first rank log's error with the problems it lists ("Error: ..." then "  - problem" lines), or ''."""
+    """The first rank log's error with the problems it lists (the trainer's "error: ..." or "error (rank N):
+    ..." line, any case, then its "  - problem" lines), or ''."""
     for log in sorted(log_dir.glob("*.log")):
         lines = log.read_text(errors="replace").splitlines()
-        at = next((i for i, ln in enumerate(lines) if ln.startswith("Error")), None)
+        at = next((i for i, ln in enumerate(lines) if ln.lower().startswith("error")), None)
         if at is None:
             continue
         said = [lines[at].strip()]

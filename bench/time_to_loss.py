@@ -555,11 +555,11 @@ def report_rows(curves: dict[str, Curve], target: float, step_times: dict[str, d
                     ref_time = row["target_s"]
             part.append(row)
         # equal time: each curve where the quickest whole run of this setting ends
-        budget = min((row["total_s"] for row in part if "total_s" in row), default=None)
+        budget = min((row["total_s"] for row in part if row.get("step_s", 0) > 0), default=None)
         for row in part:
             t = row.get("target_s")
             row["speedup"] = ref_time / t if ref_time and t else None
-            if budget is not None and "step_s" in row:
+            if budget is not None and row.get("step_s", 0) > 0:
                 c = curves[row["variant"]]
                 row["budget_s"], row["budget_step"] = budget, min(budget / row["step_s"], c.steps[-1])
                 row["budget_loss"] = loss_at_step(c.steps, c.losses, row["budget_step"])

@@ -106,6 +106,11 @@ def test_a_hidden_exchange_makes_no_comm_ratio():
     cells = next(ln for ln in md.splitlines() if ln.startswith("| streaming_diloco")).split(" | ")
     assert cells[10:13] == ["3.00x", "-", "-"]     # speedup, vs overlapped fp32 (no such row), comm ÷
     assert "| 50.0x |" in next(ln for ln in md.splitlines() if ln.startswith("| diloco_h50"))
+    # a report over runs of several lengths names their range, not the command's --steps
+    for r, n in zip(rows, (10, 50, 50)):
+        r["steps"] = n
+    assert sb._steps_measured(rows, {"steps": 10}) == "10-50"
+    assert sb._steps_measured(rows[:1], {"steps": 7}) == "10" and sb._steps_measured([], {"steps": 7}) == "7"
 
 
 def test_prediction_matches_table1_transcription():
@@ -256,13 +261,22 @@ def test_runs_without_fine_timing_are_not_judged_on_their_comm_split():
     assert not any("fine_timing=false optimizer time" in ln for ln in fast)
 
 
-def test_a_failed_run_says_the_trainers_error(tmp_path: Path):
+def test_a_failed_run_says_the_trainers_error(tmp_path: Path, capsys, monkeypatch):
     """A measured run the trainer refuses prints the reason, not only its exit codes: the first rank log's
-    error line and the problems listed under it (and nothing when no log has one)."""
+    error line and the problems listed under it, as the trainer prints them (and nothing when no log has
+    one)."""
+    import train
+
+    monkeypatch.delenv("RANK", raising=False)
+    assert train.main(["configs/variants/adamw_fp32.yaml", "model.preset=debug", "optim.warmup_steps=20",
+                       "train.max_steps=13", "data.seq_len=100000"]) == 2
+    said = capsys.readouterr().err
     (tmp_path / "rank0.log").write_text("starting\n")
-    (tmp_path / "rank1.log").write_text("x\nError: 2 config problem(s):\n  - optim.warmup_steps: 20 >= 13\n"
-                                        "  - data.seq_len: too long\ntraceback follows\n  - not this one\n")
-    assert sb.first_error(tmp_path) == ("Error: 2 config problem(s): - optim.warmup_steps: 20 >= 13 "
-                                        "- data.seq_len: too long")
+    (tmp_path / "rank1.log").write_text("x\n" + said + "Traceback (most recent call last):\n  - not this one\n")
+    got = sb.first_error(tmp_path)
+    assert got.startswith("error: 2 config problem(s): - ") and "optim.warmup_steps: 20 >= train.max_steps=13" in got
+    assert "data.seq_len: 100000" in got and "not this one" not in got
+    (tmp_path / "rank1.log").write_text("Error (rank 3): data/prose/train_000001.bin: truncated\n")
+    assert sb.first_error(tmp_path) == "Error (rank 3): data/prose/train_000001.bin: truncated"
     (tmp_path / "rank1.log").write_text("killed\n")
     assert sb.first_error(tmp_path) == ""

@@ -91,7 +91,7 @@ def test_time_axis_is_steps_times_measured_step_and_missing_target_reported(tmp_
     assert panels[key]["lion_fp32"][0] == pytest.approx([10 * 0.05, 20 * 0.05])
     # equal time: lion_fp32's whole run (1.0 s) is the quickest; adamw_fp32 is at step 5 then, before its
     # first evaluation; with lion at 0.3 s a step (6.0 s whole), adamw's 4.0 s reads its curve at step 20 and
-    # lion's at 4.0 / 0.3 = 13.3 (3.5 + 0.3 x 3.3 / 10)
+    # lion's at 4.0 / 0.3 = 13.3 (3.5 - 0.3 x 3.3 / 10)
     assert rows["lion_fp32"]["budget_s"] == pytest.approx(1.0) and rows["lion_fp32"]["budget_loss"] == 3.2
     assert rows["adamw_fp32"]["budget_step"] == pytest.approx(5) and rows["adamw_fp32"]["budget_loss"] is None
     assert "before its first evaluation (5)" in md.split("| adamw_fp32 |")[1].splitlines()[0]
@@ -101,6 +101,9 @@ def test_time_axis_is_steps_times_measured_step_and_missing_target_reported(tmp_
     assert rows["lion_fp32"]["budget_loss"] == pytest.approx(3.5 - 0.3 * (4.0 / 0.3 - 10) / 10)
     md = ttl.markdown(list(rows.values()), {key: "MEASURED"}, target, src, "val_loss")
     assert "val_loss at 4.00 s (at step)" in md and "| 3.0000 (20) |" in md
+    times[key]["lion_fp32"]["step_s"] = 0.0                   # a broken measurement: no budget read from it
+    rows = {r["variant"]: r for r in ttl.report_rows(curves, target, times, "adamw_fp32")}
+    assert rows["lion_fp32"].get("budget_loss") is None and rows["adamw_fp32"]["budget_s"] == pytest.approx(4.0)
 
 
 def test_loss_at_step_reads_between_evaluations_only():
