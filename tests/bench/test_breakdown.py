@@ -241,6 +241,11 @@ def test_targets_are_checked_at_the_comm_bound_rate():
     assert any("lioncub_4bit: collectives 450 ms vs model 400 ms = 1.12x (within" in ln for ln in lines)
     only_slow = sb.check_targets(sb.add_relative(rows[:2]))
     assert len(only_slow) == 1 and "no rate" in only_slow[0] and "60.0" in only_slow[0]
+    # a Lion Cub whose exchange hides whole (comm under the tables' resolution: no ratio) is still a
+    # candidate, judged on the least its reduction can be
+    hidden = {**row("100mbit", "lioncub_1bit_overlap", 1500.0, 0.0004, 0.0004, 150.0), "comm_bytes": 2e6}
+    best = next(ln for ln in sb.check_targets(sb.add_relative([*rows, hidden])) if "best Lion Cub" in ln)
+    assert "lioncub_1bit_overlap" in best and "under 0.5 ms: at least 11000x smaller (MET" in best
 
 
 def test_runs_without_fine_timing_are_not_judged_on_their_comm_split():
