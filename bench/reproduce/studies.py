@@ -1261,10 +1261,11 @@ def ttl_cells(out: Path, argv: list[str]) -> tuple[dict[tuple[str, str], str], s
         if row.get("missing"):
             what = "not measured" if row["setting"].startswith("(a)") else "not predicted"
             cells[(row["variant"], row["setting"])] = f"{what}: {row['missing']}"
-        elif row.get("target_s"):
-            cells[(row["variant"], row["setting"])] = _fmt_seconds(float(row["target_s"]))
         else:
-            cells[(row["variant"], row["setting"])] = "not reached"
+            cell = _fmt_seconds(float(row["target_s"])) if row.get("target_s") else "not reached"
+            if row.get("budget_loss") and row.get("budget_s"):   # the same curve at equal time
+                cell += f" · {float(row['budget_loss']):.3f} at {_fmt_seconds(float(row['budget_s']))}"
+            cells[(row["variant"], row["setting"])] = cell
     return cells, ""
 
 
@@ -1381,7 +1382,9 @@ def diloco_summary(results: list[RunResult], scale: Scale) -> Summary:
                    "step-shaping settings differ from its variant file, Dion at rank 1/16, as variant@key=value; "
                    "lrs and the outer lr do not shape a step and are not compared; a run of another step is "
                    "'not measured'; measuring needs root). A target reached at the first evaluation (step 200) "
-                   "is reported there: an upper bound. Predicted: compute from FLOPs and the GPU check's MFU, communication from "
+                   "is reported there: an upper bound. After '·': the arm's val loss at equal time, when the "
+                   "quickest whole run of its time-to-loss table (its shard size's) ends, read from its curve "
+                   "between evaluations (bench.time_to_loss's last column). Predicted: compute from FLOPs and the GPU check's MFU, communication from "
                    "the registry's cost model, on the cluster's GPUs (the curves are the 4-worker runs'; DiLoCo's "
                    "numerics at the cluster's worker count may differ; sharded arms are not modelled there). "
                    if target is not None else "Time to target: no finished AdamW run to take the target from. ")

@@ -178,17 +178,22 @@ def test_summary_reads_losses_bytes_and_time_to_loss_from_stored_runs(tmp_path):
     (out / "meta.json").write_text(json.dumps({"argv": argv[3:]}))
     link, cluster = studies.ttl_settings()[0][1], studies.ttl_settings()[2][1]
     with open(out / "results.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["setting", "variant", "step_s", "target_s", "missing"])
+        w = csv.DictWriter(f, fieldnames=["setting", "variant", "step_s", "target_s", "budget_s", "budget_loss",
+                                          "missing"])
         w.writeheader()
         w.writerows([{"setting": link, "variant": "diloco_h10", "step_s": 0.5, "target_s": 300.0},
                      {"setting": link, "variant": "adamw_fp32", "step_s": 2.0, "target_s": 2400.0},
                      {"setting": link, "variant": "lion_fp32", "step_s": 2.0},
+                     {"setting": cluster, "variant": "lion_fp32", "step_s": 0.01, "budget_s": 9.0,
+                      "budget_loss": 5.4321},
                      {"setting": cluster, "variant": "diloco_h10", "missing": "the MFU is unknown"}])
     s = studies.diloco_summary(results, sc)
     rows = {r["arm"]: r for r in s.rows}
     assert (rows["diloco_h10_s1"]["ttl_100mbit"], rows["adamw_fp32"]["ttl_100mbit"]) == ("5.0 min", "40.0 min")
     assert rows["fp32"]["ttl_100mbit"] == "not reached" and rows["diloco_h10_s1"]["ttl_cluster1"] == "not predicted"
     assert rows["diloco_h50_s1"]["ttl_100mbit"] == "not in its results"
+    # where bench.time_to_loss read the curve at equal time, the cell carries it after the time to target
+    assert rows["fp32"]["ttl_cluster1"] == "not reached · 5.432 at 9.00 s" and "After '·'" in "\n".join(s.notes)
     assert rows["diloco_h10_s2"]["ttl_100mbit"] == "not computed"  # its shard size's command has not run
     assert "diloco_h10_s1 (cluster1): the MFU is unknown" in "\n".join(s.notes)
     # results of another command (other runs or another target) are not read
