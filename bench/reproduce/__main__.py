@@ -35,6 +35,13 @@ def _floats(s: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"{s!r}: expected comma-separated numbers, e.g. 2,1.5,1,0.5")
 
 
+def _globs(s: str) -> tuple[str, ...]:
+    globs = tuple(x for x in s.split(",") if x)
+    if not globs:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected comma-separated run-name patterns, e.g. '*_s7_*'")
+    return globs
+
+
 def parser() -> Parser:
     ap = Parser(prog="python -m bench.reproduce", description="Reproduce Lion Cub's findings with this tool's own "
                 "training.", epilog=__doc__, configs=True, positionals=("study",), override_lists=("sets",),
@@ -73,6 +80,9 @@ def parser() -> Parser:
                     help="all only: train every study at its first seed, then every study at its second, and so on "
                          "(each report, rewritten after every pass, covers the seeds done so far): an interrupted "
                          "suite has one seed of every comparison before it has three of any")
+    ap.add_argument("--first", type=_globs, default=(), metavar="GLOB[,GLOB...]",
+                    help="train the runs whose names match one of these patterns before the others (e.g. "
+                         "'*_s7_*': a sweep's seed first); the study, its runs and its report are the same")
     ap.add_argument("--plan", action="store_true",
                     help="launch and write nothing: list every run the command would run (with 'all': every "
                          "study's, a run shared by two studies counted once) and what the run store and the run "
@@ -205,7 +215,7 @@ def show_plan(names: Sequence[str], args: argparse.Namespace) -> int:
     if args.lr == framework.FROM_SWEEP:
         names = sorted(names, key=lambda n: STUDIES[n].lr_from_sweep)  # as `all` runs them: the sweep first
     opts = Options(quick=args.quick, seeds=args.seeds, out=args.out, work=args.work, steps=args.steps,
-                   nproc=args.nproc, setting=args.setting, sets=tuple(args.sets), lr=args.lr)
+                   nproc=args.nproc, setting=args.setting, sets=tuple(args.sets), lr=args.lr, first=args.first)
     seen: set[str] = set()
     seen_specs: dict[str, list[int]] = {}  # spec_key's training part -> the diag.every of the runs listed
     every: list[framework.Planned] = []
@@ -261,7 +271,7 @@ def run_study(name: str, args: argparse.Namespace, argv: list[str]) -> int:
     opts = Options(quick=args.quick, seeds=args.seeds, out=args.out, work=args.work, steps=args.steps,
                    nproc=args.nproc, restart=args.restart, report_only=args.report_only, argv=argv,
                    extra={"alphas": args.alphas, "bits": args.bits}, setting=args.setting, sets=tuple(args.sets),
-                   lr=args.lr, allow_repeat=args.allow_repeat)
+                   lr=args.lr, allow_repeat=args.allow_repeat, first=args.first)
     try:
         paths = STUDIES[name].execute(opts)
     except StudyUnavailable as e:

@@ -755,6 +755,7 @@ class Options:
     sets: tuple[str, ...] = ()       # --set key=value ...: after the setting's overrides
     lr: str = "shared"               # "shared" (the scale's optim.lr for every arm) or FROM_SWEEP
     allow_repeat: bool = False       # --allow-repeat: launch runs that read a training token twice
+    first: tuple[str, ...] = ()      # --first: glob patterns of run names trained before the others
 
     def setting_overrides(self) -> tuple[str, ...]:
         if self.setting not in SETTINGS:
@@ -787,6 +788,14 @@ class Options:
     def work_dir(self, study: str) -> Path:
         d = self.work or self._under_setting(DEFAULT_WORK / ("quick" if self.quick else "")) / study
         return d if d.is_absolute() else ROOT / d
+
+
+def first_ordered(runs: Sequence[Run], first: Sequence[str]) -> list[Run]:
+    """`runs` with those whose name matches a pattern of `first` (fnmatch globs) moved ahead, each part in
+    its own order: which runs train first, not which runs the study has."""
+    import fnmatch
+
+    return sorted(runs, key=lambda r: not any(fnmatch.fnmatchcase(r.name, p) for p in first))
 
 
 @dataclass
@@ -879,7 +888,7 @@ class Study:
         assert self.build and self.summarize and self.plot, f"study {self.name} lacks build/summarize/plot"
         scale = self.scale(opts)
         seeds = opts.seeds or (self.quick_seeds if opts.quick else self.seeds)
-        runs = self.runs(scale, seeds, opts)
+        runs = first_ordered(self.runs(scale, seeds, opts), opts.first)
         names = [r.name for r in runs]
         if len(set(names)) != len(names):
             raise ValueError(f"study {self.name}: duplicate run names {sorted(n for n in names if names.count(n) > 1)}")
@@ -910,7 +919,8 @@ class Study:
                     by_spec.setdefault(key, []).append((r.run.name, every))
                 results.append(r)
             listed = {r.run.name for r in results}
-            runs = [r for r in self.more_runs(results, scale, seeds, opts) if r.name not in listed]
+            runs = first_ordered([r for r in self.more_runs(results, scale, seeds, opts) if r.name not in listed],
+                                 opts.first)
             if len({r.name for r in runs}) != len(runs):
                 raise ValueError(f"study {self.name}: its extend hook listed a run twice: {[r.name for r in runs]}")
             for r in runs:
@@ -968,6 +978,7 @@ def plan_study(study: "Study", opts: Options, by_spec: dict[str, list[tuple[str,
         runs, at_lr = study.build(scale, seeds, opts), False
         note = (f"each arm's lr comes from the sweep, whose {BEST_LR_FILE} has no value for every arm yet: "
                 "the runs are named (and looked up) here without it")
+    runs = first_ordered(runs, opts.first)
     work, store = opts.work_dir(study.name), opts.store_dir()
     out: list[Planned] = []
     results: list[RunResult] = []
@@ -992,7 +1003,7 @@ def plan_study(study: "Study", opts: Options, by_spec: dict[str, list[tuple[str,
             out.append(Planned(study.name, run, scale.steps, state, r.wall_s if r.ok else None,
                                spec_key(run_spec(run, scale))))
         listed = {r.run.name for r in results}
-        runs = [r for r in more(study.extend) if r.name not in listed]
+        runs = first_ordered([r for r in more(study.extend) if r.name not in listed], opts.first)
     later = more(study.awaiting)
     for run in later:
         out.append(Planned(study.name, run, scale.steps, "to train", None, spec_key(run_spec(run, scale))))

@@ -246,3 +246,39 @@ def test_plan_counts_the_runs_left_and_their_hours(tmp_path, capsys):
     show_plan(["horizon", "diloco"], parser().parse_args(["diloco", "--plan", *common]))
     text = capsys.readouterr().out
     assert re.search(r"^diloco +36 .*\(\+15 shared with an earlier study\)$", text, re.M), text
+
+
+def test_first_trains_the_matching_runs_before_the_others(tmp_path, capsys):
+    """--first GLOB: the outer-lr sweep (seed 7) ahead of the baselines it would otherwise wait behind; the
+    same runs, in another order, in --plan as in a study's execution; a bad value is an argparse error."""
+    runs = [framework.Run(n, "c.yaml", (), 1, 4) for n in ("horizon_a_s1337", "diloco_x_s7", "horizon_a_s1338",
+                                                           "streaming_y_s7", "diloco_x_s1337")]
+    got = [r.name for r in framework.first_ordered(runs, ("*_s7",))]
+    assert got == ["diloco_x_s7", "streaming_y_s7", "horizon_a_s1337", "horizon_a_s1338", "diloco_x_s1337"]
+    assert framework.first_ordered(runs, ()) == runs
+    assert [r.name for r in framework.first_ordered(runs, ("nothing*", "*1338"))][0] == "horizon_a_s1338"
+    out, work = tmp_path / "results", tmp_path / "work"
+    out.mkdir()
+    shutil.copy(Options(setting="study-prose").results_dir() / framework.BEST_LR_FILE, out)
+    common = ["--setting", SETTING, "--lr", framework.FROM_SWEEP, "--out", str(out), "--work", str(work)]
+    assert parser().parse_args(["diloco", "--first", "*_s7_*,x*", *common]).first == ("*_s7_*", "x*")
+    assert main(["diloco", "--plan", "--first", "*_s7_*", *common]) == 0
+    left = re.search(r"left: (.*)$", capsys.readouterr().out, re.M).group(1).split(", ")
+    assert len(left) == 51 and all("_s7_" in n for n in left[:18]) and not any("_s7_" in n for n in left[18:])
+    assert main(["diloco", "--plan", *common]) == 0
+    plain = re.search(r"left: (.*)$", capsys.readouterr().out, re.M).group(1).split(", ")
+    assert sorted(plain) == sorted(left) and plain[0].startswith("horizon_")
+    with pytest.raises(SystemExit):
+        parser().parse_args(["diloco", "--first", ","])
+
+
+def test_first_orders_a_study_s_execution(tmp_path, monkeypatch):
+    """The study's own loop visits the matching runs first (--report-only: nothing launches)."""
+    out = tmp_path / "results"
+    out.mkdir()
+    shutil.copy(Options(setting="study-prose").results_dir() / framework.BEST_LR_FILE, out)
+    seen, real = [], framework.ensure_run
+    monkeypatch.setattr(framework, "ensure_run", lambda run, *a, **k: (seen.append(run.name), real(run, *a, **k))[1])
+    main(["diloco", "--report-only", "--first", "*_s7_*", "--setting", SETTING, "--lr", framework.FROM_SWEEP,
+          "--out", str(out), "--work", str(tmp_path / "work")])
+    assert len(seen) == 33 and all("_s7_" in n for n in seen[:18]) and not any("_s7_" in n for n in seen[18:])
