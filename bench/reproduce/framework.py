@@ -32,6 +32,7 @@ are reported as pending instead of failing.
 from __future__ import annotations
 
 import csv
+import fnmatch
 import functools
 import json
 import math
@@ -793,8 +794,6 @@ class Options:
 def first_ordered(runs: Sequence[Run], first: Sequence[str]) -> list[Run]:
     """`runs` with those whose name matches a pattern of `first` (fnmatch globs) moved ahead, each part in
     its own order: which runs train first, not which runs the study has."""
-    import fnmatch
-
     return sorted(runs, key=lambda r: not any(fnmatch.fnmatchcase(r.name, p) for p in first))
 
 
