@@ -555,7 +555,7 @@ def run_one(args: argparse.Namespace, rate: str, variant: str, net: object | Non
     row["peak_rss_mib"], row["peak_tree_rss_mib"] = _rss(rss_dir)
     row["status"] = "ok"
     # the trainer checkpoints at its end; a measurement is read from metrics.jsonl and config.yaml and
-    # nothing resumes it, so its checkpoint (about 0.8 GB for the study preset's four AdamW ranks) goes
+    # nothing resumes it, so its checkpoint (about 0.5 GB for a study-preset run of four ranks) goes
     shutil.rmtree(run_dir / "ckpt", ignore_errors=True)
     row["wall_s"] = time.perf_counter() - t0
     print(f"   step {row['step_ms']:.0f} ms, comm {row['comm_ms']:.0f} ms ({100 * row['comm_share']:.0f} %), "
