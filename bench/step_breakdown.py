@@ -563,20 +563,27 @@ def run_one(args: argparse.Namespace, rate: str, variant: str, net: object | Non
     return row
 
 
+def error_said(text: str) -> str:
+    """The trainer's error in a log's text with the problems it lists: its first "error: ..." or "error (rank
+    N): ..." line (any case), then the "  - problem" lines under it, on one line; or ''."""
+    lines = text.splitlines()
+    at = next((i for i, ln in enumerate(lines) if ln.lower().startswith("error")), None)
+    if at is None:
+        return ""
+    said = [lines[at].strip()]
+    for ln in lines[at + 1:]:
+        if not ln.startswith("  - "):
+            break
+        said.append(ln.strip())
+    return " ".join(said)
+
+
 def first_error(log_dir: Path) -> str:
-    """The first rank log's error with the problems it lists (the trainer's "error: ..." or "error (rank N):
-    ..." line, any case, then its "  - problem" lines), or ''."""
+    """The first rank log in `log_dir` with an error (`error_said`), or ''."""
     for log in sorted(log_dir.glob("*.log")):
-        lines = log.read_text(errors="replace").splitlines()
-        at = next((i for i, ln in enumerate(lines) if ln.lower().startswith("error")), None)
-        if at is None:
-            continue
-        said = [lines[at].strip()]
-        for ln in lines[at + 1:]:
-            if not ln.startswith("  - "):
-                break
-            said.append(ln.strip())
-        return " ".join(said)
+        said = error_said(log.read_text(errors="replace"))
+        if said:
+            return said
     return ""
 
 

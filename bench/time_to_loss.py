@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
-from bench import runstore
+from bench import runstore, step_breakdown
 from bench.variants import ROOT, load_run_config, read_jsonl, train_records
 from optim import sync
 from util.cli import Parser, variant_runs
@@ -720,8 +720,8 @@ def train_curve(name: str, files: list[str], overrides: list[str], run_dir: Path
             rc = subprocess.run([*launcher, *args], cwd=ROOT, env=_env(), stdout=log,
                                 stderr=subprocess.STDOUT).returncode
     if rc:
-        said = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip().startswith("- ")]
-        raise RuntimeError(f"training {name} failed (exit {rc}{': ' + said[0] if said else ''}); see {log_path}")
+        said = step_breakdown.error_said(log_path.read_text(errors="replace"))
+        raise RuntimeError(f"training {name} failed (exit {rc}{': ' + said if said else ''}); see {log_path}")
 
 
 def measure_steps(names: list[str], overrides: list[str], link: str, breakdown: Path, nproc: int, steps: int,

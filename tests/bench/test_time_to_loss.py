@@ -420,12 +420,23 @@ def test_train_curve_command(tmp_path, monkeypatch):
     assert cmd[i + 1:i + 3] == ["configs/variants/adamw_fp32.yaml", "model.preset=debug"]
     assert {"train.max_steps=40", "train.eval_every=10", f"train.out_dir={tmp_path / 'r'}"} <= set(cmd)
 
-    def failing(cmd, stdout=None, **kw):
-        stdout.write("Error: 1 config problem(s):\n  - optim.lr: -1 must be > 0\n")
+    def failing(cmd, stdout=None, **kw):      # the trainer's error as bench.step_breakdown reads it: heading + problems
+        stdout.write("config:\n  - model.preset: debug\nError: 2 config problem(s):\n  - optim.lr: -1 must be > 0\n"
+                     "  - train.max_steps: 0 must be >= 1\nTraceback (most recent call last):\n")
         return subprocess.CompletedProcess(cmd, 2)
 
     monkeypatch.setattr(ttl.subprocess, "run", failing)
-    with pytest.raises(RuntimeError, match="optim.lr: -1 must be > 0"):
+    with pytest.raises(RuntimeError) as err:
+        ttl.train_curve("x", [], [], tmp_path / "x", nproc=1, steps=4, evals=1)
+    assert ("training x failed (exit 2: Error: 2 config problem(s): - optim.lr: -1 must be > 0 - train.max_steps: 0 "
+            "must be >= 1); see") in str(err.value) and "model.preset" not in str(err.value)
+
+    def killed(cmd, stdout=None, **kw):
+        stdout.write("step 3 loss 4.1\n")
+        return subprocess.CompletedProcess(cmd, -9)
+
+    monkeypatch.setattr(ttl.subprocess, "run", killed)
+    with pytest.raises(RuntimeError, match=r"training x failed \(exit -9\); see"):
         ttl.train_curve("x", [], [], tmp_path / "x", nproc=1, steps=4, evals=1)
 
 
