@@ -6,7 +6,7 @@ Every collective takes `group=None` (the default group) and `stats: CommStats | 
 (None books into `default_stats()`), and returns the same tensor on every rank.
 """
 from . import cost_model, kernels, packing, quantize
-from ._groups import resolve_node_size, world
+from ._groups import all_gather_single, reduce_scatter_single, resolve_node_size, world
 from .allreduce import (INT_BITS, allreduce_mean, allreduce_packed_, any_rank, check_lanes, int_allreduce, max_levels,
                         set_debug)
 from .compressed import (COMPRESSORS, Compressor, as_compressor, compressed_bytes, ef_buffer_sizes,
@@ -20,6 +20,7 @@ __all__ = [
     "allreduce_mean", "allreduce_packed_", "any_rank", "check_lanes", "set_debug", "sign_vote_packed", "int_allreduce", "max_levels", "INT_BITS",
     "pack_bits", "pack_lanes", "unpack_bits", "unpack_lanes", "unpack_signs", "ceil_div", "lane_max",
     "ps_vote", "sign_vote_1bit", "hierarchical_sign_vote", "resolve_node_size", "world",
+    "all_gather_single", "reduce_scatter_single",
     "CallRecord", "Clock", "CommStats", "default_stats", "cost_model", "kernels", "packing", "quantize",
     "ef_compressed_allreduce", "ef_buffer_sizes", "compressed_bytes", "Compressor",
     "as_compressor", "COMPRESSORS",

@@ -8,6 +8,11 @@ import torch.distributed as dist
 
 _NODE_GROUPS: dict[tuple, tuple] = {}
 
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn on every call);
+# the collectives call these, which keep older torch working. Same arguments: (output, input, group=...).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def world(group) -> tuple[int, int]:
     """(size, rank) of `group`; (1, 0) when torch.distributed is not initialised."""

@@ -61,7 +61,7 @@ import torch.distributed as dist
 from ._groups import device_of, node_groups, world
 from .packing import CPU_BLOCK, _lookup, _lut, _pack_flags, pack_lanes
 from .stats import CallTimer, CommStats, default_stats
-from .vote import _all_gather_single, _reduce_scatter_single
+from ._groups import all_gather_single, reduce_scatter_single
 
 COMPRESSORS = ("scaled_sign", "binary_stochastic", "int4")
 SIGN_SCALES = ("mean_abs", "l2")
@@ -423,7 +423,7 @@ def _ef_exchange(src: torch.Tensor, werr: torch.Tensor, serr: torch.Tensor, comp
     if Q > 1:
         out = torch.empty(Q * w, dtype=torch.uint8, device=dev)
         with timer.coll(sent=mine, recv=out):
-            _all_gather_single(out, mine, group=group)
+            all_gather_single(out, mine, group=group)
         return out.view(Q, w)
     return mine.view(1, w)
 
@@ -524,7 +524,7 @@ def _hierarchical(flat: torch.Tensor, werr: torch.Tensor, serr: torch.Tensor, co
         buf[n:] = 0.0
     shard = torch.empty(L, dtype=torch.float32, device=flat.device)
     with timer.coll(sent=buf, recv=shard):
-        _reduce_scatter_single(shard, buf, group=intra)
+        reduce_scatter_single(shard, buf, group=intra)
     l = rank % m
     nr = max(0, min(L, n - l * L))        # real elements of my shard: a prefix of it
     with timer.pack():
@@ -535,5 +535,5 @@ def _hierarchical(flat: torch.Tensor, werr: torch.Tensor, serr: torch.Tensor, co
     out = torch.empty(P, w, dtype=torch.uint8, device=flat.device)
     mine = mine.reshape(-1)
     with timer.coll(sent=mine, recv=out):
-        _all_gather_single(out.view(-1), mine, group=intra)
+        all_gather_single(out.view(-1), mine, group=intra)
     return out

@@ -35,7 +35,7 @@ from ._groups import device_of, world
 from .compressed import _exchange
 from .packing import pack_lanes, unpack_lanes
 from .stats import CommStats, default_stats
-from .vote import _all_gather_single
+from ._groups import all_gather_single
 
 E3M0_CODES = 8            # k in 0..7: zero and the magnitudes s * 2**-6 .. s
 _SIGN = 8                 # bit 3 of a nibble
@@ -146,7 +146,7 @@ def e3m0_allreduce_mean(x: torch.Tensor, block: int = 2048, group=None, stats: C
         if P > 1:
             gathered = torch.empty(P * mine.numel(), dtype=torch.uint8, device=x.device)
             with timer.coll(sent=mine, recv=gathered):
-                _all_gather_single(gathered, mine, group=group)
+                all_gather_single(gathered, mine, group=group)
             gathered = gathered.view(P, -1)
         else:
             gathered = mine.view(1, -1)

@@ -29,6 +29,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ._groups import all_gather_single
+
 ROUNDINGS = ("nearest", "stochastic")
 MAX_LEVELS = 127  # quantized votes travel as int8 (comm.int_allreduce takes int8[n])
 # ATen splits a reduction or an elementwise loop across intra-op threads only from this many
@@ -242,7 +244,7 @@ def sharded_lp_means(c: torch.Tensor, segments: Sequence[tuple[int, int]], p: fl
     local = segment_lp_partials(c, segments, p, scratch)
     S = dist.get_world_size(group)
     parts = local.new_empty((S * local.shape[0], 2))  # gloo gathers along dim 0 only
-    dist.all_gather_into_tensor(parts, local, group=group)
+    all_gather_single(parts, local, group=group)
     return combine_lp_partials(parts.view(S, -1, 2), p).to(mdt)
 
 

@@ -11,13 +11,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ._groups import device_of, node_groups, resolve_node_size, world
+from ._groups import all_gather_single, device_of, node_groups, reduce_scatter_single, resolve_node_size, world
 from .packing import _lookup, _lut, _pack_flags, ceil_div, pack_positive, unpack_signs
 from .stats import CallTimer, CommStats, default_stats
 
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor; keep older torch working
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def tb_flags(x: torch.Tensor, step: int, length: int | None = None) -> torch.Tensor:
@@ -106,7 +103,7 @@ def _vote_packed(packed: torch.Tensor, step: int, group, timer: CallTimer,
         mine = (local_majority or _reference_majority)(recv, P, step)
     out = torch.empty_like(packed)
     with timer.coll(sent=mine, recv=out):
-        _all_gather_single(out, mine, group=group)
+        all_gather_single(out, mine, group=group)
     return out
 
 
@@ -159,7 +156,7 @@ def hierarchical_sign_vote(x: torch.Tensor, step: int, node_size: int | None = N
                 buf[:n] = xs
             shard = torch.empty(npad // m, dtype=acc, device=x.device)
             with timer.coll(sent=buf, recv=shard):
-                _reduce_scatter_single(shard, buf, group=intra)
+                reduce_scatter_single(shard, buf, group=intra)
             with timer.pack():
                 packed = tb_packed(shard, step)
         else:
@@ -169,7 +166,7 @@ def hierarchical_sign_vote(x: torch.Tensor, step: int, node_size: int | None = N
         if m > 1:
             out = torch.empty(npad // 8, dtype=torch.uint8, device=x.device)
             with timer.coll(sent=mine, recv=out):
-                _all_gather_single(out, mine, group=intra)
+                all_gather_single(out, mine, group=intra)
         else:
             out = mine
         with timer.pack():

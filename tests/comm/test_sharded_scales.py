@@ -58,3 +58,38 @@ def test_quantize_pack_uses_the_means_it_is_given(impl, rounding, p) -> None:
     own = kernels.quantize_pack(x, segs, 7, p, 2.0, 4, rounding, gen(), impl=impl)
     assert torch.equal(got, want)
     assert not torch.equal(got, own)  # the given means were used
+
+
+def test_the_collectives_call_torchs_current_gather_names_without_a_warning(tmp_path) -> None:
+    """torch 2.13 deprecated all_gather_into_tensor / reduce_scatter_tensor (a FutureWarning on every call, on
+    every rank): the product calls comm's all_gather_single / reduce_scatter_single, which are torch's new
+    names where it has them. Checked in the source of the product's packages and by running the sharded
+    M_p gather on a one-rank gloo group with warnings as errors."""
+    import re
+    import warnings
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    import comm
+    from comm.quantize import sharded_lp_means
+
+    root = Path(__file__).parents[2]
+    old = re.compile(r"\bdist\.(all_gather_into_tensor|reduce_scatter_tensor)\(")
+    calls = [f"{f.relative_to(root)}:{n}" for pkg in ("comm", "optim", "trainer", "model", "data", "launch")
+             for f in sorted((root / pkg).rglob("*.py")) for n, ln in enumerate(f.read_text().splitlines(), 1)
+             if old.search(ln)]
+    assert calls == [], f"deprecated collective names called at {calls}; call comm.all_gather_single / reduce_scatter_single"
+    if hasattr(dist, "all_gather_single"):
+        assert comm.all_gather_single is dist.all_gather_single
+        assert comm.reduce_scatter_single is dist.reduce_scatter_single
+    x = tensor()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = sharded_lp_means(x, [(0, 400), (400, 600)], 1.0, dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+    want = segment_lp_means(x, [(0, 400), (400, 600)], 1.0)
+    assert torch.allclose(got, want, rtol=1e-6)
