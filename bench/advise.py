@@ -15,8 +15,10 @@ and the measurements.
 Arguments follow every command's convention (util/cli.py): the run's config files compose in order
 (as train.py composes them) and overrides go anywhere among the flags. `--variants` compares: each
 .yaml file given there is one candidate (the files outside --variants, then it, then the overrides),
-a word without .yaml a comma list of configs/variants names; without --variants every
-configs/variants file is a candidate. The run's model and data are those of the files outside
+a word without .yaml a comma list of configs/variants names, each optionally with optim / comm keys
+set as `name@section.key=value@...` (bench.step_breakdown's syntax: `dion@optim.rank_fraction=0.0625`;
+such a candidate has no quality evidence of its own); without --variants every configs/variants file
+is a candidate. The run's model and data are those of the files outside
 --variants (or of the first candidate's file when there are none); candidates differing in them are
 refused: the advice compares optimizers and modes on one model.
 """

@@ -15,6 +15,13 @@ which may keep fp32 over a slightly faster variant, is not applied here.
 
 Output in --out: advise_<rate>.json, measured/ (step_breakdown's own output), validation.csv and
 validation.md. Needs root and iproute2 (network namespaces).
+
+`--measured DIR` checks the predictions against runs bench.step_breakdown already made (DIR holds its
+results.csv and meta.json, e.g. a time-to-loss study's breakdown directory) instead of training every
+variant again: the layout, config dir and overrides are those runs' (a different one given here is an
+error), the variants and rates default to theirs, and a requested one they lack is an error.
+
+    python -m bench.advise_check --measured bench/out/time_to_loss/breakdown --out bench/out/advise_check_ttl
 """
 from __future__ import annotations
 
@@ -81,7 +88,7 @@ def _num(x, fmt: str) -> str:
 def markdown(rows: list[dict], summaries: list[dict], meta: dict) -> str:
     out = ["# bench.advise: predicted vs measured step time", "",
            f"{meta['nproc']} ranks under bench.netsim ({_layout(meta)}), config dir `{meta['config_dir']}`, overrides `{meta['overrides']}`; measured: median of "
-           f"{meta['steps']} steps after {meta['warmup']} warm-up (bench.step_breakdown). Machine: {meta['machine']}; "
+           f"{meta['steps']} steps after {meta['warmup']} warm-up (bench.step_breakdown, `{meta.get('measured', '?')}`). Machine: {meta['machine']}; "
            f"1-minute load before: {meta['load_before']}, after: {meta['load_after']}.", "",
            "| rate | variant | mode | predicted (ms) | measured (ms) | predicted / measured | within 25 % | "
            "compute (ms) | local (ms) | comm model (ms) | collectives measured (ms) | load: advise / training |",
@@ -114,22 +121,68 @@ def _load() -> str:
     return Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "?"
 
 
+LAYOUT_DEFAULTS = {"nproc": 4, "nodes": 0, "config_dir": "configs/cpu_30m", "overrides": " ".join(DEFAULT_OVERRIDES),
+                   "steps": 6, "warmup": 2}
+
+
+def adopt_measured(args: argparse.Namespace, ap: argparse.ArgumentParser) -> list[dict]:
+    """--measured DIR: the runs' layout, config and (unless given) variants and rates go into `args`; a
+    setting given here that differs from theirs, or a variant / rate they lack, is an error (ap.error).
+    Returns their results.csv rows."""
+    d = Path(args.measured)
+    if not (d / "results.csv").is_file() or not (d / "meta.json").is_file():
+        ap.error(f"--measured {d}: no results.csv and meta.json there; give a bench.step_breakdown --out directory")
+    meta = json.loads((d / "meta.json").read_text())
+    theirs = {"nproc": meta.get("nproc"), "nodes": meta.get("nodes") or 0, "config_dir": meta.get("config_dir"),
+              "overrides": " ".join(meta.get("overrides") or []), "warmup": meta.get("warmup")}
+    if args.steps is not None:
+        ap.error(f"--steps: the measured runs in {d} set their own (results.csv's steps column); drop --steps")
+    for key, value in theirs.items():
+        given = getattr(args, key)
+        if given is not None and value is not None and given != value:
+            flag = "--" + key.replace("_", "-")
+            ap.error(f"{flag} {given!r} differs from the measured runs' {value!r} ({d / 'meta.json'}); drop {flag} "
+                     f"to use theirs, or measure again without --measured")
+        if given is None:
+            setattr(args, key, value if value is not None else LAYOUT_DEFAULTS[key])
+    rows = list(csv.DictReader((d / "results.csv").open()))
+    args.variants = args.variants or ",".join(meta.get("variants") or dict.fromkeys(r["variant"] for r in rows))
+    args.rates = args.rates or ",".join(meta.get("rates") or dict.fromkeys(r["rate"] for r in rows))
+    have = {(r["rate"], r["variant"]) for r in rows}
+    wanted = [(r, v) for r in args.rates.split(",") if r for v in args.variants.split(",") if v]
+    lack = [f"{v} at {r}" for r, v in wanted if (r, v) not in have]
+    if lack:
+        ap.error(f"--measured {d}: no run of {', '.join(lack)}; measure it with bench.step_breakdown --out {d} or "
+                 f"leave it out of --variants / --rates")
+    steps = sorted({int(r["steps"]) for r in rows if (r["rate"], r["variant"]) in wanted and r.get("steps")})
+    args.steps = "-".join(str(n) for n in dict.fromkeys([steps[0], steps[-1]])) if steps else "?"
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.advise_check", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rates", default="1gbit,100mbit")
-    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
-    ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--nodes", type=int, default=0,
+    ap.add_argument("--rates", default=None, help="comma list of bench.netsim rates (default: 1gbit,100mbit)")
+    ap.add_argument("--variants", default=None, help=f"comma list (default: {','.join(DEFAULT_VARIANTS)})")
+    ap.add_argument("--nproc", type=int, default=None, help=f"ranks (default: {LAYOUT_DEFAULTS['nproc']})")
+    ap.add_argument("--nodes", type=int, default=None,
                     help="emulated nodes (bench.netsim --nodes): ranks of one node share an unlimited loopback, the "
-                         "rate limits only the links between nodes; 0 = one namespace per rank")
-    ap.add_argument("--config-dir", default="configs/cpu_30m")
-    ap.add_argument("--overrides", default=" ".join(DEFAULT_OVERRIDES))
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--warmup", type=int, default=2)
+                         "rate limits only the links between nodes; 0 (default) = one namespace per rank")
+    ap.add_argument("--config-dir", default=None, help=f"default: {LAYOUT_DEFAULTS['config_dir']}")
+    ap.add_argument("--overrides", default=None, help=f"default: {LAYOUT_DEFAULTS['overrides']}")
+    ap.add_argument("--steps", type=int, default=None, help=f"measured steps (default: {LAYOUT_DEFAULTS['steps']})")
+    ap.add_argument("--warmup", type=int, default=None, help=f"default: {LAYOUT_DEFAULTS['warmup']}")
+    ap.add_argument("--measured", default="", metavar="DIR",
+                    help="check against these bench.step_breakdown runs instead of training the variants again")
     ap.add_argument("--allow", default=",".join(default_allow()), help="the modes auto may pick")
     ap.add_argument("--out", default="bench/out/advise_check")
     ap.add_argument("--timeout", type=float, default=900.0)
     args = ap.parse_args(argv)
+    measured = adopt_measured(args, ap) if args.measured else None
+    for key, value in LAYOUT_DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.rates = args.rates or "1gbit,100mbit"
+    args.variants = args.variants or ",".join(DEFAULT_VARIANTS)
     if args.nodes < 0 or (args.nodes and args.nproc % args.nodes):
         ap.error(f"--nodes {args.nodes} must divide --nproc {args.nproc} (0 = one namespace per rank)")
     from bench import netsim
@@ -140,8 +193,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = args.overrides.split()
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": str(ROOT),
            "WANDB_MODE": "disabled", "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1"}
-    meta = {"nproc": args.nproc, "nodes": args.nodes, "config_dir": args.config_dir, "overrides": args.overrides, "steps": args.steps, "warmup": args.warmup,
-            "machine": f"{os.uname().machine}, {os.cpu_count()} CPUs", "load_before": _load()}
+    meta = {"nproc": args.nproc, "nodes": args.nodes, "config_dir": args.config_dir, "overrides": args.overrides,
+            "steps": args.steps, "warmup": args.warmup, "machine": f"{os.uname().machine}, {os.cpu_count()} CPUs",
+            "load_before": _load(), "measured": args.measured or str(out / "measured")}
     from bench.variants import config_files
 
     base_cfg = [str(p) for p in config_files("lion_fp32", args.config_dir)]
@@ -158,16 +212,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if any(codes):
             print(f"bench.advise failed at {rate}: rc={codes}; logs in {out / 'logs' / rate}", file=sys.stderr)
             return 1
-    print(f"== measuring {args.variants} at {args.rates} (bench.step_breakdown)", flush=True)
-    rc = subprocess.run([sys.executable, "-m", "bench.step_breakdown", "--rates", args.rates, "--variants",
-                         args.variants, "--nproc", str(args.nproc), "--nodes", str(args.nodes), "--steps", str(args.steps), "--warmup",
-                         str(args.warmup), "--config-dir", args.config_dir, "--overrides", args.overrides,
-                         "--no-calibrate", "--out", str(out / "measured"), "--timeout", str(args.timeout)],
-                        cwd=ROOT, env={**os.environ, **env}).returncode
-    if rc:
-        print(f"bench.step_breakdown failed (rc={rc}); see {out / 'measured'}", file=sys.stderr)
-        return 1
-    measured = list(csv.DictReader((out / "measured" / "results.csv").open()))
+    if measured is None:
+        print(f"== measuring {args.variants} at {args.rates} (bench.step_breakdown)", flush=True)
+        rc = subprocess.run([sys.executable, "-m", "bench.step_breakdown", "--rates", args.rates, "--variants",
+                             args.variants, "--nproc", str(args.nproc), "--nodes", str(args.nodes), "--steps",
+                             str(args.steps), "--warmup", str(args.warmup), "--config-dir", args.config_dir,
+                             "--overrides", args.overrides, "--no-calibrate", "--out", str(out / "measured"),
+                             "--timeout", str(args.timeout)],
+                            cwd=ROOT, env={**os.environ, **env}).returncode
+        if rc:
+            print(f"bench.step_breakdown failed (rc={rc}); see {out / 'measured'}", file=sys.stderr)
+            return 1
+        measured = list(csv.DictReader((out / "measured" / "results.csv").open()))
     allow = [m for m in args.allow.split(",") if m]
     rows, summaries = [], []
     for rate in rates:

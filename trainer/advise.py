@@ -45,11 +45,12 @@ import torch.distributed as dist
 import yaml
 
 import data
-from comm import Clock, cost_model
+from comm import Clock, all_gather_single, cost_model
 from model import GPT, param_layers, resolve_config
 from optim import sync
 
-from .config import CommConfig, ConfigError, OptimConfig, load_config, read_yaml, validate
+from .config import (CommConfig, ConfigError, OptimConfig, _merge, load_config, parse_overrides, read_yaml,
+                     validate)
 from .optimizer import build_run_optimizer
 from .param_groups import param_groups
 
@@ -75,11 +76,26 @@ def variant_names(directory: Path = VARIANTS_DIR) -> list[str]:
 
 
 def load_variant(name: str, directory: Path = VARIANTS_DIR) -> Candidate:
-    path = directory / f"{name}.yaml"
+    """A configs/variants preset's optimizer and mode. `name@section.key=value@...` (bench.step_breakdown's
+    syntax) sets optim / comm keys on top of the preset, e.g. `dion@optim.rank_fraction=0.0625`; the
+    candidate keeps the whole string as its name. ValueError / ConfigError naming a bad entry."""
+    base, *extra = name.split("@")
+    path = directory / f"{base}.yaml"
     if not path.is_file():
-        raise ValueError(f"unknown variant {name!r}; valid: {', '.join(variant_names(directory))}")
+        raise ValueError(f"unknown variant {base!r}; valid: {', '.join(variant_names(directory))}")
     doc = read_yaml(path)
-    return Candidate(name, {k: dict(doc.get(k) or {}) for k in ("optim", "comm")})
+    sections = {k: dict(doc.get(k) or {}) for k in ("optim", "comm")}
+    try:
+        over = parse_overrides(extra)
+    except ConfigError as e:
+        raise ValueError(f"variant {name!r}: {e}") from None
+    other = sorted(set(over) - set(sections))
+    if other:
+        raise ValueError(f"variant {name!r}: {other[0]}.* is not an optimizer or mode key; a candidate sets optim "
+                         f"and comm only (give model, data and parallel settings as overrides of the run)")
+    for section, keys in over.items():
+        sections[section] = _merge(sections[section], keys)
+    return Candidate(name, sections)
 
 
 def _common_keys(cls) -> set[str]:
@@ -132,7 +148,7 @@ def _time_collective(kind: str, nbytes: int, group, device: torch.device, repeat
         elif kind == "all_to_all":
             dist.all_to_all_single(out, x, group=group)
         elif kind == "all_gather":
-            dist.all_gather_into_tensor(out, x[: n // P], group=group)
+            all_gather_single(out, x[: n // P], group=group)
         else:
             raise ValueError(kind)
 

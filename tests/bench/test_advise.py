@@ -4,9 +4,11 @@ config errors, the pick and its survival across a resume, and (under bench.netsi
 iproute2 only) the link measurement against a known rate and the pick at a slow link."""
 from __future__ import annotations
 
+import csv
 import io
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -218,6 +220,78 @@ def test_advise_check_passes_nodes_to_both_netsim_launches(monkeypatch, tmp_path
     with pytest.raises(SystemExit) as e:
         advise_check.main(["--nproc", "4", "--nodes", "3"])
     assert e.value.code == 2
+
+
+def test_a_candidate_may_be_a_preset_with_optim_or_comm_keys_set():
+    """`name@section.key=value` (bench.step_breakdown's syntax): the preset with the key set, the whole
+    string as its name; a key outside optim / comm or a malformed entry is a ValueError naming it."""
+    base, r16 = advise.load_variant("dion"), advise.load_variant("dion@optim.rank_fraction=0.0625@comm.mode=fp32")
+    assert r16.name == "dion@optim.rank_fraction=0.0625@comm.mode=fp32"
+    assert r16.sections["optim"] == {**base.sections["optim"], "rank_fraction": 0.0625}
+    assert r16.sections["comm"] == {**base.sections["comm"], "mode": "fp32"}
+    synched = advise.load_variant("lioncub_4bit_synchead@comm.momentum_sync.every=5")  # nested: merged key by key
+    assert synched.sections["comm"]["momentum_sync"] == {"every": 5, "layers": ["head"]}
+    assert advise.load_variant("lioncub_4bit_synchead").sections["comm"]["momentum_sync"]["every"] == 10
+    with pytest.raises(ValueError, match=r"'dion@model.n_layer=2': model\.\* is not an optimizer or mode key"):
+        advise.load_variant("dion@model.n_layer=2")
+    with pytest.raises(ValueError, match=r"'dion@rank': override 'rank': expected section.key=value"):
+        advise.load_variant("dion@rank")
+    with pytest.raises(ValueError, match="unknown variant 'nope'"):
+        advise.load_variant("nope@optim.lr=1")
+
+
+def test_advise_check_measured_reuses_step_breakdown_runs(monkeypatch, tmp_path):
+    """--measured DIR: bench.advise runs in the measured runs' layout and config, nothing is trained again,
+    and the table joins the predictions with DIR's rows; a differing layout or a missing run is refused."""
+    from bench import advise_check
+
+    d = tmp_path / "breakdown"
+    d.mkdir()
+    (d / "meta.json").write_text(json.dumps({"nproc": 4, "nodes": 2, "config_dir": "configs/variants",
+                                             "overrides": ["model.preset=study", "data.order=shuffled"],
+                                             "steps": 10, "warmup": 3, "rates": ["100mbit"],
+                                             "variants": ["lion_fp32", "dion@optim.rank_fraction=0.0625"]}))
+    rows = [("lion_fp32", 10, 8000.0), ("dion@optim.rank_fraction=0.0625", 10, 4000.0), ("diloco_h10", 50, 3000.0)]
+    (d / "results.csv").write_text("rate,variant,status,steps,step_ms,coll_ms,load1\n" + "".join(
+        f"100mbit,{v},ok,{n},{ms},{ms / 2},6.0\n" for v, n, ms in rows))
+    seen = []
+
+    def fake_advise(nproc, cmd, rate, ranks_per_ns, **kw):
+        seen.append((nproc, ranks_per_ns, rate, cmd))
+        names = cmd[cmd.index("--variants") + 1].split(",")
+        pred = {"lion_fp32": 7.6, "dion@optim.rank_fraction=0.0625": 4.4, "diloco_h10": 3.3}
+        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps({"rows": [
+            {"variant": v, "status": "ok", "mode": "x", "step_s": pred[v], "compute_s": 2.0, "local_s": 0.1,
+             "comm_s": pred[v] - 2.1, "evidence": "not for auto: none"} for v in names]}))
+        return [0] * nproc
+
+    monkeypatch.setattr(netsim, "run", fake_advise)
+    monkeypatch.setattr(advise_check.subprocess, "run", lambda *a, **kw: pytest.fail("trained again"))
+    out = tmp_path / "out"
+    assert advise_check.main(["--measured", str(d), "--out", str(out)]) == 0
+    (nproc, per_ns, rate, cmd), = seen
+    assert (nproc, per_ns, rate) == (4, 2, "100mbit")
+    assert "configs/variants/lion_fp32.yaml" in " ".join(cmd) and {"model.preset=study", "data.order=shuffled"} <= set(cmd)
+    assert cmd[cmd.index("--variants") + 1] == "lion_fp32,dion@optim.rank_fraction=0.0625"
+    table = {r["variant"]: r for r in csv.DictReader((out / "validation.csv").open())}
+    assert set(table) == {"lion_fp32", "dion@optim.rank_fraction=0.0625"}
+    assert float(table["lion_fp32"]["pred_over_meas"]) == pytest.approx(0.95)
+    assert float(table["dion@optim.rank_fraction=0.0625"]["pred_over_meas"]) == pytest.approx(1.1)
+    md = (out / "validation.md").read_text()
+    assert f"median of 10 steps after 3 warm-up (bench.step_breakdown, `{d}`)" in md and "2 nodes of 2 ranks" in md
+    seen.clear()
+    assert advise_check.main(["--measured", str(d), "--variants", "lion_fp32,diloco_h10", "--out", str(out)]) == 0
+    assert "median of 10-50 steps" in (out / "validation.md").read_text()
+    for bad, says in ((["--nproc", "8"], "--nproc 8 differs from the measured runs' 4"),
+                      (["--overrides", "model.preset=debug"], "--overrides 'model.preset=debug' differs"),
+                      (["--steps", "5"], "--steps: the measured runs"),
+                      (["--variants", "lioncub_1bit"], "no run of lioncub_1bit at 100mbit"),
+                      (["--rates", "1gbit"], "no run of lion_fp32 at 1gbit")):
+        with pytest.raises(SystemExit) as e:
+            advise_check.main(["--measured", str(d), "--out", str(out), *bad])
+        assert e.value.code == 2
+    with pytest.raises(SystemExit):
+        advise_check.main(["--measured", str(tmp_path / "none")])
 
 
 @needs_netsim
