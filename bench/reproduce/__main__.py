@@ -58,7 +58,9 @@ def parser() -> Parser:
     ap.add_argument("--steps", type=int, default=None, help="override the study's number of steps")
     ap.add_argument("--nproc", type=int, default=None, help="override the world size (table3: run only this one)")
     ap.add_argument("--restart", action="store_true", help="rerun every run from scratch (no reuse, no resume)")
-    ap.add_argument("--report-only", action="store_true", help="launch nothing; summarize the finished runs")
+    ap.add_argument("--report-only", action="store_true",
+                    help="launch nothing; summarize the finished runs (an interim report: the runs not trained yet "
+                         "are listed and left out, exit 0 unless a run failed)")
     ap.add_argument("--import-raw", type=Path, nargs="+", default=None, metavar="RUNS_JSONL",
                     help="rebuild run-store entries (loss curves only) from <study>_runs.jsonl files written before "
                          "the store existed, into the --out (or default) results directory's store/, and exit")
@@ -282,6 +284,10 @@ def run_study(name: str, args: argparse.Namespace, argv: list[str]) -> int:
     md = next((p for p in paths if p.suffix == ".md"), None)
     if md:
         print(md.read_text())
+    if opts.not_run:
+        print(f"note: study {name}: {len(opts.not_run)} run(s) not trained yet ({', '.join(opts.not_run)}); the table "
+              f"above is interim and leaves them out. Train them with the same command without --report-only "
+              f"(finished runs are reused)", file=sys.stderr)
     if opts.failed:
         print(f"error: study {name}: {len(opts.failed)} run(s) failed or were not run ({', '.join(opts.failed)}); "
               "the table above leaves them out. Their logs are under the --work directory's logs/; rerun the same "

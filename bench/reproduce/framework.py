@@ -751,7 +751,8 @@ class Options:
     report_only: bool = False
     argv: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)   # study-specific (--alphas, --bits for the toy)
-    failed: list[str] = field(default_factory=list)  # filled by Study.execute: runs that failed or were not run
+    failed: list[str] = field(default_factory=list)  # filled by Study.execute: runs that failed
+    not_run: list[str] = field(default_factory=list)  # filled by Study.execute under report_only: runs not trained yet
     setting: str = DEFAULT_SETTING   # a SETTINGS name (--setting)
     sets: tuple[str, ...] = ()       # --set key=value ...: after the setting's overrides
     lr: str = "shared"               # "shared" (the scale's optim.lr for every arm) or FROM_SWEEP
@@ -939,10 +940,14 @@ class Study:
         png = out / f"{self.name}.png"
         self.plot(results, png)
         paths.append(png)
-        failed = [r for r in results if r.status.startswith("failed")]
+        # a --report-only summary of a study still training is an interim report: its runs not trained yet are
+        # pending, not failures (a run that failed after its launch still fails the summary)
+        waiting = [r for r in results if opts.report_only and r.status.startswith(NOT_RUN)]
+        failed = [r for r in results if r.status.startswith("failed") and r not in waiting]
         if failed:
             echo(f"{len(failed)} run(s) failed: " + "; ".join(f"{r.run.name}: {r.status}" for r in failed))
             opts.failed.extend(r.run.name for r in failed)
+        opts.not_run.extend(r.run.name for r in waiting)
         return paths
 
 

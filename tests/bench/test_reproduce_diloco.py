@@ -282,3 +282,31 @@ def test_first_orders_a_study_s_execution(tmp_path, monkeypatch):
     main(["diloco", "--report-only", "--first", "*_s7_*", "--setting", SETTING, "--lr", framework.FROM_SWEEP,
           "--out", str(out), "--work", str(tmp_path / "work")])
     assert len(seen) == 33 and all("_s7_" in n for n in seen[:18]) and not any("_s7_" in n for n in seen[18:])
+
+
+def test_report_only_of_a_study_still_training_is_interim_and_a_failed_run_still_fails_it(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """--report-only over a study whose runs are not all trained writes the interim report and exits 0,
+    naming the runs still to train (a note, not an error); a run that failed after its launch still makes
+    it exit 1 and is named as failed."""
+    out = tmp_path / "results"
+    out.mkdir()
+    shutil.copy(Options(setting="study-prose").results_dir() / framework.BEST_LR_FILE, out)
+    argv = ["diloco", "--report-only", "--setting", SETTING, "--lr", framework.FROM_SWEEP, "--out", str(out),
+            "--work", str(tmp_path / "work")]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "note: study diloco: 33 run(s) not trained yet (horizon_" in err and "error" not in err
+    assert (out / "diloco.md").is_file()
+    real, victim = framework.ensure_run, "diloco_h10_s1_outer0.7_p4_s7"
+
+    def one_failed(run, *a, **k):
+        r = real(run, *a, **k)
+        if run.name.startswith(victim):
+            r.status = "failed: diverged (exit 3)"
+        return r
+    monkeypatch.setattr(framework, "ensure_run", one_failed)
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert re.search(rf"error: study diloco: [1-9] run\(s\) failed or were not run \({victim}", err)
+    assert "not trained yet" in err
