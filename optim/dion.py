@@ -206,7 +206,10 @@ class Dion(MatrixOptimizer):
         gradient is scaled by the same factor, so Alg. 2 still equals Alg. 1 on the clipped mean
         gradient. By Jensen, mean_i ||G_i||^2 >= ||mean_i G_i||^2: the norm is an upper bound of the
         norm of the mean gradient (it adds the spread of the matrix gradients across ranks), so this
-        clips at least as often as clipping the mean gradient would."""
+        clips at least as often as clipping the mean gradient would.
+        Under a local-update scheme (the strategy's `replicas_step_apart`: DiLoCo's inner steps) nothing
+        is averaged and each worker clips by its own gradients' norm, with no reduction over the workers
+        (only over the shard group, which holds the other pieces of the same worker's tensors)."""
         synced_sq = torch.zeros((), dtype=torch.float32, device=self.layout.device)
         local_sq = torch.zeros((), dtype=torch.float32, device=self.layout.device)
         for dtype, buf in self.grad_buffers.items():
@@ -219,7 +222,7 @@ class Dion(MatrixOptimizer):
             self.shard_stats.add_bytes("clip_norm", both.numel() * both.element_size(),
                                        both.numel() * both.element_size())
             synced_sq, local_sq = both[0], both[1]
-        if self.world_size > 1 and self.lowrank_idx:
+        if self.world_size > 1 and self.lowrank_idx and not self.strategy.replicas_step_apart:
             local_sq = comm.allreduce_mean(local_sq.reshape(1), wire_dtype=torch.float32, group=self.group,
                                            stats=self.stats["grad_sync"])[0]
         norm = (synced_sq + local_sq).sqrt()

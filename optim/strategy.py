@@ -10,8 +10,9 @@ the kind.
 - `LocalSync` (LOCAL schemes: comm.mode=diloco): local updates with an outer synchronisation every
   H steps (DiLoCo, docs/diloco.md): `shared_state = False` (the replicas drift between outer
   steps), `exchanges_own_vector = False` (the inner optimizer steps on its local gradient: the
-  registry's "lion" entry then builds Lion, not Distributed Lion), `exchange_gradients` does
-  nothing, `bind` builds the outer loop from the optimizer's parameter groups and group,
+  registry's "lion" entry then builds Lion, not Distributed Lion), `replicas_step_apart = True`
+  (an optimizer's own per-step reductions over the replicas, Dion's clipping norm, stay on the
+  worker), `exchange_gradients` does nothing, `bind` builds the outer loop from the optimizer's parameter groups and group,
   `after_update` counts the applied steps and runs the outer step when one is due (a step the
   divergence guard skipped never reaches it); on a diagnostics step (`diagnosed_update`) the
   fragment sent after it also reports the workers' drift; `evaluation` puts the global
@@ -49,6 +50,10 @@ class SyncStrategy:
     spread diagnostic and averaging per-rank state on resharding have nothing to do)."""
     exchanges_own_vector: ClassVar[bool]
     """The optimizer's `_update` hands its own vector to the exchange (not the base's gradient)."""
+    replicas_step_apart: ClassVar[bool] = False
+    """Between synchronisations each replica steps on its own gradient and nothing of the step crosses
+    the replicate axis, so an optimizer's own per-step reductions over the replicas (Dion's clipping
+    norm) must stay on this replica."""
 
     def bind(self, opt: Any) -> None:
         """Called once at the end of the base's constructor (a strategy with state builds it here)."""
@@ -148,6 +153,7 @@ class LocalSync(SyncStrategy):
     kind = sync.LOCAL
     shared_state = False
     exchanges_own_vector = False
+    replicas_step_apart = True
 
     def bind(self, opt):
         self.loop = OuterLoop.for_optimizer(opt)

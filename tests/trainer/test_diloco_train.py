@@ -63,6 +63,17 @@ def test_bytes_on_the_replicate_axis_equal_the_formula(results):
     assert sum(blocking["booked"].values()) == sum(blocking["formula"].values())
 
 
+def test_dion_inner_steps_with_clipping_send_nothing_between_outer_steps(results):
+    """Dion as DiLoCo's inner optimizer with optim.grad_clip > 0: each worker clips by its own gradients'
+    norm, so the steps between outer steps book 0 bytes on the replicate axis (they once booked the 4 of
+    an averaged clipping norm) and the outer steps exactly the formula's."""
+    d = results[0]["dion_clip"]
+    booked = {int(k): v for k, v in d["booked"].items()}
+    formula = {int(k): v for k, v in d["formula"].items()}
+    assert booked == formula and [t for t, b in sorted(booked.items()) if b] == [3, 6]
+    assert all(n is not None and n > 0.5 for n in d["clipped"][:2]), d["clipped"]   # the clip was active
+
+
 def test_resume_at_an_outer_step_and_mid_inner_phase_continues_exactly(results):
     whole, pieces = results[0]["whole"], results[0]["pieces"]
     assert pieces["resumed_at"] == [3, 4]

@@ -179,6 +179,14 @@ def main(tmp: str) -> None:
                      "val_loss": records(r, "val_loss")[-1]["val_loss"],
                      "losses": {x["step"]: x["train_loss"] for x in records(r, "train_loss")},
                      "resumed_at": [x["step"] for x in records(r, "event") if x["event"] == "resume"]}
+    # Dion as the inner optimizer with clipping: the workers clip by their own gradients' norm, so nothing
+    # crosses the replicate axis between outer steps (its clipping norm was once averaged over the workers)
+    dion = tmp_dir / "dion_clip"
+    d = train(dion, DILOCO + ["optim.name=dion", "optim.grad_clip=0.5"]).optimizer.strategy.loop.outer
+    out["dion_clip"] = {"booked": {r["step"]: r["comm_bytes"] for r in records(dion, "train_loss")},
+                        "formula": {t: sum(wire_bytes(d.o, P, d.numels[k])[0] for k in d.sends_at(t))
+                                    for t in range(1, 8)},
+                        "clipped": [r.get("grad_norm") for r in records(dion, "train_loss")]}
     # a damaged outer state (rank 1's file of the last checkpoint: its outer state and local
     # parameters) falls back to the previous checkpoint like any damaged file
     last = pieces / "ckpt" / "step_000007" / "rank_00001.pt"
