@@ -11,7 +11,8 @@
 # stage's compilation run beside the tests stage, which times nothing; every timed part runs alone:
 #   env      the GPU, driver, torch / Triton / NCCL versions
 #   tests    the CUDA-only tests (pytest -k cuda): compiled wire kernels == eager byte for byte, Lion's fused
-#            step == the foreach kernels on CUDA (tests/optim/test_lion_fused.py), the optimizers on CUDA
+#            step == the foreach kernels on CUDA (tests/optim/test_lion_fused.py), the optimizers on CUDA,
+#            DiLoCo's background averages on their own stream (tests/optim/test_diloco.py)
 #   mfu      gpt2-124m forward + backward alone (launch/gpu_probe.py mfu, 12 x 1024, bf16, torch.compile) for
 #            each rope:mode[:micro-batch[:SDPBackend]] of MFU_VARIANTS (default: model/gpt.py's attention with a
 #            kernel profile, then the rotation moved ahead of the transpose; MFU_PROFILE=all profiles every model
@@ -164,7 +165,8 @@ ranks_stage() {  # ranks_stage RUN NAME ...: stage or bg_stage of the several-ra
 for n in $BG_NAMES; do ranks_stage bg_stage $n; done
 
 stage tests ${TESTS_LIMIT:-100} tests.log $PY -m pytest -q -p no:cacheprovider -o addopts= tests/comm/test_kernels.py \
-  tests/optim/test_optim.py tests/optim/test_lion_fused.py tests/launch/test_lion_graphed.py -k cuda -rf
+  tests/optim/test_optim.py tests/optim/test_lion_fused.py tests/launch/test_lion_graphed.py tests/optim/test_diloco.py \
+  -k cuda -rf
 
 bg_join
 touch "$WORK/quiet"  # the MFU variants may time now

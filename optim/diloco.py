@@ -41,7 +41,8 @@ carrying a mean: every rank quantizes with one scale per block agreed by a MAX a
 and the exact integer lane sum times that scale / P is the mean). Sign votes (onebit, ps,
 hierarchical, pbit) do not carry a real-valued average and are refused. A registry exchange runs
 when it is started (the overlap is then exact in the numerics but hides no wall time);
-`background_averages` runs them on a background thread, so the tau inner steps hide them.
+`background_averages` runs them on a background thread, so the tau inner steps hide them (on CUDA
+on a side stream of their own, `CudaSideStream`, so the GPU does not queue the inner steps behind them).
 
 One `DiLoCo` object per worker (rank of the replicate axis). The caller runs the inner step, then
 `send()` (starts the exchanges due at this step), then `receive()` (finishes the exchanges due at
@@ -92,6 +93,42 @@ Average = Callable[[torch.Tensor, int], torch.Tensor]
 """average(x, step) -> the mean of x over the workers (an optim.sync Exchange fits)."""
 
 
+class CudaSideStream:
+    """The CUDA stream one worker's background averages run on. Without it they would run on the
+    background thread's current stream, the device's default stream, which is the main thread's too:
+    every kernel of an average (the wire's encode and decode) and every collective's wait (NCCL makes
+    the calling thread's current stream wait for the collective) would sit in the stream the inner
+    steps use, and the GPU would run those steps only after the exchange, hiding nothing (the host
+    thread would not block, so `Future.waited` would not show it). On the side stream the average
+    first waits for the work that produced its input on the caller's stream (`handoff`), and the
+    caller's stream waits for the average only where its result is used (`join`, at the outer step).
+    The caching allocator is told about both cross-stream uses (record_stream), so neither tensor's
+    memory is reused before the other stream is done with it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device)
+
+    def handoff(self, x: torch.Tensor):
+        """In the caller's thread, at start: an event after the caller's work on x so far."""
+        ready = torch.cuda.current_stream(x.device).record_event()
+        x.record_stream(self.stream)
+        return ready
+
+    def run(self, ready, fn: Callable[[], torch.Tensor]):
+        """In the background thread: fn() on the side stream after `ready`; (result, event when done)."""
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            y = fn()
+            return y, self.stream.record_event()
+
+    def join(self, y: torch.Tensor, done) -> torch.Tensor:
+        """In the caller's thread, at wait: the caller's stream waits for the average; y is usable there."""
+        here = torch.cuda.current_stream(y.device)
+        here.wait_event(done)
+        y.record_stream(here)
+        return y
+
+
 class BackgroundAverage:
     """An average run on a background thread, so the exchange overlaps the next inner steps in wall
     time too: `start` hands it to the thread and returns; `wait` blocks until it is done. Every
@@ -99,13 +136,17 @@ class BackgroundAverage:
     exchanges run in the order they were started, the same on every rank. The group they use must
     see no collective from another thread meanwhile: give the averages a group of their own (the
     replicate group under hybrid sharding; a copy of the world group at parallel.shard_size = 1,
-    dist.new_group), and a CommStats the main thread does not book into while one is in flight."""
+    dist.new_group), and a CommStats the main thread does not book into while one is in flight.
+    `side`: on CUDA, the worker's `CudaSideStream` (None on CPU)."""
 
-    def __init__(self, inner: Average, pool: ThreadPoolExecutor) -> None:
-        self.inner, self.pool = inner, pool
+    def __init__(self, inner: Average, pool: ThreadPoolExecutor, side: CudaSideStream | None = None) -> None:
+        self.inner, self.pool, self.side = inner, pool, side
 
     def start(self, x: torch.Tensor, step: int) -> "Future":
-        return Future(self.pool.submit(self.inner, x, step))
+        if self.side is None:
+            return Future(self.pool.submit(self.inner, x, step))
+        side, ready = self.side, self.side.handoff(x)
+        return Future(self.pool.submit(side.run, ready, lambda: self.inner(x, step)), side)
 
     def state_dict(self) -> dict:
         return self.inner.state_dict() if hasattr(self.inner, "state_dict") else {}
@@ -118,25 +159,28 @@ class BackgroundAverage:
 class Future:
     """A started background average; `wait()` returns its result (an exception raised by the
     exchange is raised here, in the caller's thread). `waited`: the seconds the caller's thread was
-    blocked in `wait()`, the part of the exchange the overlapped inner steps did not hide."""
+    blocked in `wait()`, the part of the exchange the overlapped inner steps did not hide (on CUDA
+    the host part only: the GPU's wait for the side stream is inside the step's device time)."""
 
-    def __init__(self, fut) -> None:
-        self.fut = fut
+    def __init__(self, fut, side: CudaSideStream | None = None) -> None:
+        self.fut, self.side = fut, side
         self.waited = 0.0
 
     def wait(self) -> torch.Tensor:
         t0 = time.perf_counter()
         try:
-            return self.fut.result()
+            out = self.fut.result()
         finally:
             self.waited += time.perf_counter() - t0
+        return out if self.side is None else self.side.join(*out)
 
 
-def background_averages(averages: Sequence[Average]) -> list[BackgroundAverage]:
-    """Wrap one worker's averages (one per fragment) to run on one shared background thread."""
+def background_averages(averages: Sequence[Average], device: torch.device | None = None) -> list[BackgroundAverage]:
+    """Wrap one worker's averages (one per fragment) to run on one shared background thread (on a CUDA
+    `device`, on one side stream: CudaSideStream)."""
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-average")
-    return [BackgroundAverage(a, pool) for a in averages]
-
+    side = CudaSideStream(device) if device is not None and torch.device(device).type == "cuda" else None
+    return [BackgroundAverage(a, pool, side) for a in averages]
 
 
 # ---- diagnostics -------------------------------------------------------------------------------

@@ -84,7 +84,7 @@ class OuterLoop:
         ctx = dataclasses.replace(ctx, group=_private_group(opt.group))
         booked = [CommStats(timing=False) for _ in numels]
         averages = [build_averages(o, [n], dataclasses.replace(ctx, stats=s))[0] for n, s in zip(numels, booked)]
-        return cls(DiLoCo(fragments, o, background_averages(averages)), booked, phase, **diag)
+        return cls(DiLoCo(fragments, o, background_averages(averages, opt.layout.device)), booked, phase, **diag)
 
     def after_inner_step(self) -> list[int]:
         done = self.outer.after_inner_step()

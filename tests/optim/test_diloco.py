@@ -650,3 +650,78 @@ def test_constructor_checks_fragments_and_averages() -> None:
     with pytest.raises(RuntimeError, match="call send"):
         DiLoCo([w.params], DiLoCoOptions(inner_steps=4), [SimMean(1).member(0)]).receive()
     assert copy.deepcopy(DiLoCoOptions()).offsets() == [500]
+
+
+# ---- (g) the background averages' stream (CUDA) ------------------------------------------------------
+def test_background_average_hands_off_runs_and_joins_through_its_side_stream() -> None:
+    """The plumbing of a background average with a side stream (CudaSideStream's three calls, logged by a
+    stand-in): handoff in the caller's thread at start, run (the average inside it) in the background
+    thread, join in the caller's thread at wait, with run's result; without a side stream none of them."""
+    import threading
+
+    from optim.diloco import background_averages
+
+    log = []
+
+    class Side:
+        def handoff(self, x):
+            log.append(("handoff", threading.current_thread().name))
+            return "ready"
+
+        def run(self, ready, fn):
+            log.append(("run", threading.current_thread().name, ready))
+            return fn(), "done"
+
+        def join(self, y, done):
+            log.append(("join", threading.current_thread().name, done))
+            return y
+
+    def average(x, step):
+        log.append(("average", threading.current_thread().name, step))
+        return x * 2
+
+    [bg] = background_averages([average])
+    assert bg.side is None                                   # CPU: no stream
+    bg.side = Side()
+    fut = bg.start(torch.ones(3), 5)
+    assert torch.equal(fut.wait(), torch.full((3,), 2.0))
+    me = threading.current_thread().name
+    assert [e[0] for e in log] == ["handoff", "run", "average", "join"]
+    assert log[0][1] == me and log[3][1] == me and log[3][2] == "done"
+    assert log[1][1] == log[2][1] != me and log[1][2] == "ready" and log[2][2] == 5
+    log.clear()
+    [plain] = background_averages([average], torch.device("cpu"))
+    assert plain.side is None and torch.equal(plain.start(torch.ones(2), 1).wait(), torch.full((2,), 2.0))
+    assert [e[0] for e in log] == ["average"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (runs in make gpu-check)")
+def test_cuda_background_average_does_not_hold_up_the_main_stream() -> None:
+    """On CUDA a background average runs on its side stream: a kernel the main thread enqueues after
+    starting a long average finishes before the average does (on the device's default stream, which a
+    new thread uses, it would queue behind it), and wait() returns the average's result, usable on
+    the main stream."""
+    from optim.diloco import background_averages
+
+    dev = torch.device("cuda")
+    a = torch.randn(4096, 4096, device=dev)
+
+    def long_average(x, step):
+        y = a
+        for _ in range(40):                  # ~tens of ms of matmuls on the side stream
+            y = (y @ a).tanh()
+        return x + 0 * y.sum()
+
+    [bg] = background_averages([long_average], dev)
+    assert bg.side is not None
+    x = torch.arange(8.0, device=dev)
+    torch.cuda.synchronize()
+    fut = bg.start(x, 1)
+    while fut.fut.running() is False and not fut.fut.done():  # the thread has picked it up
+        pass
+    small = torch.ones(4, device=dev) * 3
+    main_done = torch.cuda.current_stream().record_event()
+    main_done.synchronize()
+    y, side_done = fut.fut.result()          # the thread has enqueued everything; the device may still run it
+    assert not side_done.query(), "the main stream's kernel waited for the side stream's average"
+    assert torch.equal(fut.side.join(y, side_done), x) and torch.equal(small, torch.full((4,), 3.0, device=dev))
