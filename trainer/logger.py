@@ -311,10 +311,19 @@ def banner(trainer) -> str:
         + (f" | initialised from {c.model.init_from}" + (f" (resumed at step {trainer.step}: the checkpoint's "
                                                           f"weights are used)" if trainer.step else "")
            if c.model.init_from else ""),
-        f"optim {c.optim.name} lr {c.optim.lr} | {trainer.optimizer.describe()}",
+        f"optim {c.optim.name} lr {c.optim.lr}" + _lr_mults(c.optim) + f" | {trainer.optimizer.describe()}",
         f"{data} | {trainer.tokens_per_step:,} tokens/step | {c.train.max_steps} steps"
         f" | eval {trainer.evaluator.steps} batches" + (
             f" (val split holds {trainer.evaluator.steps}, asked {c.train.eval_steps})"
             if trainer.evaluator.steps < c.train.eval_steps else "")
         + (f" + {len(trainer.evaluator.mc_items)} multiple-choice items" if trainer.evaluator.mc_items else ""),
     ])
+
+
+def _lr_mults(o) -> str:
+    """The lr multipliers of the embedding, head and scalar groups when one is not 1 (a size file's
+    Lion recipe, e.g. App. F.3's x1000 / x100, must not reach another optimizer unseen)."""
+    mults = {"embedding": o.embedding_lr_mult, "head": o.head_lr_mult, "scalar": o.scalar_lr_mult}
+    if all(v == 1 for v in mults.values()):
+        return ""
+    return " (x" + ", x".join(f"{v:g} {k}" for k, v in mults.items()) + ")"

@@ -221,6 +221,36 @@ def test_every_variant_composes_with_every_size_file():
     assert all("ties embedding and head" in p for p in problems), problems
 
 
+def test_a_size_files_lion_lr_multipliers_do_not_reach_another_optimizer():
+    """configs/gpt2_774m_fineweb.yaml sets Lion's App. F.3 group multipliers (x1000 embedding, x100 head and
+    scalars): composed with a variant of another optimizer family they are reset to 1 (AdamW once trained its
+    embedding at lr 0.6 this way, silently); the Lion family keeps them. BinSGDM's file takes the base's Lion
+    lr on purpose (its update is +-lr per element like Lion's), so it keeps them too. The startup line shows
+    multipliers that are not 1."""
+    from types import SimpleNamespace
+
+    from trainer.logger import _lr_mults
+
+    size = ROOT / "configs/gpt2_774m_fineweb.yaml"
+    base = load_config(size).optim
+    lion_like = {base.name, "binsgdm"}
+    assert (base.embedding_lr_mult, base.head_lr_mult, base.scalar_lr_mult) == (1000, 100, 100)
+    kept, reset = [], []
+    for variant in sorted((ROOT / "configs/variants").glob("*.yaml")):
+        o = load_config([size, variant]).optim
+        mults = (o.embedding_lr_mult, o.head_lr_mult, o.scalar_lr_mult)
+        (kept if mults == (1000, 100, 100) else reset).append(variant.stem)
+        if o.name in lion_like:
+            assert mults == (1000, 100, 100), variant.name
+        else:
+            assert mults == (1, 1, 1), f"{variant.name} ({o.name}) inherits Lion's multipliers {mults}"
+    assert {"adamw_fp32", "onebit_adam", "loco_adamw", "diloco_h10", "diloco_h50", "streaming_diloco", "muon",
+            "dion"} <= set(reset) and {"lion_fp32", "lioncub_1bit", "binsgdm"} <= set(kept)
+    assert load_config(ROOT / "configs/gpt2_774m_fineweb/adamw_fp32.yaml").optim.embedding_lr_mult == 1
+    assert _lr_mults(base) == " (x1000 embedding, x100 head, x100 scalar)"
+    assert _lr_mults(SimpleNamespace(embedding_lr_mult=1.0, head_lr_mult=1.0, scalar_lr_mult=1.0)) == ""
+
+
 def test_train_py_wants_a_config_file(capsys):
     import train
 
