@@ -109,7 +109,7 @@ def compatibility_problem(name: str, mode: str, comm_options: sync.SchemeOptions
             problems = spec.scheme_problems(comm_options)
             return "; ".join(problems) if problems else None
         return None
-    fits = [s.name for s in sync.schemes() if spec.accepts(s)]
+    fits = [s.name for s in sync.schemes() if accepts(spec, s)]   # a local-update scheme's too (`accepts`)
     users = [o.name for o in optimizers() if accepts(o, scheme)]
     article = "an" if scheme.kind[0] in "aeiou" else "a"
     return (f"comm.mode: {mode} is {article} {scheme.kind}-sync scheme returning a {scheme.result}, and optim.name={name} "

@@ -189,6 +189,12 @@ class SyncScheme:
         return self.kind == UPDATE
 
     @property
+    def syncs_momenta(self) -> bool:
+        """comm.momentum_sync applies: every rank keeps its own momenta and steps with the others every
+        step (UPDATE kind); a local-update scheme's workers exchange nothing between outer steps."""
+        return self.per_rank_state
+
+    @property
     def phase(self) -> str:
         """The step phase its exchange books into (optim.accounting): grad_sync for a GRADIENT
         scheme, update_sync for an UPDATE scheme."""
@@ -211,8 +217,8 @@ class SyncScheme:
         elif overlap and self.per_rank_state and grad_clip > 0:
             p.append(f"comm.overlap: true with comm.mode={self.name} (update sync) needs optim.grad_clip=0: a bucket's "
                      f"update is launched during backward, before the whole gradient's norm is known")
-        if momentum_sync_every and not self.per_rank_state:
-            fits = [s.name for s in _REGISTRY.values() if s.per_rank_state]
+        if momentum_sync_every and not self.syncs_momenta:
+            fits = [s.name for s in _REGISTRY.values() if s.syncs_momenta]
             p.append(f"comm.momentum_sync.every: {momentum_sync_every} but comm.mode={self.name} already shares one "
                      f"state (gradient sync); momentum sync applies to update-sync modes: {', '.join(fits)}; set "
                      f"comm.momentum_sync.every=0 or choose one of them")
@@ -276,6 +282,10 @@ class LocalScheme(SyncScheme):
     @property
     def per_rank_state(self) -> bool:
         return True
+
+    @property
+    def syncs_momenta(self) -> bool:
+        return False
 
     def run_problems(self, options: SchemeOptions, world_size: int | None = None, *, momentum_sync_every: int = 0,
                      **run: Any) -> list[str]:

@@ -50,12 +50,13 @@ def test_unknown_keys_name_the_closest_valid_key_and_all_problems_at_once():
 
 
 def test_bad_combinations():
-    with pytest.raises(ConfigError, match="optim.name=adamw needs a gradient-sync scheme: one of fp32, bf16, loco; "
-                                          "onebit works with optim.name=lion"):
+    with pytest.raises(ConfigError, match="optim.name=adamw needs a gradient-sync scheme: one of fp32, bf16, loco, "
+                                          "diloco; onebit works with optim.name=lion"):
         load_config(None, ["optim.name=adamw", "comm.mode=onebit"])
     with pytest.raises(ConfigError, match="data.seq_len: 4096 exceeds the model's block size 256"):
         load_config(None, ["data.seq_len=4096"])
-    with pytest.raises(ConfigError, match="momentum sync applies to update-sync modes: onebit, ps, hierarchical, pbit, compressed"):
+    with pytest.raises(ConfigError, match="momentum sync applies to update-sync modes: onebit, ps, hierarchical, pbit, "
+                                          "compressed; set"):   # not diloco, which refuses it
         load_config(None, ["comm.momentum_sync.every=10"])
     # a key of another mode is named as such, not silently ignored
     with pytest.raises(ConfigError, match=r"comm.bits: not an option of comm.mode=onebit \(it belongs to pbit\)"):

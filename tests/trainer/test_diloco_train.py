@@ -12,7 +12,7 @@ from tests.dist import ROOT, torchrun
 from trainer.config import ConfigError, load_config, validate
 
 TINY = ["model.preset=debug", "data.batch_size=2", "data.seq_len=32", "train.eval_steps=1", "log.wandb=disabled",
-        "optim.name=adamw", "comm.mode=diloco"]
+        "optim.name=adamw", "comm.mode=diloco", "comm.diloco.inner_steps=10"]
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +145,22 @@ def test_bad_options_are_config_errors_naming_the_key(override, key):
         validate(load_config(ROOT / "configs/default.yaml", TINY + [override]), world_size=2)
     lines = [ln for ln in str(e.value).splitlines() if key in ln]
     assert len(lines) == 1, str(e.value)
+
+
+def test_a_run_shorter_than_the_first_outer_step_is_refused_naming_inner_steps():
+    """train.max_steps below the first outer step (plus tau): the workers would only meet in the final
+    average; the error names comm.diloco.inner_steps, the step of the first outer step and a fix. One
+    outer step within the run is enough to be allowed."""
+    for over, first in ((["comm.diloco.inner_steps=500"], "the first outer step comes after step 500"),
+                        (["comm.diloco.inner_steps=50", "comm.diloco.fragments=2", "comm.diloco.overlap_steps=1",
+                          "train.max_steps=25"], "the first fragment's outer step comes after step 26")):
+        with pytest.raises(ConfigError) as e:
+            load_config(ROOT / "configs/default.yaml", TINY + over)
+        [line] = [ln for ln in str(e.value).splitlines() if "comm.diloco.inner_steps" in ln]
+        assert first in line and "meet only in the final average" in line and "set comm.diloco.inner_steps" in line
+    assert load_config(ROOT / "configs/default.yaml", TINY + ["comm.diloco.inner_steps=50", "comm.diloco.fragments=2",
+                                                              "comm.diloco.overlap_steps=1", "train.max_steps=26"])
+    assert load_config(ROOT / "configs/default.yaml", TINY + ["train.max_steps=10"])
 
 
 def test_more_fragments_than_blocks_exits_2_naming_the_key(tmp_path):
