@@ -44,7 +44,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting(DEFAULT_SETTING, "tiny preset (GPT-2 vocabulary, 94 % embedding and head), built-in corpus (~110K "
                              "tokens: a 300-step run at 4 ranks reads it about five times)"),
     Setting("study-prose", "study preset (8 x 320, 79 % attn / mlp matrices), prose corpus (data/prose: "
-                           "`python -m data.prepare prose --out data/prose`), its 8192-id BPE, read in shuffled "
+                           "`python -m bench.prose --out data/prose`), its 8192-id BPE, read in shuffled "
                            "windows (data.order=shuffled: every rank and row unrelated text, no token twice)",
             full=("model.preset=study", "data.dataset=data/prose", "data.order=shuffled"),
             quick=("data.dataset=data/prose", "data.order=shuffled"),

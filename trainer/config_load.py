@@ -145,6 +145,13 @@ def _build(cls, data: dict, prefix: str, problems: list[str]):
                 pass
         if not _type_ok(value, tp):
             tname = getattr(tp, "__name__", str(tp)).replace("NoneType", "null")
+            if isinstance(value, bool) and str in (tp, *typing.get_args(tp)):
+                # YAML 1.1 turns an unquoted yes/no/on/off into a boolean before we see the word
+                words = "true, yes or on" if value else "false, no or off"
+                problems.append(f"{where}: expected a word, got {str(value).lower()}: YAML reads an unquoted "
+                                f"{words} as a boolean; give one of the key's words (python train.py --help-config "
+                                f"lists them) or quote the word")
+                continue
             problems.append(f"{where}: expected {tname}, got {value!r} ({type(value).__name__})")
             continue
         if tp is float and isinstance(value, int):

@@ -166,7 +166,7 @@ class CommConfig:
     auto_allow: list = field(default_factory=lambda: ["fp32", "bf16", "onebit", "pbit"])
     """comm.mode=auto: the modes (or named variants, configs/variants) it may choose. Among a mode's
     variants auto keeps only those the study-prose reproduction does not measure worse than fp32
-    beyond noise (configs/auto_quality.yaml states the rule): 8-bit L1 Lion Cub qualifies (-0.030 ±
+    beyond noise (trainer/auto_quality.yaml states the rule): 8-bit L1 Lion Cub qualifies (-0.030 ±
     0.017 val loss vs 32-bit Lion, 5 seeds); 1-bit Lion Cub does not (+0.017 ± 0.007), nor do
     ablations or variants without evidence. Name such a variant here (e.g. lioncub_1bit) to let auto
     trade that quality for speed."""
@@ -261,7 +261,7 @@ class TrainConfig:
     consecutive skipped steps; a run that skips step after step is diverging, not hiccuping."""
     mc_eval_file: str = ""
     """HellaSwag-format JSONL (ctx, endings, label) scored by completion log-likelihood at every
-    evaluation (acc, acc_norm per byte, acc per token); empty = off. See README "Evaluation"."""
+    evaluation (acc, acc_norm per byte, acc per token); empty = off. See docs/models.md "During training"."""
     mc_eval_items: int = 0
     """Score only the first N items of mc_eval_file; 0 = all."""
     profile: str | int | list = ""

@@ -129,7 +129,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, s in STUDIES.items():
             extra = f"  [needs optim.name={','.join(s.requires)}]" if s.requires else ""
             print(f"{name:12s} {s.title}{extra}")
-        return 0 if args.list else 2
+        if args.list:
+            return 0
+        what = "to plan" if args.plan else ("to summarize" if args.report_only else "to run")
+        print(f"error: name a study {what} (one of the above, or all), e.g. python -m bench.reproduce "
+              f"{'all --plan' if args.plan else 'table2 --quick'}", file=sys.stderr)
+        return 2
     if args.study != "all" and args.study not in STUDIES:
         print(f"error: unknown study {args.study!r}; known: {', '.join(STUDIES)}, or all", file=sys.stderr)
         return 2

@@ -310,3 +310,14 @@ def test_report_only_of_a_study_still_training_is_interim_and_a_failed_run_still
     err = capsys.readouterr().err
     assert re.search(rf"error: study diloco: [1-9] run\(s\) failed or were not run \({victim}", err)
     assert "not trained yet" in err
+
+
+def test_no_study_lists_them_and_says_what_to_name(capsys):
+    """Without a study the command lists the studies and exits 2 with an error line saying what to name
+    (--plan alone included); --list alone exits 0 with the list only."""
+    assert main(["--plan"]) == 2
+    out, err = capsys.readouterr()
+    assert "diloco" in out and "horizon" in out
+    assert err.strip() == "error: name a study to plan (one of the above, or all), e.g. python -m bench.reproduce all --plan"
+    assert main([]) == 2 and "error: name a study to run" in capsys.readouterr().err
+    assert main(["--list"]) == 0 and capsys.readouterr().err == ""

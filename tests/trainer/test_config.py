@@ -252,6 +252,22 @@ def test_a_size_files_lion_lr_multipliers_do_not_reach_another_optimizer():
     assert _lr_mults(SimpleNamespace(embedding_lr_mult=1.0, head_lr_mult=1.0, scalar_lr_mult=1.0)) == ""
 
 
+def test_a_word_yaml_read_as_a_boolean_is_named_as_such():
+    """log.wandb=off and train.resume=yes reach a str key as booleans (YAML 1.1): the error says so and how
+    to fix it, instead of "expected str, got False (bool)"; a quoted word reaches the key's own check."""
+    for over, said in (("log.wandb=off", "log.wandb: expected a word, got false: YAML reads an unquoted false, no "
+                                         "or off as a boolean"),
+                       ("train.resume=yes", "train.resume: expected a word, got true: YAML reads an unquoted true, "
+                                            "yes or on as a boolean")):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [over])
+        assert said in str(e.value) and "--help-config" in str(e.value) and "(bool)" not in str(e.value)
+    with pytest.raises(ConfigError, match="log.wandb: 'off' is not one of online, offline, disabled"):
+        load_config(None, ["log.wandb='off'"])
+    with pytest.raises(ConfigError, match=r"model.preset: expected str, got 5 \(int\)"):
+        load_config(None, ["model.preset=5"])
+
+
 def test_train_py_wants_a_config_file(capsys):
     import train
 
