@@ -70,6 +70,28 @@ class Curve:
 ARM_KEYS = ("model", "data", "optim", "comm", "parallel")   # what two seeds of one arm share
 
 
+def curve_setup(c: Curve) -> str:
+    """What a curve's runs trained: model preset, dataset, global tokens per step ('?' where unknown)."""
+    model, data = c.config.get("model") or {}, c.config.get("data") or {}
+    tps = f"{c.tokens_per_step:,.0f} tokens/step" if c.tokens_per_step else "? tokens/step"
+    return f"model {model.get('preset', '?')}, data {data.get('dataset', '?')}, {tps}"
+
+
+def setup_differences(curves: dict[str, Curve]) -> list[str]:
+    """A note for each of model, dataset and global batch in which the curves differ: then equal steps are
+    not equal work, and a loss target means something else for each (compare them at equal time, or
+    train them alike)."""
+    out = []
+    for what, of in (("model", lambda c: (c.config.get("model") or {}).get("preset")),
+                     ("dataset", lambda c: (c.config.get("data") or {}).get("dataset")),
+                     ("global batch", lambda c: c.tokens_per_step and round(c.tokens_per_step))):
+        seen = {n: of(c) for n, c in curves.items()}
+        if len({v for v in seen.values() if v is not None}) > 1:
+            out.append(f"- **The curves differ in {what}** ({', '.join(f'{n}: {v}' for n, v in seen.items())}): "
+                       f"their losses and steps are not like for like.")
+    return [""] + out if out else []
+
+
 def _records_and_config(name: str, src: Path) -> tuple[list[dict], dict]:
     """A run directory (metrics.jsonl, config.yaml) or an entry of bench.reproduce's run store (*.json.gz,
     read by bench.runstore: this module imports no study, so the studies may import it)."""
@@ -311,7 +333,8 @@ def gpu_check_mfu(gpu: str, variant: str, reference: str = REFERENCE, results: P
         raise ValueError(f"--cluster gpu={gpu}: the GPU check measured no MFU on a {gpu} ({results}); give mfu=0.35")
     pick = variant if variant in by else reference if reference in by else None
     if pick is None:
-        raise ValueError(f"--cluster: the GPU check on {gpu} measured neither {variant} nor {reference} "
+        which = f"neither {variant} nor {reference}" if variant != reference else f"no {variant}"
+        raise ValueError(f"--cluster: the GPU check on {gpu} measured {which} "
                          f"(it has {', '.join(sorted(by))}); give mfu=0.35")
     row, path = by[pick]
     why = "" if pick == variant else f", {variant} was not measured there"
@@ -905,10 +928,10 @@ def write_outputs(out: Path, rows: list[dict], curves: dict[str, Curve], step_ti
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
-    md = ["# Time to loss", "", f"Setting `{ns.setting}`. Curves (MEASURED, unsimulated; the mean of a variant's runs "
-          f"where it has several) from:", "", *[f"- {n} ({c.runs} run{'s' if c.runs > 1 else ''}): {c.source}"
-                                               for n, c in curves.items()],
-          "", markdown(rows, settings, target, target_src, ns.metric)]
+    md = ["# Time to loss", "", f"Setting `{ns.setting}` (the overrides of the runs this command trains or "
+          f"measures). Curves (MEASURED, unsimulated; the mean of a variant's runs where it has several) from:", "",
+          *[f"- {n} ({c.runs} run{'s' if c.runs > 1 else ''}, {curve_setup(c)}): {c.source}" for n, c in curves.items()],
+          *setup_differences(curves), "", markdown(rows, settings, target, target_src, ns.metric)]
     panels = curve_panels(curves, step_times)
     if check[0]:
         md.append(end_to_end_markdown(check[0], ns.links[0], ns.metric))

@@ -205,6 +205,15 @@ def test_command_end_to_end_on_synthetic_runs(tmp_path, capsys):
     # lioncub_1bit crosses 3.0 at step 10 + 10 * 0.6 / 0.7 at 60 ms a step
     assert float(rows["lioncub_1bit"]["target_s"]) == pytest.approx((10 + 10 * 0.6 / 0.7) * 0.06)
     assert float(rows["lioncub_1bit"]["speedup"]) == pytest.approx(20 * 0.3 / ((10 + 60 / 7) * 0.06))
+    # the header says what each curve's runs trained; like for like: no difference flagged
+    assert "- adamw_fp32 (1 run, model debug, data builtin, 128 tokens/step):" in md and "differ" not in md
+    # a curve of another global batch is flagged (equal steps are not equal tokens)
+    make_run(runs / "lioncub_1bit", resolved("lioncub_1bit"), {10: 3.6, 20: 2.9}, tokens=256)
+    assert ttl.main(["--variants", "adamw_fp32", "lioncub_1bit", "--runs", str(runs), "--breakdown",
+                     str(tmp_path / "bd"), "--link", "100mbit", "--setting", "tiny-builtin", "--out", str(out)]) == 0
+    md = (out / "results.md").read_text()
+    assert "**The curves differ in global batch** (adamw_fp32: 128, lioncub_1bit: 256)" in md
+    assert "differ in model" not in md and "differ in dataset" not in md
 
 
 # ---- (b) the cluster --------------------------------------------------------------------------------
@@ -295,6 +304,10 @@ def test_mfu_from_the_gpu_check(tmp_path):
     assert mfu == 0.30 and "adamw_fp32 row" in src and "lioncub_1bit was not measured" in src
     with pytest.raises(ValueError, match="mfu=0.35"):
         ttl.gpu_check_mfu("A100", "lion_fp32", results=tmp_path)
+    with pytest.raises(ValueError, match=r"measured neither diloco_h10 nor dion \(it has"):
+        ttl.gpu_check_mfu("H100", "diloco_h10", reference="dion", results=tmp_path)
+    with pytest.raises(ValueError, match=r"measured no diloco_h10 \(it has adamw_fp32, lion_fp32, muon\)"):
+        ttl.gpu_check_mfu("H100", "diloco_h10", reference="diloco_h10", results=tmp_path)
 
 
 # ---- DiLoCo: step time over a whole outer cycle --------------------------------------------------
