@@ -471,11 +471,22 @@ def _cycle_steps(options: DiLoCoSchemeOptions) -> int:
     return options.diloco.inner_steps
 
 
+def in_flight(o: DiLoCoOptions) -> int:
+    """The most fragment averages in flight at once: fragment k's is from its send after step
+    o_k + mH until its outer step tau steps later, so with tau > H / F several overlap."""
+    if not o.overlap_steps:
+        return 0
+    H, offs = o.inner_steps, o.offsets()
+    return max(sum(1 for ok in offs if (t - ok) % H < o.overlap_steps) for t in range(H))
+
+
 def _state_bytes(options: DiLoCoSchemeOptions, P: int, n: int) -> int:
-    """fp32 global parameters and outer momentum (8 n), an average in flight (one fragment, fp32)
-    when exchanges overlap inner steps, and the wire's own error feedback (loco, sign)."""
+    """fp32 global parameters and outer momentum (8 n); each average in flight when exchanges overlap
+    inner steps (`in_flight` of them at most), its fp32 pseudo-gradient and its fp32 result (8 bytes per
+    element of a fragment: an upper bound, the fp32 wire averages in place); and the wire's own error
+    feedback (loco, sign)."""
     o = options.diloco
-    own = 8 * n + (4 * comm.ceil_div(n, o.fragments) if o.overlap_steps else 0)
+    own = 8 * n + 8 * comm.ceil_div(n, o.fragments) * in_flight(o)
     ws = _wire_scheme(o.wire)
     if ws is not None and ws[0].state_bytes is not None:
         own += ws[0].state_bytes(o.wire_options(), P, comm.ceil_div(n, o.fragments)) * o.fragments

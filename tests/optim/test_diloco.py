@@ -725,3 +725,19 @@ def test_cuda_background_average_does_not_hold_up_the_main_stream() -> None:
     y, side_done = fut.fut.result()          # the thread has enqueued everything; the device may still run it
     assert not side_done.query(), "the main stream's kernel waited for the side stream's average"
     assert torch.equal(fut.side.join(y, side_done), x) and torch.equal(small, torch.full((4,), 3.0, device=dev))
+
+
+def test_memory_counts_every_average_in_flight() -> None:
+    """The registry's state bytes count each fragment average that can be in flight at once (tau > H / F
+    overlaps two), at fp32 pseudo-gradient plus result, besides the global parameters and momentum."""
+    from optim.sync.diloco import DiLoCoSchemeOptions, in_flight
+
+    def of(**kw):
+        return DiLoCoOptions(**{"wire": "fp32", **kw})
+    assert [in_flight(of(inner_steps=50, fragments=2, overlap_steps=t)) for t in (0, 1, 25, 26, 49)] == [0, 1, 1, 2, 2]
+    assert in_flight(of(inner_steps=50, fragments=4, overlap_steps=20)) == 2
+    n, scheme = 1000, sync.get("diloco")
+    for kw, flying in ((dict(inner_steps=50), 0), (dict(inner_steps=50, fragments=2, overlap_steps=1), 1),
+                       (dict(inner_steps=50, fragments=2, overlap_steps=30), 2)):
+        o = DiLoCoSchemeOptions(diloco=of(**kw))
+        assert scheme.state_bytes(o, 4, n) == 8 * n + 8 * (n // o.diloco.fragments) * flying, kw
