@@ -152,7 +152,7 @@ def load(trainer, path: Path, meta: dict, files: dict) -> str:
         raise CheckpointError(f"checkpoint {path} cannot be restored by this run: {first}; {how}, or start a "
                               f"new run (another train.out_dir, or train.resume=overwrite)") from None
     _restore_progress(trainer, mine, saved == world)
-    return f"resumed from {path} at step {trainer.step}{note}"
+    return f"resumed from {path} at step {trainer.step}{note}" + batch_note(trainer, meta)
 
 
 def _restore_progress(trainer, mine: dict, same_world: bool) -> None:
@@ -200,7 +200,26 @@ def _load_remeshed(trainer, path: Path, meta: dict, files: dict, saved_shard: in
     how = "each replica's state as saved" if old_r == new_r else \
         "per-replica optimizer state averaged once over the saved replicas (one momentum synchronisation)"
     return (f"resumed from {path} at step {trainer.step} (written as {old_r} x {saved_shard} (replicas x shard size), "
-            f"resumed as {new_r} x {par.shard_size}: {how})")
+            f"resumed as {new_r} x {par.shard_size}: {how})" + batch_note(trainer, meta))
+
+
+def batch_note(trainer, meta: dict) -> str:
+    """A resume whose global batch differs from the checkpoint's (another world size, batch size, sequence
+    length or accumulation): what it was and is, and the data.grad_accum that keeps it where one does."""
+    d = (meta.get("config") or {}).get("data") or {}
+    try:
+        saved = int(d["batch_size"]) * int(d["seq_len"]) * int(d.get("grad_accum", 1)) * int(meta["world_size"])
+    except (KeyError, TypeError, ValueError):
+        return ""
+    now = trainer.tokens_per_step
+    if saved == now:
+        return ""
+    c = trainer.cfg.data
+    per_accum = c.batch_size * c.seq_len * trainer.info.world_size
+    keep = (f"; data.grad_accum={saved // per_accum} keeps it" if saved % per_accum == 0 else
+            "; no data.grad_accum keeps it at this world size and data.batch_size")
+    return (f"\nwarning: the global batch is now {now:,} tokens a step, the checkpoint's run used {saved:,}: the steps "
+            f"from here are not like the steps before (loss per step, lr schedule per token){keep}")
 
 
 def on_nonfinite(trainer, r: dict) -> None:

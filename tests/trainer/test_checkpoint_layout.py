@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,7 @@ def test_resume_from_the_new_and_the_old_layout_continues_bit_for_bit(straight, 
             "state" in _load(split / "ckpt" / "step_000002" / "rank_00001.pt")["optimizer"]
     proc = _train(2, split, "train.resume=auto")
     assert "resumed from" in proc.stdout and "step_000002" in proc.stdout and "skipped" not in proc.stdout
+    assert "global batch" not in proc.stdout           # the same world size: nothing to warn about
     assert _losses(split) == _losses(straight)
     assert _digest(split) == _digest(straight)
 
@@ -96,6 +98,11 @@ def test_resume_on_another_world_size_from_the_new_layout(tmp_path):
     proc = _train(1, run, "train.resume=auto")
     assert "written by 2 ranks, resumed on 1" in proc.stdout
     assert [s for s, _ in _losses(run)] == [1, 2, 3, 4]
+    # the global batch halves: said, with the accumulation that keeps it
+    [warn] = [ln for ln in proc.stdout.splitlines() if "global batch" in ln]
+    assert warn.startswith("warning: the global batch is now ") and warn.endswith("data.grad_accum=2 keeps it"), warn
+    now, was = [int(x.replace(",", "")) for x in re.findall(r"\b\d[\d,]*\b", warn)][:2]
+    assert was == 2 * now
 
 
 def test_a_damaged_shared_file_is_reported_and_the_previous_checkpoint_used(tmp_path):
