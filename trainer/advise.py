@@ -456,9 +456,14 @@ def advise(user_cfg, candidates: list[Candidate], device: torch.device, data_dir
     P = dist.get_world_size()
     t0 = time.perf_counter()
     links = measure_links(device, link_sizes)
-    log(f"advise: links measured in {time.perf_counter() - t0:.1f} s: "
-        + "; ".join(f"{k} P={v['P']} alpha {v['alpha_s'] * 1e6:.0f} us, {v['gbit_s']:.3g} Gbit/s"
-                    for k, v in links.items()))
+    if P == 1:
+        log("advise: one rank: no link to measure, so every candidate's communication is 0 and the ranking is by "
+            "compute and local work alone, not what your cluster will see; run it at the run's world size "
+            "(torchrun --nproc_per_node=N; python -m bench.netsim for a simulated link)")
+    else:
+        log(f"advise: links measured in {time.perf_counter() - t0:.1f} s: "
+            + "; ".join(f"{k} P={v['P']} alpha {v['alpha_s'] * 1e6:.0f} us, {v['gbit_s']:.3g} Gbit/s"
+                        for k, v in links.items()))
     model = build_model(user_cfg, data_dir, device)
     compute = measure_compute(user_cfg, model, device, steps)
     log(f"advise: forward+backward {compute['fwdbwd_s'] * 1e3:.1f} ms/step")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -107,6 +108,18 @@ def test_auto_picks_the_only_allowed_mode_logs_it_and_keeps_it_on_resume(tmp_pat
     assert "resumed from" in p.stdout
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["source"] for r in recs if r.get("event") == "auto_mode"] == ["measured", "stored"]
+
+
+def test_auto_at_one_rank_says_the_ranking_has_no_network_in_it(tmp_path):
+    """At one rank nothing crosses a network: auto (and bench.advise) say the ranking is compute and local
+    work only and how to measure the run's links, instead of printing an "inf Gbit/s" link."""
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "train.py", str(ROOT / "configs/default.yaml"), *SMALL, "comm.mode=auto",
+                        "comm.auto_allow=[fp32]", "train.max_steps=2", f"train.out_dir={out}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "advise: one rank: no link to measure" in p.stdout and "torchrun --nproc_per_node=N" in p.stdout
+    assert "inf Gbit/s" not in p.stdout and "links measured" not in p.stdout
 
 
 @needs_netsim
