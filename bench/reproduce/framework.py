@@ -730,8 +730,14 @@ def paired_stats(group: Sequence[RunResult], ref: Sequence[RunResult], value: Ca
 
 
 def status_of(group: Sequence[RunResult]) -> str:
+    """A table row's status: "ok", each distinct failure, and how many of its runs a --report-only summary
+    found not trained yet (an interim row: pending, not failed)."""
     bad = [r.status for r in group if not r.ok]
-    return "ok" if not bad else "; ".join(sorted(set(bad)))
+    waiting = sum(s.startswith(NOT_RUN) for s in bad)
+    parts = sorted({s for s in bad if not s.startswith(NOT_RUN)})
+    if waiting:
+        parts.append(f"interim: {waiting} of {len(group)} run(s) not trained yet")
+    return "; ".join(parts) or "ok"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -919,7 +919,11 @@ def ef_growth_note(groups: dict) -> str:
     if n < 2:
         return head + said + ": one unit, no verdict."
     grows = t is not None and t >= T_CRIT_5[min(n - 1, 9)]
+    arms = [f"dion_r{rank}_ef{ef}" for rank in ("0.25", "0.0625") for ef in (0, 1)]
+    pending = sum(res.status.startswith(NOT_RUN) for arm in arms for res in groups.get((arm,), []))
     return head + said + (": reproduces (the gain grows, significant at 5 %)." if grows else
+                          f": not established (no significant growth at 5 %; interim, {pending} of its runs not "
+                          f"trained yet)." if pending else
                           ": does not reproduce here (no significant growth at 5 %).")
 
 

@@ -321,3 +321,30 @@ def test_no_study_lists_them_and_says_what_to_name(capsys):
     assert err.strip() == "error: name a study to plan (one of the above, or all), e.g. python -m bench.reproduce all --plan"
     assert main([]) == 2 and "error: name a study to run" in capsys.readouterr().err
     assert main(["--list"]) == 0 and capsys.readouterr().err == ""
+
+
+def test_an_interim_row_and_the_dion_growth_say_what_is_still_to_train():
+    """A --report-only table row with runs not trained yet says "interim: k of n run(s) not trained yet"
+    (not "failed"); a real failure is still named. Dion §4.1's growth over two seeds with a third to come is
+    "not established", over the whole plan "does not reproduce here" (no significant growth either way)."""
+    runs = {(arm, seed): Run(f"horizon_{arm}_p4_s{seed}", "configs/variants/dion.yaml", seed=seed,
+                             labels=(("arm", arm),))
+            for arm in ("dion_r0.25_ef0", "dion_r0.25_ef1", "dion_r0.0625_ef0", "dion_r0.0625_ef1")
+            for seed in (1337, 1338, 1339)}
+    val = {"dion_r0.25_ef1": 4.83, "dion_r0.25_ef0": 4.85, "dion_r0.0625_ef1": 5.03, "dion_r0.0625_ef0": 5.05}
+    shift = {1337: 0.0, 1338: 0.004, 1339: -0.003}
+    done = [_done(r, val[a] + shift[s] + (0.001 * (s - 1337) if a == "dion_r0.0625_ef0" else 0))
+            for (a, s), r in runs.items() if s != 1339]
+    waiting = [_done(r, None, f"{NOT_RUN} (--report-only)") for (a, s), r in runs.items() if s == 1339]
+    assert framework.status_of(done[:2] + waiting[:1]) == "interim: 1 of 3 run(s) not trained yet"
+    assert framework.status_of(done[:2]) == "ok"
+    assert framework.status_of([*done[:1], _done(done[1].run, None, "failed: exit 3"), *waiting[:1]]) == \
+        "failed: exit 3; interim: 1 of 3 run(s) not trained yet"
+    groups = framework.group_runs(done + waiting, "arm")
+    note = studies.ef_growth_note(groups)
+    assert "over 2 seed(s): not established (no significant growth at 5 %; interim, 4 of its runs not trained yet)." \
+        in note
+    full = [_done(r, val[a] + shift[s] + (0.001 * (s - 1337) if a == "dion_r0.0625_ef0" else 0))
+            for (a, s), r in runs.items()]
+    note = studies.ef_growth_note(framework.group_runs(full, "arm"))
+    assert "over 3 seed(s)" in note and note.endswith("does not reproduce here (no significant growth at 5 %).")
