@@ -205,7 +205,8 @@ def _load_remeshed(trainer, path: Path, meta: dict, files: dict, saved_shard: in
 
 def batch_note(trainer, meta: dict) -> str:
     """A resume whose global batch differs from the checkpoint's (another world size, batch size, sequence
-    length or accumulation): what it was and is, and the data.grad_accum that keeps it where one does."""
+    length or accumulation): what it was and is (a resume may not change data.grad_accum: the checkpoint's
+    world size keeps the batch)."""
     d = (meta.get("config") or {}).get("data") or {}
     try:
         saved = int(d["batch_size"]) * int(d["seq_len"]) * int(d.get("grad_accum", 1)) * int(meta["world_size"])
@@ -214,12 +215,9 @@ def batch_note(trainer, meta: dict) -> str:
     now = trainer.tokens_per_step
     if saved == now:
         return ""
-    c = trainer.cfg.data
-    per_accum = c.batch_size * c.seq_len * trainer.info.world_size
-    keep = (f"; data.grad_accum={saved // per_accum} keeps it" if saved % per_accum == 0 else
-            "; no data.grad_accum keeps it at this world size and data.batch_size")
     return (f"\nwarning: the global batch is now {now:,} tokens a step, the checkpoint's run used {saved:,}: the steps "
-            f"from here are not like the steps before (loss per step, lr schedule per token){keep}")
+            f"from here are not like the steps before (loss per step, lr schedule per token); resume on the checkpoint's "
+            f"{int(meta['world_size'])} rank(s) to keep it")
 
 
 def on_nonfinite(trainer, r: dict) -> None:

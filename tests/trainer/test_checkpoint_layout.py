@@ -98,9 +98,9 @@ def test_resume_on_another_world_size_from_the_new_layout(tmp_path):
     proc = _train(1, run, "train.resume=auto")
     assert "written by 2 ranks, resumed on 1" in proc.stdout
     assert [s for s, _ in _losses(run)] == [1, 2, 3, 4]
-    # the global batch halves: said, with the accumulation that keeps it
+    # the global batch halves: said, with how to keep it
     [warn] = [ln for ln in proc.stdout.splitlines() if "global batch" in ln]
-    assert warn.startswith("warning: the global batch is now ") and warn.endswith("data.grad_accum=2 keeps it"), warn
+    assert warn.startswith("warning: the global batch is now ") and warn.endswith("resume on the checkpoint's 2 rank(s) to keep it"), warn
     now, was = [int(x.replace(",", "")) for x in re.findall(r"\b\d[\d,]*\b", warn)][:2]
     assert was == 2 * now
 
