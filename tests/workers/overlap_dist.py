@@ -31,7 +31,9 @@ SPLIT = ("fp32", "bf16", "onebit", "ps", "hierarchical", "pbit")
 def run(mode: str, name: str, overlap: bool, bucket_mb: float, rank: int) -> tuple[str, int, int]:
     torch.manual_seed(0)
     model = GPT(get_preset("debug", tie_embeddings=False))
-    cfg = load_config(None, [f"optim.name={name}", f"comm.mode={mode}", "optim.lr=1e-3", "optim.grad_clip=0"])
+    # a DiLoCo run must reach its first outer step within train.max_steps (the defaults' H = 500 does not)
+    cfg = load_config(None, [f"optim.name={name}", f"comm.mode={mode}", "optim.lr=1e-3", "optim.grad_clip=0",
+                             *(["comm.diloco.inner_steps=10"] if mode == "diloco" else [])])
     opt = optim.build_optimizer(name, param_groups(model, cfg.optim), comm_mode=mode,
                                 comm_options=cfg.comm.options, optim_options=cfg.optim.options,
                                 param_order=list(model.parameters()), bucket_mb=bucket_mb, overlap=overlap)
