@@ -63,7 +63,7 @@ from util import atomic_write, replace_dir
 from .dist import before_shutdown
 
 __all__ = ["META", "MODEL", "SHARED", "CheckpointError", "NonFiniteError", "candidates", "find_resumable",
-           "optimizer_state", "read_meta", "save_checkpoint", "sha256_file", "shares_optimizer_state",
+           "optimizer_state", "read_meta", "remeshes", "save_checkpoint", "sha256_file", "shares_optimizer_state",
            "split_optimizer_state", "step_dirs", "verify"]
 
 
@@ -419,21 +419,31 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def files_needed(meta: dict, rank: int, world_size: int) -> list[str]:
+def remeshes(meta: dict, world_size: int, shard_size: int | None = None) -> bool:
+    """Whether a resume with `world_size` ranks and `shard_size` (None: the checkpoint's) rebuilds the
+    state on another mesh where one side is sharded (trainer/state.py's _load_remeshed): every rank
+    then reads every old rank's file."""
+    saved, saved_shard = int(meta["world_size"]), int(meta.get("shard_size", 1))
+    shard = saved_shard if shard_size is None else int(shard_size)
+    return (shard > 1 or saved_shard > 1) and (shard != saved_shard or saved != world_size)
+
+
+def files_needed(meta: dict, rank: int, world_size: int, shard_size: int | None = None) -> list[str]:
     """The files a rank reads: the model, and its own rank file, or every rank file of the saved
-    run when the world size changed (their states are combined)."""
+    run when the world size or the mesh changed (their states are combined), so that a damaged
+    one is found here and the checkpoint skipped like any other damaged one."""
     saved = int(meta["world_size"])
     shared = [meta[SHARED]] if meta.get(SHARED) else []  # the optimizer state written once, read by all
+    every = remeshes(meta, world_size, shard_size) or saved != world_size
+    own = [rank_file(r) for r in range(saved)] if every else [rank_file(rank)] if rank < saved else []
     if meta.get("sharded_model"):  # every rank verifies its share of the model's shard files
         shards = sorted(n for n in meta.get("files", {}) if n.startswith(meta["sharded_model"] + "/"))
-        return shards[rank::world_size] + sorted(set(([rank_file(rank)] if rank < saved else []) + shared))
-    if saved == world_size:
-        return [MODEL] + sorted({rank_file(rank), *shared})
-    return [MODEL] + [rank_file(r) for r in range(saved)]
+        return shards[rank::world_size] + sorted(set(own + shared))
+    return [MODEL] + sorted(set(own + shared))
 
 
-def find_resumable(ckpt_root: Path, rank: int, world_size: int,
-                   report: Callable[[str], None] = print) -> tuple[Path, dict, dict[str, Any]] | None:
+def find_resumable(ckpt_root: Path, rank: int, world_size: int, report: Callable[[str], None] = print,
+                   shard_size: int | None = None) -> tuple[Path, dict, dict[str, Any]] | None:
     """The newest checkpoint every rank can verify and load (collective): (its directory, meta, the
     files this rank reads, loaded by model.checkpoint_files.load_verified: checksums, weights_only,
     finite), or None when there is none at all. Each corrupt, incomplete or foreign one is reported
@@ -445,7 +455,7 @@ def find_resumable(ckpt_root: Path, rank: int, world_size: int,
         files: dict[str, Any] = {}
         try:
             meta = read_meta(path)
-            names = files_needed(meta, rank, world_size)
+            names = files_needed(meta, rank, world_size, shard_size)
             shards = [n for n in names if meta.get("sharded_model") and n.startswith(meta["sharded_model"] + "/")]
             if meta.get("sharded_model"):  # every rank reads DCP's .metadata: every rank checks it, safely
                 shards = sorted(set(shards) | {f"{meta['sharded_model']}/.metadata"})

@@ -16,8 +16,8 @@ from model.checkpoint_files import load_verified
 
 from . import automode, parallel, sharded_checkpoint
 from .checkpoint import (MODEL, SHARED, CheckpointError, find_resumable, optimizer_state, rank_file, read_meta,
-                         rng_state, save_checkpoint, save_checkpoint_async, set_rng_state, shares_optimizer_state,
-                         split_optimizer_state, verify, wait_pending)
+                         remeshes, rng_state, save_checkpoint, save_checkpoint_async, set_rng_state,
+                         shares_optimizer_state, split_optimizer_state, verify, wait_pending)
 from .config import ConfigError
 from .logger import RunLogger, finish_record
 from .rundir import REPLACED, drop_replaced, run_id
@@ -37,8 +37,8 @@ def open_run(trainer) -> RunLogger:
     exists releases the directory's lock."""
     cfg, info = trainer.cfg, trainer.info
     try:
-        found = find_resumable(trainer.ckpt_root, info.rank, info.world_size, trainer._say) \
-            if cfg.train.resume == "auto" else None
+        found = find_resumable(trainer.ckpt_root, info.rank, info.world_size, trainer._say,
+                               trainer.parallel.shard_size) if cfg.train.resume == "auto" else None
         if found is not None:
             trainer._say(load(trainer, *found))
             if trainer.schedule_steps != cfg.train.max_steps:
@@ -127,9 +127,8 @@ def load(trainer, path: Path, meta: dict, files: dict) -> str:
     """Restore `trainer` from a verified checkpoint (find_resumable's result); returns the line to print."""
     rank, world = trainer.info.rank, trainer.info.world_size
     saved = int(meta["world_size"])
-    shard, saved_shard = trainer.parallel.shard_size, int(meta.get("shard_size", 1))
-    if (shard > 1 or saved_shard > 1) and (shard != saved_shard or saved != world):
-        return _load_remeshed(trainer, path, meta, files, saved_shard)
+    if remeshes(meta, world, trainer.parallel.shard_size):
+        return _load_remeshed(trainer, path, meta, files, int(meta.get("shard_size", 1)))
     try:
         if meta.get("sharded_model"):
             sharded_checkpoint.load_model(trainer.model, path)
@@ -242,8 +241,9 @@ def on_nonfinite(trainer, r: dict) -> None:
                               f"batches (loss here: {r['loss']}): the data is not the cause, the run is diverging. "
                               f"The last good checkpoint is kept. Lower optim.lr or raise optim.warmup_steps")
     wait_pending(trainer.ckpt_root, trainer.info.world_size)  # a background save in flight is a candidate
-    found = find_resumable(trainer.ckpt_root, trainer.info.rank, trainer.info.world_size, trainer._say) \
-        if policy == "rollback" and trainer.rollbacks < MAX_ROLLBACKS else None
+    rolls = policy == "rollback" and trainer.rollbacks < MAX_ROLLBACKS
+    found = find_resumable(trainer.ckpt_root, trainer.info.rank, trainer.info.world_size, trainer._say,
+                           trainer.parallel.shard_size) if rolls else None
     if found is None:
         why = ("no checkpoint to roll back to" if policy == "rollback" and trainer.rollbacks < MAX_ROLLBACKS else
                f"{MAX_ROLLBACKS} rollbacks already" if policy == "rollback" else "train.on_nonfinite=stop")

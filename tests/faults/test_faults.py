@@ -376,3 +376,21 @@ def test_resume_on_another_world_size(tmp_path, mode, before, after):
         moms = [s["optimizer"]["state"][0]["exp_avg"] for s in old]
         assert not all(torch.equal(moms[0], m) for m in moms[1:])  # per-rank state really differed
     assert final_digest(run)
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_with_a_damaged_rank_file_falls_back_on_fewer_ranks(tmp_path):
+    """A sharded run (2 x 2) resumed on 2 ranks reads all 4 old rank files (their states are joined):
+    a damaged one that no rank of the new run wrote is found by its checksum before loading, and the
+    previous checkpoint is used (it was a hard error: only the reading ranks' own files were checked)."""
+    run = tmp_path / "run"
+    common = [*TINY, f"train.out_dir={run}", "train.max_steps=6", "train.ckpt_every=2", "comm.mode=onebit",
+              "parallel.shard_size=2"]
+    torchrun(4, ROOT / "train.py", "configs/default.yaml", *common, "train.stop_after=4")
+    damaged = run / "ckpt" / "step_000004" / "rank_00003.pt"
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    proc = torchrun(2, ROOT / "train.py", "configs/default.yaml", *common, "train.resume=auto", check=False)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    assert f"skipped checkpoint step_000004: {damaged}" in proc.stdout, proc.stdout[-3000:]
+    assert "step_000002 at step 2 (written as 2 x 2" in proc.stdout, proc.stdout[-3000:]
+    assert final_digest(run)
