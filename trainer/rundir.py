@@ -2,7 +2,8 @@
 
 - train.resume=never: an existing non-empty directory is refused (nothing is touched);
 - overwrite: only a directory the trainer made (its marker `.lioncub_run`, or the `run_id` file of
-  older versions) holding nothing but the trainer's own entries (RUN_ENTRIES), and that no live
+  older versions) holding nothing but the trainer's own entries (RUN_ENTRIES; in a checkpoint's
+  step directory, the files its meta.json lists), and that no live
   run holds, is started afresh; any other entry is named and the directory refused. The replaced
   run's entries are moved aside into `.replaced-<time>/` inside it, not deleted, and removed only
   once the new run's first checkpoint is written and verified (`drop_replaced`);
@@ -24,11 +25,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
 
-from .checkpoint import CheckpointError, clean_partial, latest_checkpoint, read_meta
+from .checkpoint import META, CheckpointError, clean_partial, latest_checkpoint, read_meta
 from .dist import DistInfo, all_agree
 from .automode import DECISION
 from .runlock import LOCK, LockError, RunLock
@@ -115,17 +117,45 @@ def is_ours(out_dir: Path) -> bool:
 
 
 def foreign_entries(out_dir: Path) -> list[str]:
-    """Entries of `out_dir` (and of its ckpt/) the trainer did not write, as paths relative to it."""
+    """Entries of `out_dir`, of its ckpt/ and of its step directories the trainer did not write, as
+    paths relative to it (train.resume=overwrite moves them aside and later deletes them)."""
     out = [p.name for p in out_dir.iterdir()
            if p.name not in RUN_ENTRIES and not p.name.startswith((REPLACED, LOCK + "."))]  # .lock.PID.tmp: a takeover
     ckpt = out_dir / "ckpt"
     if ckpt.is_dir() and not ckpt.is_symlink():
-        out += [f"ckpt/{p.name}" for p in ckpt.iterdir()
-                if p.name not in CKPT_ENTRIES and not (p.name.startswith(("step_", ".tmp_step_", ".old_step_"))
-                                                       and p.is_dir() and not p.is_symlink())]
+        for p in sorted(ckpt.iterdir()):
+            if p.name in CKPT_ENTRIES:
+                continue
+            if p.name.startswith(("step_", ".tmp_step_", ".old_step_")) and p.is_dir() and not p.is_symlink():
+                out += [f"ckpt/{p.name}/{name}" for name in foreign_in_step(p)]
+            else:
+                out.append(f"ckpt/{p.name}")
     elif ckpt.exists():
         out.append("ckpt (not a directory)")
     return sorted(out)
+
+
+# what a save writes in a step directory, for one whose meta.json cannot be read (a killed or damaged save):
+# meta.json, model.pt, the rank files, a sharded model's DCP files and the async save's markers
+SAVE_NAMES = re.compile(r"(meta\.json|model\.pt|rank_\d+\.pt|\.rank_\d+\.pt\.(done|failed)(\.part)?"
+                        r"|[^/]+/(__\d+_\d+\.distcp|\.metadata))")
+
+
+def foreign_in_step(step: Path) -> list[str]:
+    """Files of a checkpoint's step directory its save did not write: not meta.json nor a file its
+    meta.json lists (by name where meta.json cannot be read), as paths relative to it."""
+    try:
+        known: set[str] | None = {META, *read_meta(step).get("files", {})}
+    except CheckpointError:
+        known = None
+    out = []
+    for p in sorted(step.rglob("*")):
+        if p.is_dir() and not p.is_symlink():
+            continue  # a directory is judged by what it holds
+        rel = p.relative_to(step).as_posix()
+        if not (rel in known if known is not None else SAVE_NAMES.fullmatch(rel)):
+            out.append(rel)
+    return out
 
 
 def _decide(out_dir: Path, resume: str, config: dict) -> tuple[str, RunLock | None]:

@@ -41,11 +41,28 @@ def test_a_foreign_directory_keeps_every_byte(tmp_path, mode):
 def test_overwrite_names_entries_it_did_not_write_and_keeps_them(run_copy):
     (run_copy / "notes.txt").write_text("mine")
     (run_copy / "ckpt" / "best.pt").write_bytes(b"keep me")
+    (run_copy / "ckpt" / "step_000004" / "evals").mkdir()  # inside a checkpoint: moved aside, then deleted
+    (run_copy / "ckpt" / "step_000004" / "evals" / "hellaswag.json").write_text("{}")
     before = snapshot(run_copy)
     proc = run1(run_copy, "train.max_steps=2", "train.resume=overwrite")
     assert proc.returncode == 2
-    assert "entries the trainer did not write: ckpt/best.pt, notes.txt" in proc.stderr
+    assert ("entries the trainer did not write: ckpt/best.pt, ckpt/step_000004/evals/hellaswag.json, notes.txt"
+            in proc.stderr), proc.stderr[-2000:]
     assert snapshot(run_copy) == before
+
+
+def test_a_step_directory_whose_meta_cannot_be_read_is_judged_by_the_saves_names(run_copy):
+    """A damaged meta.json lists nothing: the save's own names (model.pt, rank files, DCP shards) are
+    still the trainer's, anything else is not."""
+    from trainer.rundir import foreign_in_step
+
+    step = run_copy / "ckpt" / "step_000004"
+    assert foreign_in_step(step) == []
+    (step / "meta.json").write_text("{not json")
+    (step / "model").mkdir()
+    for name in ("model/__0_0.distcp", "model/.metadata", "rank_00003.pt", "plot.png", "model/extra.txt"):
+        (step / name).write_bytes(b"x")
+    assert foreign_in_step(step) == ["model/extra.txt", "plot.png"]
 
 
 def test_a_replaced_run_is_moved_aside_until_the_new_runs_first_checkpoint(run_copy):
