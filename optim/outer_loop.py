@@ -210,7 +210,15 @@ class OuterLoop:
         if local is None or len(local) != len(d.local):
             raise ValueError("comm.mode=diloco: the checkpoint lacks this rank's local parameters (its exchange state "
                              "has no 'local' entry per fragment)")
+        # a rollback loads into a running loop: the averages it has in flight finish first (their thread
+        # must not be inside a collective, or write a wire's error feedback, while the state is replaced),
+        # and their results are dropped. Their bytes are not booked: the steps that sent them are replayed
+        # and send them again, so the records after a rollback read as those of a run resumed here
+        for handle in d.pending.values():
+            handle.wait()
         d.load_state_dict(state)
+        self.moved = [self._unbooked(k)[0] for k in range(len(self.booked))]
+        d.waited = {}
         for k, flat in enumerate(local):
             if flat.numel() != d.glob[k].numel():
                 raise ValueError(f"DiLoCo: the checkpoint's local parameters of fragment {k} hold {flat.numel()} "

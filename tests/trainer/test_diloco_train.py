@@ -93,6 +93,18 @@ def test_streaming_resume_with_an_average_in_flight_books_its_bytes_and_continue
     assert results[1]["streaming_pieces"]["booked"] == p["booked"]
 
 
+def test_a_rollback_with_an_average_in_flight_books_each_average_once(results):
+    """A NaN at step 5 rolls the streaming run back to its checkpoint of step 3 while fragment 0's
+    average (sent after step 4) is in flight: it is waited for and dropped, and the replayed steps book
+    what the uninterrupted run books (it was booked twice at step 5: the dropped average's bytes and
+    the replayed one's)."""
+    s, r = results[0]["streaming"], results[0]["streaming_rollback"]
+    assert r["nonfinite"] == [5]
+    assert r["booked"] == s["booked"], (r["booked"], s["booked"])
+    assert len(set(r["final"])) == 1
+    assert results[1]["streaming_rollback"]["booked"] == r["booked"]
+
+
 def test_the_wait_for_a_background_average_is_booked_as_comm_time(results):
     for run in ("streaming", "streaming_pieces"):
         s = results[0][run]

@@ -7,7 +7,8 @@ the workers before a sync: they do train apart). DiLoCo (H = 3, F = 1, fp32) tra
 uninterrupted, and again in three pieces: stopped at step 3 (right after its outer step), resumed and
 stopped at step 4 (in the inner phase), resumed to the end; then rank 1's file of the last
 checkpoint is damaged and a resume must fall back to the one of step 4. The streaming run trains
-again in two pieces, stopped at step 3 with an average in flight. Each rank writes what the test compares
+again in two pieces, stopped at step 3 with an average in flight, and once rolled back from a
+NaN at step 5 (an average in flight) to its checkpoint of step 3. Each rank writes what the test compares
 (`result_<rank>.json`): the per-step bytes each run booked (metrics.jsonl) with the formula's
 (optim.diloco.wire_bytes of each fragment whose outer step that step applied: with tau > 0 the
 averages run on a background thread and their bytes join the step that waits for them; the one
@@ -50,12 +51,25 @@ def records(run: Path, key: str) -> list[dict]:
     return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if key in r]
 
 
-def train(run: Path, extra: list[str], watch: list | None = None, drift: list | None = None) -> Trainer:
+def train(run: Path, extra: list[str], watch: list | None = None, drift: list | None = None,
+          poison: tuple[int, int] | None = None) -> Trainer:
     """Fit one run; with `watch`, every applied outer step appends (step, fragments, global digests of
     every rank, local digests of every rank before the step); with `drift`, every send appends the
-    step, the fragment and worker_drift of every rank's pseudo-gradient (gathered whole here)."""
+    step, the fragment and worker_drift of every rank's pseudo-gradient (gathered whole here); with
+    `poison` = (rank, n), that rank's n-th forward returns a NaN loss."""
     tr = Trainer(load_config(ROOT / "configs/default.yaml", BASE + [f"train.out_dir={run}", *extra]), INFO)
     loop = tr.optimizer.strategy.loop
+    if poison is not None:
+        forward, calls = tr.forward, {"n": 0}
+
+        def poisoned(x, y):
+            logits, loss = forward(x, y)
+            calls["n"] += 1
+            if INFO.rank == poison[0] and calls["n"] == poison[1]:
+                loss = loss * float("nan")
+            return logits, loss
+
+        tr.forward = poisoned
     if drift is not None:
         d, send = loop.outer, loop.outer.send
 
@@ -146,6 +160,18 @@ def main(tmp: str) -> None:
                                "finish": records(spieces, "finish_comm_bytes"),
                                "final": records(spieces, "param_sha256")[-1]["param_sha256"],
                                "resumed_at": [x["step"] for x in records(spieces, "event") if x["event"] == "resume"]}
+
+    # Streaming DiLoCo rolled back (train.on_nonfinite=rollback) at step 5, while fragment 0's average
+    # sent after step 4 is in flight, to the checkpoint of step 3: that average is dropped and its bytes
+    # not booked again when step 4 is replayed, so each step's last record books the formula's bytes
+    rolled = tmp_dir / "streaming_rollback"
+    train(rolled, STREAMING + ["train.ckpt_every=3", "train.keep_ckpts=5", "train.on_nonfinite=rollback"],
+          poison=(1, 5))
+    out["streaming_rollback"] = {"booked": {r["step"]: r["comm_bytes"] for r in records(rolled, "train_loss")
+                                            if "event" not in r},
+                                 "nonfinite": [r["step"] for r in records(rolled, "event")
+                                               if r["event"] == "nonfinite"],
+                                 "final": records(rolled, "param_sha256")[-1]["param_sha256"]}
 
     # DiLoCo: uninterrupted, then in three pieces (stop at 3 = an outer step, at 4 = inner phase)
     # the uninterrupted run takes diagnostics (drift at step 6), the pieces none: same parameters
