@@ -142,8 +142,10 @@ def load(trainer, path: Path, meta: dict, files: dict) -> str:
             states = [files[rank_file(r)] for r in range(saved)]
             mine = states[min(rank, saved - 1)]
             trainer.optimizer.load_resharded([optimizer_state(files, meta, rank_file(r)) for r in range(saved)])
-            note = (f" (written by {saved} ranks, resumed on {world}: per-rank optimizer state averaged once, i.e. "
-                    f"one momentum synchronisation; data continues at the same global token position)")
+            how = ("the optimizer state every rank shared (gradient sync) carried over" if meta.get(SHARED) else
+                   "per-rank optimizer state averaged once, i.e. one momentum synchronisation")
+            note = (f" (written by {saved} ranks, resumed on {world}: {how}; data continues at the same global "
+                    f"token position)")
     except (ValueError, KeyError, TypeError, RuntimeError) as e:  # a state this run's optimizer cannot take
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         how = (f"resume on the {saved} rank(s) it was written with" if saved != world else
@@ -187,17 +189,26 @@ def _load_remeshed(trainer, path: Path, meta: dict, files: dict, saved_shard: in
         raise ConfigError(f"checkpoint {path} (parallel.shard_size={saved_shard} on {saved} ranks) cannot resume on "
                           f"parallel.shard_size={par.shard_size} on {world} ranks: {e}; resume with "
                           f"parallel.shard_size={saved_shard} on {saved} ranks") from None
-    if meta.get("sharded_model"):
-        sharded_checkpoint.load_model(trainer.model, path)
-    else:
-        model_state = files[MODEL] if MODEL in files else load_verified(path, [MODEL])[0][MODEL]
-        sharded_checkpoint.load_full_model(trainer.model, model_state)
-    trainer.optimizer.load_state_dict(opt)
+    try:
+        if meta.get("sharded_model"):
+            sharded_checkpoint.load_model(trainer.model, path)
+        else:
+            model_state = files[MODEL] if MODEL in files else load_verified(path, [MODEL])[0][MODEL]
+            sharded_checkpoint.load_full_model(trainer.model, model_state)
+        trainer.optimizer.load_state_dict(opt)
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:  # a state this run's optimizer cannot take
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {path} (parallel.shard_size={saved_shard} on {saved} ranks) cannot be "
+                              f"restored by this run on parallel.shard_size={par.shard_size} on {world} ranks: "
+                              f"{first}; resume with the optim / comm settings and the mesh it was written with, "
+                              f"or start a new run (another train.out_dir, or train.resume=overwrite)") from None
     mine = files[names[min(rank, saved - 1)]]
     _restore_progress(trainer, mine, saved == world)  # lr horizon, tokens seen, data position, RNG: as same-mesh
     old_r, new_r = saved // saved_shard, par.replicas
-    how = "each replica's state as saved" if old_r == new_r else \
-        "per-replica optimizer state averaged once over the saved replicas (one momentum synchronisation)"
+    how = ("each replica's state as saved" if old_r == new_r else
+           "the replicas' optimizer state, identical under gradient sync, carried over"
+           if shares_optimizer_state(trainer.optimizer, max(old_r, new_r)) else
+           "per-replica optimizer state averaged once over the saved replicas (one momentum synchronisation)")
     return (f"resumed from {path} at step {trainer.step} (written as {old_r} x {saved_shard} (replicas x shard size), "
             f"resumed as {new_r} x {par.shard_size}: {how})" + batch_note(trainer, meta))
 
