@@ -28,6 +28,11 @@ class Options:
         """Problems of these values given the run's length (e.g. a warm-up longer than the run)."""
         return []
 
+    def notes(self) -> list[str]:
+        """Values that are valid but change what a run does in a way a user may not expect: one line
+        each, naming the key, printed under the run's banner (never a refusal: see problems)."""
+        return []
+
     def key(self, name: str) -> str:
         return f"{self.section}.{name}"
 

@@ -317,6 +317,7 @@ def banner(trainer) -> str:
             f" (val split holds {trainer.evaluator.steps}, asked {c.train.eval_steps})"
             if trainer.evaluator.steps < c.train.eval_steps else "")
         + (f" + {len(trainer.evaluator.mc_items)} multiple-choice items" if trainer.evaluator.mc_items else ""),
+        *[f"note: {n}" for n in trainer.optimizer.scheme_options.notes()],
     ])
 
 

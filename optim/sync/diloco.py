@@ -346,6 +346,15 @@ class DiLoCoSchemeOptions(SchemeOptions):
                     f"steps) or train longer"]
         return []
 
+    def notes(self) -> list[str]:
+        o = self.diloco
+        if isinstance(o, DiLoCoOptions) and o.overlap_steps > 0 and o.alpha == 0:
+            return [f"{o.key('alpha')}: 0 with {o.key('overlap_steps')}={o.overlap_steps}: at each fragment's outer "
+                    f"step a worker adopts the global parameters, discarding its {o.overlap_steps} inner step(s) "
+                    f"taken while the average was in flight (Streaming DiLoCo mixes them back with alpha 0.5, as "
+                    f"configs/variants/streaming_diloco.yaml does)"]
+        return []
+
     def as_dict(self) -> dict[str, Any]:
         return {"diloco": self.diloco.as_dict()}
 

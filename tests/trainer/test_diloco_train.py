@@ -183,3 +183,22 @@ def test_more_fragments_than_blocks_exits_2_naming_the_key(tmp_path):
     err = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
     assert len(err) == 1 and "comm.diloco.fragments: 3 fragments but the model has 2 blocks" in err[0], proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_alpha_zero_with_overlap_is_a_banner_note_not_an_error(tmp_path):
+    """comm.diloco.alpha = 0 with overlap_steps > 0 is valid (it is torchft's default) but throws away the
+    tau inner steps each exchange overlapped: the run says so under its banner, naming both keys; the
+    streaming preset (alpha 0.5) and tau = 0 say nothing."""
+    from optim.sync.diloco import DiLoCoSchemeOptions
+
+    assert DiLoCoSchemeOptions(diloco={"overlap_steps": 1, "alpha": 0.5}).notes() == []
+    assert DiLoCoSchemeOptions(diloco={"overlap_steps": 0, "alpha": 0.0}).notes() == []
+    preset = load_config(ROOT / "configs/variants/streaming_diloco.yaml", ["train.max_steps=200"]).comm.diloco
+    assert preset.overlap_steps == 1 and DiLoCoSchemeOptions(diloco=preset).notes() == []
+    proc = subprocess.run([sys.executable, "train.py", "configs/default.yaml", *TINY, "comm.diloco.inner_steps=2",
+                           "comm.diloco.fragments=2", "comm.diloco.overlap_steps=1", "train.max_steps=4",
+                           f"train.out_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [note] = [ln for ln in proc.stdout.splitlines() if ln.startswith("note: ")]
+    assert "comm.diloco.alpha: 0 with comm.diloco.overlap_steps=1" in note and "discarding its 1 inner step" in note
