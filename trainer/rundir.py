@@ -143,11 +143,13 @@ SAVE_NAMES = re.compile(r"(meta\.json|model\.pt|rank_\d+\.pt|\.rank_\d+\.pt\.(do
 
 def foreign_in_step(step: Path) -> list[str]:
     """Files of a checkpoint's step directory its save did not write: not meta.json nor a file its
-    meta.json lists (by name where meta.json cannot be read), as paths relative to it."""
+    meta.json lists (by the save's names where meta.json cannot be read or lists none), as paths
+    relative to it."""
     try:
-        known: set[str] | None = {META, *read_meta(step).get("files", {})}
+        files = read_meta(step).get("files")
     except CheckpointError:
-        known = None
+        files = None
+    known = {META, *files} if files is not None else None  # older versions' meta.json lists no files
     out = []
     for p in sorted(step.rglob("*")):
         if p.is_dir() and not p.is_symlink():

@@ -63,6 +63,8 @@ def test_a_step_directory_whose_meta_cannot_be_read_is_judged_by_the_saves_names
     for name in ("model/__0_0.distcp", "model/.metadata", "rank_00003.pt", "plot.png", "model/extra.txt"):
         (step / name).write_bytes(b"x")
     assert foreign_in_step(step) == ["model/extra.txt", "plot.png"]
+    (step / "meta.json").write_text('{"step": 4, "world_size": 1}')  # an older version's: no "files"
+    assert foreign_in_step(step) == ["model/extra.txt", "plot.png"]
 
 
 def test_a_replaced_run_is_moved_aside_until_the_new_runs_first_checkpoint(run_copy):
