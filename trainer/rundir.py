@@ -127,7 +127,10 @@ def foreign_entries(out_dir: Path) -> list[str]:
             if p.name in CKPT_ENTRIES:
                 continue
             if p.name.startswith(("step_", ".tmp_step_", ".old_step_")) and p.is_dir() and not p.is_symlink():
-                out += [f"ckpt/{p.name}/{name}" for name in foreign_in_step(p)]
+                # a saved step: what its meta.json does not list; a killed save's temp directory (any
+                # writer's temp files inside) is the trainer's own, removed at every start (clean_partial)
+                if p.name.startswith("step_"):
+                    out += [f"ckpt/{p.name}/{name}" for name in foreign_in_step(p)]
             else:
                 out.append(f"ckpt/{p.name}")
     elif ckpt.exists():
@@ -135,7 +138,7 @@ def foreign_entries(out_dir: Path) -> list[str]:
     return sorted(out)
 
 
-# what a save writes in a step directory, for one whose meta.json cannot be read (a killed or damaged save):
+# what a save writes in a step directory, for one whose meta.json cannot be read (damaged) or lists no files:
 # meta.json, model.pt, the rank files, a sharded model's DCP files and the async save's markers
 SAVE_NAMES = re.compile(r"(meta\.json|model\.pt|rank_\d+\.pt|\.rank_\d+\.pt\.(done|failed)(\.part)?"
                         r"|[^/]+/(__\d+_\d+\.distcp|\.metadata))")
