@@ -830,21 +830,26 @@ def horizon_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
     return [horizon_run(arm, scale, seed) for arm, _ in HORIZON_ARMS for seed in seeds]
 
 
-# the 5 % two-sided critical value of Student's t by degrees of freedom (pairs - 1)
-T_CRIT_5 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+# the 5 % two-sided critical value of Student's t by degrees of freedom (pairs - 1), to three decimals (rounded
+# down to two, 4.30 at 2 dof would pass a t of 4.301 that 4.303 does not)
+T_CRIT_5 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+# the 5 % one-sided critical value (a claim with a direction: Dion §4.1's gain grows as the rank falls)
+T_CRIT_5_ONE_SIDED = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833}
 # a run diverged: its val loss rose this much above its own lowest value after the first 15 % of the run,
 # or it stopped on a non-finite loss (the trainer's exit code 3, train.on_nonfinite=stop)
 DIVERGED_RISE = 0.05
 DIVERGED_RC = "failed rc=3"
 
 
-def paired_verdict(n: int, t: float | None) -> str:
-    """The verdict of a paired Δ (positive: worse) over n pairs at the 5 % level ("-" below two pairs)."""
+def paired_verdict(n: int, t: float | None, status: str = "ok") -> str:
+    """The verdict of a paired Δ (positive: worse) over n pairs at the 5 % level ("-" below two pairs): a t
+    under the critical value is "not significant" (the test found no difference; it does not show the arms
+    equal). While the arm's status is interim (runs still to train) the verdict says so."""
     if n < 2:
         return "-"
-    if t is None or abs(t) < T_CRIT_5[min(n - 1, 9)]:
-        return "no difference at 5 %"
-    return "worse" if t > 0 else "better"
+    word = "not significant at 5 %" if t is None or abs(t) < T_CRIT_5[min(n - 1, 9)] else \
+        "worse" if t > 0 else "better"
+    return word + (f" (interim, {n - 1} dof)" if "interim" in status else "")
 
 
 def _val_rise(r: RunResult) -> float | None:
@@ -881,7 +886,7 @@ def horizon_summary(results: list[RunResult], scale: Scale) -> Summary:
                "diverged": f"{sum(verdicts)} of {len(verdicts)}" if verdicts else "-"}
         if ref is not None:
             row.update(paired_stats(group, groups.get((ref,), []), _val, "delta"))
-            row["verdict"] = paired_verdict(row["delta_n"], row["delta_t"])
+            row["verdict"] = paired_verdict(row["delta_n"], row["delta_t"], row["status"])
         rows.append(row)
     cols = [Column("arm", "arm", align="left"), Column("val_loss_mean", "final val loss"),
             Column("val_loss_std", "± std"), Column("val_loss_n", "seeds", "d"),
@@ -918,13 +923,14 @@ def ef_growth_note(groups: dict) -> str:
     said = f"{m:+.4f}" + (f" ± {sd:.4f}, t {t:.1f} at {n - 1} dof" if t is not None else "") + f" over {n} seed(s)"
     if n < 2:
         return head + said + ": one unit, no verdict."
-    grows = t is not None and t >= T_CRIT_5[min(n - 1, 9)]
+    grows = t is not None and t >= T_CRIT_5_ONE_SIDED[min(n - 1, 9)]  # a directional claim: one-sided
     arms = [f"dion_r{rank}_ef{ef}" for rank in ("0.25", "0.0625") for ef in (0, 1)]
     pending = sum(res.status.startswith(NOT_RUN) for arm in arms for res in groups.get((arm,), []))
-    return head + said + (": reproduces (the gain grows, significant at 5 %)." if grows else
-                          f": not established (no significant growth at 5 %; interim, {pending} of its runs not "
-                          f"trained yet)." if pending else
-                          ": does not reproduce here (no significant growth at 5 %).")
+    return head + said + (": reproduces (the gain grows, significant at 5 %, one-sided)." if grows else
+                          f": not established (no significant growth at 5 %, one-sided; interim, {pending} of its "
+                          f"runs not trained yet)." if pending else
+                          ": not reproduced here (no significant growth at 5 %, one-sided; a growth is not "
+                          "excluded).")
 
 
 def horizon_plot(results: list[RunResult], path: Path) -> None:
@@ -1304,7 +1310,7 @@ def diloco_summary(results: list[RunResult], scale: Scale) -> Summary:
                seed_stats(group, slow_axis_bytes_per_step, "b")["b_mean"]}
         if arm != DILOCO_REFERENCE:
             row.update(paired_stats(group, ref, _val, "delta"))
-            row["verdict"] = paired_verdict(row["delta_n"], row["delta_t"])
+            row["verdict"] = paired_verdict(row["delta_n"], row["delta_t"], row["status"])
         rows.append(row)
     ref_bytes = next((r["bytes_per_step"] for r in rows if r["arm"] == DILOCO_REFERENCE), None)
     for r in rows:

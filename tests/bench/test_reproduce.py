@@ -1109,12 +1109,12 @@ def test_horizon_summary_pairs_each_arm_with_its_reference_by_seed():
     assert one["val_rise"] == pytest.approx(0.3) and one["diverged"] == "1 of 3"
     assert rows["adamw_fp32"]["val_rise"] == 0 and rows["adamw_fp32"]["diverged"] == "0 of 3"
     assert rows["dion_r0.25_ef0"]["delta_mean"] == pytest.approx(0.02) and rows["adamw_fp32"]["reference"] == "-"
-    assert rows["dion_r0.25_ef0"]["verdict"] == "no difference at 5 %"   # 0.01, 0.02, 0.03: t 3.5 < 4.30
+    assert rows["dion_r0.25_ef0"]["verdict"] == "not significant at 5 %"   # 0.01, 0.02, 0.03: t 3.5 < 4.30
     assert rows["1bit"]["val_loss_n"] == 0 and rows["1bit"]["delta_n"] == 0  # no run: an empty row
     # a pair missing: the t and the verdict are over the pairs, not the arm's seeds
     short = [r for r in results if not (r.run.label("arm") == "adamw_fp32" and r.run.seed == 1339)]
     one = {r["arm"]: r for r in studies.horizon_summary(short, sc).rows}["onebit_adam"]
-    assert (one["val_loss_n"], one["delta_n"]) == (3, 2) and one["verdict"] == "no difference at 5 %"  # 12.71 at 1 dof
+    assert (one["val_loss_n"], one["delta_n"]) == (3, 2) and one["verdict"] == "not significant at 5 %"  # 12.71 at 1 dof
     # a run that stopped on a non-finite loss diverged, whatever its records say
     failed = [RunResult(r.run, "failed rc=3 (see x.log)", Path("x"), records=r.records) if r.run.label("arm") ==
               "onebit_adam" and r.run.seed == 1337 else r for r in results]
@@ -1139,9 +1139,9 @@ def test_dion_ef_growth_is_a_paired_statistic_of_its_own():
     def note(res):
         return next(n for n in studies.horizon_summary(res, sc).notes if n.startswith("Dion §4.1"))
 
-    assert note(results((.020, .021, .019), (.050, .052, .055))).endswith("reproduces (the gain grows, significant at 5 %).")
+    assert note(results((.020, .021, .019), (.050, .052, .055))).endswith("reproduces (the gain grows, significant at 5 %, one-sided).")
     noisy = note(results((.020, .021, .019), (.060, .010, .045)))   # means 0.020 -> 0.038, paired t 1.2
-    assert "does not reproduce here" in noisy and "t 1.2 at 2 dof over 3 seed(s)" in noisy
+    assert "not reproduced here" in noisy and "t 1.2 at 2 dof over 3 seed(s)" in noisy
     assert note(results((.020,), (.018,))).endswith("-0.0020 over 1 seed(s): one unit, no verdict.")
     assert note([]).endswith("no seed has all four Dion runs yet.")
 
@@ -1180,3 +1180,16 @@ def test_config_files_and_overrides_go_anywhere_and_become_sets(tmp_path, monkey
         main(["table2", "fig10"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "'fig10': expected a config file" in err and err.count("\n") == 1
+
+
+def test_paired_verdict_words_and_critical_values():
+    """Under the critical value the verdict is "not significant" (never "no difference"), at three decimals
+    (4.301 at 2 dof is under 4.303); an interim arm's verdict says so with its degrees of freedom."""
+    assert studies.paired_verdict(3, 4.301) == "not significant at 5 %"
+    assert studies.paired_verdict(3, 4.31) == "worse" and studies.paired_verdict(3, -4.31) == "better"
+    assert studies.paired_verdict(2, 42.3, "interim: 1 of 3 run(s) not trained yet") == "worse (interim, 1 dof)"
+    assert studies.paired_verdict(2, 3.0, "failed: exit 3; interim: 1 of 3 run(s) not trained yet") == \
+        "not significant at 5 % (interim, 1 dof)"
+    assert studies.paired_verdict(1, 99.0) == "-"
+    # Dion §4.1's growth is a directional claim: one-sided, so t 3.0 at 2 dof (under 4.303, over 2.920) passes
+    assert studies.T_CRIT_5_ONE_SIDED[2] < 3.0 < studies.T_CRIT_5[2]

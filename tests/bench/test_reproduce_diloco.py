@@ -147,7 +147,7 @@ def test_summary_reads_losses_bytes_and_time_to_loss_from_stored_runs(tmp_path):
     assert (h10["outer_lr"], h10["workers"], rows["diloco_h10_s2"]["workers"]) == (0.7, "4 x 1", "2 x 2")
     assert h10["val_loss_n"] == 3 and h10["val_loss_mean"] == pytest.approx(5.12)
     assert h10["delta_mean"] == pytest.approx(0.02) and h10["delta_std"] == pytest.approx(0.01)
-    assert h10["verdict"] == "no difference at 5 %"  # t = 3.5 < 4.30 at 2 dof
+    assert h10["verdict"] == "not significant at 5 %"  # t = 3.5 < 4.30 at 2 dof
     assert rows["diloco_h50_s1"]["outer_lr"] == 1.0 and rows["diloco_h50_s1"]["verdict"] == "worse"
     assert rows["fp32"]["verdict"] == "worse" and "verdict" not in rows["adamw_fp32"]
     # slow-axis bytes: comm_bytes x window length summed with what the end sent, over the steps; vs AdamW's
@@ -326,7 +326,7 @@ def test_no_study_lists_them_and_says_what_to_name(capsys):
 def test_an_interim_row_and_the_dion_growth_say_what_is_still_to_train():
     """A --report-only table row with runs not trained yet says "interim: k of n run(s) not trained yet"
     (not "failed"); a real failure is still named. Dion §4.1's growth over two seeds with a third to come is
-    "not established", over the whole plan "does not reproduce here" (no significant growth either way)."""
+    "not established", over the whole plan "not reproduced here" (no significant growth, one-sided)."""
     runs = {(arm, seed): Run(f"horizon_{arm}_p4_s{seed}", "configs/variants/dion.yaml", seed=seed,
                              labels=(("arm", arm),))
             for arm in ("dion_r0.25_ef0", "dion_r0.25_ef1", "dion_r0.0625_ef0", "dion_r0.0625_ef1")
@@ -342,9 +342,9 @@ def test_an_interim_row_and_the_dion_growth_say_what_is_still_to_train():
         "failed: exit 3; interim: 1 of 3 run(s) not trained yet"
     groups = framework.group_runs(done + waiting, "arm")
     note = studies.ef_growth_note(groups)
-    assert "over 2 seed(s): not established (no significant growth at 5 %; interim, 4 of its runs not trained yet)." \
+    assert "over 2 seed(s): not established (no significant growth at 5 %, one-sided; interim, 4 of its runs not trained yet)." \
         in note
     full = [_done(r, val[a] + shift[s] + (0.001 * (s - 1337) if a == "dion_r0.0625_ef0" else 0))
             for (a, s), r in runs.items()]
     note = studies.ef_growth_note(framework.group_runs(full, "arm"))
-    assert "over 3 seed(s)" in note and note.endswith("does not reproduce here (no significant growth at 5 %).")
+    assert "over 3 seed(s)" in note and note.endswith("not reproduced here (no significant growth at 5 %, one-sided; a growth is not excluded).")
