@@ -126,10 +126,11 @@ def foreign_entries(out_dir: Path) -> list[str]:
         for p in sorted(ckpt.iterdir()):
             if p.name in CKPT_ENTRIES:
                 continue
-            if p.name.startswith(("step_", ".tmp_step_", ".old_step_")) and p.is_dir() and not p.is_symlink():
+            saved = p.name.startswith("step_") and p.name[5:].isdigit()  # as step_dirs: step_000004_keep is not
+            if (saved or p.name.startswith((".tmp_step_", ".old_step_"))) and p.is_dir() and not p.is_symlink():
                 # a saved step: what its meta.json does not list; a killed save's temp directory (any
                 # writer's temp files inside) is the trainer's own, removed at every start (clean_partial)
-                if p.name.startswith("step_"):
+                if saved:
                     out += [f"ckpt/{p.name}/{name}" for name in foreign_in_step(p)]
             else:
                 out.append(f"ckpt/{p.name}")

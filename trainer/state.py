@@ -206,6 +206,7 @@ def _load_remeshed(trainer, path: Path, meta: dict, files: dict, saved_shard: in
     _restore_progress(trainer, mine, saved == world)  # lr horizon, tokens seen, data position, RNG: as same-mesh
     old_r, new_r = saved // saved_shard, par.replicas
     how = ("each replica's state as saved" if old_r == new_r else
+           "the one saved replica's optimizer state, copied to every replica" if old_r == 1 else
            "the replicas' optimizer state, identical under gradient sync, carried over"
            if shares_optimizer_state(trainer.optimizer, max(old_r, new_r)) else
            "per-replica optimizer state averaged once over the saved replicas (one momentum synchronisation)")

@@ -20,3 +20,6 @@ def test_another_mesh_resume_keeps_what_a_same_mesh_resume_keeps(tmp_path):
         if rank == 0:
             note = [x for x in same["lines"] if x.startswith("schedule:")]
             assert note and note == [x for x in other["lines"] if x.startswith("schedule:")], (same, other)
+            # written as 1 x 2 (one replica), resumed as 2 x 1: its state copied, nothing averaged
+            assert any("resumed as 2 x 1: the one saved replica's optimizer state, copied to every replica" in x
+                       for x in other["lines"]), other["lines"]

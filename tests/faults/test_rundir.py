@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -43,11 +44,13 @@ def test_overwrite_names_entries_it_did_not_write_and_keeps_them(run_copy):
     (run_copy / "ckpt" / "best.pt").write_bytes(b"keep me")
     (run_copy / "ckpt" / "step_000004" / "evals").mkdir()  # inside a checkpoint: moved aside, then deleted
     (run_copy / "ckpt" / "step_000004" / "evals" / "hellaswag.json").write_text("{}")
+    # a user's backup copy of a step: its meta.json lists its files, but the trainer never names a step so
+    shutil.copytree(run_copy / "ckpt" / "step_000002", run_copy / "ckpt" / "step_000002_keep")
     before = snapshot(run_copy)
     proc = run1(run_copy, "train.max_steps=2", "train.resume=overwrite")
     assert proc.returncode == 2
-    assert ("entries the trainer did not write: ckpt/best.pt, ckpt/step_000004/evals/hellaswag.json, notes.txt"
-            in proc.stderr), proc.stderr[-2000:]
+    assert ("entries the trainer did not write: ckpt/best.pt, ckpt/step_000002_keep, "
+            "ckpt/step_000004/evals/hellaswag.json, notes.txt" in proc.stderr), proc.stderr[-2000:]
     assert snapshot(run_copy) == before
 
 
