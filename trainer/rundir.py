@@ -30,7 +30,9 @@ import shutil
 import time
 from pathlib import Path
 
-from .checkpoint import META, CheckpointError, clean_partial, latest_checkpoint, read_meta
+from model.checkpoint_files import files_in
+
+from .checkpoint import META, CheckpointError, clean_partial, latest_checkpoint, read_meta, step_dirs
 from .dist import DistInfo, all_agree
 from .automode import DECISION
 from .runlock import LOCK, LockError, RunLock
@@ -123,45 +125,37 @@ def foreign_entries(out_dir: Path) -> list[str]:
            if p.name not in RUN_ENTRIES and not p.name.startswith((REPLACED, LOCK + "."))]  # .lock.PID.tmp: a takeover
     ckpt = out_dir / "ckpt"
     if ckpt.is_dir() and not ckpt.is_symlink():
+        saved = {p.name for p in step_dirs(ckpt) if not p.is_symlink()}  # step_<digits>: step_000004_keep is not
         for p in sorted(ckpt.iterdir()):
             if p.name in CKPT_ENTRIES:
                 continue
-            saved = p.name.startswith("step_") and p.name[5:].isdigit()  # as step_dirs: step_000004_keep is not
-            if (saved or p.name.startswith((".tmp_step_", ".old_step_"))) and p.is_dir() and not p.is_symlink():
-                # a saved step: what its meta.json does not list; a killed save's temp directory (any
-                # writer's temp files inside) is the trainer's own, removed at every start (clean_partial)
-                if saved:
-                    out += [f"ckpt/{p.name}/{name}" for name in foreign_in_step(p)]
-            else:
+            if p.name in saved:  # a saved step: the files its meta.json does not list
+                out += [f"ckpt/{p.name}/{name}" for name in foreign_in_step(p)]
+            elif not (p.name.startswith((".tmp_step_", ".old_step_")) and p.is_dir() and not p.is_symlink()):
+                # (a killed save's temp directory, any writer's temp files inside, is the trainer's own and
+                # removed at every start: clean_partial)
                 out.append(f"ckpt/{p.name}")
     elif ckpt.exists():
         out.append("ckpt (not a directory)")
     return sorted(out)
 
 
-# what a save writes in a step directory, for one whose meta.json cannot be read (damaged) or lists no files:
-# meta.json, model.pt, the rank files, a sharded model's DCP files and the async save's markers
-SAVE_NAMES = re.compile(r"(meta\.json|model\.pt|rank_\d+\.pt|\.rank_\d+\.pt\.(done|failed)(\.part)?"
-                        r"|[^/]+/(__\d+_\d+\.distcp|\.metadata))")
+# what a save writes in a step directory, for one whose meta.json cannot be read (damaged) or lists no
+# files (older versions): meta.json, model.pt, the rank files and a sharded model's DCP files
+SAVE_NAMES = re.compile(r"(meta\.json|model\.pt|rank_\d+\.pt|[^/]+/(__\d+_\d+\.distcp|\.metadata))")
 
 
 def foreign_in_step(step: Path) -> list[str]:
-    """Files of a checkpoint's step directory its save did not write: not meta.json nor a file its
-    meta.json lists (by the save's names where meta.json cannot be read or lists none), as paths
+    """Files of a checkpoint's step directory its save did not write (`verify`'s rule: not meta.json nor
+    a file its meta.json lists; by SAVE_NAMES where meta.json cannot be read or lists none), as paths
     relative to it."""
     try:
-        files = read_meta(step).get("files")
+        listed = read_meta(step).get("files")
     except CheckpointError:
-        files = None
-    known = {META, *files} if files is not None else None  # older versions' meta.json lists no files
-    out = []
-    for p in sorted(step.rglob("*")):
-        if p.is_dir() and not p.is_symlink():
-            continue  # a directory is judged by what it holds
-        rel = p.relative_to(step).as_posix()
-        if not (rel in known if known is not None else SAVE_NAMES.fullmatch(rel)):
-            out.append(rel)
-    return out
+        listed = None
+    if listed is not None:
+        return sorted(set(files_in(step)) - set(listed) - {META})
+    return [f for f in files_in(step) if not SAVE_NAMES.fullmatch(f)]
 
 
 def _decide(out_dir: Path, resume: str, config: dict) -> tuple[str, RunLock | None]:

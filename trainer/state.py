@@ -147,13 +147,17 @@ def load(trainer, path: Path, meta: dict, files: dict) -> str:
             note = (f" (written by {saved} ranks, resumed on {world}: {how}; data continues at the same global "
                     f"token position)")
     except (ValueError, KeyError, TypeError, RuntimeError) as e:  # a state this run's optimizer cannot take
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        how = (f"resume on the {saved} rank(s) it was written with" if saved != world else
-               "resume with the optim / comm settings it was written with")
-        raise CheckpointError(f"checkpoint {path} cannot be restored by this run: {first}; {how}, or start a "
-                              f"new run (another train.out_dir, or train.resume=overwrite)") from None
+        raise _cannot_restore(path, e, f"resume on the {saved} rank(s) it was written with" if saved != world else
+                              "resume with the optim / comm settings it was written with") from None
     _restore_progress(trainer, mine, saved == world)
     return f"resumed from {path} at step {trainer.step}{note}" + batch_note(trainer, meta)
+
+
+def _cannot_restore(path: Path, e: Exception, fix: str) -> CheckpointError:
+    """One line for a checkpoint this run's model or optimizer cannot take: the error's first line and `fix`."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return CheckpointError(f"checkpoint {path} cannot be restored by this run: {first}; {fix}, or start a new run "
+                           f"(another train.out_dir, or train.resume=overwrite)")
 
 
 def _restore_progress(trainer, mine: dict, same_world: bool) -> None:
@@ -197,11 +201,8 @@ def _load_remeshed(trainer, path: Path, meta: dict, files: dict, saved_shard: in
             sharded_checkpoint.load_full_model(trainer.model, model_state)
         trainer.optimizer.load_state_dict(opt)
     except (ValueError, KeyError, TypeError, RuntimeError) as e:  # a state this run's optimizer cannot take
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint {path} (parallel.shard_size={saved_shard} on {saved} ranks) cannot be "
-                              f"restored by this run on parallel.shard_size={par.shard_size} on {world} ranks: "
-                              f"{first}; resume with the optim / comm settings and the mesh it was written with, "
-                              f"or start a new run (another train.out_dir, or train.resume=overwrite)") from None
+        raise _cannot_restore(path, e, f"resume with the optim / comm settings it was written with, on its mesh "
+                                       f"(parallel.shard_size={saved_shard} on {saved} ranks)") from None
     mine = files[names[min(rank, saved - 1)]]
     _restore_progress(trainer, mine, saved == world)  # lr horizon, tokens seen, data position, RNG: as same-mesh
     old_r, new_r = saved // saved_shard, par.replicas
@@ -257,7 +258,7 @@ def on_nonfinite(trainer, r: dict) -> None:
     found = find_resumable(trainer.ckpt_root, trainer.info.rank, trainer.info.world_size, trainer._say,
                            trainer.parallel.shard_size) if rolls else None
     if found is None:
-        why = ("no checkpoint to roll back to" if policy == "rollback" and trainer.rollbacks < MAX_ROLLBACKS else
+        why = ("no checkpoint to roll back to" if rolls else
                f"{MAX_ROLLBACKS} rollbacks already" if policy == "rollback" else "train.on_nonfinite=stop")
         raise DivergenceError(f"non-finite loss or gradient at step {bad} on some rank (loss here: "
                               f"{r['loss']}); no update was applied and no checkpoint holds non-finite values "

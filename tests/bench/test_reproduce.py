@@ -1140,6 +1140,10 @@ def test_dion_ef_growth_is_a_paired_statistic_of_its_own():
         return next(n for n in studies.horizon_summary(res, sc).notes if n.startswith("Dion §4.1"))
 
     assert note(results((.020, .021, .019), (.050, .052, .055))).endswith("reproduces (the gain grows, significant at 5 %, one-sided).")
+    # a directional claim, tested one-sided: growths 0.01 / 0.02 / 0.03, t 3.5 at 2 dof (over 2.920, under the
+    # two-sided 4.303) pass
+    assert note(results((.020, .020, .020), (.030, .040, .050))).endswith(
+        "t 3.5 at 2 dof over 3 seed(s): reproduces (the gain grows, significant at 5 %, one-sided).")
     noisy = note(results((.020, .021, .019), (.060, .010, .045)))   # means 0.020 -> 0.038, paired t 1.2
     assert "not reproduced here" in noisy and "t 1.2 at 2 dof over 3 seed(s)" in noisy
     assert note(results((.020,), (.018,))).endswith("-0.0020 over 1 seed(s): one unit, no verdict.")
@@ -1191,5 +1195,3 @@ def test_paired_verdict_words_and_critical_values():
     assert studies.paired_verdict(2, 3.0, "failed: exit 3; interim: 1 of 3 run(s) not trained yet") == \
         "not significant at 5 % (interim, 1 dof)"
     assert studies.paired_verdict(1, 99.0) == "-"
-    # Dion §4.1's growth is a directional claim: one-sided, so t 3.0 at 2 dof (under 4.303, over 2.920) passes
-    assert studies.T_CRIT_5_ONE_SIDED[2] < 3.0 < studies.T_CRIT_5[2]
