@@ -45,10 +45,32 @@ def declared_checks(script: str | Path) -> tuple[str, ...]:
     raise ValueError(f"{path.name} declares no literal CHECKS tuple (tests/workers/_checks.py)")
 
 
+def _prune(root: Path, keep: tuple[Path, ...], d: Path | None = None) -> None:
+    """Remove everything under `root` but the `keep` paths (relative to it) and the folders above them
+    (all of `root` when nothing is kept)."""
+    if not keep:
+        shutil.rmtree(root, ignore_errors=True)
+        return
+    for p in list((d or root).iterdir()):
+        rel = p.relative_to(root)
+        if rel in keep:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            if any(rel in k.parents for k in keep):
+                _prune(root, keep, p)
+            else:
+                shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+
 class Worker:
     def __init__(self, script: str | Path, *args: str, timeout: float = 240, env: dict | None = None,
-                 when: dict[str, Callable[[int], bool]] | None = None):
+                 when: dict[str, Callable[[int], bool]] | None = None, keep: tuple[str, ...] = ()):
+        """`keep`: paths under the worker's folder "{tmp}" that tests read after the run (run()["tmp"]);
+        everything else there is removed once the records are read."""
         self.script, self.args, self.timeout, self.env = script, args, timeout, env or {}
+        self.keep = tuple(Path(k) for k in keep)
         self.names = declared_checks(script)
         self.when = when or {}
         unknown = set(self.when) - set(self.names)
@@ -66,10 +88,11 @@ class Worker:
 
     def run(self, nproc: int) -> dict:
         """The worker's launch at `nproc` ranks (launched on first use): its CompletedProcess, each
-        rank's records by check name, and `tmp`, the folder "{tmp}" in the arguments named."""
+        rank's records by check name, and `tmp`, the folder "{tmp}" in the arguments named, which holds
+        only the `keep` paths once the records are read."""
         if nproc not in self._runs:
             tmp = Path(tempfile.mkdtemp(prefix=f"checks_{Path(self.script).stem}_{nproc}_"))
-            atexit.register(shutil.rmtree, tmp, True)
+            atexit.register(shutil.rmtree, tmp, True)   # a run cut off before the end below
             args = [a.replace("{tmp}", str(tmp)) for a in self.args]
             try:
                 proc = torchrun(nproc, self.script, *args, timeout=self.timeout, check=False,
@@ -81,6 +104,9 @@ class Worker:
             for r in range(nproc):
                 f = tmp / f"rank{r}.json"
                 ranks[r] = {c["name"]: c for c in json.loads(f.read_text())["checks"]} if f.exists() else {}
+            # the records are read: the workers' checkpoints and files go now, not at the test process's
+            # exit (a 4-rank checkpoint worker leaves hundreds of MB; CI disks can be short)
+            _prune(tmp, self.keep)
             self._runs[nproc] = {"proc": proc, "ranks": ranks, "tmp": tmp}
         return self._runs[nproc]
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,12 +33,13 @@ def train2(out: Path, *overrides: str, check: bool = True):
 
 
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory) -> Path:
+def trained_run(tmp_path_factory) -> Iterator[Path]:
     """The sharded run (checkpoints at steps 2 and 4) in place of conftest.py's: its `run_copy` copies this one."""
     run = tmp_path_factory.mktemp("sharded") / "run"
     train2(run, "train.max_steps=4", "train.ckpt_every=2")
     assert (run / "ckpt" / "step_000004" / "model" / ".metadata").is_file()
-    return run
+    yield run
+    shutil.rmtree(run, ignore_errors=True)
 
 
 def craft_metadata(ckpt: Path, sentinel: Path, listed: bool) -> None:

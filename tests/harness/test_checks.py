@@ -6,10 +6,11 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from tests.checks import EXIT, Worker, declared_checks
+from tests.checks import EXIT, Worker, _prune, declared_checks
 from tests.dist import ROOT
 
 
@@ -104,3 +105,16 @@ def test_pytest_reports_each_check_under_its_own_item(tmp_path) -> None:
     assert "FAILED test_probe.py::test_probe[P2-third] - AssertionError: checks_probe.py P=2: check third was never " \
         "recorded by rank(s) [1]" in out, out[-3000:]
     assert "FAILED test_probe.py::test_probe[P2-exit]" in out
+
+
+def test_a_workers_folder_keeps_only_the_paths_tests_read(tmp_path) -> None:
+    for name in ("runs/straight/ckpt/step_000004/model.pt", "runs/straight_params.pt", "runs/resumed/ckpt/x.pt",
+                 "runs/other.pt", "rank0.json"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+    _prune(tmp_path, (Path("runs/straight"), Path("runs/straight_params.pt")))
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "runs", "runs/straight", "runs/straight/ckpt", "runs/straight/ckpt/step_000004",
+        "runs/straight/ckpt/step_000004/model.pt", "runs/straight_params.pt"]
+    _prune(tmp_path, ())
+    assert not tmp_path.exists()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,14 +53,15 @@ def hf_model(d: Path):
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory) -> dict:
+def exported(tmp_path_factory) -> Iterator[dict]:
     root = tmp_path_factory.mktemp("export")
     out = {}
     for tie in (True, False):
         run = make_run(root / f"run_{tie}", tie)
         assert export_main([str(run), "--out", str(root / f"hf_{tie}")]) == 0
         out[tie] = (run, root / f"hf_{tie}")
-    return out
+    yield out
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.parametrize("tie", [True, False])

@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -60,10 +62,11 @@ def _to_old_layout(ckpt: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> Path:
+def straight(tmp_path_factory) -> Iterator[Path]:
     out = tmp_path_factory.mktemp("straight") / "run"
     _train(2, out)
-    return out
+    yield out
+    shutil.rmtree(out, ignore_errors=True)
 
 
 def test_gradient_sync_writes_the_shared_optimizer_state_once(straight):

@@ -4,6 +4,7 @@ run's metrics.jsonl through trainer/logger.py's wandb_payload. Renaming a logged
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -28,6 +29,7 @@ def logged_keys(tmp_path_factory) -> set[str]:
     for line in (run / "metrics.jsonl").read_text().splitlines():
         if line.strip():
             keys |= set(wandb_payload(json.loads(line)))
+    shutil.rmtree(run, ignore_errors=True)
     return keys
 
 

@@ -3,6 +3,7 @@ bad configurations (one line naming the key, exit 2)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -19,7 +20,9 @@ TINY = ["model.preset=debug", "data.batch_size=2", "data.seq_len=32", "train.eva
 def results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("diloco_train")
     torchrun(2, "diloco_train.py", str(out), timeout=480)
-    return [json.loads((out / f"result_{r}.json").read_text()) for r in range(2)]
+    results = [json.loads((out / f"result_{r}.json").read_text()) for r in range(2)]
+    shutil.rmtree(out)   # six runs' checkpoints (1.4 GB): the tests read the results only
+    return results
 
 
 def test_replicas_hold_identical_global_parameters_after_every_outer_step(results):

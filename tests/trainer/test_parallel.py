@@ -38,7 +38,8 @@ def test_config_errors_name_the_key(variant, overrides, message) -> None:
         validate(cfg, world_size=4)
 
 
-PARALLEL_CKPT = Worker("parallel_ckpt.py", "{tmp}/runs", timeout=300)
+PARALLEL_CKPT = Worker("parallel_ckpt.py", "{tmp}/runs", timeout=300,
+                       keep=("runs/straight", "runs/straight_params.pt"))  # test_tools_read_a_sharded_checkpoint
 
 
 @pytest.mark.slow
