@@ -43,6 +43,7 @@ import io
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import threading
@@ -56,8 +57,8 @@ import torch
 import torch.distributed as dist
 
 # the reading rule (checksums, weights_only loads, finiteness) has one home, shared with model/load.py
-from model.checkpoint_files import (META, MODEL, CheckpointError, candidates, check_sharded_metadata, load_verified,
-                                    nonfinite_keys, read_meta, sha256_file, step_dirs, verify)
+from model.checkpoint_files import (META, MODEL, CheckpointError, candidates, check_sharded_metadata, files_in,
+                                    load_verified, nonfinite_keys, read_meta, sha256_file, step_dirs, verify)
 from util import atomic_write, replace_dir
 
 from .dist import before_shutdown
@@ -196,6 +197,44 @@ def clean_partial(ckpt_root: Path) -> list[Path]:
     return leftovers
 
 
+# what a save writes in a step directory, for one whose meta.json cannot be read (damaged) or lists no
+# files (older versions): meta.json, model.pt, the rank files and a sharded model's DCP files
+SAVE_NAMES = re.compile(r"(meta\.json|model\.pt|rank_\d+\.pt|[^/]+/(__\d+_\d+\.distcp|\.metadata))")
+
+
+def foreign_in_step(step: Path) -> list[str]:
+    """Files of a checkpoint's step directory its save did not write (`verify`'s rule: not meta.json nor
+    a file its meta.json lists; by SAVE_NAMES where meta.json cannot be read or lists none), as paths
+    relative to it."""
+    try:
+        listed = read_meta(step).get("files")
+    except CheckpointError:
+        listed = None
+    if listed is not None:
+        return sorted(set(files_in(step)) - set(listed) - {META})
+    return [f for f in files_in(step) if not SAVE_NAMES.fullmatch(f)]
+
+
+KEPT = "kept_"  # prefix of a step directory set aside, not deleted, because it holds files no save wrote
+
+
+def set_aside_foreign(ckpt_root: Path, step_dir: Path, why: str) -> Path | None:
+    """Rank 0, before a step directory is deleted (rotated out, or replaced by a re-save of its step
+    after a fallback past it): when it holds files its save did not write (a user's notes or plots),
+    move it to ckpt/kept_<name>/ (never deleted; `overwrite` then names it) and say so; returns the
+    new place, or None when the directory is the trainer's alone."""
+    foreign = foreign_in_step(step_dir)
+    if not foreign:
+        return None
+    dest, n = ckpt_root / f"{KEPT}{step_dir.name}", 1
+    while dest.exists():
+        dest, n = ckpt_root / f"{KEPT}{step_dir.name}.{n}", n + 1
+    os.replace(step_dir, dest)
+    print(f"{ckpt_root}: checkpoint {step_dir.name} holds files no save wrote ({', '.join(foreign[:5])}"
+          f"{' ...' if len(foreign) > 5 else ''}); {why}, it was moved to {dest.name}/ instead of deleted", flush=True)
+    return dest
+
+
 def _refuse_nonfinite(step: int, model_state: dict | None, rank_state: dict, rank: int) -> None:
     """NonFiniteError on every rank (collective) when any rank's state to save holds a non-finite value."""
     bad = nonfinite_keys(model_state, "model") if rank == 0 and model_state is not None else []
@@ -228,6 +267,8 @@ def _finish(ckpt_root: Path, step: int, tmp: Path, final: Path, meta: dict, keep
         (tmp / META).write_text(json.dumps(meta, indent=2))
     except OSError as e:
         raise _disk_error(tmp / META, e) from None
+    if final.exists():  # a fallback past this step (or a rollback) saves it again: a user's files in it stay
+        set_aside_foreign(ckpt_root, final, f"saving step {step} again")
     # a re-save of the same step keeps the old copy aside until the new one is in place
     replace_dir(tmp, final, aside=ckpt_root / f".old_step_{step:06d}")
     atomic_write(ckpt_root / "latest", final.name, suffix=".tmp")
@@ -403,7 +444,7 @@ def _rotate(ckpt_root: Path, keep: int, new: Path) -> None:
     good = [p for p in dirs if _verified_finite(p)]
     protect = {new} | ({good[-1]} if good else set())
     for old in dirs[:-keep]:
-        if old not in protect:
+        if old not in protect and not set_aside_foreign(ckpt_root, old, "rotated out by train.keep_ckpts"):
             shutil.rmtree(old, ignore_errors=True)
 
 

@@ -3,7 +3,8 @@
 - train.resume=never: an existing non-empty directory is refused (nothing is touched);
 - overwrite: only a directory the trainer made (its marker `.lioncub_run`, or the `run_id` file of
   older versions) holding nothing but the trainer's own entries (RUN_ENTRIES; in a checkpoint's
-  step directory, the files its meta.json lists), and that no live
+  step directory, the files its meta.json lists; in tensorboard/, profile/, memory/ and at wandb/'s
+  top level, the names their writers give: WRITER_FILES), and that no live
   run holds, is started afresh; any other entry is named and the directory refused. The replaced
   run's entries are moved aside into `.replaced-<time>/` inside it, not deleted, and removed only
   once the new run's first checkpoint is written and verified (`drop_replaced`);
@@ -32,7 +33,7 @@ from pathlib import Path
 
 from model.checkpoint_files import files_in
 
-from .checkpoint import META, CheckpointError, clean_partial, latest_checkpoint, read_meta, step_dirs
+from .checkpoint import CheckpointError, clean_partial, foreign_in_step, latest_checkpoint, read_meta, step_dirs
 from .dist import DistInfo, all_agree
 from .automode import DECISION
 from .runlock import LOCK, LockError, RunLock
@@ -52,6 +53,15 @@ REPLACED = ".replaced-"  # prefix of a replaced run's entries, kept until the ne
 RUN_ENTRIES = (MARKER, LEGACY_MARKER, LOCK, "config.yaml", "metrics.jsonl", "ckpt", "wandb", "memory_snapshot.pickle",
                DECISION, DECISION + ".tmp", "provenance.json", "provenance.json.tmp", "tensorboard", "profile", "memory")
 CKPT_ENTRIES = ("latest", "latest.tmp")  # besides step_NNNNNN/ and the temp dirs of killed saves
+# what the trainer's writers put in their directories of a run (paths relative to each): a user's file in
+# one of them is named by overwrite, never moved aside and deleted with the writer's own. wandb's run
+# directories are wandb's store (their contents are not checked); its top level is checked.
+WRITER_FILES = {
+    "tensorboard": re.compile(r"events\.out\.tfevents\.[^/]+"),                 # SummaryWriter (log.tensorboard)
+    "profile": re.compile(r"rank\d+\.steps_\d+-\d+\.pt\.trace\.json"),           # trainer/profiling.py
+    "memory": re.compile(r"rank\d+\.pickle"),                                   # trainer/profiling.py
+    "wandb": re.compile(r"latest-run|debug(-internal|-cli\.[^/]+)?\.log|(offline-)?run-\d{8}_\d{6}-[0-9a-z]+"),
+}
 
 
 class RunDirError(RuntimeError):
@@ -123,6 +133,13 @@ def foreign_entries(out_dir: Path) -> list[str]:
     paths relative to it (train.resume=overwrite moves them aside and later deletes them)."""
     out = [p.name for p in out_dir.iterdir()
            if p.name not in RUN_ENTRIES and not p.name.startswith((REPLACED, LOCK + "."))]  # .lock.PID.tmp: a takeover
+    for name, pattern in WRITER_FILES.items():
+        d = out_dir / name
+        if d.is_symlink() or (d.exists() and not d.is_dir()):  # its target is not checked: named instead
+            out.append(f"{name} ({'a symlink' if d.is_symlink() else 'not a directory'})")
+        elif d.is_dir():
+            inside = [p.name for p in d.iterdir()] if name == "wandb" else files_in(d)
+            out += [f"{name}/{f}" for f in inside if not pattern.fullmatch(f)]
     ckpt = out_dir / "ckpt"
     if ckpt.is_dir() and not ckpt.is_symlink():
         saved = {p.name for p in step_dirs(ckpt) if not p.is_symlink()}  # step_<digits>: step_000004_keep is not
@@ -138,24 +155,6 @@ def foreign_entries(out_dir: Path) -> list[str]:
     elif ckpt.exists():
         out.append("ckpt (not a directory)")
     return sorted(out)
-
-
-# what a save writes in a step directory, for one whose meta.json cannot be read (damaged) or lists no
-# files (older versions): meta.json, model.pt, the rank files and a sharded model's DCP files
-SAVE_NAMES = re.compile(r"(meta\.json|model\.pt|rank_\d+\.pt|[^/]+/(__\d+_\d+\.distcp|\.metadata))")
-
-
-def foreign_in_step(step: Path) -> list[str]:
-    """Files of a checkpoint's step directory its save did not write (`verify`'s rule: not meta.json nor
-    a file its meta.json lists; by SAVE_NAMES where meta.json cannot be read or lists none), as paths
-    relative to it."""
-    try:
-        listed = read_meta(step).get("files")
-    except CheckpointError:
-        listed = None
-    if listed is not None:
-        return sorted(set(files_in(step)) - set(listed) - {META})
-    return [f for f in files_in(step) if not SAVE_NAMES.fullmatch(f)]
 
 
 def _decide(out_dir: Path, resume: str, config: dict) -> tuple[str, RunLock | None]:

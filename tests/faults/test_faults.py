@@ -89,6 +89,25 @@ def test_nonfinite_state_is_never_saved_and_rotation_keeps_the_newest_good(tmp_p
     assert sorted(p.name for p in root.glob("step_*")) == ["step_000001", "step_000003"]
 
 
+def test_rotation_sets_aside_a_step_directory_holding_a_users_file(tmp_path, capsys):
+    from trainer.rundir import foreign_entries
+
+    root = tmp_path / "ckpt"
+    state = ({"w": torch.ones(3)}, {"m": torch.zeros(2)})
+    save_checkpoint(root, 1, *state, {"step": 1, "world_size": 1}, 0, 1, keep=1)
+    (root / "step_000001" / "plots").mkdir()
+    (root / "step_000001" / "plots" / "loss.png").write_bytes(b"png")
+    save_checkpoint(root, 2, *state, {"step": 2, "world_size": 1}, 0, 1, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == ["kept_step_000001", "latest", "step_000002"]
+    assert sorted(p.name for p in (root / "kept_step_000001").iterdir()) == ["meta.json", "model.pt", "plots",
+                                                                             "rank_00000.pt"]
+    said = capsys.readouterr().out
+    assert "step_000001 holds files no save wrote (plots/loss.png); rotated out by train.keep_ckpts" in said
+    save_checkpoint(root, 3, *state, {"step": 3, "world_size": 1}, 0, 1, keep=1)  # the trainer's alone: deleted
+    assert sorted(p.name for p in root.iterdir()) == ["kept_step_000001", "latest", "step_000003"]
+    assert "ckpt/kept_step_000001" in foreign_entries(tmp_path)  # overwrite names it, never deletes it
+
+
 # ---- verified checkpoints ---------------------------------------------------------------------------------
 def _garble(path: Path) -> None:
     data = bytearray(path.read_bytes())

@@ -54,10 +54,54 @@ def test_overwrite_names_entries_it_did_not_write_and_keeps_them(run_copy):
     assert snapshot(run_copy) == before
 
 
+def test_overwrite_names_a_users_file_in_the_writers_directories(run_copy):
+    """tensorboard/, profile/, memory/ and wandb/ are the trainer's by name, not their contents: the
+    names their writers give pass, a user's file among them is named and the run refused."""
+    ours = {"tensorboard/events.out.tfevents.1764374108.host.4242.0": b"tb",
+            "profile/rank1.steps_3-4.pt.trace.json": b"{}", "memory/rank0.pickle": b"snap",
+            "wandb/offline-run-20261129_003508-hihce3ii/files/config.yaml": b"wandb's",
+            "wandb/debug.log": b"log", "wandb/debug-internal.log": b"log"}
+    for name, data in ours.items():
+        (run_copy / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_copy / name).write_bytes(data)
+    (run_copy / "wandb" / "latest-run").symlink_to("offline-run-20261129_003508-hihce3ii")
+    mine = ["memory/notes.md", "profile/analysis.ipynb", "tensorboard/my_plot.png", "wandb/sweeps/grid.yaml"]
+    for name in mine:
+        (run_copy / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_copy / name).write_text("mine")
+    before = snapshot(run_copy)
+    proc = run1(run_copy, "train.max_steps=2", "train.resume=overwrite")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert ("entries the trainer did not write: memory/notes.md, profile/analysis.ipynb, tensorboard/my_plot.png, "
+            "wandb/sweeps; nothing was touched" in proc.stderr), proc.stderr[-2000:]
+    assert snapshot(run_copy) == before
+    for name in mine:  # only the writers' own left: replaced
+        (run_copy / name).unlink()
+    (run_copy / "wandb" / "sweeps").rmdir()
+    proc = run1(run_copy, "train.max_steps=2", "train.eval_every=0", "train.resume=overwrite")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not (run_copy / "tensorboard").exists() and not (run_copy / "wandb").exists()
+
+
+def test_a_fallback_past_a_step_holding_a_users_file_sets_it_aside_before_saving_that_step_again(run_copy):
+    """resume=auto refuses to load a step directory holding a file its meta.json does not list and falls
+    back to the one before; when training reaches that step again its new save must not delete the file."""
+    step4 = run_copy / "ckpt" / "step_000004"
+    (step4 / "notes.txt").write_text("lr looked too high here")
+    old = snapshot(step4)
+    proc = run1(run_copy, "train.max_steps=4", "train.ckpt_every=2", "train.eval_every=0", "train.resume=auto")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "skipped checkpoint step_000004" in proc.stdout + proc.stderr
+    kept = run_copy / "ckpt" / "kept_step_000004"
+    assert snapshot(kept) == old    # every byte, the user's file and the old save's
+    assert "holds files no save wrote (notes.txt); saving step 4 again, it was moved to kept_step_000004/" in proc.stdout
+    assert sorted(p.name for p in step4.iterdir()) == ["meta.json", "model.pt", "rank_00000.pt"]
+
+
 def test_a_step_directory_whose_meta_cannot_be_read_is_judged_by_the_saves_names(run_copy):
     """A damaged meta.json lists nothing: the save's own names (model.pt, rank files, DCP shards) are
     still the trainer's, anything else is not."""
-    from trainer.rundir import foreign_in_step
+    from trainer.checkpoint import foreign_in_step
 
     step = run_copy / "ckpt" / "step_000004"
     assert foreign_in_step(step) == []
