@@ -268,7 +268,10 @@ def _finish(ckpt_root: Path, step: int, tmp: Path, final: Path, meta: dict, keep
     except OSError as e:
         raise _disk_error(tmp / META, e) from None
     if final.exists():  # a fallback past this step (or a rollback) saves it again: a user's files in it stay
-        set_aside_foreign(ckpt_root, final, f"saving step {step} again")
+        try:
+            set_aside_foreign(ckpt_root, final, f"saving step {step} again")
+        except OSError as e:  # not moved: the save stops here rather than delete it with the old copy
+            raise _disk_error(ckpt_root / f"{KEPT}{final.name}", e) from None
     # a re-save of the same step keeps the old copy aside until the new one is in place
     replace_dir(tmp, final, aside=ckpt_root / f".old_step_{step:06d}")
     atomic_write(ckpt_root / "latest", final.name, suffix=".tmp")
@@ -439,12 +442,21 @@ def _verified_finite(path: Path) -> bool:
 
 
 def _rotate(ckpt_root: Path, keep: int, new: Path) -> None:
-    """Keep the newest `keep` step directories, the new one, and the newest known-good one."""
+    """Keep the newest `keep` step directories, the new one, and the newest known-good one; delete the
+    others, but move one holding files no save wrote aside (set_aside_foreign) or leave it in place."""
     dirs = step_dirs(ckpt_root)
     good = [p for p in dirs if _verified_finite(p)]
     protect = {new} | ({good[-1]} if good else set())
     for old in dirs[:-keep]:
-        if old not in protect and not set_aside_foreign(ckpt_root, old, "rotated out by train.keep_ckpts"):
+        if old in protect:
+            continue
+        try:
+            kept = set_aside_foreign(ckpt_root, old, "rotated out by train.keep_ckpts")
+        except OSError as e:  # could not be moved: it stays where it is, the user's file in it
+            print(f"{ckpt_root}: {old.name} holds files no save wrote and could not be moved aside ({e}); "
+                  f"it is left in place", flush=True)
+            continue
+        if kept is None:
             shutil.rmtree(old, ignore_errors=True)
 
 

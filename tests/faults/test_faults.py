@@ -108,6 +108,30 @@ def test_rotation_sets_aside_a_step_directory_holding_a_users_file(tmp_path, cap
     assert "ckpt/kept_step_000001" in foreign_entries(tmp_path)  # overwrite names it, never deletes it
 
 
+def test_a_step_directory_that_cannot_be_set_aside_is_never_deleted(tmp_path, monkeypatch, capsys):
+    import trainer.checkpoint as ckpt
+    from trainer.checkpoint import CheckpointError
+
+    root = tmp_path / "ckpt"
+    state = ({"w": torch.ones(3)}, {"m": torch.zeros(2)})
+    for step in (1, 2):
+        save_checkpoint(root, step, *state, {"step": step, "world_size": 1}, 0, 1, keep=2)
+    for step in (1, 2):
+        (root / f"step_00000{step}" / "notes.txt").write_text("mine")
+
+    def refuse(*_):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(ckpt, "set_aside_foreign", refuse)
+    # a re-save of step 2 (after a fallback past it) stops instead of replacing it
+    with pytest.raises(CheckpointError, match="could not write .*kept_step_000002"):
+        save_checkpoint(root, 2, *state, {"step": 2, "world_size": 1}, 0, 1, keep=2)
+    # rotation leaves step 1 where it is
+    save_checkpoint(root, 3, *state, {"step": 3, "world_size": 1}, 0, 1, keep=2)
+    assert "step_000001 holds files no save wrote and could not be moved aside" in capsys.readouterr().out
+    assert all((root / f"step_00000{s}" / "notes.txt").read_text() == "mine" for s in (1, 2))
+
+
 # ---- verified checkpoints ---------------------------------------------------------------------------------
 def _garble(path: Path) -> None:
     data = bytearray(path.read_bytes())
