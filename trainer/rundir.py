@@ -60,7 +60,8 @@ WRITER_FILES = {
     "tensorboard": re.compile(r"events\.out\.tfevents\.[^/]+"),                 # SummaryWriter (log.tensorboard)
     "profile": re.compile(r"rank\d+\.steps_\d+-\d+\.pt\.trace\.json"),           # trainer/profiling.py
     "memory": re.compile(r"rank\d+\.pickle"),                                   # trainer/profiling.py
-    "wandb": re.compile(r"latest-run|debug(-internal|-cli\.[^/]+)?\.log|(offline-)?run-\d{8}_\d{6}-[0-9a-z]+"),
+    # wandb: run-<date>_<time>-<run id>; the trainer's ids hold the run directory's name (new_run_id)
+    "wandb": re.compile(r"latest-run|debug(-internal|-cli\.[^/]+)?\.log|(offline-)?run-\d{8}_\d{6}-[^/]+"),
 }
 
 

@@ -59,12 +59,12 @@ def test_overwrite_names_a_users_file_in_the_writers_directories(run_copy):
     names their writers give pass, a user's file among them is named and the run refused."""
     ours = {"tensorboard/events.out.tfevents.1764374108.host.4242.0": b"tb",
             "profile/rank1.steps_3-4.pt.trace.json": b"{}", "memory/rank0.pickle": b"snap",
-            "wandb/offline-run-20261129_003508-hihce3ii/files/config.yaml": b"wandb's",
+            "wandb/offline-run-20261129_003508-run-45b6678adf07/files/config.yaml": b"wandb's",
             "wandb/debug.log": b"log", "wandb/debug-internal.log": b"log"}
     for name, data in ours.items():
         (run_copy / name).parent.mkdir(parents=True, exist_ok=True)
         (run_copy / name).write_bytes(data)
-    (run_copy / "wandb" / "latest-run").symlink_to("offline-run-20261129_003508-hihce3ii")
+    (run_copy / "wandb" / "latest-run").symlink_to("offline-run-20261129_003508-run-45b6678adf07")
     mine = ["memory/notes.md", "profile/analysis.ipynb", "tensorboard/my_plot.png", "wandb/sweeps/grid.yaml"]
     for name in mine:
         (run_copy / name).parent.mkdir(parents=True, exist_ok=True)
