@@ -35,6 +35,7 @@ from model.checkpoint_files import files_in
 
 from .checkpoint import CheckpointError, clean_partial, foreign_in_step, latest_checkpoint, read_meta, step_dirs
 from .dist import DistInfo, all_agree
+from .profiling import MEMORY_DIR, PROFILE_DIR
 from .automode import DECISION
 from .runlock import LOCK, LockError, RunLock
 
@@ -51,17 +52,17 @@ LEGACY_MARKER = "run_id"  # what older versions wrote at creation
 REPLACED = ".replaced-"  # prefix of a replaced run's entries, kept until the new run's first verified checkpoint
 # every entry the trainer (and its logger, wandb, the memory profiler) writes in a run directory
 RUN_ENTRIES = (MARKER, LEGACY_MARKER, LOCK, "config.yaml", "metrics.jsonl", "ckpt", "wandb", "memory_snapshot.pickle",
-               DECISION, DECISION + ".tmp", "provenance.json", "provenance.json.tmp", "tensorboard", "profile", "memory")
+               DECISION, DECISION + ".tmp", "provenance.json", "provenance.json.tmp", "tensorboard", PROFILE_DIR, MEMORY_DIR)
 CKPT_ENTRIES = ("latest", "latest.tmp")  # besides step_NNNNNN/ and the temp dirs of killed saves
-# what the trainer's writers put in their directories of a run (paths relative to each): a user's file in
-# one of them is named by overwrite, never moved aside and deleted with the writer's own. wandb's run
-# directories are wandb's store (their contents are not checked); its top level is checked.
+# what the trainer's writers put in their directories of a run: a user's file in one of them is named by
+# overwrite, never moved aside and deleted with the writer's own. (pattern, every file below or only the
+# top-level names): wandb's run directories are wandb's store, their contents are not checked.
 WRITER_FILES = {
-    "tensorboard": re.compile(r"events\.out\.tfevents\.[^/]+"),                 # SummaryWriter (log.tensorboard)
-    "profile": re.compile(r"rank\d+\.steps_\d+-\d+\.pt\.trace\.json"),           # trainer/profiling.py
-    "memory": re.compile(r"rank\d+\.pickle"),                                   # trainer/profiling.py
+    "tensorboard": (re.compile(r"events\.out\.tfevents\.[^/]+"), True),           # SummaryWriter (log.tensorboard)
+    PROFILE_DIR: (re.compile(r"rank\d+\.steps_\d+-\d+\.pt\.trace\.json"), True),  # StepHooks._write_trace
+    MEMORY_DIR: (re.compile(r"rank\d+\.pickle"), True),                           # StepHooks._write_snapshot
     # wandb: run-<date>_<time>-<run id>; the trainer's ids hold the run directory's name (new_run_id)
-    "wandb": re.compile(r"latest-run|debug(-internal|-cli\.[^/]+)?\.log|(offline-)?run-\d{8}_\d{6}-[^/]+"),
+    "wandb": (re.compile(r"latest-run|debug(-internal|-cli\.[^/]+)?\.log|(offline-)?run-\d{8}_\d{6}-[^/]+"), False),
 }
 
 
@@ -134,12 +135,12 @@ def foreign_entries(out_dir: Path) -> list[str]:
     paths relative to it (train.resume=overwrite moves them aside and later deletes them)."""
     out = [p.name for p in out_dir.iterdir()
            if p.name not in RUN_ENTRIES and not p.name.startswith((REPLACED, LOCK + "."))]  # .lock.PID.tmp: a takeover
-    for name, pattern in WRITER_FILES.items():
+    for name, (pattern, below) in WRITER_FILES.items():
         d = out_dir / name
         if d.is_symlink() or (d.exists() and not d.is_dir()):  # its target is not checked: named instead
             out.append(f"{name} ({'a symlink' if d.is_symlink() else 'not a directory'})")
         elif d.is_dir():
-            inside = [p.name for p in d.iterdir()] if name == "wandb" else files_in(d)
+            inside = files_in(d) if below else [p.name for p in d.iterdir()]
             out += [f"{name}/{f}" for f in inside if not pattern.fullmatch(f)]
     ckpt = out_dir / "ckpt"
     if ckpt.is_dir() and not ckpt.is_symlink():
