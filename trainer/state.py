@@ -26,6 +26,10 @@ from .schedule import schedule_note
 MAX_ROLLBACKS = 5
 
 
+# the event of the metrics record a run writes last when train.on_nonfinite stops it (DivergenceError)
+DIVERGED_EVENT = "diverged"
+
+
 class DivergenceError(RuntimeError):
     """The loss or a gradient turned non-finite and the policy says stop (or rollback is exhausted)."""
 

@@ -27,7 +27,7 @@ from .optimizer import build_run_optimizer
 from .profiling import StepHooks
 from .rundir import RunDirError, prepare_run_dir
 from .schedule import lr_at, schedule_note
-from .state import DivergenceError
+from .state import DIVERGED_EVENT, DivergenceError
 from .warmup import compile_model, warm_up_kernels
 
 __all__ = ["DivergenceError", "RunDirError", "Trainer", "run", "schedule_note"]
@@ -172,7 +172,14 @@ class Trainer:
             r = self.train_step(diagnose)
             self.hooks.after_step(self.step)
             if r["report"].nonfinite:
-                state.on_nonfinite(self, r)
+                bad = self.step
+                try:
+                    state.on_nonfinite(self, r)
+                except DivergenceError:
+                    # the run's last record says why it stopped: a launcher (torchrun exits 1 when a worker
+                    # exits 3) does not pass the exit code on, and a study must count the run as diverged
+                    self.logger.log({"step": bad, "event": DIVERGED_EVENT})
+                    raise
                 continue
             self.train_time += r["step_s"]
             self.tokens_seen += self.tokens_per_step

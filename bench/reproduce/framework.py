@@ -63,6 +63,9 @@ LOAD_FILE = "reproduce_load.json"  # load average and wall time of the launch th
 STORE_DIR = "store"                # under the results directory: <run name>.json.gz per finished run
 IMPORTED = "imported"              # the source prefix of store entries rebuilt from an older raw record
 NOT_RUN = "failed: not run"   # the status of a run --report-only found neither finished nor stored
+# the status of a run train.on_nonfinite stopped: a result (stored, counted as diverged, never trained again), not a
+# failure to run; "failed" so an lr sweep counts it as worse than any value that finished
+DIVERGED = "failed: diverged"
 TRAINER_FILES = ("config.yaml", "metrics.jsonl", "ckpt")
 
 
@@ -153,6 +156,24 @@ def is_finished(run_dir: Path) -> bool:
     """The trainer's last act is the params_identical record (then the final checkpoint)."""
     f = run_dir / "metrics.jsonl"
     return f.is_file() and any("params_identical" in r for r in read_jsonl(f))
+
+
+def _records(run_dir: Path) -> list[dict]:
+    f = run_dir / "metrics.jsonl"
+    return read_jsonl(f) if f.is_file() else []
+
+
+def diverged_at(records: Sequence[dict]) -> int | None:
+    """The step at which train.on_nonfinite stopped the run (its last event is the trainer's DIVERGED_EVENT;
+    a resume after it, as --restart's, clears it); None when it did not stop so."""
+    from trainer.state import DIVERGED_EVENT
+
+    last = next((r for r in reversed(records) if "event" in r), None)
+    return int(last["step"]) if last is not None and last["event"] == DIVERGED_EVENT else None
+
+
+def diverged_status(step: int) -> str:
+    return f"{DIVERGED} at step {step} (train.on_nonfinite stopped it on a non-finite loss or gradient)"
 
 
 def has_checkpoint(run_dir: Path) -> bool:
@@ -248,6 +269,11 @@ class RunResult:
     def ok(self) -> bool:
         return self.status in ("ok", "reused")
 
+    @property
+    def diverged(self) -> bool:
+        """train.on_nonfinite stopped it: a result with a curve up to the stop, no final value."""
+        return self.status.startswith(DIVERGED)
+
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of `key`, the last record winning for a repeated step."""
         pts = {r["step"]: r[key] for r in self.records if key in r and "step" in r}
@@ -339,6 +365,8 @@ def save_stored(store: Path, res: RunResult, spec: dict, extras: dict | None = N
              "config": res.config, "extras": extras or {}, "records": res.records}
     if res.tokens is not None:  # entries from before the no-repeat check have none
         entry["tokens"] = res.tokens
+    if res.diverged:  # a finished run's entry holds no status (older entries neither)
+        entry["status"] = res.status
     old = load_stored(store, res.run.name)
     if old is not None and {k: v for k, v in old.items() if k not in ("saved", "machine")} == entry:
         return None
@@ -380,7 +408,8 @@ def ensure_run(run: Run, scale: Scale, work: Path, *, restart: bool = False, rep
                available: Callable[[str], bool] = optimizer_available, echo: Callable[[str], None] = print,
                store: Path | None = None, by_spec: dict[str, list[tuple[str, int]]] | None = None) -> RunResult:
     """Reuse, resume or (re)start one run; return what its run directory (or the store) holds afterwards.
-    Order: a finished run directory of the same spec; else the store's entry of the same name and spec;
+    Order: a finished run directory of the same spec (or one train.on_nonfinite stopped: DIVERGED); else the
+    store's entry of the same name and spec;
     else, with `by_spec` (stored_specs), the store's entry of another name with the same spec (a run two
     studies share under different names); else launch (resume from the run directory's checkpoint when
     it has one). --restart skips the reuse."""
@@ -406,8 +435,11 @@ def ensure_run(run: Run, scale: Scale, work: Path, *, restart: bool = False, rep
         # the tokens counted at its launch (a --report-only summary counts none) come from its store entry, so
         # re-saving the run (execute) never drops them
         res.tokens = entry.get("tokens") if entry is not None else None
+    elif same and not restart and (stop := diverged_at(_records(run_dir))) is not None:
+        res.status, res.how = diverged_status(stop), "reused"  # launched again, it would stop there again
+        res.tokens = entry.get("tokens") if entry is not None else None
     elif entry is not None:
-        return RunResult(run, "reused", run_dir, records=entry["records"], config=entry["config"],
+        return RunResult(run, entry.get("status", "reused"), run_dir, records=entry["records"], config=entry["config"],
                          wall_s=entry["wall_s"], load_before=entry["load_before"], load_after=entry["load_after"],
                          how="stored", extras=entry.get("extras") or {}, source=entry.get("source", "trained"),
                          machine=entry.get("machine"), tokens=entry.get("tokens"), same_as=same_as,
@@ -444,6 +476,9 @@ def ensure_run(run: Run, scale: Scale, work: Path, *, restart: bool = False, rep
         res.load_after = loadavg()
         res.how = "resumed" if resume == "auto" else "fresh"
         res.status = "ok" if rc == 0 and is_finished(run_dir) else f"failed rc={rc} (see {log})"
+        stop = diverged_at(_records(run_dir)) if rc != 0 else None
+        if stop is not None:
+            res.status = diverged_status(stop)
         if res.status != "ok":  # said now, not only in the study's summary: a suite runs for hours
             echo(f"[{run.name}] {res.status}")
         if (run_dir / "config.yaml").is_file():  # the trainer made it a run dir: record spec and load with it
@@ -917,8 +952,8 @@ class Study:
                     r.tokens = tokens[run.name]
                 # keep every finished run (trained now or earlier) beyond its run directory, as soon as it is
                 # finished: a study interrupted later (a machine shut down) keeps the runs it had
-                if r.ok and r.how != "stored":
-                    r.extras = self.extras(r) if self.extras else {}
+                if (r.ok or r.diverged) and r.how != "stored":
+                    r.extras = self.extras(r) if self.extras and r.ok else {}
                     save_stored(store, r, run_spec(r.run, scale), r.extras)
                     r.entry = store_file(store, r.run.name)
                     key, every = spec_key(run_spec(r.run, scale))
@@ -949,7 +984,11 @@ class Study:
         # a --report-only summary of a study still training is an interim report: its runs not trained yet are
         # pending, not failures (a run that failed after its launch still fails the summary)
         waiting = [r for r in results if opts.report_only and r.status.startswith(NOT_RUN)]
-        failed = [r for r in results if r.status.startswith("failed") and r not in waiting]
+        failed = [r for r in results if r.status.startswith("failed") and r not in waiting and not r.diverged]
+        stopped = [r for r in results if r.diverged]
+        if stopped:  # a result the summary counts, not a failure of the study
+            echo(f"{len(stopped)} run(s) diverged (stored with their curves): "
+                 + "; ".join(f"{r.run.name}: {r.status}" for r in stopped))
         if failed:
             echo(f"{len(failed)} run(s) failed: " + "; ".join(f"{r.run.name}: {r.status}" for r in failed))
             opts.failed.extend(r.run.name for r in failed)
@@ -1001,8 +1040,8 @@ def plan_study(study: "Study", opts: Options, by_spec: dict[str, list[tuple[str,
     while runs:
         for run in runs:
             r = ensure_run(run, scale, work, report_only=True, echo=lambda s: None, store=store, by_spec=by_spec)
-            if r.ok:
-                state = "stored" if r.how == "stored" else "finished"
+            if r.ok or (r.diverged and r.how == "stored"):
+                state = ("stored" if r.how == "stored" else "finished") + (" (diverged)" if r.diverged else "")
             elif r.status.startswith("pending"):
                 state = r.status
             else:
@@ -1092,7 +1131,7 @@ def stored_walls(store: Path) -> dict[tuple[int, int], list[float]]:
     for f in sorted(store.glob("*.json.gz")) if store.is_dir() else []:
         e = load_stored(store, f.name[:-len(".json.gz")]) or {}
         steps = ((e.get("config") or {}).get("train") or {}).get("max_steps")
-        if e.get("wall_s") and steps and e.get("source", "trained") == "trained":
+        if e.get("wall_s") and steps and e.get("source", "trained") == "trained" and "status" not in e:
             out.setdefault((int(e["spec"]["nproc"]), int(steps)), []).append(float(e["wall_s"]))
     return out
 

@@ -836,9 +836,8 @@ T_CRIT_5 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.36
 # the 5 % one-sided critical value (a claim with a direction: Dion §4.1's gain grows as the rank falls)
 T_CRIT_5_ONE_SIDED = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833}
 # a run diverged: its val loss rose this much above its own lowest value after the first 15 % of the run,
-# or it stopped on a non-finite loss (the trainer's exit code 3, train.on_nonfinite=stop)
+# or train.on_nonfinite stopped it (framework.DIVERGED)
 DIVERGED_RISE = 0.05
-DIVERGED_RC = "failed rc=3"
 
 
 def paired_verdict(n: int, t: float | None, status: str = "ok") -> str:
@@ -861,8 +860,9 @@ def _val_rise(r: RunResult) -> float | None:
 
 
 def diverged(r: RunResult) -> bool | None:
-    """Whether the run diverged (DIVERGED_RISE, DIVERGED_RC); None when it did not run to a verdict."""
-    if r.status.startswith(DIVERGED_RC):
+    """Whether the run diverged (DIVERGED_RISE, or stopped on a non-finite loss); None when it did not run to a
+    verdict."""
+    if r.diverged:
         return True
     rise = _val_rise(r) if r.ok else None
     return None if rise is None else rise > DIVERGED_RISE
@@ -900,7 +900,8 @@ def horizon_summary(results: list[RunResult], scale: Scale) -> Summary:
              "degrees of freedom (4.30 at the 5 % level for 3 pairs, 12.71 for 2), and the verdict says whether it "
              "passes. A run diverged when its val loss rose more than "
              f"{DIVERGED_RISE} above its own lowest value after the first 15 % of the run, or it stopped on a "
-             "non-finite loss (exit code 3; such a run is not stored, so a later session trains it again): Lion Cub "
+             "non-finite loss (train.on_nonfinite=stop; such a run is stored with its curve up to the stop and never trained "
+             "again): Lion Cub "
              "Fig. 20's claim, 1-bit Adam diverging where AdamW converges, reproduces only on diverged seeds.",
              ef_growth_note(groups)]
     return Summary(rows, cols, notes)

@@ -10,6 +10,7 @@ import math
 import os
 import shlex
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -213,6 +214,50 @@ def test_ensure_run_reports_failures_and_pending(tmp_path, monkeypatch):
     assert calls == ["never"]
 
 
+def test_a_run_stopped_on_a_non_finite_loss_is_a_stored_result_not_a_failure_to_run(tmp_path, monkeypatch):
+    """torchrun exits 1 when a worker exits 3, so the run's last metrics record (the trainer's diverged event) is
+    what says train.on_nonfinite stopped it: the study stores it with its curve up to the stop, counts it as
+    diverged, and neither a later session nor --report-only trains it again; an lr sweep counts it as failed."""
+    from trainer.state import DIVERGED_EVENT
+
+    calls: list = []
+
+    def launch(run, scale, run_dir, resume, log):
+        calls.append(resume)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text("model: {preset: debug}\n")
+        recs = [{"step": 2, "val_loss": 4.0}, {"step": 3, "event": "nonfinite", "policy": "stop", "train_loss": None},
+                {"step": 3, "event": DIVERGED_EVENT}]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        return 1
+
+    monkeypatch.setattr(framework, "_launch", launch)
+    scale, work, quiet = quick_scale(4), tmp_path / "work", (lambda s: None)  # noqa: E731
+    run = Run("d", "configs/variants/onebit_adam.yaml", ("optim.lr=1e-3",), 1, 2)
+    said: list[str] = []
+    res = ensure_run(run, scale, work, echo=said.append)
+    assert res.diverged and not res.ok and res.status.startswith("failed")  # a sweep counts it as worse
+    assert res.status == framework.diverged_status(3) and "step 3" in said[-1]
+    assert studies.diverged(res) is True and res.final("val_loss") == 4.0
+    # the same run directory again: not launched, it would stop there again
+    assert ensure_run(run, scale, work, echo=quiet).status == res.status and calls == ["never"]
+    # stored: a new machine's --report-only summary reads it as diverged
+    store = tmp_path / "store"
+    framework.save_stored(store, res, framework.run_spec(run, scale))
+    shutil.rmtree(work)
+    back = ensure_run(run, scale, work, echo=quiet, store=store, report_only=True)
+    assert (back.how, back.status, back.diverged) == ("stored", res.status, True) and back.records == res.records
+    assert framework.stored_walls(store) == {}  # a partial run's wall time estimates no other run
+    # --restart trains it again; a resume past the stop clears the verdict
+    ensure_run(run, scale, work, echo=quiet, store=store, restart=True)
+    assert calls == ["never", "never"]
+    assert framework.diverged_at([{"step": 3, "event": DIVERGED_EVENT}, {"step": 2, "event": "resume"}]) is None
+    # a failure that is no divergence stays a failure to run (retrained by the next session)
+    monkeypatch.setattr(framework, "_launch", _fake_launch(calls, finish=False))
+    crash = ensure_run(Run("c", run.config, run.overrides, 1, 2), scale, work, echo=quiet)
+    assert crash.status.startswith("failed rc=1") and not crash.diverged
+
+
 def test_store_outlives_the_run_directory(tmp_path, monkeypatch):
     """A finished run saved to the store is summarized from there once its run directory is gone (a new
     machine), only under the same spec, and --restart retrains it."""
@@ -280,6 +325,29 @@ def test_study_stores_each_run_as_it_finishes(tmp_path, monkeypatch):
         STUDIES["dion_ef"].execute(opts, echo=lambda s: None)
     stored = sorted(p.name for p in opts.store_dir().iterdir())
     assert stored == ["dion_r0.0625_ef1_p2_s1.json.gz"] and calls == ["never"]
+
+
+def test_a_study_stores_a_diverged_run_and_does_not_fail_for_it(tmp_path, monkeypatch):
+    from trainer.state import DIVERGED_EVENT
+
+    calls: list = []
+
+    def launch(run, scale, run_dir, resume, log):
+        calls.append(run.name)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text("model: {preset: debug}\n")
+        (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 2, "event": DIVERGED_EVENT}) + "\n")
+        return 1
+
+    monkeypatch.setattr(framework, "_launch", launch)
+    opts = Options(quick=True, out=tmp_path / "results", work=tmp_path / "work", seeds=[1])
+    said: list[str] = []
+    STUDIES["dion_ef"].execute(opts, echo=said.append)
+    entries = [framework.load_stored(opts.store_dir(), n) for n in calls]
+    assert calls and all(e["status"] == framework.diverged_status(2) for e in entries)
+    assert opts.failed == [] and any(f"{len(calls)} run(s) diverged" in s for s in said)
+    STUDIES["dion_ef"].execute(replace(opts, report_only=True), echo=said.append)  # read back, not relaunched
+    assert len(calls) == len(entries) and opts.failed == []
 
 
 def test_import_raw_records_rebuilds_loss_only_entries(tmp_path):
@@ -1115,10 +1183,15 @@ def test_horizon_summary_pairs_each_arm_with_its_reference_by_seed():
     short = [r for r in results if not (r.run.label("arm") == "adamw_fp32" and r.run.seed == 1339)]
     one = {r["arm"]: r for r in studies.horizon_summary(short, sc).rows}["onebit_adam"]
     assert (one["val_loss_n"], one["delta_n"]) == (3, 2) and one["verdict"] == "not significant at 5 %"  # 12.71 at 1 dof
-    # a run that stopped on a non-finite loss diverged, whatever its records say
-    failed = [RunResult(r.run, "failed rc=3 (see x.log)", Path("x"), records=r.records) if r.run.label("arm") ==
-              "onebit_adam" and r.run.seed == 1337 else r for r in results]
-    assert {r["arm"]: r for r in studies.horizon_summary(failed, sc).rows}["onebit_adam"]["diverged"] == "2 of 3"
+    # a run that stopped on a non-finite loss diverged, whatever its records say; one that failed otherwise (a
+    # crash: no verdict) is not counted either way
+    def one_bit(status, seed):
+        return {r["arm"]: r for r in studies.horizon_summary(
+            [RunResult(r.run, status, Path("x"), records=r.records) if r.run.label("arm") == "onebit_adam"
+             and r.run.seed == seed else r for r in results], sc).rows}["onebit_adam"]
+
+    assert one_bit(framework.diverged_status(412), 1337)["diverged"] == "2 of 3"
+    assert one_bit("failed rc=1 (see x.log)", 1337)["diverged"] == "1 of 2"
 
 
 def test_dion_ef_growth_is_a_paired_statistic_of_its_own():

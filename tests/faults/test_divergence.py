@@ -1,11 +1,13 @@
 """The divergence policies end: skip_step gives up after train.max_skipped_steps consecutive
 skipped steps, and rollback gives up when the same step fails again after its batches were
-skipped; both exit 3 and keep the last good checkpoint."""
+skipped; both exit 3, keep the last good checkpoint and end the metrics with the diverged event."""
 from __future__ import annotations
 
 import torch
 
+from bench.reproduce.framework import diverged_at
 from tests.faults.common import records, run1
+from trainer.state import DIVERGED_EVENT
 
 
 def _good_checkpoints(run):
@@ -24,6 +26,8 @@ def test_skip_step_stops_at_the_cap(tmp_path):
     bad = [r["step"] for r in records(run) if r.get("event") == "nonfinite"]
     assert len(bad) >= 3 and bad[-3:] == list(range(bad[-1] - 2, bad[-1] + 1))
     assert not any("train_loss" in r and r["step"] > bad[-1] for r in records(run))  # nothing after the cap
+    # the last record says the policy stopped the run (a launcher's exit code does not carry the 3)
+    assert diverged_at(records(run)) == bad[-1] and records(run)[-1]["event"] == DIVERGED_EVENT
     good = list(_good_checkpoints(run))
     assert good and good[-1] < bad[-3]  # the last good checkpoint is kept
 
@@ -38,3 +42,4 @@ def test_rollback_stops_when_the_same_step_fails_again(tmp_path):
     assert f"at step {bad[0]} again after a rollback that skipped its batches" in proc.stderr
     assert proc.stdout.count("rolled back") == 1
     assert list(_good_checkpoints(run))[-1] == bad[0] - 1
+    assert diverged_at(records(run)) == bad[0]
