@@ -31,9 +31,9 @@ import shutil
 import time
 from pathlib import Path
 
-from model.checkpoint_files import files_in
+from model.checkpoint_files import candidates, files_in
 
-from .checkpoint import CheckpointError, clean_partial, foreign_in_step, latest_checkpoint, read_meta, step_dirs
+from .checkpoint import CheckpointError, clean_partial, foreign_in_step, read_meta, step_dirs
 from .dist import DistInfo, all_agree
 from .profiling import MEMORY_DIR, PROFILE_DIR
 from .automode import DECISION
@@ -81,25 +81,24 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 
 def resume_problem(ckpt_root: Path, config: dict) -> str:
-    """Why the latest checkpoint cannot be resumed with this config ("" if it can or none exists;
-    whether its files are intact is checked when loading, with fallback to older ones)."""
-    path = latest_checkpoint(ckpt_root)
-    if path is None:
-        return ""
-    try:
-        meta = read_meta(path)
-    except CheckpointError:
-        return ""  # reported, with the fallback, when loading
-    old, new = flatten(meta.get("config", {})), flatten(config)
+    """Why a checkpoint train.resume=auto may load cannot be resumed with this config ("" if none exists or
+    each can). Every checkpoint whose meta.json reads is checked, newest first: the newest may be damaged,
+    and the fallback then loads an older one (whether its files are intact is checked when loading)."""
     from .config import Config
 
     defaults = flatten(Config().to_dict())  # a key added since the checkpoint was written, at its default, is no change
-    changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
-               if old.get(k) != new.get(k) and not k.startswith(RESUMABLE_KEYS)
-               and not (k not in old and k in defaults and new.get(k) == defaults[k])]
-    if changed:
-        return (f"train.resume=auto: this config differs from checkpoint {path} in keys a resumed run cannot "
-                f"change: {'; '.join(changed)}. Restore them, or start a new run (another train.out_dir)")
+    new = flatten(config)
+    for path in candidates(ckpt_root):
+        try:
+            old = flatten(read_meta(path).get("config", {}))
+        except CheckpointError:
+            continue  # reported, with the fallback, when loading
+        changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+                   if old.get(k) != new.get(k) and not k.startswith(RESUMABLE_KEYS)
+                   and not (k not in old and k in defaults and new.get(k) == defaults[k])]
+        if changed:
+            return (f"train.resume=auto: this config differs from checkpoint {path} in keys a resumed run cannot "
+                    f"change: {'; '.join(changed)}. Restore them, or start a new run (another train.out_dir)")
     return ""
 
 

@@ -175,6 +175,24 @@ def test_a_checkpoint_written_before_a_key_existed_resumes_when_the_key_is_at_it
                                                      "optim.schedule_steps"}
 
 
+def test_resume_checks_the_checkpoint_the_fallback_would_load(tmp_path):
+    """The newest checkpoint's meta.json is damaged, so train.resume=auto would fall back to an older one: a
+    config that differs from that one in a key a resumed run cannot change is refused all the same."""
+    import json
+
+    from trainer.rundir import resume_problem
+
+    base = load_config(ROOT / "configs/default.yaml").to_dict()
+    changed = load_config(ROOT / "configs/default.yaml", ["model.n_layer=3"]).to_dict()
+    for step, meta in ((2, json.dumps({"step": 2, "world_size": 1, "config": base})), (4, "{not json")):
+        d = tmp_path / "ckpt" / f"step_{step:06d}"
+        d.mkdir(parents=True)
+        (d / "meta.json").write_text(meta)
+    assert resume_problem(tmp_path / "ckpt", base) == ""
+    problem = resume_problem(tmp_path / "ckpt", changed)
+    assert "step_000002" in problem and "model.n_layer" in problem
+
+
 def test_a_size_file_and_a_variant_file_compose_on_the_command_line():
     from trainer.config import split_config_args
 
