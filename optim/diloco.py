@@ -258,6 +258,10 @@ class DiLoCo:
         self.waited: dict[int, float] = {}      # fragment -> seconds its applied averages were waited for (popped when booked)
         self._sent = False
         self._final: list[int] = []             # fragments whose final average finish_send() started
+        # fragments whose average finish_send() applied ahead of its outer step (training ended within tau
+        # steps of the send): a run extended past its end (train.max_steps raised, resume=auto) skips that
+        # outer step, as its average is already in the parameters
+        self.drained: set[int] = set()
 
     @property
     def numels(self) -> list[int]:
@@ -318,9 +322,14 @@ class DiLoCo:
             raise RuntimeError("DiLoCo.receive: call send() first (once per inner step)")
         self._sent = False
         due = self.receives_at(self.step)
+        applied = []
         for k in due:
+            if k not in self.pending and k in self.drained:
+                self.drained.discard(k)  # applied when the run this one extends ended
+                continue
             self._outer_step(k, self._collect(k))
-        return due
+            applied.append(k)
+        return applied
 
     def _collect(self, k: int) -> torch.Tensor:
         """Fragment k's average, waited for; the seconds the wait blocked go to `waited[k]` (0 for an
@@ -349,6 +358,7 @@ class DiLoCo:
         done = sorted(self.pending)
         for k in done:
             self._outer_step(k, self._collect(k))
+        self.drained |= set(done)
         self._final = [k for k in range(len(self.local)) if self.o.final_average and self.last_send(k) < self.step]
         for k in self._final:
             self._start(k, self.glob[k] - self._flat(k))
@@ -417,6 +427,7 @@ class DiLoCo:
             "config": self._identity(), "step": self.step, "syncs": list(self.syncs),
             "global": [g.clone() for g in self.glob], "momentum": [m.clone() for m in self.momentum],
             "pending": {k: h.wait().clone() for k, h in self.pending.items()},
+            "drained": sorted(self.drained),
             "averages": [a.state_dict() if hasattr(a, "state_dict") else {} for a in self.averages],
         }
 
@@ -437,6 +448,7 @@ class DiLoCo:
         for dst, src in zip(self.momentum, state["momentum"]):
             dst.copy_(src)
         self.pending = {int(k): _Done(v.clone()) for k, v in state["pending"].items()}
+        self.drained = {int(k) for k in state.get("drained", ())}  # absent from checkpoints of older versions
         for a, s in zip(self.averages, state["averages"]):
             if hasattr(a, "load_state_dict"):
                 a.load_state_dict(s)

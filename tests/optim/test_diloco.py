@@ -431,6 +431,30 @@ def test_resume_is_bit_exact(at: int) -> None:
         assert a.syncs == b.syncs and a.step == b.step
 
 
+def test_a_finished_run_extended_past_its_end_skips_the_outer_step_its_end_applied() -> None:
+    """Streaming DiLoCo ending right after a send (step 6: fragment 0's average in flight, its outer step
+    due at 7): the end applies it early. A run extended from there (train.max_steps raised, resume=auto)
+    skips that outer step instead of waiting for an average nobody sends (it raised KeyError), then
+    follows the schedule; in memory and from the end's checkpoint alike, the workers agreeing."""
+    workers, dl = _run_diloco(2, STREAM, 6, "adamw")
+    assert sorted(dl[0].pending) == [0] and dl[0].receives_at(7) == [0]
+    for d in dl:
+        d.finish_send()
+    for d in dl:
+        d.finish_receive()
+    syncs = list(dl[0].syncs)
+    blob = _snapshot(workers, dl)
+    _advance(workers, dl, 6)          # steps 7-12: fragment 0's outer step at 7 skipped, then 11; fragment 1's at 9
+    w2, d2 = _restore(blob, 2, STREAM, "adamw")
+    _advance(w2, d2, 6)
+    assert dl[0].syncs == [syncs[0] + 1, syncs[1] + 1] and not dl[0].drained
+    for a, b in zip(dl, d2):
+        assert all(torch.equal(x, y) for x, y in zip(a.glob + a.momentum, b.glob + b.momentum))
+    assert all(torch.equal(x, y) for x, y in zip(dl[0].glob, dl[1].glob))
+    for a, b in zip(workers, w2):
+        assert all(torch.equal(p, q) for p, q in zip(a.params, b.params))
+
+
 def test_resume_with_error_feedback_wire_is_bit_exact() -> None:
     """One worker on the loco wire (at P = 1 the compression and its 8-bit errors still apply)."""
     o = DiLoCoOptions(inner_steps=2, outer_lr=0.7, outer_momentum=0.9, wire="loco", block=8)

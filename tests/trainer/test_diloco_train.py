@@ -96,6 +96,14 @@ def test_streaming_resume_with_an_average_in_flight_books_its_bytes_and_continue
     assert results[1]["streaming_pieces"]["booked"] == p["booked"]
 
 
+def test_a_finished_streaming_run_extended_past_its_end_trains_on(results):
+    """The run ended right after a send (step 7), so its end applied that average early; resumed with a
+    larger train.max_steps it skips that outer step and trains to the new end, the replicas identical."""
+    e = results[0]["streaming_extended"]
+    assert e["resumed_at"] == [7] and e["steps"][-3:] == [8, 9, 10]
+    assert len(set(e["final"])) == 1 and e["final"] != results[0]["streaming"]["final"]
+
+
 def test_a_rollback_with_an_average_in_flight_books_each_average_once(results):
     """A NaN at step 5 rolls the streaming run back to its checkpoint of step 3 while fragment 0's
     average (sent after step 4) is in flight: it is waited for and dropped, and the replayed steps book

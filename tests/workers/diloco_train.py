@@ -8,7 +8,8 @@ uninterrupted, and again in three pieces: stopped at step 3 (right after its out
 stopped at step 4 (in the inner phase), resumed to the end; then rank 1's file of the last
 checkpoint is damaged and a resume must fall back to the one of step 4. The streaming run trains
 again in two pieces, stopped at step 3 with an average in flight, and once rolled back from a
-NaN at step 5 (an average in flight) to its checkpoint of step 3. Each rank writes what the test compares
+NaN at step 5 (an average in flight) to its checkpoint of step 3; the uninterrupted streaming run is
+extended from its end (step 7, right after a send) to step 10. Each rank writes what the test compares
 (`result_<rank>.json`): the per-step bytes each run booked (metrics.jsonl) with the formula's
 (optim.diloco.wire_bytes of each fragment whose outer step that step applied: with tau > 0 the
 averages run on a background thread and their bytes join the step that waits for them; the one
@@ -148,6 +149,13 @@ def main(tmp: str) -> None:
                         "final": records(run, "param_sha256")[-1]["param_sha256"],
                         "drift": drift, "drift_logged": records(run, "diag/diloco_drift_spread"),
                         "diag_steps": [r["step"] for r in records(run, "diag/seconds")]}
+
+    # the streaming run extended past its end (train.max_steps 7 -> 10, resume=auto): its end applied the
+    # average sent after step 7 ahead of its outer step (8), which the extension skips (it raised KeyError)
+    train(run, STREAMING + ["train.max_steps=10", "train.resume=auto"])
+    out["streaming_extended"] = {"steps": [r["step"] for r in records(run, "train_loss")],
+                                 "final": records(run, "param_sha256")[-1]["param_sha256"],
+                                 "resumed_at": [x["step"] for x in records(run, "event") if x["event"] == "resume"]}
 
     # Streaming DiLoCo stopped at step 3 while fragment 1's average (sent after step 3) is in flight,
     # then resumed to the end: the same parameters, and the same bytes per step as the run above (the
