@@ -20,8 +20,9 @@ default) is stretched by its time per step:
     LocalScheme.predict_local, its cycle's exchanges spread over the inner steps, less what the inner
     steps after each hide) on the links you name, under comm.cost_model.NodeLayout.
 The target (default: the final `--metric` of the synchronous AdamW run, `--reference`) is crossed
-where the curve first reaches it, interpolated linearly between evaluations; a variant whose curve
-never reaches it is reported as such. Output in `--out`: results.md (tables, what is measured and
+where the curve first reaches it, interpolated linearly between evaluations (a local-update curve is
+held between the steps its evaluated model changes, SyncScheme.model_changes: the crossing is the outer
+step whose model reached it); a variant whose curve never reaches it is reported as such. Output in `--out`: results.md (tables, what is measured and
 what predicted), results.csv, time_to_loss.png, meta.json.
 """
 from __future__ import annotations
@@ -65,6 +66,24 @@ class Curve:
     tokens_per_step: float | None   # global tokens per optimizer step (the train records' tokens / step)
     config: dict
     runs: int = 1
+
+    @property
+    def changes(self) -> list[float] | None:
+        """The steps after which the model this curve evaluates changes (model_changes), None: every step."""
+        return model_changes(self.config)
+
+
+def model_changes(cfg: dict) -> list[float] | None:
+    """For a run whose scheme declares it (SyncScheme.model_changes: a local-update run evaluates its global
+    parameters, which move at outer steps and at the end), the steps after which its evaluated model
+    changes; None where it changes after every step (the curve is then interpolated between evaluations)."""
+    c, max_steps = cfg.get("comm") or {}, (cfg.get("train") or {}).get("max_steps")
+    try:
+        scheme = sync.get(c.get("mode", "fp32"))
+        changes = scheme.changes_at(scheme.options_from(c), int(max_steps)) if max_steps else None
+    except (KeyError, ValueError, TypeError):  # a mode this build lacks: its step time reports the problem
+        return None
+    return None if changes is None else [float(t) for t in changes]
 
 
 ARM_KEYS = ("model", "data", "optim", "comm", "parallel")   # what two seeds of one arm share
@@ -166,22 +185,37 @@ def load_curve(name: str, sources: str | Path | Sequence[str | Path], metric: st
     return Curve(name, ", ".join(map(str, srcs)), [float(s) for s in steps], losses, tps, per[0][2], len(per))
 
 
-def crossing_step(steps: Sequence[float], losses: Sequence[float], target: float) -> float | None:
+def crossing_step(steps: Sequence[float], losses: Sequence[float], target: float,
+                  changes: Sequence[float] | None = None) -> float | None:
     """The first step at which the curve reaches `target` (loss <= target), interpolated linearly
     between the two evaluations around it; the first evaluation's step when it is already there;
-    None when the curve never reaches it."""
+    None when the curve never reaches it. With `changes` (the steps after which the evaluated model
+    changes: a local-update run's outer steps) the model evaluated there exists from the last change at
+    or before that evaluation, and no model before it is known to reach the target: that step, never a
+    point between two models."""
     for i, (s, loss) in enumerate(zip(steps, losses)):
         if loss <= target:
             if i == 0:
                 return float(s)
             s0, l0 = steps[i - 1], losses[i - 1]
+            if changes is not None:
+                return float(max((c for c in changes if s0 < c <= s), default=s))
             return float(s0 + (s - s0) * (l0 - target) / (l0 - loss))
     return None
 
 
-def loss_at_step(steps: Sequence[float], losses: Sequence[float], step: float) -> float | None:
+def loss_at_step(steps: Sequence[float], losses: Sequence[float], step: float,
+                 changes: Sequence[float] | None = None) -> float | None:
     """The curve's loss at `step`, linear between the two evaluations around it; None before its first
-    evaluation or past its last (a curve says nothing there)."""
+    evaluation or past its last (a curve says nothing there). With `changes` (crossing_step) the loss of
+    the model current at `step` where an evaluation saw that model, else the last evaluation before
+    `step` (an older model's: a curve held between its models is not interpolated)."""
+    if changes is not None:
+        last = max((c for c in changes if c <= step), default=0.0)
+        nxt = min((c for c in changes if c > step), default=math.inf)
+        same = [loss for s, loss in zip(steps, losses) if last <= s < nxt]
+        before = [loss for s, loss in zip(steps, losses) if s <= step]
+        return float(same[0]) if same else float(before[-1]) if before else None
     for i, s in enumerate(steps):
         if math.isclose(step, s, rel_tol=1e-9):
             return float(losses[i])
@@ -568,7 +602,7 @@ def report_rows(curves: dict[str, Curve], target: float, step_times: dict[str, d
         part = []
         for name, c in curves.items():
             st = by.get(name) or {"missing": "not evaluated"}
-            cross = crossing_step(c.steps, c.losses, target)
+            cross = crossing_step(c.steps, c.losses, target, c.changes)
             row = {"setting": setting, "variant": name, "final_loss": c.losses[-1], "steps": c.steps[-1],
                    "target_step": cross, **{k: v for k, v in st.items()}}
             if "step_s" in st:
@@ -585,7 +619,7 @@ def report_rows(curves: dict[str, Curve], target: float, step_times: dict[str, d
             if budget is not None and row.get("step_s", 0) > 0:
                 c = curves[row["variant"]]
                 row["budget_s"], row["budget_step"] = budget, min(budget / row["step_s"], c.steps[-1])
-                row["budget_loss"] = loss_at_step(c.steps, c.losses, row["budget_step"])
+                row["budget_loss"] = loss_at_step(c.steps, c.losses, row["budget_step"], c.changes)
         rows += part
     return rows
 
@@ -619,7 +653,10 @@ def markdown(rows: list[dict], settings: dict[str, str], target: float, target_s
         if budget is not None:
             out += ["", f"Equal time: each curve where the quickest whole run here ends ({_fmt_s(budget)}): its "
                         f"{metric} at that time's step (step time x step = {_fmt_s(budget)}), linear between its "
-                        "evaluations; 'before its first evaluation' where the curve has none yet."]
+                        "evaluations; 'before its first evaluation' where the curve has none yet. A local-update "
+                        "curve (DiLoCo) evaluates its global model, which changes only at outer steps: its target "
+                        "step is the outer step whose model first reached the target, and its loss at a time is "
+                        "that of the model current then (else of the last evaluation before), never interpolated."]
         out.append("")
     return "\n".join([f"Target {metric} {target:.4f}: {target_src}.", "", *out])
 
@@ -647,6 +684,16 @@ def curve_panels(curves: dict[str, Curve], step_times: dict[str, dict[str, dict]
             for setting, by in step_times.items()}
 
 
+def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
+    """ys linear in xs at x (xs ascending; clamped to the ends)."""
+    if x <= xs[0]:
+        return ys[0]
+    for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return ys[-1]
+
+
 def end_to_end(curves: dict[str, Curve], e2e: Path, metric: str, target: float, measured: dict[str, dict]
                ) -> tuple[list[dict], dict]:
     """The check of the construction: runs trained end to end under the simulator (e2e/<variant>/,
@@ -667,8 +714,11 @@ def end_to_end(curves: dict[str, Curve], e2e: Path, metric: str, target: float, 
         secs, losses = [pts[s][0] for s in steps], [pts[s][1] for s in steps]
         panel[name] = (secs, losses)
         m = measured.get(name, {})
-        cross_t = crossing_step(secs, losses, target)
-        cross_s = crossing_step(c.steps, c.losses, target)
+        # the step where the run crossed (held at its model changes, as the curve's), at its time: the train
+        # time linear between the evaluations around it
+        e2e_step = crossing_step(steps, losses, target, c.changes)
+        cross_t = None if e2e_step is None else float(_interp(e2e_step, steps, secs))
+        cross_s = crossing_step(c.steps, c.losses, target, c.changes)
         row = {"variant": name, "e2e_target_s": cross_t, "e2e_total_s": secs[-1], "e2e_steps": steps[-1],
                "e2e_final_loss": losses[-1], "curve_final_loss": c.losses[-1]}
         if "step_s" in m:

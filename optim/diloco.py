@@ -271,8 +271,7 @@ class DiLoCo:
         return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in self.local[k]])
 
     def _due(self, t: int, delay: int) -> list[int]:
-        H = self.o.inner_steps
-        return [k for k, o in enumerate(self.offsets) if t - delay >= o and (t - delay - o) % H == 0]
+        return self.o.due(t, delay)
 
     def sends_at(self, t: int) -> list[int]:
         """Fragments whose pseudo-gradient is sent after inner step t."""

@@ -170,6 +170,12 @@ class DiLoCoOptions(Options):
         """o_k: the inner step (1-based) of fragment k's first sync; then every inner_steps steps."""
         return [((k + 1) * self.inner_steps) // self.fragments for k in range(self.fragments)]
 
+    def due(self, t: int, delay: int = 0) -> list[int]:
+        """The fragments whose pseudo-gradient is sent after inner step t (delay 0), or whose outer step is
+        applied after it (delay overlap_steps)."""
+        H = self.inner_steps
+        return [k for k, o in enumerate(self.offsets()) if t - delay >= o and (t - delay - o) % H == 0]
+
     def wire_options(self) -> SchemeOptions | None:
         ws = _wire_scheme(self.wire)
         if ws is None:
@@ -502,6 +508,13 @@ def _state_bytes(options: DiLoCoSchemeOptions, P: int, n: int) -> int:
     return own
 
 
+def _model_changes(options: DiLoCoSchemeOptions, max_steps: int) -> list[int]:
+    """The steps after which the global parameters (what a DiLoCo run evaluates) change: each fragment's
+    outer step (tau steps after its send), and the end (the averages in flight and the final average)."""
+    o = options.diloco
+    return [t for t in range(1, max_steps) if o.due(t, o.overlap_steps)] + ([max_steps] if max_steps >= 1 else [])
+
+
 register(LocalScheme(
     name="diloco", kind=LOCAL, result=MEAN, options=DiLoCoSchemeOptions, build=OuterExchange,
     wire_bytes=_mean_wire_bytes, predict=_mean_seconds,
@@ -509,7 +522,8 @@ register(LocalScheme(
          "comm.diloco.wire (fp32, bf16, loco, sign, e3m0, pbit_mean); bytes: the average per inner step",
     help="DiLoCo (Douillard et al. 2023) and Streaming DiLoCo (2025): H local steps of any optimizer per "
          "worker, then an outer Nesterov SGD on the averaged pseudo-gradient",
-    state_bytes=_state_bytes, shards=True, bucketable=False, cycle=_cycle_steps, predict_cycle=_predict_local))
+    state_bytes=_state_bytes, shards=True, bucketable=False, cycle=_cycle_steps, predict_cycle=_predict_local,
+    model_changes=_model_changes))
 
 __all__ = ["LOCAL", "LocalScheme", "PBIT_BITS", "PBIT_QUANTIZERS", "WIRES", "CycleBytes", "DiLoCoOptions", "DiLoCoSchemeOptions",
            "E3M0Exchange", "OuterExchange", "PBitMeanExchange", "build_averages", "cycle_bytes", "cycle_seconds",

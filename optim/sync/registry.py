@@ -147,6 +147,11 @@ class SyncScheme:
     """cycle(options): the steps over which the scheme's traffic repeats (a local-update scheme: the
     inner steps in which every fragment's average is sent once); None = 1, a per-step scheme.
     Read through `cycle_steps`."""
+    model_changes: Callable[[SchemeOptions, int], list[int]] | None = None
+    """model_changes(options, max_steps): the steps (ascending) after which the model a run evaluates
+    changes, where it does not change after every step (a local-update scheme evaluates its global
+    parameters: they move at outer steps and at the end); None = after every step. Read through
+    `changes_at`: bench.time_to_loss holds such a curve's loss between them instead of interpolating."""
 
     def __post_init__(self) -> None:
         if self.kind not in (GRADIENT, UPDATE):
@@ -175,6 +180,11 @@ class SyncScheme:
         if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
             raise ValueError(f"scheme {self.name}: cycle(options) gave {n!r}; it must be an integer >= 1")
         return n
+
+    def changes_at(self, options: SchemeOptions, max_steps: int) -> list[int] | None:
+        """The steps after which the evaluated model changes in a run of `max_steps` (`model_changes`), or
+        None where it changes after every step."""
+        return None if self.model_changes is None else list(self.model_changes(options, int(max_steps)))
 
     @property
     def stateful(self) -> bool:

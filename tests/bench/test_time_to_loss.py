@@ -55,6 +55,33 @@ def test_crossing_is_interpolated_between_evaluations():
     assert ttl.crossing_step([10, 20, 30, 40], [4.0, 2.9, 3.5, 2.0], 3.0) == pytest.approx(10 + 10 * 1.0 / 1.1)
 
 
+def test_a_local_update_curve_is_held_between_the_steps_its_model_changes():
+    """DiLoCo evaluates its global model, which moves only at outer steps: evaluated every 2 steps at H = 10 it
+    reads 9.36 at steps 10-18 and 8.25 at 20. No model reached 8.94 before the outer step of 20 (a line between
+    18 and 20 said 18.76); at a time inside the cycle its loss is the current model's, not a line."""
+    cfg = diloco_config(inner_steps=10)
+    cfg["train"]["max_steps"] = 20
+    changes = ttl.model_changes(cfg)
+    assert changes == [10.0, 20.0] and ttl.model_changes(resolved("adamw_fp32")) is None
+    steps, losses = [10, 12, 14, 16, 18, 20], [9.36] * 5 + [8.25]
+    assert ttl.crossing_step(steps, losses, 8.9375) == pytest.approx(18.76, abs=0.01)   # interpolated: wrong here
+    assert ttl.crossing_step(steps, losses, 8.9375, changes) == 20.0
+    assert ttl.crossing_step(steps, losses, 9.5, changes) == 10.0
+    assert ttl.loss_at_step(steps, losses, 19, changes) == 9.36      # the model of step 10 until step 20
+    assert ttl.loss_at_step([10, 20], [9.36, 8.25], 15, changes) == 9.36
+    # evaluated less often than the model changes: the last outer step before the evaluation that crossed
+    assert ttl.crossing_step([10, 30], [9.0, 8.0], 8.5, [10.0, 20.0, 30.0]) == 30.0
+    assert ttl.crossing_step([10, 30], [9.0, 8.0], 8.5, [10.0, 20.0, 25.0, 40.0]) == 25.0
+    assert ttl.loss_at_step([10, 30], [9.0, 8.0], 22, [10.0, 20.0, 40.0]) == 8.0   # evaluated at 30: that model
+    assert ttl.loss_at_step([10, 30], [9.0, 8.0], 22, [10.0, 20.0, 25.0, 40.0]) == 9.0  # never evaluated: the last
+    # Streaming DiLoCo (H 4, F 2, tau 1): each fragment's outer step tau after its send, and the end
+    st = diloco_config(inner_steps=4, fragments=2, overlap_steps=1, alpha=0.5)
+    st["train"]["max_steps"] = 10
+    assert ttl.model_changes(st) == [3.0, 5.0, 7.0, 9.0, 10.0]
+    curve = ttl.Curve("d", "-", [float(s) for s in steps], losses, 1.0, cfg)
+    assert curve.changes == changes
+
+
 def test_load_curve_reads_val_loss_and_tokens_per_step(tmp_path):
     d = make_run(tmp_path / "adamw_fp32", resolved("adamw_fp32"), {5: 4.0, 10: 3.5, 20: 3.0}, tokens=256)
     with open(d / "metrics.jsonl", "a") as f:  # a re-logged evaluation of step 20 keeps the last
