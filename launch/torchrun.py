@@ -11,13 +11,18 @@ It takes torchrun's options (torch.distributed.run) and differs in two ways:
   a checkpoint), torchrun would end in its own ChildFailedError traceback and exit code 1. Here the
   rank's own message stands alone and the launcher exits with that rank's exit code (2 for the
   errors the trainer reports, 3 for divergence; 128+N for a rank killed by signal N). For any code
-  but 2 one line names the rank that failed first.
+  but 2 one line names the rank that failed first;
+- Ctrl-C (SIGINT) or SIGTERM to the launcher: torchrun passes the signal to its ranks (each writes
+  its checkpoint at its next step and exits 0, as train.py does alone) and then ends in a
+  SignalException traceback with exit code 1. Here one line says what happened and the launcher
+  exits 128+N (130 for Ctrl-C), a shell's code for a process stopped by signal N.
 Any other script than train.py is launched unchecked, as torchrun would.
 """
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 
@@ -58,6 +63,7 @@ def check_train_args(script_args: list[str], world_size: int | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -81,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{failure.exitcode}{' (' + failure.signal_name() + ')' if failure.exitcode < 0 else ''}; its "
                   f"output above says why", file=sys.stderr, flush=True)
         return code or 1
+    except SignalException as e:  # the agent has passed the signal to the ranks and waited for them
+        sig = signal.Signals(e.sigval)
+        print(f"launch.torchrun: {sig.name} received; passed to the ranks, which write a checkpoint at their next "
+              f"step and stop (train.resume=auto continues the run; their output above shows the checkpoint)",
+              file=sys.stderr, flush=True)
+        return 128 + int(sig)
     return 0
 
 

@@ -45,6 +45,36 @@ def test_an_error_a_rank_finds_keeps_its_exit_code_without_a_traceback(tmp_path)
     assert (run / "notes.txt").read_text() == "someone's file\n"
 
 
+def test_ctrl_c_to_the_launcher_checkpoints_and_is_one_line_with_exit_130(tmp_path):
+    """A terminal's Ctrl-C reaches the launcher's process group (torchrun starts its ranks in sessions of
+    their own): torchrun passes SIGINT to the ranks, which checkpoint and stop; the launcher then says so in
+    one line, no SignalException traceback, and exits 130."""
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc_per_node=2",
+                             str(ROOT / "train.py"), str(ROOT / "configs" / "default.yaml"), "model.preset=debug",
+                             "data.batch_size=2", "data.seq_len=32", "train.eval_every=0", "train.max_steps=100000",
+                             f"train.out_dir={run}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (run / "metrics.jsonl").exists():
+            time.sleep(0.2)
+        time.sleep(1.0)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the launcher's process group
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
+    assert "launch.torchrun: SIGINT received" in err
+    assert (run / "ckpt" / "latest").is_file()
+
+
 def test_plain_torchrun_names_the_launcher_that_avoids_its_traceback(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
