@@ -55,7 +55,7 @@ class OneBitAdamOptions(OptimOptions):
                     f"to estimate the variance it freezes)"]
         return []
 
-    def run_problems(self, max_steps: int) -> list[str]:
+    def run_problems(self, max_steps: int, *, blocks: int | None = None) -> list[str]:
         if self.freeze_step >= max_steps:
             return [f"{self.key('freeze_step')}: {self.freeze_step} >= train.max_steps={max_steps}: the run would "
                     f"end inside the AdamW warm-up and never compress; set {self.key('freeze_step')} below "

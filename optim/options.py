@@ -24,8 +24,9 @@ class Options:
         """Every problem with these values (and, given `world_size`, at that many ranks)."""
         return []
 
-    def run_problems(self, max_steps: int) -> list[str]:
-        """Problems of these values given the run's length (e.g. a warm-up longer than the run)."""
+    def run_problems(self, max_steps: int, *, blocks: int | None = None) -> list[str]:
+        """Problems of these values given the run: its length (e.g. a warm-up longer than the run) and the
+        model's transformer blocks (None: not known before the model is built, e.g. model.init_from)."""
         return []
 
     def notes(self) -> list[str]:

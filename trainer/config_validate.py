@@ -37,6 +37,19 @@ def warmup_steps(optim: OptimConfig, horizon: int) -> int:
     return optim.warmup_steps or math.floor(round(optim.warmup_fraction * horizon, 9))  # 0.02 * 50000 is 1000
 
 
+def _blocks(m) -> int | None:
+    """The model's transformer blocks (its resolved n_layer), or None where the config alone cannot say: an
+    unknown preset or shape (reported elsewhere), or model.init_from (the starting point's own shape)."""
+    from model import PRESETS, resolve_config
+
+    if m.init_from or m.preset not in PRESETS:
+        return None
+    try:
+        return int(resolve_config(m).n_layer)
+    except (ValueError, TypeError):
+        return None
+
+
 def _format(problems: list[str]) -> str:
     return f"{len(problems)} config problem(s):\n" + "\n".join(f"  - {p}" for p in problems)
 
@@ -151,10 +164,11 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
                        optim_options=o.options, betas=o.betas, eps=o.eps, lr=o.lr, weight_decay=o.weight_decay,
                        grad_clip=o.grad_clip, momentum_sync=vars(ms), world_size=replicas, shard_size=max(S, 1),
                        bucket_mb=c.bucket_mb, overlap=c.overlap, kernels=c.kernels)
+    blocks = _blocks(m)
     if c.options is not None:
-        p += c.options.run_problems(t.max_steps)
+        p += c.options.run_problems(t.max_steps, blocks=blocks)
     if o.options is not None:
-        p += o.options.run_problems(t.max_steps)
+        p += o.options.run_problems(t.max_steps, blocks=blocks)
     if c.timeout_s <= 0 or c.init_timeout_s <= 0:
         p.append(f"comm.timeout_s: {c.timeout_s}, comm.init_timeout_s: {c.init_timeout_s}; both must be > 0")
     bad = [x for x in ms.layers if x not in LAYER_SELECTORS]

@@ -336,21 +336,23 @@ class DiLoCoSchemeOptions(SchemeOptions):
             return [f"comm.diloco: expected a mapping of {', '.join(DiLoCoOptions.field_names())}"]
         return self.diloco.problems(world_size)
 
-    def run_problems(self, max_steps: int) -> list[str]:
+    def run_problems(self, max_steps: int, *, blocks: int | None = None) -> list[str]:
         """A run too short for an outer step: the workers would train apart throughout and meet once, in
-        the final average (with comm.diloco.final_average), which is not DiLoCo."""
+        the final average (with comm.diloco.final_average), which is not DiLoCo; more fragments than the
+        model has blocks (given `blocks`: the config check reports it with the others, before a launch)."""
         o = self.diloco
         if not isinstance(o, DiLoCoOptions) or o.problems():
             return []  # reported by problems()
+        p = o.problems(blocks=blocks) if blocks is not None else []
         first = min(o.offsets()) + o.overlap_steps
         if max_steps < first:
             what = (f"the first fragment's outer step comes after step {first}" if o.fragments > 1 or o.overlap_steps
                     else f"the first outer step comes after step {first}")
-            return [f"{o.key('inner_steps')}: {o.inner_steps} with train.max_steps={max_steps}: {what}, so the "
+            p += [f"{o.key('inner_steps')}: {o.inner_steps} with train.max_steps={max_steps}: {what}, so the "
                     f"workers would train apart for the whole run and meet only in the final average; set "
                     f"{o.key('inner_steps')} well below train.max_steps (e.g. {max(1, max_steps // 10)}, ten outer "
                     f"steps) or train longer"]
-        return []
+        return p
 
     def notes(self) -> list[str]:
         o = self.diloco

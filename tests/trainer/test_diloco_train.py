@@ -186,13 +186,30 @@ def test_a_run_shorter_than_the_first_outer_step_is_refused_naming_inner_steps()
     assert load_config(ROOT / "configs/default.yaml", TINY + ["train.max_steps=10"])
 
 
+def test_the_config_check_reports_more_fragments_than_blocks_with_the_other_problems():
+    """The debug model has 2 blocks: fragments=3 is a config problem found before any rank starts, listed
+    with a run too short for an outer step (both at once, not one per launch)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs/default.yaml", TINY + ["comm.diloco.fragments=3", "comm.diloco.inner_steps=500",
+                                                               "train.max_steps=100"])
+    msg = str(e.value)
+    assert "comm.diloco.fragments: 3 fragments but the model has 2 blocks" in msg and "meet only in the final" in msg
+    assert load_config(ROOT / "configs/default.yaml", TINY + ["comm.diloco.fragments=2"])
+    # a starting point's shape is its own: not judged from the preset
+    from trainer.config_validate import _blocks
+    from trainer.config_schema import ModelConfig
+
+    assert _blocks(ModelConfig(preset="debug")) == 2 and _blocks(ModelConfig(preset="debug", n_layer=5)) == 5
+    assert _blocks(ModelConfig(preset="debug", init_from="/some/run")) is None
+
+
 def test_more_fragments_than_blocks_exits_2_naming_the_key(tmp_path):
     proc = subprocess.run([sys.executable, "train.py", "configs/default.yaml", *TINY, "comm.diloco.fragments=3",
                            "comm.diloco.inner_steps=4", f"train.out_dir={tmp_path / 'run'}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    err = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-    assert len(err) == 1 and "comm.diloco.fragments: 3 fragments but the model has 2 blocks" in err[0], proc.stderr
+    assert proc.stderr.count("comm.diloco.fragments: 3 fragments but the model has 2 blocks") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "config problem" in proc.stderr  # the config check, before the build
     assert not (tmp_path / "run").exists()
 
 
