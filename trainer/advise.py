@@ -103,19 +103,39 @@ def _common_keys(cls) -> set[str]:
 
 
 def candidate_config(user: dict, cand: Candidate) -> dict:
-    """The user's resolved config with the optimizer and mode of `cand`: the user's keys common to
-    every optimizer / mode (lr, betas, clipping, kernels, timeouts, ...) are kept, the previous
-    entry's own options dropped (they may not exist in the new one), the candidate's keys applied."""
+    """The user's resolved config with the optimizer and mode of `cand`. The comm section: the user's
+    keys common to every mode (kernels, timeouts, ...) kept, the previous mode's own options dropped (they
+    may not exist in the new one), the candidate's keys applied. The optim section, where the candidate
+    runs the user's optimizer (every comm.mode=auto candidate does): the user's training recipe stays
+    (the keys common to every optimizer: lr, betas, weight decay, lr multipliers, schedule, clipping,
+    and the user's own options of that optimizer), and only the candidate's options of the optimizer
+    (e.g. Dion's rank_fraction) are applied; a variant file's recipe (adamw_fp32.yaml's lr 6e-4) never
+    replaces the user's. Where the candidate runs another optimizer (bench.advise comparing optimizers),
+    that optimizer's section is the candidate's, over the user's common keys it does not set.
+    `replaced_keys` names what the candidate changed."""
     out = copy.deepcopy(user)
     for section, cls in (("optim", OptimConfig), ("comm", CommConfig)):
-        keep = {k: v for k, v in (user.get(section) or {}).items() if k in _common_keys(cls)}
+        common = _common_keys(cls)
+        mine = user.get(section) or {}
+        keep = {k: v for k, v in mine.items() if k in common}
         over = cand.sections.get(section) or {}
-        merged = {**keep, **{k: v for k, v in over.items() if not isinstance(v, dict)}}
+        flat = {k: v for k, v in over.items() if not isinstance(v, dict)}
+        if section == "optim" and flat.get("name", mine.get("name")) == mine.get("name"):
+            merged = {**mine, **{k: v for k, v in flat.items() if k not in common}}
+        else:
+            merged = {**keep, **flat}
         for k, v in over.items():  # nested sections (comm.momentum_sync) merge key by key
             if isinstance(v, dict):
                 merged[k] = {**(keep.get(k) or {}), **v}
         out[section] = merged
     return out
+
+
+def replaced_keys(user: dict, chosen: dict, section: str = "optim") -> list[str]:
+    """`section.key: old -> new` for every key of the user's `section` that `chosen` (candidate_config's
+    result, resolved) holds with another value: what a candidate changed of the user's settings."""
+    mine, now = user.get(section) or {}, chosen.get(section) or {}
+    return [f"{section}.{k}: {mine[k]!r} -> {now[k]!r}" for k in mine if k in now and now[k] != mine[k]]
 
 
 def config_from_dict(d: dict):

@@ -126,6 +126,9 @@ def resolve(cfg: Config, info: DistInfo, data_dir: Path, say: Callable[[str], No
         say(advise.table_markdown(result))
     cand = advise.Candidate(decision["variant"], decision["sections"])
     chosen = advise.config_from_dict(advise.candidate_config(cfg.to_dict(), cand))
+    changed = advise.replaced_keys(cfg.to_dict(), chosen.to_dict())
+    if changed:  # the variant's own options of the user's optimizer (its recipe never replaces the user's)
+        say(f"comm.mode=auto: {decision['variant']} sets " + "; ".join(changed))
     say(f"comm.mode=auto -> {decision['variant']} (comm.mode={chosen.comm.mode}; "
         f"{'kept from ' + DECISION if decision['source'] == 'stored' else 'measured now'}; "
         f"predicted {1e3 * decision['predicted_step_s']:.0f} ms/step"

@@ -38,6 +38,25 @@ def test_candidate_config_keeps_the_users_common_keys_and_drops_the_old_modes_op
     assert dion.optim.name == "dion" and dion.optim.rank_fraction == 0.0625  # `extends:` resolved
 
 
+def test_an_auto_candidate_of_the_users_optimizer_keeps_the_users_recipe():
+    """adamw_fp32.yaml is a benchmark recipe (lr 6e-4, betas 0.9/0.95, lr multipliers 1): as comm.mode=auto's
+    candidate for a user running AdamW it changes the mode only, never the user's lr, betas or multipliers
+    (it replaced them, silently); a variant's own options of the optimizer (dion_r16's rank) do apply, and
+    replaced_keys names them. Across optimizers (bench.advise) the candidate's section is its own."""
+    user = load_config(ROOT / "configs/default.yaml", ["optim.name=adamw", "optim.lr=1e-3", "optim.betas=[0.9,0.99]",
+                                                       "optim.head_lr_mult=3"]).to_dict()
+    cfg = advise.config_from_dict(advise.candidate_config(user, advise.load_variant("adamw_fp32")))
+    assert (cfg.optim.lr, list(cfg.optim.betas), cfg.optim.head_lr_mult) == (1e-3, [0.9, 0.99], 3.0)
+    assert advise.replaced_keys(user, cfg.to_dict()) == []
+    d = load_config(ROOT / "configs/default.yaml", ["optim.name=dion", "optim.matrix_lr=0.05", "optim.lr=3e-3"]).to_dict()
+    r16 = advise.config_from_dict(advise.candidate_config(d, advise.load_variant("dion_r16"))).to_dict()
+    assert r16["optim"]["rank_fraction"] == 0.0625 and r16["optim"]["lr"] == 3e-3
+    assert "optim.rank_fraction: 0.25 -> 0.0625" in advise.replaced_keys(d, r16)
+    lion = load_config(ROOT / "configs/default.yaml", ["optim.lr=1e-4"]).to_dict()
+    other = advise.config_from_dict(advise.candidate_config(lion, advise.load_variant("adamw_fp32")))
+    assert other.optim.name == "adamw" and other.optim.lr == 6e-4   # another optimizer: its own recipe
+
+
 def test_quality_evidence_comes_from_the_committed_study():
     import csv
 
