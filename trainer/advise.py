@@ -15,7 +15,9 @@ Under the launcher the run would use (same ranks, same links), in seconds:
    (`CommOptimizer.predict_comm_seconds`, each scheme's formula from the optim.sync registry) at
    the world axis's alpha and beta; on several nodes under comm.cost_model.NodeLayout, which
    corrects the collectives that cross the nodes' ports differently from a ring (predict_comm);
-   bytes per step from the same registry (`wire_bytes_per_step`). A local-update scheme (DiLoCo)
+   bytes per step from the same registry (`wire_bytes_per_step`); a candidate's comm.momentum_sync adds
+   its fp32 allreduce of the selected momenta averaged over its interval (momentum_sync_per_step). A
+   local-update scheme (DiLoCo)
    predicts itself on the model's parameters (LocalScheme.predict_local: its cycle's exchanges per
    inner step, less what the following inner steps hide; predict_candidate_comm).
 The table ranks candidates by predicted step time, with the speedup over the fp32 baseline and the
@@ -46,7 +48,7 @@ import yaml
 
 import data
 from comm import Clock, all_gather_single, cost_model
-from model import GPT, param_layers, resolve_config
+from model import GPT, param_layers, param_roles, resolve_config
 from optim import sync
 
 from .config import (CommConfig, ConfigError, OptimConfig, _merge, load_config, parse_overrides, read_yaml,
@@ -572,17 +574,35 @@ def param_layout(model) -> list[tuple[str, int]]:
     return [(where[name], p.numel()) for name, p in model.named_parameters()]
 
 
+def momentum_sync_per_step(opt, model, links: dict, P: int) -> tuple[float, float]:
+    """(seconds, bytes one rank sends) per step of comm.momentum_sync, averaged over its interval: the fp32
+    mean allreduce of the selected layers' momenta (CommOptimizer._sync_momenta: it books the buffer's bytes
+    as sent) every `every` steps, on the world ring of the measured links. (0, 0) without momentum sync or
+    at one rank. CommOptimizer.wire_bytes_per_step leaves it out (it is not the scheme's exchange)."""
+    ms = getattr(opt, "momentum_sync", None)
+    if ms is None or not ms.every or P <= 1:
+        return 0.0, 0.0
+    roles, named = param_roles(model), dict(model.named_parameters())
+    m = sum(named[n].numel() for n, r in roles.items() if ms.selects(r))
+    world = links["world"]
+    with cost_model.node_layout(node_layout(links, P)):
+        t = cost_model.ring_allreduce(P, m, 32, world["alpha_s"], world["beta_s_per_bit"])
+    return t / ms.every, 4.0 * m / ms.every
+
+
 def predict_candidate_comm(cfg, opt, links: dict, P: int, model, step_compute_s: float,
                            rank: int = 0) -> tuple[float, float]:
     """(seconds of communication, bytes one rank sends) per step of a candidate: config `cfg`, its
     optimizer `opt`, on the measured links. A per-step scheme: predict_comm and the registry's
-    wire_bytes_per_step. A local-update scheme (kind LOCAL) predicts itself (LocalScheme.predict_local
+    wire_bytes_per_step, plus its momentum sync averaged over its interval (momentum_sync_per_step). A local-update scheme (kind LOCAL) predicts itself (LocalScheme.predict_local
     on cfg.comm.options) on `model`'s parameters (param_layout): its cycle's exchanges per inner step,
     less what the inner steps of `step_compute_s` that follow an exchange hide on the background
     thread the trainer runs it on; same links and node layout as predict_comm."""
     scheme = sync.get(cfg.comm.mode)
     if scheme.kind != sync.LOCAL:
-        return predict_comm(opt, links, P), sum(s for s, _ in opt.wire_bytes_per_step(P, rank).values())
+        sync_s, sync_bytes = momentum_sync_per_step(opt, model, links, P)
+        return (predict_comm(opt, links, P) + sync_s,
+                sum(s for s, _ in opt.wire_bytes_per_step(P, rank).values()) + sync_bytes)
     world = links["world"]
     with cost_model.node_layout(node_layout(links, P)):
         pred = scheme.predict_local(cfg.comm.options, P, param_layout(model), world["alpha_s"],

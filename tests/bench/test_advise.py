@@ -17,6 +17,7 @@ from bench import advise as advise_command
 from bench import netsim
 from optim import sync
 from tests.dist import ROOT, torchrun
+from model import resolve_config
 from trainer import advise
 from trainer.config import ConfigError, load_config
 
@@ -215,6 +216,39 @@ class _SchemeOnly:
 
     def predict_comm_seconds(self, alpha, beta, P):
         return self.scheme.predict(self.options, P, self.n, alpha, beta)
+
+
+def test_a_candidates_momentum_sync_is_in_its_predicted_bytes_and_time():
+    """lioncub_syncall (4-bit, every layer's momentum synchronised every 10 steps) was predicted at plain 4-bit's
+    bytes while its run logged 1.8x: the fp32 allreduce of the selected momenta, booked as its buffer's bytes,
+    is added averaged over its interval, and nothing without momentum sync."""
+    from model import GPT, param_roles
+    from optim.plan import MomentumSync
+
+    cfg = load_config(ROOT / "configs/default.yaml", ["model.preset=debug", "model.tie_embeddings=false", "comm.mode=pbit",
+                                                       "comm.bits=4"])
+    model = GPT(resolve_config(cfg.model))
+    n, P = sum(p.numel() for p in model.parameters()), 4
+
+    class Opt(_SchemeOnly):
+        momentum_sync = None
+
+        def wire_bytes_per_step(self, P, rank):
+            return {"update": (1000, 2000)}
+
+    plain = Opt("pbit", n, bits=4)
+    base_s, base_b = advise.predict_candidate_comm(cfg, plain, _links(1), P, model, 0.0)
+    assert base_b == 1000 and base_s == pytest.approx(advise.predict_comm(plain, _links(1), P))
+    synced = Opt("pbit", n, bits=4)
+    synced.momentum_sync = MomentumSync(every=10, layers=("head",))
+    s, b = advise.predict_candidate_comm(cfg, synced, _links(1), P, model, 0.0)
+    roles, named = param_roles(model), dict(model.named_parameters())
+    m = sum(named[k].numel() for k, r in roles.items() if r == "head")
+    assert 0 < m < n and b == pytest.approx(1000 + 4 * m / 10)
+    from comm import cost_model as cm
+    assert s == pytest.approx(base_s + cm.ring_allreduce(P, m, 32, 1e-4, 1e-8) / 10)
+    synced.momentum_sync = MomentumSync(every=10, layers=("all",))
+    assert advise.predict_candidate_comm(cfg, synced, _links(1), P, model, 0.0)[1] == pytest.approx(1000 + 0.4 * n)
 
 
 def test_prediction_on_two_nodes_feeds_the_world_ring_fit_and_the_layout():
