@@ -44,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.max_new_tokens < 0 or args.num_samples < 1:
         p.error("--max-new-tokens must be >= 0 and --num-samples >= 1")
+    if not args.temperature >= 0:  # also NaN
+        p.error(f"--temperature {args.temperature}: must be >= 0 (0 = greedy)")
+    if args.top_k < 0:
+        p.error(f"--top-k {args.top_k}: must be >= 0 (0 = no top-k)")
     if not 0 < args.top_p <= 1:
         p.error(f"--top-p {args.top_p}: must be in (0, 1] (1 keeps every token)")
     try:

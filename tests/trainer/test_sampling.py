@@ -127,6 +127,11 @@ def test_cli_top_p(tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit):
         sample.main([str(run), "--top-p", "1.5"])
     assert "--top-p 1.5: must be in (0, 1]" in capsys.readouterr().err
+    for flag, value, said in (("--temperature", "-1", "--temperature -1.0: must be >= 0"),
+                              ("--top-k", "-3", "--top-k -3: must be >= 0")):  # -1 was greedy, silently
+        with pytest.raises(SystemExit):
+            sample.main([str(run), flag, value])
+        assert said in capsys.readouterr().err
 
 
 
