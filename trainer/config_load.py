@@ -16,7 +16,7 @@ import yaml
 from util.cli import split_words
 from util.files import FileShapeError, strict_yaml
 
-from .config_schema import CommConfig, Config, ConfigError, OptimConfig, _registries
+from .config_schema import AUTO_MODE, CommConfig, Config, ConfigError, OptimConfig, _registries
 from .config_validate import _format, validate
 
 
@@ -167,6 +167,19 @@ def _split_options(section: str, data: dict, fixed: list[str], registry, problem
     default = {"comm": CommConfig.mode, "optim": OptimConfig.name}[section]
     chosen = data.get(selector, default)
     classes = dict(entries)
+    if section == "comm" and chosen == AUTO_MODE:
+        # auto picks the mode and that mode's options (from the variant it chooses): a mode's option here
+        # has no mode to belong to
+        rest = {}
+        for key, value in data.items():
+            owners = [n for n, c in entries if key in c.field_names()] if key not in fixed else []
+            if owners:
+                problems.append(f"{section}.{key}: an option of comm.mode={', '.join(owners)}, set with "
+                                f"comm.mode=auto, which takes the mode and its options from the variant it picks; "
+                                f"remove it, or set comm.mode yourself")
+            else:
+                rest[key] = value
+        return rest, None
     if chosen not in classes:
         return data, None  # the selector itself is reported by validate()
     ocls = classes[chosen]

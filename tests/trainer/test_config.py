@@ -292,3 +292,14 @@ def test_train_py_wants_a_config_file(capsys):
     assert train.main(["optim.lr=1e-3"]) == 2
     err = capsys.readouterr().err
     assert "expected a config file (*.yaml)" in err and err.count("\n") == 1
+
+
+def test_a_mode_option_under_comm_mode_auto_names_the_mode_it_belongs_to():
+    """comm.tie_break is onebit's (and others') option: under comm.mode=auto it was an "unknown key"; it is a
+    key with no mode to belong to, said so, while a typo is still an unknown key."""
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs/default.yaml", ["comm.mode=auto", "comm.tie_break=alternate", "comm.tmeout_s=5"])
+    msg = str(e.value)
+    assert "comm.tie_break: an option of comm.mode=" in msg and "onebit" in msg and "set with comm.mode=auto" in msg
+    assert "comm.tmeout_s: unknown key" in msg and "comm.tie_break: unknown key" not in msg
+    assert load_config(ROOT / "configs/default.yaml", ["comm.mode=auto"]).comm.mode == "auto"
