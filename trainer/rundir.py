@@ -158,22 +158,40 @@ def foreign_entries(out_dir: Path) -> list[str]:
     return sorted(out)
 
 
-def _decide(out_dir: Path, resume: str, config: dict) -> tuple[str, RunLock | None]:
+def check_run_dir(out_dir: Path, resume: str, info: DistInfo) -> None:
+    """The refusals of `prepare_run_dir` that the directory alone decides (it exists under resume=never,
+    it is not the trainer's, overwrite would move a user's file), without touching it: run before a long
+    start-up (comm.mode=auto's measurements) so a refusal comes at once. Collective; RunDirError on every
+    rank. prepare_run_dir decides again, with the config, when the run opens the directory."""
+    problem = _refusal(out_dir, resume) if info.is_main else ""
+    if all_agree(bool(problem), info.device):
+        raise RunDirError(problem or f"rank 0 refused the run directory {out_dir}")
+
+
+def _refusal(out_dir: Path, resume: str) -> str:
     exists = out_dir.exists() and any(p.name != LOCK for p in out_dir.iterdir())
     if exists and resume == "never":
         return (f"run directory {out_dir} already exists and is not empty; pass train.resume=auto to continue it, "
-                f"train.resume=overwrite to replace it, or choose another train.out_dir"), None
+                f"train.resume=overwrite to replace it, or choose another train.out_dir")
     if exists and not is_ours(out_dir):
         names = sorted(p.name for p in out_dir.iterdir())
         return (f"train.resume={resume} refuses {out_dir}: it is not empty and holds no {MARKER} marker, so the "
                 f"trainer did not make it ({', '.join(names[:8])}{' ...' if len(names) > 8 else ''}); nothing was "
-                f"touched. Choose another train.out_dir"), None
+                f"touched. Choose another train.out_dir")
     if exists and resume == "overwrite":
         foreign = foreign_entries(out_dir)
         if foreign:
             return (f"train.resume=overwrite refuses to replace {out_dir}: it holds entries the trainer did not write: "
                     f"{', '.join(foreign[:8])}{' ...' if len(foreign) > 8 else ''}; nothing was touched. Move them "
-                    f"out, or choose another train.out_dir"), None
+                    f"out, or choose another train.out_dir")
+    return ""
+
+
+def _decide(out_dir: Path, resume: str, config: dict) -> tuple[str, RunLock | None]:
+    refused = _refusal(out_dir, resume)
+    if refused:
+        return refused, None
+    exists = out_dir.exists() and any(p.name != LOCK for p in out_dir.iterdir())
     if resume == "auto":
         problem = resume_problem(out_dir / "ckpt", config)
         if problem:

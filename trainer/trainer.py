@@ -25,7 +25,7 @@ from .inputs import init_source, initial_model, resolve_data, train_loader
 from .logger import banner, window_record
 from .optimizer import build_run_optimizer
 from .profiling import StepHooks
-from .rundir import RunDirError, prepare_run_dir
+from .rundir import RunDirError, check_run_dir, prepare_run_dir
 from .schedule import lr_at, schedule_note
 from .state import DIVERGED_EVENT, DivergenceError
 from .warmup import compile_model, warm_up_kernels
@@ -45,6 +45,8 @@ class Trainer:
         vocab = data.dataset_vocab_size(self.data_dir)
         source = init_source(cfg, vocab) if cfg.model.init_from else None  # fills cfg.model's shape keys
         self.auto_decision = None
+        # a directory the run will refuse is refused now, not after comm.mode=auto's measurements (read only)
+        check_run_dir(self.out_dir, cfg.train.resume, info)
         if cfg.comm.mode == AUTO_MODE:  # measured before the seed below, so model init is unchanged
             cfg, self.auto_decision = automode.resolve(cfg, info, self.data_dir, self._say)
             validate(cfg, world_size=info.world_size)
