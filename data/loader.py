@@ -372,7 +372,8 @@ def val_batches(data_dir: str | os.PathLike, batch_size: int, block_size: int, r
     if n_batches < 0 or n_batches > available or available == 0:
         raise DataError(f"val split of {data_dir} holds {total} tokens = {available} global batches of "
                          f"{world_size} ranks x {batch_size} x {block_size} (+1), asked for {n_batches}; "
-                         f"evaluate on at most {available} batches (or pass n_batches=None), use a smaller "
+                         f"evaluate on at most {available} batches (train.eval_steps; `python -m eval val --batches N`, "
+                         f"or without --batches: all of them), use a smaller "
                          f"batch, or prepare more val data")
     check_order(order)
     stream = _Stream(arrays, seed=None, check=_range_checker(paths, arrays, data_dir, vocab_size))
