@@ -296,14 +296,15 @@ def test_report_only_of_a_study_still_training_is_interim_and_a_failed_run_still
             "--work", str(tmp_path / "work")]
     assert main(argv) == 0
     err = capsys.readouterr().err
-    assert "note: study diloco: 33 run(s) not trained yet (horizon_" in err and "error" not in err
+    # how many depends on what the committed store holds by now (the study trains over several sessions)
+    assert re.search(r"note: study diloco: [1-9][0-9]* run\(s\) not trained yet \(", err) and "error" not in err
     assert (out / "diloco.md").is_file()
     real, victim = framework.ensure_run, "diloco_h10_s1_outer0.7_p4_s7"
 
     def one_failed(run, *a, **k):
         r = real(run, *a, **k)
         if run.name.startswith(victim):
-            r.status = "failed: diverged (exit 3)"
+            r.status = "failed rc=1 (see x.log)"  # a crash; a diverged run is a result (framework.DIVERGED)
         return r
     monkeypatch.setattr(framework, "ensure_run", one_failed)
     assert main(argv) == 1
