@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.dist import ROOT
-from trainer import advise
+from trainer import advise, comm_prediction
 from trainer.config import ConfigError, load_config
 
 COMM_S = {"lion_fp32": 0.200, "lioncub_8bit_l1": 0.050, "lioncub_1bit": 0.030, "lioncub_1bit_plus": 0.010}
@@ -52,7 +52,8 @@ def fake_measurements(monkeypatch):
         return cfg
     monkeypatch.setattr(advise, "measure_local", local)
     monkeypatch.setattr(advise, "config_from_dict", config_from_dict)
-    monkeypatch.setattr(advise, "predict_comm", lambda opt, links, P: opt.comm_s)
+    # predict_candidate_comm (trainer/comm_prediction.py) calls predict_comm from its own module
+    monkeypatch.setattr(comm_prediction, "predict_comm", lambda opt, links, P: opt.comm_s)
 
     def run(names=tuple(COMM_S), **kw):
         cfg = load_config(ROOT / "configs/default.yaml", [])
