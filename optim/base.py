@@ -363,16 +363,21 @@ class CommOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         self._load_comm_state(extra)
 
-    def load_resharded(self, states: list[dict]) -> None:
-        """Load the optimizer states every rank of a run with another world size saved. Replicated
-        state (equal on every old rank: gradient sync, Dion's Q, step counters) is kept as is;
-        per-rank floating state (update sync: momenta) is averaged over the old ranks, which is
-        exactly one momentum synchronisation; the exchange remaps its own state
-        (Exchange.reshard_state) or refuses."""
-        if not states:
+    def load_resharded(self, states: Iterable[dict]) -> None:
+        """Load the optimizer states every rank of a run with another world size saved, in rank
+        order (any iterable, read once: a generator that loads one rank's file at a time keeps
+        the memory of about two states). Replicated state (equal on every old rank: gradient
+        sync, Dion's Q, step counters) is kept as is; per-rank floating state (update sync:
+        momenta) is averaged over the old ranks, which is exactly one momentum synchronisation;
+        the exchange remaps its own state (Exchange.reshard_state) or refuses."""
+        mean, comm_states = StateMean(), []
+        for s in states:
+            comm_states.append(s.get("comm") or {})
+            mean.add({k: v for k, v in s.items() if k != "comm"})
+            del s  # not alive while the next one is read
+        if not comm_states:
             raise ValueError("load_resharded: no saved states")
-        comm_states = [s.get("comm") or {} for s in states]
-        merged = average_states([{k: v for k, v in s.items() if k != "comm"} for s in states])
+        merged = mean.result()
         merged["comm"] = {**comm_states[0], "world_size": self.world_size, "rank": self.rank,
                           "exchange": self.exchange.reshard_state([c.get("exchange") or {} for c in comm_states])}
         self.load_state_dict(merged)
@@ -408,24 +413,90 @@ class CommOptimizer(torch.optim.Optimizer):
         return f"{type(self).__name__} | comm {self.scheme.name} ({self.scheme.kind} sync{'; ' + opts if opts else ''})"
 
 
-def average_states(states: list[Any]) -> Any:
+class StateMean:
+    """`average_states` as a fold: `add` the states one at a time, in rank order, then `result()`.
+    It holds the first state, a float32 running sum for each floating tensor once a state differs
+    from the first there, and nothing of the others, so a resume on another world size needs the
+    memory of about two states, not one per saved rank. The result is the same bits as the
+    list form (the sum is taken in the same order: the first state once per state equal to it)."""
+
+    def __init__(self) -> None:
+        self._root: _MeanNode | None = None
+
+    def add(self, state: Any) -> None:
+        if self._root is None:
+            self._root = _MeanNode(state)
+        else:
+            self._root.add(state)
+
+    def result(self) -> Any:
+        if self._root is None:
+            raise ValueError("StateMean: no states added")
+        return self._root.result()
+
+
+class _MeanNode:
+    """One position of the states' tree: dicts and lists by child, floating tensors by their sum."""
+
+    def __init__(self, first: Any) -> None:
+        self.first, self.count, self.total, self.whole = first, 1, None, False
+        self.kids: Any = None
+        if isinstance(first, dict):
+            self.kids = {k: _MeanNode(v) for k, v in first.items()}
+        elif isinstance(first, list):
+            self.kids = [_MeanNode(v) for v in first]
+
+    def add(self, s: Any) -> None:
+        if self.whole:  # a state broke this position's structure: the first's value, whole
+            return
+        self.count += 1
+        first = self.first
+        if isinstance(first, dict):
+            if not isinstance(s, dict):
+                self.whole, self.kids = True, None
+                return
+            for k, kid in self.kids.items():
+                if k in s:
+                    kid.add(s[k])
+                else:  # a key some state lacks: the first's value
+                    kid.whole, kid.kids, kid.total = True, None, None
+        elif isinstance(first, list):
+            if not (isinstance(s, list) and len(s) == len(first)):
+                self.whole, self.kids = True, None
+                return
+            for kid, v in zip(self.kids, s):
+                kid.add(v)
+        elif isinstance(first, torch.Tensor) and first.is_floating_point():
+            if self.total is None:
+                if torch.equal(first, s):
+                    return
+                self.total = torch.zeros_like(first, dtype=torch.float32)
+                for _ in range(self.count - 1):  # the states before this one, all equal to the first
+                    self.total += first.to(torch.float32)
+            self.total += s.to(torch.float32)
+
+    def result(self) -> Any:
+        if self.whole:
+            return self.first
+        if isinstance(self.first, dict):
+            return {k: kid.result() for k, kid in self.kids.items()}
+        if isinstance(self.first, list):
+            return [kid.result() for kid in self.kids]
+        if self.total is not None:
+            return self.total.div_(self.count).to(self.first.dtype)
+        return self.first
+
+
+def average_states(states: Iterable[Any]) -> Any:
     """Leafwise: floating tensors that differ across `states` -> their mean (an fp32 sum in rank
     order, divided by the count, as a mean-allreduce does); anything equal everywhere, and every
-    non-floating leaf, -> the first state's."""
-    first = states[0]
-    if isinstance(first, torch.Tensor):
-        if first.is_floating_point() and not all(torch.equal(first, s) for s in states[1:]):
-            total = torch.zeros_like(first, dtype=torch.float32)
-            for s in states:
-                total += s.to(torch.float32)
-            return total.div_(len(states)).to(first.dtype)
-        return first
-    if isinstance(first, dict):
-        return {k: average_states([s[k] for s in states]) if all(isinstance(s, dict) and k in s for s in states)
-                else v for k, v in first.items()}
-    if isinstance(first, list) and all(isinstance(s, list) and len(s) == len(first) for s in states):
-        return [average_states([s[i] for s in states]) for i in range(len(first))]
-    return first
+    non-floating leaf, -> the first state's. A dict key that some state lacks, and a position whose
+    type or list length differs across states, -> the first state's value. `states` may be any
+    iterable, read once (StateMean)."""
+    mean = StateMean()
+    for s in states:
+        mean.add(s)
+    return mean.result()
 
 
 def digest(tensors: Iterable[torch.Tensor]) -> str:
@@ -436,4 +507,4 @@ def digest(tensors: Iterable[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-__all__ = ["CommOptimizer", "MomentumSync", "average_states", "digest"]
+__all__ = ["CommOptimizer", "MomentumSync", "StateMean", "average_states", "digest"]

@@ -63,7 +63,7 @@ from util import atomic_write, replace_dir
 
 from .dist import before_shutdown
 
-__all__ = ["META", "MODEL", "SHARED", "CheckpointError", "NonFiniteError", "candidates", "find_resumable",
+__all__ = ["META", "MODEL", "SHARED", "CheckpointError", "NonFiniteError", "candidates", "files_kept", "find_resumable",
            "optimizer_state", "read_meta", "remeshes", "save_checkpoint", "sha256_file", "shares_optimizer_state",
            "split_optimizer_state", "step_dirs", "verify"]
 
@@ -484,7 +484,9 @@ def remeshes(meta: dict, world_size: int, shard_size: int | None = None) -> bool
 def files_needed(meta: dict, rank: int, world_size: int, shard_size: int | None = None) -> list[str]:
     """The files a rank reads: the model, and its own rank file, or every rank file of the saved
     run when the world size or the mesh changed (their states are combined), so that a damaged
-    one is found here and the checkpoint skipped like any other damaged one."""
+    one is found here and the checkpoint skipped like any other damaged one. Of these the rank
+    keeps in memory only `files_kept`; the others it checks one at a time here and reads again,
+    one at a time, when their states are combined (trainer/state.py)."""
     saved = int(meta["world_size"])
     shared = [meta[SHARED]] if meta.get(SHARED) else []  # the optimizer state written once, read by all
     every = remeshes(meta, world_size, shard_size) or saved != world_size
@@ -493,6 +495,15 @@ def files_needed(meta: dict, rank: int, world_size: int, shard_size: int | None 
         shards = sorted(n for n in meta.get("files", {}) if n.startswith(meta["sharded_model"] + "/"))
         return shards[rank::world_size] + sorted(set(own + shared))
     return [MODEL] + sorted(set(own + shared))
+
+
+def files_kept(meta: dict, rank: int, world_size: int) -> set[str]:
+    """Of `files_needed`, those a rank holds after the check: the model's file, the shared optimizer
+    state, and one rank file, its own or, where the saved run had fewer ranks, the last one's (the
+    data position and step every rank file carries). With every old rank file needed (another
+    world size or mesh), holding them all would take one state per saved rank on every rank."""
+    saved = int(meta["world_size"])
+    return {MODEL, rank_file(min(rank, saved - 1))} | ({meta[SHARED]} if meta.get(SHARED) else set())
 
 
 def find_resumable(ckpt_root: Path, rank: int, world_size: int, report: Callable[[str], None] = print,
@@ -515,7 +526,10 @@ def find_resumable(ckpt_root: Path, rank: int, world_size: int, report: Callable
             verify(path, shards)  # a sharded model's DCP files: checked here, read by trainer/sharded_checkpoint.py
             if meta.get("sharded_model"):
                 check_sharded_metadata(path, meta)
-            files, meta = load_verified(path, [n for n in names if n not in shards])
+            kept = files_kept(meta, rank, world_size)
+            for name in [n for n in names if n not in shards and n not in kept]:  # checked, not held
+                load_verified(path, [name])
+            files, meta = load_verified(path, [n for n in names if n not in shards and n in kept])
         except CheckpointError as e:
             problem = str(e)
         problems = _gather(problem, world_size)

@@ -18,10 +18,11 @@ model (`parallel.load_full_state_dict`)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
-from optim.base import average_states
+from optim.base import StateMean
 
 from . import parallel
 from .checkpoint import CheckpointError, NonFiniteError, _agree, nonfinite_keys, read_meta, sha256_file
@@ -124,51 +125,65 @@ def _chunk(t: torch.Tensor, shards: int, index: int, dim: int = 0) -> torch.Tens
     return t.narrow(dim, start, min(chunk, t.shape[dim] - start))
 
 
-def remesh_optimizer_state(states: list[dict], saved_shard: int, shard: int, replicas: int, replica: int,
+def remesh_optimizer_state(states: Sequence[dict], saved_shard: int, shard: int, replicas: int, replica: int,
                            shard_index: int, group_rank: int, dims: dict | None = None) -> dict:
     """This rank's optimizer state on a new mesh, from every rank's saved state (`states`, old rank
     order, `saved_shard` ranks per model copy). Per-parameter tensors are joined into each old
     replica's whole tensors along the dimension the saved state names for them (its "shard_dims":
     {index: {key: dim or None}}, None = whole on every shard rank; unlisted: dim 0, FSDP2's default);
-    with as many replicas as before, replica r takes old replica r's state exactly; otherwise every
-    per-replica tensor is the mean over the old replicas (one momentum synchronisation, as
-    `CommOptimizer.load_resharded` does for a world-size change). Then this rank's chunk is cut
-    along the dimension `dims` names (the new optimizer's state_shard_dims, same form). Scalars (step
-    counts) are kept. ValueError for state that is not per parameter."""
-    old_replicas = len(states) // saved_shard
-    parts = [_per_param(s) for s in states]
-    saved_dims = [s.get("shard_dims") or {} for s in states]
-    dims = dims or {}
-    out = dict(states[0])
-    for j, (base, path) in enumerate(parts[0]):
-        def saved_dim(rank: int, i: int, key: str) -> int | None:
-            return 0 if path else saved_dims[rank].get(i, {}).get(key, 0)
+    with as many replicas as before, replica r takes old replica r's state exactly (and reads no
+    other replica's ranks); otherwise every per-replica tensor is the mean over the old replicas (one
+    momentum synchronisation, as `CommOptimizer.load_resharded` does for a world-size change),
+    folded one old replica at a time (StateMean). Then this rank's chunk is cut along the dimension
+    `dims` names (the new optimizer's state_shard_dims, same form). Scalars (step counts) are kept.
+    ValueError for state that is not per parameter.
 
-        whole = []  # per old replica: {index: {key: tensor}}
-        for r in range(old_replicas):
-            ranks = [r * saved_shard + k for k in range(saved_shard)]
-            group = [parts[q][j][0]["state"] for q in ranks]
+    `states` is indexed, never iterated whole: a sequence that loads rank q's file when `states[q]`
+    is read (trainer/state.py) holds about one old replica's state and the running mean at a time."""
+    old_replicas = len(states) // saved_shard
+    dims = dims or {}
+
+    def replica_whole(r: int) -> tuple[dict, list[dict]]:
+        """Old replica r: rank r * saved_shard's state (its scalars, param_groups) and, per
+        torch-style node of it (`_per_param`), {index: {key: whole tensor}}."""
+        group = [states[r * saved_shard + k] for k in range(saved_shard)]
+        parts = [_per_param(g) for g in group]
+        saved_dims = [g.get("shard_dims") or {} for g in group]
+        wholes = []
+        for j, (_, path) in enumerate(parts[0]):
+            nodes = [p[j][0]["state"] for p in parts]
             joined = {}
-            for i, st in group[0].items():
+            for i, st in nodes[0].items():
                 joined[i] = {}
                 for key, v in st.items():
-                    d = saved_dim(ranks[0], i, key)
+                    d = 0 if path else saved_dims[0].get(i, {}).get(key, 0)
                     if torch.is_tensor(v) and v.ndim and d is not None:
-                        v = torch.cat([g[i][key] for g in group], dim=d)
+                        v = torch.cat([n[i][key] for n in nodes], dim=d)
                     joined[i][key] = v
-            whole.append(joined)
-        if old_replicas == replicas:
-            mine = whole[replica]
-        else:
-            mine = average_states(whole)  # per-replica state (Dion's M) meaned, state equal everywhere kept
+            wholes.append(joined)
+        return group[0], wholes
 
+    if old_replicas == replicas:
+        first, mine = replica_whole(replica)
+    else:
+        first, means = None, None
+        for r in range(old_replicas):
+            head, wholes = replica_whole(r)
+            if means is None:
+                first, means = head, [StateMean() for _ in wholes]
+            for mean, whole in zip(means, wholes):
+                mean.add(whole)  # per-replica state (Dion's M) meaned, state equal everywhere kept
+            del head, wholes
+        mine = [mean.result() for mean in means]
+    out = dict(first)
+    for (base, path), whole in zip(_per_param(first), mine):
         def cut(i: int, key: str, v):
             if not (torch.is_tensor(v) and v.ndim):
                 return v
             d = 0 if path else dims.get(i, {}).get(key, 0)
             return v.clone() if d is None else _chunk(v, shard, shard_index, d).clone()
 
-        local = {i: {key: cut(i, key, v) for key, v in st.items()} for i, st in mine.items()}
+        local = {i: {key: cut(i, key, v) for key, v in st.items()} for i, st in whole.items()}
         node = {**base, "state": local}
         if path:
             out[path[0]] = node

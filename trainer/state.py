@@ -10,6 +10,7 @@ Under gradient sync the optimizer state every rank shares is written once, in ra
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from model.checkpoint_files import load_verified
@@ -143,9 +144,8 @@ def load(trainer, path: Path, meta: dict, files: dict) -> str:
             trainer.optimizer.load_state_dict(optimizer_state(files, meta, rank_file(rank)))
             note = ""
         else:
-            states = [files[rank_file(r)] for r in range(saved)]
-            mine = states[min(rank, saved - 1)]
-            trainer.optimizer.load_resharded([optimizer_state(files, meta, rank_file(r)) for r in range(saved)])
+            mine = files[rank_file(min(rank, saved - 1))]
+            trainer.optimizer.load_resharded(iter(RankStates(path, meta, files)))  # one old rank at a time
             how = ("the optimizer state every rank shared (gradient sync) carried over" if meta.get(SHARED) else
                    "per-rank optimizer state averaged once, i.e. one momentum synchronisation")
             note = (f" (written by {saved} ranks, resumed on {world}: {how}; data continues at the same global "
@@ -178,6 +178,27 @@ def _restore_progress(trainer, mine: dict, same_world: bool) -> None:
         trainer.schedule_steps = int(mine["schedule_steps"])
 
 
+class RankStates(Sequence):
+    """The whole optimizer state (checkpoint.optimizer_state) of each rank a checkpoint was written
+    by, in rank order, read when indexed: from `files` where find_resumable kept the file, else
+    loaded from the checkpoint (verified again) and not kept, so combining every old rank's state
+    holds one of them at a time (trainer/checkpoint.py files_kept)."""
+
+    def __init__(self, path: Path, meta: dict, files: dict) -> None:
+        self.path, self.meta, self.files = path, meta, files
+
+    def __len__(self) -> int:
+        return int(self.meta["world_size"])
+
+    def __getitem__(self, q: int) -> dict:
+        if not 0 <= q < len(self):
+            raise IndexError(q)
+        name, shared = rank_file(q), self.meta.get(SHARED)
+        missing = [n for n in (name, shared) if n and n not in self.files]
+        files = {**self.files, **load_verified(self.path, missing)[0]} if missing else self.files
+        return optimizer_state(files, self.meta, name)
+
+
 def _load_remeshed(trainer, path: Path, meta: dict, files: dict, saved_shard: int) -> str:
     """Resume on another mesh (shard size or world size) where one side is sharded: the model from
     its DCP shards or model.pt, the optimizer state joined per old replica and cut for this rank
@@ -185,11 +206,9 @@ def _load_remeshed(trainer, path: Path, meta: dict, files: dict, saved_shard: in
     optimizer's state cannot be mapped."""
     rank, world, par = trainer.info.rank, trainer.info.world_size, trainer.parallel
     saved = int(meta["world_size"])
-    names = [rank_file(r) for r in range(saved)]
-    files = {**files, **load_verified(path, [n for n in names if n not in files])[0]}  # every old rank's state
     try:
         opt = sharded_checkpoint.remesh_optimizer_state(
-            [optimizer_state(files, meta, n) for n in names], saved_shard, par.shard_size, par.replicas,
+            RankStates(path, meta, files), saved_shard, par.shard_size, par.replicas,
             rank // par.shard_size, rank % par.shard_size, rank // par.shard_size if par.sharded else rank,
             # how this run's optimizer splits its state (Muon, Dion); the others: dim 0 like their parameters
             getattr(trainer.optimizer, "state_shard_dims", dict)())
@@ -207,7 +226,7 @@ def _load_remeshed(trainer, path: Path, meta: dict, files: dict, saved_shard: in
     except (ValueError, KeyError, TypeError, RuntimeError) as e:  # a state this run's optimizer cannot take
         raise _cannot_restore(path, e, f"resume with the optim / comm settings it was written with, on its mesh "
                                        f"(parallel.shard_size={saved_shard} on {saved} ranks)") from None
-    mine = files[names[min(rank, saved - 1)]]
+    mine = files[rank_file(min(rank, saved - 1))]
     _restore_progress(trainer, mine, saved == world)  # lr horizon, tokens seen, data position, RNG: as same-mesh
     old_r, new_r = saved // saved_shard, par.replicas
     how = ("each replica's state as saved" if old_r == new_r else

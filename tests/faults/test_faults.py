@@ -397,6 +397,27 @@ def test_load_resharded_averages_per_rank_state_once():
         assert torch.equal(opt.state[p]["exp_avg"], want)
     assert opt.steps_done == 2
 
+    # read once from an iterator (trainer/state.py loads each old rank's file as it is read): the same
+    # bits, and no state but the first is alive when the next one is read (one per saved rank was held)
+    alive = []
+    peak = [0]
+
+    def one_at_a_time():
+        import weakref
+        for s in states:
+            peak[0] = max(peak[0], sum(ref() is not None for ref in alive))
+            copy = {k: v for k, v in s.items() if k != "state"}
+            copy["state"] = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+                             for i, st in s["state"].items()}
+            alive.append(weakref.ref(copy["state"][0]["exp_avg"]))
+            yield copy
+            del copy
+    net2, opt2 = make()
+    opt2.load_resharded(one_at_a_time())
+    for p, q in zip((net.weight, net.bias), (net2.weight, net2.bias)):
+        assert torch.equal(opt.state[p]["exp_avg"], opt2.state[q]["exp_avg"])
+    assert peak[0] == 1, peak  # the first state (kept where every rank agrees), never the others
+
 
 # ---- world-size changes --------------------------------------------------------------------------------------
 @pytest.mark.slow

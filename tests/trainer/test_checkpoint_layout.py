@@ -96,8 +96,15 @@ def test_resume_from_the_new_and_the_old_layout_continues_bit_for_bit(straight, 
 
 
 def test_resume_on_another_world_size_from_the_new_layout(tmp_path):
+    from trainer.checkpoint import find_resumable
+
     run = tmp_path / "run"
     _train(2, run, "train.stop_after=2")
+    # on 1 rank the resume needs both old rank files (checked) but holds only rank 0's and the shared
+    # state: trainer/state.py reads the others one at a time when their states are combined
+    path, meta, files = find_resumable(run / "ckpt", 0, 1, report=lambda line: None)
+    assert meta.get("optimizer_shared") and int(meta["world_size"]) == 2
+    assert sorted(files) == sorted({"model.pt", "rank_00000.pt", meta["optimizer_shared"]}), sorted(files)
     proc = _train(1, run, "train.resume=auto")
     assert "written by 2 ranks, resumed on 1" in proc.stdout
     assert [s for s, _ in _losses(run)] == [1, 2, 3, 4]

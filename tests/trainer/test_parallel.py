@@ -85,6 +85,53 @@ def test_shard_group_must_fit_a_node(monkeypatch) -> None:
     assert not make_mesh(1, 8, torch.device("cpu")).sharded  # S = 1 builds nothing
 
 
+def test_remesh_reads_one_old_replica_at_a_time() -> None:
+    """remesh_optimizer_state indexes the saved states (trainer/state.py's RankStates loads a rank's
+    file when it is read): with the replica count unchanged it reads only its own old replica's
+    ranks; with another count it folds the replicas into their mean one at a time, so besides the
+    replica being read only old rank 0's state stays alive (it held every old rank's at once)."""
+    import weakref
+    from collections.abc import Sequence
+
+    import torch
+
+    from trainer.sharded_checkpoint import remesh_optimizer_state
+
+    gen = torch.Generator().manual_seed(1)
+    M = [torch.randn(6, 4, generator=gen) for _ in range(3)]  # three old replicas of two shard ranks
+
+    class Saved(Sequence):
+        def __init__(self):
+            self.read, self.alive, self.peak = [], [], 0
+
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, q):
+            if not 0 <= q < 6:
+                raise IndexError(q)
+            self.peak = max(self.peak, sum(ref() is not None for ref in self.alive))
+            r, j = divmod(q, 2)
+            m = M[r][3 * j:3 * j + 3].clone()
+            self.read.append(q)
+            self.alive.append(weakref.ref(m))
+            return {"state": {0: {"exp_avg": m, "step": torch.tensor(2.0)}}, "param_groups": [{"params": [0]}],
+                    "comm": {"step": 2, "world_size": 3, "rank": r}}
+
+    same = Saved()
+    out = remesh_optimizer_state(same, 2, 1, 3, 1, 0, 1)  # 3 x 2 -> 3 x 1: replica 1 keeps its own
+    assert sorted(set(same.read)) == [2, 3], same.read
+    assert torch.equal(out["state"][0]["exp_avg"], M[1]) and out["comm"]["rank"] == 1
+    fewer = Saved()
+    out = remesh_optimizer_state(fewer, 2, 2, 1, 0, 1, 0)  # 3 x 2 -> 1 x 2: the replicas' mean, chunk 1
+    assert sorted(set(fewer.read)) == list(range(6))
+    want = (M[0] + M[1] + M[2]) / 3  # fp32 sum in replica order, divided by the count
+    assert torch.equal(out["state"][0]["exp_avg"], want[3:])
+    assert fewer.peak <= 2, fewer.peak  # old rank 0 and the other rank of the replica being read
+    assert torch.equal(remesh_optimizer_state([fewer[q] for q in range(6)], 2, 2, 1, 0, 1, 0)["state"][0]["exp_avg"],
+                       want[3:])  # a plain list reads the same
+
+
 def test_remesh_moves_state_between_shard_dims() -> None:
     """remesh_optimizer_state joins each saved tensor along the dimension the saved state names
     ("shard_dims") and cuts the new rank's chunk along the one the new optimizer names: a Dion matrix
