@@ -254,14 +254,26 @@ class Cluster:
             return self.inter_latency, 1.0 / self.inter_bps
         return self.intra_latency, 1.0 / self.intra_bps
 
-    def layout(self):
+    def layout(self, shard: int = 1):
+        """comm.cost_model.NodeLayout of the replicate axis (the world at shard = 1): ranks / shard workers,
+        gpus_per_node / shard of them on each node (a shard group is `shard` consecutive ranks of one node,
+        trainer/parallel.py); None where that axis has one member per node or one node."""
         from comm import cost_model
 
-        if self.nodes <= 1 or self.gpus_per_node <= 1:
+        per_node = self.gpus_per_node // shard
+        if self.nodes <= 1 or per_node <= 1:
             return None
         # the inter axis: one rank per node, all gpus_per_node such groups at once sharing each port
-        return cost_model.NodeLayout(self.ranks, self.gpus_per_node, intra=(self.intra_latency, 1.0 / self.intra_bps),
+        return cost_model.NodeLayout(self.ranks // shard, per_node, intra=(self.intra_latency, 1.0 / self.intra_bps),
                                      inter=(self.inter_latency, self.gpus_per_node / self.inter_bps))
+
+    def replicate_link(self, shard: int = 1) -> tuple[float, float]:
+        """(alpha, beta) of a ring over the replicate axis at parallel.shard_size = shard: the shard
+        groups' `shard` rings (one per shard index) run at once and each crosses every node's port once
+        each way, so they share it (beta x shard); on one node each rank has its own link. shard = 1:
+        world_link."""
+        alpha, beta = self.world_link()
+        return (alpha, beta * shard) if self.nodes > 1 else (alpha, beta)
 
 
 def _link(key: str, value: str) -> float:
@@ -410,36 +422,50 @@ def predict_cluster_step(curve: Curve, cluster: Cluster, reference: str = REFERE
     cfg = curve.config
     if curve.tokens_per_step is None:
         raise ValueError(f"{curve.name}: its metrics.jsonl has no train record with tokens; cannot size a step")
+    c = cfg.get("comm") or {}
+    scheme = sync.get(c.get("mode", "fp32"))
     shard = int((cfg.get("parallel") or {}).get("shard_size", 1) or 1)
-    if shard > 1:
-        raise ValueError(f"{curve.name}: parallel.shard_size={shard} is not modelled on --cluster (FSDP's traffic "
-                         f"inside the shard group); predict it at parallel.shard_size=1")
+    P = cluster.ranks
+    if shard > 1 and scheme.kind != sync.LOCAL:
+        raise ValueError(f"{curve.name}: parallel.shard_size={shard} is modelled on --cluster for local-update "
+                         f"schemes only (comm.mode={scheme.name} exchanges per step on each rank's shards, with "
+                         f"scheme-specific shard-axis traffic); predict it at parallel.shard_size=1")
+    if shard > 1 and cluster.gpus_per_node % shard:
+        raise ValueError(f"{curve.name}: parallel.shard_size={shard} does not divide gpus_per_node="
+                         f"{cluster.gpus_per_node}: a shard group shares one node's fast links (the trainer "
+                         f"refuses it too)")
     vocab = run_vocab(cfg, vocab_size)
     model = _model(cfg, vocab)
-    P = cluster.ranks
     if cluster.mfu is not None:
         mfu, mfu_src = cluster.mfu, "given"
     else:
         mfu, mfu_src = gpu_check_mfu(cluster.gpu, curve.name, reference)
     flops = model.flops_per_token((cfg.get("data") or {}).get("seq_len")) * curve.tokens_per_step
     compute = flops / (P * PEAK_FLOPS[cluster.gpu] * mfu)
-    alpha, beta = cluster.world_link()
-    c = cfg.get("comm") or {}
+    alpha, beta = cluster.replicate_link(shard)
     out = {"ranks": P, "mfu": mfu, "mfu_source": mfu_src, "compute_s": compute, "flops_per_step": flops}
-    with cost_model.node_layout(cluster.layout()):
-        scheme = sync.get(c.get("mode", "fp32"))
+    with cost_model.node_layout(cluster.layout(shard)):
         if scheme.kind == sync.LOCAL:  # a local-update scheme predicts its own cycle on the model
-            from trainer.advise import param_layout
+            from trainer.comm_prediction import fsdp_comm, param_layout, sharded_param_layout
 
             try:
                 options = scheme.options_from(c)
             except ValueError as e:
                 raise ValueError(f"{curve.name}: {e}") from None
-            pred = scheme.predict_local(options, P, param_layout(model), alpha, beta, step_compute_s=compute,
+            workers = P // shard  # the replicate axis; at S > 1 each worker exchanges its shards of the model
+            params = sharded_param_layout(model, shard) if shard > 1 else param_layout(model)
+            pred = scheme.predict_local(options, workers, params, alpha, beta, step_compute_s=compute,
                                         background=True)
             out.update(comm_s=pred.comm_s, bytes_per_step=pred.bytes_per_step, peak_step_bytes=pred.peak_step_bytes,
-                       comm_how=f"{scheme.name}: a cycle's exchanges ({pred.cycle_comm_s * 1e3:.1f} ms exposed of "
-                                f"{pred.wire_s * 1e3:.1f} ms) over {pred.cycle_steps} inner steps")
+                       comm_how=f"{scheme.name}: a cycle's exchanges over {workers} workers ({pred.cycle_comm_s * 1e3:.1f} "
+                                f"ms exposed of {pred.wire_s * 1e3:.1f} ms) over {pred.cycle_steps} inner steps")
+            if shard > 1:  # FSDP inside each worker's shard group, over one node's links
+                micro = int((cfg.get("data") or {}).get("grad_accum", 1) or 1)
+                fsdp_s, fsdp_bytes = fsdp_comm(model, shard, cluster.intra_latency, 1.0 / cluster.intra_bps, micro)
+                out["comm_s"] += fsdp_s
+                out["comm_how"] += (f"; FSDP in each node's shard groups of {shard}: {fsdp_s * 1e3:.1f} ms, "
+                                    f"{fsdp_bytes / 1e6:.1f} MB sent per rank per step at {cluster.intra_bps / 1e9:.4g} Gbit/s, "
+                                    f"booked exposed (an upper bound: FSDP2 overlaps it with compute)")
         else:
             from bench.variants import build_optimizer_for, predict_step_comm_s
 
@@ -955,7 +981,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                          f"{' (assumed latency)' if 'latency' not in cl.text else ''}. The loss curves are the "
                          f"runs' (MEASURED at their own world size and global batch, kept on the cluster); methods "
                          f"whose numerics depend on the worker count (votes, DiLoCo) may train differently at "
-                         f"{cl.ranks} workers.")
+                         f"{cl.ranks} workers. At parallel.shard_size = S > 1 (local-update schemes only) the "
+                         f"workers are the {cl.ranks} / S replicas, each rank exchanging its shards of the model "
+                         f"with its peers on the other nodes (the S rings share each node's port), and FSDP's "
+                         f"traffic inside each node's shard groups is added, booked exposed (an upper bound).")
     rows = report_rows(curves, target, step_times, ns.reference)
     check = ([], {})
     if ns.e2e:

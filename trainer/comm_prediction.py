@@ -81,3 +81,49 @@ def predict_candidate_comm(cfg, opt, links: dict, P: int, model, step_compute_s:
         pred = scheme.predict_local(cfg.comm.options, P, param_layout(model), world["alpha_s"],
                                     world["beta_s_per_bit"], step_compute_s=step_compute_s, background=True)
     return pred.comm_s, pred.bytes_per_step
+
+
+# ------------------------------------------------------------------------------------------------
+# hybrid sharding (parallel.shard_size = S > 1): FSDP inside a shard group, the scheme across replicas
+# ------------------------------------------------------------------------------------------------
+
+def sharded_param_layout(model, S: int) -> list[tuple[str, int]]:
+    """param_layout of the largest local shard (rank 0's) of every parameter when FSDP2 splits it over
+    S ranks on dim 0 (its default and AdamW's, Lion's; trainer/parallel.py): ceil(rows / S) rows. What
+    a rank's replicate-axis exchange carries at S > 1 (its shards of the model). Optimizers that
+    shard another dimension (Dion, Muon: optim.registry shard_dims) split within one row of this."""
+    where = param_layers(model)
+    out = []
+    for name, p in model.named_parameters():
+        rows = p.shape[0] if p.dim() else 1
+        out.append((where[name], -(-rows // S) * (p.numel() // max(rows, 1))))
+    return out
+
+
+def fsdp_comm(model, S: int, alpha: float, beta: float, micro_steps: int = 1) -> tuple[float, int]:
+    """(seconds, bytes one rank sends) of one training step's FSDP2 traffic inside a shard group of S
+    ranks on a link of (alpha, beta), as trainer/parallel.py wraps the model: every transformer block,
+    then the root (everything outside the blocks), parameters and gradients in their own dtype (no
+    mixed-precision policy). Per micro-step (data.grad_accum of them: no gradient-sync pause) each
+    block's parameters are all-gathered for forward and again for backward (resharded after forward),
+    the root's once (FSDP2 keeps the root unsharded after forward), and every unit's gradients are
+    reduce-scattered: ring all-gather / reduce-scatter of comm.cost_model, one call per unit. Booked
+    whole, as if exposed: an upper bound, since FSDP2 overlaps a block's all-gather with the previous
+    block's compute."""
+    if S <= 1:
+        return 0.0, 0
+    where = param_layers(model)
+    units: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        units[where[name]] = units.get(where[name], 0) + p.numel() * p.element_size() * 8
+    seconds, bits_sent = 0.0, 0.0
+    for unit, bits in units.items():
+        gathers = 2 if unit.startswith("block.") else 1
+        seconds += (gathers * cost_model.all_gather_time(S, bits, alpha, beta)
+                    + cost_model.reduce_scatter_time(S, bits, alpha, beta))
+        bits_sent += (gathers + 1) * (S - 1) / S * bits
+    return micro_steps * seconds, int(micro_steps * bits_sent / 8)
+
+
+__all__ = ["fsdp_comm", "momentum_sync_per_step", "node_layout", "param_layout", "predict_candidate_comm",
+           "predict_comm", "sharded_param_layout"]

@@ -1397,7 +1397,8 @@ def diloco_summary(results: list[RunResult], scale: Scale) -> Summary:
                    "quickest whole run of its time-to-loss table (its shard size's) ends, read from its curve "
                    "between evaluations (bench.time_to_loss's last column). Predicted: compute from FLOPs and the GPU check's MFU, communication from "
                    "the registry's cost model, on the cluster's GPUs (the curves are the 4-worker runs'; DiLoCo's "
-                   "numerics at the cluster's worker count may differ; sharded arms are not modelled there). "
+                   "numerics at the cluster's worker count may differ; a sharded arm's workers are the cluster's "
+                   "ranks / 2, with FSDP's traffic inside each node's shard groups booked exposed). "
                    if target is not None else "Time to target: no finished AdamW run to take the target from. ")
     notes.append(
         "Evaluations read each arm's global model. DiLoCo's (H = 10, 50) fall on its outer steps; Streaming "

@@ -394,6 +394,52 @@ def test_predicted_diloco_step_spreads_a_cycle_over_its_inner_steps(tmp_path):
         ttl.predict_cluster_step(ttl.load_curve("bad", make_run(tmp_path / "b", bad, {10: 3.0})), cl)
 
 
+def test_predicted_sharded_diloco_step_adds_fsdp_and_runs_the_replicate_axis(tmp_path):
+    """parallel.shard_size = 2 on 2 nodes of 4 GPUs: 4 workers of 2 ranks (2 per node). Each rank's
+    average carries its shards (rank 0's: ceil(rows / 2) rows); the 2 replicate rings share each node's
+    port; FSDP's traffic inside a shard group is added on the intra link (fsdp_comm, checked against
+    FSDP2's collectives in tests/workers/parallel_dist.py). A step-synchronous scheme at S > 1 and a
+    shard group wider than a node are refused by name."""
+    from comm import cost_model
+    from optim.sync.diloco import DiLoCoOptions, cycle_bytes, cycle_seconds, fragment_numels
+    from trainer.comm_prediction import fsdp_comm, param_layout, sharded_param_layout
+
+    cfg = diloco_config(inner_steps=10, fragments=2, wire="e3m0")
+    cfg["parallel"] = {"shard_size": 2}
+    curve = ttl.load_curve("diloco_s2", make_run(tmp_path / "d", cfg, {10: 3.0}))
+    cl = ttl.parse_cluster("nodes=2 gpus_per_node=4 gpu=h100 inter=1gbit intra=nvlink mfu=0.4")
+    got = ttl.predict_cluster_step(curve, cl)
+    model = ttl._model(cfg)
+    o = DiLoCoOptions(inner_steps=10, fragments=2, wire="e3m0")
+    whole, shards = param_layout(model), sharded_param_layout(model, 2)
+    assert [layer for layer, _ in shards] == [layer for layer, _ in whole]
+    assert sum(n for _, n in whole) / 2 <= sum(n for _, n in shards) < sum(n for _, n in whole)
+    numels = fragment_numels(o, shards)
+    layout = cl.layout(2)
+    assert (layout.world_size, layout.node_size) == (4, 2)
+    alpha, beta = cl.replicate_link(2)
+    assert beta == pytest.approx(2 / 1e9) and cl.replicate_link(1) == cl.world_link()
+    with cost_model.node_layout(layout):
+        cycle = cycle_seconds(o, 4, numels, alpha, beta)
+    fsdp_s, fsdp_bytes = fsdp_comm(model, 2, cl.intra_latency, 1 / cl.intra_bps)
+    assert fsdp_s > 0 and fsdp_bytes > 0
+    assert got["comm_s"] == pytest.approx(cycle / 10 + fsdp_s)
+    assert got["bytes_per_step"] == pytest.approx(cycle_bytes(o, 4, numels).sent / 10)  # the slow axis only
+    assert "4 workers" in got["comm_how"] and "FSDP in each node's shard groups of 2" in got["comm_how"]
+    # the same run unsharded on the cluster: 8 workers, each sending its whole model's average
+    flat = ttl.predict_cluster_step(ttl.load_curve("diloco", make_run(tmp_path / "f", diloco_config(
+        inner_steps=10, fragments=2, wire="e3m0"), {10: 3.0})), cl)
+    assert got["bytes_per_step"] < flat["bytes_per_step"]
+    step_sync = resolved("adamw_fp32")
+    step_sync["parallel"] = {"shard_size": 2}
+    with pytest.raises(ValueError, match="local-update schemes only"):
+        ttl.predict_cluster_step(ttl.load_curve("a", make_run(tmp_path / "a", step_sync, {10: 3.0})), cl)
+    wide = ttl.parse_cluster("nodes=2 gpus_per_node=2 gpu=h100 inter=1gbit mfu=0.4")
+    cfg4 = dict(cfg, parallel={"shard_size": 4})
+    with pytest.raises(ValueError, match="does not divide gpus_per_node=2"):
+        ttl.predict_cluster_step(ttl.load_curve("w", make_run(tmp_path / "w", cfg4, {10: 3.0})), wide)
+
+
 def test_measure_rounds_a_diloco_measurement_up_to_whole_cycles(tmp_path, monkeypatch):
     runs = tmp_path / "runs"
     make_run(runs / "adamw_fp32", resolved("adamw_fp32"), {10: 3.0})

@@ -16,7 +16,9 @@ process group; every run is a real Trainer whose steps are driven here:
 - the Lion Cub diagnostics at S = 2 are reduced over the shard group (the same on every rank);
 - pbit, bf16, the parameter server, LoCo, BinSGDM and 1-bit Adam run at S = 2 with identical
   replicas, the formula's bytes and a finite loss (3 steps say nothing of quality);
-- the memory model's parameter + gradient + optimizer-state bytes are within 15 % of the tensors.
+- the memory model's parameter + gradient + optimizer-state bytes are within 15 % of the tensors;
+- FSDP's own traffic in one step with two micro-steps (the bytes each rank hands to FSDP2's all-gathers
+  and reduce-scatters) equals trainer.comm_prediction.fsdp_comm, what bench.time_to_loss --cluster books.
 Each is a named check (CHECKS; tests/workers/_checks.py records its outcome).
 """
 from __future__ import annotations
@@ -55,7 +57,8 @@ BASE = ["model.preset=debug", "data.batch_size=2", "data.seq_len=32", "train.max
         "train.resume=overwrite"]
 CHECKS = ("adamw_clips_by_the_global_norm", "adamw_S2_equals_replicated", "adamw_S4_equals_replicated",
           "lion_S2_equals_replicated", "onebit_S2_equals_hierarchical", "guard", "momentum_sync_across_replicas",
-          "lioncub_4bit_S2", "lion_bf16_S2", "dlion_avg_S2", "loco_adamw_S2", "binsgdm_S2", "onebit_adam_S2")
+          "lioncub_4bit_S2", "lion_bf16_S2", "dlion_avg_S2", "loco_adamw_S2", "binsgdm_S2", "onebit_adam_S2",
+          "fsdp_bytes_match_the_model")
 
 
 def full_params(tr: Trainer) -> list[torch.Tensor]:
@@ -153,6 +156,43 @@ def check_guard(tmp: Path) -> None:
         tr.release()
 
 
+def check_fsdp_bytes(tmp: Path) -> None:
+    """One training step at S = 2 with data.grad_accum=2: the bytes this rank sends in FSDP2's collectives
+    (a ring all-gather sends S - 1 of its S input shards; a ring reduce-scatter (S - 1) / S of its input),
+    counted where FSDP2 calls them, equal fsdp_comm's on the model's meta copy."""
+    from model import GPT
+    from trainer.comm_prediction import fsdp_comm
+
+    cfg = load_config(ROOT / "configs/variants/adamw_fp32.yaml",
+                      BASE + ["parallel.shard_size=2", "data.grad_accum=2", f"train.out_dir={tmp / 'fsdp'}"])
+    tr = Trainer(cfg, INFO)
+    S, sent, calls = 2, [0.0], {"all_gather": 0, "reduce_scatter": 0}
+    real = {"all_gather_single": dist.all_gather_single, "reduce_scatter_single": dist.reduce_scatter_single}
+
+    def counted(name: str, arg: str):
+        def call(*a, **k):
+            x = k[arg] if arg in k else a[1]
+            nbytes = x.numel() * x.element_size()
+            sent[0] += (S - 1) * nbytes if name == "all_gather_single" else (S - 1) / S * nbytes
+            calls[name.split("_single")[0]] += 1
+            return real[name](*a, **k)
+        return call
+    try:
+        dist.all_gather_single = counted("all_gather_single", "input_tensor")
+        dist.reduce_scatter_single = counted("reduce_scatter_single", "input")
+        tr.train_step()
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = real["all_gather_single"], real["reduce_scatter_single"]
+        tr.logger.close()
+        tr.release()
+    with torch.device("meta"):
+        meta = GPT(tr.model_config)
+    _, want = fsdp_comm(meta, S, 0.0, 1.0, micro_steps=2)
+    blocks = len(meta.transformer.h)
+    assert calls == {"all_gather": 2 * (2 * blocks + 1), "reduce_scatter": 2 * (blocks + 1)}, calls
+    assert int(sent[0]) == want, (sent[0], want)
+
+
 def main(tmp: str) -> None:
     from _checks import Checks  # tests/workers/ is the script's directory
     global INFO
@@ -218,6 +258,7 @@ def main(tmp: str) -> None:
     checks.run("momentum_sync_across_replicas", momentum_sync)
     for variant, extra, phase in MODES:
         checks.run(f"{variant}_S2", other_mode, variant, extra, phase)
+    checks.run("fsdp_bytes_match_the_model", check_fsdp_bytes, tmp_dir)
     dist.barrier()
     if INFO.is_main:
         shutil.rmtree(tmp_dir, ignore_errors=True)
