@@ -160,6 +160,19 @@ def _build(cls, data: dict, prefix: str, problems: list[str]):
     return cls(**kwargs)
 
 
+def _not_about_defaults(checked: list[str], read: list[str]) -> list[str]:
+    """The whole-config checks' problems less those about a key, or a key beside it, that reading the
+    file already refused: that key holds its default, not the user's value (a "10" for an int, a
+    misspelt key), so a check of it would quote a value the user never wrote."""
+    keys = {r.split(":", 1)[0].strip() for r in read}
+    near = keys | {k.rsplit(".", 1)[0] for k in keys if k.count(".") >= 2}  # a misspelt comm.diloco.* key: its section
+
+    def about(problem: str) -> bool:
+        key = problem.split(":", 1)[0].strip()
+        return key in keys or any(key.startswith(k + ".") for k in near)
+    return [p for p in checked if not about(p)]
+
+
 def _split_options(section: str, data: dict, fixed: list[str], registry, problems: list[str]):
     """Separate the selected registry entry's option keys from the section's common keys and
     build the entry's options dataclass (typed, with the same checks as every other key)."""
@@ -254,7 +267,7 @@ def load_config(path: str | Path | list | tuple | None, overrides: list[str] | N
     for section in _registries():
         raw.setdefault(section, {})  # so the selected entry's options are always built
     cfg = _build(Config, raw, "", problems)
-    problems += validate(cfg, world_size=None, raise_error=False)
+    problems += _not_about_defaults(validate(cfg, world_size=None, raise_error=False), problems)
     if problems:
         raise ConfigError(_format(problems))
     return cfg

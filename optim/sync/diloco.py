@@ -290,6 +290,26 @@ def wire_seconds(options: DiLoCoOptions, P: int, n: int, alpha: float, beta: flo
     return ws[0].predict(options.wire_options(), P, n, alpha, beta)
 
 
+def _shorter_cycle(o: DiLoCoOptions, max_steps: int) -> str:
+    """The fix for a run too short for an outer step: the smallest inner_steps from max_steps // 10 up that
+    the options accept (fragments <= inner_steps, overlap_steps < inner_steps, ...) and that gives every
+    fragment an outer step, with how many fragment 0 gets; else how long the run must be."""
+    for H in range(max(1, max_steps // 10), max_steps + 1):
+        c = dataclasses.replace(o, inner_steps=H)
+        if c.problems():
+            continue
+        offs = c.offsets()
+        if max(offs) + c.overlap_steps <= max_steps:
+            outer = (max_steps - offs[0] - c.overlap_steps) // H + 1
+            return (f"set {o.key('inner_steps')} well below train.max_steps (e.g. {H}: {outer} outer step"
+                    f"{'s' if outer != 1 else ''}) or train longer")
+    least = min(max(1, o.fragments, o.overlap_steps + 1), o.inner_steps)
+    c = dataclasses.replace(o, inner_steps=least)
+    need = max(c.offsets()) + c.overlap_steps if not c.problems() else o.inner_steps + o.overlap_steps
+    return (f"train longer: with {o.key('fragments')}={o.fragments} and {o.key('overlap_steps')}={o.overlap_steps} "
+            f"a run needs at least {need} steps for an outer step of every fragment")
+
+
 @dataclass(frozen=True)
 class CycleBytes:
     """Bytes one rank sends / receives over one cycle of H inner steps (every fragment once)."""
@@ -349,9 +369,8 @@ class DiLoCoSchemeOptions(SchemeOptions):
             what = (f"the first fragment's outer step comes after step {first}" if o.fragments > 1 or o.overlap_steps
                     else f"the first outer step comes after step {first}")
             p += [f"{o.key('inner_steps')}: {o.inner_steps} with train.max_steps={max_steps}: {what}, so the "
-                    f"workers would train apart for the whole run and meet only in the final average; set "
-                    f"{o.key('inner_steps')} well below train.max_steps (e.g. {max(1, max_steps // 10)}, ten outer "
-                    f"steps) or train longer"]
+                    f"workers would train apart for the whole run and meet only in the final average; "
+                    f"{_shorter_cycle(o, max_steps)}"]
         return p
 
     def notes(self) -> list[str]:

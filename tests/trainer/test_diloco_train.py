@@ -186,6 +186,45 @@ def test_a_run_shorter_than_the_first_outer_step_is_refused_naming_inner_steps()
     assert load_config(ROOT / "configs/default.yaml", TINY + ["train.max_steps=10"])
 
 
+@pytest.mark.parametrize("steps,streaming", [(50, False), (5, False), (12, True), (25, True)])
+def test_the_suggested_inner_steps_is_itself_accepted(steps, streaming):
+    """The fix the too-short error names is a value the config takes, with an outer step of every
+    fragment inside the run (it said max_steps // 10 whatever the fragments and tau: 1 at 12 steps,
+    which streaming's fragments=2 and overlap_steps=1 refuse)."""
+    import re
+
+    over = TINY + ["comm.diloco.inner_steps=500", f"train.max_steps={steps}"] + (
+        ["comm.diloco.fragments=2", "comm.diloco.overlap_steps=1"] if streaming else [])
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs/default.yaml", over)
+    [line] = [ln for ln in str(e.value).splitlines() if "comm.diloco.inner_steps: 500" in ln]
+    H, outer = map(int, re.search(r"e\.g\. (\d+): (\d+) outer step", line).groups())
+    o = load_config(ROOT / "configs/default.yaml", over + [f"comm.diloco.inner_steps={H}"]).comm.options.diloco
+    applied = [t for t in range(1, steps + 1) if 0 in o.due(t, o.overlap_steps)]  # fragment 0's outer steps
+    assert outer == len(applied) >= 1 and H >= min(1, steps // 10), (line, applied)
+    assert all(any(k in o.due(t, o.overlap_steps) for t in range(1, steps + 1)) for k in range(o.fragments))
+
+
+def test_a_run_too_short_for_any_cycle_says_how_long_it_must_be():
+    over = TINY + ["comm.diloco.inner_steps=500", "comm.diloco.fragments=2", "comm.diloco.overlap_steps=1",
+                   "train.max_steps=2"]
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs/default.yaml", over)
+    assert "a run needs at least 3 steps for an outer step of every fragment" in str(e.value), str(e.value)
+    assert load_config(ROOT / "configs/default.yaml", over[:-1] + ["train.max_steps=3", "comm.diloco.inner_steps=2"])
+
+
+@pytest.mark.parametrize("bad", ["comm.diloco.inner_stepz=5", "comm.diloco=5", 'comm.diloco.inner_steps="5"'])
+def test_a_refused_diloco_key_is_not_checked_again_as_its_default(bad):
+    """A misspelt key, a section that is not a mapping, a string for an int: one problem naming it, not a
+    second one about the default (inner_steps 500 with 50 steps) standing in for the value refused."""
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs/default.yaml", [x for x in TINY if "inner_steps" not in x]
+                    + ["train.max_steps=50", bad])
+    lines = [ln for ln in str(e.value).splitlines() if ln.strip().startswith("-")]
+    assert len(lines) == 1 and "500" not in lines[0], str(e.value)
+
+
 def test_the_config_check_reports_more_fragments_than_blocks_with_the_other_problems():
     """The debug model has 2 blocks: fragments=3 is a config problem found before any rank starts, listed
     with a run too short for an outer step (both at once, not one per launch)."""
