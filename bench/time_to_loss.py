@@ -27,6 +27,7 @@ what predicted), results.csv, time_to_loss.png, meta.json.
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
 import datetime
@@ -839,6 +840,38 @@ def measure_steps(names: list[str], overrides: list[str], link: str, breakdown: 
 # the command
 # ------------------------------------------------------------------------------------------------
 
+def variant_specs(ns, resolve) -> tuple[list[tuple[str, list[str]]], dict[str, list[str]]]:
+    """(name, config files) per --variants entry, and {name: its own overrides}: `name@key=value@...`
+    (as bench.advise and bench.step_breakdown read it) is variant `name` with those overrides on top of
+    everyone's, so one variant file sweeps a setting (diloco_h10@comm.diloco.inner_steps=50); the entry
+    as given is its name (its runs: <runs>/<entry>/)."""
+    own: dict[str, list[str]] = {}
+    bases = []
+    for v in ns.variants:
+        base, *extra = v.split("@")
+        if any("=" not in x for x in extra):
+            raise ValueError(f"--variants {v}: after '@' give key=value overrides, e.g. "
+                             f"{base}@comm.diloco.inner_steps=50")
+        own[v] = extra
+        bases.append(base)
+    if len(set(ns.variants)) < len(ns.variants):
+        dup = next(v for v in ns.variants if ns.variants.count(v) > 1)
+        raise ValueError(f"--variants {dup}: given twice; each candidate once")
+    unique = list(dict.fromkeys(bases))  # variant_runs names each file (a stem, or a path where stems clash)
+    named = dict(zip(unique, variant_runs(argparse.Namespace(variants=unique, configs=ns.configs), resolve)))
+    out, mine = [], {}
+    for v, b in zip(ns.variants, bases):
+        name = "@".join([named[b][0], *own[v]])
+        out.append((name, named[b][1]))
+        mine[name] = own[v]
+    return out, mine
+
+
+def base_variant(name: str) -> str:
+    """The variant's own name of a candidate (`name@key=value` -> name)."""
+    return name.split("@", 1)[0]
+
+
 def parse_args(argv: Sequence[str] | None = None):
     ap = Parser(prog="python -m bench.time_to_loss", description=__doc__.split("\n\n")[0], configs=True,
                 variants=True, epilog=__doc__.split("\n\n", 1)[1])
@@ -885,7 +918,7 @@ def parse_args(argv: Sequence[str] | None = None):
         return str(path.relative_to(ROOT))
 
     try:
-        ns.candidates = variant_runs(ns, resolve)
+        ns.candidates, ns.own_overrides = variant_specs(ns, resolve)
         ns.cluster_specs = [parse_cluster(c) for c in ns.cluster]
         from bench.netsim import parse_rate
 
@@ -926,13 +959,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     steps = ns.steps or ns.setting_steps
     try:
         for name, files in ns.candidates:
+            mine = [*overrides, *ns.own_overrides.get(name, [])]  # a name@key=value entry's own last
             src = given[name].split(",") if name in given else [runs / name]
             if name not in given and not (runs / name / "metrics.jsonl").is_file() and ns.train:
-                train_curve(name, files, overrides, runs / name, ns.nproc, steps, ns.evals)
+                train_curve(name, files, mine, runs / name, ns.nproc, steps, ns.evals)
             sources[name] = src
             e2e = Path(ns.e2e) / name if ns.e2e else None
             if e2e is not None and ns.train_e2e and not (e2e / "metrics.jsonl").is_file():
-                train_curve(name, files, overrides, e2e, ns.nproc, steps, ns.evals, link=ns.links[0], nodes=ns.nodes)
+                train_curve(name, files, mine, e2e, ns.nproc, steps, ns.evals, link=ns.links[0], nodes=ns.nodes)
         curves = {n: load_curve(n, src, ns.metric) for n, src in sources.items()}
         target, target_src = ((ns.target, "given (--target)") if ns.target is not None
                               else default_target(curves, ns.reference, ns.metric))
@@ -943,13 +977,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings: dict[str, str] = {}
     bd = Path(ns.breakdown) if ns.breakdown else out / "breakdown"
     where = f"{ns.nproc} ranks" + (f" on {ns.nodes} simulated nodes" if ns.nodes else ", one namespace each")
-    own = {n: measured_name(n, files, overrides, curves[n]) for n, files in ns.candidates}
+    # the variant file's name plus @key=value for what the curve's runs changed (a name@key=value entry's own too)
+    own = {n: measured_name(base_variant(n), files, overrides, curves[n]) for n, files in ns.candidates}
     for link in ns.links:
         # a run under the variant's bare name that trained the curve's step serves; else the curve's own
         as_name = {n: n if "step_s" in measured_step(c, bd, link, ns.warmup) else own[n] for n, c in curves.items()}
         missing = [n for n in curves if "step_s" not in measured_step(curves[n], bd, link, ns.warmup, as_name[n])]
         # bench.step_breakdown runs variants by name (configs/variants/<name>.yaml) with overrides only
-        odd = [n for n, files in ns.candidates if n in missing and files != [f"configs/variants/{n}.yaml"]]
+        odd = [n for n, files in ns.candidates
+               if n in missing and files != [f"configs/variants/{base_variant(n)}.yaml"]]
         if odd and ns.measure:
             print(f"   --measure: {', '.join(odd)} are not a bare configs/variants file; measure them with "
                   f"bench.step_breakdown yourself and pass --breakdown", flush=True)
@@ -962,6 +998,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                           link, bd, ns.nproc, -(-ns.measure_steps // cycle) * cycle, ns.warmup, ns.nodes)
         key = f"(a) this machine, simulated link {link}"
         step_times[key] = {n: measured_step(c, bd, link, ns.warmup, as_name[n]) for n, c in curves.items()}
+        for n in odd:  # the row says why --measure left it, not that --measure would run it
+            if "missing" in step_times[key][n]:
+                step_times[key][n] = {"missing": f"not measured: {', '.join(dict(ns.candidates)[n])} is not a bare "
+                                                 f"configs/variants file, which bench.step_breakdown runs by name; "
+                                                 f"measure it yourself and pass --breakdown"}
         settings[key] = (f"Step times MEASURED: each variant trained under bench.netsim at {link} ({where}) by "
                          f"bench.step_breakdown ({bd}); loss against step from the unsimulated runs (MEASURED).")
     for cl in ns.cluster_specs:

@@ -468,6 +468,37 @@ def test_measure_rounds_a_diloco_measurement_up_to_whole_cycles(tmp_path, monkey
     assert calls[0][2] == 12                                   # 10 steps rounded up to 3 cycles of 4
 
 
+def test_a_variant_with_its_own_overrides_is_trained_and_measured_as_itself(tmp_path, monkeypatch):
+    """`--variants adamw_fp32 diloco_h10@comm.diloco.inner_steps=4`: the override is that variant's alone
+    (the AdamW run would refuse a comm.diloco key), its runs live under the entry's name, and --measure
+    times it as the variant file plus the override. A config file outside configs/variants is said not
+    measured (and why) in its row, not "--measure runs it"."""
+    runs = tmp_path / "runs"
+    trained, measured = [], []
+
+    def train(name, files, overrides, run_dir, nproc, steps, evals, link="", nodes=0):
+        trained.append((name, list(overrides)))
+        cfg = resolved("adamw_fp32") if name == "adamw_fp32" else diloco_config(inner_steps=4)
+        make_run(run_dir, cfg, {10: 3.0 if name == "adamw_fp32" else 3.1})
+    monkeypatch.setattr(ttl, "train_curve", train)
+    monkeypatch.setattr(ttl, "measure_steps", lambda names, overrides, link, bd, nproc, steps, warmup, nodes:
+                        measured.extend(names))
+    (tmp_path / "mine.yaml").write_text("comm:\n  mode: fp32\n")
+    make_run(runs / "mine", resolved("adamw_fp32"), {10: 3.2})
+    entry = "diloco_h10@comm.diloco.inner_steps=4"
+    assert ttl.main(["--variants", "adamw_fp32", entry, str(tmp_path / "mine.yaml"), "--runs", str(runs), "--train",
+                     "--link", "1gbit", "--measure", "--setting", "tiny-builtin", "--out", str(tmp_path / "out")]) == 0
+    own = dict(trained)
+    assert set(own) == {"adamw_fp32", entry} and (runs / entry / "metrics.jsonl").is_file()
+    assert own[entry][-1] == "comm.diloco.inner_steps=4" and not any("diloco" in o for o in own["adamw_fp32"])
+    [timed] = [m for m in measured if m.startswith("diloco_h10")]
+    assert "@comm.diloco.inner_steps=4" in timed, measured
+    rows = {r["variant"]: r for r in csv.DictReader(open(tmp_path / "out" / "results.csv"))}
+    assert "is not a bare configs/variants file" in rows["mine"]["missing"], rows["mine"]
+    with pytest.raises(SystemExit):
+        ttl.parse_args(["--variants", "diloco_h10@inner_steps", "--link", "1gbit"])
+
+
 def test_a_measured_run_shorter_than_the_curves_warmup_keeps_their_schedule(tmp_path):
     """The study's runs warm up for 20 of 1,200 steps; a measured run of 3 + 10 steps with their overrides is
     refused by the trainer's config check, and with schedule_of's override it is a valid run of their first
