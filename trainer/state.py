@@ -160,6 +160,8 @@ def load(trainer, path: Path, meta: dict, files: dict) -> str:
 def _cannot_restore(path: Path, e: Exception, fix: str) -> CheckpointError:
     """One line for a checkpoint this run's model or optimizer cannot take: the error's first line and `fix`."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if "; resume with" in first:  # the error names its own way to resume: not said twice
+        first, fix = first.split("; resume with", 1)[0], "resume with" + first.split("; resume with", 1)[1]
     return CheckpointError(f"checkpoint {path} cannot be restored by this run: {first}; {fix}, or start a new run "
                            f"(another train.out_dir, or train.resume=overwrite)")
 
