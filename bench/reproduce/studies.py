@@ -1145,6 +1145,10 @@ DILOCO_BASELINES = ("adamw_fp32", "fp32", "1bit", "8bit_l1", "dion_r0.0625_ef1")
 DILOCO_REFERENCE = "adamw_fp32"    # the synchronous run DiLoCo's inner optimizer is: every Δ is paired with it
 OUTER_LR_KEY = "comm.diloco.outer_lr"
 OUTER_LRS = (0.3, 0.7, 1.0)        # swept per DiLoCo arm on SWEEP_SEED; the three seeds run at the best
+# run too (full scale) when the best of OUTER_LRS is its lowest: a best at the grid's edge says only that the best
+# lies there or below (at H = 10, outer Nesterov momentum 0.9 multiplies each averaged step about tenfold). Not
+# past the upper edge: DiLoCo's outer lr stays <= 1 (plain averaging at momentum 0); a best at 1.0 is flagged.
+OUTER_LR_BELOW = 0.1
 DILOCO_QUICK = ("diloco_h10_s1",)  # --quick (2 ranks): one arm at S = 1, its sweep, AdamW beside it ...
 QUICK_INNER = ("comm.diloco.inner_steps=3",)  # ... with outer steps inside its 6 steps
 DILOCO_LINKS = ("100mbit", "1gbit")  # time to loss measured under bench.netsim (two simulated nodes)
@@ -1182,29 +1186,54 @@ def diloco_runs(scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
     return base + [diloco_run(arm, lr, scale, SWEEP_SEED, "sweep") for arm in diloco_arms(scale) for lr in OUTER_LRS]
 
 
-def outer_lr_choice(results: Sequence[RunResult]) -> dict[str, float | None]:
-    """Each DiLoCo arm's best outer lr (lowest final val loss at the sweep seed), or None while a value of the grid
-    has not run: a run that failed after its launch (a divergence) counts as worse, one not run yet (absent,
-    pending, or NOT_RUN under --report-only) leaves the arm undecided."""
+def _outer_sweep(results: Sequence[RunResult]) -> dict[str, dict[float, RunResult]]:
+    """arm -> {outer lr: its sweep run's result}."""
+    return {arm: {r.run.label("outer_lr"): r for r in group}
+            for (arm,), group in group_runs([r for r in results if r.run.label("role") == "sweep"], "arm").items()}
+
+
+def _outer_ran(r: RunResult | None) -> bool:
+    """Finished, or failed after its launch (a divergence: worse); not absent, pending or NOT_RUN."""
+    return r is not None and (r.ok or (r.status.startswith("failed") and not r.status.startswith(NOT_RUN)))
+
+
+def _outer_best(by: dict[float, RunResult], values: Sequence[float]) -> float | None:
+    vals = {lr: _val(by[lr]) for lr in values if by[lr].ok and _val(by[lr]) is not None}
+    return min(vals, key=vals.get) if vals else None
+
+
+def outer_lr_choice(results: Sequence[RunResult], extend: bool = True) -> dict[str, float | None]:
+    """Each DiLoCo arm's best outer lr (lowest final val loss at the sweep seed), or None while undecided: a value
+    of the grid not run yet (absent, pending, or NOT_RUN under --report-only), or, with `extend` (full scale), a
+    best at the grid's lower edge whose OUTER_LR_BELOW run has not run. A run that failed after its launch (a
+    divergence) counts as worse."""
     out: dict[str, float | None] = {}
-    for (arm,), group in group_runs([r for r in results if r.run.label("role") == "sweep"], "arm").items():
-        by = {r.run.label("outer_lr"): r for r in group}
-        ran = all(lr in by and (by[lr].ok or (by[lr].status.startswith("failed")
-                                              and not by[lr].status.startswith(NOT_RUN))) for lr in OUTER_LRS)
-        vals = {lr: _val(r) for lr, r in by.items() if r.ok and _val(r) is not None}
-        out[arm] = min(vals, key=vals.get) if ran and vals else None
+    for arm, by in _outer_sweep(results).items():
+        if not all(_outer_ran(by.get(lr)) for lr in OUTER_LRS):
+            out[arm] = None
+            continue
+        best = _outer_best(by, OUTER_LRS)
+        if extend and best == min(OUTER_LRS):
+            below = by.get(OUTER_LR_BELOW)
+            best = _outer_best(by, (*OUTER_LRS, OUTER_LR_BELOW)) if _outer_ran(below) else None
+        out[arm] = best
     return out
 
 
 def diloco_extend(results: list[RunResult], scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
-    """The comparison seeds of every DiLoCo arm whose sweep has decided, at its best outer lr."""
-    return [diloco_run(arm, lr, scale, seed, "compare") for arm, lr in outer_lr_choice(results).items()
-            if lr is not None for seed in seeds]
+    """The OUTER_LR_BELOW sweep run of every arm whose grid finished with its best at the lowest value (full
+    scale), and the comparison seeds of every arm whose sweep has decided, at its best outer lr."""
+    extend = not scale.quick
+    more = [diloco_run(arm, OUTER_LR_BELOW, scale, SWEEP_SEED, "sweep") for arm, by in _outer_sweep(results).items()
+            if extend and OUTER_LR_BELOW not in by and all(_outer_ran(by.get(lr)) for lr in OUTER_LRS)
+            and _outer_best(by, OUTER_LRS) == min(OUTER_LRS)]
+    return more + [diloco_run(arm, lr, scale, seed, "compare")
+                   for arm, lr in outer_lr_choice(results, extend).items() if lr is not None for seed in seeds]
 
 
 def diloco_awaiting(results: list[RunResult], scale: Scale, seeds: list[int], opts: Options) -> list[Run]:
     """--plan: stand-ins for the comparison runs of the arms whose sweep has not decided (named 'outerbest')."""
-    chosen = outer_lr_choice(results)
+    chosen = outer_lr_choice(results, not scale.quick)
     return [replace(r, name=r.name.replace(f"_outer{OUTER_LRS[0]:g}_", "_outerbest_"))
             for arm in diloco_arms(scale) if chosen.get(arm) is None
             for seed in seeds for r in [diloco_run(arm, OUTER_LRS[0], scale, seed, "compare")]]
@@ -1291,7 +1320,7 @@ def ttl_settings() -> list[tuple[str, str]]:
 
 
 def diloco_summary(results: list[RunResult], scale: Scale) -> Summary:
-    chosen = outer_lr_choice(results)
+    chosen = outer_lr_choice(results, not scale.quick)
     compare = [r for r in results if r.run.label("role") == "compare"
                and (r.run.label("outer_lr") is None or r.run.label("outer_lr") == chosen.get(r.run.label("arm")))]
     groups = group_runs(compare, "arm")
@@ -1354,8 +1383,9 @@ def diloco_summary(results: list[RunResult], scale: Scale) -> Summary:
         for r in sorted(g, key=lambda x: x.run.label("outer_lr")):
             sweep_rows.append({"arm": arm, "outer_lr": r.run.label("outer_lr"), "val": _val(r) if r.ok else None,
                                "best": "best" if chosen.get(arm) == r.run.label("outer_lr") else "",
-                               "edge": "edge" if chosen.get(arm) in (min(OUTER_LRS), max(OUTER_LRS))
-                               and chosen.get(arm) == r.run.label("outer_lr") else "", "status": r.status})
+                               "edge": "edge" if chosen.get(arm) == r.run.label("outer_lr")
+                               and chosen.get(arm) in (min(lr for lr in (x.run.label("outer_lr") for x in g)),
+                                                       max(OUTER_LRS)) else "", "status": r.status})
     ttl_cols = [Column(key, ("time to target, " + (f"{setting.rsplit(' ', 1)[1]} simulated (measured)"
                                                     if setting.startswith("(a)") else
                                                     f"{setting.removeprefix('(b) cluster ')} (predicted)")),
@@ -1374,7 +1404,7 @@ def diloco_summary(results: list[RunResult], scale: Scale) -> Summary:
         f"same global batch and steps), up to {max((r['val_loss_n'] for r in rows), default=0)} seeds each. DiLoCo arms: the inner AdamW at AdamW's lr (its best from "
         f"the lr sweep under --lr from-sweep), the outer lr swept over {', '.join(map(str, OUTER_LRS))} on one seed "
         f"({SWEEP_SEED}, not a comparison seed, as the lr sweep does) and the comparison seeds run at the best "
-        "(table below); a best at the grid's edge is flagged there. workers x ranks: 4 x 1 is four DiLoCo workers, "
+        f"(table below); a best at the grid's lowest value adds a run at {OUTER_LR_BELOW:g} (full scale), and a best at the edge of what ran is flagged there. workers x ranks: 4 x 1 is four DiLoCo workers, "
         "2 x 2 two workers of two ranks (parallel.shard_size=2). Δ: final val loss minus AdamW's at the same seed; "
         "verdict: the paired t against the 5 % two-sided critical value at pairs - 1 degrees of freedom.")
     notes.append(
@@ -1436,7 +1466,8 @@ def diloco_finding(rows: Sequence[dict]) -> str:
 
 
 def diloco_plot(results: list[RunResult], path: Path) -> None:
-    chosen = outer_lr_choice(results)
+    quick = any(set(QUICK_INNER) <= set(r.run.overrides) for r in results)  # --quick's runs: no sweep extension
+    chosen = outer_lr_choice(results, not quick)
     compare = [r for r in results if r.run.label("role") == "compare"
                and (r.run.label("outer_lr") is None or r.run.label("outer_lr") == chosen.get(r.run.label("arm")))]
     _loss_panels(compare, path, None, "arm", "DiLoCo / Streaming DiLoCo vs synchronous baselines (mean over seeds)")

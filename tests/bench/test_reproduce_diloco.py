@@ -96,6 +96,31 @@ def test_the_sweep_decides_each_arms_comparison_runs():
     assert all("_outerbest_" in r.name for r in later) and not {r.name for r in later} & {r.name for r in more}
 
 
+def test_a_best_at_the_lowest_outer_lr_runs_the_value_below_before_deciding():
+    """0.3 best of 0.3 / 0.7 / 1.0 (a reading at H = 10: 5.43 / 5.66 / 5.95) says only that the best is 0.3 or
+    below: the sweep adds OUTER_LR_BELOW at the sweep seed, the arm waits for it (no comparison runs at 0.3), and
+    its result decides (better: 0.1; worse: 0.3, no longer at the edge). The --quick scale adds nothing."""
+    o = _opts()
+    st = STUDIES["diloco"]
+    sc = st.scale(o)
+    runs = [r for r in st.runs(sc, studies.FULL_SEEDS, o) if r.label("arm") == "diloco_h10_s1"]
+    val = {0.3: 5.43, 0.7: 5.66, 1.0: 5.95}
+    results = [_done(r, val[r.label("outer_lr")]) for r in runs]
+    assert studies.outer_lr_choice(results) == {"diloco_h10_s1": None}
+    [below] = st.more_runs(results, sc, studies.FULL_SEEDS, o)
+    assert (below.label("outer_lr"), below.label("role"), below.seed) == (0.1, "sweep", studies.SWEEP_SEED)
+    assert "comm.diloco.outer_lr=0.1" in below.overrides and "_outer0.1_" in below.name
+    for v, want in ((5.30, 0.1), (5.50, 0.3)):
+        done = results + [_done(below, v)]
+        assert studies.outer_lr_choice(done) == {"diloco_h10_s1": want}
+        more = st.more_runs(done, sc, studies.FULL_SEEDS, o)
+        assert {(r.label("outer_lr"), r.label("role")) for r in more} == {(want, "compare")}, more
+    # a diverged 0.1 counts as worse; a 0.1 not run yet (--report-only) leaves the arm waiting
+    assert studies.outer_lr_choice(results + [_done(below, None, "failed: diverged at step 40")]) == {"diloco_h10_s1": 0.3}
+    assert studies.outer_lr_choice(results + [_done(below, None, f"{NOT_RUN} (--report-only)")]) == {"diloco_h10_s1": None}
+    assert studies.outer_lr_choice(results, extend=False) == {"diloco_h10_s1": 0.3}  # --quick
+
+
 def _records(val: float, bytes_a: int, bytes_b: int) -> list[dict]:
     """Two log windows of 600 steps (comm_bytes: the window's mean per step) and two evaluations."""
     return [{"step": 600, "comm_bytes": bytes_a, "val_loss": val + 0.5, "train_loss": 9.0},
@@ -232,14 +257,14 @@ def test_plan_counts_the_runs_left_and_their_hours(tmp_path, capsys):
     sc = st.scale(o)
     for run in st.runs(sc, studies.FULL_SEEDS, o):
         if run.label("arm") == "diloco_h10_s1":
-            r = _done(run, 5.0 + abs(run.label("outer_lr") - 0.3))
+            r = _done(run, 5.0 + abs(run.label("outer_lr") - 0.7))  # inside the grid: no run below it
             r.wall_s = 1800.0
             framework.save_stored(out / framework.STORE_DIR, r, framework.run_spec(run, sc))
     assert main(["diloco", "--plan", *common]) == 0
     text = capsys.readouterr().out
     assert re.search(r"^diloco +51 +3 +0 +0 +48 +0$", text, re.M), text
     assert "15 of the runs to train are stand-ins" in text
-    assert "diloco_h10_s1_outer0.3_p4_s1338_lr0.001" in text and "diloco_h10_s1_outerbest" not in text
+    assert "diloco_h10_s1_outer0.7_p4_s1338_lr0.001" in text and "diloco_h10_s1_outerbest" not in text
     assert "left: 48 of 51 run(s), about 24.0 h on this machine" in text  # 48 x the stored median, 30 min
     assert "cost: 3 finished run(s) recorded 1.5 h" in text
     # beside horizon (as `all` lists them): the five baselines' 15 runs are horizon's, counted there once
