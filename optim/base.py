@@ -370,16 +370,23 @@ class CommOptimizer(torch.optim.Optimizer):
         sync, Dion's Q, step counters) is kept as is; per-rank floating state (update sync:
         momenta) is averaged over the old ranks, which is exactly one momentum synchronisation;
         the exchange remaps its own state (Exchange.reshard_state) or refuses."""
-        mean, comm_states = StateMean(), []
-        for s in states:
-            comm_states.append(s.get("comm") or {})
+        mean, exchanges, comm0, q = StateMean(), [], None, -1
+        for s in states:  # not enumerate(): its reused result tuple keeps the last state alive into the next read
+            q += 1
+            comm = s.get("comm") or {}
+            ex = comm.get("exchange") or {}
+            if ex and not self.exchange.remaps_state:  # refused whatever the others hold: read no further
+                raise ValueError(f"comm.mode exchange {type(self.exchange).__name__} keeps per-rank state (saved "
+                                 f"rank {q}'s: {', '.join(sorted(ex))}) that cannot be remapped to another world size")
+            comm0 = comm if comm0 is None else comm0
+            exchanges.append(ex)  # only where it remaps them (pbit: a generator's state) or they are empty
             mean.add({k: v for k, v in s.items() if k != "comm"})
-            del s  # not alive while the next one is read
-        if not comm_states:
+            del s, comm, ex  # not alive while the next one is read
+        if comm0 is None:
             raise ValueError("load_resharded: no saved states")
         merged = mean.result()
-        merged["comm"] = {**comm_states[0], "world_size": self.world_size, "rank": self.rank,
-                          "exchange": self.exchange.reshard_state([c.get("exchange") or {} for c in comm_states])}
+        merged["comm"] = {**{k: v for k, v in comm0.items() if k != "exchange"}, "world_size": self.world_size,
+                          "rank": self.rank, "exchange": self.exchange.reshard_state(exchanges)}
         self.load_state_dict(merged)
 
     # ---- what crosses the network: exact bytes and the alpha-beta prediction (optim/accounting.py) --
@@ -440,6 +447,7 @@ class _MeanNode:
 
     def __init__(self, first: Any) -> None:
         self.first, self.count, self.total, self.whole = first, 1, None, False
+        self.error: Exception | None = None  # raised by result() unless a parent keeps the first's value whole
         self.kids: Any = None
         if isinstance(first, dict):
             self.kids = {k: _MeanNode(v) for k, v in first.items()}
@@ -466,18 +474,27 @@ class _MeanNode:
                 return
             for kid, v in zip(self.kids, s):
                 kid.add(v)
-        elif isinstance(first, torch.Tensor) and first.is_floating_point():
-            if self.total is None:
-                if torch.equal(first, s):
-                    return
-                self.total = torch.zeros_like(first, dtype=torch.float32)
-                for _ in range(self.count - 1):  # the states before this one, all equal to the first
-                    self.total += first.to(torch.float32)
-            self.total += s.to(torch.float32)
+        elif isinstance(first, torch.Tensor) and first.is_floating_point() and self.error is None:
+            # a state that cannot be combined here (another shape or type) is an error only if this position
+            # is averaged in the end: a later state may still make a parent keep the first's value whole
+            try:
+                if not isinstance(s, torch.Tensor):
+                    raise TypeError(f"expected a tensor, got {type(s).__name__}")
+                if self.total is None:
+                    if torch.equal(first, s):
+                        return
+                    self.total = torch.zeros_like(first, dtype=torch.float32)
+                    for _ in range(self.count - 1):  # the states before this one, all equal to the first
+                        self.total += first.to(torch.float32)
+                self.total += s.to(torch.float32)
+            except (TypeError, RuntimeError) as e:
+                self.error, self.total = e, None
 
     def result(self) -> Any:
         if self.whole:
             return self.first
+        if self.error is not None:
+            raise self.error
         if isinstance(self.first, dict):
             return {k: kid.result() for k, kid in self.kids.items()}
         if isinstance(self.first, list):

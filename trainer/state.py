@@ -10,14 +10,14 @@ Under gradient sync the optimizer state every rank shares is written once, in ra
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from model.checkpoint_files import load_verified
 
 from . import automode, parallel, sharded_checkpoint
-from .checkpoint import (MODEL, SHARED, CheckpointError, find_resumable, optimizer_state, rank_file, read_meta,
-                         remeshes, rng_state, save_checkpoint, save_checkpoint_async, set_rng_state,
+from .checkpoint import (MODEL, SHARED, CheckpointError, _gather, find_resumable, optimizer_state, rank_file,
+                         read_meta, remeshes, rng_state, save_checkpoint, save_checkpoint_async, set_rng_state,
                          shares_optimizer_state, split_optimizer_state, verify, wait_pending)
 from .config import ConfigError
 from .logger import RunLogger, finish_record
@@ -129,7 +129,26 @@ def finish(trainer) -> dict:
 
 
 def load(trainer, path: Path, meta: dict, files: dict) -> str:
-    """Restore `trainer` from a verified checkpoint (find_resumable's result); returns the line to print."""
+    """Restore `trainer` from a verified checkpoint (find_resumable's result); returns the line to print.
+    Collective: the ranks agree before any trains on, so a rank that cannot restore (a state this run cannot
+    take, an old rank's file that changed after the check) stops every rank with its message instead of
+    leaving the others waiting in the first collective of training."""
+    try:
+        line, err = _load_here(trainer, path, meta, files), None
+    except (CheckpointError, ConfigError) as e:
+        line, err = "", e
+    said = _gather(f"{type(err).__name__}\0{err}" if err is not None else "", trainer.info.world_size)
+    failed = [(r, s.split("\0", 1)) for r, s in enumerate(said) if s]
+    if not failed:
+        return line
+    if err is not None:
+        raise err
+    r, (kind, msg) = failed[0]
+    raise (ConfigError if kind == ConfigError.__name__ else CheckpointError)(f"rank {r}: {msg}")
+
+
+def _load_here(trainer, path: Path, meta: dict, files: dict) -> str:
+    """This rank's part of `load`."""
     rank, world = trainer.info.rank, trainer.info.world_size
     saved = int(meta["world_size"])
     if remeshes(meta, world, trainer.parallel.shard_size):
@@ -150,6 +169,8 @@ def load(trainer, path: Path, meta: dict, files: dict) -> str:
                    "per-rank optimizer state averaged once, i.e. one momentum synchronisation")
             note = (f" (written by {saved} ranks, resumed on {world}: {how}; data continues at the same global "
                     f"token position)")
+    except CheckpointError:  # a file read again (RankStates): not a state this run cannot take
+        raise
     except (ValueError, KeyError, TypeError, RuntimeError) as e:  # a state this run's optimizer cannot take
         raise _cannot_restore(path, e, f"resume on the {saved} rank(s) it was written with" if saved != world else
                               "resume with the optim / comm settings it was written with") from None
@@ -160,8 +181,6 @@ def load(trainer, path: Path, meta: dict, files: dict) -> str:
 def _cannot_restore(path: Path, e: Exception, fix: str) -> CheckpointError:
     """One line for a checkpoint this run's model or optimizer cannot take: the error's first line and `fix`."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if "; resume with" in first:  # the error names its own way to resume: not said twice
-        first, fix = first.split("; resume with", 1)[0], "resume with" + first.split("; resume with", 1)[1]
     return CheckpointError(f"checkpoint {path} cannot be restored by this run: {first}; {fix}, or start a new run "
                            f"(another train.out_dir, or train.resume=overwrite)")
 
@@ -197,8 +216,16 @@ class RankStates(Sequence):
             raise IndexError(q)
         name, shared = rank_file(q), self.meta.get(SHARED)
         missing = [n for n in (name, shared) if n and n not in self.files]
-        files = {**self.files, **load_verified(self.path, missing)[0]} if missing else self.files
+        try:
+            files = {**self.files, **load_verified(self.path, missing)[0]} if missing else self.files
+        except CheckpointError as e:
+            raise CheckpointError(f"{e} (it was intact when the resume checked it: it changed since; resume "
+                                  f"again)") from None
         return optimizer_state(files, self.meta, name)
+
+    def __iter__(self) -> Iterator[dict]:
+        # not Sequence's: that keeps the last state it yielded while it reads the next
+        return (self[q] for q in range(len(self)))
 
 
 def _load_remeshed(trainer, path: Path, meta: dict, files: dict, saved_shard: int) -> str:
@@ -214,6 +241,8 @@ def _load_remeshed(trainer, path: Path, meta: dict, files: dict, saved_shard: in
             rank // par.shard_size, rank % par.shard_size, rank // par.shard_size if par.sharded else rank,
             # how this run's optimizer splits its state (Muon, Dion); the others: dim 0 like their parameters
             getattr(trainer.optimizer, "state_shard_dims", dict)())
+    except CheckpointError:  # a file read again (RankStates): not a mesh this run cannot take
+        raise
     except ValueError as e:
         raise ConfigError(f"checkpoint {path} (parallel.shard_size={saved_shard} on {saved} ranks) cannot resume on "
                           f"parallel.shard_size={par.shard_size} on {world} ranks: {e}; resume with "
@@ -225,6 +254,8 @@ def _load_remeshed(trainer, path: Path, meta: dict, files: dict, saved_shard: in
             model_state = files[MODEL] if MODEL in files else load_verified(path, [MODEL])[0][MODEL]
             sharded_checkpoint.load_full_model(trainer.model, model_state)
         trainer.optimizer.load_state_dict(opt)
+    except CheckpointError:
+        raise
     except (ValueError, KeyError, TypeError, RuntimeError) as e:  # a state this run's optimizer cannot take
         raise _cannot_restore(path, e, f"resume with the optim / comm settings it was written with, on its mesh "
                                        f"(parallel.shard_size={saved_shard} on {saved} ranks)") from None

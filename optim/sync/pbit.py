@@ -150,6 +150,8 @@ class PBit(VoteExchange):
     def load_state_dict(self, state: dict) -> None:
         self.gen.set_state(state["rng_state"])
 
+    remaps_state = True  # its state is a generator's: a new rank starts a fresh stream
+
     def reshard_state(self, states: list[dict]) -> dict:
         """On another world size every rank keeps the fresh stream seeded from the run seed and its
         new rank (stochastic rounding needs independent streams, not the old ones)."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
@@ -111,10 +111,15 @@ class Exchange:
         if state:
             raise ValueError(f"{type(self).__name__} holds no state but the checkpoint has {sorted(state)}")
 
+    remaps_state: ClassVar[bool] = False
+    """Whether `reshard_state` maps saved per-rank state to another world size. False (the default):
+    any saved state is refused, so a resume may refuse at the first old rank whose exchange holds some
+    (CommOptimizer.load_resharded) without reading, or holding, the others'."""
+
     def reshard_state(self, states: list[dict]) -> dict:
         """This rank's state from the states every rank saved in a run with another world size
         (len(states) ranks). Stateless exchanges need nothing; a stateful one must say how its
-        per-rank state maps, or refuse."""
+        per-rank state maps (and set `remaps_state`), or refuse."""
         if any(states):
             raise ValueError(f"comm.mode exchange {type(self).__name__} keeps per-rank state that cannot be "
                              f"remapped to another world size; resume with {len(states)} ranks")

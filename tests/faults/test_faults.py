@@ -369,7 +369,7 @@ def test_elastic_restarts_after_sigkill_end_bit_identical(tmp_path, kills):
     assert final_digest(faulty) == final_digest(straight)
 
 
-def test_load_resharded_averages_per_rank_state_once():
+def test_load_resharded_averages_per_rank_state_once(monkeypatch):
     import optim
 
     def make():
@@ -417,6 +417,31 @@ def test_load_resharded_averages_per_rank_state_once():
     for p, q in zip((net.weight, net.bias), (net2.weight, net2.bias)):
         assert torch.equal(opt.state[p]["exp_avg"], opt2.state[q]["exp_avg"])
     assert peak[0] == 1, peak  # the first state (kept where every rank agrees), never the others
+
+    # the same through trainer/state.py's RankStates, which loads each old rank's file when it is read
+    # (Sequence's own iterator kept the last state it yielded alive while it read the next)
+    import weakref
+
+    import trainer.state as ts
+
+    alive.clear()
+    peak[0] = 0
+
+    def load_verified(path, names):
+        peak[0] = max(peak[0], sum(ref() is not None for ref in alive))
+        [name] = list(names)
+        s = states[int(name.split("_")[1].split(".")[0])]
+        copy = {k: v for k, v in s.items() if k != "state"}
+        copy["state"] = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+                         for i, st in s["state"].items()}
+        alive.append(weakref.ref(copy["state"][0]["exp_avg"]))
+        return {name: {"optimizer": copy}}, {}
+    monkeypatch.setattr(ts, "load_verified", load_verified)
+    net3, opt3 = make()
+    opt3.load_resharded(iter(ts.RankStates(Path("ckpt"), {"world_size": 3}, {})))
+    for p, q in zip((net.weight, net.bias), (net3.weight, net3.bias)):
+        assert torch.equal(opt.state[p]["exp_avg"], opt3.state[q]["exp_avg"])
+    assert peak[0] == 1, peak
 
 
 # ---- world-size changes --------------------------------------------------------------------------------------

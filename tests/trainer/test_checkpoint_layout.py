@@ -115,6 +115,19 @@ def test_resume_on_another_world_size_from_the_new_layout(tmp_path):
     assert was == 2 * now
 
 
+def test_an_old_rank_file_failing_its_second_read_on_one_rank_stops_every_rank(tmp_path):
+    """Resumed on another world size, a rank reads the old rank files it does not keep a second time, one at a
+    time, after every rank agreed the checkpoint is intact. A file that fails that read on rank 1 only (changed
+    since) stops both ranks with rank 1's message: rank 0 must not go on into training and wait there."""
+    run = tmp_path / "run"
+    _train(3, run, "comm.mode=onebit", "train.stop_after=2")
+    proc = torchrun(2, "resume_reread_fails.py", str(run), timeout=240, check=False)
+    said = [json.loads((run / f"reread_{r}.json").read_text()) for r in range(2)]
+    assert all(s["type"] == "CheckpointError" for s in said), (said, proc.stderr[-3000:])
+    assert "it changed since" in said[1]["text"] and "rank_0000" in said[1]["text"], said[1]
+    assert said[0]["text"].startswith("rank 1: ") and "it changed since" in said[0]["text"], said[0]
+
+
 def test_a_damaged_shared_file_is_reported_and_the_previous_checkpoint_used(tmp_path):
     run = tmp_path / "run"
     _train(2, run, "train.stop_after=4", "train.max_steps=6")
