@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -160,17 +161,31 @@ def _build(cls, data: dict, prefix: str, problems: list[str]):
     return cls(**kwargs)
 
 
-def _not_about_defaults(checked: list[str], read: list[str]) -> list[str]:
-    """The whole-config checks' problems less those about a key, or a key beside it, that reading the
-    file already refused: that key holds its default, not the user's value (a "10" for an int, a
-    misspelt key), so a check of it would quote a value the user never wrote."""
-    keys = {r.split(":", 1)[0].strip() for r in read}
-    near = keys | {k.rsplit(".", 1)[0] for k in keys if k.count(".") >= 2}  # a misspelt comm.diloco.* key: its section
+def _not_about_defaults(checked: list[str], read: list[str], raw: dict) -> list[str]:
+    """The whole-config checks' problems less those that quote a key reading the file refused: that key holds
+    its default, not the user's value (a "10" for an int, a section that is no mapping), so such a check would
+    quote a value the user never wrote. A misspelt key counts as the key it was meant to be ("did you mean")
+    unless the file gives that key too. Every other problem is kept: all of them are reported at once."""
+    keys = set()
+    for r in read:
+        key = r.split(":", 1)[0].strip()
+        meant = re.search(r"did you mean ([\w.]+)\?", r)
+        if meant is None:
+            keys.add(key)
+        elif not _given(raw, meant.group(1)):
+            keys.add(meant.group(1))
+    quoted = [re.compile(rf"(?<![\w.]){re.escape(k)}(?!\w)") for k in keys]  # the key or, for a section, a key in it
+    return [p for p in checked if not any(q.search(p) for q in quoted)]
 
-    def about(problem: str) -> bool:
-        key = problem.split(":", 1)[0].strip()
-        return key in keys or any(key.startswith(k + ".") for k in near)
-    return [p for p in checked if not about(p)]
+
+def _given(raw: dict, dotted: str) -> bool:
+    """Whether the merged raw config holds `dotted` (section.key or section.sub.key)."""
+    node: Any = raw
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def _split_options(section: str, data: dict, fixed: list[str], registry, problems: list[str]):
@@ -267,7 +282,7 @@ def load_config(path: str | Path | list | tuple | None, overrides: list[str] | N
     for section in _registries():
         raw.setdefault(section, {})  # so the selected entry's options are always built
     cfg = _build(Config, raw, "", problems)
-    problems += _not_about_defaults(validate(cfg, world_size=None, raise_error=False), problems)
+    problems += _not_about_defaults(validate(cfg, world_size=None, raise_error=False), problems, raw)
     if problems:
         raise ConfigError(_format(problems))
     return cfg

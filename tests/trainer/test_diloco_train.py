@@ -214,15 +214,26 @@ def test_a_run_too_short_for_any_cycle_says_how_long_it_must_be():
     assert load_config(ROOT / "configs/default.yaml", over[:-1] + ["train.max_steps=3", "comm.diloco.inner_steps=2"])
 
 
-@pytest.mark.parametrize("bad", ["comm.diloco.inner_stepz=5", "comm.diloco=5", 'comm.diloco.inner_steps="5"'])
-def test_a_refused_diloco_key_is_not_checked_again_as_its_default(bad):
+@pytest.mark.parametrize("bad", [["train.max_steps=50", "comm.diloco.inner_stepz=5"], ["train.max_steps=50", "comm.diloco=5"],
+                                 ["train.max_steps=50", 'comm.diloco.inner_steps="5"'], ['train.max_steps="50"']])
+def test_a_refused_key_is_not_checked_again_as_its_default(bad):
     """A misspelt key, a section that is not a mapping, a string for an int: one problem naming it, not a
-    second one about the default (inner_steps 500 with 50 steps) standing in for the value refused."""
+    second one quoting the default standing in for the value refused (inner_steps 500 with 50 steps, or the
+    default train.max_steps)."""
     with pytest.raises(ConfigError) as e:
-        load_config(ROOT / "configs/default.yaml", [x for x in TINY if "inner_steps" not in x]
-                    + ["train.max_steps=50", bad])
+        load_config(ROOT / "configs/default.yaml", [x for x in TINY if "inner_steps" not in x] + bad)
     lines = [ln for ln in str(e.value).splitlines() if ln.strip().startswith("-")]
     assert len(lines) == 1 and "500" not in lines[0], str(e.value)
+
+
+def test_a_misspelt_key_beside_the_key_it_resembles_hides_no_other_problem():
+    """inner_stepz=5 beside inner_steps=2: the typo does not stand for inner_steps (given), so the problems of
+    the section are still all reported (fragments 3 > inner_steps 2), with the typo, at once."""
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs/default.yaml", TINY + ["comm.diloco.inner_stepz=5", "comm.diloco.fragments=3",
+                                                          "comm.diloco.inner_steps=2"])
+    msg = str(e.value)
+    assert "comm.diloco.inner_stepz: unknown key" in msg and "comm.diloco.fragments" in msg, msg
 
 
 def test_the_config_check_reports_more_fragments_than_blocks_with_the_other_problems():
