@@ -43,7 +43,7 @@ from typing import Any, Iterable, Iterator, Sequence
 from bench import runstore, step_breakdown
 from bench.variants import ROOT, load_run_config, read_jsonl, train_records
 from optim import sync
-from util.cli import Parser, variant_runs
+from util.cli import Parser, is_config, variant_runs
 
 GPU_CHECK_DIR = ROOT / "docs" / "results" / "gpu_check"
 REFERENCE = "adamw_fp32"
@@ -464,6 +464,7 @@ def predict_cluster_step(curve: Curve, cluster: Cluster, reference: str = REFERE
                 micro = int((cfg.get("data") or {}).get("grad_accum", 1) or 1)
                 fsdp_s, fsdp_bytes = fsdp_comm(model, shard, cluster.intra_latency, 1.0 / cluster.intra_bps, micro)
                 out["comm_s"] += fsdp_s
+                out["fsdp_bytes_per_step"] = fsdp_bytes  # the fast axis; bytes_per_step stays the slow one's
                 out["comm_how"] += (f"; FSDP in each node's shard groups of {shard}: {fsdp_s * 1e3:.1f} ms, "
                                     f"{fsdp_bytes / 1e6:.1f} MB sent per rank per step at {cluster.intra_bps / 1e9:.4g} Gbit/s, "
                                     f"booked exposed (an upper bound: FSDP2 overlaps it with compute)")
@@ -852,16 +853,21 @@ def variant_specs(ns, resolve) -> tuple[list[tuple[str, list[str]]], dict[str, l
         if any("=" not in x for x in extra):
             raise ValueError(f"--variants {v}: after '@' give key=value overrides, e.g. "
                              f"{base}@comm.diloco.inner_steps=50")
+        if any("/" in x for x in extra):  # the entry names its run directories
+            raise ValueError(f"--variants {v}: an override of the entry's own holds a '/'; give path-valued "
+                             f"settings to every variant (key=value after the variants) or in a config file")
         own[v] = extra
-        bases.append(base)
-    if len(set(ns.variants)) < len(ns.variants):
-        dup = next(v for v in ns.variants if ns.variants.count(v) > 1)
-        raise ValueError(f"--variants {dup}: given twice; each candidate once")
+        bases.append(base if is_config(base) else resolve(base))
+    spelt: dict[Path, str] = {}  # one file, however it is spelt: its first spelling
+    for i, b in enumerate(bases):
+        bases[i] = spelt.setdefault((Path(b) if Path(b).is_absolute() else ROOT / b).resolve(), b)
     unique = list(dict.fromkeys(bases))  # variant_runs names each file (a stem, or a path where stems clash)
     named = dict(zip(unique, variant_runs(argparse.Namespace(variants=unique, configs=ns.configs), resolve)))
     out, mine = [], {}
     for v, b in zip(ns.variants, bases):
         name = "@".join([named[b][0], *own[v]])
+        if name in mine:
+            raise ValueError(f"--variants {v}: given twice (as {name}); each candidate once")
         out.append((name, named[b][1]))
         mine[name] = own[v]
     return out, mine
@@ -1043,7 +1049,7 @@ def write_outputs(out: Path, rows: list[dict], curves: dict[str, Curve], step_ti
     out.mkdir(parents=True, exist_ok=True)
     cols = ["setting", "variant", "final_loss", "steps", "step_s", "comm_s", "target_step", "target_s", "speedup",
             "total_s", "budget_s", "budget_step", "budget_loss", "how", "missing", "compute_s", "mfu",
-            "bytes_per_step", "peak_step_bytes"]
+            "bytes_per_step", "peak_step_bytes", "fsdp_bytes_per_step"]
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         w.writeheader()

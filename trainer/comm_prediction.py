@@ -107,15 +107,17 @@ def fsdp_comm(model, S: int, alpha: float, beta: float, micro_steps: int = 1) ->
     mixed-precision policy). Per micro-step (data.grad_accum of them: no gradient-sync pause) each
     block's parameters are all-gathered for forward and again for backward (resharded after forward),
     the root's once (FSDP2 keeps the root unsharded after forward), and every unit's gradients are
-    reduce-scattered: ring all-gather / reduce-scatter of comm.cost_model, one call per unit. Booked
-    whole, as if exposed: an upper bound, since FSDP2 overlaps a block's all-gather with the previous
-    block's compute."""
+    reduce-scattered: ring all-gather / reduce-scatter of comm.cost_model, one call per unit, on each
+    parameter padded as FSDP2 pads it (dim 0 up to a multiple of S). Booked whole, as if exposed: an
+    upper bound, since FSDP2 overlaps a block's all-gather with the previous block's compute."""
     if S <= 1:
         return 0.0, 0
     where = param_layers(model)
     units: dict[str, int] = {}
     for name, p in model.named_parameters():
-        units[where[name]] = units.get(where[name], 0) + p.numel() * p.element_size() * 8
+        rows = p.shape[0] if p.dim() else 1
+        padded = -(-rows // S) * S * (p.numel() // max(rows, 1))
+        units[where[name]] = units.get(where[name], 0) + padded * p.element_size() * 8
     seconds, bits_sent = 0.0, 0.0
     for unit, bits in units.items():
         gathers = 2 if unit.startswith("block.") else 1

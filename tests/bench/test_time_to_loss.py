@@ -423,7 +423,7 @@ def test_predicted_sharded_diloco_step_adds_fsdp_and_runs_the_replicate_axis(tmp
         cycle = cycle_seconds(o, 4, numels, alpha, beta)
     fsdp_s, fsdp_bytes = fsdp_comm(model, 2, cl.intra_latency, 1 / cl.intra_bps)
     assert fsdp_s > 0 and fsdp_bytes > 0
-    assert got["comm_s"] == pytest.approx(cycle / 10 + fsdp_s)
+    assert got["comm_s"] == pytest.approx(cycle / 10 + fsdp_s) and got["fsdp_bytes_per_step"] == fsdp_bytes
     assert got["bytes_per_step"] == pytest.approx(cycle_bytes(o, 4, numels).sent / 10)  # the slow axis only
     assert "4 workers" in got["comm_how"] and "FSDP in each node's shard groups of 2" in got["comm_how"]
     # the same run unsharded on the cluster: 8 workers, each sending its whole model's average
@@ -497,6 +497,14 @@ def test_a_variant_with_its_own_overrides_is_trained_and_measured_as_itself(tmp_
     assert "is not a bare configs/variants file" in rows["mine"]["missing"], rows["mine"]
     with pytest.raises(SystemExit):
         ttl.parse_args(["--variants", "diloco_h10@inner_steps", "--link", "1gbit"])
+    # one file however it is spelt: two lrs of it are two candidates, the same lr twice is refused
+    ns = ttl.parse_args(["--variants", "adamw_fp32@optim.lr=1e-3", "configs/variants/adamw_fp32.yaml@optim.lr=2e-3",
+                         "--link", "1gbit"])
+    assert [n for n, _ in ns.candidates] == ["adamw_fp32@optim.lr=1e-3", "adamw_fp32@optim.lr=2e-3"]
+    for twice in (["adamw_fp32@optim.lr=1e-3", str(ttl.ROOT / "configs/variants/adamw_fp32.yaml") + "@optim.lr=1e-3"],
+                  ["adamw_fp32@data.dataset=/data/x"]):  # ... and a '/' in an entry's own override
+        with pytest.raises(SystemExit):
+            ttl.parse_args(["--variants", *twice, "--link", "1gbit"])
 
 
 def test_a_measured_run_shorter_than_the_curves_warmup_keeps_their_schedule(tmp_path):

@@ -17,8 +17,9 @@ process group; every run is a real Trainer whose steps are driven here:
 - pbit, bf16, the parameter server, LoCo, BinSGDM and 1-bit Adam run at S = 2 with identical
   replicas, the formula's bytes and a finite loss (3 steps say nothing of quality);
 - the memory model's parameter + gradient + optimizer-state bytes are within 15 % of the tensors;
-- FSDP's own traffic in one step with two micro-steps (the bytes each rank hands to FSDP2's all-gathers
-  and reduce-scatters) equals trainer.comm_prediction.fsdp_comm, what bench.time_to_loss --cluster books.
+- FSDP's own traffic in one step with two micro-steps at S = 4 on a width FSDP2 pads (the bytes each rank
+  hands to its all-gathers and reduce-scatters) equals trainer.comm_prediction.fsdp_comm, what
+  bench.time_to_loss --cluster books.
 Each is a named check (CHECKS; tests/workers/_checks.py records its outcome).
 """
 from __future__ import annotations
@@ -157,16 +158,18 @@ def check_guard(tmp: Path) -> None:
 
 
 def check_fsdp_bytes(tmp: Path) -> None:
-    """One training step at S = 2 with data.grad_accum=2: the bytes this rank sends in FSDP2's collectives
+    """One training step at S = 4 with data.grad_accum=2: the bytes this rank sends in FSDP2's collectives
     (a ring all-gather sends S - 1 of its S input shards; a ring reduce-scatter (S - 1) / S of its input),
-    counted where FSDP2 calls them, equal fsdp_comm's on the model's meta copy."""
+    counted where FSDP2 calls them, equal fsdp_comm's on the model's meta copy, padding included."""
     from model import GPT
     from trainer.comm_prediction import fsdp_comm
 
+    S = 4  # a width of 66 over 4 ranks: FSDP2 pads every parameter whose first dimension is 66 to 68
     cfg = load_config(ROOT / "configs/variants/adamw_fp32.yaml",
-                      BASE + ["parallel.shard_size=2", "data.grad_accum=2", f"train.out_dir={tmp / 'fsdp'}"])
+                      BASE + [f"parallel.shard_size={S}", "data.grad_accum=2", "model.n_embd=66", "model.n_head=3",
+                              "model.n_kv_head=3", "model.mlp_hidden=170", f"train.out_dir={tmp / 'fsdp'}"])
     tr = Trainer(cfg, INFO)
-    S, sent, calls = 2, [0.0], {"all_gather": 0, "reduce_scatter": 0}
+    sent, calls = [0.0], {"all_gather": 0, "reduce_scatter": 0}
     real = {"all_gather_single": dist.all_gather_single, "reduce_scatter_single": dist.reduce_scatter_single}
 
     def counted(name: str, arg: str):
@@ -188,6 +191,7 @@ def check_fsdp_bytes(tmp: Path) -> None:
     with torch.device("meta"):
         meta = GPT(tr.model_config)
     _, want = fsdp_comm(meta, S, 0.0, 1.0, micro_steps=2)
+    assert any(p.shape[0] % S for p in meta.parameters()), "no parameter FSDP2 must pad"
     blocks = len(meta.transformer.h)
     assert calls == {"all_gather": 2 * (2 * blocks + 1), "reduce_scatter": 2 * (blocks + 1)}, calls
     assert int(sent[0]) == want, (sent[0], want)
