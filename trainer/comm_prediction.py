@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from comm import cost_model
 from model import param_layers, param_roles
+from model.memory import local_numel
 from optim import sync
 
 
@@ -93,11 +94,7 @@ def sharded_param_layout(model, S: int) -> list[tuple[str, int]]:
     a rank's replicate-axis exchange carries at S > 1 (its shards of the model). Optimizers that
     shard another dimension (Dion, Muon: optim.registry shard_dims) split within one row of this."""
     where = param_layers(model)
-    out = []
-    for name, p in model.named_parameters():
-        rows = p.shape[0] if p.dim() else 1
-        out.append((where[name], -(-rows // S) * (p.numel() // max(rows, 1))))
-    return out
+    return [(where[name], local_numel(tuple(p.shape), S)) for name, p in model.named_parameters()]
 
 
 def fsdp_comm(model, S: int, alpha: float, beta: float, micro_steps: int = 1) -> tuple[float, int]:
@@ -115,8 +112,7 @@ def fsdp_comm(model, S: int, alpha: float, beta: float, micro_steps: int = 1) ->
     where = param_layers(model)
     units: dict[str, int] = {}
     for name, p in model.named_parameters():
-        rows = p.shape[0] if p.dim() else 1
-        padded = -(-rows // S) * S * (p.numel() // max(rows, 1))
+        padded = S * local_numel(tuple(p.shape), S)  # every rank's chunk as large as rank 0's
         units[where[name]] = units.get(where[name], 0) + padded * p.element_size() * 8
     seconds, bits_sent = 0.0, 0.0
     for unit, bits in units.items():

@@ -148,7 +148,7 @@ def remesh_optimizer_state(states: Sequence[dict], saved_shard: int, shard: int,
         torch-style node of it (`_per_param`), {index: {key: whole tensor}}."""
         group = [states[r * saved_shard + k] for k in range(saved_shard)]
         parts = [_per_param(g) for g in group]
-        saved_dims = [g.get("shard_dims") or {} for g in group]
+        saved_dims = group[0].get("shard_dims") or {}  # the same on every rank of the replica
         wholes = []
         for j, (_, path) in enumerate(parts[0]):
             nodes = [p[j][0]["state"] for p in parts]
@@ -156,7 +156,7 @@ def remesh_optimizer_state(states: Sequence[dict], saved_shard: int, shard: int,
             for i, st in nodes[0].items():
                 joined[i] = {}
                 for key, v in st.items():
-                    d = 0 if path else saved_dims[0].get(i, {}).get(key, 0)
+                    d = 0 if path else saved_dims.get(i, {}).get(key, 0)
                     if torch.is_tensor(v) and v.ndim and d is not None:
                         v = torch.cat([n[i][key] for n in nodes], dim=d)
                     joined[i][key] = v

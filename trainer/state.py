@@ -137,14 +137,14 @@ def load(trainer, path: Path, meta: dict, files: dict) -> str:
         line, err = _load_here(trainer, path, meta, files), None
     except (CheckpointError, ConfigError) as e:
         line, err = "", e
-    said = _gather(f"{type(err).__name__}\0{err}" if err is not None else "", trainer.info.world_size)
-    failed = [(r, s.split("\0", 1)) for r, s in enumerate(said) if s]
+    said = _gather((isinstance(err, ConfigError), str(err)) if err is not None else None, trainer.info.world_size)
+    failed = [(r, s) for r, s in enumerate(said) if s is not None]
     if not failed:
         return line
     if err is not None:
         raise err
-    r, (kind, msg) = failed[0]
-    raise (ConfigError if kind == ConfigError.__name__ else CheckpointError)(f"rank {r}: {msg}")
+    r, (config, msg) = failed[0]
+    raise (ConfigError if config else CheckpointError)(f"rank {r}: {msg}")
 
 
 def _load_here(trainer, path: Path, meta: dict, files: dict) -> str:

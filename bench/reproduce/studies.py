@@ -1202,6 +1202,11 @@ def _outer_best(by: dict[float, RunResult], values: Sequence[float]) -> float | 
     return min(vals, key=vals.get) if vals else None
 
 
+def _needs_below(by: dict[float, RunResult]) -> bool:
+    """The grid ran and its best is its lowest value: OUTER_LR_BELOW decides (full scale)."""
+    return all(_outer_ran(by.get(lr)) for lr in OUTER_LRS) and _outer_best(by, OUTER_LRS) == min(OUTER_LRS)
+
+
 def outer_lr_choice(results: Sequence[RunResult], extend: bool = True) -> dict[str, float | None]:
     """Each DiLoCo arm's best outer lr (lowest final val loss at the sweep seed), or None while undecided: a value
     of the grid not run yet (absent, pending, or NOT_RUN under --report-only), or, with `extend` (full scale), a
@@ -1212,11 +1217,9 @@ def outer_lr_choice(results: Sequence[RunResult], extend: bool = True) -> dict[s
         if not all(_outer_ran(by.get(lr)) for lr in OUTER_LRS):
             out[arm] = None
             continue
-        best = _outer_best(by, OUTER_LRS)
-        if extend and best == min(OUTER_LRS):
-            below = by.get(OUTER_LR_BELOW)
-            best = _outer_best(by, (*OUTER_LRS, OUTER_LR_BELOW)) if _outer_ran(below) else None
-        out[arm] = best
+        out[arm] = _outer_best(by, OUTER_LRS)
+        if extend and _needs_below(by):
+            out[arm] = _outer_best(by, (*OUTER_LRS, OUTER_LR_BELOW)) if _outer_ran(by.get(OUTER_LR_BELOW)) else None
     return out
 
 
@@ -1225,8 +1228,7 @@ def diloco_extend(results: list[RunResult], scale: Scale, seeds: list[int], opts
     scale), and the comparison seeds of every arm whose sweep has decided, at its best outer lr."""
     extend = not scale.quick
     more = [diloco_run(arm, OUTER_LR_BELOW, scale, SWEEP_SEED, "sweep") for arm, by in _outer_sweep(results).items()
-            if extend and OUTER_LR_BELOW not in by and all(_outer_ran(by.get(lr)) for lr in OUTER_LRS)
-            and _outer_best(by, OUTER_LRS) == min(OUTER_LRS)]
+            if extend and OUTER_LR_BELOW not in by and _needs_below(by)]
     return more + [diloco_run(arm, lr, scale, seed, "compare")
                    for arm, lr in outer_lr_choice(results, extend).items() if lr is not None for seed in seeds]
 
@@ -1384,8 +1386,8 @@ def diloco_summary(results: list[RunResult], scale: Scale) -> Summary:
             sweep_rows.append({"arm": arm, "outer_lr": r.run.label("outer_lr"), "val": _val(r) if r.ok else None,
                                "best": "best" if chosen.get(arm) == r.run.label("outer_lr") else "",
                                "edge": "edge" if chosen.get(arm) == r.run.label("outer_lr")
-                               and chosen.get(arm) in (min(lr for lr in (x.run.label("outer_lr") for x in g)),
-                                                       max(OUTER_LRS)) else "", "status": r.status})
+                               and chosen.get(arm) in (min(x.run.label("outer_lr") for x in g), max(OUTER_LRS))
+                               else "", "status": r.status})
     ttl_cols = [Column(key, ("time to target, " + (f"{setting.rsplit(' ', 1)[1]} simulated (measured)"
                                                     if setting.startswith("(a)") else
                                                     f"{setting.removeprefix('(b) cluster ')} (predicted)")),
