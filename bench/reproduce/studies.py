@@ -87,7 +87,10 @@ def _loss_panels(results: Sequence[RunResult], path: Path, panel_key: str | None
             ax.set_xlabel("step")
             ax.set_ylabel(key.replace("_", " ") + " (mean over seeds)")
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            if ax.lines:
+                ax.legend(fontsize=8)
+            else:  # nothing finished yet (an interim report): say so on the panel, not with a blank legend
+                ax.text(0.5, 0.5, "no finished run yet", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
@@ -1387,7 +1390,7 @@ def diloco_summary(results: list[RunResult], scale: Scale) -> Summary:
                                "best": "best" if chosen.get(arm) == r.run.label("outer_lr") else "",
                                "edge": "edge" if chosen.get(arm) == r.run.label("outer_lr")
                                and chosen.get(arm) in (min(x.run.label("outer_lr") for x in g), max(OUTER_LRS))
-                               else "", "status": r.status})
+                               else "", "status": "not trained yet" if r.status.startswith(NOT_RUN) else r.status})
     ttl_cols = [Column(key, ("time to target, " + (f"{setting.rsplit(' ', 1)[1]} simulated (measured)"
                                                     if setting.startswith("(a)") else
                                                     f"{setting.removeprefix('(b) cluster ')} (predicted)")),

@@ -227,6 +227,21 @@ def test_summary_reads_losses_bytes_and_time_to_loss_from_stored_runs(tmp_path):
     assert rows["diloco_h10_s1"]["ttl_100mbit"] == "stale (computed from other runs)"
 
 
+def test_the_sweep_table_says_a_run_not_trained_yet_is_pending_not_failed(tmp_path):
+    """An interim report (--report-only while the study trains): a sweep run not trained yet is "not trained
+    yet" in the outer-lr table, as in the main table's status; a sweep run that failed still says why."""
+    sc = STUDIES["diloco"].scale(Options(setting=SETTING))
+    results = _synthetic(sc, tmp_path)
+    built = STUDIES["diloco"].build(sc, studies.FULL_SEEDS, Options(setting=SETTING))
+    sweep = [r for r in built if r.label("arm") == "streaming_s1" and r.label("role") == "sweep"]
+    results += [_done(sweep[0], None, f"{NOT_RUN} (--report-only)"), _done(sweep[1], None, "failed: exit 3")]
+    table = dict(studies.diloco_summary(results, sc).extra_tables)["Outer-lr sweep (one seed):"]
+    waiting, failed = (next(line for line in table.splitlines() if f"| streaming_s1 | {r.label('outer_lr')} |" in line)
+                       for r in sweep[:2])
+    assert waiting.endswith("| not trained yet |") and "failed" not in waiting
+    assert failed.endswith("| failed: exit 3 |")
+
+
 def test_slow_axis_bytes_drop_a_stopped_run_s_records_past_its_checkpoint():
     """A run stopped at step 417 (its last log window flushed there) and resumed from the checkpoint of 300
     trains 301-417 again: the records before the resume past step 300 are not counted twice or mixed with
