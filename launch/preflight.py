@@ -1,8 +1,12 @@
 """Checks a launcher script runs before it starts any rank of train.py (launch/slurm/train.sbatch).
 
-    python -m launch.preflight [--world N] [--fresh HINT] CONFIG [MORE.yaml ...] [section.key=value ...]
+    python -m launch.preflight [--world N] [--node-size L] [--fresh HINT] CONFIG [MORE.yaml ...] [key=value ...]
 
-- the config (files and overrides) loads and validates, with the world size N when given;
+- the config (files and overrides) loads and validates, with the world size N and the ranks per node L
+  when given (a shard group, parallel.shard_size, must fit a node);
+- with --world-may-change (a restart may continue on fewer ranks: train.sbatch's MIN_NODES below the
+  job's nodes): the comm.mode's state can move to another world size (trainer.config_validate
+  elastic_problems);
 - with --fresh: the run directory train.out_dir does not exist or is empty, as train.py's
   train.resume=never demands; otherwise the error names it and HINT (how to continue it).
 Exit code 0 and nothing printed when all is well; else one message on stderr and exit code 2.
@@ -28,17 +32,23 @@ def fresh_problem(out_dir: str | Path, hint: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     from launch.torchrun import check_train_args
     from trainer.config import load_config, split_config_args
+    from trainer.config_validate import elastic_problems
 
     ap = argparse.ArgumentParser(prog="python -m launch.preflight", description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=None, help="the world size the ranks will have")
+    ap.add_argument("--node-size", type=int, default=None, help="the ranks per node (torchrun's --nproc_per_node)")
+    ap.add_argument("--world-may-change", action="store_true",
+                    help="a restart may continue on another world size (fewer nodes)")
     ap.add_argument("--fresh", metavar="HINT", default=None,
                     help="refuse an existing non-empty train.out_dir; HINT says how to continue it instead")
     ap.add_argument("args", nargs=argparse.REMAINDER, help="CONFIG [MORE.yaml ...] [section.key=value ...]")
     ns = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    problem = check_train_args(ns.args, ns.world) if ns.args else "expected CONFIG [overrides]"
-    if not problem and ns.fresh is not None:
-        files, overrides = split_config_args(ns.args)
-        problem = fresh_problem(load_config(files, overrides).train.out_dir, ns.fresh)
+    problem = check_train_args(ns.args, ns.world, ns.node_size) if ns.args else "expected CONFIG [overrides]"
+    if not problem and (ns.fresh is not None or ns.world_may_change):
+        cfg = load_config(*split_config_args(ns.args))
+        problem = "; ".join(elastic_problems(cfg)) if ns.world_may_change else ""
+        if not problem and ns.fresh is not None:
+            problem = fresh_problem(cfg.train.out_dir, ns.fresh)
     if problem:
         print(f"error: {problem}", file=sys.stderr, flush=True)
         return 2

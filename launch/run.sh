@@ -16,7 +16,8 @@
 #                    oversubscribe the cores (torchrun alone would force 1).
 #   MAX_RESTARTS     how often torchrun restarts all ranks after one fails (default 0); with
 #                    restarts, train.resume=auto is added (unless given) so every (re)start
-#                    continues from the newest intact checkpoint
+#                    continues from the newest intact checkpoint, after a check that train.out_dir
+#                    is free (a new run: pass train.resume=auto yourself to continue one)
 #   PYTHON           interpreter (default python3)
 #   DRY_RUN=1        print the command and exit without running it
 # The exact command is printed before it runs, so a run can be reproduced from its log.
@@ -57,12 +58,14 @@ fi
 MAX_RESTARTS="${MAX_RESTARTS:-0}"
 [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || die "MAX_RESTARTS must be a non-negative integer, got '$MAX_RESTARTS'"
 resume_args=()
-if (( MAX_RESTARTS > 0 )) && [[ " $* " != *" train.resume="* ]]; then
-  resume_args=(train.resume=auto)
-fi
-
 # launch.torchrun is found from any working directory, installed or not
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+if (( MAX_RESTARTS > 0 )) && [[ " $* " != *" train.resume="* ]]; then
+  # a new run, as train.py's train.resume=never would check; then auto, so the restarts continue it
+  "$PYTHON" -m launch.preflight --world "$NPROC" --node-size "$NPROC" \
+      --fresh "pass train.resume=auto to continue it" "$CONFIG" "$@" || exit 2
+  resume_args=(train.resume=auto)
+fi
 cmd=("$PYTHON" -m launch.torchrun --standalone --nproc_per_node="$NPROC" --max-restarts="$MAX_RESTARTS"
      "${log_args[@]}" "$ROOT/train.py" "$CONFIG" "$@" "${resume_args[@]}")
 

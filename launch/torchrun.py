@@ -27,11 +27,18 @@ import socket
 import sys
 
 
+def _node_size(args) -> int | None:
+    """The ranks per node the command line fixes (--nproc_per_node as a number), or None."""
+    try:
+        return int(args.nproc_per_node)
+    except (TypeError, ValueError):
+        return None
+
+
 def _world_size(args) -> int | None:
     """The world size fixed by the command line, or None (elastic node counts, nproc 'gpu'/'auto')."""
-    try:
-        nproc = int(args.nproc_per_node)
-    except (TypeError, ValueError):
+    nproc = _node_size(args)
+    if nproc is None:
         return None
     nnodes = str(args.nnodes)
     if args.standalone:
@@ -47,16 +54,17 @@ def _world_size(args) -> int | None:
         return None
 
 
-def check_train_args(script_args: list[str], world_size: int | None) -> str:
-    """train.py's own argument and config checks, before launch: the error text, or ''."""
+def check_train_args(script_args: list[str], world_size: int | None, node_size: int | None = None) -> str:
+    """train.py's own argument and config checks, before launch: the error text, or ''. With node_size
+    (ranks per node), also that parallel.shard_size fits a node, as the ranks' mesh demands."""
     from trainer.config import ConfigError, load_config_args, validate
 
     if not script_args or {"-h", "--help", "--help-config"} & set(script_args):
         return ""  # train.py answers these itself, wherever they stand (util/cli.py's convention)
     try:
         cfg = load_config_args(script_args)
-        if world_size is not None:
-            validate(cfg, world_size=world_size)
+        if world_size is not None or node_size is not None:
+            validate(cfg, world_size=world_size, node_size=node_size)
     except ConfigError as e:
         return str(e)
     return ""
@@ -69,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if os.path.basename(args.training_script) == "train.py" and not args.module:
-        problem = check_train_args(list(args.training_script_args), _world_size(args))
+        problem = check_train_args(list(args.training_script_args), _world_size(args), _node_size(args))
         if problem:
             print(f"error: {problem}", file=sys.stderr, flush=True)
             return 2

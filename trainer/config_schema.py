@@ -302,7 +302,8 @@ class ParallelConfig:
     shard_size: int = 1
     """Ranks that shard one copy of the model (FSDP2 inside the group, over the fast links: consecutive
     ranks of one node); the optimizer's comm.mode runs across the world / shard_size replicas on the
-    local shards. 1 = every rank holds the whole model (replicated). Must divide the world size."""
+    local shards. 1 = every rank holds the whole model (replicated). Must divide the ranks per node (a shard
+    group lives on one node), hence the world size."""
 
 
 @dataclass

@@ -54,8 +54,9 @@ def _format(problems: list[str]) -> str:
     return f"{len(problems)} config problem(s):\n" + "\n".join(f"  - {p}" for p in problems)
 
 
-def _parallel_problems(cfg: Config, world_size: int | None) -> list[str]:
-    """parallel.shard_size: >= 1, divides the world size, and what the trainer cannot do on shards
+def _parallel_problems(cfg: Config, world_size: int | None, node_size: int | None = None) -> list[str]:
+    """parallel.shard_size: >= 1, divides the world size and (given) the ranks per node, as
+    trainer.parallel.make_mesh demands inside the ranks, and what the trainer cannot do on shards
     (whether the optimizer and comm.mode run on shards is theirs to say: optim.registry.run_problems)."""
     S = cfg.parallel.shard_size
     if S < 1:
@@ -64,6 +65,9 @@ def _parallel_problems(cfg: Config, world_size: int | None) -> list[str]:
     if world_size is not None and world_size % S:
         p.append(f"parallel.shard_size: {S} does not divide the world size {world_size}; choose a divisor "
                  f"(the ranks per node, typically)")
+    elif node_size is not None and node_size % S:
+        p.append(f"parallel.shard_size: {S} does not divide the ranks per node ({node_size}); a shard group must "
+                 f"share a node's fast links: choose a divisor of {node_size}")
     if S > 1 and cfg.train.mc_eval_file:
         p.append(f"train.mc_eval_file: set with parallel.shard_size={S}; each rank scores its own items, so the ranks "
                  f"of a shard group would run different forwards; leave train.mc_eval_file empty (score the "
@@ -74,8 +78,25 @@ def _parallel_problems(cfg: Config, world_size: int | None) -> list[str]:
     return p
 
 
-def validate(cfg: Config, world_size: int | None = None, raise_error: bool = True) -> list[str]:
-    """Check ranges and combinations. With world_size, also the checks that depend on it."""
+def elastic_problems(cfg: Config) -> list[str]:
+    """Why a run of cfg could not continue on another world size after a restart (a launcher that lets
+    the world shrink: train.sbatch's MIN_NODES below its node count), [] when it could: a comm.mode whose
+    exchange keeps per-rank state sized for the saved world (error feedback, DiLoCo's outer state: the
+    registry's `stateful`) is refused on resume (optim.base load_resharded, the remesh path), so every
+    restart on fewer ranks would fail. Unknown modes and comm.mode=auto are validate()'s to report."""
+    mode = cfg.comm.mode
+    if mode == AUTO_MODE or mode not in sync.names() or not sync.get(mode).stateful:
+        return []
+    return [f"comm.mode={mode} keeps per-rank exchange state sized for the world it was saved on (error feedback, "
+            f"or DiLoCo's outer state), so a restart on fewer ranks could not resume it; keep the world size "
+            f"fixed (launch/slurm/train.sbatch: MIN_NODES = the job's node count, its default) or choose a mode "
+            f"without such state"]
+
+
+def validate(cfg: Config, world_size: int | None = None, raise_error: bool = True,
+             node_size: int | None = None) -> list[str]:
+    """Check ranges and combinations. With world_size, also the checks that depend on it; with node_size
+    (the ranks per node, known to a launcher before any rank starts), that a shard group fits a node."""
     from model import PRESETS  # the trainer sees everything; config validation needs the presets
 
     p: list[str] = []
@@ -177,7 +198,7 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
     if ms.every and "head" in ms.layers and m.tie_embeddings is not False and len(ms.layers) == 1:
         p.append("comm.momentum_sync.layers: [head] but the model ties embedding and head (the shared weight "
                  "is the 'embedding' layer); set model.tie_embeddings=false or select embedding")
-    p += _parallel_problems(cfg, world_size)
+    p += _parallel_problems(cfg, world_size, node_size)
     choice(p, "train.resume", t.resume, ["never", "auto", "overwrite"])
     choice(p, "train.on_nonfinite", t.on_nonfinite, ["stop", "skip_step", "rollback"])
     choice(p, "train.device", t.device, ["auto", "cpu", "cuda"])

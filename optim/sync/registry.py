@@ -227,7 +227,11 @@ class SyncScheme:
         elif bucket_mb > 0 and not self.bucketable:
             p.append(f"comm.bucket_mb / comm.overlap: comm.mode={self.name} exchanges its vector as a whole (its "
                      f"state or its scales span it); set comm.bucket_mb=0 and comm.overlap=false")
-        if overlap and not bucket_mb > 0:
+        if overlap and shard_size > 1:  # buckets are refused there too (trainer.config_validate): no circle
+            p.append(f"comm.overlap: true with parallel.shard_size={shard_size}: FSDP already overlaps its "
+                     f"reduce-scatter with backward and the exchange across replicas runs after it; set "
+                     f"comm.overlap=false")
+        elif overlap and not bucket_mb > 0:
             p.append("comm.overlap: true needs buckets; set comm.bucket_mb > 0 (e.g. 25, DDP's default)")
         elif overlap and self.per_rank_state and grad_clip > 0:
             p.append(f"comm.overlap: true with comm.mode={self.name} (update sync) needs optim.grad_clip=0: a bucket's "

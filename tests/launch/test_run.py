@@ -19,7 +19,7 @@ def _run(*args: str, timeout: float = 30, **env: str) -> subprocess.CompletedPro
                           timeout=timeout)
 
 
-def test_dry_run_prints_the_torchrun_command():
+def test_dry_run_prints_the_torchrun_command(tmp_path):
     p = _run(DRY_RUN="1", OMP_NUM_THREADS=None, NPROC=None, LOG_RANK=None)
     assert p.returncode == 0, p.stderr
     cores = os.cpu_count() or 1
@@ -38,9 +38,16 @@ def test_dry_run_prints_the_torchrun_command():
     assert line.endswith("configs/default.yaml train.max_steps=7 optim.name=adamw"), line
 
     # elastic restarts: torchrun's --max-restarts, and every (re)start resumes
-    p = _run("configs/default.yaml", "train.max_steps=7", DRY_RUN="1", MAX_RESTARTS="3")
+    new = tmp_path / "new"
+    p = _run("configs/default.yaml", "train.max_steps=7", f"train.out_dir={new}", DRY_RUN="1", MAX_RESTARTS="3")
     line = p.stdout.strip()
-    assert "--max-restarts=3 " in line and line.endswith("train.max_steps=7 train.resume=auto"), line
+    assert "--max-restarts=3 " in line and line.endswith(f"train.out_dir={new} train.resume=auto"), line
+    # ... of a new run: a run directory that holds a run is refused first, as train.resume=never would
+    (new / "metrics.jsonl").parent.mkdir()
+    (new / "metrics.jsonl").write_text("{}\n")
+    p = _run("configs/default.yaml", f"train.out_dir={new}", DRY_RUN="1", MAX_RESTARTS="3")
+    assert p.returncode == 2 and not p.stdout, p.stdout
+    assert f"run directory {new} already exists and is not empty; pass train.resume=auto to continue it" in p.stderr
     p = _run("configs/default.yaml", "train.resume=overwrite", DRY_RUN="1", MAX_RESTARTS="2")
     assert p.stdout.strip().endswith("train.resume=overwrite")  # an explicit choice is kept
     assert _run(DRY_RUN="1", MAX_RESTARTS="-1").returncode == 2

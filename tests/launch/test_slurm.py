@@ -194,6 +194,21 @@ def test_sbatch_profiles_and_rendezvous_dry_run(tmp_path):
     assert "--kill-on-bad-exit=1" in ib.stdout
     bad_min = _dry_run(tmp_path, nodes="nodeA,nodeB", GPUS="4", MIN_NODES="3")
     assert bad_min.returncode == 2 and "MIN_NODES must be between 1 and the job's 2 node(s)" in bad_min.stderr
+    # ... refused before the job starts for a mode whose state cannot move to fewer ranks (DiLoCo, error
+    # feedback: every restart on fewer nodes would fail on resume); accepted with the world held fixed
+    out = f"train.out_dir={tmp_path / 'run'}"
+    for mode, more in (("diloco", ["comm.diloco.inner_steps=3"]), ("loco", [])):
+        el = _dry_run(tmp_path, "nodeA,nodeB,nodeC", out, f"comm.mode={mode}", *more, GPUS="4", MAX_RESTARTS="2",
+                      MIN_NODES="2")
+        assert el.returncode == 2 and "+ srun" not in el.stdout, el.stdout
+        assert f"comm.mode={mode} keeps per-rank exchange state" in el.stderr and "MIN_NODES" in el.stderr, el.stderr
+        fixed = _dry_run(tmp_path, "nodeA,nodeB,nodeC", out, f"comm.mode={mode}", *more, GPUS="4", MAX_RESTARTS="2")
+        assert fixed.returncode == 0, fixed.stderr
+    # a shard group wider than a node: refused before the job starts (the ranks' mesh would refuse it)
+    wide = _dry_run(tmp_path, "nodeA,nodeB", out, "parallel.shard_size=8", GPUS="4")
+    assert wide.returncode == 2 and "+ srun" not in wide.stdout, wide.stdout
+    assert "parallel.shard_size: 8 does not divide the ranks per node (4)" in wide.stderr, wide.stderr
+    assert _dry_run(tmp_path, "nodeA,nodeB", out, "parallel.shard_size=4", GPUS="4").returncode == 0
 
     # the profile wins over NCCL_IB_* values exported by the submitting shell
     eth = _dry_run(tmp_path, GPUS="4", NET_PROFILE="ethernet", NCCL_SOCKET_IFNAME="eth1", NCCL_IB_HCA="mlx5_1")

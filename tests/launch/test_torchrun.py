@@ -91,3 +91,20 @@ def test_help_anywhere_is_left_to_train_py():
     assert check_train_args(["configs/default.yaml", "--help-config"], 2) == ""
     assert check_train_args(["configs/default.yaml", "train.max_steps=1", "-h"], 2) == ""
     assert "no_such_key" in check_train_args(["configs/default.yaml", "train.no_such_key=1"], 2)
+
+
+def test_a_shard_group_wider_than_a_node_is_found_before_launch():
+    """The ranks per node (--nproc_per_node) bound parallel.shard_size as the ranks' mesh does
+    (trainer.parallel.make_mesh): 2 nodes x 4 ranks at S = 8 divides the world but not a node; with an
+    elastic node count the world is unknown and the node still bounds it."""
+    from torch.distributed.run import parse_args
+
+    from launch.torchrun import _node_size, _world_size, check_train_args
+
+    args = ["configs/default.yaml", "parallel.shard_size=8"]
+    assert "parallel.shard_size: 8 does not divide the ranks per node (4)" in check_train_args(args, 8, 4)
+    assert check_train_args(["configs/default.yaml", "parallel.shard_size=4"], 8, 4) == ""
+    elastic = parse_args(["--nnodes=1:2", "--nproc_per_node=4", "train.py"])
+    assert (_world_size(elastic), _node_size(elastic)) == (None, 4)
+    assert "does not divide the ranks per node (4)" in check_train_args(args, None, 4)
+    assert _node_size(parse_args(["--nproc_per_node=gpu", "train.py"])) is None

@@ -38,6 +38,16 @@ def test_config_errors_name_the_key(variant, overrides, message) -> None:
         validate(cfg, world_size=4)
 
 
+def test_overlap_on_shards_says_to_turn_it_off_not_to_add_buckets() -> None:
+    """comm.overlap=true at S > 1: the fix named is overlap=false (buckets are refused on shards too; it
+    said 'set comm.bucket_mb > 0', whose error then said 'set comm.bucket_mb=0')."""
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs" / "variants" / "lioncub_1bit.yaml", ["parallel.shard_size=2", "comm.overlap=true"])
+    assert str(e.value) == (
+        "1 config problem(s):\n  - comm.overlap: true with parallel.shard_size=2: FSDP already overlaps its "
+        "reduce-scatter with backward and the exchange across replicas runs after it; set comm.overlap=false")
+
+
 PARALLEL_CKPT = Worker("parallel_ckpt.py", "{tmp}/runs", timeout=300,
                        keep=("runs/straight", "runs/straight_params.pt"))  # test_tools_read_a_sharded_checkpoint
 
