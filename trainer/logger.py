@@ -304,7 +304,9 @@ def banner(trainer) -> str:
         provenance.console_line(provenance.collect()),
         f"run {trainer.out_dir} | python {platform.python_version()} torch {torch.__version__} "
         f"numpy {numpy.__version__} | {platform.node()} {platform.machine()} | {info.backend} "
-        f"world {info.world_size} on {trainer.device}",
+        f"world {info.world_size} on {trainer.device}" + (
+            f", mesh {trainer.parallel.describe()}: FSDP2 inside each shard group, comm.mode across the replicas"
+            if trainer.parallel.sharded else ""),
         f"model {c.model.preset}: {m.num_params() / 1e6:.2f}M params "
         f"({m.num_params(non_embedding=True) / 1e6:.2f}M non-embedding), "
         f"{m.flops_per_token(c.data.seq_len) / 1e6:.1f} MFLOP/token"

@@ -14,7 +14,7 @@ import sys
 from model.memory import GIB, estimate, report
 from util.cli import Parser, variant_runs
 
-from .config import ConfigError, load_config
+from .config import AUTO_MODE, ConfigError, load_config, validate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +33,13 @@ def main(argv: list[str] | None = None) -> int:
         for name, files in runs:
             cfg = load_config(files, args.overrides)
             shard = args.shard_size if args.shard_size is not None else cfg.parallel.shard_size
-            rows.append((name, cfg, shard, estimate(cfg, args.world, shard, device=args.device)))
+            if cfg.comm.mode == AUTO_MODE:
+                raise ConfigError(f"{name or ' '.join(files)}: comm.mode=auto picks its variant when the run starts; "
+                                  f"estimate the candidates with --variants configs/variants/*.yaml, or give comm.mode")
+            mem = estimate(cfg, args.world, shard, device=args.device)  # its own errors name --world / --shard-size
+            cfg.parallel.shard_size = shard  # then the run as train.py checks it at this world size and mesh
+            validate(cfg, world_size=args.world)
+            rows.append((name, cfg, shard, mem))
     except (ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -56,6 +56,10 @@ class Parallel:
     def shard_mesh(self):
         return self.mesh["shard"]
 
+    def describe(self) -> str:
+        """The mesh in the console's words: '' when replicated, else '2 x 4 (replicas x shard size)'."""
+        return f"{self.replicas} x {self.shard_size} (replicas x shard size)" if self.sharded else ""
+
 
 def make_mesh(shard_size: int, world_size: int, device: torch.device) -> Parallel:
     """The Parallel of `parallel.shard_size` at this world size (a ConfigError when it does not fit)."""

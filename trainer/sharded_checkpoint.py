@@ -112,9 +112,13 @@ def _per_param(opt_state: dict) -> list[tuple[dict, list[str]]]:
         nodes.append((opt_state["inner"], ["inner"]))
     extra = sorted(set(opt_state) - {"state", "param_groups", "comm", "inner", "shard_dims"})
     exchange = (opt_state.get("comm") or {}).get("exchange")
-    if extra or exchange or not nodes or any("state" not in node for node, _ in nodes):
-        raise ValueError(f"its optimizer state holds {extra or 'exchange state'}, which is laid out over the saved "
-                         f"mesh's flat vector")
+    if exchange and not extra:
+        raise ValueError(f"its comm.mode's exchange keeps per-rank state sized for the saved mesh "
+                         f"({', '.join(sorted(exchange))}: error feedback, or a local-update scheme's outer state "
+                         f"and workers)")
+    if extra or not nodes or any("state" not in node for node, _ in nodes):
+        raise ValueError(f"its optimizer state holds {extra or 'no per-parameter state'}, which is laid out over "
+                         f"the saved mesh's flat vector")
     return nodes
 
 

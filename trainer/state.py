@@ -123,8 +123,11 @@ def finish(trainer) -> dict:
     if len(set(digests)) != 1:
         raise RuntimeError(f"parameters differ across ranks after step {trainer.step}: {digests}")
     path = trainer.save()
+    mesh = trainer.parallel.describe()
     trainer.logger.console(f"done: {trainer.step} steps, val loss {last_eval:.4f}, parameters bit-identical on "
-                           f"{trainer.info.world_size} rank(s), checkpoint {path}")
+                           f"{trainer.info.world_size} rank(s)" + (f" (mesh {mesh}: whole tensors compared, every "
+                                                                  f"replica's the same)" if mesh else "")
+                           + f", checkpoint {path}")
     return {"step": trainer.step, "val_loss": last_eval, "stopped": False}
 
 

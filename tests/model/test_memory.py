@@ -72,6 +72,22 @@ def test_command_line(tmp_path) -> None:
     assert bad.returncode == 2 and "--shard-size 3 must be >= 1 and divide --world 8" in bad.stderr
 
 
+def test_a_run_train_py_refuses_is_refused_not_estimated(capsys) -> None:
+    """What train.py would refuse at this world size and mesh is an error, not a 'fits' (the hierarchical
+    vote runs on no mesh); comm.mode=auto says how to estimate its candidates."""
+    from trainer.memory import main
+
+    hier = str(ROOT / "configs/variants/lioncub_hier.yaml")
+    assert main([hier, "model.preset=debug", "--world", "4"]) == 0
+    assert ": fits" in capsys.readouterr().out
+    assert main([hier, "model.preset=debug", "--world", "4", "--shard-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "comm.mode=hierarchical does not run across replicas" in err, err
+    assert main([str(ROOT / "configs/default.yaml"), "comm.mode=auto", "--world", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "comm.mode=auto picks its variant when the run starts; estimate the candidates with --variants" in err, err
+
+
 def test_update_sync_buffer_is_the_wave_scratch_unless_overlap() -> None:
     """Lion Cub writes c over the gradient: the estimate counts its wave scratch (1/8 of the model
     here, at least 2M elements), and the whole fp32 vector only with comm.overlap (c made during

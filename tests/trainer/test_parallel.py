@@ -142,6 +142,23 @@ def test_remesh_reads_one_old_replica_at_a_time() -> None:
                        want[3:])  # a plain list reads the same
 
 
+def test_remesh_refusals_say_which_state_cannot_move() -> None:
+    """A state the remesh cannot map is refused with its reason: an exchange's per-rank state (DiLoCo's
+    outer state, error feedback) by the exchange's keys, an optimizer's own flat-layout entries by theirs."""
+    import torch
+
+    from trainer.sharded_checkpoint import remesh_optimizer_state
+
+    base = {"state": {0: {"momentum": torch.zeros(4)}}, "param_groups": [{"params": [0]}]}
+    outer = {**base, "comm": {"step": 3, "exchange": {"global": torch.zeros(4), "outer_momentum": torch.zeros(4)}}}
+    with pytest.raises(ValueError, match=r"exchange keeps per-rank state sized for the saved mesh \(global, "
+                                         r"outer_momentum: error feedback, or a local-update scheme's outer state"):
+        remesh_optimizer_state([outer] * 4, 2, 1, 4, 0, 0, 0)
+    frozen = {**base, "frozen": torch.zeros(4), "comm": {"step": 3}}
+    with pytest.raises(ValueError, match=r"holds \['frozen'\], which is laid out over the saved mesh's flat vector"):
+        remesh_optimizer_state([frozen] * 4, 2, 1, 4, 0, 0, 0)
+
+
 def test_remesh_moves_state_between_shard_dims() -> None:
     """remesh_optimizer_state joins each saved tensor along the dimension the saved state names
     ("shard_dims") and cuts the new rank's chunk along the one the new optimizer names: a Dion matrix

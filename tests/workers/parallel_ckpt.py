@@ -9,6 +9,8 @@ state (binsgdm) on another mesh is a config error naming the saved mesh. Each is
 (CHECKS; tests/workers/_checks.py records its outcome)."""
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
 from pathlib import Path
 
@@ -20,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from trainer.config import ConfigError, load_config  # noqa: E402
 from trainer.dist import init_distributed, shutdown  # noqa: E402
+from trainer.logger import banner  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
 from _trainer import fit  # noqa: E402  (tests/workers/ is the script's directory)
 
@@ -62,7 +65,14 @@ def main(tmp: str) -> None:
     tmp_dir = Path(tmp)
     checks.begin("straight")
     a = trainer(tmp_dir / "straight", ["train.resume=never"])
-    fit(a)
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        fit(a)
+    # the console names the mesh: at the start, and in the end's claim of identical parameters
+    assert "gloo world 4 on cpu, mesh 2 x 2 (replicas x shard size)" in banner(a), banner(a)
+    if INFO.is_main:
+        assert "parameters bit-identical on 4 rank(s) (mesh 2 x 2 (replicas x shard size): whole tensors" \
+            in said.getvalue(), said.getvalue()
     whole = dict(zip(sorted(n for n, _ in a.model.named_parameters()), full(a)))
     if INFO.is_main:  # for tests/trainer/test_parallel.py: model.load reads the sharded checkpoint
         torch.save(whole, tmp_dir / "straight_params.pt")
