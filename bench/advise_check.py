@@ -36,6 +36,7 @@ from typing import Sequence
 
 from bench.step_breakdown import DEFAULT_OVERRIDES
 from bench.variants import ROOT
+from util.cli import Parser
 
 DEFAULT_VARIANTS = ["lion_fp32", "lion_bf16", "adamw_fp32", "lioncub_1bit", "lioncub_4bit", "lioncub_8bit_l1",
                     "dlion_mavo"]
@@ -160,7 +161,7 @@ def adopt_measured(args: argparse.Namespace, ap: argparse.ArgumentParser) -> lis
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.advise_check", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="python -m bench.advise_check", description=__doc__.split("\n\n")[0])  # one-line errors
     ap.add_argument("--rates", default=None, help="comma list of bench.netsim rates (default: 1gbit,100mbit)")
     ap.add_argument("--variants", default=None, help=f"comma list (default: {','.join(DEFAULT_VARIANTS)})")
     ap.add_argument("--nproc", type=int, default=None, help=f"ranks (default: {LAYOUT_DEFAULTS['nproc']})")
@@ -185,6 +186,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.variants = args.variants or ",".join(DEFAULT_VARIANTS)
     if args.nodes < 0 or (args.nodes and args.nproc % args.nodes):
         ap.error(f"--nodes {args.nodes} must divide --nproc {args.nproc} (0 = one namespace per rank)")
+    shard = [w for w in args.overrides.split() if w.startswith("parallel.shard_size=") and w.split("=", 1)[1] != "1"]
+    if shard:  # refused before any namespace or rank starts (bench.advise and comm.mode=auto refuse it too)
+        ap.error(f"--overrides {shard[-1]}: bench.advise_check checks comm.mode=auto, which predicts replicated "
+                 f"runs only; leave parallel.shard_size at 1")
     from bench import netsim
 
     out = Path(args.out)

@@ -288,6 +288,22 @@ def test_advise_check_passes_nodes_to_both_netsim_launches(monkeypatch, tmp_path
     assert e.value.code == 2
 
 
+def test_advise_check_refuses_what_it_cannot_check_in_one_line(monkeypatch, capsys):
+    """A config word (it takes --overrides) and a shard size (auto predicts replicated runs) are one line
+    on stderr and exit 2 before any namespace or rank starts (it printed argparse's usage block, or
+    started the ranks)."""
+    from bench import advise_check
+
+    monkeypatch.setattr(netsim, "run", lambda *a, **kw: pytest.fail("netsim started"))
+    for argv, says in ((["configs/default.yaml"], "configs/default.yaml"),
+                       (["--overrides", "model.preset=debug parallel.shard_size=2"],
+                        "--overrides parallel.shard_size=2: bench.advise_check checks comm.mode=auto")):
+        with pytest.raises(SystemExit) as e:
+            advise_check.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and says in err and err.count("\n") == 1 and "usage:" not in err, err
+
+
 def test_a_candidate_may_be_a_preset_with_optim_or_comm_keys_set():
     """`name@section.key=value` (bench.step_breakdown's syntax): the preset with the key set, the whole
     string as its name; a key outside optim / comm or a malformed entry is a ValueError naming it."""
