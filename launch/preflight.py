@@ -1,6 +1,7 @@
 """Checks a launcher script runs before it starts any rank of train.py (launch/slurm/train.sbatch).
 
-    python -m launch.preflight [--world N] [--node-size L] [--fresh HINT] CONFIG [MORE.yaml ...] [key=value ...]
+    python -m launch.preflight [--world N] [--node-size L] [--world-may-change] [--fresh HINT]
+                               CONFIG [MORE.yaml ...] [section.key=value ...]
 
 - the config (files and overrides) loads and validates, with the world size N and the ranks per node L
   when given (a shard group, parallel.shard_size, must fit a node);
@@ -30,9 +31,8 @@ def fresh_problem(out_dir: str | Path, hint: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from launch.torchrun import check_train_args
+    from launch.torchrun import HELP, check_train_args
     from trainer.config import load_config, split_config_args
-    from trainer.config_validate import elastic_problems
 
     ap = argparse.ArgumentParser(prog="python -m launch.preflight", description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=None, help="the world size the ranks will have")
@@ -43,12 +43,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="refuse an existing non-empty train.out_dir; HINT says how to continue it instead")
     ap.add_argument("args", nargs=argparse.REMAINDER, help="CONFIG [MORE.yaml ...] [section.key=value ...]")
     ns = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    problem = check_train_args(ns.args, ns.world, ns.node_size) if ns.args else "expected CONFIG [overrides]"
-    if not problem and (ns.fresh is not None or ns.world_may_change):
-        cfg = load_config(*split_config_args(ns.args))
-        problem = "; ".join(elastic_problems(cfg)) if ns.world_may_change else ""
-        if not problem and ns.fresh is not None:
-            problem = fresh_problem(cfg.train.out_dir, ns.fresh)
+    if HELP & set(ns.args):
+        return 0  # train.py answers these itself
+    problem = (check_train_args(ns.args, ns.world, ns.node_size, ns.world_may_change) if ns.args
+               else "expected CONFIG [overrides]")
+    if not problem and ns.fresh is not None:
+        problem = fresh_problem(load_config(*split_config_args(ns.args)).train.out_dir, ns.fresh)
     if problem:
         print(f"error: {problem}", file=sys.stderr, flush=True)
         return 2

@@ -5,8 +5,9 @@
 
 It takes torchrun's options (torch.distributed.run) and differs in two ways:
 - train.py's config files and overrides are loaded and validated here first (with the world size
-  when --nnodes and --nproc_per_node fix it): a problem is one message on stderr, exit code 2, and
-  no rank is started;
+  when --nnodes and --nproc_per_node fix it, the ranks per node when --nproc_per_node does, and with
+  an elastic --nnodes=MIN:MAX whether a restart on fewer ranks could resume the run): a problem is
+  one message on stderr, exit code 2, and no rank is started;
 - when a rank fails anyway (an error only the ranks can find: a run directory that exists, data,
   a checkpoint), torchrun would end in its own ChildFailedError traceback and exit code 1. Here the
   rank's own message stands alone and the launcher exits with that rank's exit code (2 for the
@@ -25,6 +26,9 @@ import os
 import signal
 import socket
 import sys
+
+
+HELP = {"-h", "--help", "--help-config"}  # train.py's own answers, never checked as a config
 
 
 def _node_size(args) -> int | None:
@@ -54,17 +58,31 @@ def _world_size(args) -> int | None:
         return None
 
 
-def check_train_args(script_args: list[str], world_size: int | None, node_size: int | None = None) -> str:
-    """train.py's own argument and config checks, before launch: the error text, or ''. With node_size
-    (ranks per node), also that parallel.shard_size fits a node, as the ranks' mesh demands."""
-    from trainer.config import ConfigError, load_config_args, validate
+def _world_may_change(args) -> bool:
+    """An elastic node count (--nnodes=MIN:MAX, MIN < MAX): a restart may form a smaller world."""
+    lo, _, hi = str(args.nnodes).partition(":")
+    return bool(hi) and lo != hi and not args.standalone
 
-    if not script_args or {"-h", "--help", "--help-config"} & set(script_args):
+
+def check_train_args(script_args: list[str], world_size: int | None, node_size: int | None = None,
+                     world_may_change: bool = False) -> str:
+    """train.py's own argument and config checks, before launch: the error text, or ''. With node_size
+    (ranks per node), also that parallel.shard_size fits a node, as the ranks' mesh demands; with
+    world_may_change, that a restart on fewer ranks could resume the run (config_validate.elastic_problems)."""
+    from trainer.automode import candidates
+    from trainer.config import AUTO_MODE, ConfigError, load_config_args, validate
+    from trainer.config_validate import elastic_problems
+
+    if not script_args or HELP & set(script_args):
         return ""  # train.py answers these itself, wherever they stand (util/cli.py's convention)
     try:
         cfg = load_config_args(script_args)
         if world_size is not None or node_size is not None:
             validate(cfg, world_size=world_size, node_size=node_size)
+        if world_may_change:
+            modes = ([(c.sections.get("comm") or {}).get("mode", "fp32") for c in candidates(cfg)]
+                     if cfg.comm.mode == AUTO_MODE else None)
+            return "; ".join(elastic_problems(cfg, modes))
     except ConfigError as e:
         return str(e)
     return ""
@@ -77,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if os.path.basename(args.training_script) == "train.py" and not args.module:
-        problem = check_train_args(list(args.training_script_args), _world_size(args), _node_size(args))
+        problem = check_train_args(list(args.training_script_args), _world_size(args), _node_size(args),
+                                   _world_may_change(args))
         if problem:
             print(f"error: {problem}", file=sys.stderr, flush=True)
             return 2

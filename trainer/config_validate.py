@@ -78,19 +78,25 @@ def _parallel_problems(cfg: Config, world_size: int | None, node_size: int | Non
     return p
 
 
-def elastic_problems(cfg: Config) -> list[str]:
+def elastic_problems(cfg: Config, auto_modes: list[str] | None = None) -> list[str]:
     """Why a run of cfg could not continue on another world size after a restart (a launcher that lets
-    the world shrink: train.sbatch's MIN_NODES below its node count), [] when it could: a comm.mode whose
-    exchange keeps per-rank state sized for the saved world (error feedback, DiLoCo's outer state: the
-    registry's `stateful`) is refused on resume (optim.base load_resharded, the remesh path), so every
-    restart on fewer ranks would fail. Unknown modes and comm.mode=auto are validate()'s to report."""
-    mode = cfg.comm.mode
-    if mode == AUTO_MODE or mode not in sync.names() or not sync.get(mode).stateful:
+    the world shrink: train.sbatch's MIN_NODES below its node count, torchrun's --nnodes=MIN:MAX), []
+    when it could: a comm.mode whose exchange keeps per-rank state sized for the saved world (error
+    feedback, DiLoCo's outer state: the registry's `stateful`) is refused on resume (optim.base
+    load_resharded, the remesh path), so every restart on fewer ranks would fail. comm.mode=auto: any
+    of the modes it may pick (`auto_modes`, trainer.automode.candidates'), since its pick is kept for the
+    run's restarts. Unknown modes are validate()'s to report."""
+    auto = cfg.comm.mode == AUTO_MODE
+    modes = (auto_modes or []) if auto else [cfg.comm.mode]
+    bad = sorted({m for m in modes if m in sync.names() and sync.get(m).stateful})
+    if not bad:
         return []
-    return [f"comm.mode={mode} keeps per-rank exchange state sized for the world it was saved on (error feedback, "
-            f"or DiLoCo's outer state), so a restart on fewer ranks could not resume it; keep the world size "
-            f"fixed (launch/slurm/train.sbatch: MIN_NODES = the job's node count, its default) or choose a mode "
-            f"without such state"]
+    what = (f"comm.mode=auto may pick {', '.join(bad)} (comm.auto_allow), which keep" if auto else
+            f"comm.mode={bad[0]} keeps")
+    return [f"{what} per-rank exchange state sized for the world it was saved on (error feedback, or DiLoCo's "
+            f"outer state), so a restart on fewer ranks could not resume it; keep the world size fixed "
+            f"(launch/slurm/train.sbatch: MIN_NODES = the job's node count, its default; torchrun: --nnodes=N, "
+            f"not a range) or choose a mode without such state" + (" in comm.auto_allow" if auto else "")]
 
 
 def validate(cfg: Config, world_size: int | None = None, raise_error: bool = True,

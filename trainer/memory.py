@@ -38,7 +38,12 @@ def main(argv: list[str] | None = None) -> int:
                                   f"estimate the candidates with --variants configs/variants/*.yaml, or give comm.mode")
             mem = estimate(cfg, args.world, shard, device=args.device)  # its own errors name --world / --shard-size
             cfg.parallel.shard_size = shard  # then the run as train.py checks it at this world size and mesh
-            validate(cfg, world_size=args.world)
+            try:
+                validate(cfg, world_size=args.world)
+            except ConfigError as e:
+                if not args.variants:
+                    raise
+                mem = f"refused: train.py would not run it here: {e}"  # one variant of several: its row says why
             rows.append((name, cfg, shard, mem))
     except (ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -48,13 +53,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {name}")
         print(f"{cfg.model.preset} | optim.name={cfg.optim.name} comm.mode={cfg.comm.mode} | world {args.world}, "
               f"shard size {shard} (replicas {args.world // shard}) | batch {cfg.data.batch_size} x {cfg.data.seq_len}")
-        print(report(mem, args.device_gib))
+        print(mem if isinstance(mem, str) else report(mem, args.device_gib))
     if args.variants:
         width = max(len(r[0]) for r in rows)
         print(f"\n{'variant':{width}s}  {'model state':>12s}  {'total':>10s}  of {args.device_gib:g} GiB")
         for name, _, _, mem in rows:
-            print(f"{name:{width}s}  {mem.model_state / GIB:8.2f} GiB  {mem.total / GIB:6.2f} GiB  "
+            print(f"{name:{width}s}  refused (above)" if isinstance(mem, str) else
+                  f"{name:{width}s}  {mem.model_state / GIB:8.2f} GiB  {mem.total / GIB:6.2f} GiB  "
                   f"{'fits' if mem.total <= args.device_gib * GIB else 'does NOT fit'}")
+    if all(isinstance(r[3], str) for r in rows):
+        print("error: train.py would run none of the variants at this world size and mesh (above)", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -102,7 +102,7 @@ def load_full_model(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> N
                 v.copy_(state[k])
 
 
-def _per_param(opt_state: dict) -> list[tuple[dict, list[str]]]:
+def _per_param(opt_state: dict, exchange=None) -> list[tuple[dict, list[str]]]:
     """Every torch-style {"state": {index: {key: tensor}}} part of an optimizer state with its path
     (the optimizer's own, and the torch optimizer inside it: optim/adamw.py, the matrix optimizers'
     AdamW), or ValueError when the state holds anything a mesh change cannot map (flat-layout
@@ -111,14 +111,15 @@ def _per_param(opt_state: dict) -> list[tuple[dict, list[str]]]:
     if "inner" in opt_state:
         nodes.append((opt_state["inner"], ["inner"]))
     extra = sorted(set(opt_state) - {"state", "param_groups", "comm", "inner", "shard_dims"})
-    exchange = (opt_state.get("comm") or {}).get("exchange")
-    if exchange and not extra:
-        raise ValueError(f"its comm.mode's exchange keeps per-rank state sized for the saved mesh "
-                         f"({', '.join(sorted(exchange))}: error feedback, or a local-update scheme's outer state "
-                         f"and workers)")
-    if extra or not nodes or any("state" not in node for node, _ in nodes):
-        raise ValueError(f"its optimizer state holds {extra or 'no per-parameter state'}, which is laid out over "
-                         f"the saved mesh's flat vector")
+    saved = (opt_state.get("comm") or {}).get("exchange")
+    if saved and not extra and not getattr(exchange, "remaps_state", False):
+        raise ValueError(f"its comm.mode's exchange{' ' + type(exchange).__name__ if exchange is not None else ''} "
+                         f"keeps per-rank state sized for the saved mesh ({', '.join(sorted(saved))}: error "
+                         f"feedback, or a local-update scheme's outer state and workers)")
+    if extra:
+        raise ValueError(f"its optimizer state holds {extra}, which is laid out over the saved mesh's flat vector")
+    if not nodes or any("state" not in node for node, _ in nodes):
+        raise ValueError("its optimizer state has no per-parameter ('state') entry to remap")
     return nodes
 
 
@@ -130,7 +131,7 @@ def _chunk(t: torch.Tensor, shards: int, index: int, dim: int = 0) -> torch.Tens
 
 
 def remesh_optimizer_state(states: Sequence[dict], saved_shard: int, shard: int, replicas: int, replica: int,
-                           shard_index: int, group_rank: int, dims: dict | None = None) -> dict:
+                           shard_index: int, group_rank: int, dims: dict | None = None, exchange=None) -> dict:
     """This rank's optimizer state on a new mesh, from every rank's saved state (`states`, old rank
     order, `saved_shard` ranks per model copy). Per-parameter tensors are joined into each old
     replica's whole tensors along the dimension the saved state names for them (its "shard_dims":
@@ -142,6 +143,10 @@ def remesh_optimizer_state(states: Sequence[dict], saved_shard: int, shard: int,
     `dims` names (the new optimizer's state_shard_dims, same form). Scalars (step counts) are kept.
     ValueError for state that is not per parameter.
 
+    The exchange's own per-rank state (comm.exchange) is refused, unless this run's `exchange` remaps
+    it (Exchange.remaps_state: pbit's generator), which then gives this rank's (Exchange.reshard_state
+    of the saved ones this rank read), as CommOptimizer.load_resharded does for a world-size change.
+
     `states` is indexed, never iterated whole: a sequence that loads rank q's file when `states[q]`
     is read (trainer/state.py) holds about one old replica's state and the running mean at a time."""
     old_replicas = len(states) // saved_shard
@@ -151,7 +156,7 @@ def remesh_optimizer_state(states: Sequence[dict], saved_shard: int, shard: int,
         """Old replica r: rank r * saved_shard's state (its scalars, param_groups) and, per
         torch-style node of it (`_per_param`), {index: {key: whole tensor}}."""
         group = [states[r * saved_shard + k] for k in range(saved_shard)]
-        parts = [_per_param(g) for g in group]
+        parts = [_per_param(g, exchange) for g in group]
         saved_dims = group[0].get("shard_dims") or {}  # the same on every rank of the replica
         wholes = []
         for j, (_, path) in enumerate(parts[0]):
@@ -180,7 +185,7 @@ def remesh_optimizer_state(states: Sequence[dict], saved_shard: int, shard: int,
             del head, wholes
         mine = [mean.result() for mean in means]
     out = dict(first)
-    for (base, path), whole in zip(_per_param(first), mine):
+    for (base, path), whole in zip(_per_param(first, exchange), mine):
         def cut(i: int, key: str, v):
             if not (torch.is_tensor(v) and v.ndim):
                 return v
@@ -195,7 +200,9 @@ def remesh_optimizer_state(states: Sequence[dict], saved_shard: int, shard: int,
             out.update(node)
     out.pop("shard_dims", None)  # the saved mesh's layout
     comm = dict(out.get("comm") or {})
-    comm.update(world_size=replicas, rank=group_rank, exchange={})
+    saved_exchange = comm.get("exchange") or {}
+    comm.update(world_size=replicas, rank=group_rank,
+                exchange=exchange.reshard_state([saved_exchange]) if saved_exchange else {})
     out["comm"] = comm
     return out
 

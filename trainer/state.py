@@ -243,7 +243,7 @@ def _load_remeshed(trainer, path: Path, meta: dict, files: dict, saved_shard: in
             RankStates(path, meta, files), saved_shard, par.shard_size, par.replicas,
             rank // par.shard_size, rank % par.shard_size, rank // par.shard_size if par.sharded else rank,
             # how this run's optimizer splits its state (Muon, Dion); the others: dim 0 like their parameters
-            getattr(trainer.optimizer, "state_shard_dims", dict)())
+            getattr(trainer.optimizer, "state_shard_dims", dict)(), getattr(trainer.optimizer, "exchange", None))
     except CheckpointError:  # a file read again (RankStates): not a mesh this run cannot take
         raise
     except ValueError as e:

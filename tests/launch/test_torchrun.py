@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -108,3 +110,35 @@ def test_a_shard_group_wider_than_a_node_is_found_before_launch():
     assert (_world_size(elastic), _node_size(elastic)) == (None, 4)
     assert "does not divide the ranks per node (4)" in check_train_args(args, None, 4)
     assert _node_size(parse_args(["--nproc_per_node=gpu", "train.py"])) is None
+
+
+def test_the_launcher_passes_the_node_size_and_an_elastic_world_to_the_checks(monkeypatch, capsys):
+    """main(): the ranks per node and an elastic --nnodes=MIN:MAX reach the config check, which refuses
+    before torchrun runs (a shard group wider than a node; a mode whose state cannot move to fewer ranks,
+    also among those comm.mode=auto may pick); a fixed node count accepts the latter."""
+    import torch.distributed.run as tdr
+
+    from launch.torchrun import main
+
+    monkeypatch.setattr(tdr, "run", lambda args: pytest.fail("torchrun started"))
+    train = str(ROOT / "train.py")
+    cfg = str(ROOT / "configs" / "default.yaml")
+    rdzv = ["--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0"]
+    assert main(["--nnodes=2", "--nproc_per_node=2", *rdzv, train, cfg, "parallel.shard_size=4"]) == 2
+    assert "parallel.shard_size: 4 does not divide the ranks per node (2)" in capsys.readouterr().err
+    assert main(["--nnodes=1:2", "--nproc_per_node=2", *rdzv, train, cfg, "comm.mode=loco"]) == 2
+    err = capsys.readouterr().err
+    assert "comm.mode=loco keeps per-rank exchange state" in err and "--nnodes=N, not a range" in err, err
+    assert main(["--nnodes=1:2", "--nproc_per_node=2", *rdzv, train, cfg, "optim.name=lion", "comm.mode=auto",
+                 "comm.auto_allow=[fp32,loco]"]) == 2
+    assert "comm.mode=auto may pick loco (comm.auto_allow), which keep" in capsys.readouterr().err
+    monkeypatch.setattr(tdr, "run", lambda args: None)  # a fixed world: nothing to refuse, torchrun runs
+    assert main(["--nnodes=2", "--nproc_per_node=2", *rdzv, train, cfg, "comm.mode=loco"]) == 0
+
+
+def test_preflight_leaves_help_to_train_py(capsys):
+    from launch.preflight import main
+
+    assert main(["--world-may-change", "--fresh", "hint", "configs/default.yaml", "--help-config"]) == 0
+    assert main(["--world", "2", "configs/default.yaml", "-h"]) == 0
+    assert capsys.readouterr().err == ""

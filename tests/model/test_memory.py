@@ -3,6 +3,7 @@ the tensors real steps leave behind, for several optimizers and modes on the deb
 presets (replicated here; sharded meshes in tests/trainer/test_parallel.py), and the command line."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -86,6 +87,14 @@ def test_a_run_train_py_refuses_is_refused_not_estimated(capsys) -> None:
     assert main([str(ROOT / "configs/default.yaml"), "comm.mode=auto", "--world", "4"]) == 2
     err = capsys.readouterr().err
     assert "comm.mode=auto picks its variant when the run starts; estimate the candidates with --variants" in err, err
+    # --variants (what that advice runs): a refused variant is a row saying so, the others are estimated
+    one = str(ROOT / "configs/variants/lioncub_1bit.yaml")
+    assert main(["--variants", hier, one, "model.preset=debug", "--world", "4", "--shard-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "refused: train.py would not run it here:" in out and "comm.mode=hierarchical does not run across" in out
+    assert re.search(r"^lioncub_hier +refused \(above\)$", out, re.M) and re.search(r"^lioncub_1bit +[\d.]+ GiB", out, re.M)
+    assert main(["--variants", hier, "model.preset=debug", "--world", "4", "--shard-size", "2"]) == 2
+    assert "would run none of the variants" in capsys.readouterr().err
 
 
 def test_update_sync_buffer_is_the_wave_scratch_unless_overlap() -> None:

@@ -158,6 +158,22 @@ def test_remesh_refusals_say_which_state_cannot_move() -> None:
     with pytest.raises(ValueError, match=r"holds \['frozen'\], which is laid out over the saved mesh's flat vector"):
         remesh_optimizer_state([frozen] * 4, 2, 1, 4, 0, 0, 0)
 
+    class Remaps:  # an exchange whose state moves (pbit's generator): this run's exchange says what the rank keeps
+        remaps_state = True
+        seen = []
+
+        def reshard_state(self, states):
+            self.seen.append(states)
+            return {"rng_state": "fresh"}
+
+    gen = {**base, "comm": {"step": 3, "exchange": {"rng_state": "old"}}}
+    out = remesh_optimizer_state([gen] * 4, 2, 1, 4, 0, 0, 0, exchange=Remaps())
+    assert out["comm"]["exchange"] == {"rng_state": "fresh"} and Remaps.seen == [[{"rng_state": "old"}]]
+    assert out["comm"]["world_size"] == 4 and torch.equal(out["state"][0]["momentum"], torch.zeros(8))
+    with pytest.raises(ValueError, match=r"exchange Remaps keeps per-rank state"):  # one that does not remap
+        Remaps.remaps_state = False
+        remesh_optimizer_state([gen] * 4, 2, 1, 4, 0, 0, 0, exchange=Remaps())
+
 
 def test_remesh_moves_state_between_shard_dims() -> None:
     """remesh_optimizer_state joins each saved tensor along the dimension the saved state names
