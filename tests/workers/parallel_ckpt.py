@@ -4,7 +4,8 @@ uninterrupted 4-step run; before the save the replicas' momenta differ (per-repl
 the load every rank's momenta equal what it saved; every rank writes a model shard file (DCP); a
 damaged shard file is found by its checksum and the previous checkpoint used, again ending exactly
 where the straight run does; on another mesh (2 x 2 -> 1 x 4) every rank's momentum is its chunk of
-the mean of the replicas' whole momenta; AdamW's state moves 2 x 2 -> 4 x 1 exactly; a flat-vector
+the mean of the replicas' whole momenta; AdamW's state moves 2 x 2 -> 4 x 1 exactly; pbit's generator
+moves 2 x 2 -> 4 x 1 as a fresh stream per new rank; a flat-vector
 state (binsgdm) on another mesh is a config error naming the saved mesh. Each is a named check
 (CHECKS; tests/workers/_checks.py records its outcome)."""
 from __future__ import annotations
@@ -30,7 +31,7 @@ BASE = ["model.preset=debug", "data.batch_size=2", "data.seq_len=32", "train.max
         "train.eval_steps=1", "log.wandb=disabled", "optim.lr=1e-3", "comm.kernels=eager", "train.ckpt_every=1", "train.keep_ckpts=5",
         "parallel.shard_size=2", "train.log_every=1"]
 CHECKS = ("straight", "stop_and_resume_exact", "damaged_shard_falls_back", "lioncub_another_mesh",
-          "adamw_another_mesh", "binsgdm_refused_on_another_mesh")
+          "adamw_another_mesh", "pbit_another_mesh", "binsgdm_refused_on_another_mesh")
 
 
 def trainer(out: Path, extra: list[str], variant: str = "lioncub_1bit") -> Trainer:
@@ -126,6 +127,16 @@ def main(tmp: str) -> None:
         want = torch.cat([old[s][k] for s in range(2)])
         assert torch.equal(g.optimizer.momentum_of(entry.param), want.view_as(entry.param)), entry.name
     fit(g)
+    checks.begin("pbit_another_mesh")
+    # pbit's exchange state (a generator) moves: 2 x 2 -> 4 x 1, every rank on the fresh stream of its new
+    # rank, as a world-size change gives it (it was refused as exchange state sized for the saved mesh)
+    h = trainer(tmp_dir / "pbit", ["train.resume=never", "train.stop_after=2"], "lioncub_4bit")
+    fit(h)
+    k = trainer(tmp_dir / "pbit", ["train.resume=auto", "parallel.shard_size=1"], "lioncub_4bit")
+    fresh = trainer(tmp_dir / "pbit_fresh", ["train.resume=never", "parallel.shard_size=1"], "lioncub_4bit")
+    assert k.step == 2 and all(torch.equal(x, y) for x, y in zip(full(h), full(k)))
+    assert torch.equal(k.optimizer.exchange.gen.get_state(), fresh.optimizer.exchange.gen.get_state())
+    fit(k)  # trains on: parameters identical on every rank (checked by fit)
     checks.begin("binsgdm_refused_on_another_mesh")
     try:  # state laid out over the saved mesh's flat vector cannot move
         fit(trainer(tmp_dir / "bsgdm", ["train.resume=never", "train.stop_after=1"], "binsgdm"))
