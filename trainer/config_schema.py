@@ -225,7 +225,8 @@ class TrainConfig:
     eval_every: int = 50
     """Evaluate every N steps (and at the end); 0 = only at the end."""
     eval_steps: int = 10
-    """Validation batches per evaluation (per rank)."""
+    """Validation batches per evaluation, per rank: an evaluation reads the val split's first world size x
+    eval_steps batches, so a run at another world size evaluates another set."""
     ckpt_every: int = 0
     """Checkpoint every N steps (and always at the end); 0 = only at the end."""
     keep_ckpts: int = 2
