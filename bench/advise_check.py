@@ -186,8 +186,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.variants = args.variants or ",".join(DEFAULT_VARIANTS)
     if args.nodes < 0 or (args.nodes and args.nproc % args.nodes):
         ap.error(f"--nodes {args.nodes} must divide --nproc {args.nproc} (0 = one namespace per rank)")
-    shard = [w for w in args.overrides.split() if w.startswith("parallel.shard_size=") and w.split("=", 1)[1] != "1"]
-    if shard:  # refused before any namespace or rank starts (bench.advise and comm.mode=auto refuse it too)
+    shard = [w for w in args.overrides.split() if w.startswith("parallel.shard_size=")
+             and w.split("=", 1)[1].strip().lstrip("0") != "1"]
+    if shard:  # refused before any namespace or rank starts (bench.advise and comm.mode=auto refuse it too; one
+        # set in a --config-dir file is refused by bench.advise itself, under the simulator)
         ap.error(f"--overrides {shard[-1]}: bench.advise_check checks comm.mode=auto, which predicts replicated "
                  f"runs only; leave parallel.shard_size at 1")
     from bench import netsim

@@ -61,7 +61,10 @@ def _world_size(args) -> int | None:
 def _world_may_change(args) -> bool:
     """An elastic node count (--nnodes=MIN:MAX, MIN < MAX): a restart may form a smaller world."""
     lo, _, hi = str(args.nnodes).partition(":")
-    return bool(hi) and lo != hi and not args.standalone
+    try:
+        return bool(hi) and int(lo) != int(hi) and not args.standalone
+    except ValueError:
+        return False  # torchrun refuses the value itself
 
 
 def check_train_args(script_args: list[str], world_size: int | None, node_size: int | None = None,
@@ -83,7 +86,7 @@ def check_train_args(script_args: list[str], world_size: int | None, node_size: 
             modes = ([(c.sections.get("comm") or {}).get("mode", "fp32") for c in candidates(cfg)]
                      if cfg.comm.mode == AUTO_MODE else None)
             return "; ".join(elastic_problems(cfg, modes))
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:  # ValueError: a variant file comm.mode=auto reads
         return str(e)
     return ""
 

@@ -91,8 +91,8 @@ def elastic_problems(cfg: Config, auto_modes: list[str] | None = None) -> list[s
     bad = sorted({m for m in modes if m in sync.names() and sync.get(m).stateful})
     if not bad:
         return []
-    what = (f"comm.mode=auto may pick {', '.join(bad)} (comm.auto_allow), which keep" if auto else
-            f"comm.mode={bad[0]} keeps")
+    what = (f"comm.mode=auto may pick {', '.join(bad)} (comm.auto_allow), which "
+            f"{'keeps' if len(bad) == 1 else 'keep'}" if auto else f"comm.mode={bad[0]} keeps")
     return [f"{what} per-rank exchange state sized for the world it was saved on (error feedback, or DiLoCo's "
             f"outer state), so a restart on fewer ranks could not resume it; keep the world size fixed "
             f"(launch/slurm/train.sbatch: MIN_NODES = the job's node count, its default; torchrun: --nnodes=N, "

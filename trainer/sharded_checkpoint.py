@@ -145,18 +145,21 @@ def remesh_optimizer_state(states: Sequence[dict], saved_shard: int, shard: int,
 
     The exchange's own per-rank state (comm.exchange) is refused, unless this run's `exchange` remaps
     it (Exchange.remaps_state: pbit's generator), which then gives this rank's (Exchange.reshard_state
-    of the saved ones this rank read), as CommOptimizer.load_resharded does for a world-size change.
+    of the saved ones this rank read: its old replica's ranks, or every old rank when the replica count
+    changes), as CommOptimizer.load_resharded does with every old rank's for a world-size change.
 
     `states` is indexed, never iterated whole: a sequence that loads rank q's file when `states[q]`
     is read (trainer/state.py) holds about one old replica's state and the running mean at a time."""
     old_replicas = len(states) // saved_shard
     dims = dims or {}
+    read_exchanges: list[dict] = []  # the saved exchange states of every rank read, in rank order
 
     def replica_whole(r: int) -> tuple[dict, list[dict]]:
         """Old replica r: rank r * saved_shard's state (its scalars, param_groups) and, per
         torch-style node of it (`_per_param`), {index: {key: whole tensor}}."""
         group = [states[r * saved_shard + k] for k in range(saved_shard)]
         parts = [_per_param(g, exchange) for g in group]
+        read_exchanges.extend((g.get("comm") or {}).get("exchange") or {} for g in group)
         saved_dims = group[0].get("shard_dims") or {}  # the same on every rank of the replica
         wholes = []
         for j, (_, path) in enumerate(parts[0]):
@@ -200,9 +203,8 @@ def remesh_optimizer_state(states: Sequence[dict], saved_shard: int, shard: int,
             out.update(node)
     out.pop("shard_dims", None)  # the saved mesh's layout
     comm = dict(out.get("comm") or {})
-    saved_exchange = comm.get("exchange") or {}
     comm.update(world_size=replicas, rank=group_rank,
-                exchange=exchange.reshard_state([saved_exchange]) if saved_exchange else {})
+                exchange=exchange.reshard_state(read_exchanges) if any(read_exchanges) else {})
     out["comm"] = comm
     return out
 

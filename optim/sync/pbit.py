@@ -154,7 +154,12 @@ class PBit(VoteExchange):
 
     def reshard_state(self, states: list[dict]) -> dict:
         """On another world size every rank keeps the fresh stream seeded from the run seed and its
-        new rank (stochastic rounding needs independent streams, not the old ones)."""
+        new rank (stochastic rounding needs independent streams, not the old ones). A saved state that
+        is not a generator's (another comm.mode's: error feedback) is refused, not dropped."""
+        other = sorted({k for s in states for k in s} - {"rng_state"})
+        if other:
+            raise ValueError(f"comm.mode exchange {type(self).__name__}: the saved exchange state holds {other}, "
+                             f"another mode's; resume with the comm.mode it was written with")
         return {"rng_state": self.gen.get_state()}
 
 

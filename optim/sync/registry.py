@@ -118,8 +118,9 @@ class Exchange:
 
     def reshard_state(self, states: list[dict]) -> dict:
         """This rank's state from the states every rank saved in a run with another world size
-        (len(states) ranks). Stateless exchanges need nothing; a stateful one must say how its
-        per-rank state maps (and set `remaps_state`), or refuse."""
+        (len(states) ranks; on a sharded run's remesh, trainer.sharded_checkpoint, the states of the
+        old ranks this rank read: its old replica's, so not a world size). Stateless exchanges need
+        nothing; a stateful one must say how its per-rank state maps (and set `remaps_state`), or refuse."""
         if any(states):
             raise ValueError(f"comm.mode exchange {type(self).__name__} keeps per-rank state that cannot be "
                              f"remapped to another world size; resume with {len(states)} ranks")

@@ -116,9 +116,12 @@ def test_the_launcher_passes_the_node_size_and_an_elastic_world_to_the_checks(mo
     """main(): the ranks per node and an elastic --nnodes=MIN:MAX reach the config check, which refuses
     before torchrun runs (a shard group wider than a node; a mode whose state cannot move to fewer ranks,
     also among those comm.mode=auto may pick); a fixed node count accepts the latter."""
-    import torch.distributed.run as tdr
+    import logging
 
-    from launch.torchrun import main
+    import torch.distributed.run as tdr
+    from torch.distributed.run import parse_args
+
+    from launch.torchrun import _world_may_change, main
 
     monkeypatch.setattr(tdr, "run", lambda args: pytest.fail("torchrun started"))
     train = str(ROOT / "train.py")
@@ -131,9 +134,17 @@ def test_the_launcher_passes_the_node_size_and_an_elastic_world_to_the_checks(mo
     assert "comm.mode=loco keeps per-rank exchange state" in err and "--nnodes=N, not a range" in err, err
     assert main(["--nnodes=1:2", "--nproc_per_node=2", *rdzv, train, cfg, "optim.name=lion", "comm.mode=auto",
                  "comm.auto_allow=[fp32,loco]"]) == 2
-    assert "comm.mode=auto may pick loco (comm.auto_allow), which keep" in capsys.readouterr().err
+    assert "comm.mode=auto may pick loco (comm.auto_allow), which keeps" in capsys.readouterr().err
     monkeypatch.setattr(tdr, "run", lambda args: None)  # a fixed world: nothing to refuse, torchrun runs
-    assert main(["--nnodes=2", "--nproc_per_node=2", *rdzv, train, cfg, "comm.mode=loco"]) == 0
+    monkeypatch.setenv("LIONCUB_LAUNCHER", "")  # main() sets it for its ranks: undone after the test
+    log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    level = log.level
+    try:
+        assert main(["--nnodes=2", "--nproc_per_node=2", *rdzv, train, cfg, "comm.mode=loco"]) == 0
+    finally:
+        log.setLevel(level)  # main() quiets torchrun's per-process lines
+    assert [_world_may_change(parse_args([f"--nnodes={n}", "train.py"])) for n in ("1:1", "2", "1:2", "02:2")] == \
+        [False, False, True, False]
 
 
 def test_preflight_leaves_help_to_train_py(capsys):

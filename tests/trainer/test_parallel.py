@@ -168,11 +168,31 @@ def test_remesh_refusals_say_which_state_cannot_move() -> None:
 
     gen = {**base, "comm": {"step": 3, "exchange": {"rng_state": "old"}}}
     out = remesh_optimizer_state([gen] * 4, 2, 1, 4, 0, 0, 0, exchange=Remaps())
-    assert out["comm"]["exchange"] == {"rng_state": "fresh"} and Remaps.seen == [[{"rng_state": "old"}]]
+    assert out["comm"]["exchange"] == {"rng_state": "fresh"} and Remaps.seen == [[{"rng_state": "old"}] * 4]  # 2 replicas -> 4: every old rank read
     assert out["comm"]["world_size"] == 4 and torch.equal(out["state"][0]["momentum"], torch.zeros(8))
     with pytest.raises(ValueError, match=r"exchange Remaps keeps per-rank state"):  # one that does not remap
         Remaps.remaps_state = False
         remesh_optimizer_state([gen] * 4, 2, 1, 4, 0, 0, 0, exchange=Remaps())
+    Remaps.remaps_state, Remaps.seen = True, []  # the same replica count: the old replica's two ranks, read
+    remesh_optimizer_state([{**gen, "comm": {"step": 3, "exchange": {"rng_state": q}}} for q in range(4)],
+                           2, 1, 2, 1, 0, 1, exchange=Remaps())
+    assert Remaps.seen == [[{"rng_state": 2}, {"rng_state": 3}]]
+
+
+def test_pbit_remaps_its_generator_and_refuses_another_mode_s_state() -> None:
+    """PBit.reshard_state: a fresh stream from its own generator, whatever the old ranks held; a saved state
+    that is not a generator's (loco's error feedback after a comm.mode change) is refused, not dropped."""
+    import types
+
+    import torch
+
+    from optim.sync.pbit import PBit
+
+    me = types.SimpleNamespace(gen=torch.Generator().manual_seed(5))
+    old = {"rng_state": torch.Generator().manual_seed(9).get_state()}
+    assert torch.equal(PBit.reshard_state(me, [old, old])["rng_state"], torch.Generator().manual_seed(5).get_state())
+    with pytest.raises(ValueError, match=r"holds \['error'\], another mode's; resume with the comm.mode"):
+        PBit.reshard_state(me, [{"error": torch.zeros(3)}])
 
 
 def test_remesh_moves_state_between_shard_dims() -> None:
