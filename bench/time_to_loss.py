@@ -796,12 +796,36 @@ def _env() -> dict:
     return env
 
 
+def _curve_settings(steps: int, evals: int, run_dir: Path) -> list[str]:
+    """What train_curve sets on top of the variant and the overrides."""
+    return [f"train.max_steps={steps}", f"train.eval_every={max(1, steps // evals)}", "train.log_every=1",
+            "diag.every=0", "log.wandb=disabled", f"train.out_dir={run_dir}"]
+
+
+# what makes a stored curve run another run than the one --train would start (a loss curve's numerics)
+CURVE_KEYS = ("model", "data", "optim", "comm", "parallel", "train.max_steps", "train.seed", "train.eval_every",
+              "train.eval_steps", "train.dtype")
+
+
+def curve_run_mismatch(files: list[str], overrides: list[str], run_dir: Path, steps: int, evals: int) -> str | None:
+    """Where the run already in `run_dir` differs from what train_curve would train there now (the first
+    setting of CURVE_KEYS, saved value against wanted), or None when it is that run."""
+    from trainer.config import load_config
+
+    want = load_config(files, [*overrides, *_curve_settings(steps, evals, run_dir)]).to_dict()
+    saved = load_run_config(run_dir)
+    for key in CURVE_KEYS:
+        for dotted, a, b in _leaves(_get(saved, key), _get(want, key), key):
+            if a != b:
+                return f"{dotted} is {a!r} there, {b!r} now"
+    return None
+
+
 def train_curve(name: str, files: list[str], overrides: list[str], run_dir: Path, nproc: int, steps: int,
                 evals: int, link: str = "", nodes: int = 0) -> None:
     """Train one variant: unsimulated (torchrun), or with `link` end to end under bench.netsim (for
     --e2e: one network namespace per rank, or per node of nproc / nodes ranks)."""
-    args = ["train.py", *files, *overrides, f"train.max_steps={steps}", f"train.eval_every={max(1, steps // evals)}",
-            "train.log_every=1", "diag.every=0", "log.wandb=disabled", f"train.out_dir={run_dir}"]
+    args = ["train.py", *files, *overrides, *_curve_settings(steps, evals, run_dir)]
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     log_path = run_dir.parent / f"{name}.log"
     if link:
@@ -964,15 +988,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     sources = {}
     steps = ns.steps or ns.setting_steps
     try:
+        if ns.target is None and ns.reference not in dict(ns.candidates):  # before any training
+            raise ValueError(f"no --target given and no {ns.reference} run among the variants "
+                             f"({', '.join(dict(ns.candidates))}) to take it from; give --target LOSS or "
+                             f"--reference VARIANT")
+
+        def train_or_reuse(name, files, mine, run_dir, flag, **how):
+            if not (run_dir / "metrics.jsonl").is_file():
+                train_curve(name, files, mine, run_dir, ns.nproc, steps, ns.evals, **how)
+            elif bad := curve_run_mismatch(files, mine, run_dir, steps, ns.evals):  # not silently another run
+                raise ValueError(f"{flag}: {run_dir} holds a run of another config ({bad}); delete it to train "
+                                 f"{name} again there, or point {'--runs (or --out)' if flag == '--train' else '--e2e'} "
+                                 f"elsewhere")
+
         for name, files in ns.candidates:
             mine = [*overrides, *ns.own_overrides.get(name, [])]  # a name@key=value entry's own last
             src = given[name].split(",") if name in given else [runs / name]
-            if name not in given and not (runs / name / "metrics.jsonl").is_file() and ns.train:
-                train_curve(name, files, mine, runs / name, ns.nproc, steps, ns.evals)
+            if name not in given and ns.train:
+                train_or_reuse(name, files, mine, runs / name, "--train")
             sources[name] = src
             e2e = Path(ns.e2e) / name if ns.e2e else None
-            if e2e is not None and ns.train_e2e and not (e2e / "metrics.jsonl").is_file():
-                train_curve(name, files, mine, e2e, ns.nproc, steps, ns.evals, link=ns.links[0], nodes=ns.nodes)
+            if e2e is not None and ns.train_e2e:
+                train_or_reuse(name, files, mine, e2e, "--train-e2e", link=ns.links[0], nodes=ns.nodes)
         curves = {n: load_curve(n, src, ns.metric) for n, src in sources.items()}
         target, target_src = ((ns.target, "given (--target)") if ns.target is not None
                               else default_target(curves, ns.reference, ns.metric))

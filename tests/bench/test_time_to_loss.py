@@ -484,12 +484,11 @@ def test_a_variant_with_its_own_overrides_is_trained_and_measured_as_itself(tmp_
     monkeypatch.setattr(ttl, "measure_steps", lambda names, overrides, link, bd, nproc, steps, warmup, nodes:
                         measured.extend(names))
     (tmp_path / "mine.yaml").write_text("comm:\n  mode: fp32\n")
-    make_run(runs / "mine", resolved("adamw_fp32"), {10: 3.2})
     entry = "diloco_h10@comm.diloco.inner_steps=4"
     assert ttl.main(["--variants", "adamw_fp32", entry, str(tmp_path / "mine.yaml"), "--runs", str(runs), "--train",
                      "--link", "1gbit", "--measure", "--setting", "tiny-builtin", "--out", str(tmp_path / "out")]) == 0
     own = dict(trained)
-    assert set(own) == {"adamw_fp32", entry} and (runs / entry / "metrics.jsonl").is_file()
+    assert set(own) == {"adamw_fp32", entry, "mine"} and (runs / entry / "metrics.jsonl").is_file()
     assert own[entry][-1] == "comm.diloco.inner_steps=4" and not any("diloco" in o for o in own["adamw_fp32"])
     [timed] = [m for m in measured if m.startswith("diloco_h10")]
     assert "@comm.diloco.inner_steps=4" in timed, measured
@@ -645,3 +644,34 @@ def test_an_lr_does_not_make_a_measured_step_another_one_but_a_dion_rank_does(tm
     assert ttl.config_mismatch(e, d) is None and ttl.step_differences(e, d) == []
     e["comm"]["diloco"]["inner_steps"] = 50
     assert ttl.step_differences(e, d) == [("comm.diloco.inner_steps", 50)]
+
+
+def test_train_reuses_a_curve_run_only_when_it_is_the_run_it_would_train(tmp_path, monkeypatch):
+    """--train: a run already in <runs>/<variant> is reused only when its config is what --train would
+    train now; one trained on other data (or another model) is one error naming the key, not silently the
+    curve. With no --target and no reference among the variants, nothing trains before the error."""
+    from trainer.config import load_config
+
+    trained = []
+    monkeypatch.setattr(ttl, "train_curve", lambda name, files, overrides, run_dir, *a, **kw: trained.append(name))
+    runs = tmp_path / "runs"
+    argv = ["--variants", "adamw_fp32", "--runs", str(runs), "--train", "--steps", "40", "--cluster",
+            "nodes=2 gpus_per_node=8 gpu=h100 inter=10gbit intra=nvlink", "--setting", "tiny-builtin", "--out",
+            str(tmp_path / "out"), "data.dataset=/data/B"]
+    ns = ttl.parse_args(argv)
+    overrides = list(ttl.runstore.merge_overrides(ns.setting_overrides, ns.overrides))
+    files = ["configs/variants/adamw_fp32.yaml"]
+    run = runs / "adamw_fp32"
+    want = load_config(files, [*overrides, *ttl._curve_settings(40, ns.evals, run)]).to_dict()
+    on_a = json.loads(json.dumps(want))
+    on_a["data"]["dataset"] = "/data/A"
+    make_run(run, on_a, {20: 3.0})
+    assert ttl.main(argv) == 2 and not trained
+    assert ttl.curve_run_mismatch(files, overrides, run, 40, ns.evals) == "data.dataset is '/data/A' there, '/data/B' now"
+    make_run(run, want, {20: 3.0})                            # the run --train would train: reused as it is
+    assert ttl.curve_run_mismatch(files, overrides, run, 40, ns.evals) is None
+    assert ttl.main(argv) == 0 and not trained
+    # no target to reach and no reference to take it from: refused before any variant trains
+    assert ttl.main(["--variants", "lion_fp32", "--runs", str(tmp_path / "none"), "--train", "--cluster",
+                     "nodes=2 gpus_per_node=8 gpu=h100 inter=10gbit intra=nvlink", "--out", str(tmp_path / "o2")]) == 2
+    assert not trained
