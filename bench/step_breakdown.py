@@ -673,11 +673,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rank-wrap", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--calibrate-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--train-here", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("cmd", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if {"--rank-wrap", "--train-here"} & set(argv):  # this module's own rank processes: a command follows
+        ap.add_argument("cmd", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        args = ap.parse_args(argv)
+    else:  # a user's: section.key=value words anywhere among the flags, after --overrides' (util/cli.py's rule)
+        ap.add_argument("words", nargs="*", metavar="section.key=value",
+                        help="overrides for every run, after --overrides")
+        args = ap.parse_intermixed_args(argv)
+        bad = [w for w in args.words if "=" not in w or w.startswith("-")]
+        if bad:
+            ap.error(f"{bad[0]!r}: not a flag or a section.key=value override (variants: --variants A,B)")
+        args.cmd = []
     args.variants = [v for v in args.variants.split(",") if v]
     args.rates = [r for r in args.rates.split(",") if r]
-    args.overrides = args.overrides.split()
+    args.overrides = args.overrides.split() + list(getattr(args, "words", []))
     if args.steps < 1 or args.warmup < 0:
         ap.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
     if args.nodes and (args.nodes < 1 or args.nproc % args.nodes):

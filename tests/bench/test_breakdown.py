@@ -285,3 +285,21 @@ def test_a_failed_run_says_the_trainers_error(tmp_path: Path, capsys, monkeypatc
     assert sb.first_error(tmp_path) == "Error (rank 3): data/prose/train_000001.bin: truncated"
     (tmp_path / "rank1.log").write_text("killed\n")
     assert sb.first_error(tmp_path) == ""
+
+
+def test_override_words_are_read_among_the_flags_and_other_words_refused(capsys):
+    """`section.key=value` words anywhere among the flags are overrides after --overrides' (they were swallowed
+    silently: the runs trained on the default data); any other word is one line and exit 2; the module's
+    own rank processes still take the command that follows their flag."""
+    import pytest
+
+    from bench.step_breakdown import parse_args
+
+    a = parse_args(["--nproc", "2", "data.dataset=/data/mine", "--steps", "3", "--overrides", "model.preset=debug",
+                    "train.seed=5"])
+    assert a.overrides == ["model.preset=debug", "data.dataset=/data/mine", "train.seed=5"] and a.steps == 3
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--nproc", "2", "configs/mine.yaml"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "'configs/mine.yaml': not a flag or a section.key=value override" in err
+    assert parse_args(["--train-here", "--", "train.py", "cfg.yaml", "x.y=1"]).cmd == ["--", "train.py", "cfg.yaml", "x.y=1"]
