@@ -35,10 +35,22 @@ EXPORT_FILES = {"config.json", "generation_config.json", "model.safetensors", "m
                 "README.md"}
 
 
+def _trained_on(data: dict) -> str:
+    """The training data in a card's words: data.dataset, or a data.mix's sources with their shares and the
+    validation set (data.dataset)."""
+    mix = data.get("mix") or {}
+    if not mix:
+        return str(data.get("dataset", "builtin"))
+    total = sum(float(w) for w in mix.values()) or 1.0
+    parts = ", ".join(f"{src} ({100 * float(w) / total:.0f} %)" for src, w in mix.items())
+    return f"a mix of {parts}; validated on {data.get('dataset', 'builtin')}"
+
+
 def run_facts(loaded) -> dict:
     """What the checkpoint's run says about its training, for the model card: step, tokens trained
     (recorded in meta.json; older checkpoints: step x tokens per step, marked approximate), optimizer,
-    comm mode, world size, dataset and the val loss of the last evaluation at or before the step."""
+    comm mode, world size, dataset (a data.mix: its sources and weights, validated on data.dataset) and the
+    val loss of the last evaluation at or before the step."""
     import json
 
     ckpt = Path(loaded.weights).parent
@@ -46,7 +58,7 @@ def run_facts(loaded) -> dict:
     cfg = meta.get("config") or loaded.run_config or {}  # the checkpoint's own config first
     step = loaded.step if loaded.step is not None else meta.get("step")
     facts = {"step": step, "world_size": meta.get("world_size"), "optim": cfg.get("optim") or {},
-             "comm": cfg.get("comm") or {}, "dataset": (cfg.get("data") or {}).get("dataset", "builtin"),
+             "comm": cfg.get("comm") or {}, "dataset": _trained_on(cfg.get("data") or {}),
              "tokens": meta.get("tokens_seen"), "tokens_exact": "tokens_seen" in meta, "val_loss": None}
     d = cfg.get("data") or {}
     if facts["tokens"] is None and step is not None and meta.get("world_size") and d.get("batch_size"):

@@ -319,3 +319,14 @@ def test_export_takes_flags_only_and_says_so_in_one_line(capsys) -> None:
             export_main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and want in err and err.count("\n") == 1, err
+
+
+def test_the_card_names_a_mix_s_sources_not_only_its_validation_set() -> None:
+    """A data.mix run trained on every source of the mix by weight (data.dataset is then its val set): the
+    card's 'trained' line said only data.dataset."""
+    from model.export import _trained_on
+
+    assert _trained_on({"dataset": "data/owt"}) == "data/owt"
+    assert _trained_on({}) == "builtin"
+    assert _trained_on({"dataset": "data/A", "mix": {"data/A": 1, "data/B": 3}}) == \
+        "a mix of data/A (25 %), data/B (75 %); validated on data/A"
