@@ -36,6 +36,11 @@ def split_shards(data_dir: str | os.PathLike, split: str) -> list[Path]:
     if not d.is_dir():
         raise DataError(f"data dir {d} is not a directory (expected a folder of *.bin shards)")
     paths = list_shards(d, split)
+    if not paths and split == "val" and list_shards(d, "train") and (d / "manifest.json").is_file():
+        raise DataError(f"data dir {d} holds train shards but no val split (prepared with --val-fraction 0?); "
+                        f"every run evaluates at its end: prepare it again with a --val-fraction > 0, or train on "
+                        f"it through data.mix={{{d}: 1}} with data.dataset naming a prepared dataset that has a val "
+                        f"split")
     if not paths:
         found = sorted(p.name for p in d.iterdir())[:8]
         raise DataError(f"data dir {d} has no {split}_XXXXXX.bin (or llm.c NAME_{split}_XXXXXX.bin) shards "

@@ -47,6 +47,11 @@ def load_local(inputs: Sequence[str | os.PathLike], field: str = "text", txt_spl
     import datasets
 
     files = collect_files(inputs)
+    empty = [f for f in files if f.stat().st_size == 0]  # datasets' builders fail on them (StopIteration)
+    files = [f for f in files if f.stat().st_size > 0]
+    if not files:
+        raise PrepareError(f"{empty[0]}{' ...' if len(empty) > 1 else ''}: every input file is empty (0 bytes); "
+                           f"give files that hold documents")
     # consecutive files of one builder type load together; order across runs is kept
     runs: list[tuple[str, list[str]]] = []
     for f in files:
@@ -58,8 +63,14 @@ def load_local(inputs: Sequence[str | os.PathLike], field: str = "text", txt_spl
     parts = []
     for kind, paths in runs:
         extra = {"sample_by": txt_split, "keep_linebreaks": True} if kind == "text" else {}
-        ds = datasets.load_dataset(kind, data_files=paths, split="train", cache_dir=cache_dir,
-                                   num_proc=num_proc if num_proc and num_proc > 1 else None, **extra)
+        try:
+            ds = datasets.load_dataset(kind, data_files=paths, split="train", cache_dir=cache_dir,
+                                       num_proc=num_proc if num_proc and num_proc > 1 else None, **extra)
+        except Exception as e:  # datasets' own errors (a parquet file of no rows: DatasetGenerationError) name no file
+            cause = e.__cause__ or e
+            raise PrepareError(f"{paths[0]}{' ...' if len(paths) > 1 else ''}: could not be read as {kind} "
+                               f"({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else 'no detail'}); "
+                               f"check the file holds {kind} rows with a {field!r} field") from None
         col = "text" if kind == "text" else field
         if col not in ds.column_names:
             raise PrepareError(f"{paths[0]}{' ...' if len(paths) > 1 else ''} has no field {col!r} "

@@ -181,6 +181,11 @@ def test_missing_empty_and_too_small_data(tmp_path: Path) -> None:
         ShardLoader(tmp_path / "small", "train", 2, 8, 1, 2, seed=0)
     with pytest.raises(DataError, match="no val_XXXXXX.bin"):
         val_batches(tmp_path / "small", 1, 8, 0, 1, None)
+    (tmp_path / "small" / "manifest.json").write_text("{}")  # ours, prepared with --val-fraction 0: says what to do
+    with pytest.raises(DataError, match=r"holds train shards but no val split \(prepared with --val-fraction 0\?\); "
+                                        r"every run evaluates at its end: .* or train on it through data.mix"):
+        val_batches(tmp_path / "small", 1, 8, 0, 1, None)
+    (tmp_path / "small" / "manifest.json").unlink()
     with pytest.raises(ValueError, match="rank=2 world_size=2"):
         ShardLoader(tmp_path / "small", "train", 1, 8, 2, 2, seed=0)
     assert resolve_dataset(str(tmp_path / "small")) == tmp_path / "small"

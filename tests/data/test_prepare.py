@@ -110,6 +110,13 @@ def test_txt_split_paragraph_and_bad_inputs(corpus: Path, tmp_path: Path) -> Non
         prepare_text(tmp_path / "x", [tmp_path / "missing.txt"])
     with pytest.raises(PrepareError, match="cannot hold out a val fraction of 1 document"):
         prepare_text(tmp_path / "x", [corpus / "a_0.txt"], num_proc=1, cache_dir=str(tmp_path / "hf"))
+    # an empty file, or a parquet file of no rows: one error naming the file (they were tracebacks)
+    (tmp_path / "e.jsonl").write_text("")
+    with pytest.raises(PrepareError, match=r"e\.jsonl: every input file is empty \(0 bytes\)"):
+        prepare_text(tmp_path / "x", [tmp_path / "e.jsonl"], num_proc=1, cache_dir=str(tmp_path / "hf"))
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "z.parquet")
+    with pytest.raises(PrepareError, match=r"z\.parquet: could not be read as parquet \("):
+        prepare_text(tmp_path / "x", [tmp_path / "z.parquet"], num_proc=1, cache_dir=str(tmp_path / "hf"))
 
 
 def hub_like(tmp_path: Path, docs: list[str]):
