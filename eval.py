@@ -45,14 +45,15 @@ _item_from = item_from  # the name tests/model/test_eval.py and older callers us
 
 def main(argv: list[str] | None = None) -> int:
     from data import DataError, resolve_dataset
-    from data.loader import ORDERS
+    from data.loader import ORDERS, tokenizer_identity
     from trainer.sampling import load
 
     p = Parser(prog="python -m eval", description=__doc__.split("\n\n")[0], epilog=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("val", help="validation loss and perplexity on a prepared dataset")
     v.add_argument("src", metavar="RUN_DIR_OR_EXPORT")
-    v.add_argument("--data", required=True, help="data.prepare output dir, or builtin")
+    v.add_argument("--data", default=None, help="data.prepare output dir, or builtin (default: the run's "
+                                                  "data.dataset; an export records none)")
     v.add_argument("--batch-size", type=int, default=8)
     v.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: the model's block size)")
     v.add_argument("--batches", type=int, default=0, help="evaluate N batches (default: all)")
@@ -77,8 +78,23 @@ def main(argv: list[str] | None = None) -> int:
             order = args.order
             if order == "run":
                 order = ((loaded.run_config or {}).get("data") or {}).get("order", "sequential")
-            res = val_loss(model, resolve_dataset(args.data), args.batch_size, seq_len, args.batches or None, device,
-                           order=order)
+            ran_on = ((loaded.run_config or {}).get("data") or {}).get("dataset")
+            if not (args.data or ran_on):
+                raise ValueError(f"{args.src} records no dataset (an export); give --data DIR (a data.prepare output "
+                                 f"dir, or builtin)")
+            data_dir = resolve_dataset(args.data or ran_on)
+            if ran_on and args.data and args.data != ran_on:  # another dataset: made with the model's tokenizer?
+                try:
+                    theirs = tokenizer_identity(resolve_dataset(ran_on))
+                except DataError:
+                    theirs = None  # the run's dataset is not on this machine: nothing to compare with
+                mine = tokenizer_identity(data_dir)
+                if mine and theirs and mine != theirs:
+                    raise ValueError(f"--data {args.data} was prepared with tokenizer {mine[0]} ({mine[2]} ids"
+                                     f"{', sha256 ' + mine[1][:12] if mine[1] else ''}), the model's run with "
+                                     f"{theirs[0]} ({theirs[2]} ids{', sha256 ' + theirs[1][:12] if theirs[1] else ''}"
+                                     f"): its loss would mean nothing; give data prepared with the run's tokenizer")
+            res = val_loss(model, data_dir, args.batch_size, seq_len, args.batches or None, device, order=order)
             res["order"] = order
             text = (f"val loss {res['loss']:.4f} | ppl {res['ppl']:.2f} | {res['batches']} batches x "
                     f"{args.batch_size} x {seq_len} = {res['tokens']:,} tokens ({order})")

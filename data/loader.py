@@ -56,6 +56,13 @@ def tokenizer_vocab(data_dir: str | os.PathLike) -> tuple[int | None, str | None
     return (int(tok["n_vocab"]) if "n_vocab" in tok else None), tok.get("name")
 
 
+def tokenizer_identity(data_dir: str | os.PathLike) -> tuple | None:
+    """What tells two datasets' tokenizers apart, from the manifest: (name, sha256 of a tokenizer.json,
+    vocabulary size); None without a manifest tokenizer (e.g. llm.c shards)."""
+    tok = (read_manifest(data_dir) or {}).get("tokenizer") or {}
+    return (tok.get("name"), tok.get("sha256"), tok.get("n_vocab")) if tok else None
+
+
 def _check_geometry(batch_size: int, block_size: int, rank: int, world_size: int) -> None:
     if batch_size < 1 or block_size < 1:
         raise ValueError(f"batch_size and block_size must be >= 1, got {batch_size} and {block_size}")

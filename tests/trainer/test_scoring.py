@@ -238,3 +238,28 @@ def test_eval_takes_flags_only_and_says_so_in_one_line(capsys) -> None:
             ev.main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and want in err and err.count("\n") == 1, err
+
+
+def test_cli_val_defaults_to_the_run_s_data_and_refuses_another_tokenizer_s(tmp_path: Path, capsys) -> None:
+    """`eval val RUN` reads the run's data.dataset when --data is not given; data prepared with another
+    tokenizer than the run's (their manifests differ) is one error, not a meaningless loss."""
+    from tests.model.test_export import make_run
+
+    run = make_run(tmp_path / "run", tie=True)
+    for name, tok in (("mine", {"name": "gpt2", "n_vocab": 50257}),
+                      ("other", {"name": "tokenizer.json", "sha256": "ab" * 32, "n_vocab": 50257})):
+        make_val_data(tmp_path / name, 600)
+        (tmp_path / name / "manifest.json").write_text(json.dumps({"tokenizer": tok}))
+    meta = run / "ckpt" / "step_000010" / "meta.json"
+    m = json.loads(meta.read_text())
+    m["config"]["data"]["dataset"] = str(tmp_path / "mine")
+    meta.write_text(json.dumps(m))
+    args = ["val", str(run), "--batch-size", "2", "--seq-len", "32", "--batches", "2", "--device", "cpu", "--json"]
+    assert ev.main(args) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert ev.main(args + ["--data", str(tmp_path / "mine")]) == 0
+    assert json.loads(capsys.readouterr().out)["loss"] == default["loss"]
+    assert ev.main(args + ["--data", str(tmp_path / "other")]) == 2
+    err = capsys.readouterr().err
+    assert "was prepared with tokenizer tokenizer.json (50257 ids, sha256 abababababab), the model's run with gpt2" \
+        in err and "its loss would mean nothing" in err, err
