@@ -101,6 +101,12 @@ def load_hub(path: str, name: str | None, *, offline: bool, num_proc: int | None
             raise PrepareError(f"{path} is a script-based hub dataset, which datasets {datasets.__version__} "
                                f"no longer runs; read the hub's parquet conversion instead: add "
                                f"`--revision refs/convert/parquet`") from e
+        if os.path.isdir(os.path.expanduser(path)):  # a local copy of the hub's files: no cache or hub involved
+            msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+            hint = (f"; a local folder of parquet files has the config 'default', not {name!r}: pass --sample "
+                    f"default" if name and "BuilderConfig" in str(e) else "")
+            raise PrepareError(f"the local folder {path} could not be read as the {subcommand} dataset "
+                               f"({type(e).__name__}: {msg}){hint}") from None
         if not offline:
             raise
         target = f"{path}" + (f" ({name})" if name else "")

@@ -180,3 +180,22 @@ def test_prepare_takes_flags_only_and_says_so_in_one_line(capsys) -> None:
             main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and want in err and err.count("\n") == 1, err
+
+
+def test_fineweb_from_a_local_folder_says_what_is_wrong_not_the_cache(tmp_path: Path) -> None:
+    """`fineweb --hub-id DIR` on a local copy of FineWeb-schema parquet files: the config name the default
+    --sample asks for is not there, and the error says so (it blamed the offline HF cache); --sample default
+    reads it."""
+    from data.hub import load_hub
+
+    local = tmp_path / "fw"
+    local.mkdir()
+    pq.write_table(pa.table({"text": DOCS, "id": [f"<urn:{i}>" for i in range(len(DOCS))]}), local / "part.parquet")
+    with pytest.raises(PrepareError) as e:
+        load_hub(str(local), "sample-10BT", offline=True, num_proc=1, cache_dir=str(tmp_path / "hf"),
+                 subcommand="fineweb")
+    msg = str(e.value)
+    assert f"the local folder {local} could not be read as the fineweb dataset" in msg and "--sample default" in msg
+    assert "not in the local HF cache" not in msg
+    ds = load_hub(str(local), "default", offline=True, num_proc=1, cache_dir=str(tmp_path / "hf"), subcommand="fineweb")
+    assert list(ds["text"]) == DOCS
