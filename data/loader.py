@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from data.shards import DataError, check_token_range, list_shards, open_shard, read_manifest
+from data.sources import LOCAL_EXTS
 
 
 def split_shards(data_dir: str | os.PathLike, split: str) -> list[Path]:
@@ -41,6 +42,12 @@ def split_shards(data_dir: str | os.PathLike, split: str) -> list[Path]:
                         f"every run evaluates at its end: prepare it again with a --val-fraction > 0, or train on "
                         f"it through data.mix={{{d}: 1}} with data.dataset naming a prepared dataset that has a val "
                         f"split")
+    raw = [p.name for p in sorted(d.iterdir()) if p.suffix.lower() in LOCAL_EXTS]
+    if not paths and raw and not list_shards(d, "train"):  # documents, not shards: prepare them elsewhere
+        raise DataError(f"data dir {d} holds documents ({', '.join(raw[:3])}{', ...' if len(raw) > 3 else ''}), not "
+                        f"prepared shards; prepare them "
+                        f"with `python -m data.prepare text --input {d} --out {d.parent / (d.name + '-prepared')}` "
+                        f"and point data.dataset there")
     if not paths:
         found = sorted(p.name for p in d.iterdir())[:8]
         raise DataError(f"data dir {d} has no {split}_XXXXXX.bin (or llm.c NAME_{split}_XXXXXX.bin) shards "

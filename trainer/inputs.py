@@ -10,7 +10,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 import data
-from data.loader import MixLoader, ShardLoader
+from data.loader import MixLoader, ShardLoader, tokenizer_identity
 import torch
 
 from model import GPT, PRESETS, GPTConfig, load_model, pad_vocab, resolve_config
@@ -46,6 +46,14 @@ def resolve_data(cfg: Config, info: DistInfo) -> tuple[Path, dict[str, Path] | N
     if other:
         raise ConfigError(f"data.mix: {other} have another vocabulary than data.dataset={cfg.data.dataset} ({want}); "
                           f"mix datasets prepared with one tokenizer")
+    # one size, another tokenizer (two tokenizer.json files of 8192 ids): the manifests tell them apart
+    ident = tokenizer_identity(data_dir)
+    differ = [n for n, p in mix.items() if ident and (t := tokenizer_identity(p)) and t != ident]
+    if differ:
+        raise ConfigError(f"data.mix: {differ} were prepared with another tokenizer than data.dataset="
+                          f"{cfg.data.dataset} (same vocabulary size, other manifest tokenizer: "
+                          f"{tokenizer_identity(mix[differ[0]])[:2]} against {ident[:2]}); mix datasets prepared "
+                          f"with one tokenizer")
     return data_dir, mix
 
 

@@ -173,9 +173,14 @@ def test_missing_empty_and_too_small_data(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"does not exist"):
         resolve_dataset(str(tmp_path / "nope"))
     (tmp_path / "empty").mkdir()
-    (tmp_path / "empty" / "notes.txt").write_text("x")
-    with pytest.raises(DataError, match=r"no train_XXXXXX\.bin \(or llm.c NAME_train_XXXXXX.bin\) shards \(found: \['notes\.txt'\]\)"):
+    (tmp_path / "empty" / "notes.md").write_text("x")
+    with pytest.raises(DataError, match=r"no train_XXXXXX\.bin \(or llm.c NAME_train_XXXXXX.bin\) shards \(found: \['notes\.md'\]\)"):
         resolve_dataset(str(tmp_path / "empty"))
+    (tmp_path / "raw").mkdir()  # documents where shards belong: the fix prepares them into another folder
+    (tmp_path / "raw" / "docs.jsonl").write_text('{"text": "x"}\n')
+    with pytest.raises(DataError, match=r"holds documents \(docs.jsonl\), not prepared shards; prepare them with "
+                                        r"`python -m data.prepare text --input .*raw --out .*raw-prepared`"):
+        resolve_dataset(str(tmp_path / "raw"))
     make_shards(tmp_path / "small", lens=[30])
     with pytest.raises(ValueError, match=r"holds 30 tokens, fewer than one global batch \(2 ranks x 2 x 8 \+ 1 = 33\)"):
         ShardLoader(tmp_path / "small", "train", 2, 8, 1, 2, seed=0)

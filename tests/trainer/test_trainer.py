@@ -339,3 +339,30 @@ def test_shuffled_data_order_trains_resumes_exactly_and_reads_other_text(tmp_pat
     seq = [r["train_loss"] for r in records(tmp_path / "seq", "train_loss")]
     assert seq[0] != a[0]
     assert yaml.safe_load((tmp_path / "straight" / "config.yaml").read_text())["data"]["order"] == "shuffled"
+
+
+def test_a_mix_of_two_tokenizers_of_one_vocabulary_size_is_refused(tmp_path):
+    """data.mix's sources must share data.dataset's tokenizer: two tokenizer.json files of 8192 ids passed
+    the vocabulary-size check; their manifests (sha256) tell them apart. One tokenizer passes."""
+    import json
+
+    import numpy as np
+
+    from data.shards import shard_name, write_shard
+    from trainer.config import ConfigError, load_config
+    from trainer.dist import DistInfo
+    from trainer.inputs import resolve_data
+
+    for name, sha in (("a", "aa"), ("b", "bb"), ("c", "aa")):
+        d = tmp_path / name
+        d.mkdir()
+        for split in ("train", "val"):
+            write_shard(d / shard_name(split, 0), np.arange(300, dtype=np.uint16))
+        (d / "manifest.json").write_text(json.dumps({"tokenizer": {"name": "tokenizer.json", "sha256": sha * 32,
+                                                                   "n_vocab": 8192}}))
+    info = DistInfo(0, 1, 0, torch.device("cpu"), "gloo")
+    cfg = load_config(["configs/default.yaml"], [f"data.dataset={tmp_path / 'a'}", f"data.mix={{{tmp_path / 'b'}: 1}}"])
+    with pytest.raises(ConfigError, match=r"data.mix: \['.*b'\] were prepared with another tokenizer than data.dataset"):
+        resolve_data(cfg, info)
+    ok = load_config(["configs/default.yaml"], [f"data.dataset={tmp_path / 'a'}", f"data.mix={{{tmp_path / 'c'}: 1}}"])
+    assert resolve_data(ok, info)[1] == {str(tmp_path / "c"): tmp_path / "c"}
