@@ -320,7 +320,18 @@ def banner(trainer) -> str:
             if trainer.evaluator.steps < c.train.eval_steps else "")
         + (f" + {len(trainer.evaluator.mc_items)} multiple-choice items" if trainer.evaluator.mc_items else ""),
         *[f"note: {n}" for n in trainer.optimizer.scheme_options.notes()],
+        *[f"note: {n}" for n in [mix_val_note(c, trainer.data_dir, mix_dirs)] if n],
     ])
+
+
+def mix_val_note(cfg, data_dir, mix_dirs: dict | None) -> str | None:
+    """The note a data.mix run gets when it is scored on none of its sources (data.dataset left at the
+    built-in corpus, typically), else None."""
+    if not mix_dirs or cfg.data.dataset in cfg.data.mix or Path(data_dir) in {Path(p) for p in mix_dirs.values()}:
+        return None
+    return (f"data.mix validates on data.dataset={cfg.data.dataset}, which is none of the mix's sources (the "
+            f"built-in corpus when data.dataset is unset); set data.dataset to a prepared dataset whose val split "
+            f"you want the run scored on")
 
 
 def _lr_mults(o) -> str:

@@ -80,3 +80,15 @@ def test_console_shows_provenance_mix_resume_init_and_diagnostics(tmp_path):
     out = torchrun(2, ROOT / "train.py", str(ROOT / "configs/default.yaml"), *TINY, f"model.init_from={run}",
                    "train.max_steps=1", f"train.out_dir={tmp_path / 'init'}").stdout
     assert f"| initialised from {run}" in out, out
+
+
+def test_a_mix_scored_on_none_of_its_sources_says_so():
+    from trainer.config import load_config
+    from trainer.logger import mix_val_note
+
+    mine = load_config([str(ROOT / "configs/default.yaml")], ["data.mix={/data/a: 1, /data/b: 1}"])
+    note = mix_val_note(mine, "/cache/builtin", {"/data/a": "/data/a", "/data/b": "/data/b"})
+    assert note.startswith("data.mix validates on data.dataset=builtin, which is none of the mix's sources")
+    scored = load_config([str(ROOT / "configs/default.yaml")], ["data.mix={/data/a: 1}", "data.dataset=/data/a"])
+    assert mix_val_note(scored, "/data/a", {"/data/a": "/data/a"}) is None
+    assert mix_val_note(load_config([str(ROOT / "configs/default.yaml")], []), "/cache/builtin", None) is None
