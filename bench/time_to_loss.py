@@ -1091,8 +1091,10 @@ def write_outputs(out: Path, rows: list[dict], curves: dict[str, Curve], step_ti
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
+    yours = f"; yours on top: `{' '.join(ns.overrides)}`" if ns.overrides else ""
     md = ["# Time to loss", "", f"Setting `{ns.setting}` (the overrides of the runs this command trains or "
-          f"measures). Curves (MEASURED, unsimulated; the mean of a variant's runs where it has several) from:", "",
+          f"measures){yours}. Curves (MEASURED, unsimulated; the mean of a variant's runs where it has several) "
+          f"from:", "",
           *[f"- {n} ({c.runs} run{'s' if c.runs > 1 else ''}, {curve_setup(c)}): {c.source}" for n, c in curves.items()],
           *setup_differences(curves), "", markdown(rows, settings, target, target_src, ns.metric)]
     panels = curve_panels(curves, step_times)

@@ -671,6 +671,8 @@ def test_train_reuses_a_curve_run_only_when_it_is_the_run_it_would_train(tmp_pat
     make_run(run, want, {20: 3.0})                            # the run --train would train: reused as it is
     assert ttl.curve_run_mismatch(files, overrides, run, 40, ns.evals) is None
     assert ttl.main(argv) == 0 and not trained
+    assert "Setting `tiny-builtin` (the overrides of the runs this command trains or measures); yours on top: " \
+           "`data.dataset=/data/B`." in (tmp_path / "out" / "results.md").read_text()
     # no target to reach and no reference to take it from: refused before any variant trains
     assert ttl.main(["--variants", "lion_fp32", "--runs", str(tmp_path / "none"), "--train", "--cluster",
                      "nodes=2 gpus_per_node=8 gpu=h100 inter=10gbit intra=nvlink", "--out", str(tmp_path / "o2")]) == 2
