@@ -49,7 +49,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=3, help="timed steps per measurement (after one warm-up)")
     ap.add_argument("--json", default="", help="also write the table and the measurements here")
     ap.add_argument("--links-only", action="store_true", help="measure and print the links only")
-    return ap.parse_args(argv)
+    ns = ap.parse_args(argv)
+    if ns.steps < 1:
+        ap.error(f"--steps {ns.steps}: time at least 1 step per measurement")
+    return ns
 
 
 def candidates_of(args: argparse.Namespace) -> tuple[Config, list[Candidate]]:
@@ -96,9 +99,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     info = init_distributed(cfg.train.device, timeout_s=cfg.comm.timeout_s)
     try:
-        data_dir = data.resolve_dataset(cfg.data.dataset, cfg.data.cache_dir or None) if info.is_main else None
-        box = [str(data_dir) if data_dir else None]
+        box = [None, None]  # rank 0's dataset dir, or its error: every rank stops on it, none waits
+        if info.is_main:
+            try:
+                box[0] = str(data.resolve_dataset(cfg.data.dataset, cfg.data.cache_dir or None))
+            except (data.DataError, OSError, ValueError) as e:
+                box[1] = str(e)
         dist.broadcast_object_list(box, src=0)
+        if box[1]:
+            if info.is_main:
+                print(f"error: {box[1]}", file=sys.stderr)
+            return 2
         log = print if info.is_main else (lambda *a, **k: None)
         if args.links_only:
             result = {"world_size": info.world_size, "device": str(info.device), "rows": [],

@@ -82,19 +82,18 @@ def resolve(cfg: Config, info: DistInfo, data_dir: Path, say: Callable[[str], No
     Collective: every rank calls it; every rank returns the same choice (rank 0's), or raises the
     same ConfigError."""
     assert cfg.comm.mode == AUTO_MODE
-    decision, error = None, None
-    if info.is_main and cfg.train.resume == "auto" and not cfg.comm.auto_remeasure and _has_checkpoint(
-            Path(cfg.train.out_dir)):
+    decision, error, previous = None, None, None
+    if info.is_main and cfg.train.resume == "auto" and _has_checkpoint(Path(cfg.train.out_dir)):
         try:
-            decision = stored_decision(Path(cfg.train.out_dir))
+            previous = stored_decision(Path(cfg.train.out_dir))
         except ConfigError as e:  # told to every rank below, so none waits for the others
             error = str(e)
-        if decision is not None:
-            decision = {**decision, "source": "stored"}
-    box = [(decision, error)]
+        if previous is not None and not cfg.comm.auto_remeasure:
+            decision = {**previous, "source": "stored"}
+    box = [(decision, error, previous)]
     if info.world_size > 1:
         dist.broadcast_object_list(box, src=0)
-    decision, error = box[0]
+    decision, error, previous = box[0]
     if error:
         raise ConfigError(error)
     if decision is None:
@@ -104,6 +103,10 @@ def resolve(cfg: Config, info: DistInfo, data_dir: Path, say: Callable[[str], No
                               f"runs on comm.auto_allow={cfg.comm.auto_allow}; widen comm.auto_allow")
         verdicts = advise.quality_verdicts([c.name for c in cands], cfg.comm.auto_allow)
         allowed = [c.name for c in cands if verdicts[c.name].allowed]
+        if not allowed:  # known before measuring anything: no minutes of links and compute for no choice
+            raise ConfigError("comm.mode=auto: the quality evidence allows none of its candidates ("
+                              + "; ".join(f"{c.name}: {verdicts[c.name].evidence}" for c in cands)
+                              + "); name a variant in comm.auto_allow to allow it anyway, or pick comm.mode yourself")
         say(f"comm.mode=auto: measuring links, model and the {len(allowed)} of {len(cands)} candidate(s) the "
             f"quality evidence allows ({', '.join(allowed) or 'none'}"
             f"{'; the table says why the others are out' if len(allowed) < len(cands) else ''})")
@@ -124,6 +127,12 @@ def resolve(cfg: Config, info: DistInfo, data_dir: Path, say: Callable[[str], No
             dist.broadcast_object_list(box, src=0)  # every rank runs rank 0's pick
         decision = box[0]
         say(advise.table_markdown(result))
+        if previous is not None and previous["sections"] != decision["sections"]:  # a run keeps its mode
+            raise ConfigError(f"comm.auto_remeasure=true picked {decision['variant']} now, but the checkpoint in "
+                              f"{cfg.train.out_dir} was trained with {previous['variant']} ({DECISION}); a run "
+                              f"cannot change its comm.mode mid-way: resume without comm.auto_remeasure to keep "
+                              f"{previous['variant']}, or start a new run (another train.out_dir) to train with "
+                              f"{decision['variant']}")
     cand = advise.Candidate(decision["variant"], decision["sections"])
     chosen = advise.config_from_dict(advise.candidate_config(cfg.to_dict(), cand))
     changed = advise.replaced_keys(cfg.to_dict(), chosen.to_dict())

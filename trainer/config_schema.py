@@ -175,7 +175,7 @@ class CommConfig:
     than this fraction faster than fp32's (0.10: 10 %); otherwise stay on fp32 and say so."""
     auto_remeasure: bool = False
     """comm.mode=auto on resume: measure again instead of keeping the stored decision (a different
-    pick then refuses the resume: no mid-run switching)."""
+    pick then stops the resume with an error naming both: no mid-run switching)."""
     momentum_sync: MomentumSyncConfig = field(default_factory=MomentumSyncConfig)
     """Selective momentum synchronisation (Lion Cub §5); update-sync modes only."""
     timeout_s: float = 600.0

@@ -8,7 +8,7 @@ from pathlib import Path
 from data.loader import ORDERS as DATA_ORDERS
 from optim import sync
 from optim.options import at_least, choice
-from optim.registry import compatibility_problem, optimizer_names, plan_problems
+from optim.registry import optimizer_names, plan_problems
 
 from .config_schema import AUTO_MODE, LAYER_SELECTORS, VARIANTS_DIR, Config, ConfigError, OptimConfig
 from .schedule import DECAY_SHAPES, SCHEDULES, decay_steps
@@ -35,6 +35,21 @@ def warmup_steps(optim: OptimConfig, horizon: int) -> int:
     """optim.warmup_steps, or optim.warmup_fraction of the schedule's horizon rounded down (so always
     below the horizon)."""
     return optim.warmup_steps or math.floor(round(optim.warmup_fraction * horizon, 9))  # 0.02 * 50000 is 1000
+
+
+def auto_variants(optim_name: str) -> dict[str, str]:
+    """{variant: its comm.mode} of the configs/variants files comm.mode=auto may pick for `optim_name`:
+    that optimizer (optim.name, default lion), no comm.momentum_sync schedule (trainer.automode.candidates
+    reads the same files by the same rule)."""
+    import yaml
+
+    out = {}
+    for path in sorted(VARIANTS_DIR.glob("*.yaml")):
+        doc = yaml.safe_load(path.read_text()) or {}
+        o, c = doc.get("optim") or {}, doc.get("comm") or {}
+        if o.get("name", "lion") == optim_name and not (c.get("momentum_sync") or {}).get("every"):
+            out[path.stem] = c.get("mode", "fp32")
+    return out
 
 
 def _blocks(m) -> int | None:
@@ -169,10 +184,15 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
     if bad_allow or not c.auto_allow:
         p.append(f"comm.auto_allow: {bad_allow or '[]'} not among the modes {', '.join(sync.names())} "
                  f"(or the variants in configs/variants); list one or more of them")
-    elif c.mode == AUTO_MODE and o.name in optimizer_names() and all(
-            m in sync.names() and compatibility_problem(o.name, m) for m in c.auto_allow):
-        p.append(f"comm.auto_allow: optim.name={o.name} runs on none of {c.auto_allow}; allow one of "
-                 f"{', '.join(m for m in sync.names() if not compatibility_problem(o.name, m))}")
+    elif c.mode == AUTO_MODE and o.name in optimizer_names():
+        # auto chooses among the variant files of this optimizer (trainer.automode.candidates' rule)
+        mine = auto_variants(o.name)
+        if not mine:
+            p.append(f"comm.mode=auto: configs/variants holds no variant of optim.name={o.name} to choose among; "
+                     f"set comm.mode yourself")
+        elif not any(mode in c.auto_allow or stem in c.auto_allow for stem, mode in mine.items()):
+            p.append(f"comm.auto_allow: no variant of optim.name={o.name} runs on {c.auto_allow}; allow one of "
+                     f"{', '.join(sorted(set(mine.values())))} (its variants: {', '.join(sorted(mine))})")
     if c.auto_min_gain < 0 or not math.isfinite(c.auto_min_gain):
         p.append(f"comm.auto_min_gain: {c.auto_min_gain} must be a finite fraction >= 0 (0.10: 10 % faster)")
     if c.mode == AUTO_MODE and cfg.parallel.shard_size > 1:  # trainer.advise predicts replicated runs only

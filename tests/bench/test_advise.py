@@ -96,8 +96,18 @@ def test_auto_with_sharding_is_a_config_error_not_a_wrong_prediction():
 
 
 def test_auto_allow_that_the_optimizer_cannot_run_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"optim.name=adamw runs on none of \['onebit'\]; allow one of fp32"):
-        load_config(ROOT / "configs/default.yaml", ["comm.mode=auto", "optim.name=adamw", "comm.auto_allow=[onebit]"])
+    """The advice names the modes of the optimizer's variant files, which auto chooses among (it listed
+    every mode AdamW can run, bf16 included, and auto then found no bf16 variant of AdamW)."""
+    from trainer.config_validate import auto_variants
+
+    mine = auto_variants("adamw")
+    assert mine == {"adamw_fp32": "fp32", "diloco_h10": "diloco", "diloco_h50": "diloco", "loco_adamw": "loco",
+                    "streaming_diloco": "diloco"}
+    for allow in ("[onebit]", "[bf16]"):
+        with pytest.raises(ConfigError, match=r"comm.auto_allow: no variant of optim.name=adamw runs on \['(onebit|bf16)'\]; "
+                                              r"allow one of diloco, fp32, loco \(its variants: adamw_fp32, diloco_h10"):
+            load_config(ROOT / "configs/default.yaml", ["comm.mode=auto", "optim.name=adamw", f"comm.auto_allow={allow}"])
+    load_config(ROOT / "configs/default.yaml", ["comm.mode=auto", "optim.name=adamw", "comm.auto_allow=[loco_adamw]"])
 
 
 def test_auto_candidates_follow_the_optimizer_and_the_allow_list():
@@ -440,3 +450,66 @@ def test_variants_files_are_compared_and_config_files_compose(monkeypatch, capsy
                                        str(ROOT / "configs/gpt2_774m/onebit_adam.yaml")])
     err = capsys.readouterr().err
     assert rc == 2 and "onebit_adam.yaml: its model section differs" in err and err.count("\n") == 1
+
+
+def test_auto_with_no_candidate_the_evidence_allows_fails_before_measuring(monkeypatch, tmp_path):
+    """comm.auto_allow=[diloco] for AdamW: its DiLoCo variants have no quality evidence, so auto has nothing
+    to choose; it says so before measuring links and compute (minutes on a cluster), naming each reason."""
+    import torch
+
+    from trainer import automode
+    from trainer.dist import DistInfo
+
+    monkeypatch.setattr(advise, "advise", lambda *a, **k: pytest.fail("measured with nothing to choose"))
+    cfg = load_config(ROOT / "configs/default.yaml", ["comm.mode=auto", "optim.name=adamw", "comm.auto_allow=[diloco]",
+                                                      f"train.out_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"the quality evidence allows none of its candidates \(diloco_h10: .*"
+                                          r"name a variant in comm.auto_allow to allow it anyway"):
+        automode.resolve(cfg, DistInfo(0, 1, 0, torch.device("cpu"), "gloo"), tmp_path, lambda s: None)
+
+
+def test_advise_refuses_a_missing_dataset_and_no_steps_in_one_line(tmp_path, capsys):
+    """A config whose dataset is not on this machine: one line, exit 2, on one rank as on several (rank 0's
+    error is broadcast; it was a traceback on rank 0 and a closed connection on the others). --steps 0: one line."""
+    assert advise_command.main([str(ROOT / "configs/default.yaml"), f"data.dataset={tmp_path / 'nope'}",
+                                "model.preset=debug", "--variants", "lion_fp32"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: data dir ") and "does not exist" in err and "Traceback" not in err, err
+    with pytest.raises(SystemExit) as e:
+        advise_command.parse_args([str(ROOT / "configs/default.yaml"), "--steps", "0"])
+    assert e.value.code == 2 and "--steps 0: time at least 1 step" in capsys.readouterr().err
+
+
+def test_remeasuring_a_resumed_run_that_picks_another_mode_says_so(monkeypatch, tmp_path):
+    """comm.auto_remeasure=true on a run with a checkpoint: the same pick continues; another pick is one error
+    naming both and the two ways on (it was 'this config differs from checkpoint' about keys the user never set)."""
+    import json
+
+    import torch
+
+    from trainer import automode
+    from trainer.dist import DistInfo
+
+    run = tmp_path / "run"
+    (run / "ckpt" / "step_000005").mkdir(parents=True)
+    (run / "ckpt" / "step_000005" / "meta.json").write_text("{}")
+    old = advise.load_variant("lion_fp32")
+    (run / automode.DECISION).write_text(json.dumps({"variant": old.name, "mode": "fp32", "sections": old.sections,
+                                                     "predicted_step_s": 0.2}))
+    cfg = load_config(ROOT / "configs/default.yaml", ["comm.mode=auto", "comm.auto_allow=[fp32, pbit]",
+                                                      "comm.auto_remeasure=true", "train.resume=auto",
+                                                      f"train.out_dir={run}"])
+    info = DistInfo(0, 1, 0, torch.device("cpu"), "gloo")
+    monkeypatch.setattr(advise, "advise", lambda *a, **k: {"rows": [{"variant": "x", "status": "ok"}], "links": {},
+                                                           "compute": {}})
+    monkeypatch.setattr(advise, "table_markdown", lambda result: "")
+    for name, mode in (("lion_fp32", "fp32"), ("lioncub_8bit_l1", "pbit")):
+        monkeypatch.setattr(advise, "pick", lambda result, gain, n=name, m=mode: ({"variant": n, "mode": m,
+                                                                                    "step_s": 0.1}, ""))
+        if name == "lion_fp32":
+            assert automode.resolve(cfg, info, tmp_path, lambda s: None)[0].comm.mode == "fp32"
+            continue
+        with pytest.raises(ConfigError, match=r"comm.auto_remeasure=true picked lioncub_8bit_l1 now, but the checkpoint "
+                                              r"in .* was trained with lion_fp32 \(auto_mode.json\); a run cannot "
+                                              r"change its comm.mode mid-way"):
+            automode.resolve(cfg, info, tmp_path, lambda s: None)
