@@ -805,17 +805,37 @@ def _curve_settings(steps: int, evals: int, run_dir: Path) -> list[str]:
 # what makes a stored curve run another run than the one --train would start (a loss curve's numerics)
 CURVE_KEYS = ("model", "data", "optim", "comm", "parallel", "train.max_steps", "train.seed", "train.eval_every",
               "train.eval_steps", "train.dtype")
+# ... and the settings inside them that leave the curve as it is (timeouts, caches, memory, timing, auto's own)
+NOT_THE_CURVE = ("comm.timeout_s", "comm.init_timeout_s", "comm.fine_timing", "comm.auto_", "data.cache_dir",
+                 "model.activation_checkpointing")
+
+
+def _dataset(v: Any) -> Any:
+    """data.dataset as a place: builtin, or the resolved directory however it was spelt."""
+    return v if not isinstance(v, str) or v.rstrip("/") == "builtin" else str(Path(v).expanduser().resolve())
 
 
 def curve_run_mismatch(files: list[str], overrides: list[str], run_dir: Path, steps: int, evals: int) -> str | None:
     """Where the run already in `run_dir` differs from what train_curve would train there now (the first
-    setting of CURVE_KEYS, saved value against wanted), or None when it is that run."""
-    from trainer.config import load_config
+    setting of CURVE_KEYS that shapes the curve, saved value against wanted), or None when it is that run.
+    The saved config is read back through the config loader (keys added since it ran take their defaults;
+    as written when it no longer loads); comm.mode=auto is compared as the mode the run picked."""
+    from trainer.advise import config_from_dict
+    from trainer.config import AUTO_MODE, ConfigError, load_config
 
     want = load_config(files, [*overrides, *_curve_settings(steps, evals, run_dir)]).to_dict()
     saved = load_run_config(run_dir)
-    for key in CURVE_KEYS:
+    try:
+        saved = config_from_dict(saved).to_dict()
+    except (ConfigError, ValueError, TypeError):
+        pass  # a key since removed or renamed: compared as written
+    keys = [k for k in CURVE_KEYS if not (k == "comm" and _get(want, "comm.mode") == AUTO_MODE)]  # auto: its pick
+    for key in keys:
         for dotted, a, b in _leaves(_get(saved, key), _get(want, key), key):
+            if dotted.startswith(NOT_THE_CURVE):
+                continue
+            if dotted == "data.dataset":
+                a, b = _dataset(a), _dataset(b)
             if a != b:
                 return f"{dotted} is {a!r} there, {b!r} now"
     return None

@@ -42,7 +42,8 @@ def split_shards(data_dir: str | os.PathLike, split: str) -> list[Path]:
                         f"every run evaluates at its end: prepare it again with a --val-fraction > 0, or train on "
                         f"it through data.mix={{{d}: 1}} with data.dataset naming a prepared dataset that has a val "
                         f"split")
-    raw = [p.name for p in sorted(d.iterdir()) if p.suffix.lower() in LOCAL_EXTS]
+    raw = [] if paths else [p.name for p in sorted(d.iterdir()) if p.suffix.lower() in LOCAL_EXTS
+                            and p.name != "manifest.json" and not p.name.startswith("tokenizer")]
     if not paths and raw and not list_shards(d, "train"):  # documents, not shards: prepare them elsewhere
         raise DataError(f"data dir {d} holds documents ({', '.join(raw[:3])}{', ...' if len(raw) > 3 else ''}), not "
                         f"prepared shards; prepare them "

@@ -87,7 +87,8 @@ def resolve(cfg: Config, info: DistInfo, data_dir: Path, say: Callable[[str], No
         try:
             previous = stored_decision(Path(cfg.train.out_dir))
         except ConfigError as e:  # told to every rank below, so none waits for the others
-            error = str(e)
+            if not cfg.comm.auto_remeasure:  # remeasure is the way past a damaged decision file: rewritten
+                error = str(e)
         if previous is not None and not cfg.comm.auto_remeasure:
             decision = {**previous, "source": "stored"}
     box = [(decision, error, previous)]

@@ -10,6 +10,7 @@ from optim import sync
 from optim.options import at_least, choice
 from optim.registry import optimizer_names, plan_problems
 
+from .config_files import read_yaml
 from .config_schema import AUTO_MODE, LAYER_SELECTORS, VARIANTS_DIR, Config, ConfigError, OptimConfig
 from .schedule import DECAY_SHAPES, SCHEDULES, decay_steps
 
@@ -41,11 +42,9 @@ def auto_variants(optim_name: str) -> dict[str, str]:
     """{variant: its comm.mode} of the configs/variants files comm.mode=auto may pick for `optim_name`:
     that optimizer (optim.name, default lion), no comm.momentum_sync schedule (trainer.automode.candidates
     reads the same files by the same rule)."""
-    import yaml
-
     out = {}
     for path in sorted(VARIANTS_DIR.glob("*.yaml")):
-        doc = yaml.safe_load(path.read_text()) or {}
+        doc = read_yaml(path)  # its extends: chain resolved, as advise.load_variant reads it
         o, c = doc.get("optim") or {}, doc.get("comm") or {}
         if o.get("name", "lion") == optim_name and not (c.get("momentum_sync") or {}).get("every"):
             out[path.stem] = c.get("mode", "fp32")

@@ -108,6 +108,9 @@ def test_auto_allow_that_the_optimizer_cannot_run_is_a_config_error():
                                               r"allow one of diloco, fp32, loco \(its variants: adamw_fp32, diloco_h10"):
             load_config(ROOT / "configs/default.yaml", ["comm.mode=auto", "optim.name=adamw", f"comm.auto_allow={allow}"])
     load_config(ROOT / "configs/default.yaml", ["comm.mode=auto", "optim.name=adamw", "comm.auto_allow=[loco_adamw]"])
+    # a variant that extends another is read as auto reads it (dion_r16 extends dion: a Dion variant)
+    assert auto_variants("dion") == {"dion": "fp32", "dion_r16": "fp32"} and "dion_r16" not in auto_variants("lion")
+    load_config(ROOT / "configs/default.yaml", ["comm.mode=auto", "optim.name=dion", "comm.auto_allow=[dion_r16]"])
 
 
 def test_auto_candidates_follow_the_optimizer_and_the_allow_list():
@@ -513,3 +516,10 @@ def test_remeasuring_a_resumed_run_that_picks_another_mode_says_so(monkeypatch, 
                                               r"in .* was trained with lion_fp32 \(auto_mode.json\); a run cannot "
                                               r"change its comm.mode mid-way"):
             automode.resolve(cfg, info, tmp_path, lambda s: None)
+    # a decision file of the wrong shape: its error says to remeasure, and remeasuring gets past it
+    (run / automode.DECISION).write_text(json.dumps({"variant": 3}))
+    assert automode.resolve(cfg, info, tmp_path, lambda s: None)[0].comm.mode == "pbit"
+    keep = load_config(ROOT / "configs/default.yaml", ["comm.mode=auto", "comm.auto_allow=[fp32, pbit]",
+                                                       "train.resume=auto", f"train.out_dir={run}"])
+    with pytest.raises(ConfigError, match="comm.auto_remeasure=true"):
+        automode.resolve(keep, info, tmp_path, lambda s: None)

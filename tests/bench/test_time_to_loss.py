@@ -670,6 +670,11 @@ def test_train_reuses_a_curve_run_only_when_it_is_the_run_it_would_train(tmp_pat
     assert ttl.curve_run_mismatch(files, overrides, run, 40, ns.evals) == "data.dataset is '/data/A' there, '/data/B' now"
     make_run(run, want, {20: 3.0})                            # the run --train would train: reused as it is
     assert ttl.curve_run_mismatch(files, overrides, run, 40, ns.evals) is None
+    older = json.loads(json.dumps(want))  # saved by older code (a key added since), another timeout: the same curve
+    del older["comm"]["init_timeout_s"]
+    older["comm"]["timeout_s"] = 1.0
+    make_run(run, older, {20: 3.0})
+    assert ttl.curve_run_mismatch(files, overrides, run, 40, ns.evals) is None
     assert ttl.main(argv) == 0 and not trained
     assert "Setting `tiny-builtin` (the overrides of the runs this command trains or measures); yours on top: " \
            "`data.dataset=/data/B`." in (tmp_path / "out" / "results.md").read_text()

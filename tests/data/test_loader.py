@@ -181,6 +181,11 @@ def test_missing_empty_and_too_small_data(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"holds documents \(docs.jsonl\), not prepared shards; prepare them with "
                                         r"`python -m data.prepare text --input .*raw --out .*raw-prepared`"):
         resolve_dataset(str(tmp_path / "raw"))
+    (tmp_path / "gone").mkdir()  # a prepared dir whose shards are gone: not "documents"
+    (tmp_path / "gone" / "manifest.json").write_text("{}")
+    (tmp_path / "gone" / "tokenizer.json").write_text("{}")
+    with pytest.raises(DataError, match=r"gone has no train_XXXXXX\.bin"):
+        resolve_dataset(str(tmp_path / "gone"))
     make_shards(tmp_path / "small", lens=[30])
     with pytest.raises(ValueError, match=r"holds 30 tokens, fewer than one global batch \(2 ranks x 2 x 8 \+ 1 = 33\)"):
         ShardLoader(tmp_path / "small", "train", 2, 8, 1, 2, seed=0)
