@@ -72,8 +72,7 @@ def check_train_args(script_args: list[str], world_size: int | None, node_size: 
     """train.py's own argument and config checks, before launch: the error text, or ''. With node_size
     (ranks per node), also that parallel.shard_size fits a node, as the ranks' mesh demands; with
     world_may_change, that a restart on fewer ranks could resume the run (config_validate.elastic_problems)."""
-    from trainer.automode import candidates
-    from trainer.config import AUTO_MODE, ConfigError, load_config_args, validate
+    from trainer.config import ConfigError, load_config_args, validate
     from trainer.config_validate import elastic_problems
 
     if not script_args or HELP & set(script_args):
@@ -83,9 +82,7 @@ def check_train_args(script_args: list[str], world_size: int | None, node_size: 
         if world_size is not None or node_size is not None:
             validate(cfg, world_size=world_size, node_size=node_size)
         if world_may_change:
-            modes = ([(c.sections.get("comm") or {}).get("mode", "fp32") for c in candidates(cfg)]
-                     if cfg.comm.mode == AUTO_MODE else None)
-            return "; ".join(elastic_problems(cfg, modes))
+            return "; ".join(elastic_problems(cfg))
     except (ConfigError, ValueError) as e:  # ValueError: a variant file comm.mode=auto reads
         return str(e)
     return ""

@@ -29,6 +29,7 @@ from util.files import FileShapeError, read_json_object
 
 from . import advise
 from .config import AUTO_MODE, Config, ConfigError
+from .config_validate import allowed_variants
 from .dist import DistInfo
 
 DECISION = "auto_mode.json"
@@ -36,17 +37,7 @@ DECISION = "auto_mode.json"
 
 def candidates(cfg: Config) -> list:
     """The variants comm.mode=auto chooses among for cfg (trainer.advise.Candidate)."""
-    out = []
-    for name in advise.variant_names():
-        cand = advise.load_variant(name)
-        o, c = cand.sections.get("optim") or {}, cand.sections.get("comm") or {}
-        if o.get("name", "lion") != cfg.optim.name or (c.get("mode", "fp32") not in cfg.comm.auto_allow
-                                                       and name not in cfg.comm.auto_allow):
-            continue
-        if (c.get("momentum_sync") or {}).get("every"):
-            continue
-        out.append(cand)
-    return out
+    return [advise.load_variant(name) for name in allowed_variants(cfg)]
 
 
 # what resolve() and the trainer's log read from a stored decision, with the types they need

@@ -92,16 +92,23 @@ def _parallel_problems(cfg: Config, world_size: int | None, node_size: int | Non
     return p
 
 
-def elastic_problems(cfg: Config, auto_modes: list[str] | None = None) -> list[str]:
+def allowed_variants(cfg: Config) -> dict[str, str]:
+    """{variant: comm.mode} of the variants comm.mode=auto chooses among for cfg: its optimizer's
+    (auto_variants) whose mode or name comm.auto_allow lists (trainer.automode.candidates builds them)."""
+    allow = cfg.comm.auto_allow if isinstance(cfg.comm.auto_allow, list) else []
+    return {n: m for n, m in auto_variants(cfg.optim.name).items() if m in allow or n in allow}
+
+
+def elastic_problems(cfg: Config) -> list[str]:
     """Why a run of cfg could not continue on another world size after a restart (a launcher that lets
     the world shrink: train.sbatch's MIN_NODES below its node count, torchrun's --nnodes=MIN:MAX), []
     when it could: a comm.mode whose exchange keeps per-rank state sized for the saved world (error
     feedback, DiLoCo's outer state: the registry's `stateful`) is refused on resume (optim.base
     load_resharded, the remesh path), so every restart on fewer ranks would fail. comm.mode=auto: any
-    of the modes it may pick (`auto_modes`, trainer.automode.candidates'), since its pick is kept for the
-    run's restarts. Unknown modes are validate()'s to report."""
+    of the modes it may pick (allowed_variants), since its pick is kept for the run's restarts. Unknown
+    modes are validate()'s to report."""
     auto = cfg.comm.mode == AUTO_MODE
-    modes = (auto_modes or []) if auto else [cfg.comm.mode]
+    modes = list(allowed_variants(cfg).values()) if auto else [cfg.comm.mode]
     bad = sorted({m for m in modes if m in sync.names() and sync.get(m).stateful})
     if not bad:
         return []
@@ -189,7 +196,7 @@ def validate(cfg: Config, world_size: int | None = None, raise_error: bool = Tru
         if not mine:
             p.append(f"comm.mode=auto: configs/variants holds no variant of optim.name={o.name} to choose among; "
                      f"set comm.mode yourself")
-        elif not any(mode in c.auto_allow or stem in c.auto_allow for stem, mode in mine.items()):
+        elif not allowed_variants(cfg):
             p.append(f"comm.auto_allow: no variant of optim.name={o.name} runs on {c.auto_allow}; allow one of "
                      f"{', '.join(sorted(set(mine.values())))} (its variants: {', '.join(sorted(mine))})")
     if c.auto_min_gain < 0 or not math.isfinite(c.auto_min_gain):
