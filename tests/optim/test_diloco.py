@@ -12,7 +12,8 @@ stands in for the allreduce. tests/workers/diloco_dist.py checks the real wires 
   + eps) is not linear in the gradients (v_i squares them, per worker), so the mean of the workers'
   Adam steps is not Adam's step on the mean gradient: the test shows they differ.
 - a hand-written reference of the algorithm (2 workers, 3 outer steps, inner AdamW, outer Nesterov
-  momentum 0.9, outer lr 0.7) equals the object within fp32 tolerance; heavy ball too;
+  momentum 0.9, outer lr 0.7) equals the object within fp32 tolerance; heavy ball too; its outer
+  step is torch.optim.SGD's on the averaged pseudo-gradient bit for bit (the peers' construction);
 - Streaming with F = 1 and no overlap equals that reference; a hand-written streaming reference
   (F = 2 on literal offsets, tau = 1, alpha = 0.25) equals the object;
 - a state_dict round trip (through torch.save) mid-inner-phase, mid-overlap and at an outer step
@@ -223,6 +224,44 @@ def test_matches_hand_written_reference(nesterov: bool) -> None:
         assert torch.equal(a, b)
     assert torch.equal(dl[0].glob[0], dl[1].glob[0])
     assert dl[0].syncs == [3]
+
+
+def _torch_sgd_reference(W: int, H: int, outer_steps: int, nesterov: bool) -> list[torch.Tensor]:
+    """DiLoCo as its peers build it (the DiLoCo paper, torchft): the global copy is a set of
+    parameters stepped by torch.optim.SGD whose gradient is the averaged pseudo-gradient (summed in
+    worker order, divided by W, as SimMean)."""
+    workers = [Worker(i, "adamw") for i in range(W)]
+    theta = [torch.nn.Parameter(t.clone()) for t in _init_params()]
+    outer = torch.optim.SGD(theta, lr=0.7, momentum=0.9, nesterov=nesterov)
+    for _ in range(outer_steps):
+        for w in workers:
+            for _ in range(H):
+                w.inner_step()
+        for j, t in enumerate(theta):
+            total = t.detach() - workers[0].params[j].detach()
+            for w in workers[1:]:
+                total += t.detach() - w.params[j].detach()
+            t.grad = total / W
+        outer.step()
+        with torch.no_grad():
+            for w in workers:
+                for p, t in zip(w.params, theta):
+                    p.copy_(t)
+    return [t.detach() for t in theta]
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_outer_step_is_torch_sgd_bit_for_bit(nesterov: bool) -> None:
+    """The outer optimizer is torch's SGD (momentum 0.9, dampening 0) on the averaged pseudo-gradient,
+    to the bit, over 4 outer steps (momentum buffers past their first step included)."""
+    o = DiLoCoOptions(inner_steps=3, outer_lr=0.7, outer_momentum=0.9, nesterov=nesterov)
+    workers, _ = _run_diloco(2, o, 12, "adamw")
+    ref = _torch_sgd_reference(2, 3, 4, nesterov)
+    moved = max((a - b).abs().max().item() for a, b in zip(ref, _init_params()))
+    assert moved > 0.05, moved
+    for w in workers:
+        for p, r in zip(w.params, ref):
+            assert torch.equal(p.detach(), r), (p.detach() - r).abs().max().item()
 
 
 # ---- (c) streaming ----------------------------------------------------------------------------------
