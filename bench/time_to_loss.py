@@ -20,9 +20,10 @@ default) is stretched by its time per step:
     LocalScheme.predict_local, its cycle's exchanges spread over the inner steps, less what the inner
     steps after each hide) on the links you name, under comm.cost_model.NodeLayout.
 The target (default: the final `--metric` of the synchronous AdamW run, `--reference`) is crossed
-where the curve first reaches it, interpolated linearly between evaluations (a local-update curve is
-held between the steps its evaluated model changes, SyncScheme.model_changes: the crossing is the outer
-step whose model reached it); a variant whose curve never reaches it is reported as such. Output in `--out`: results.md (tables, what is measured and
+where the curve first reaches it, interpolated linearly between evaluations (a local-update curve,
+whose evaluated model changes only at some steps, SyncScheme.model_changes, by the same line drawn
+between its evaluated models at the steps they were made: the crossing is the first outer step whose
+model the line puts at the target, as a synchronous curve's is the first step); a variant whose curve never reaches it is reported as such. Output in `--out`: results.md (tables, what is measured and
 what predicted), results.csv, time_to_loss.png, meta.json.
 """
 from __future__ import annotations
@@ -186,22 +187,37 @@ def load_curve(name: str, sources: str | Path | Sequence[str | Path], metric: st
     return Curve(name, ", ".join(map(str, srcs)), [float(s) for s in steps], losses, tps, per[0][2], len(per))
 
 
+def _born(changes: Sequence[float], step: float) -> float:
+    """The step after which the model current at `step` was made: the last change at or before it (0: the
+    initial model)."""
+    return max((c for c in changes if c <= step), default=0.0)
+
+
 def crossing_step(steps: Sequence[float], losses: Sequence[float], target: float,
                   changes: Sequence[float] | None = None) -> float | None:
     """The first step at which the curve reaches `target` (loss <= target), interpolated linearly
     between the two evaluations around it; the first evaluation's step when it is already there;
     None when the curve never reaches it. With `changes` (the steps after which the evaluated model
-    changes: a local-update run's outer steps) the model evaluated there exists from the last change at
-    or before that evaluation, and no model before it is known to reach the target: that step, never a
-    point between two models."""
+    changes: a local-update run's outer steps) the same line is drawn between the two evaluated models,
+    each placed at the step it was made, and only a model can reach the target: the first change whose
+    model the line puts at or below it (the model evaluated there when none between). A synchronous
+    curve is the case where the model changes after every step, so both kinds are read alike: an
+    evaluation every 200 steps of a run whose model changes every 10 is interpolated as one whose model
+    changes every step, and one evaluated every 2 steps at H = 10 is not (no model between)."""
     for i, (s, loss) in enumerate(zip(steps, losses)):
         if loss <= target:
             if i == 0:
                 return float(s)
             s0, l0 = steps[i - 1], losses[i - 1]
-            if changes is not None:
-                return float(max((c for c in changes if s0 < c <= s), default=s))
-            return float(s0 + (s - s0) * (l0 - target) / (l0 - loss))
+            if changes is None:
+                return float(s0 + (s - s0) * (l0 - target) / (l0 - loss))
+            a, b = _born(changes, s0), _born(changes, s)
+            if b <= s0:   # the model evaluated at s0 again (it did not reach the target there): s, as found
+                return float(s)
+            for c in sorted(c for c in changes if s0 < c < b):
+                if l0 + (loss - l0) * (c - a) / (b - a) <= target:
+                    return float(c)
+            return float(b)
     return None
 
 
@@ -209,14 +225,18 @@ def loss_at_step(steps: Sequence[float], losses: Sequence[float], step: float,
                  changes: Sequence[float] | None = None) -> float | None:
     """The curve's loss at `step`, linear between the two evaluations around it; None before its first
     evaluation or past its last (a curve says nothing there). With `changes` (crossing_step) the loss of
-    the model current at `step` where an evaluation saw that model, else the last evaluation before
-    `step` (an older model's: a curve held between its models is not interpolated)."""
+    the model current at `step`: where an evaluation saw that model, that evaluation's; else on the line
+    between the evaluated models before and after it, each placed at the step it was made."""
     if changes is not None:
-        last = max((c for c in changes if c <= step), default=0.0)
-        nxt = min((c for c in changes if c > step), default=math.inf)
-        same = [loss for s, loss in zip(steps, losses) if last <= s < nxt]
-        before = [loss for s, loss in zip(steps, losses) if s <= step]
-        return float(same[0]) if same else float(before[-1]) if before else None
+        m = _born(changes, step)
+        born = [_born(changes, s) for s in steps]
+        for b, loss in zip(born, losses):
+            if b == m:
+                return float(loss)
+        for (a, l0), (b, l1) in zip(zip(born, losses), zip(born[1:], losses[1:])):
+            if a < m < b:
+                return float(l0 + (l1 - l0) * (m - a) / (b - a))
+        return None
     for i, s in enumerate(steps):
         if math.isclose(step, s, rel_tol=1e-9):
             return float(losses[i])
@@ -682,9 +702,10 @@ def markdown(rows: list[dict], settings: dict[str, str], target: float, target_s
             out += ["", f"Equal time: each curve where the quickest whole run here ends ({_fmt_s(budget)}): its "
                         f"{metric} at that time's step (step time x step = {_fmt_s(budget)}), linear between its "
                         "evaluations; 'before its first evaluation' where the curve has none yet. A local-update "
-                        "curve (DiLoCo) evaluates its global model, which changes only at outer steps: its target "
-                        "step is the outer step whose model first reached the target, and its loss at a time is "
-                        "that of the model current then (else of the last evaluation before), never interpolated."]
+                        "curve (DiLoCo) evaluates its global model, which changes only at outer steps: the same "
+                        "line is drawn between its evaluated models at the steps they were made, its target step "
+                        "is the first outer step whose model the line puts at the target, and its loss at a time "
+                        "is that of the model current then (its evaluation's where one saw it)."]
         out.append("")
     return "\n".join([f"Target {metric} {target:.4f}: {target_src}.", "", *out])
 
@@ -742,7 +763,7 @@ def end_to_end(curves: dict[str, Curve], e2e: Path, metric: str, target: float, 
         secs, losses = [pts[s][0] for s in steps], [pts[s][1] for s in steps]
         panel[name] = (secs, losses)
         m = measured.get(name, {})
-        # the step where the run crossed (held at its model changes, as the curve's), at its time: the train
+        # the step where the run crossed (read at its model changes, as the curve's), at its time: the train
         # time linear between the evaluations around it
         e2e_step = crossing_step(steps, losses, target, c.changes)
         cross_t = None if e2e_step is None else float(_interp(e2e_step, steps, secs))

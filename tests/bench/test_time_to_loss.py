@@ -55,7 +55,7 @@ def test_crossing_is_interpolated_between_evaluations():
     assert ttl.crossing_step([10, 20, 30, 40], [4.0, 2.9, 3.5, 2.0], 3.0) == pytest.approx(10 + 10 * 1.0 / 1.1)
 
 
-def test_a_local_update_curve_is_held_between_the_steps_its_model_changes():
+def test_a_local_update_curve_is_read_at_the_steps_its_model_changes():
     """DiLoCo evaluates its global model, which moves only at outer steps: evaluated every 2 steps at H = 10 it
     reads 9.36 at steps 10-18 and 8.25 at 20. No model reached 8.94 before the outer step of 20 (a line between
     18 and 20 said 18.76); at a time inside the cycle its loss is the current model's, not a line."""
@@ -69,17 +69,49 @@ def test_a_local_update_curve_is_held_between_the_steps_its_model_changes():
     assert ttl.crossing_step(steps, losses, 9.5, changes) == 10.0
     assert ttl.loss_at_step(steps, losses, 19, changes) == 9.36      # the model of step 10 until step 20
     assert ttl.loss_at_step([10, 20], [9.36, 8.25], 15, changes) == 9.36
-    # evaluated less often than the model changes: the last outer step before the evaluation that crossed
-    assert ttl.crossing_step([10, 30], [9.0, 8.0], 8.5, [10.0, 20.0, 30.0]) == 30.0
-    assert ttl.crossing_step([10, 30], [9.0, 8.0], 8.5, [10.0, 20.0, 25.0, 40.0]) == 25.0
+    curve = ttl.Curve("d", "-", [float(s) for s in steps], losses, 1.0, cfg)
+    assert curve.changes == changes
+
+
+@pytest.mark.parametrize("H", [1, 5, 10])
+def test_a_local_update_curve_evaluated_less_often_than_its_model_changes_reads_like_a_synchronous_one(H):
+    """Evaluated every 200 steps while the model changes every H: the line between the evaluated models, as a
+    synchronous curve's, snapped to the first outer step at or past its crossing (the review's H = 10 run:
+    5.5 crossed at 949 interpolated, not at the next evaluation); the loss at a time is the current model's on
+    that line. At H = 1 the two readings agree exactly."""
+    steps, losses = [200, 400, 600], [6.0, 5.6, 5.3]
+    changes = [float(c) for c in range(H, 601, H)]
+    sync = ttl.crossing_step(steps, losses, 5.5)
+    assert sync == pytest.approx(400 + 200 * 0.1 / 0.3)
+    assert ttl.crossing_step(steps, losses, 5.5, changes) == H * math.ceil(sync / H - 1e-9)
+    assert ttl.loss_at_step(steps, losses, 499, changes) == pytest.approx(
+        ttl.loss_at_step(steps, losses, H * (499 // H)))
+    assert ttl.loss_at_step(steps, losses, 400 + H - 1, changes) == 5.6   # the model evaluated at 400
+    assert ttl.loss_at_step(steps, losses, 199, changes) is None     # before the first evaluated model
+    assert ttl.loss_at_step(steps, losses, 600, changes) == 5.3
+
+
+def test_a_local_update_curve_whose_evaluations_saw_older_models():
+    # evaluated at 10 and 30; the model of step 30 is the one made at 30, 25 or 20
+    assert ttl.crossing_step([10, 30], [9.0, 8.0], 8.5, [10.0, 20.0, 30.0]) == 20.0   # the line: 8.5 at 20
+    assert ttl.crossing_step([10, 30], [9.0, 8.0], 8.7, [10.0, 20.0, 30.0]) == 20.0
+    assert ttl.crossing_step([10, 30], [9.0, 8.0], 8.4, [10.0, 20.0, 30.0]) == 30.0
+    # the evaluation at 30 saw the model of 25: the line runs from 10 to 25
+    assert ttl.crossing_step([10, 30], [9.0, 8.0], 8.5, [10.0, 20.0, 25.0, 40.0]) == 20.0
+    assert ttl.crossing_step([10, 30], [9.0, 8.0], 8.2, [10.0, 20.0, 25.0, 40.0]) == 25.0
     assert ttl.loss_at_step([10, 30], [9.0, 8.0], 22, [10.0, 20.0, 40.0]) == 8.0   # evaluated at 30: that model
-    assert ttl.loss_at_step([10, 30], [9.0, 8.0], 22, [10.0, 20.0, 25.0, 40.0]) == 9.0  # never evaluated: the last
+    assert ttl.loss_at_step([10, 30], [9.0, 8.0], 22, [10.0, 20.0, 25.0, 40.0]) == pytest.approx(9.0 - 10 / 15)
+    assert ttl.loss_at_step([10, 30], [9.0, 8.0], 35, [10.0, 20.0, 25.0, 40.0]) == 8.0
+    assert ttl.loss_at_step([10, 30], [9.0, 8.0], 45, [10.0, 20.0, 25.0, 40.0]) is None  # a model never evaluated
+    # the model evaluated at s0 seen again at s (no change between) and now below: the evaluation's step
+    assert ttl.crossing_step([10, 30], [9.0, 8.0], 8.5, [10.0, 40.0]) == 30.0
+
+
+def test_streaming_model_changes():
     # Streaming DiLoCo (H 4, F 2, tau 1): each fragment's outer step tau after its send, and the end
     st = diloco_config(inner_steps=4, fragments=2, overlap_steps=1, alpha=0.5)
     st["train"]["max_steps"] = 10
     assert ttl.model_changes(st) == [3.0, 5.0, 7.0, 9.0, 10.0]
-    curve = ttl.Curve("d", "-", [float(s) for s in steps], losses, 1.0, cfg)
-    assert curve.changes == changes
 
 
 def test_load_curve_reads_val_loss_and_tokens_per_step(tmp_path):
