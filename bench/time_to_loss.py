@@ -505,6 +505,22 @@ def predict_cluster_step(curve: Curve, cluster: Cluster, reference: str = REFERE
     return out
 
 
+def node_port_bytes(cfg: dict, tokens_per_step: float, nodes: int, gpus_per_node: int,
+                    vocab_size: int | None = None) -> float:
+    """Bytes through each node's network port per step (one way, the slow axis between nodes) of the run
+    `cfg` on `nodes` x `gpus_per_node` ranks, by the registry's cost model as predict_cluster_step uses it:
+    its communication seconds on a probe cluster whose node ports move one byte a second with no latency,
+    whose links inside a node are free and whose compute takes no time (so nothing hides an exchange). A
+    ring allreduce of B bytes per rank in rank order over two nodes crosses each port with 2 (P - 1) / P x B
+    (1.5 B at P = 4); at parallel.shard_size = S the S rings of the replicate axis share each port; a local-
+    update scheme's cycle is spread over its inner steps. What the column of bytes handed to the
+    collectives per rank (comm_bytes) cannot say: the traffic between nodes, which the slow links carry."""
+    probe = Cluster(nodes, gpus_per_node, "H100", inter_bps=8.0, intra_bps=1e30, mfu=1e30,
+                    inter_latency=0.0, intra_latency=0.0, text=f"probe {nodes} x {gpus_per_node}")
+    curve = Curve("probe", "-", [], [], tokens_per_step, cfg)
+    return predict_cluster_step(curve, probe, vocab_size=vocab_size)["comm_s"]
+
+
 # ------------------------------------------------------------------------------------------------
 # (a) step times measured under the simulator by bench.step_breakdown
 # ------------------------------------------------------------------------------------------------
@@ -1014,9 +1030,17 @@ def parse_args(argv: Sequence[str] | None = None):
     if not ns.links and not ns.cluster:
         ap.error("nothing to report: give --link RATE (measured under the simulator) and/or --cluster \"...\" "
                  "(predicted)")
+    ns.given = {}
+    names = [n for n, _ in ns.candidates]
     for r in ns.run:
-        if "=" not in r:
-            ap.error(f"--run {r}: expected VARIANT=DIR")
+        # a candidate's name may hold '=' (name@key=value): the longest name the entry starts with
+        name = max((n for n in names if r.startswith(n + "=")), key=len, default=None)
+        if name is None:
+            ap.error(f"--run {r}: expected VARIANT=SRC with VARIANT one of --variants ({', '.join(names)})"
+                     if "=" in r else f"--run {r}: expected VARIANT=SRC")
+        if name in ns.given:
+            ap.error(f"--run {name}: given twice; give one --run per variant (several sources comma-separated)")
+        ns.given[name] = r[len(name) + 1:]
     return ns
 
 
@@ -1024,7 +1048,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parse_args(argv)
     out = Path(ns.out)
     runs = Path(ns.runs) if ns.runs else out / "runs"
-    given = dict(r.split("=", 1) for r in ns.run)
+    given = ns.given
     overrides = list(runstore.merge_overrides(ns.setting_overrides, ns.overrides))   # yours replace the setting's
     sources = {}
     steps = ns.steps or ns.setting_steps

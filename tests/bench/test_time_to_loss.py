@@ -536,6 +536,13 @@ def test_a_variant_with_its_own_overrides_is_trained_and_measured_as_itself(tmp_
                   ["adamw_fp32@data.dataset=/data/x"]):  # ... and a '/' in an entry's own override
         with pytest.raises(SystemExit):
             ttl.parse_args(["--variants", *twice, "--link", "1gbit"])
+    # --run names a candidate, '=' in its name included (the longest name the entry starts with)
+    ns = ttl.parse_args(["--variants", "diloco_h10", "diloco_h10@parallel.shard_size=2", "--link", "1gbit",
+                         "--run", "diloco_h10@parallel.shard_size=2=a/x=1.json.gz,b", "--run", "diloco_h10=c"])
+    assert ns.given == {"diloco_h10@parallel.shard_size=2": "a/x=1.json.gz,b", "diloco_h10": "c"}
+    for bad in (["--run", "diloco_h5=c"], ["--run", "diloco_h10"], ["--run", "diloco_h10=c", "--run", "diloco_h10=d"]):
+        with pytest.raises(SystemExit):
+            ttl.parse_args(["--variants", "diloco_h10", "--link", "1gbit", *bad])
 
 
 def test_a_measured_run_shorter_than_the_curves_warmup_keeps_their_schedule(tmp_path):
