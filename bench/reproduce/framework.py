@@ -630,10 +630,9 @@ def at_best_lr(runs: Sequence[Run], best: dict, study: "Study") -> list[Run]:
 
 
 def run_wire_factor(r: RunResult, scale: Scale) -> tuple[float | None, str]:
-    """wire_factor of a run: its recorded config, or (an entry imported without one) its config resolved now."""
-    import dataclasses
-
-    return wire_factor(r.config or dataclasses.asdict(run_config(r.run, scale)), r.run.nproc)
+    """wire_factor of a run: its recorded config, or (an entry imported without one) its config resolved now (as the
+    YAML files and config.yaml spell it: a scheme's options flat in comm, not under comm.options)."""
+    return wire_factor(r.config or run_config(r.run, scale).to_dict(), r.run.nproc)
 
 
 def wire_factor(config: dict, nproc: int) -> tuple[float | None, str]:

@@ -9,20 +9,24 @@ so orderings and qualitative effects are comparable, absolute losses are not.
 """
 from __future__ import annotations
 
+import csv
+import json
 import os
 import shlex
 import statistics
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
 import comm
+from bench import time_to_loss
 from model import IO_ROLES, MATRIX_ROLES, ROLES
 
 from .framework import (BEST_LR_FILE, DEFAULT_SETTING, FROM_SWEEP, NOT_RUN, ROOT, SETTINGS, Column, Options, Run,
                         RunResult, Scale, Study, Summary, full_scale, group_runs, markdown_table, mean_curve, mean_std,
-                        paired_stats, preset_of, pyplot, quick_scale, register, run_wire_factor, seed_stats, status_of,
-                        tokens_read)
+                        paired_stats, preset_of, pyplot, quick_scale, register, run_config, run_wire_factor, seed_stats,
+                        status_of, tokens_read)
 
 FULL_SEEDS = [1337, 1338, 1339]
 QUICK_SEEDS = [1337]
@@ -1050,8 +1054,6 @@ def lr_sweep_best(summary: Summary, results: list[RunResult], scale: Scale, out:
     """BEST_LR_FILE: the best value per arm whose every value of the base grid finished and whose values added
     past an edge were tried (one that failed, e.g. diverged, counts as worse; one not run yet, as under
     --report-only, leaves the arm out until it is), with the setting it holds for."""
-    import json
-
     done = {a for (a,), g in group_runs(results, "arm").items()
             if all(r.ok for r in g if r.run.label("lr") in SWEEP_ARMS[a][1])
             and not any(r.status.startswith(NOT_RUN) for r in g)}
@@ -1196,8 +1198,11 @@ def _outer_sweep(results: Sequence[RunResult]) -> dict[str, dict[float, RunResul
 
 
 def _outer_ran(r: RunResult | None) -> bool:
-    """Finished, or failed after its launch (a divergence: worse); not absent, pending or NOT_RUN."""
-    return r is not None and (r.ok or (r.status.startswith("failed") and not r.status.startswith(NOT_RUN)))
+    """Finished, or diverged (train.on_nonfinite stopped it: a result, worse than any finished value). Not
+    absent, pending, NOT_RUN, stopped by a signal or crashed: those leave the arm undecided (a stopped or
+    crashed run says nothing of its outer lr, and taking it as worse would run the comparison seeds at the
+    runner-up)."""
+    return r is not None and (r.ok or r.diverged)
 
 
 def _outer_best(by: dict[float, RunResult], values: Sequence[float]) -> float | None:
@@ -1212,9 +1217,9 @@ def _needs_below(by: dict[float, RunResult]) -> bool:
 
 def outer_lr_choice(results: Sequence[RunResult], extend: bool = True) -> dict[str, float | None]:
     """Each DiLoCo arm's best outer lr (lowest final val loss at the sweep seed), or None while undecided: a value
-    of the grid not run yet (absent, pending, or NOT_RUN under --report-only), or, with `extend` (full scale), a
-    best at the grid's lower edge whose OUTER_LR_BELOW run has not run. A run that failed after its launch (a
-    divergence) counts as worse."""
+    of the grid not run yet (absent, pending, NOT_RUN under --report-only, stopped or crashed), or, with `extend`
+    (full scale), a best at the grid's lower edge whose OUTER_LR_BELOW run has not run. A diverged run counts as
+    worse."""
     out: dict[str, float | None] = {}
     for arm, by in _outer_sweep(results).items():
         if not all(_outer_ran(by.get(lr)) for lr in OUTER_LRS):
@@ -1275,27 +1280,32 @@ def _workers(r: RunResult) -> str:
     return f"{r.run.nproc // s} x {s}"
 
 
-def ttl_command(shard: int, curves: dict[str, list[Path]], target: float, setting: str, out: Path) -> list[str]:
-    """The bench.time_to_loss command that times the curves of one shard size: `curves` variant (preset) -> its
-    seeds' run-store entries; measured at DILOCO_LINKS on two simulated nodes from step_breakdown runs in
-    <out>/breakdown (--measure runs them: root needed), predicted for DILOCO_CLUSTERS; written into <out>."""
+def ttl_name(run: Run) -> str:
+    """The arm's variant in the time-to-loss table: its preset, with its shard size as the variant's own override
+    where it is sharded (bench.time_to_loss's name@key=value), so both shard sizes share one table and one time
+    axis."""
+    s = run.label("shard", 1)
+    return preset_of(run) + (f"@parallel.shard_size={s}" if s > 1 else "")
+
+
+def ttl_command(curves: dict[str, list[Path]], target: float, setting: str, out: Path, breakdown: Path) -> list[str]:
+    """The bench.time_to_loss command that times `curves` (variant name, ttl_name -> its seeds' run-store entries)
+    to `target`: measured at DILOCO_LINKS on two simulated nodes from bench.step_breakdown runs in `breakdown`
+    (--measure runs the missing ones: root needed; the commands of both targets share it), predicted for
+    DILOCO_CLUSTERS; written into `out`."""
     rel = lambda p: os.path.relpath(p, ROOT)  # noqa: E731
     st = SETTINGS.get(setting.split("+")[0])
-    cmd = ["python", "-m", "bench.time_to_loss", "--setting", setting.split("+")[0], "--variants", *curves,
-           *(x for v, ps in curves.items() for x in ("--run", f"{v}={','.join(rel(p) for p in ps)}")),
-           "--target", repr(float(target)), "--link", ",".join(DILOCO_LINKS), "--nodes", "2", "--nproc", "4",
-           "--breakdown", rel(out / "breakdown"), "--measure",
-           *(x for c in DILOCO_CLUSTERS for x in ("--cluster", c)),
-           *(("--vocab-size", str(st.vocab)) if st and st.vocab else ()), "--out", rel(out)]
-    return cmd + ([f"parallel.shard_size={shard}"] if shard > 1 else [])
+    return ["python", "-m", "bench.time_to_loss", "--setting", setting.split("+")[0], "--variants", *curves,
+            *(x for v, ps in curves.items() for x in ("--run", f"{v}={','.join(rel(p) for p in ps)}")),
+            "--target", repr(float(target)), "--link", ",".join(DILOCO_LINKS), "--nodes", "2", "--nproc", "4",
+            "--breakdown", rel(breakdown), "--measure", *(x for c in DILOCO_CLUSTERS for x in ("--cluster", c)),
+            *(("--vocab-size", str(st.vocab)) if st and st.vocab else ()), "--out", rel(out)]
 
 
-def ttl_cells(out: Path, argv: list[str]) -> tuple[dict[tuple[str, str], str], str]:
+def ttl_cells(out: Path, argv: list[str], equal_time: bool = True) -> tuple[dict[tuple[str, str], str], str]:
     """{(variant, setting): cell} from bench.time_to_loss's results.csv in `out`, when its meta.json records the
-    command `argv` (else the results are of other runs or another target: none, and why)."""
-    import csv
-    import json
-
+    command `argv` (else the results are of other runs or another target: none, and why). With `equal_time`,
+    a cell carries the curve's loss at equal time after a '·'."""
     meta, res = out / "meta.json", out / "results.csv"
     if not (meta.is_file() and res.is_file()):
         return {}, "not computed"
@@ -1308,7 +1318,7 @@ def ttl_cells(out: Path, argv: list[str]) -> tuple[dict[tuple[str, str], str], s
             cells[(row["variant"], row["setting"])] = f"{what}: {row['missing']}"
         else:
             cell = _fmt_seconds(float(row["target_s"])) if row.get("target_s") else "not reached"
-            if row.get("budget_loss") and row.get("budget_s"):   # the same curve at equal time
+            if equal_time and row.get("budget_loss") and row.get("budget_s"):   # the same curve at equal time
                 cell += f" · {float(row['budget_loss']):.3f} at {_fmt_seconds(float(row['budget_s']))}"
             cells[(row["variant"], row["setting"])] = cell
     return cells, ""
@@ -1318,10 +1328,36 @@ def _fmt_seconds(x: float) -> str:
     return f"{x / 3600:.2f} h" if x >= 7200 else f"{x / 60:.1f} min" if x >= 120 else f"{x:.2f} s"
 
 
-def ttl_settings() -> list[tuple[str, str]]:
-    """(key, the row's `setting` in bench.time_to_loss's results.csv) of each time-to-loss column."""
-    return ([(f"ttl_{link}", f"(a) this machine, simulated link {link}") for link in DILOCO_LINKS]
-            + [(f"ttl_cluster{i}", f"(b) cluster {c}") for i, c in enumerate(DILOCO_CLUSTERS, 1)])
+# the two targets of the time-to-loss table: AdamW's final val loss (the issue's default: few arms reach it), and
+# the loosest final of the arms in the table (every arm reaches it: a ranking of all of them)
+TTL_TARGETS = ("adamw", "all")
+TTL_TABLE = ("Time to loss (bench.time_to_loss; measured = step time under the simulator x the unsimulated curve's "
+             "crossing step; predicted = the cluster's modelled step time):")
+SWEEP_TABLE = ("Outer-lr sweep (one seed; a gap below AdamW's spread over seeds says the sweep did not separate "
+               "those values):")
+
+
+def ttl_settings(target: str = TTL_TARGETS[0]) -> list[tuple[str, str]]:
+    """(key, the row's `setting` in bench.time_to_loss's results.csv) of each time-to-loss column of a target."""
+    return ([(f"ttl_{target}_{link}", f"(a) this machine, simulated link {link}") for link in DILOCO_LINKS]
+            + [(f"ttl_{target}_cluster{i}", f"(b) cluster {c}") for i, c in enumerate(DILOCO_CLUSTERS, 1)])
+
+
+def _config(r: RunResult, scale: Scale) -> dict:
+    """The run's resolved config as config.yaml spells it: its recorded one, or resolved now."""
+    return r.config or run_config(r.run, scale).to_dict()
+
+
+def node_port_bytes(r: RunResult, scale: Scale) -> float | None:
+    """Bytes through each node's port per step on the two simulated nodes the study's time to loss measures
+    (bench.time_to_loss.node_port_bytes: the registry's cost model), for the run's config; None where the
+    model cannot say (its mode unknown here)."""
+    st = SETTINGS.get(scale.setting.split("+")[0])
+    try:
+        return time_to_loss.node_port_bytes(_config(r, scale), 2, max(1, r.run.nproc // 2), st.vocab if st else None)
+    except (ValueError, KeyError) as e:
+        print(f"note: {r.run.name}: bytes between nodes not modelled ({str(e).splitlines()[0]})", file=sys.stderr)
+        return None
 
 
 def diloco_summary(results: list[RunResult], scale: Scale) -> Summary:
@@ -1330,80 +1366,126 @@ def diloco_summary(results: list[RunResult], scale: Scale) -> Summary:
                and (r.run.label("outer_lr") is None or r.run.label("outer_lr") == chosen.get(r.run.label("arm")))]
     groups = group_runs(compare, "arm")
     ref = groups.get((DILOCO_REFERENCE,), [])
-    target = seed_stats(ref, _val, "v")["v_mean"]
+    ref_stats = seed_stats(ref, _val, "v")
+    target = ref_stats["v_mean"]
     rows = []
     present = {r.run.label("arm") for r in results}
     for arm in [a for a in (*DILOCO_BASELINES, *(a for a, _, _ in DILOCO_ARMS)) if a in present]:
         group = groups.get((arm,), [])
         sweep = [r for r in results if r.run.label("role") == "sweep" and r.run.label("arm") == arm]
+        # the row is its comparison runs; the sweep's own failures are in the sweep's table
+        status = (status_of(group) if group else f"interim: outer lr not chosen yet (sweep: {status_of(sweep)})"
+                  if sweep else "not run")
+        first = (group or sweep)[0] if group or sweep else None
         row = {"arm": arm, "kind": "baseline" if arm in DILOCO_BASELINES else "DiLoCo",
-               "workers": _workers((group or sweep)[0]) if group or sweep else "-", "outer_lr": chosen.get(arm),
-               "status": status_of(group + sweep) if group or sweep else "not run",
+               "workers": _workers(first) if first else "-", "outer_lr": chosen.get(arm), "status": status,
                **seed_stats(group, _val, "val_loss"), "tokens": max((tokens_read(r) or 0 for r in group if r.ok),
                                                                    default=None) or None,
                **seed_stats(group, slow_axis_bytes, "bytes"), "bytes_per_step":
-               seed_stats(group, slow_axis_bytes_per_step, "b")["b_mean"]}
+               seed_stats(group, slow_axis_bytes_per_step, "b")["b_mean"],
+               # seeds that ran and are left out of the means: named in the finding
+               "dropped": [f"s{r.run.seed}: {r.status}" for r in group
+                           if not r.ok and not r.status.startswith(NOT_RUN)]}
+        if first is not None and not scale.quick:
+            row["port_bytes"] = node_port_bytes(first, scale)
+            h = ((_config(first, scale).get("comm") or {}).get("diloco") or {}).get("inner_steps")
+            if row["kind"] == "DiLoCo" and row["port_bytes"] is not None and h:
+                row["port_bytes_cycle"] = row["port_bytes"] * h
         if arm != DILOCO_REFERENCE:
             row.update(paired_stats(group, ref, _val, "delta"))
+            n, sd = row["delta_n"], row["delta_std"]
+            row["delta_ci"] = T_CRIT_5[min(n - 1, 9)] * sd / n ** 0.5 if n >= 2 and sd is not None else None
             row["verdict"] = paired_verdict(row["delta_n"], row["delta_t"], row["status"])
         rows.append(row)
-    ref_bytes = next((r["bytes_per_step"] for r in rows if r["arm"] == DILOCO_REFERENCE), None)
+    ref_row = next((r for r in rows if r["arm"] == DILOCO_REFERENCE), {})
     for r in rows:
-        r["bytes_vs_ref"] = ref_bytes / r["bytes_per_step"] if ref_bytes and r["bytes_per_step"] else None
+        r["bytes_vs_ref"] = (ref_row["bytes_per_step"] / r["bytes_per_step"]
+                             if ref_row.get("bytes_per_step") and r["bytes_per_step"] else None)
+        r["port_vs_ref"] = (ref_row["port_bytes"] / r["port_bytes"]
+                            if ref_row.get("port_bytes") and r.get("port_bytes") else None)
 
-    # time to loss: bench.time_to_loss over the stored runs, one command per shard size (its results read back)
-    notes, commands, why = [], [], {}
+    # time to loss: bench.time_to_loss over the stored runs of every arm whose seeds are all stored, in one table
+    # (both shard sizes: one time axis, one equal time), at two targets (TTL_TARGETS)
+    notes, commands, ttl_rows = [], [], []
     stored = {arm: [r.entry for r in g if r.ok and r.entry is not None] for (arm,), g in groups.items()}
     where = next((r.entry.parent.parent for r in compare if r.entry is not None), None)
-    for shard in sorted({r.run.label("shard", 1) for r in compare}):
-        curves = {}
-        for (arm,), g in groups.items():
-            if g[0].run.label("shard", 1) == shard and stored.get(arm) and len(stored[arm]) == len(g):
-                curves[preset_of(g[0].run)] = stored[arm]
-        if target is None or where is None or not curves or scale.quick:
-            continue
-        out = where / DILOCO_TTL_DIR / f"s{shard}"
-        cmd = ttl_command(shard, curves, target, scale.setting, out)
-        commands.append(shlex.join(cmd))
-        cells, why[shard] = ttl_cells(out, cmd)
-        for r in rows:
-            g = groups.get((r["arm"],), [])
-            if g and g[0].run.label("shard", 1) == shard:
-                for key, setting in ttl_settings():
-                    r[key] = cells.get((preset_of(g[0].run), setting), why[shard] or "not in its results")
+    curves, name_of = {}, {}
+    for (arm,), g in groups.items():
+        name_of[arm] = ttl_name(g[0].run)
+        if stored.get(arm) and len(stored[arm]) == len(g):
+            curves[name_of[arm]] = stored[arm]
+    in_table = [r for r in rows if name_of.get(r["arm"]) in curves and r["val_loss_mean"] is not None]
+    loosest = max((r["val_loss_mean"] for r in in_table), default=None)
+    targets = {"adamw": target, "all": loosest if loosest is not None and target is not None and loosest > target
+               else None}
+    why: dict[str, str] = {}
+    if where is not None and curves and not scale.quick:
+        base = where / DILOCO_TTL_DIR
+        for tkey, value in targets.items():
+            if value is None:
+                continue
+            cmd = ttl_command(curves, value, scale.setting, base / f"target_{tkey}", base / "breakdown")
+            commands.append(shlex.join(cmd))
+            cells, why[tkey] = ttl_cells(base / f"target_{tkey}", cmd, equal_time=tkey == TTL_TARGETS[0])
+            for r in rows:
+                for key, setting in ttl_settings(tkey):
+                    if name_of.get(r["arm"]) in curves:
+                        r[key] = cells.get((name_of[r["arm"]], setting), why[tkey] or "not in its results")
     for r in rows:
-        for key, _ in ttl_settings():
-            r.setdefault(key, "not computed" if r["val_loss_n"] else "-")
+        for tkey in TTL_TARGETS:
+            for key, _ in ttl_settings(tkey):
+                r.setdefault(key, "-" if tkey == "all" and targets["all"] is None else
+                             "not computed" if r["val_loss_n"] else "-")
     # long reasons go below the table, the cell says what kind
-    reasons = {}
+    reasons: dict[str, list[str]] = {}
     for r in rows:
-        for key, _ in ttl_settings():
-            head, sep, tail = str(r[key]).partition(": ")
-            if sep and head in ("not measured", "not predicted"):
-                reasons.setdefault(tail, []).append(f"{r['arm']} ({key.removeprefix('ttl_')})")
-                r[key] = head
+        for tkey in TTL_TARGETS:
+            for key, _ in ttl_settings(tkey):
+                head, sep, tail = str(r[key]).partition(": ")
+                if sep and head in ("not measured", "not predicted"):
+                    reasons.setdefault(tail, []).append(f"{r['arm']} ({key.removeprefix('ttl_')})")
+                    r[key] = head
 
     sweep_rows = []
+    noise = ref_stats["v_std"]
     for (arm,), g in group_runs([r for r in results if r.run.label("role") == "sweep"], "arm").items():
+        best = min((_val(r) for r in g if r.ok and _val(r) is not None), default=None)
         for r in sorted(g, key=lambda x: x.run.label("outer_lr")):
+            gap = _val(r) - best if r.ok and best is not None and _val(r) is not None else None
             sweep_rows.append({"arm": arm, "outer_lr": r.run.label("outer_lr"), "val": _val(r) if r.ok else None,
-                               "best": "best" if chosen.get(arm) == r.run.label("outer_lr") else "",
+                               "gap": gap, "best": "best" if chosen.get(arm) == r.run.label("outer_lr") else "",
                                "edge": "edge" if chosen.get(arm) == r.run.label("outer_lr")
                                and chosen.get(arm) in (min(x.run.label("outer_lr") for x in g), max(OUTER_LRS))
-                               else "", "status": "not trained yet" if r.status.startswith(NOT_RUN) else r.status})
-    ttl_cols = [Column(key, ("time to target, " + (f"{setting.rsplit(' ', 1)[1]} simulated (measured)"
-                                                    if setting.startswith("(a)") else
-                                                    f"{setting.removeprefix('(b) cluster ')} (predicted)")),
-                       align="left") for key, setting in ttl_settings()]
+                               else "",
+                               "noise": "within seed noise" if gap and noise is not None and gap < noise else "",
+                               "status": "not trained yet" if r.status.startswith(NOT_RUN) else r.status})
+
+    def ttl_header(tkey: str, setting: str) -> str:
+        where_ = (f"{setting.rsplit(' ', 1)[1]} simulated (measured step time)" if setting.startswith("(a)") else
+                  f"{setting.removeprefix('(b) cluster ')} (predicted)")
+        value = targets[tkey]
+        return (f"to {value:.4f} ({'AdamW' if tkey == 'adamw' else 'every arm'}), {where_}" if value is not None
+                else f"to {'AdamW' if tkey == 'adamw' else 'every arm'}'s target, {where_}")
+
+    ttl_cols = [Column("arm", "arm", align="left"), Column("workers", "workers x ranks", align="left"),
+                *(Column(key, ttl_header(tkey, setting), align="left")
+                  for tkey in TTL_TARGETS for key, setting in ttl_settings(tkey))]
     cols = [Column("arm", "arm", align="left"), Column("kind", "kind", align="left"),
             Column("workers", "workers x ranks", align="left"), Column("outer_lr", "outer lr (swept)", ".1f"),
             Column("val_loss_mean", "final val loss"), Column("val_loss_std", "± std"),
             Column("val_loss_n", "seeds", "d"), Column("tokens", "train tokens per run", ",d"),
             Column("delta_mean", f"Δ vs {DILOCO_REFERENCE} (paired)", "+.4f"), Column("delta_std", "± std", ".4f"),
-            Column("delta_t", "paired t", ".1f"), Column("verdict", "verdict (5 %)", align="left"),
-            Column("bytes_per_step", "slow-axis bytes / rank / step", ",.0f"),
-            Column("bytes_vs_ref", f"÷ {DILOCO_REFERENCE}'s", ".1f"), *ttl_cols,
-            Column("status", "status", align="left"), Column("bytes_mean", "slow-axis bytes / rank / run", md=False)]
+            Column("delta_ci", "95 % CI ±", ".4f"), Column("delta_t", "paired t", ".1f"),
+            Column("verdict", "verdict (5 %)", align="left"),
+            Column("port_bytes", "between nodes: bytes / node / step (cost model)", ",.0f"),
+            Column("port_vs_ref", f"÷ {DILOCO_REFERENCE}'s", ".1f"),
+            Column("port_bytes_cycle", "… / cycle of H inner steps", ",.0f"),
+            Column("bytes_per_step", "handed to slow-axis collectives / rank / step (counted)", ",.0f"),
+            Column("status", "status", align="left"),
+            Column("bytes_vs_ref", f"counted ÷ {DILOCO_REFERENCE}'s", md=False),
+            Column("bytes_mean", "slow-axis bytes / rank / run", md=False),
+            *(Column(key, ttl_header(tkey, setting), md=False)
+              for tkey in TTL_TARGETS for key, setting in ttl_settings(tkey))]
     notes.append(
         f"{scale.steps} steps at P = {scale.nproc}, every arm reading the same training tokens (equal tokens: the "
         f"same global batch and steps), up to {max((r['val_loss_n'] for r in rows), default=0)} seeds each. DiLoCo arms: the inner AdamW at AdamW's lr (its best from "
@@ -1411,30 +1493,39 @@ def diloco_summary(results: list[RunResult], scale: Scale) -> Summary:
         f"({SWEEP_SEED}, not a comparison seed, as the lr sweep does) and the comparison seeds run at the best "
         f"(table below); a best at the grid's lowest value adds a run at {OUTER_LR_BELOW:g} (full scale), and a best at the edge of what ran is flagged there. workers x ranks: 4 x 1 is four DiLoCo workers, "
         "2 x 2 two workers of two ranks (parallel.shard_size=2). Δ: final val loss minus AdamW's at the same seed; "
-        "verdict: the paired t against the 5 % two-sided critical value at pairs - 1 degrees of freedom.")
+        "95 % CI: the half width of Δ's t interval (pairs - 1 degrees of freedom); verdict: the paired t against "
+        "the 5 % two-sided critical value. 'not significant' says the test found no difference, not that the arms "
+        "are equal: with three pairs only a difference well outside the interval would show.")
     notes.append(
-        "Slow-axis bytes: what a rank handed to the collectives across workers (the replicate axis) over the run, "
-        "from the train records' comm_bytes and the finish record's (the averages still in flight at the end), "
-        "divided by the steps; FSDP's traffic inside a worker (S = 2) is on the "
-        "fast axis and not counted. ÷ AdamW's: how many times fewer bytes than synchronous AdamW. These are bytes "
-        "handed to the collectives, not bytes through a port: a ring allreduce of B bytes moves 2 (P - 1) / P x B "
-        "through each rank's port (1.5 B among 4 workers, B among 2), so against AdamW's 4-worker ring an fp32 arm "
-        "of 2 workers (2 x 2) saves 1.5x more port traffic than this column says; the other wires' port traffic "
-        "is their own formula (docs/diloco.md, Wire formats and bytes).")
-    target_line = (f"Time to target: the time each arm's mean val-loss curve needs to reach AdamW's final val loss "
-                   f"({target:.4f}), by bench.time_to_loss over the stored runs (its arithmetic: crossing step x step "
-                   "time). Measured: step times from bench.step_breakdown runs under bench.netsim on two simulated "
+        "Bytes between nodes: what crosses the slow links, the study's two nodes of two ranks each (the simulator's "
+        "layout), per node's port and step, from the registry's cost model for each arm's config "
+        "(bench.time_to_loss.node_port_bytes): a ring allreduce of B bytes per rank over 4 ranks on 2 nodes moves "
+        "1.5 B through each port; 2 workers of 2 ranks (S = 2) run two rings of 2 (one per shard) whose B / 2 each "
+        "share the port, B in all; a DiLoCo cycle's exchange is spread over its H inner steps (… / cycle: the "
+        "whole exchange). So against AdamW a 2 x 2 fp32 arm saves 1.5 H, a 4 x 1 arm H. Handed to the slow-axis "
+        "collectives: what a rank gave the collectives across workers (the replicate axis) over the run, counted "
+        "(the train records' comm_bytes and the finish record's, the averages still in flight at the end), divided "
+        "by the steps; FSDP's traffic inside a worker (S = 2) is on the fast axis and in neither column. The "
+        "counted column is not the traffic between nodes (a rank of a 2 x 2 arm hands over half the model).")
+    target_line = (f"Time to loss (table below): the time each arm's mean val-loss curve needs to reach a target, "
+                   f"by bench.time_to_loss over the stored runs (its arithmetic: crossing step x step time), at two "
+                   f"targets: AdamW's final val loss ({target:.4f}; few arms reach it) and "
+                   + (f"the loosest final of the arms in the table ({targets['all']:.4f}: every arm reaches it). "
+                      if targets["all"] is not None else "the loosest final of the arms in the table (none yet). ")
+                   + "Both shard sizes are one table: S = 2 arms are their variant @parallel.shard_size=2. "
+                   "Measured: step times from bench.step_breakdown runs under bench.netsim on two simulated "
                    "nodes at each link, of the step each arm trained (time_to_loss's --measure times an arm whose "
                    "step-shaping settings differ from its variant file, Dion at rank 1/16, as variant@key=value; "
                    "lrs and the outer lr do not shape a step and are not compared; a run of another step is "
-                   "'not measured'; measuring needs root). A target reached at the first evaluation (step 200) "
-                   "is reported there: an upper bound. After '·': the arm's val loss at equal time, when the "
-                   "quickest whole run of its time-to-loss table (its shard size's) ends, read from its curve "
-                   "between evaluations (bench.time_to_loss's last column). Predicted: compute from FLOPs and the GPU check's MFU, communication from "
+                   "'not measured'; measuring needs root); the curve is the unsimulated run's. A target reached at "
+                   "the first evaluation (step 200) is reported there: an upper bound. After '·' (AdamW's target's "
+                   "columns): the arm's val loss at equal time, when the quickest whole run of the table ends, read "
+                   "from its curve between evaluations (bench.time_to_loss's last column; a DiLoCo curve at its "
+                   "outer steps). Predicted: compute from FLOPs and the GPU check's MFU, communication from "
                    "the registry's cost model, on the cluster's GPUs (the curves are the 4-worker runs'; DiLoCo's "
                    "numerics at the cluster's worker count may differ; a sharded arm's workers are the cluster's "
                    "ranks / 2, with FSDP's traffic inside each node's shard groups booked exposed). "
-                   if target is not None else "Time to target: no finished AdamW run to take the target from. ")
+                   if target is not None else "Time to loss: no finished AdamW run to take the target from. ")
     notes.append(
         "Evaluations read each arm's global model. DiLoCo's (H = 10, 50) fall on its outer steps; Streaming "
         "DiLoCo's (H = 50, F = 2, tau = 1: fragment 0 sent after steps 25, 75, ..., fragment 1 after 50, 100, ..., "
@@ -1445,25 +1536,37 @@ def diloco_summary(results: list[RunResult], scale: Scale) -> Summary:
     notes.append(target_line + ("Commands (rerun the study with --report-only afterwards to fill the columns): "
                                 + " ; ".join(f"`{c}`" for c in commands) if commands else
                                 "Not computed in quick mode." if scale.quick else
-                                "No command yet: the arms' runs are not all stored."))
+                                "No command yet: no arm has all its runs stored."))
     if reasons:
-        notes.append("Why a cell is empty: " + "; ".join(f"{', '.join(w)}: {t}" for t, w in reasons.items()) + ".")
+        notes.append("Why a time-to-loss cell is empty: " + "; ".join(f"{', '.join(w)}: {t}"
+                                                                      for t, w in reasons.items()) + ".")
     notes.append(diloco_finding(rows))
     sweep_table = markdown_table(sweep_rows, [Column("arm", "arm", align="left"), Column("outer_lr", "outer lr", ".1f"),
                                               Column("val", f"final val loss (seed {SWEEP_SEED})"),
+                                              Column("gap", "above the arm's best", "+.4f"),
                                               Column("best", "best", align="left"),
                                               Column("edge", "at grid edge", align="left"),
+                                              Column("noise", (f"gap < AdamW's seed std ({noise:.4f})" if noise
+                                                               else "gap < AdamW's seed std"), align="left"),
                                               Column("status", "status", align="left")])
-    return Summary(rows, cols, notes, extra_tables=[("Outer-lr sweep (one seed):", sweep_table)])
+    extra = [(SWEEP_TABLE, sweep_table)]
+    if not scale.quick:
+        extra.insert(0, (TTL_TABLE, markdown_table(rows, ttl_cols)))
+    return Summary(rows, cols, notes, extra_tables=extra)
 
 
 def diloco_finding(rows: Sequence[dict]) -> str:
-    """DiLoCo's own finding against ours, arm by arm, from the rows (nothing said of an arm without pairs)."""
+    """DiLoCo's own finding against ours, arm by arm, from the rows (nothing said of an arm without pairs): each
+    arm's Δ with its interval and pairs, the seeds left out, and its bytes between nodes against AdamW's."""
     said = []
     for r in rows:
         if r["kind"] == "DiLoCo" and r.get("delta_n", 0) >= 2:
-            said.append(f"{r['arm']} ({r['workers']}): Δ {r['delta_mean']:+.4f} ({r['verdict']}), "
-                        + (f"{r['bytes_vs_ref']:.0f}x fewer slow-axis bytes" if r["bytes_vs_ref"] else "bytes -"))
+            ci = f" ± {r['delta_ci']:.4f}" if r.get("delta_ci") is not None else ""
+            left = f"; left out: {', '.join(r['dropped'])}" if r.get("dropped") else ""
+            said.append(f"{r['arm']} ({r['workers']}): Δ {r['delta_mean']:+.4f}{ci} over {r['delta_n']} pairs "
+                        f"({r['verdict']}{left}), "
+                        + (f"{r['port_vs_ref']:.0f}x fewer bytes between nodes" if r.get("port_vs_ref")
+                           else "bytes between nodes -"))
     return ("DiLoCo's finding (Douillard et al. 2023, abstract and §3): with 8 workers and H = 500 inner steps it "
             "matches fully synchronous training while communicating 500x less. Ours differ in the worker count "
             "(4, or 2 workers of 2 ranks), in H (10 and 50: a 1,200-step run has 120 or 24 outer steps), in the length of training and the model size. "

@@ -12,6 +12,7 @@ import statistics
 
 import pytest
 
+from bench import time_to_loss as ttl
 from bench.reproduce import STUDIES, framework, studies
 from bench.reproduce.__main__ import main, parser, show_plan
 from bench.reproduce.framework import NOT_RUN, Options, Run, RunResult
@@ -68,7 +69,9 @@ def test_the_sweep_decides_each_arms_comparison_runs():
     results = []
     for (arm, lr), run in sweep.items():
         if arm == "diloco_h10_s1":      # 1.0 diverged: counts as worse, the arm is decided
-            results.append(_done(run, None, "failed rc=1 (see log)") if lr == 1.0 else _done(run, val[lr]))
+            results.append(_done(run, None, framework.diverged_status(90)) if lr == 1.0 else _done(run, val[lr]))
+        elif arm == "diloco_h10_s2":    # 0.7, the best, crashed: it says nothing of its lr, the arm waits
+            results.append(_done(run, None, "failed rc=1 (see log)") if lr == 0.7 else _done(run, val[lr]))
         elif arm == "diloco_h50_s2":    # the best at the grid's edge
             results.append(_done(run, 6.0 - lr))
         elif arm == "streaming_s1":     # 1.0 not run yet (--report-only): undecided
@@ -79,8 +82,12 @@ def test_the_sweep_decides_each_arms_comparison_runs():
         else:
             results.append(_done(run, val[lr]))
     chosen = studies.outer_lr_choice(results)
-    assert chosen == {"diloco_h10_s1": 0.7, "diloco_h10_s2": 0.7, "diloco_h50_s1": 0.7, "diloco_h50_s2": 1.0,
+    assert chosen == {"diloco_h10_s1": 0.7, "diloco_h10_s2": None, "diloco_h50_s1": 0.7, "diloco_h50_s2": 1.0,
                       "streaming_s1": None, "streaming_s2": None}
+    # a run stopped by a signal (exit 0 before its end) is no result either
+    stopped = [_done(r.run, None, "failed rc=0 (stopped before its last step)") if r.run.label("arm") == "diloco_h10_s1"
+               and r.run.label("outer_lr") == 0.3 else r for r in results]
+    assert studies.outer_lr_choice(stopped)["diloco_h10_s1"] is None
     more = st.more_runs(results, sc, studies.FULL_SEEDS, o)
     assert {(r.label("arm"), r.label("outer_lr"), r.seed) for r in more} == {
         (a, lr, s) for a, lr in chosen.items() if lr is not None for s in studies.FULL_SEEDS}
@@ -92,7 +99,7 @@ def test_the_sweep_decides_each_arms_comparison_runs():
     # the plan's stand-ins: the comparison seeds of the undecided arms, never named like a real run
     later = st.more_runs(results, sc, studies.FULL_SEEDS, o, st.awaiting)
     assert sorted((r.label("arm"), r.seed) for r in later) == sorted(
-        (a, s) for a in ("streaming_s1", "streaming_s2") for s in studies.FULL_SEEDS)
+        (a, s) for a in ("diloco_h10_s2", "streaming_s1", "streaming_s2") for s in studies.FULL_SEEDS)
     assert all("_outerbest_" in r.name for r in later) and not {r.name for r in later} & {r.name for r in more}
 
 
@@ -180,24 +187,43 @@ def test_summary_reads_losses_bytes_and_time_to_loss_from_stored_runs(tmp_path):
     assert h10["bytes_mean"] == pytest.approx(600 * 100 + 12000)
     assert h10["bytes_per_step"] == pytest.approx(60.0) and h10["bytes_vs_ref"] == pytest.approx(1000 / 60)
     assert h10["tokens"] == rows["adamw_fp32"]["tokens"] == 1200 * 4 * 4 * 128 + 1  # equal tokens
-    # the sweep's table: every value, the best marked, a best at the grid's edge flagged
-    table = dict(s.extra_tables)["Outer-lr sweep (one seed):"]
-    assert re.search(r"\| diloco_h10_s1 \| 0.7 \| 5.1000 \| best \|  \|", table)
-    assert re.search(r"\| diloco_h50_s1 \| 1.0 \| 5.1000 \| best \| edge \|", table)
-    # time to loss: nothing computed yet; one bench.time_to_loss command per shard size over the stored entries
-    assert {h10[k] for k, _ in studies.ttl_settings()} == {"not computed"}
+    # bytes between the two nodes, per node port and step, by the cost model: AdamW's ring over 4 ranks moves
+    # 1.5 x its buffer through each port; 4 x 1 DiLoCo a tenth of that at H = 10; 2 x 2 two rings of half the
+    # model sharing the port, a tenth of the buffer: 1.5 H fewer
+    adamw = rows["adamw_fp32"]
+    model = ttl._model(framework.run_config(results[0].run, sc).to_dict(), 8192)   # study-prose's vocab
+    assert adamw["port_bytes"] == pytest.approx(1.5 * 4 * sum(p.numel() for p in model.parameters()), rel=1e-9)
+    assert h10["port_vs_ref"] == pytest.approx(10) and rows["diloco_h50_s1"]["port_vs_ref"] == pytest.approx(50)
+    assert rows["diloco_h10_s2"]["port_vs_ref"] == pytest.approx(15)
+    assert h10["port_bytes_cycle"] == pytest.approx(10 * h10["port_bytes"]) and "port_bytes_cycle" not in adamw
+    assert h10["delta_ci"] == pytest.approx(4.303 * 0.01 / 3 ** 0.5)
+    # the sweep's table: every value, its gap to the arm's best, the best marked, a best at the grid's edge flagged,
+    # a gap inside AdamW's spread over seeds (std 0.1 here) said
+    table = dict(s.extra_tables)[studies.SWEEP_TABLE]
+    assert re.search(r"\| diloco_h10_s1 \| 0.7 \| 5.1000 \| \+0.0000 \| best \|  \|  \|", table)
+    assert re.search(r"\| diloco_h10_s1 \| 0.3 \| 5.5000 \| \+0.4000 \|  \|  \|  \|", table)
+    assert re.search(r"\| diloco_h10_s1 \| 1.0 \| 5.4000 \| \+0.3000 \|  \|  \|  \|", table)
+    assert re.search(r"\| diloco_h50_s1 \| 1.0 \| 5.1000 \| \+0.0000 \| best \| edge \|", table)
+    # time to loss: nothing computed yet; one bench.time_to_loss command per target over every arm's stored entries,
+    # both shard sizes in one table (S = 2 as the variant @parallel.shard_size=2), one breakdown directory
+    ttl_keys = [k for t in studies.TTL_TARGETS for k, _ in studies.ttl_settings(t)]
+    assert {h10[k] for k in ttl_keys} == {"not computed"}
     text = "\n".join(s.notes)
     cmds = re.findall(r"`(python -m bench\.time_to_loss [^`]*)`", text)
-    assert len(cmds) == 2 and "parallel.shard_size=2" in cmds[1] and "parallel.shard_size" not in cmds[0]
+    assert len(cmds) == 2
     assert f"--target {statistics.fmean([5.0, 5.1, 5.2])!r}" in cmds[0]
-    assert "--link 100mbit,1gbit --nodes 2" in cmds[0] and cmds[0].count("--cluster") == 2
-    assert all(" --measure " in c for c in cmds)   # the printed command measures what is missing, then reports
-    assert "diloco_h10=" in cmds[0] and "diloco_h10_s1_outer0.7_p4_s1338.json.gz" in cmds[0]
-    assert "_outer0.3_" not in cmds[0] and "--vocab-size 8192" in cmds[0]
-    assert "DiLoCo's finding" in text and "diloco_h50_s1 (4 x 1): Δ +0.3000 (worse)" in text
+    assert f"--target {rows['diloco_h50_s1']['val_loss_mean']!r}" in cmds[1]   # the loosest: every arm reaches it
+    for c in cmds:
+        assert "--link 100mbit,1gbit --nodes 2" in c and c.count("--cluster") == 2 and " --measure " in c
+        assert "diloco_h10=" in c and "diloco_h10_s1_outer0.7_p4_s1338.json.gz" in c and "_outer0.3_" not in c
+        assert "diloco_h10@parallel.shard_size=2=" in c and "diloco_h10_s2_outer0.7_p4_s1338.json.gz" in c
+        assert "--vocab-size 8192" in c and f"{studies.DILOCO_TTL_DIR}/breakdown " in c
+        assert " parallel.shard_size=2" not in c                # no longer an override of every variant
+    assert "DiLoCo's finding" in text and "diloco_h50_s1 (4 x 1): Δ +0.3000 ± " in text
+    assert "over 3 pairs (worse), 50x fewer bytes between nodes" in text
 
-    # bench.time_to_loss's results written for the S = 1 command: its cells read back; a long reason goes below
-    out = tmp_path / "results" / studies.DILOCO_TTL_DIR / "s1"
+    # bench.time_to_loss's results written for AdamW's target: its cells read back; a long reason goes below
+    out = tmp_path / "results" / studies.DILOCO_TTL_DIR / "target_adamw"
     out.mkdir(parents=True)
     argv = shlex.split(cmds[0])
     (out / "meta.json").write_text(json.dumps({"argv": argv[3:]}))
@@ -207,6 +233,7 @@ def test_summary_reads_losses_bytes_and_time_to_loss_from_stored_runs(tmp_path):
                                           "missing"])
         w.writeheader()
         w.writerows([{"setting": link, "variant": "diloco_h10", "step_s": 0.5, "target_s": 300.0},
+                     {"setting": link, "variant": "diloco_h10@parallel.shard_size=2", "step_s": 0.4, "target_s": 200.0},
                      {"setting": link, "variant": "adamw_fp32", "step_s": 2.0, "target_s": 2400.0},
                      {"setting": link, "variant": "lion_fp32", "step_s": 2.0},
                      {"setting": cluster, "variant": "lion_fp32", "step_s": 0.01, "budget_s": 9.0,
@@ -214,17 +241,42 @@ def test_summary_reads_losses_bytes_and_time_to_loss_from_stored_runs(tmp_path):
                      {"setting": cluster, "variant": "diloco_h10", "missing": "the MFU is unknown"}])
     s = studies.diloco_summary(results, sc)
     rows = {r["arm"]: r for r in s.rows}
-    assert (rows["diloco_h10_s1"]["ttl_100mbit"], rows["adamw_fp32"]["ttl_100mbit"]) == ("5.0 min", "40.0 min")
-    assert rows["fp32"]["ttl_100mbit"] == "not reached" and rows["diloco_h10_s1"]["ttl_cluster1"] == "not predicted"
-    assert rows["diloco_h50_s1"]["ttl_100mbit"] == "not in its results"
+    assert (rows["diloco_h10_s1"]["ttl_adamw_100mbit"], rows["adamw_fp32"]["ttl_adamw_100mbit"]) == ("5.0 min",
+                                                                                                       "40.0 min")
+    assert rows["diloco_h10_s2"]["ttl_adamw_100mbit"] == "3.3 min"
+    assert rows["fp32"]["ttl_adamw_100mbit"] == "not reached" and rows["diloco_h10_s1"]["ttl_adamw_cluster1"] == \
+        "not predicted"
+    assert rows["diloco_h50_s1"]["ttl_adamw_100mbit"] == "not in its results"
     # where bench.time_to_loss read the curve at equal time, the cell carries it after the time to target
-    assert rows["fp32"]["ttl_cluster1"] == "not reached · 5.432 at 9.00 s" and "After '·'" in "\n".join(s.notes)
-    assert rows["diloco_h10_s2"]["ttl_100mbit"] == "not computed"  # its shard size's command has not run
-    assert "diloco_h10_s1 (cluster1): the MFU is unknown" in "\n".join(s.notes)
+    assert rows["fp32"]["ttl_adamw_cluster1"] == "not reached · 5.432 at 9.00 s" and "After '·'" in "\n".join(s.notes)
+    assert rows["diloco_h10_s1"]["ttl_all_100mbit"] == "not computed"  # the other target's command has not run
+    assert "diloco_h10_s1 (adamw_cluster1): the MFU is unknown" in "\n".join(s.notes)
+    ttl_table = dict(s.extra_tables)[studies.TTL_TABLE]
+    assert "| diloco_h10_s2 | 2 x 2 | 3.3 min |" in ttl_table and "to 5.1000 (AdamW), 100mbit simulated" in ttl_table
     # results of another command (other runs or another target) are not read
     (out / "meta.json").write_text(json.dumps({"argv": argv[3:-1]}))
     rows = {r["arm"]: r for r in studies.diloco_summary(results, sc).rows}
-    assert rows["diloco_h10_s1"]["ttl_100mbit"] == "stale (computed from other runs)"
+    assert rows["diloco_h10_s1"]["ttl_adamw_100mbit"] == "stale (computed from other runs)"
+
+
+def test_a_failed_comparison_seed_is_named_and_the_sweep_s_failures_stay_in_its_table(tmp_path):
+    """The review's scenarios: a diverged comparison seed is named in the finding (the Δ over the two left is
+    said to be over 2 pairs); a diverged sweep run at a value the arm did not choose leaves the arm's row ok."""
+    sc = STUDIES["diloco"].scale(Options(setting=SETTING))
+    results = _synthetic(sc, tmp_path)
+    bad = next(r for r in results if r.run.label("arm") == "diloco_h10_s2" and r.run.label("role") == "compare"
+               and r.run.seed == 1339)
+    bad.status, bad.records = framework.diverged_status(700), bad.records[:1]
+    sweep = next(r for r in results if r.run.label("arm") == "diloco_h10_s1" and r.run.label("role") == "sweep"
+                 and r.run.label("outer_lr") == 1.0)
+    sweep.status = framework.diverged_status(90)
+    s = studies.diloco_summary(results, sc)
+    rows = {r["arm"]: r for r in s.rows}
+    assert rows["diloco_h10_s1"]["status"] == "ok" and rows["diloco_h10_s1"]["outer_lr"] == 0.7
+    assert "diverged at step 90" in dict(s.extra_tables)[studies.SWEEP_TABLE]
+    assert rows["diloco_h10_s2"]["delta_n"] == 2 and rows["diloco_h10_s2"]["status"].startswith("failed: diverged")
+    assert "diloco_h10_s2 (2 x 2): Δ +0.0050 ± 0.0635 over 2 pairs" in s.notes[-1]
+    assert "over 2 pairs (not significant at 5 %; left out: s1339: failed: diverged at step 700" in s.notes[-1]
 
 
 def test_the_sweep_table_says_a_run_not_trained_yet_is_pending_not_failed(tmp_path):
@@ -235,7 +287,7 @@ def test_the_sweep_table_says_a_run_not_trained_yet_is_pending_not_failed(tmp_pa
     built = STUDIES["diloco"].build(sc, studies.FULL_SEEDS, Options(setting=SETTING))
     sweep = [r for r in built if r.label("arm") == "streaming_s1" and r.label("role") == "sweep"]
     results += [_done(sweep[0], None, f"{NOT_RUN} (--report-only)"), _done(sweep[1], None, "failed: exit 3")]
-    table = dict(studies.diloco_summary(results, sc).extra_tables)["Outer-lr sweep (one seed):"]
+    table = dict(studies.diloco_summary(results, sc).extra_tables)[studies.SWEEP_TABLE]
     waiting, failed = (next(line for line in table.splitlines() if f"| streaming_s1 | {r.label('outer_lr')} |" in line)
                        for r in sweep[:2])
     assert waiting.endswith("| not trained yet |") and "failed" not in waiting
