@@ -5,8 +5,9 @@
     python -m trainer.dashboards --entity ME --project lioncub --dry-run        # lists the panels, saves nothing
 
 Needs the `dashboards` extra (wandb-workspaces; pip install -e '.[dashboards]') and, to save, a wandb
-login. Runs are grouped by optim.name and comm.mode (mean line with min/max band over the runs of a
-group, e.g. seeds). Panels (PANELS below; every key is one trainer/logger.py logs to wandb, and
+login. Runs are grouped by their arm (the run config's `arm`, trainer.logger.arm_label: optimizer, mode,
+world size and a digest of every setting a run trains with, so a group is the seeds of one method and
+4- vs 8-bit Lion Cub or DiLoCo H = 10 vs 50 are groups of their own; mean line with a min/max band). Panels (PANELS below; every key is one trainer/logger.py logs to wandb, and
 tests/trainer/test_dashboards.py checks them against a real run's keys):
 - loss: train and val loss against steps and against training wall time (throughput/train_time_s,
   seconds in timed steps), learning rate;
@@ -24,7 +25,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-GROUP_KEYS = ("optim.name", "comm.mode")  # config keys the runs are grouped by
+GROUP_KEYS = ("arm",)  # run-config keys the runs are grouped by (trainer.logger.arm_label)
 WALL_X = "throughput/train_time_s"
 
 
@@ -115,7 +116,9 @@ def _line(wr, p: Panel, group: bool):
 
 
 def _filters(ws_or_wr, group: str):
-    return f"Config('log.group') = '{group}'" if group else ""
+    # the run's wandb group, which the trainer sets to log.group (a config key would be addressed
+    # log.value.group: wandb nests a section's keys under .value)
+    return f"Metric('group') = '{group}'" if group else ""
 
 
 def build_workspace(entity: str, project: str, name: str = "lioncub comparison", group: str = ""):
@@ -135,10 +138,12 @@ def build_report(entity: str, project: str, title: str = "Lion Cub: optimizers a
     """The comparison report (not saved): one panel grid per PANELS entry over the project's runs,
     grouped by GROUP_KEYS."""
     wr, _ = _require()
-    runset = wr.Runset(entity=entity, project=project, name="runs by optim.name, comm.mode",
-                       groupby=list(GROUP_KEYS), filters=_filters(wr, group))
+    # a report's groupby names a config key as config.<key> (wandb_workspaces adds its .value)
+    runset = wr.Runset(entity=entity, project=project, name=f"runs by {', '.join(GROUP_KEYS)}",
+                       groupby=[f"config.{k}" for k in GROUP_KEYS], filters=_filters(wr, group))
     blocks = [wr.P(f"Runs of {entity}/{project}" + (f", log.group={group}" if group else "")
-                   + f", grouped by {' and '.join(GROUP_KEYS)} (mean, min-max band). Keys: trainer/logger.py.")]
+                   + f", grouped by {' and '.join(GROUP_KEYS)} (the seeds of one method: mean, min-max band). "
+                   "Keys: trainer/logger.py.")]
     for heading, panels in PANELS.items():
         blocks += [wr.H2(heading), wr.PanelGrid(runsets=[runset], panels=[_line(wr, p, True) for p in panels])]
     return wr.Report(entity=entity, project=project, title=title, description="built by python -m trainer.dashboards",

@@ -5,6 +5,7 @@ disabled modes set WANDB_MODE and turn off error reporting before wandb is impor
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -83,6 +84,27 @@ def diag_summary(record: dict) -> str | None:
 # $WANDB_MODE spellings wandb itself accepts, mapped onto ours
 _WANDB_ENV = {"online": "online", "run": "online", "offline": "offline", "dryrun": "offline",
               "disabled": "disabled"}
+
+
+# keys that do not change what a run trains (where it writes, how it logs, when it checkpoints or evaluates,
+# its seed): two runs differing only in them are one arm (seeds of one method), grouped together in wandb
+ARM_IGNORED = frozenset({
+    "log", "diag", "train.seed", "train.out_dir", "train.resume", "train.stop_after", "train.log_every",
+    "train.eval_every", "train.eval_steps", "train.ckpt_every", "train.keep_ckpts", "train.async_ckpt",
+    "train.profile", "train.memory_snapshot", "train.mc_eval_file", "train.mc_eval_items", "train.on_nonfinite",
+    "train.max_skipped_steps", "comm.timeout_s", "comm.init_timeout_s", "comm.fine_timing"})
+
+
+def arm_label(config: dict, world_size: int) -> str:
+    """The run's arm, `<optim.name> <comm.mode> P<world> <digest>`: the digest hashes every setting outside
+    ARM_IGNORED, so the seeds of one method share the label and two variants that differ in anything they train
+    with (4- vs 8-bit Lion Cub, DiLoCo H = 10 vs 50, another model or world size) never do. wandb's runs are
+    grouped by it (trainer.dashboards), as the `arm` key of the run config."""
+    kept = {sec: {k: v for k, v in vals.items() if f"{sec}.{k}" not in ARM_IGNORED}
+            for sec, vals in sorted(config.items()) if sec not in ARM_IGNORED and isinstance(vals, dict)}
+    digest = hashlib.sha1(json.dumps([kept, world_size], sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return (f"{(config.get('optim') or {}).get('name', '?')} {(config.get('comm') or {}).get('mode', '?')} "
+            f"P{world_size} {digest}")
 
 
 def resolve_wandb_mode(setting: str, environ: dict | None = None) -> str:

@@ -20,7 +20,7 @@ from .checkpoint import (MODEL, SHARED, CheckpointError, _gather, find_resumable
                          read_meta, remeshes, rng_state, save_checkpoint, save_checkpoint_async, set_rng_state,
                          shares_optimizer_state, split_optimizer_state, verify, wait_pending)
 from .config import ConfigError
-from .logger import RunLogger, finish_record
+from .logger import RunLogger, arm_label, finish_record
 from .rundir import REPLACED, drop_replaced, run_id
 from .schedule import schedule_note
 
@@ -53,7 +53,8 @@ def open_run(trainer) -> RunLogger:
             if trainer.auto_decision is not None:
                 automode.write_decision(trainer.out_dir, trainer.auto_decision)
         logger = RunLogger(trainer.out_dir, info.is_main, cfg.log.wandb, cfg.log.project,
-                           cfg.log.run_name or trainer.out_dir.name, cfg.log.group, cfg.to_dict(),
+                           cfg.log.run_name or trainer.out_dir.name, cfg.log.group,
+                           {**cfg.to_dict(), "arm": arm_label(cfg.to_dict(), info.world_size)},
                            run_id=run_id(trainer.out_dir))
     except BaseException:
         trainer.release()

@@ -59,20 +59,42 @@ def test_workspace_and_report_hold_exactly_those_panels():
     ws = dashboards.build_workspace("me", "lioncub", group="cpu_30m")
     assert [s.name for s in ws.sections] == list(dashboards.PANELS)
     assert [k for s in ws.sections for k in _panels(s.panels)] == want
-    assert [g.name for g in ws.runset_settings.groupby] == ["optim.name", "comm.mode"]
+    assert [g.name for g in ws.runset_settings.groupby] == ["arm"]
     stacked = [p for s in ws.sections for p in s.panels if p.plot_type == "stacked-area"]
     assert [p.title for p in stacked] == ["step time split (ms, stacked)"]
     view = ws._to_model().model_dump_json(by_alias=True)  # the JSON save() would send, built offline
     assert '"plotType":"stacked-area"' in view and '"useMetricRegex":true' in view, view[:2000]
-    # wandb addresses a nested config key as <section>.value.<key>
-    assert '"grouping":[{"section":"config","name":"optim.value.name"},{"section":"config","name":"comm.value.mode"}' \
-        in view and '"name":"log.group"},"op":"=","value":"cpu_30m"' in view
+    # wandb addresses a config key as <key>.value; --group filters on the run's wandb group (log.group)
+    assert '"grouping":[{"section":"config","name":"arm.value"}]' in view, view[:3000]
+    assert '{"section":"run","name":"group"},"op":"=","value":"cpu_30m"' in view, view[:3000]
 
     report = dashboards.build_report("me", "lioncub", group="cpu_30m")
     grids = [b for b in report.blocks if type(b).__name__ == "PanelGrid"]
     assert [k for g in grids for k in _panels(g.panels)] == want
-    assert all(g.runsets[0].groupby == ["optim.name", "comm.mode"] and g.runsets[0].project == "lioncub"
-               for g in grids)
+    assert all(g.runsets[0].groupby == ["config.arm"] and g.runsets[0].project == "lioncub" for g in grids)
+    from wandb_workspaces import expr  # what save() turns them into (building its model needs a login)
+    assert [expr.groupby_str_to_key(k) for k in grids[0].runsets[0].groupby] == [expr.Key(section="config",
+                                                                                           name="arm.value")]
+    leaf = expr.expr_to_filters(grids[0].runsets[0].filters)
+    assert (leaf.key.section, leaf.key.name, leaf.value) == ("run", "group", "cpu_30m")
+
+
+def test_the_arm_groups_seeds_and_separates_variants():
+    """Seeds, run names and log settings share an arm; anything a run trains with (the variant file, the world
+    size) separates it: the groups the dashboards draw."""
+    from trainer.config import load_config
+    from trainer.logger import arm_label
+
+    def arm(*over, variant="lioncub_4bit", world=4):
+        cfg = load_config(ROOT / "configs/variants" / f"{variant}.yaml", list(over)).to_dict()
+        return arm_label(cfg, world)
+
+    a = arm()
+    assert a.startswith("lion pbit P4 ") and a == arm("train.seed=7", "train.out_dir=/x", "log.wandb=offline",
+                                                       "diag.every=10", "train.eval_every=7")
+    assert len({a, arm(variant="lioncub_8bit_l1"), arm(world=8), arm("optim.lr=1e-5"),
+                arm(variant="lioncub_1bit")}) == 5
+    assert arm(variant="diloco_h10") != arm(variant="diloco_h50")
 
 
 def test_dry_run_builds_and_saves_nothing():

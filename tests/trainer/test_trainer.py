@@ -148,6 +148,15 @@ def test_wandb_online_without_key_falls_back_to_offline_and_stays_off_the_networ
     offline = list((run / "wandb").glob("offline-run-*/*.wandb"))
     assert len(offline) == 1 and offline[0].stat().st_size > 0
     assert records(run, "train_loss")[-1]["step"] == 2
+    # the run config wandb holds carries the arm the dashboards group by (trainer.logger.arm_label): its key and
+    # JSON value are in the offline run's records as written
+    from trainer.config import load_config
+    from trainer.logger import arm_label
+
+    arm = arm_label(load_config(ROOT / "configs/default.yaml", [*TINY, f"train.out_dir={run}", "train.max_steps=2",
+                                                                "log.wandb=online"]).to_dict(), 1)
+    assert arm.startswith("lion fp32 P1 ") and b"arm" in offline[0].read_bytes()
+    assert json.dumps(arm).encode() in offline[0].read_bytes()
 
 
 def _run1(out: Path, *overrides: str) -> subprocess.CompletedProcess:
