@@ -36,7 +36,7 @@ from typing import Sequence
 
 from bench.step_breakdown import DEFAULT_OVERRIDES
 from bench.variants import ROOT
-from util.cli import Parser
+from util.cli import Parser, path_arg
 
 DEFAULT_VARIANTS = ["lion_fp32", "lion_bf16", "adamw_fp32", "lioncub_1bit", "lioncub_4bit", "lioncub_8bit_l1",
                     "dlion_mavo"]
@@ -172,10 +172,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--overrides", default=None, help=f"default: {LAYOUT_DEFAULTS['overrides']}")
     ap.add_argument("--steps", type=int, default=None, help=f"measured steps (default: {LAYOUT_DEFAULTS['steps']})")
     ap.add_argument("--warmup", type=int, default=None, help=f"default: {LAYOUT_DEFAULTS['warmup']}")
-    ap.add_argument("--measured", default="", metavar="DIR",
+    ap.add_argument("--measured", type=path_arg, default="", metavar="DIR",
                     help="check against these bench.step_breakdown runs instead of training the variants again")
     ap.add_argument("--allow", default=",".join(default_allow()), help="the modes auto may pick")
-    ap.add_argument("--out", default="bench/out/advise_check")
+    ap.add_argument("--out", type=path_arg, default="bench/out/advise_check")
     ap.add_argument("--timeout", type=float, default=900.0)
     args = ap.parse_args(argv)
     measured = adopt_measured(args, ap) if args.measured else None

@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from util.cli import path_arg
+
 ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_SIZES = "1M,5M,10M,25M,50M"
@@ -361,7 +363,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--alpha", type=float, default=None, help="skip calibration: latency seconds")
     ap.add_argument("--beta", type=float, default=None, help="skip calibration: seconds per bit")
-    ap.add_argument("--out", default=None, help="output dir (default bench/out/comm_<rate>_<time>)")
+    ap.add_argument("--out", type=path_arg, default=None, help="output dir (default bench/out/comm_<rate>_<time>)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per world size before ranks are killed")
     ap.add_argument("--coll-timeout", type=float, default=300.0, help="gloo collective timeout, seconds")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

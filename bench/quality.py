@@ -2,7 +2,11 @@
 every variant on P ranks; final validation loss and the Lion Cub diagnostics averaged over the run.
 
     python -m bench.quality                                   # 6 variants, 4 ranks, tiny untied GPT
-    python -m bench.quality --variants lion_fp32,lioncub_8bit_l1 --steps 60 --out bench/out/quality
+    python -m bench.quality --variants lion_fp32 lioncub_8bit_l1 --steps 60 --out bench/out/quality
+    python -m bench.quality --variants lion_fp32,lioncub_1bit data.batch_size=2   # key=value: every run
+
+A variant whose run directory under --out/runs holds an earlier run is refused (--overwrite trains it
+again, --report-only tabulates it); a config the trainer would refuse is refused before any rank starts.
 
 Columns: final val loss; mean over diagnostic steps of sign match / sign flip against exact Lion
 sign(mean_i c_i) (Lion Cub Fig. 4) and of the vote tie rate (Table 3); the momentum spread across
@@ -23,6 +27,8 @@ from typing import Sequence
 
 from bench.variants import ROOT, read_jsonl, train_records, variant_args
 from model import IO_ROLES, ROLES
+from trainer.config import ConfigError, load_config
+from util.cli import path_arg
 
 DEFAULT_VARIANTS = ["lion_fp32", "dlion_mavo", "lioncub_1bit", "lioncub_1bit_plus", "lioncub_4bit", "lioncub_8bit_l1"]
 DEFAULT_OVERRIDES = ["model.preset=tiny", "model.tie_embeddings=false", "data.batch_size=4", "data.seq_len=128",
@@ -85,11 +91,9 @@ def quality_markdown(rows: list[dict]) -> str:
 def run_variant(args: argparse.Namespace, variant: str) -> int:
     run_dir = Path(args.out) / "runs" / variant
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           str(ROOT / "train.py"), *map(str, variant_args(variant, args.config_dir)[0]), *args.overrides,
-           *variant_args(variant, args.config_dir)[1],
-           f"train.max_steps={args.steps}", f"train.eval_every={args.eval_every}", "train.eval_steps=8",
-           f"train.log_every={args.log_every}", f"diag.every={args.diag_every}", f"train.seed={args.seed}",
-           "train.resume=overwrite", "log.wandb=disabled", f"train.out_dir={run_dir}"]
+           str(ROOT / "train.py"), *map(str, variant_args(variant, args.config_dir)[0]), *train_overrides(args, variant),
+           # only a directory this command may replace reaches here (check_run_dir): an earlier run with --overwrite
+           f"train.resume={'overwrite' if args.overwrite else 'never'}"]
     print("== " + " ".join(cmd), flush=True)
     log = Path(args.out) / "logs" / f"{variant}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -99,9 +103,33 @@ def run_variant(args: argparse.Namespace, variant: str) -> int:
         return subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def train_overrides(args: argparse.Namespace, variant: str) -> list[str]:
+    """What every run gets after its config files: --overrides and the section.key=value words, the variant's own
+    (name@key=value), then this experiment's steps, evaluation, diagnostics, seed and run directory."""
+    return [*args.overrides, *variant_args(variant, args.config_dir)[1], f"train.max_steps={args.steps}",
+            f"train.eval_every={args.eval_every}", "train.eval_steps=8", f"train.log_every={args.log_every}",
+            f"diag.every={args.diag_every}", f"train.seed={args.seed}", "log.wandb=disabled",
+            f"train.out_dir={Path(args.out) / 'runs' / variant}"]
+
+
+def check_run(args: argparse.Namespace, variant: str) -> str | None:
+    """Why `variant` cannot be trained as asked, in one line (None: it can): its config does not load (checked
+    here, before any rank starts), or its run directory holds an earlier run and --overwrite was not given."""
+    try:
+        load_config(variant_args(variant, args.config_dir)[0], train_overrides(args, variant))
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        return f"config error: {' '.join(str(e).split())}"
+    run_dir = Path(args.out) / "runs" / variant
+    if run_dir.exists() and any(run_dir.iterdir()) and not args.overwrite:
+        return (f"{run_dir} holds an earlier run: pass --overwrite to train it again, --report-only to tabulate "
+                f"it, or another --out")
+    return None
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=[",".join(DEFAULT_VARIANTS)],
+                    help="variants, space- or comma-separated (name@section.key=value adds a variant's own override)")
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=25)
@@ -110,20 +138,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--config-dir", default="configs/cpu_30m")
     ap.add_argument("--overrides", default=" ".join(DEFAULT_OVERRIDES), help="default: %(default)s")
-    ap.add_argument("--out", default="bench/out/quality")
-    ap.add_argument("--report-only", action="store_true")
-    args = ap.parse_args(argv)
-    args.variants = [v for v in args.variants.split(",") if v]
-    args.overrides = args.overrides.split()
+    ap.add_argument("--out", type=path_arg, default="bench/out/quality")
+    ap.add_argument("--overwrite", action="store_true", help="train again a variant whose run directory under "
+                                                             "--out/runs holds an earlier run (else refused)")
+    ap.add_argument("--report-only", action="store_true", help="tabulate the runs under --out/runs, train nothing")
+    # section.key=value words anywhere among the flags, after --overrides' (util/cli.py's rule)
+    ap.add_argument("words", nargs="*", metavar="section.key=value", help="overrides for every run, after --overrides")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_intermixed_args(argv)
+    items = [v for group in args.variants for v in group.split(",") if v]
+    # a key=value word written after --variants is an override (a variant's own is name@key=value); all of them
+    # in the order the command line gives them (a later one wins)
+    words = sorted([*args.words, *(v for v in items if "=" in v and "@" not in v)],
+                   key=lambda w: argv.index(w) if w in argv else len(argv))
+    args.variants = [v for v in items if not ("=" in v and "@" not in v)]
+    bad = [w for w in words if "=" not in w or w.startswith("-")]
+    if bad:
+        ap.error(f"{bad[0]!r}: not a flag or a section.key=value override")
+    if not args.variants:
+        ap.error("--variants: name at least one variant")
+    args.overrides = args.overrides.split() + words
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for v in args.variants:
-        rc = 0 if args.report_only else run_variant(args, v)
         metrics = out / "runs" / v / "metrics.jsonl"
-        if rc != 0 or not metrics.exists():
-            rows.append({"variant": v, "status": f"failed rc={rc} (see {out}/logs/{v}.log)"})
-            continue
+        if args.report_only:
+            if not metrics.exists():
+                rows.append({"variant": v, "status": f"no run: {metrics} does not exist (train it without "
+                                                     f"--report-only)"})
+                continue
+        else:
+            problem = check_run(args, v)
+            if problem:
+                print(f"error: {v}: {problem}", file=sys.stderr)
+                rows.append({"variant": v, "status": problem})
+                continue
+            rc = run_variant(args, v)
+            if rc != 0 or not metrics.exists():
+                rows.append({"variant": v, "status": f"failed rc={rc} (see {out}/logs/{v}.log)"})
+                continue
         rows.append({"variant": v, "status": "ok", **summarize_quality(read_jsonl(metrics))})
     with open(out / "quality.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["status", *COLUMNS], extrasaction="ignore")

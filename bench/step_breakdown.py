@@ -49,6 +49,7 @@ from typing import Sequence
 
 from bench.variants import (BASELINE, DEFAULT_VARIANTS, OVERLAP_BASELINE, ROOT, load_run_config, median, variant_args,
                             predict_step_comm_s, read_jsonl, train_records)
+from util.cli import path_arg
 
 PEAK_RSS_ENV = "LIONCUB_PEAK_RSS_FILE"  # where train_here writes its rank process's own peak RSS
 
@@ -661,7 +662,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--config-dir", default="configs/cpu_30m")
     ap.add_argument("--overrides", default=" ".join(DEFAULT_OVERRIDES),
                     help="space-separated section.key=value overrides for every run (default: %(default)s)")
-    ap.add_argument("--out", default="bench/out/step_breakdown")
+    ap.add_argument("--out", type=path_arg, default="bench/out/step_breakdown")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run before its ranks are killed")
     ap.add_argument("--launcher", choices=["netsim", "torchrun"], default="netsim",
                     help="netsim (namespaces + tbf, needs root) or torchrun over loopback (unlimited only)")

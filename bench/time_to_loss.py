@@ -44,7 +44,7 @@ from typing import Any, Iterable, Iterator, Sequence
 from bench import runstore, step_breakdown
 from bench.variants import ROOT, load_run_config, read_jsonl, train_records
 from optim import sync
-from util.cli import Parser, is_config, variant_runs
+from util.cli import Parser, is_config, path_arg, variant_runs
 
 GPU_CHECK_DIR = ROOT / "docs" / "results" / "gpu_check"
 REFERENCE = "adamw_fp32"
@@ -505,8 +505,7 @@ def predict_cluster_step(curve: Curve, cluster: Cluster, reference: str = REFERE
     return out
 
 
-def node_port_bytes(cfg: dict, tokens_per_step: float, nodes: int, gpus_per_node: int,
-                    vocab_size: int | None = None) -> float:
+def node_port_bytes(cfg: dict, nodes: int, gpus_per_node: int, vocab_size: int | None = None) -> float:
     """Bytes through each node's network port per step (one way, the slow axis between nodes) of the run
     `cfg` on `nodes` x `gpus_per_node` ranks, by the registry's cost model as predict_cluster_step uses it:
     its communication seconds on a probe cluster whose node ports move one byte a second with no latency,
@@ -517,7 +516,7 @@ def node_port_bytes(cfg: dict, tokens_per_step: float, nodes: int, gpus_per_node
     collectives per rank (comm_bytes) cannot say: the traffic between nodes, which the slow links carry."""
     probe = Cluster(nodes, gpus_per_node, "H100", inter_bps=8.0, intra_bps=1e30, mfu=1e30,
                     inter_latency=0.0, intra_latency=0.0, text=f"probe {nodes} x {gpus_per_node}")
-    curve = Curve("probe", "-", [], [], tokens_per_step, cfg)
+    curve = Curve("probe", "-", [], [], 1.0, cfg)   # tokens only size the compute, which takes no time here
     return predict_cluster_step(curve, probe, vocab_size=vocab_size)["comm_s"]
 
 
@@ -967,7 +966,7 @@ def parse_args(argv: Sequence[str] | None = None):
     ap.add_argument("--metric", default="val_loss", choices=["val_loss", "train_loss"])
     ap.add_argument("--target", type=float, default=None, help="loss to reach (default: --reference's final)")
     ap.add_argument("--reference", default=REFERENCE, help="the synchronous baseline variant")
-    ap.add_argument("--runs", default="", help="directory of curve runs, <runs>/<variant>/ (default: <out>/runs)")
+    ap.add_argument("--runs", type=path_arg, default="", help="directory of curve runs, <runs>/<variant>/ (default: <out>/runs)")
     ap.add_argument("--run", action="append", default=[], metavar="VARIANT=SRC[,SRC...]",
                     help="one variant's curve: run directories or bench.reproduce run-store entries (*.json.gz); "
                          "several (seeds of one arm) are averaged")
@@ -978,12 +977,12 @@ def parse_args(argv: Sequence[str] | None = None):
                                                 "(100mbit,1gbit)")
     ap.add_argument("--nodes", type=int, default=0, help="(a): simulated nodes (bench.netsim: the ranks of a node "
                                                          "share an unlimited loopback); 0 = one namespace per rank")
-    ap.add_argument("--breakdown", default="", help="(a): bench.step_breakdown --out directory (default: "
+    ap.add_argument("--breakdown", type=path_arg, default="", help="(a): bench.step_breakdown --out directory (default: "
                                                      "<out>/breakdown)")
     ap.add_argument("--measure", action="store_true", help="(a): run bench.step_breakdown for variants not measured")
     ap.add_argument("--measure-steps", type=int, default=10, help="(a): measured steps per run (DiLoCo: whole cycles)")
     ap.add_argument("--warmup", type=int, default=3, help="(a): warm-up steps dropped from a measured run")
-    ap.add_argument("--e2e", default="", help="(a): runs trained end to end under the simulator at --link, "
+    ap.add_argument("--e2e", type=path_arg, default="", help="(a): runs trained end to end under the simulator at --link, "
                                               "<e2e>/<variant>/, to check the construction against")
     ap.add_argument("--train-e2e", action="store_true", help="(a): train the --e2e runs that are missing, under "
                                                              "bench.netsim at --link (needs root)")
@@ -992,7 +991,7 @@ def parse_args(argv: Sequence[str] | None = None):
                          '[mfu=0.35|gpu-check] [inter_latency=30us]"')
     ap.add_argument("--vocab-size", type=int, default=0, help="(b): the runs' vocabulary where their dataset is "
                                                               "not on this machine (study-prose: 8192)")
-    ap.add_argument("--out", default="bench/out/time_to_loss")
+    ap.add_argument("--out", type=path_arg, default="bench/out/time_to_loss")
     ns = ap.parse_args(argv)
     ns.argv = list(sys.argv[1:] if argv is None else argv)
     ns.links = [x for x in ns.link.split(",") if x]

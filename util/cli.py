@@ -48,6 +48,14 @@ def split_words(words: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
     return configs, overrides, other
 
 
+def path_arg(value: str) -> str:
+    """argparse type of a path option (an output directory, runs to read): absolute against the directory the
+    command runs in. The lab's commands launch their training runs from the repository root, so a relative
+    path would name one place for the runs they launch and another for what they read and write themselves;
+    "" stays "" (unset)."""
+    return str(Path(value).expanduser().absolute()) if value else value
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with the project's convention and one-line errors.
 

@@ -16,7 +16,7 @@ import yaml
 
 from trainer.config import ConfigError
 from trainer.config_load import compose_yaml
-from util.cli import Parser
+from util.cli import Parser, path_arg
 
 from . import STUDIES, Options, StudyUnavailable, framework
 
@@ -42,6 +42,10 @@ def _globs(s: str) -> tuple[str, ...]:
     return globs
 
 
+def _path(value: str) -> Path:
+    return Path(path_arg(value))
+
+
 def parser() -> Parser:
     ap = Parser(prog="python -m bench.reproduce", description="Reproduce Lion Cub's findings with this tool's own "
                 "training.", epilog=__doc__, configs=True, positionals=("study",), override_lists=("sets",),
@@ -52,8 +56,8 @@ def parser() -> Parser:
                     help="minutes: debug model, a handful of steps, 2 ranks (what the tests run); results go to "
                          "bench/out/reproduce/quick/results unless --out is given")
     ap.add_argument("--seeds", type=_ints, default=None, help="comma-separated seeds (default: the study's)")
-    ap.add_argument("--out", type=Path, default=None, help="results directory (default docs/results/reproduction)")
-    ap.add_argument("--work", type=Path, default=None,
+    ap.add_argument("--out", type=_path, default=None, help="results directory (default docs/results/reproduction)")
+    ap.add_argument("--work", type=_path, default=None,
                     help="run directories and logs (default bench/out/reproduce/<study>)")
     ap.add_argument("--steps", type=int, default=None, help="override the study's number of steps")
     ap.add_argument("--nproc", type=int, default=None, help="override the world size (table3: run only this one)")

@@ -191,6 +191,36 @@ def test_quality_summary_on_synthetic_records():
     assert "| x | 5.5000 | - | - / - / - |" in quality.quality_markdown([{"variant": "x", "status": "ok", **gradient_sync}])
 
 
+def test_quality_command_line_and_what_it_refuses_before_launching(tmp_path, monkeypatch, capsys):
+    """bench.quality: variants space- or comma-separated, section.key=value words anywhere (after --overrides'),
+    a variant's own name@key=value kept; --out relative to where it runs. An earlier run's directory is not
+    replaced without --overwrite, a config the trainer would refuse is refused in one line, and --report-only
+    without runs says so: nothing is launched for any of them."""
+    monkeypatch.chdir(tmp_path)
+    a = quality.parse_args(["--variants", "lion_fp32,lioncub_1bit", "onebit_adam@optim.freeze_step=24",
+                            "data.batch_size=2", "--out", "q", "train.eval_steps=3"])
+    assert a.variants == ["lion_fp32", "lioncub_1bit", "onebit_adam@optim.freeze_step=24"]
+    assert a.overrides[-2:] == ["data.batch_size=2", "train.eval_steps=3"] and a.out == str(tmp_path / "q")
+    with pytest.raises(SystemExit):
+        quality.parse_args(["--steps", "3", "nonsense"])   # neither a flag nor a key=value word
+
+    def launched(*_):
+        raise AssertionError("launched")
+    monkeypatch.setattr(quality, "run_variant", launched)
+    earlier = tmp_path / "q" / "runs" / "lion_fp32"
+    earlier.mkdir(parents=True)
+    (earlier / "metrics.jsonl").write_text('{"step": 1, "val_loss": 5.0}\n')
+    assert quality.main(["--variants", "lion_fp32", "--out", "q", "--steps", "40"]) == 1
+    assert "pass --overwrite to train it again" in capsys.readouterr().err
+    assert (earlier / "metrics.jsonl").read_text() == '{"step": 1, "val_loss": 5.0}\n'   # kept
+    assert quality.main(["--variants", "lioncub_1bit", "--out", "q", "--steps", "4"]) == 1   # warmup_steps=10
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "optim.warmup_steps" in err and "config error" in err
+    assert quality.main(["--variants", "lioncub_4bit", "--out", "q", "--report-only"]) == 1
+    assert "no run:" in (tmp_path / "q" / "quality.md").read_text()
+    assert quality.main(["--variants", "lion_fp32", "--out", "q", "--report-only"]) == 0   # the earlier run, read
+
+
 @pytest.mark.skipif(NETSIM_SKIP is not None, reason=NETSIM_SKIP or "")
 def test_smoke_two_ranks_through_netsim(tmp_path: Path):
     out = tmp_path / "sb"

@@ -49,3 +49,23 @@ def test_help_exits_zero(module: str, monkeypatch: pytest.MonkeyPatch) -> None:
         code, out = e.value.code or 0, buf.getvalue()
     assert code == 0, f"python -m {module} --help exited {code}: {out[-1500:]}"
     assert "usage" in out.lower() or f"python {module}.py" in out, out[:500]
+
+
+def test_the_lab_s_path_options_are_relative_to_where_the_command_runs(tmp_path, monkeypatch):
+    """The lab's commands launch their training runs from the repository root: a relative --out (or --runs,
+    --breakdown, --e2e, --work) is made absolute against the directory the command runs in, so the runs they
+    launch land where they then read them (bench.quality wrote its runs inside the repository and reported
+    them as failed when run from elsewhere)."""
+    from bench import comm, step_breakdown, time_to_loss
+    from bench.reproduce.__main__ import parser
+
+    monkeypatch.chdir(tmp_path)
+    ns = time_to_loss.parse_args(["--variants", "adamw_fp32", "--link", "1gbit", "--out", "o", "--runs", "r",
+                                  "--breakdown", "b", "--e2e", "e"])
+    assert (ns.out, ns.runs, ns.breakdown, ns.e2e) == tuple(str(tmp_path / x) for x in "orbe")
+    assert time_to_loss.parse_args(["--variants", "adamw_fp32", "--link", "1gbit"]).runs == ""   # unset stays unset
+    assert step_breakdown.parse_args(["--out", "o"]).out == str(tmp_path / "o")
+    assert comm.parse_args(["--out", "o"]).out == str(tmp_path / "o")
+    assert step_breakdown.parse_args([]).out == str(tmp_path / "bench/out/step_breakdown")
+    a = parser().parse_args(["diloco", "--out", "o", "--work", "w"])
+    assert (a.out, a.work) == (tmp_path / "o", tmp_path / "w")
