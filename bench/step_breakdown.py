@@ -38,6 +38,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import resource
 import shutil
 import statistics
@@ -49,6 +50,7 @@ from typing import Sequence
 
 from bench.variants import (BASELINE, DEFAULT_VARIANTS, OVERLAP_BASELINE, ROOT, load_run_config, median, variant_args,
                             predict_step_comm_s, read_jsonl, train_records)
+from trainer import rundir
 from util.cli import path_arg
 
 PEAK_RSS_ENV = "LIONCUB_PEAK_RSS_FILE"  # where train_here writes its rank process's own peak RSS
@@ -522,12 +524,38 @@ def _env() -> dict[str, str]:
             "WANDB_MODE": "disabled", "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1"}
 
 
+RSS_FILE = re.compile(r"rank\d+\.json")
+
+
+def not_replaceable(out: Path, rate: str, variant: str) -> str | None:
+    """Why this variant's earlier measurement at `rate` under `out` may not be replaced (None: it may, or there is
+    none): its run directory must be one the trainer made holding only the trainer's entries
+    (trainer.rundir), its rss directory only this tool's rank<R>.json files. A measurement is replaced, never
+    anything else a user put under --out."""
+    run_dir, rss_dir = out / "runs" / rate / variant, out / "rss" / rate / variant
+    if run_dir.is_symlink() or (run_dir.exists() and not run_dir.is_dir()):
+        return f"{run_dir} is not a directory this tool made"
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        if not rundir.is_ours(run_dir):
+            return f"{run_dir} is not a run directory the trainer made (no {rundir.MARKER})"
+        foreign = rundir.foreign_entries(run_dir)
+        if foreign:
+            return f"{run_dir} holds entries the trainer did not write: {', '.join(foreign[:3])}"
+    if rss_dir.is_symlink() or (rss_dir.exists() and not rss_dir.is_dir()):
+        return f"{rss_dir} is not a directory this tool made"
+    if rss_dir.is_dir():
+        other = [p.name for p in rss_dir.iterdir() if not (p.is_file() and RSS_FILE.fullmatch(p.name))]
+        if other:
+            return f"{rss_dir} holds entries this tool did not write: {', '.join(sorted(other)[:3])}"
+    return None
+
+
 def run_one(args: argparse.Namespace, rate: str, variant: str, net: object | None) -> dict:
     out = Path(args.out)
     run_dir = out / "runs" / rate / variant
     rss_dir = out / "rss" / rate / variant
     log_dir = out / "logs" / rate / variant
-    for d in (run_dir, rss_dir):
+    for d in (run_dir, rss_dir):   # an earlier measurement of this variant at this rate (replaceable: checked)
         if d.exists():
             shutil.rmtree(d)
     cfg_files, extra = variant_args(variant, args.config_dir)
@@ -719,6 +747,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for v in args.variants:
         variant_args(v, args.config_dir)  # fail before any run on a typo
+    if not args.report_only:   # and before any run on a directory it may not replace
+        problems = [p for rate in args.rates for v in args.variants if (p := not_replaceable(out, rate, v))]
+        if problems:
+            for p in problems:
+                print(f"error: {p}; move it away or choose another --out (the tool replaces only its own earlier "
+                      f"measurements)", file=sys.stderr)
+            return 2
     calib_file = out / "calibration.json"
     calib: dict[str, tuple[float, float]] = {}
     if calib_file.exists():

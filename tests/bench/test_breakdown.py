@@ -333,3 +333,32 @@ def test_override_words_are_read_among_the_flags_and_other_words_refused(capsys)
     err = capsys.readouterr().err
     assert e.value.code == 2 and "'configs/mine.yaml': not a flag or a section.key=value override" in err
     assert parse_args(["--train-here", "--", "train.py", "cfg.yaml", "x.y=1"]).cmd == ["--", "train.py", "cfg.yaml", "x.y=1"]
+
+
+def test_step_breakdown_replaces_only_its_own_earlier_measurements(tmp_path, capsys):
+    """A rerun replaces a variant's earlier measurement (its run directory, which the trainer marked, and its
+    rank<R>.json rss files), never a directory or file the tool did not make: refused before any run, nothing
+    touched."""
+    from trainer import rundir
+
+    out = tmp_path / "bd"
+    run_dir, rss = out / "runs" / "unlimited" / "lion_fp32", out / "rss" / "unlimited" / "lion_fp32"
+    assert sb.not_replaceable(out, "unlimited", "lion_fp32") is None          # nothing there yet
+    run_dir.mkdir(parents=True)
+    (run_dir / "notes.txt").write_text("mine")
+    assert "not a run directory the trainer made" in sb.not_replaceable(out, "unlimited", "lion_fp32")
+    assert sb.main(["--variants", "lion_fp32", "--rates", "unlimited", "--launcher", "torchrun", "--out", str(out),
+                    "--no-calibrate"]) == 2
+    assert "move it away or choose another --out" in capsys.readouterr().err
+    assert (run_dir / "notes.txt").read_text() == "mine"
+    (run_dir / "notes.txt").unlink()
+    (run_dir / rundir.MARKER).write_text("{}")
+    (run_dir / "metrics.jsonl").write_text("")
+    rss.mkdir(parents=True)
+    (rss / "rank0.json").write_text("{}")
+    assert sb.not_replaceable(out, "unlimited", "lion_fp32") is None          # an earlier measurement: replaced
+    (run_dir / "mine.txt").write_text("x")
+    assert "mine.txt" in sb.not_replaceable(out, "unlimited", "lion_fp32")
+    (run_dir / "mine.txt").unlink()
+    (rss / "keep.txt").write_text("x")
+    assert "keep.txt" in sb.not_replaceable(out, "unlimited", "lion_fp32")
