@@ -6,7 +6,7 @@ rate, Table 3; per-layer momentum spread across workers, Fig. 6 / Fig. 17).
     python -m bench.plot runs/a runs/b --labels "Lion,Lion Cub 4-bit" --out plots/
 
 Each positional argument is a run directory (holding metrics.jsonl) or a metrics.jsonl file; the
-label defaults to the directory name. Wall-clock is the trainer's train_time_s (seconds inside
+label defaults to the directory name (with its parents' names where two runs share it). Wall-clock is the trainer's train_time_s (seconds inside
 timed train steps: evaluation, checkpoints and diagnostics excluded). Writes val_loss.png,
 diagnostics.png and momentum_spread.png (the last two only when a run has diag/* records).
 Each plotting function returns the series it drew, {panel: {label: (xs, ys)}}, so tests can check
@@ -26,19 +26,41 @@ from model import ROLES
 Series = dict[str, dict[str, tuple[list[float], list[float]]]]
 
 
+def _default_labels(dirs: Sequence[Path]) -> list[str]:
+    """Each run's directory name, or as many of its last path parts as tell it from the others (seedA/run and
+    seedB/run where both are named run)."""
+    parts = [d.resolve().parts for d in dirs]
+    labels = []
+    for i, ps in enumerate(parts):
+        for k in range(1, len(ps) + 1):
+            tail = ps[-k:]
+            if all(tail != q[-k:] for j, q in enumerate(parts) if j != i) or k == len(ps):
+                labels.append("/".join(tail))
+                break
+    return labels
+
+
 def load_runs(paths: Sequence[str | Path], labels: Sequence[str] | None = None) -> dict[str, list[dict]]:
-    """{label: records} for run directories or metrics.jsonl files (clear error if one is missing)."""
+    """{label: records} for run directories or metrics.jsonl files (clear error if one is missing). The label
+    defaults to the run's directory name, with as many parent names as tell two runs of one name apart; two
+    runs never share a label (one would hide the other's curve)."""
     if labels is not None and len(labels) != len(paths):
         raise ValueError(f"got {len(labels)} labels for {len(paths)} runs; give one label per run")
-    runs: dict[str, list[dict]] = {}
-    for i, p in enumerate(paths):
-        p = Path(p)
+    files, dirs = [], []
+    for p in map(Path, paths):
         f = p / "metrics.jsonl" if p.is_dir() else p
         if not f.is_file():
             raise FileNotFoundError(f"{f} does not exist: pass run directories holding metrics.jsonl")
-        label = labels[i] if labels is not None else (p.name if p.is_dir() else p.parent.name)
-        runs[label] = read_jsonl(f)
-    return runs
+        files.append(f)
+        dirs.append(f.parent)
+    if len({f.resolve() for f in files}) < len(files):
+        dup = next(p for p, f in zip(paths, files) if [g.resolve() for g in files].count(f.resolve()) > 1)
+        raise ValueError(f"{dup}: given twice; give each run once")
+    names = list(labels) if labels is not None else _default_labels(dirs)
+    if len(set(names)) < len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise ValueError(f"--labels: {dup!r} given to two runs; give each run its own label")
+    return {name: read_jsonl(f) for name, f in zip(names, files)}
 
 
 def _xy(records: list[dict], x: str, y: str) -> tuple[list[float], list[float]]:
@@ -155,7 +177,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/out/plots")
     ap.add_argument("--prefix", default="", help="prefix for the PNG names")
     args = ap.parse_args(argv)
-    runs = load_runs(args.runs, args.labels.split(",") if args.labels else None)
+    try:
+        runs = load_runs(args.runs, args.labels.split(",") if args.labels else None)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     written = [out / f"{args.prefix}val_loss.png"]

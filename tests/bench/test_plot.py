@@ -66,3 +66,18 @@ def test_load_runs_errors(tmp_path: Path):
     a = _write_run(tmp_path / "a", 1.0, False)
     with pytest.raises(ValueError, match="1 labels for 2 runs"):
         plot.load_runs([a, a], ["only-one"])
+    # two runs of one directory name: each keeps its curve, told apart by its parent's name
+    s1, s2 = _write_run(tmp_path / "seedA" / "run", 1.0, False), _write_run(tmp_path / "seedB" / "run", 2.0, False)
+    assert list(plot.load_runs([s1, s2, a])) == ["seedA/run", "seedB/run", "a"]
+    with pytest.raises(ValueError, match="given twice"):
+        plot.load_runs([s1, s1 / "metrics.jsonl"])
+    with pytest.raises(ValueError, match="'x' given to two runs"):
+        plot.load_runs([s1, s2], ["x", "x"])
+
+
+def test_plot_command_errors_are_one_line(tmp_path: Path, capsys):
+    a = _write_run(tmp_path / "a", 1.0, False)
+    for argv in ([str(tmp_path / "missing")], [str(a), str(a), "--labels", "one"]):
+        assert plot.main([*argv, "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err
