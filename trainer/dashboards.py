@@ -16,7 +16,8 @@ tests/trainer/test_dashboards.py checks them against a real run's keys):
 - communication: bytes sent per step per rank, communication ms, tokens/s;
 - Lion Cub diagnostics (diag.every > 0, update-sync modes): sign match, flip and tie rates, the
   momentum spread across ranks overall and per transformer block (Lion Cub Fig. 6);
-- gradient norm: global and per role.
+- gradient norm: global and per role (gradient-sync modes: of the averaged gradient; update-sync modes:
+  the rank mean of local norms, larger: the panel's title says so).
 """
 from __future__ import annotations
 
@@ -64,7 +65,10 @@ PANELS: dict[str, tuple[Panel, ...]] = {
         Panel("momentum spread across ranks per layer", regex=r"diag_momentum_spread/block\.\d+"),
     ),
     "Gradient norm": (
-        Panel("grad norm (global, before clipping)", ("grad_norm/global",)),
+        # two quantities under one key: gradient-sync modes the averaged gradient's norm, update-sync modes (Lion
+        # Cub, DiLoCo: no gradient crosses) the rank mean of each rank's own norm, which runs larger
+        Panel("grad norm before clipping (grad sync: of the mean gradient; update sync: rank mean of local norms)",
+              ("grad_norm/global",)),
         Panel("grad norm per role", regex=r"grad_norm/(embedding|head|attn|mlp|norm)"),
     ),
 }

@@ -40,12 +40,17 @@ STACK = (("data_ms", "1_data"), ("fwdbwd_ms", "2_+fwd_bwd"), ("coll_ms", "3_+col
 def wandb_payload(record: dict) -> dict:
     """The wandb view of a metrics.jsonl record: panels grouped by section (loss, eval,
     step_time_ms, step_time_stacked_ms, comm, throughput, memory, diag, and one section per
-    diagnostic with its per-role / per-block / per-tensor charts: diag_sign_match, ...)."""
+    diagnostic with its per-role / per-block / per-tensor charts: diag_sign_match, ...); an event
+    record's numbers (`"event": "kernels"`'s compile_s, a resume's world_size, the finish record's
+    bytes) under events/<event>.<key>."""
     out = {}
+    event = record.get("event")
     for k, v in record.items():
         if k == "step" or isinstance(v, bool) or not isinstance(v, (int, float)):
             continue
-        if k.startswith("diag/"):
+        if isinstance(event, str):  # a one-off record (compile, kernels, resume, finish, ...): its own section,
+            out[f"events/{event}.{k}"] = v   # never a top-level chart beside the training curves
+        elif k.startswith("diag/"):
             _, metric, *rest = k.split("/")
             out[f"diag_{metric}/{'.'.join(rest)}" if rest and metric != "vote_table" else k] = v
         elif k.startswith("grad_norm/"):
@@ -175,8 +180,14 @@ class RunLogger:
         os.environ["WANDB_MODE"] = mode
         import wandb  # imported late so the environment above is in force
 
-        return wandb.init(project=project, name=run_name, group=group or None, config=config, dir=str(out_dir),
-                          mode=mode, resume="allow", id=run_id)
+        # $WANDB_DIR (a cluster's scratch, say) is where wandb's files go when set, else the run directory
+        run = wandb.init(project=project, name=run_name, group=group or None, config=config,
+                         dir=os.environ.get("WANDB_DIR") or str(out_dir), mode=mode, resume="allow", id=run_id)
+        if mode == "offline":   # WANDB_SILENT hides wandb's own hint: say where the run is and how to send it
+            where = Path(run.dir).parent
+            print(f"wandb: offline run in {where}; send it with `wandb sync {where}` (a resumed run adds "
+                  f"one offline-run-* directory per start: sync them in order)", file=sys.stderr)
+        return run
 
     def log(self, record: dict, histograms: dict | None = None) -> None:
         if not self.enabled:

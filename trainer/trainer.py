@@ -167,6 +167,7 @@ class Trainer:
         if cfg.model.init_from and self.step == 0:  # the starting point's val loss, e.g. the export's own
             self._eval_and_log()
         window: list[dict] = []
+        diag_silent = False
         start, steps_at_start = time.perf_counter(), self.step
         while self.step < t.max_steps:
             diagnose = bool(cfg.diag.every) and (self.step + 1) % cfg.diag.every == 0
@@ -190,6 +191,13 @@ class Trainer:
                 self._log_window(window, start, steps_at_start)
                 window = []
             rep = r["report"]
+            if diagnose and not rep.diagnostics and not diag_silent:  # said once, not left to an empty chart
+                diag_silent = True
+                self.logger.console(
+                    f"note: diag.every={cfg.diag.every}: optim.name={cfg.optim.name} with comm.mode={cfg.comm.mode} "
+                    f"at {self.info.world_size} rank(s) computes no diagnostics (sign match, ties and momentum "
+                    f"spread are per-rank update-sync quantities: Lion Cub, D-Lion; Muon, Dion and DiLoCo have their "
+                    f"own); nothing is logged for them")
             if rep.diagnostics:
                 self.logger.log({"step": self.step, **rep.diagnostics, "diag/seconds": rep.diag_seconds},
                                 histograms=rep.histograms if cfg.diag.histograms else None)

@@ -145,6 +145,7 @@ def test_wandb_online_without_key_falls_back_to_offline_and_stays_off_the_networ
                           timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "logging offline instead" in proc.stderr
+    assert f"wandb: offline run in {run / 'wandb'}/offline-run-" in proc.stderr and "`wandb sync " in proc.stderr
     offline = list((run / "wandb").glob("offline-run-*/*.wandb"))
     assert len(offline) == 1 and offline[0].stat().st_size > 0
     assert records(run, "train_loss")[-1]["step"] == 2
@@ -159,10 +160,29 @@ def test_wandb_online_without_key_falls_back_to_offline_and_stays_off_the_networ
     assert json.dumps(arm).encode() in offline[0].read_bytes()
 
 
+def test_wandb_files_go_to_wandb_dir_when_set(tmp_path):
+    run, wd = tmp_path / "run", tmp_path / "scratch"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}, "HOME": str(tmp_path),
+           "OMP_NUM_THREADS": "1", "WANDB_DIR": str(wd)}
+    proc = subprocess.run([sys.executable, "train.py", "configs/default.yaml", *TINY, f"train.out_dir={run}",
+                           "train.max_steps=1", "log.wandb=offline"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list((wd / "wandb").glob("offline-run-*/*.wandb")) and not (run / "wandb").exists()
+    assert f"wandb: offline run in {wd / 'wandb'}/offline-run-" in proc.stderr
+
+
 def _run1(out: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "train.py", "configs/default.yaml", *TINY, f"train.out_dir={out}",
                            *overrides], cwd=ROOT, capture_output=True, text=True, timeout=180,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_diagnostics_asked_of_a_run_without_them_are_said_once(tmp_path):
+    p = _run1(tmp_path / "run", "train.max_steps=3", "optim.name=adamw", "diag.every=1")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.count("computes no diagnostics") == 1 and "optim.name=adamw" in p.stdout
+    assert not records(tmp_path / "run", "diag/seconds")
 
 
 def test_resume_guards(tmp_path):
@@ -270,6 +290,11 @@ def test_wandb_payload_groups_panels():
                                                      "5_+optimizer")] == [1.0, 11.0, 15.0, 17.0, 20.0]
     assert p["diag/sign_match"] == 0.9 and p["diag_momentum_spread/block.0"] == 0.1
     assert p["diag_sign_flip/tensor.lm_head.weight"] == 0.01 and "params_identical" not in p
+    # an event record's numbers go to their own section, not beside the training charts
+    ev = wandb_payload({"step": 0, "event": "kernels", "compile_s": 1.5, "choices": {}})
+    assert ev == {"events/kernels.compile_s": 1.5}
+    assert wandb_payload({"step": 9, "event": "finish", "finish_comm_bytes": 12, "train_loss": 2.0}) == {
+        "events/finish.finish_comm_bytes": 12, "events/finish.train_loss": 2.0}
 
 
 def test_resume_with_more_steps_keeps_the_schedule_unless_told(tmp_path):
