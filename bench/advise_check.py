@@ -36,7 +36,7 @@ from typing import Sequence
 
 from bench.step_breakdown import DEFAULT_OVERRIDES
 from bench.variants import ROOT
-from util.cli import Parser, path_arg
+from util.cli import Parser, path_arg, shown
 
 DEFAULT_VARIANTS = ["lion_fp32", "lion_bf16", "adamw_fp32", "lioncub_1bit", "lioncub_4bit", "lioncub_8bit_l1",
                     "dlion_mavo"]
@@ -202,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
            "WANDB_MODE": "disabled", "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1"}
     meta = {"nproc": args.nproc, "nodes": args.nodes, "config_dir": args.config_dir, "overrides": args.overrides,
             "steps": args.steps, "warmup": args.warmup, "machine": f"{os.uname().machine}, {os.cpu_count()} CPUs",
-            "load_before": _load(), "measured": args.measured or str(out / "measured")}
+            "load_before": _load(), "measured": shown(args.measured or out / "measured")}
     from bench.variants import config_files
 
     base_cfg = [str(p) for p in config_files("lion_fp32", args.config_dir)]

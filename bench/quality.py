@@ -28,7 +28,7 @@ from typing import Sequence
 from bench.variants import ROOT, read_jsonl, train_records, variant_args
 from model import IO_ROLES, ROLES
 from trainer.config import ConfigError, load_config
-from util.cli import path_arg
+from util.cli import path_arg, shown
 
 DEFAULT_VARIANTS = ["lion_fp32", "dlion_mavo", "lioncub_1bit", "lioncub_1bit_plus", "lioncub_4bit", "lioncub_8bit_l1"]
 DEFAULT_OVERRIDES = ["model.preset=tiny", "model.tie_embeddings=false", "data.batch_size=4", "data.seq_len=128",
@@ -164,24 +164,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
+    if not args.report_only:  # every variant checked before any is trained; a refusal writes nothing
+        problems = [(v, p) for v in args.variants if (p := check_run(args, v))]
+        for v, p in problems:
+            print(f"error: {v}: {p}", file=sys.stderr)
+        if problems:
+            return 2
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for v in args.variants:
         metrics = out / "runs" / v / "metrics.jsonl"
         if args.report_only:
             if not metrics.exists():
-                rows.append({"variant": v, "status": f"no run: {metrics} does not exist (train it without "
+                rows.append({"variant": v, "status": f"no run: {shown(metrics)} does not exist (train it without "
                                                      f"--report-only)"})
                 continue
         else:
-            problem = check_run(args, v)
-            if problem:
-                print(f"error: {v}: {problem}", file=sys.stderr)
-                rows.append({"variant": v, "status": problem})
-                continue
             rc = run_variant(args, v)
             if rc != 0 or not metrics.exists():
-                rows.append({"variant": v, "status": f"failed rc={rc} (see {out}/logs/{v}.log)"})
+                rows.append({"variant": v, "status": f"failed rc={rc} (see {shown(out / 'logs' / f'{v}.log')})"})
                 continue
         rows.append({"variant": v, "status": "ok", **summarize_quality(read_jsonl(metrics))})
     with open(out / "quality.csv", "w", newline="") as f:

@@ -524,7 +524,7 @@ def _env() -> dict[str, str]:
             "WANDB_MODE": "disabled", "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1"}
 
 
-RSS_FILE = re.compile(r"rank\d+\.json")
+RSS_FILE = re.compile(r"rank\d+(\.self)?\.json")   # rank_wrap's, and train_here's own peak
 
 
 def not_replaceable(out: Path, rate: str, variant: str) -> str | None:

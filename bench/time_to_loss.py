@@ -44,7 +44,8 @@ from typing import Any, Iterable, Iterator, Sequence
 from bench import runstore, step_breakdown
 from bench.variants import ROOT, load_run_config, read_jsonl, train_records
 from optim import sync
-from util.cli import Parser, is_config, path_arg, variant_runs
+from trainer.logger import NO_NUMERICS
+from util.cli import Parser, is_config, path_arg, shown, variant_runs
 
 GPU_CHECK_DIR = ROOT / "docs" / "results" / "gpu_check"
 REFERENCE = "adamw_fp32"
@@ -184,7 +185,7 @@ def load_curve(name: str, sources: str | Path | Sequence[str | Path], metric: st
     # statistics.fmean (an exactly rounded sum): the same bits as a study's mean of the same finals in any
     # order, so a target taken from them is reached by this curve
     losses = [statistics.fmean(p[s] for p, _, _ in per) for s in steps]
-    return Curve(name, ", ".join(map(str, srcs)), [float(s) for s in steps], losses, tps, per[0][2], len(per))
+    return Curve(name, ", ".join(map(shown, srcs)), [float(s) for s in steps], losses, tps, per[0][2], len(per))
 
 
 def _born(changes: Sequence[float], step: float) -> float:
@@ -212,8 +213,8 @@ def crossing_step(steps: Sequence[float], losses: Sequence[float], target: float
             if changes is None:
                 return float(s0 + (s - s0) * (l0 - target) / (l0 - loss))
             a, b = _born(changes, s0), _born(changes, s)
-            if b <= s0:   # the model evaluated at s0 again (it did not reach the target there): s, as found
-                return float(s)
+            if b <= s0:   # the model evaluated at s0 seen again, and now at the target (its evaluations
+                return float(s)   # disagree): the evaluation that found it there, s, not the step it was made
             for c in sorted(c for c in changes if s0 < c < b):
                 if l0 + (loss - l0) * (c - a) / (b - a) <= target:
                     return float(c)
@@ -230,6 +231,8 @@ def loss_at_step(steps: Sequence[float], losses: Sequence[float], step: float,
     if changes is not None:
         m = _born(changes, step)
         born = [_born(changes, s) for s in steps]
+        if m > born[-1]:   # a model made after the last one evaluated: the curve says nothing of it
+            return None
         for b, loss in zip(born, losses):
             if b == m:
                 return float(loss)
@@ -842,8 +845,7 @@ def _curve_settings(steps: int, evals: int, run_dir: Path) -> list[str]:
 CURVE_KEYS = ("model", "data", "optim", "comm", "parallel", "train.max_steps", "train.seed", "train.eval_every",
               "train.eval_steps", "train.dtype")
 # ... and the settings inside them that leave the curve as it is (timeouts, caches, memory, timing, auto's own)
-NOT_THE_CURVE = ("comm.timeout_s", "comm.init_timeout_s", "comm.fine_timing", "comm.auto_", "data.cache_dir",
-                 "model.activation_checkpointing")
+NOT_THE_CURVE = NO_NUMERICS   # settings that change how a run executes, not its numbers (trainer.logger)
 
 
 def _dataset(v: Any) -> Any:
@@ -1111,7 +1113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                  f"configs/variants file, which bench.step_breakdown runs by name; "
                                                  f"measure it yourself and pass --breakdown"}
         settings[key] = (f"Step times MEASURED: each variant trained under bench.netsim at {link} ({where}) by "
-                         f"bench.step_breakdown ({bd}); loss against step from the unsimulated runs (MEASURED).")
+                         f"bench.step_breakdown ({shown(bd)}); loss against step from the unsimulated runs (MEASURED).")
     for cl in ns.cluster_specs:
         key = f"(b) cluster {cl.text}"
         by = {}

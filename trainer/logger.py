@@ -91,22 +91,27 @@ _WANDB_ENV = {"online": "online", "run": "online", "offline": "offline", "dryrun
               "disabled": "disabled"}
 
 
-# keys that do not change what a run trains (where it writes, how it logs, when it checkpoints or evaluates,
-# its seed): two runs differing only in them are one arm (seeds of one method), grouped together in wandb
-ARM_IGNORED = frozenset({
-    "log", "diag", "train.seed", "train.out_dir", "train.resume", "train.stop_after", "train.log_every",
-    "train.eval_every", "train.eval_steps", "train.ckpt_every", "train.keep_ckpts", "train.async_ckpt",
-    "train.profile", "train.memory_snapshot", "train.mc_eval_file", "train.mc_eval_items", "train.on_nonfinite",
-    "train.max_skipped_steps", "comm.timeout_s", "comm.init_timeout_s", "comm.fine_timing"})
+# settings that change how a run executes, never its numbers (timeouts, timing detail, auto mode's measuring,
+# where the data cache lives, recomputing activations): the lab's curve checks skip them too
+NO_NUMERICS = ("comm.timeout_s", "comm.init_timeout_s", "comm.fine_timing", "comm.auto_", "data.cache_dir",
+               "model.activation_checkpointing")
+# and what else does not change what a run trains (where it writes, how it logs, when it evaluates or
+# checkpoints, its seed, compiling): two runs differing only in these are one arm (seeds of one method).
+# Dotted prefixes ("log." is the section, "comm.auto_" every auto-mode key).
+ARM_IGNORED = ("log.", "diag.", "train.seed", "train.out_dir", "train.resume", "train.stop_after",
+               "train.log_every", "train.eval_every", "train.eval_steps", "train.ckpt_every", "train.keep_ckpts",
+               "train.async_ckpt", "train.profile", "train.memory_snapshot", "train.mc_eval_file",
+               "train.mc_eval_items", "train.on_nonfinite", "train.max_skipped_steps", "train.compile", *NO_NUMERICS)
 
 
 def arm_label(config: dict, world_size: int) -> str:
     """The run's arm, `<optim.name> <comm.mode> P<world> <digest>`: the digest hashes every setting outside
     ARM_IGNORED, so the seeds of one method share the label and two variants that differ in anything they train
     with (4- vs 8-bit Lion Cub, DiLoCo H = 10 vs 50, another model or world size) never do. wandb's runs are
-    grouped by it (trainer.dashboards), as the `arm` key of the run config."""
-    kept = {sec: {k: v for k, v in vals.items() if f"{sec}.{k}" not in ARM_IGNORED}
-            for sec, vals in sorted(config.items()) if sec not in ARM_IGNORED and isinstance(vals, dict)}
+    grouped by it (trainer.dashboards), as the `arm` key of the run config. A run resumed with settings that
+    change it (another world size, a longer train.max_steps) is from then on in the new arm's group."""
+    kept = {sec: {k: v for k, v in vals.items() if not f"{sec}.{k}".startswith(ARM_IGNORED)}
+            for sec, vals in sorted(config.items()) if isinstance(vals, dict) and not f"{sec}.".startswith(ARM_IGNORED)}
     digest = hashlib.sha1(json.dumps([kept, world_size], sort_keys=True, default=str).encode()).hexdigest()[:8]
     return (f"{(config.get('optim') or {}).get('name', '?')} {(config.get('comm') or {}).get('mode', '?')} "
             f"P{world_size} {digest}")

@@ -195,9 +195,8 @@ class Trainer:
                 diag_silent = True
                 self.logger.console(
                     f"note: diag.every={cfg.diag.every}: optim.name={cfg.optim.name} with comm.mode={cfg.comm.mode} "
-                    f"at {self.info.world_size} rank(s) computes no diagnostics (sign match, ties and momentum "
-                    f"spread are per-rank update-sync quantities: Lion Cub, D-Lion; Muon, Dion and DiLoCo have their "
-                    f"own); nothing is logged for them")
+                    f"at {self.info.world_size} rank(s) computes no diagnostics (docs/running.md, Diagnostics: which "
+                    f"optimizers and modes have them); nothing is logged for them")
             if rep.diagnostics:
                 self.logger.log({"step": self.step, **rep.diagnostics, "diag/seconds": rep.diag_seconds},
                                 histograms=rep.histograms if cfg.diag.histograms else None)

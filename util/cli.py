@@ -56,6 +56,19 @@ def path_arg(value: str) -> str:
     return str(Path(value).expanduser().absolute()) if value else value
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def shown(path: str | Path) -> str:
+    """A path as results files and messages write it: relative to the repository when inside it (committed
+    results read the same on every machine), else as given."""
+    p = Path(path)
+    try:
+        return p.absolute().relative_to(ROOT).as_posix()
+    except ValueError:
+        return str(path)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with the project's convention and one-line errors.
 

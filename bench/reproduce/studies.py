@@ -1161,7 +1161,8 @@ DILOCO_LINKS = ("100mbit", "1gbit")  # time to loss measured under bench.netsim 
 # study-prose table, docs/results/time_to_loss/study_prose_predicted)
 DILOCO_CLUSTERS = ("nodes=2 gpus_per_node=8 gpu=h100 inter=10gbit intra=nvlink",
                    "nodes=4 gpus_per_node=8 gpu=h100 inter=100gbit intra=nvlink")
-DILOCO_TTL_DIR = "diloco_time_to_loss"   # under the results directory: s<S>/ per shard size, bench.time_to_loss's
+DILOCO_TTL_DIR = "diloco_time_to_loss"   # under the results directory: target_<t>/ per target (bench.time_to_loss's
+# --out) and breakdown/ (the step times both commands measure and read)
 
 
 def _diloco_arm(arm: str) -> tuple[str, int]:
@@ -1416,7 +1417,8 @@ def diloco_summary(results: list[RunResult], scale: Scale) -> Summary:
             curves[name_of[arm]] = stored[arm]
     in_table = [r for r in rows if name_of.get(r["arm"]) in curves and r["val_loss_mean"] is not None]
     loosest = max((r["val_loss_mean"] for r in in_table), default=None)
-    targets = {"adamw": target, "all": loosest if loosest is not None and target is not None and loosest > target
+    # the loosest final needs no AdamW run; where AdamW's own is the loosest, the second target is the first
+    targets = {"adamw": target, "all": loosest if loosest is not None and (target is None or loosest > target)
                else None}
     why: dict[str, str] = {}
     if where is not None and curves and not scale.quick:
@@ -1434,8 +1436,7 @@ def diloco_summary(results: list[RunResult], scale: Scale) -> Summary:
     for r in rows:
         for tkey in TTL_TARGETS:
             for key, _ in ttl_settings(tkey):
-                r.setdefault(key, "-" if tkey == "all" and targets["all"] is None else
-                             "not computed" if r["val_loss_n"] else "-")
+                r.setdefault(key, "not computed" if targets[tkey] is not None and r["val_loss_n"] else "-")
     # long reasons go below the table, the cell says what kind
     reasons: dict[str, list[str]] = {}
     for r in rows:
@@ -1507,11 +1508,15 @@ def diloco_summary(results: list[RunResult], scale: Scale) -> Summary:
         "(the train records' comm_bytes and the finish record's, the averages still in flight at the end), divided "
         "by the steps; FSDP's traffic inside a worker (S = 2) is on the fast axis and in neither column. The "
         "counted column is not the traffic between nodes (a rank of a 2 x 2 arm hands over half the model).")
+    loosest_text = (f"the loosest final of the arms in the table ({targets['all']:.4f}: every arm reaches it). "
+                    if targets["all"] is not None else
+                    "the loosest final of the arms in the table (AdamW's own: every other arm ends below it; no "
+                    "second table). " if loosest is not None else "the loosest final of the arms in the table. ")
     target_line = (f"Time to loss (table below): the time each arm's mean val-loss curve needs to reach a target, "
                    f"by bench.time_to_loss over the stored runs (its arithmetic: crossing step x step time), at two "
-                   f"targets: AdamW's final val loss ({target:.4f}; few arms reach it) and "
-                   + (f"the loosest final of the arms in the table ({targets['all']:.4f}: every arm reaches it). "
-                      if targets["all"] is not None else "the loosest final of the arms in the table (none yet). ")
+                   + (f"targets: AdamW's final val loss ({target:.4f}; few arms reach it) and " if target is not None
+                      else "targets: AdamW's final val loss (no finished AdamW run yet: not computed) and ")
+                   + loosest_text
                    + "Both shard sizes are one table: S = 2 arms are their variant @parallel.shard_size=2. "
                    "Measured: step times from bench.step_breakdown runs under bench.netsim on two simulated "
                    "nodes at each link, of the step each arm trained (time_to_loss's --measure times an arm whose "
@@ -1524,8 +1529,7 @@ def diloco_summary(results: list[RunResult], scale: Scale) -> Summary:
                    "outer steps). Predicted: compute from FLOPs and the GPU check's MFU, communication from "
                    "the registry's cost model, on the cluster's GPUs (the curves are the 4-worker runs'; DiLoCo's "
                    "numerics at the cluster's worker count may differ; a sharded arm's workers are the cluster's "
-                   "ranks / 2, with FSDP's traffic inside each node's shard groups booked exposed). "
-                   if target is not None else "Time to loss: no finished AdamW run to take the target from. ")
+                   "ranks / 2, with FSDP's traffic inside each node's shard groups booked exposed). ")
     notes.append(
         "Evaluations read each arm's global model. DiLoCo's (H = 10, 50) fall on its outer steps; Streaming "
         "DiLoCo's (H = 50, F = 2, tau = 1: fragment 0 sent after steps 25, 75, ..., fragment 1 after 50, 100, ..., "
@@ -1536,7 +1540,8 @@ def diloco_summary(results: list[RunResult], scale: Scale) -> Summary:
     notes.append(target_line + ("Commands (rerun the study with --report-only afterwards to fill the columns): "
                                 + " ; ".join(f"`{c}`" for c in commands) if commands else
                                 "Not computed in quick mode." if scale.quick else
-                                "No command yet: no arm has all its runs stored."))
+                                "No command yet: no arm has all its runs stored." if not curves else
+                                "No command yet: no target (no finished AdamW run, and no other arm's final)."))
     if reasons:
         notes.append("Why a time-to-loss cell is empty: " + "; ".join(f"{', '.join(w)}: {t}"
                                                                       for t, w in reasons.items()) + ".")

@@ -210,15 +210,18 @@ def test_quality_command_line_and_what_it_refuses_before_launching(tmp_path, mon
     earlier = tmp_path / "q" / "runs" / "lion_fp32"
     earlier.mkdir(parents=True)
     (earlier / "metrics.jsonl").write_text('{"step": 1, "val_loss": 5.0}\n')
-    assert quality.main(["--variants", "lion_fp32", "--out", "q", "--steps", "40"]) == 1
+    assert quality.main(["--variants", "lion_fp32", "--out", "q", "--report-only"]) == 0   # the earlier run, read
+    table = (tmp_path / "q" / "quality.md").read_text()
+    # refused: the earlier run, and the table it gave, kept; the variant before it not trained either
+    assert quality.main(["--variants", "lioncub_4bit", "lion_fp32", "--out", "q", "--steps", "40"]) == 2
     assert "pass --overwrite to train it again" in capsys.readouterr().err
-    assert (earlier / "metrics.jsonl").read_text() == '{"step": 1, "val_loss": 5.0}\n'   # kept
-    assert quality.main(["--variants", "lioncub_1bit", "--out", "q", "--steps", "4"]) == 1   # warmup_steps=10
+    assert (earlier / "metrics.jsonl").read_text() == '{"step": 1, "val_loss": 5.0}\n'
+    assert (tmp_path / "q" / "quality.md").read_text() == table
+    assert quality.main(["--variants", "lioncub_1bit", "--out", "q", "--steps", "4"]) == 2   # warmup_steps=10
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "optim.warmup_steps" in err and "config error" in err
     assert quality.main(["--variants", "lioncub_4bit", "--out", "q", "--report-only"]) == 1
     assert "no run:" in (tmp_path / "q" / "quality.md").read_text()
-    assert quality.main(["--variants", "lion_fp32", "--out", "q", "--report-only"]) == 0   # the earlier run, read
 
 
 @pytest.mark.skipif(NETSIM_SKIP is not None, reason=NETSIM_SKIP or "")
@@ -251,6 +254,8 @@ def test_smoke_two_ranks_through_netsim(tmp_path: Path):
     # what a measurement is read from stays; the trainer's final checkpoint does not
     run = out / "runs" / "unlimited" / "lioncub_1bit"
     assert (run / "metrics.jsonl").is_file() and (run / "config.yaml").is_file() and not (run / "ckpt").exists()
+    # what a measurement leaves behind is the tool's own: measuring again into the same --out replaces it
+    assert sb.not_replaceable(out, "unlimited", "lioncub_1bit") is None, sorted(p.name for p in (out / "rss").rglob("*"))
 
 
 def test_targets_are_checked_at_the_comm_bound_rate():
@@ -356,6 +361,7 @@ def test_step_breakdown_replaces_only_its_own_earlier_measurements(tmp_path, cap
     (run_dir / "metrics.jsonl").write_text("")
     rss.mkdir(parents=True)
     (rss / "rank0.json").write_text("{}")
+    (rss / "rank0.self.json").write_text("{}")
     assert sb.not_replaceable(out, "unlimited", "lion_fp32") is None          # an earlier measurement: replaced
     (run_dir / "mine.txt").write_text("x")
     assert "mine.txt" in sb.not_replaceable(out, "unlimited", "lion_fp32")

@@ -441,3 +441,17 @@ def test_an_interim_row_and_the_dion_growth_say_what_is_still_to_train():
             for (a, s), r in runs.items()]
     note = studies.ef_growth_note(framework.group_runs(full, "arm"))
     assert "over 3 seed(s)" in note and note.endswith("not reproduced here (no significant growth at 5 %, one-sided; a growth is not excluded).")
+
+
+def test_without_an_adamw_run_the_loosest_target_is_still_timed(tmp_path):
+    """No finished AdamW run: its target and Δs cannot be had, the loosest final of the arms still can (one
+    command); the note says why the first is missing, not that nothing is stored."""
+    sc = STUDIES["diloco"].scale(Options(setting=SETTING))
+    results = [r for r in _synthetic(sc, tmp_path) if r.run.label("arm") != "adamw_fp32"]
+    s = studies.diloco_summary(results, sc)
+    text = "\n".join(s.notes)
+    cmds = re.findall(r"`(python -m bench\.time_to_loss [^`]*)`", text)
+    rows = {r["arm"]: r for r in s.rows}
+    assert len(cmds) == 1 and f"--target {rows['diloco_h50_s1']['val_loss_mean']!r}" in cmds[0]
+    assert "no finished AdamW run yet" in text and "no arm has all its runs stored" not in text
+    assert rows["fp32"]["ttl_adamw_100mbit"] == "-" and rows["fp32"]["ttl_all_100mbit"] == "not computed"

@@ -103,6 +103,7 @@ def test_a_local_update_curve_whose_evaluations_saw_older_models():
     assert ttl.loss_at_step([10, 30], [9.0, 8.0], 22, [10.0, 20.0, 25.0, 40.0]) == pytest.approx(9.0 - 10 / 15)
     assert ttl.loss_at_step([10, 30], [9.0, 8.0], 35, [10.0, 20.0, 25.0, 40.0]) == 8.0
     assert ttl.loss_at_step([10, 30], [9.0, 8.0], 45, [10.0, 20.0, 25.0, 40.0]) is None  # a model never evaluated
+    assert ttl.loss_at_step([0, 200, 400], [10.0, 5.0, 3.0], 500, [100.0, 200.0, 300.0, 400.0, 500.0]) is None
     # the model evaluated at s0 seen again at s (no change between) and now below: the evaluation's step
     assert ttl.crossing_step([10, 30], [9.0, 8.0], 8.5, [10.0, 40.0]) == 30.0
 

@@ -95,6 +95,9 @@ def test_the_arm_groups_seeds_and_separates_variants():
     assert len({a, arm(variant="lioncub_8bit_l1"), arm(world=8), arm("optim.lr=1e-5"),
                 arm(variant="lioncub_1bit")}) == 5
     assert arm(variant="diloco_h10") != arm(variant="diloco_h50")
+    # how a run executes, not its numbers: seeds on two machines (another data cache, recomputed activations)
+    assert a == arm("data.cache_dir=/elsewhere", "model.activation_checkpointing=true", "comm.timeout_s=60",
+                    "train.compile=true")
 
 
 def test_dry_run_builds_and_saves_nothing():
