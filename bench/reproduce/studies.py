@@ -1431,8 +1431,11 @@ def diloco_summary(results: list[RunResult], scale: Scale) -> Summary:
             cells, why[tkey] = ttl_cells(base / f"target_{tkey}", cmd, equal_time=tkey == TTL_TARGETS[0])
             for r in rows:
                 for key, setting in ttl_settings(tkey):
+                    g = groups.get((r["arm"],), [])
                     if name_of.get(r["arm"]) in curves:
                         r[key] = cells.get((name_of[r["arm"]], setting), why[tkey] or "not in its results")
+                    elif g and not any(x.status.startswith(NOT_RUN) for x in g):  # ran, but not every seed stored
+                        r[key] = f"not timed: {len(stored.get(r['arm'], []))} of {len(g)} seeds stored"
     for r in rows:
         for tkey in TTL_TARGETS:
             for key, _ in ttl_settings(tkey):

@@ -276,6 +276,9 @@ def test_a_failed_comparison_seed_is_named_and_the_sweep_s_failures_stay_in_its_
     assert "diverged at step 90" in dict(s.extra_tables)[studies.SWEEP_TABLE]
     assert rows["diloco_h10_s2"]["delta_n"] == 2 and rows["diloco_h10_s2"]["status"].startswith("failed: diverged")
     assert "diloco_h10_s2 (2 x 2): Δ +0.0050 ± 0.0635 over 2 pairs" in s.notes[-1]
+    # an arm with a seed that did not finish is not timed on the others' curve: its cells say so
+    assert rows["diloco_h10_s2"]["ttl_adamw_100mbit"] == "not timed: 2 of 3 seeds stored"
+    assert "diloco_h10@parallel.shard_size=2" not in "\n".join(s.notes)
     assert "over 2 pairs (not significant at 5 %; left out: s1339: failed: diverged at step 700" in s.notes[-1]
 
 
