@@ -152,6 +152,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.plan:
         return show_plan(list(STUDIES) if args.study == "all" else [args.study], args)
+    if args.report_only and args.out is not None:
+        here = Options(quick=args.quick, out=args.out, setting=args.setting, sets=tuple(args.sets)).store_dir()
+        if not here.is_dir():  # everything would read "not trained yet": say why before the table does
+            home = Options(quick=args.quick, setting=args.setting, sets=tuple(args.sets)).store_dir()
+            print(f"note: {here} does not exist: --report-only reads the run store under --out, so no stored run "
+                  f"is summarized (this setting's store is {home}; copy or link it there, or drop --out)",
+                  file=sys.stderr)
     if args.study == "all":
         if args.nproc or args.steps:
             print("error: --nproc / --steps change one study's runs; give them with a study name, not 'all'",

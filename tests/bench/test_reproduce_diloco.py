@@ -393,6 +393,7 @@ def test_report_only_of_a_study_still_training_is_interim_and_a_failed_run_still
     err = capsys.readouterr().err
     # how many depends on what the committed store holds by now (the study trains over several sessions)
     assert re.search(r"note: study diloco: [1-9][0-9]* run\(s\) not trained yet \(", err) and "error" not in err
+    assert f"note: {out / 'store'} does not exist: --report-only reads the run store under --out" in err
     assert (out / "diloco.md").is_file()
     real, victim = framework.ensure_run, "diloco_h10_s1_outer0.7_p4_s7"
 
