@@ -1158,9 +1158,12 @@ def write_outputs(out: Path, rows: list[dict], curves: dict[str, Curve], step_ti
         w.writeheader()
         w.writerows(rows)
     yours = f"; yours on top: `{' '.join(ns.overrides)}`" if ns.overrides else ""
-    md = ["# Time to loss", "", f"Setting `{ns.setting}` (the overrides of the runs this command trains or "
-          f"measures){yours}. Curves (MEASURED, unsimulated; the mean of a variant's runs where it has several) "
-          f"from:", "",
+    # the setting shapes only what this command trains or measures (--train, --train-e2e, --measure)
+    used = ns.train or ns.train_e2e or ns.measure
+    setting = (f"Setting `{ns.setting}` (the overrides of the runs this command trains or measures){yours}. "
+               if used else f"No run trained or measured by this command (its --setting is unused){yours}. ")
+    md = ["# Time to loss", "", f"{setting}Curves (MEASURED, unsimulated; the mean of a variant's runs where it "
+          f"has several) from:", "",
           *[f"- {n} ({c.runs} run{'s' if c.runs > 1 else ''}, {curve_setup(c)}): {c.source}" for n, c in curves.items()],
           *setup_differences(curves), "", markdown(rows, settings, target, target_src, ns.metric)]
     panels = curve_panels(curves, step_times)

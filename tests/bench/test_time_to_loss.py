@@ -267,6 +267,8 @@ def test_command_end_to_end_on_synthetic_runs(tmp_path, capsys):
     assert float(rows["lioncub_1bit"]["speedup"]) == pytest.approx(20 * 0.3 / ((10 + 60 / 7) * 0.06))
     # the header says what each curve's runs trained; like for like: no difference flagged
     assert "- adamw_fp32 (1 run, model debug, data builtin, 128 tokens/step):" in md and "differ" not in md
+    # nothing trained or measured here: the header does not claim a setting shaped the runs
+    assert "No run trained or measured by this command (its --setting is unused)" in md and "Setting `" not in md
     # a curve of another global batch is flagged (equal steps are not equal tokens)
     make_run(runs / "lioncub_1bit", resolved("lioncub_1bit"), {10: 3.6, 20: 2.9}, tokens=256)
     assert ttl.main(["--variants", "adamw_fp32", "lioncub_1bit", "--runs", str(runs), "--breakdown",
