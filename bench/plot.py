@@ -1,5 +1,5 @@
-"""Plots from several runs' metrics.jsonl: validation loss against step and against wall-clock
-(Lion Cub Fig. 8), and the Lion Cub diagnostics over training (sign match / flip, Fig. 4; vote tie
+"""Plots from several runs' metrics.jsonl: validation loss against step, against wall-clock
+(Lion Cub Fig. 8) and against training tokens, and the Lion Cub diagnostics over training (sign match / flip, Fig. 4; vote tie
 rate, Table 3; per-layer momentum spread across workers, Fig. 6 / Fig. 17).
 
     python -m bench.plot bench/out/quality/runs/* --out docs/results
@@ -95,7 +95,8 @@ def _draw(path: Path, panels: Series, titles: dict[str, str], ylog: set[str] = f
         if name in ylog:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
     fig.tight_layout()
@@ -103,16 +104,36 @@ def _draw(path: Path, panels: Series, titles: dict[str, str], ylog: set[str] = f
     plt.close(fig)
 
 
+def _tokens_at(recs: list[dict], steps: Sequence[float]) -> list[float | None]:
+    """Training tokens seen at each step, linear between the train records' cumulative `tokens` (None outside
+    them: a run that does not log tokens, or a step before its first record)."""
+    xs, ys = _xy([r for r in recs if "train_loss" in r], "step", "tokens")
+    pts = list(zip([0.0, *xs], [0.0, *ys])) if xs else []
+    out = []
+    for s in steps:
+        out.append(next((y0 + (y1 - y0) * (s - x0) / (x1 - x0) for (x0, y0), (x1, y1) in zip(pts, pts[1:])
+                         if x0 <= s <= x1 and x1 > x0), None))
+    return out
+
+
 def plot_loss(runs: dict[str, list[dict]], path: str | Path) -> Series:
-    """Val loss vs step and vs wall-clock (train_time_s of the eval record), one line per run."""
-    panels: Series = {"val_vs_step": {}, "val_vs_time": {}}
+    """Val loss vs step, vs wall-clock (train_time_s of the eval record) and vs training tokens (runs whose
+    global batch differs are compared at equal data only there), one line per run."""
+    panels: Series = {"val_vs_step": {}, "val_vs_time": {}, "val_vs_tokens": {}}
     for label, recs in runs.items():
         vals = [r for r in recs if "val_loss" in r]
         panels["val_vs_step"][label] = _xy(vals, "step", "val_loss")
         panels["val_vs_time"][label] = _xy(vals, "train_time_s", "val_loss")
+        xs, ys = panels["val_vs_step"][label]
+        toks = [(t, y) for t, y in zip(_tokens_at(recs, xs), ys) if t is not None]
+        if toks:
+            panels["val_vs_tokens"][label] = ([t for t, _ in toks], [y for _, y in toks])
+    if not panels["val_vs_tokens"]:   # no run logs tokens: no empty panel
+        del panels["val_vs_tokens"]
     _draw(Path(path), panels, {"val_vs_step": "validation loss vs step",
-                               "val_vs_time": "validation loss vs wall-clock (Fig. 8)"},
-          xlabels={"val_vs_time": "train time (s)"})
+                               "val_vs_time": "validation loss vs wall-clock (Fig. 8)",
+                               "val_vs_tokens": "validation loss vs training tokens"},
+          xlabels={"val_vs_time": "train time (s)", "val_vs_tokens": "tokens"})
     return panels
 
 

@@ -18,7 +18,7 @@ def _write_run(d: Path, slope: float, diag: bool) -> Path:
     for step in range(1, 31):
         t += 0.5 * slope
         lines.append({"step": step, "train_loss": 10 - slope * step / 10, "step_ms": 500 * slope, "comm_ms": 1.0,
-                      "comm_bytes": 1, "train_time_s": t})
+                      "comm_bytes": 1, "train_time_s": t, **({"tokens": 128 * slope * step} if diag else {})})
         if step % 10 == 0:
             lines.append({"step": step, "val_loss": 10 - slope * step / 10, "train_time_s": t})
         if diag and step % 5 == 0:
@@ -43,6 +43,11 @@ def test_plots_hold_the_right_series(tmp_path: Path):
     assert xs == [10, 20, 30] and ys == pytest.approx([8.0, 6.0, 4.0])
     xs, ys = s["val_vs_time"]["lion_fp32"]
     assert xs == pytest.approx([5.0, 10.0, 15.0]) and ys == pytest.approx([9.0, 8.0, 7.0])
+    # against training tokens: the run that logs them (slope 2: 256 tokens a step), not the one without
+    assert list(s["val_vs_tokens"]) == ["lioncub_4bit"]
+    xs, ys = s["val_vs_tokens"]["lioncub_4bit"]
+    assert xs == pytest.approx([2560, 5120, 7680]) and ys == pytest.approx([8.0, 6.0, 4.0])
+    assert "val_vs_tokens" not in plot.plot_loss({"lion_fp32": runs["lion_fp32"]}, tmp_path / "l2.png")
 
     d = plot.plot_diagnostics(runs, tmp_path / "diag.png")
     assert (tmp_path / "diag.png").read_bytes()[:8] == PNG
