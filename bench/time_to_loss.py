@@ -93,10 +93,13 @@ ARM_KEYS = ("model", "data", "optim", "comm", "parallel")   # what two seeds of 
 
 
 def curve_setup(c: Curve) -> str:
-    """What a curve's runs trained: model preset, dataset, global tokens per step ('?' where unknown)."""
-    model, data = c.config.get("model") or {}, c.config.get("data") or {}
+    """What a curve's runs trained: model preset, dataset, global tokens per step, lr ('?' where unknown)."""
+    model, data, optim = (c.config.get(k) or {} for k in ("model", "data", "optim"))
     tps = f"{c.tokens_per_step:,.0f} tokens/step" if c.tokens_per_step else "? tokens/step"
-    return f"model {model.get('preset', '?')}, data {data.get('dataset', '?')}, {tps}"
+    lr = f"lr {optim['lr']:g}" if isinstance(optim.get("lr"), (int, float)) else "lr ?"
+    if isinstance(optim.get("matrix_lr"), (int, float)) and optim.get("matrix_lr"):
+        lr += f" (matrices {optim['matrix_lr']:g})"
+    return f"model {model.get('preset', '?')}, data {data.get('dataset', '?')}, {tps}, {lr}"
 
 
 def setup_differences(curves: dict[str, Curve]) -> list[str]:
@@ -818,12 +821,20 @@ def end_to_end_markdown(rows: list[dict], link: str, metric: str) -> str:
 # training the curves and measuring the steps (subprocesses)
 # ------------------------------------------------------------------------------------------------
 
-def setting_overrides(setting: str) -> tuple[tuple[str, ...], int, int]:
-    """(overrides, steps, evaluations) of a bench.reproduce setting at its full scale."""
+LR_KEYS = ("optim.lr", "optim.warmup_steps")   # a setting's shared lr recipe (bench.reproduce's --lr shared)
+
+
+def setting_overrides(setting: str, lr: str = "variant") -> tuple[tuple[str, ...], int, int]:
+    """(overrides, steps, evaluations) of a bench.reproduce setting at its full scale: its model, corpus and
+    batch; with lr="setting" also its shared lr and warmup (every variant at one lr), else each variant keeps
+    its own (its file's optim.lr and warmup: which method reaches a loss first is asked of each at its lr)."""
     if setting not in runstore.SETTINGS:
         raise ValueError(f"--setting {setting}: unknown; one of {', '.join(runstore.SETTINGS)}")
     st = runstore.SETTINGS[setting]
-    return runstore.merge_overrides(runstore.FULL_OVERRIDES, st.full), st.steps or 300, st.evals or 10
+    over = runstore.merge_overrides(runstore.FULL_OVERRIDES, st.full)
+    if lr != "setting":
+        over = tuple(o for o in over if o.partition("=")[0] not in LR_KEYS)
+    return over, st.steps or 300, st.evals or 10
 
 
 def _env() -> dict:
@@ -965,6 +976,10 @@ def parse_args(argv: Sequence[str] | None = None):
                 variants=True, epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--setting", default="study-prose", help="bench.reproduce setting of the runs (model, corpus, "
                                                               "batch): its overrides come before yours")
+    ap.add_argument("--lr", default="variant", choices=["variant", "setting"],
+                    help="the lr of a curve --train trains: each variant's own (its file's optim.lr and warmup; "
+                         "default), or the setting's shared one (every variant at one lr, as bench.reproduce's "
+                         "--lr shared); optim.lr=X after the variants sets it for all")
     ap.add_argument("--metric", default="val_loss", choices=["val_loss", "train_loss"])
     ap.add_argument("--target", type=float, default=None, help="loss to reach (default: --reference's final)")
     ap.add_argument("--reference", default=REFERENCE, help="the synchronous baseline variant")
@@ -1015,7 +1030,7 @@ def parse_args(argv: Sequence[str] | None = None):
                 parse_rate(link)
             except ValueError as e:
                 raise ValueError(f"--link {link}: {e}") from None
-        ns.setting_overrides, ns.setting_steps, ns.evals = setting_overrides(ns.setting)
+        ns.setting_overrides, ns.setting_steps, ns.evals = setting_overrides(ns.setting, ns.lr)
     except ValueError as e:
         ap.error(str(e))
     if not ns.candidates:

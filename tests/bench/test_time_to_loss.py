@@ -266,7 +266,8 @@ def test_command_end_to_end_on_synthetic_runs(tmp_path, capsys):
     assert float(rows["lioncub_1bit"]["target_s"]) == pytest.approx((10 + 10 * 0.6 / 0.7) * 0.06)
     assert float(rows["lioncub_1bit"]["speedup"]) == pytest.approx(20 * 0.3 / ((10 + 60 / 7) * 0.06))
     # the header says what each curve's runs trained; like for like: no difference flagged
-    assert "- adamw_fp32 (1 run, model debug, data builtin, 128 tokens/step):" in md and "differ" not in md
+    lr = resolved("adamw_fp32")["optim"]["lr"]   # the lr each curve trained at is said
+    assert f"- adamw_fp32 (1 run, model debug, data builtin, 128 tokens/step, lr {lr:g}):" in md and "differ" not in md
     # nothing trained or measured here: the header does not claim a setting shaped the runs
     assert "No run trained or measured by this command (its --setting is unused)" in md and "Setting `" not in md
     # a curve of another global batch is flagged (equal steps are not equal tokens)
@@ -724,3 +725,14 @@ def test_train_reuses_a_curve_run_only_when_it_is_the_run_it_would_train(tmp_pat
     assert ttl.main(["--variants", "lion_fp32", "--runs", str(tmp_path / "none"), "--train", "--cluster",
                      "nodes=2 gpus_per_node=8 gpu=h100 inter=10gbit intra=nvlink", "--out", str(tmp_path / "o2")]) == 2
     assert not trained
+
+
+def test_train_keeps_each_variant_s_lr_unless_told():
+    """--train asks which method reaches a loss first, each at its own lr: the setting gives the model, corpus and
+    batch, not its shared lr and warmup (a practitioner review: every optimizer trained at 1e-3 unsaid); --lr
+    setting restores the shared one."""
+    ns = ttl.parse_args(["--variants", "adamw_fp32", "--link", "1gbit", "--setting", "tiny-builtin"])
+    keys = {o.partition("=")[0] for o in ns.setting_overrides}
+    assert "model.preset" in keys and "data.batch_size" in keys and not keys & set(ttl.LR_KEYS)
+    ns = ttl.parse_args(["--variants", "adamw_fp32", "--link", "1gbit", "--setting", "tiny-builtin", "--lr", "setting"])
+    assert "optim.lr=1e-3" in ns.setting_overrides and "optim.warmup_steps=20" in ns.setting_overrides
