@@ -131,12 +131,13 @@ def estimate(cfg, world: int, shard_size: int = 1, *, device: str = "cuda", mode
     mem.params = mem.grads = 4 * n
     if scheme.stateful:
         mem.optim_state += scheme.state_bytes(cfg.comm.options, replicas, n)
-    sent, recv = scheme.bytes_per_call(cfg.comm.options, replicas, n)
+    # one exchange's buffers at once (a local-update scheme: its largest fragment's average, not the cycle mean);
     # update sync: the exchanged vector's buffer, as the optimizer declares it (Lion Cub: a wave scratch,
     # c being written over the gradient; the whole vector with comm.overlap)
     separate = bool(cfg.comm.overlap and cfg.comm.bucket_mb > 0)
     vector = spec.update_buffer(n, separate) if spec.update_buffer is not None else n
-    mem.comm_buffers = sent + recv + (4 * vector if scheme.kind == sync.UPDATE else 0)
+    mem.comm_buffers = scheme.buffer_bytes(cfg.comm.options, replicas, n) + (4 * vector if scheme.kind == sync.UPDATE
+                                                                              else 0)
     if shard_size > 1:
         mem.comm_buffers += 3 * 4 * max(fsdp_units(mc))
     act = 2 if device == "cuda" and cfg.train.dtype == "bfloat16" else 4

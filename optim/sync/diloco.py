@@ -529,6 +529,15 @@ def _state_bytes(options: DiLoCoSchemeOptions, P: int, n: int) -> int:
     return own
 
 
+def _buffers(options: DiLoCoSchemeOptions, P: int, n: int) -> int:
+    """The largest fragment's average at once: its fp32 pseudo-gradient and fp32 result (8 bytes an element)
+    and the wire's sent and received bytes for it (the fragments are strided blocks: ceil(n / F) elements
+    stands for the largest). An average in flight past its send is state (`_state_bytes`), not counted here."""
+    o = options.diloco
+    nf = comm.ceil_div(n, o.fragments)
+    return 8 * nf + sum(wire_bytes(o, P, nf))
+
+
 def _model_changes(options: DiLoCoSchemeOptions, max_steps: int) -> list[int]:
     """The steps after which the global parameters (what a DiLoCo run evaluates) change: each fragment's
     outer step (tau steps after its send), and the end (the averages in flight and the final average)."""
@@ -544,7 +553,7 @@ register(LocalScheme(
     help="DiLoCo (Douillard et al. 2023) and Streaming DiLoCo (2025): H local steps of any optimizer per "
          "worker, then an outer Nesterov SGD on the averaged pseudo-gradient",
     state_bytes=_state_bytes, shards=True, bucketable=False, cycle=_cycle_steps, predict_cycle=_predict_local,
-    model_changes=_model_changes))
+    model_changes=_model_changes, buffers=_buffers))
 
 __all__ = ["LOCAL", "LocalScheme", "PBIT_BITS", "PBIT_QUANTIZERS", "WIRES", "CycleBytes", "DiLoCoOptions", "DiLoCoSchemeOptions",
            "E3M0Exchange", "OuterExchange", "PBitMeanExchange", "build_averages", "cycle_bytes", "cycle_seconds",
