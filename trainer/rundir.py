@@ -181,9 +181,13 @@ def _refusal(out_dir: Path, resume: str) -> str:
     if exists and resume == "overwrite":
         foreign = foreign_entries(out_dir)
         if foreign:
+            # a run of a variant composed over this run's config lives inside it (config_load: <out_dir>/<variant>)
+            nested = [f for f in foreign if "/" not in f and is_ours(out_dir / f)]
+            why = (f" ({', '.join(nested)}: another run's directory; a variant file composed over this config "
+                   f"trains in <out_dir>/<variant>)" if nested else "")
             return (f"train.resume=overwrite refuses to replace {out_dir}: it holds entries the trainer did not write: "
-                    f"{', '.join(foreign[:8])}{' ...' if len(foreign) > 8 else ''}; nothing was touched. Move them "
-                    f"out, or choose another train.out_dir")
+                    f"{', '.join(foreign[:8])}{' ...' if len(foreign) > 8 else ''}{why}; nothing was touched. Move "
+                    f"them out, or choose another train.out_dir")
     return ""
 
 

@@ -179,3 +179,18 @@ def test_prepare_overwrite_refuses_a_shard_named_file_without_a_valid_header(pre
     assert snapshot(d) == before
     (d / "val_000009.bin").unlink()
     assert prepare_text(d, [tmp_path / "docs.jsonl"], overwrite=True, **kw)["splits"]["train"]["tokens"] > 0
+
+
+def test_overwrite_says_when_what_it_refuses_is_a_variant_run_inside(tmp_path):
+    """train.py base.yaml variant.yaml trains in <base out_dir>/<variant>: overwriting the base run refuses that
+    nested run's directory (replacing would move it aside and later delete it) and says what it is."""
+    from trainer import rundir
+
+    base = tmp_path / "base"
+    (base / "lioncub_1bit").mkdir(parents=True)
+    for d in (base, base / "lioncub_1bit"):
+        (d / rundir.MARKER).write_text("{}")
+    msg = rundir._refusal(base, "overwrite")
+    assert "lioncub_1bit: another run's directory" in msg and "<out_dir>/<variant>" in msg
+    (base / "notes").mkdir()   # a plain directory is named, not explained as a run
+    assert "notes: another run's" not in rundir._refusal(base, "overwrite")
