@@ -44,6 +44,7 @@ from typing import Any, Iterable, Iterator, Sequence
 from bench import runstore, step_breakdown
 from bench.variants import ROOT, load_run_config, read_jsonl, train_records
 from optim import sync
+from trainer.config import AUTO_MODE, ConfigError, load_config
 from trainer.logger import NO_NUMERICS
 from util.cli import Parser, is_config, path_arg, shown, variant_runs
 
@@ -137,8 +138,6 @@ def ran_config(name: str, src: Path, cfg: dict, records: Sequence[dict]) -> dict
     with the mode and options it chose (trainer.automode): from <run dir>/auto_mode.json, else from the
     auto_mode event of its records (a run-store entry keeps those; the variant's sections are read from
     configs/variants), applied as the trainer applies them. Neither there: one error saying so."""
-    from trainer.config import AUTO_MODE
-
     if (cfg.get("comm") or {}).get("mode") != AUTO_MODE:
         return cfg
     from trainer import advise, automode
@@ -599,8 +598,6 @@ def measured_name(name: str, files: Sequence[str], overrides: Sequence[str], cur
     each step-shaping setting in which the curve's runs differ from the variant's files with these
     overrides (an arm trained at another Dion rank than its variant file is measured at its own; an lr
     is not a difference: NUMBERS_ONLY). `name` alone when the files do not load (measured_step says why)."""
-    from trainer.config import ConfigError, load_config
-
     try:
         cfg = load_config([ROOT / f for f in files], list(overrides)).to_dict()
     except (ConfigError, OSError):
@@ -870,8 +867,6 @@ def curve_run_mismatch(files: list[str], overrides: list[str], run_dir: Path, st
     The saved config is read back through the config loader (keys added since it ran take their defaults;
     as written when it no longer loads); comm.mode=auto is compared as the mode the run picked."""
     from trainer.advise import config_from_dict
-    from trainer.config import AUTO_MODE, ConfigError, load_config
-
     want = load_config(files, [*overrides, *_curve_settings(steps, evals, run_dir)]).to_dict()
     saved = load_run_config(run_dir)
     try:
@@ -1073,6 +1068,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"no --target given and no {ns.reference} run among the variants "
                              f"({', '.join(dict(ns.candidates))}) to take it from; give --target LOSS or "
                              f"--reference VARIANT")
+        for name, files in ns.candidates:  # a misspelt override is refused here, not by the ranks (or never)
+            try:
+                load_config([f if Path(f).is_absolute() else ROOT / f for f in files],
+                            [*overrides, *ns.own_overrides.get(name, [])])
+            except ConfigError as e:
+                raise ValueError(f"{name}: {' '.join(str(e).split())}") from None
+        foreign = [f for f in ("results.md", "results.csv", "time_to_loss.png") if (out / f).exists()]
+        if foreign and not _ours(out):
+            raise ValueError(f"--out {shown(out)} holds {', '.join(foreign)} that this command did not write (no "
+                             f"meta.json of its own beside them); choose another --out")
 
         def train_or_reuse(name, files, mine, run_dir, flag, **how):
             if not (run_dir / "metrics.jsonl").is_file():
@@ -1158,6 +1163,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_outputs(out, rows, curves, step_times, settings, target, target_src, ns, check)
     print((out / "results.md").read_text())
     return 0
+
+
+def _ours(out: Path) -> bool:
+    """`out` holds this command's report (its meta.json, with the command line it ran), which a run replaces."""
+    try:
+        meta = json.loads((out / "meta.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and "argv" in meta and "target" in meta
 
 
 def write_outputs(out: Path, rows: list[dict], curves: dict[str, Curve], step_times: dict, settings: dict,

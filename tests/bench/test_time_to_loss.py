@@ -736,3 +736,23 @@ def test_train_keeps_each_variant_s_lr_unless_told():
     assert "model.preset" in keys and "data.batch_size" in keys and not keys & set(ttl.LR_KEYS)
     ns = ttl.parse_args(["--variants", "adamw_fp32", "--link", "1gbit", "--setting", "tiny-builtin", "--lr", "setting"])
     assert "optim.lr=1e-3" in ns.setting_overrides and "optim.warmup_steps=20" in ns.setting_overrides
+
+
+def test_a_misspelt_override_and_a_foreign_out_are_refused_before_anything(tmp_path, capsys):
+    """`model.presett=debug` is one line naming the key (it was accepted without --train and the report written
+    as if it applied); an --out holding a results.md this command did not write is not written over."""
+    d = make_run(tmp_path / "runs" / "adamw_fp32", resolved("adamw_fp32"), {10: 4.0, 20: 3.0})
+    base = ["--variants", "adamw_fp32", "--run", f"adamw_fp32={d}", "--cluster",
+            "nodes=2 gpus_per_node=8 gpu=h100 inter=10gbit mfu=0.3"]
+    out = tmp_path / "out"
+    assert ttl.main([*base, "--out", str(out), "model.presett=debug"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "model.presett" in err and not out.exists()
+    assert ttl.main([*base, "--out", str(out)]) == 0           # its own report: replaced by the next run
+    assert ttl.main([*base, "--out", str(out)]) == 0
+    capsys.readouterr()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "results.md").write_text("my notes")
+    assert ttl.main([*base, "--out", str(mine)]) == 2
+    assert "this command did not write" in capsys.readouterr().err and (mine / "results.md").read_text() == "my notes"
