@@ -386,8 +386,8 @@ def parse_cluster(text: str) -> Cluster:
 
 def gpu_check_mfu(gpu: str, variant: str, reference: str = REFERENCE, results: Path = GPU_CHECK_DIR
                   ) -> tuple[float, str]:
-    """(MFU, where it comes from): the `variant` row (else the `reference` row) of the latest GPU
-    check's step tables on that GPU (docs/results/gpu_check/<gpu>_run<k>[_*]_train_results.csv, every
+    """(MFU, where it comes from): the `variant` row (else the `reference` row, else the median of the rows) of
+    the latest GPU check's step tables on that GPU (docs/results/gpu_check/<gpu>_run<k>[_*]_train_results.csv, every
     table of run k: a rerun's rows replace the first table's)."""
     runs: dict[int, list[Path]] = {}
     for p in results.glob(f"{gpu.lower()}_run*_train_results.csv"):
@@ -402,12 +402,13 @@ def gpu_check_mfu(gpu: str, variant: str, reference: str = REFERENCE, results: P
         if by:
             break
     if not by:
-        raise ValueError(f"--cluster gpu={gpu}: the GPU check measured no MFU on a {gpu} ({results}); give mfu=0.35")
+        raise ValueError(f"--cluster gpu={gpu}: the GPU check measured no MFU on {gpu} ({results}); give mfu=0.35")
     pick = variant if variant in by else reference if reference in by else None
-    if pick is None:
-        which = f"neither {variant} nor {reference}" if variant != reference else f"no {variant}"
-        raise ValueError(f"--cluster: the GPU check on {gpu} measured {which} "
-                         f"(it has {', '.join(sorted(by))}); give mfu=0.35")
+    if pick is None:   # every variant of the table still gets a step time, from the same rows
+        mfus = sorted(float(r["mfu"]) for r, _ in by.values())
+        med = statistics.median(mfus)
+        return med, (f"GPU check on {gpu}: the median of its {len(mfus)} measured variant(s) "
+                     f"({', '.join(sorted(by))}); neither {variant} nor {reference} was measured there")
     row, path = by[pick]
     why = "" if pick == variant else f", {variant} was not measured there"
     return float(row["mfu"]), f"GPU check {path.name}, {pick} row{why}"

@@ -367,10 +367,12 @@ def test_mfu_from_the_gpu_check(tmp_path):
     assert mfu == 0.30 and "adamw_fp32 row" in src and "lioncub_1bit was not measured" in src
     with pytest.raises(ValueError, match="mfu=0.35"):
         ttl.gpu_check_mfu("A100", "lion_fp32", results=tmp_path)
-    with pytest.raises(ValueError, match=r"measured neither diloco_h10 nor dion \(it has"):
-        ttl.gpu_check_mfu("H100", "diloco_h10", reference="dion", results=tmp_path)
-    with pytest.raises(ValueError, match=r"measured no diloco_h10 \(it has adamw_fp32, lion_fp32, muon\)"):
-        ttl.gpu_check_mfu("H100", "diloco_h10", reference="diloco_h10", results=tmp_path)
+    # neither the variant nor the reference measured on that GPU: the median of what was (a practitioner review:
+    # on H200 the baseline got no step time while a variant did, and the comparison was lost)
+    mfu, src = ttl.gpu_check_mfu("H100", "diloco_h10", reference="dion", results=tmp_path)
+    assert mfu == 0.29 and "median of its 3 measured variant(s) (adamw_fp32, lion_fp32, muon)" in src
+    assert "neither diloco_h10 nor dion" in src
+    assert ttl.gpu_check_mfu("H100", "diloco_h10", reference="diloco_h10", results=tmp_path)[0] == 0.29
 
 
 # ---- DiLoCo: step time over a whole outer cycle --------------------------------------------------
