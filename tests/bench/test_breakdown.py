@@ -250,6 +250,9 @@ def test_smoke_two_ranks_through_netsim(tmp_path: Path):
     assert float(r["peak_tree_rss_mib"]) == max(x["tree_max_rss_mib"] for x in rss)
     assert (out / "breakdown.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| lioncub_1bit |" in (out / "results.md").read_text()
+    # no lion_fp32 measured: the targets against it are said not evaluated, not printed empty
+    assert "Not evaluated: the slow-link and fast-path targets" in (out / "results.md").read_text()
+    assert "## Slow-link targets" not in (out / "results.md").read_text()
     assert not math.isnan(float(r["comm_share"]))
     # what a measurement is read from stays; the trainer's final checkpoint does not
     run = out / "runs" / "unlimited" / "lioncub_1bit"
