@@ -2,8 +2,8 @@
 (Lion Cub Fig. 8) and against training tokens, and the Lion Cub diagnostics over training (sign match / flip, Fig. 4; vote tie
 rate, Table 3; per-layer momentum spread across workers, Fig. 6 / Fig. 17).
 
-    python -m bench.plot bench/out/quality/runs/* --out docs/results
-    python -m bench.plot runs/a runs/b --labels "Lion,Lion Cub 4-bit" --out plots/
+    python -m bench.plot bench/out/quality/runs/* --out bench/out/plots
+    python -m bench.plot runs/a runs/b --labels "Lion,Lion Cub 4-bit" --out bench/out/plots
 
 Each positional argument is a run directory (holding metrics.jsonl) or a metrics.jsonl file; the
 label defaults to the directory name (with its parents' names where two runs share it). Wall-clock is the trainer's train_time_s (seconds inside
@@ -195,7 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.plot", description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", help="run directories (with metrics.jsonl) or metrics.jsonl files")
     ap.add_argument("--labels", default=None, help="comma-separated labels, one per run")
-    ap.add_argument("--out", default="bench/out/plots")
+    ap.add_argument("--out", default="bench/out/plots", help="where the PNGs go (default: %(default)s); the same "
+                                                            "names there are replaced")
     ap.add_argument("--prefix", default="", help="prefix for the PNG names")
     args = ap.parse_args(argv)
     try:

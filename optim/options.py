@@ -10,6 +10,7 @@ dependent checks run when `world_size` is given.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from typing import Any, ClassVar, Iterable
 
@@ -46,10 +47,13 @@ class Options:
 
 
 def choice(problems: list[str], key: str, value: Any, allowed: Iterable) -> None:
-    """Append a problem when `value` is not one of `allowed` (the message lists them)."""
+    """Append a problem when `value` is not one of `allowed` (the message lists them, and names the closest
+    one where a misspelling is likely)."""
     allowed = list(allowed)
     if value not in allowed:
-        problems.append(f"{key}: {value!r} is not one of {', '.join(map(str, allowed))}")
+        close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+        problems.append(f"{key}: {value!r} is not one of {', '.join(map(str, allowed))}"
+                        + (f"; did you mean {close[0]}?" if close else ""))
 
 
 def at_least(problems: list[str], key: str, value: float, low: float) -> None:

@@ -3,6 +3,7 @@ chain resolved, mappings merged key by key. The lowest layer of the config packa
 composes files with it, trainer.config_validate reads the variant files with it."""
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 import yaml
@@ -17,7 +18,10 @@ def _read_yaml(path: Path, seen: tuple = ()) -> dict:
     if path in seen:
         raise ConfigError(f"config 'extends' cycle: {' -> '.join(map(str, seen + (path,)))}")
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        near = sorted(p.name for p in path.parent.glob("*.yaml")) if path.parent.is_dir() else []
+        close = difflib.get_close_matches(path.name, near, n=1)
+        raise ConfigError(f"config file not found: {path}" + (f"; did you mean {path.parent / close[0]}?" if close else
+                                                               f"; {path.parent} holds {', '.join(near)}" if near else ""))
     try:  # a key given twice (a second `train:` section) is an error naming both lines, never a silent loss
         raw = strict_yaml(path.read_text(), path) or {}
     except FileShapeError as e:

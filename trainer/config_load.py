@@ -83,6 +83,20 @@ def _type_ok(value: Any, tp) -> bool:
     return True
 
 
+def _section_keys() -> dict[str, list[str]]:
+    """Every section's keys (a registry's options included): where a key given in the wrong section lives
+    (train.lr -> optim.lr)."""
+    out = {}
+    regs = _registries()
+    hints = typing.get_type_hints(Config)
+    for sec in dataclasses.fields(Config):
+        keys = [f.name for f in dataclasses.fields(hints[sec.name]) if f.name != "options"]
+        for _, options in regs.get(sec.name, ("", []))[1]:
+            keys += [k for k in options.field_names() if k not in keys]
+        out[sec.name] = keys
+    return out
+
+
 def _build(cls, data: dict, prefix: str, problems: list[str]):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.name != "options"]
@@ -95,7 +109,10 @@ def _build(cls, data: dict, prefix: str, problems: list[str]):
         where = f"{prefix}{key}"
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(names)}"
+            elsewhere = [f"{sec}.{key}" for sec, keys in _section_keys().items() if key in keys and f"{sec}." != prefix]
+            # the key itself in another section first (train.lr -> optim.lr), else a near spelling here
+            hint = (f"; did you mean {' or '.join(elsewhere)}?" if elsewhere and prefix else
+                    f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(names)}")
             problems.append(f"{where}: unknown key{hint}")
             continue
         tp = hints[key]
@@ -192,7 +209,9 @@ def _split_options(section: str, data: dict, fixed: list[str], registry, problem
             else:
                 valid = fixed + sorted(own)
                 close = difflib.get_close_matches(str(key), valid, n=1)
-                hint = f"; did you mean {section}.{close[0]}?" if close else f"; valid keys: {', '.join(valid)}"
+                elsewhere = [f"{sec}.{key}" for sec, keys in _section_keys().items() if key in keys and sec != section]
+                hint = (f"; did you mean {' or '.join(elsewhere)}?" if elsewhere else
+                        f"; did you mean {section}.{close[0]}?" if close else f"; valid keys: {', '.join(valid)}")
                 problems.append(f"{section}.{key}: unknown key{hint}")
     return rest, _build(ocls, mine, section + ".", problems)
 

@@ -47,6 +47,22 @@ def test_unknown_keys_name_the_closest_valid_key_and_all_problems_at_once():
     assert "optim.lr: expected float, got 'fast'" in msg
     assert f"comm.mode: 'carrier' is not one of {', '.join(sync.names())}" in msg
     assert "optimm: unknown section; did you mean optim?" in msg
+    assert "did you mean" not in msg.split("comm.mode:")[1].split("\n")[0]     # 'carrier' is near no mode
+
+
+def test_a_key_in_the_wrong_section_a_near_mode_and_a_missing_file_name_the_fix():
+    """A practitioner review's first-hour mistakes: train.lr (optim.lr), optim.max_steps (train.max_steps, not
+    optim.warmup_steps), comm.mode=onebitt (onebit), a variant file that does not exist (the nearest one)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs/default.yaml", ["train.lr=1e-3", "optim.max_steps=3", "comm.mode=onebitt"])
+    msg = str(e.value)
+    assert "train.lr: unknown key; did you mean optim.lr?" in msg
+    assert "optim.max_steps: unknown key; did you mean train.max_steps?" in msg
+    assert "is not one of" in msg and "; did you mean onebit?" in msg
+    with pytest.raises(ConfigError, match=r"lioncub_2bit.yaml; did you mean .*/configs/variants/lioncub_4bit.yaml\?"):
+        load_config([ROOT / "configs/default.yaml", ROOT / "configs/variants/lioncub_2bit.yaml"])
+    with pytest.raises(ConfigError, match=r"zzzz.yaml; .*/configs/variants holds adamw_fp32.yaml, "):
+        load_config([ROOT / "configs/variants/zzzz.yaml"])
 
 
 def test_bad_combinations():
