@@ -4,7 +4,7 @@
 The command reads the config (trainer.config) and prints model.memory's estimate and report; the
 estimate itself (model/memory.py) says what each line counts. Arguments follow every command's
 convention (util/cli.py): config files compose in order, overrides and flags in any order;
-`--variants A.yaml B.yaml` prints one estimate per file (each composed over the config files given
+`--variants A.yaml B.yaml` (or names of configs/variants: `--variants adamw_fp32 lioncub_1bit`) prints one estimate per file (each composed over the config files given
 outside --variants, then the overrides) and a table comparing their totals.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 from model.memory import GIB, estimate, report
 from util.cli import Parser, variant_runs
 
-from .config import AUTO_MODE, ConfigError, load_config, validate
+from .config import AUTO_MODE, VARIANTS_DIR, ConfigError, load_config, validate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="activation width: cuda uses train.dtype (bfloat16 by default), cpu fp32")
     args = ap.parse_args(argv)
     try:
-        runs = variant_runs(args) if args.variants else [("", args.configs)]
+        # a bare name is configs/variants/<name>.yaml, as bench.advise and bench.time_to_loss read it
+        runs = variant_runs(args, lambda v: str(VARIANTS_DIR / f"{v}.yaml")) if args.variants else [("", args.configs)]
         rows = []
         for name, files in runs:
             cfg = load_config(files, args.overrides)

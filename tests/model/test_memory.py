@@ -138,6 +138,11 @@ def test_command_line_convention(capsys) -> None:
     want = {n: estimate(load_config([size, f], ["data.batch_size=1"]), 8, 1).total / 2 ** 30
             for n, f in (("adamw_fp32", adamw), ("lioncub_1bit", variant))}
     assert table == pytest.approx(want, abs=0.006) and table["adamw_fp32"] > table["lioncub_1bit"]
+    # names of configs/variants, as bench.advise and bench.time_to_loss take them
+    assert main([size, "--variants", "adamw_fp32", "lioncub_1bit", "data.batch_size=1", "--world", "8"]) == 0
+    named = {line.split()[0]: float(line.split()[3]) for line in capsys.readouterr().out.splitlines()
+             if line.startswith(("adamw_fp32 ", "lioncub_1bit "))}
+    assert named == table
 
     with pytest.raises(SystemExit) as e:
         main([size, "--world", "8", "data.batch_size"])
