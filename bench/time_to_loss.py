@@ -466,7 +466,7 @@ def predict_cluster_step(curve: Curve, cluster: Cluster, reference: str = REFERE
     if cluster.mfu is not None:
         mfu, mfu_src = cluster.mfu, "given"
     else:
-        mfu, mfu_src = gpu_check_mfu(cluster.gpu, curve.name, reference)
+        mfu, mfu_src = gpu_check_mfu(cluster.gpu, base_variant(curve.name), reference)
     flops = model.flops_per_token((cfg.get("data") or {}).get("seq_len")) * curve.tokens_per_step
     compute = flops / (P * PEAK_FLOPS[cluster.gpu] * mfu)
     alpha, beta = cluster.replicate_link(shard)
@@ -819,13 +819,13 @@ def end_to_end_markdown(rows: list[dict], link: str, metric: str) -> str:
 # training the curves and measuring the steps (subprocesses)
 # ------------------------------------------------------------------------------------------------
 
-LR_KEYS = ("optim.lr", "optim.warmup_steps")   # a setting's shared lr recipe (bench.reproduce's --lr shared)
+LR_KEYS = ("optim.lr",)   # a setting's shared lr (bench.reproduce's --lr shared); its warmup is kept for all
 
 
 def setting_overrides(setting: str, lr: str = "variant") -> tuple[tuple[str, ...], int, int]:
-    """(overrides, steps, evaluations) of a bench.reproduce setting at its full scale: its model, corpus and
-    batch; with lr="setting" also its shared lr and warmup (every variant at one lr), else each variant keeps
-    its own (its file's optim.lr and warmup: which method reaches a loss first is asked of each at its lr)."""
+    """(overrides, steps, evaluations) of a bench.reproduce setting at its full scale: its model, corpus, batch
+    and warmup; with lr="setting" also its shared lr (every variant at one lr), else each variant keeps its own
+    (its file's optim.lr: which method reaches a loss first is asked of each at its lr)."""
     if setting not in runstore.SETTINGS:
         raise ValueError(f"--setting {setting}: unknown; one of {', '.join(runstore.SETTINGS)}")
     st = runstore.SETTINGS[setting]
@@ -973,9 +973,9 @@ def parse_args(argv: Sequence[str] | None = None):
     ap.add_argument("--setting", default="study-prose", help="bench.reproduce setting of the runs (model, corpus, "
                                                               "batch): its overrides come before yours")
     ap.add_argument("--lr", default="variant", choices=["variant", "setting"],
-                    help="the lr of a curve --train trains: each variant's own (its file's optim.lr and warmup; "
-                         "default), or the setting's shared one (every variant at one lr, as bench.reproduce's "
-                         "--lr shared); optim.lr=X after the variants sets it for all")
+                    help="the lr of a curve --train trains: each variant's own (its file's optim.lr; default), "
+                         "or the setting's shared one (every variant at one lr, as bench.reproduce's --lr shared); "
+                         "optim.lr=X after the variants sets it for all; the warmup is the setting's")
     ap.add_argument("--metric", default="val_loss", choices=["val_loss", "train_loss"])
     ap.add_argument("--target", type=float, default=None, help="loss to reach (default: --reference's final)")
     ap.add_argument("--reference", default=REFERENCE, help="the synchronous baseline variant")
@@ -1069,13 +1069,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"no --target given and no {ns.reference} run among the variants "
                              f"({', '.join(dict(ns.candidates))}) to take it from; give --target LOSS or "
                              f"--reference VARIANT")
-        for name, files in ns.candidates:  # a misspelt override is refused here, not by the ranks (or never)
-            try:
-                load_config([f if Path(f).is_absolute() else ROOT / f for f in files],
-                            [*overrides, *ns.own_overrides.get(name, [])])
+        for name, files in ns.candidates:  # a misspelt override is refused here, not by the ranks (or never),
+            try:                            # at the length and evaluations --train would run it with
+                load_config([f if Path(f).is_absolute() or Path(f).is_file() else ROOT / f for f in files],
+                            [*overrides, *ns.own_overrides.get(name, []), *_curve_settings(steps, ns.evals, runs / name)])
             except ConfigError as e:
                 raise ValueError(f"{name}: {' '.join(str(e).split())}") from None
-        foreign = [f for f in ("results.md", "results.csv", "time_to_loss.png") if (out / f).exists()]
+        foreign = [f for f in ("results.md", "results.csv", "time_to_loss.png", "meta.json", "end_to_end.csv")
+                   if (out / f).exists()]
         if foreign and not _ours(out):
             raise ValueError(f"--out {shown(out)} holds {', '.join(foreign)} that this command did not write (no "
                              f"meta.json of its own beside them); choose another --out")
@@ -1084,6 +1085,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not (run_dir / "metrics.jsonl").is_file():
                 train_curve(name, files, mine, run_dir, ns.nproc, steps, ns.evals, **how)
             elif bad := curve_run_mismatch(files, mine, run_dir, steps, ns.evals):  # not silently another run
+                if bad.startswith(LR_KEYS) and ns.lr != "setting":
+                    bad += "; a run trained at the setting's shared lr is read with --lr setting"
                 raise ValueError(f"{flag}: {run_dir} holds a run of another config ({bad}); delete it to train "
                                  f"{name} again there, or point {'--runs (or --out)' if flag == '--train' else '--e2e'} "
                                  f"elsewhere")
@@ -1191,7 +1194,7 @@ def write_outputs(out: Path, rows: list[dict], curves: dict[str, Curve], step_ti
     # the setting shapes only what this command trains or measures (--train, --train-e2e, --measure)
     used = ns.train or ns.train_e2e or ns.measure
     setting = (f"Setting `{ns.setting}` (the overrides of the runs this command trains or measures){yours}. "
-               if used else f"No run trained or measured by this command (its --setting is unused){yours}. ")
+               if used else "No run trained or measured by this command (its --setting and overrides are unused). ")
     md = ["# Time to loss", "", f"{setting}Curves (MEASURED, unsimulated; the mean of a variant's runs where it "
           f"has several) from:", "",
           *[f"- {n} ({c.runs} run{'s' if c.runs > 1 else ''}, {curve_setup(c)}): {c.source}" for n, c in curves.items()],

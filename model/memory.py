@@ -74,12 +74,17 @@ def local_numel(shape: tuple[int, ...], shards: int, index: int = 0) -> int:
 
 def model_shapes(model_config) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, role, shape) of every trainable parameter, built on the meta device (no memory)."""
-    from .gpt import GPT, param_roles
+    return [(n, role, shape) for n, role, shape, _ in _model_params(model_config)]
+
+
+def _model_params(model_config) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """(name, role, shape, layer) of every trainable parameter (layer: gpt.param_layers, "block.<i>" or "")."""
+    from .gpt import GPT, param_layers, param_roles
 
     with torch.device("meta"):
         model = GPT(model_config)
-    roles = param_roles(model)
-    return [(n, roles[n], tuple(p.shape)) for n, p in model.named_parameters()]
+    roles, layers = param_roles(model), param_layers(model)
+    return [(n, roles[n], tuple(p.shape), layers[n]) for n, p in model.named_parameters()]
 
 
 def fsdp_units(model_config) -> list[int]:
@@ -118,10 +123,11 @@ def estimate(cfg, world: int, shard_size: int = 1, *, device: str = "cuda", mode
     mc = model_config or resolve_config(vars(cfg.model))
     spec, scheme = get_optimizer(cfg.optim.name), sync.get(cfg.comm.mode)
     mem = Memory()
-    shapes = model_shapes(mc)
-    for _, role, shape in shapes:
+    layout = []   # (layer, local numel): what a local-update scheme's fragments are made of
+    for _, role, shape, layer in _model_params(mc):
         n = local_numel(shape, shard_size)
         mem.local_elements += n
+        layout.append((layer, n))
         if spec.state_words is None:
             continue
         mem.optim_state += int(4 * spec.state_words(cfg.optim.options, scheme, role in MATRIX_ROLES and len(shape) == 2) * n)
@@ -136,8 +142,8 @@ def estimate(cfg, world: int, shard_size: int = 1, *, device: str = "cuda", mode
     # c being written over the gradient; the whole vector with comm.overlap)
     separate = bool(cfg.comm.overlap and cfg.comm.bucket_mb > 0)
     vector = spec.update_buffer(n, separate) if spec.update_buffer is not None else n
-    mem.comm_buffers = scheme.buffer_bytes(cfg.comm.options, replicas, n) + (4 * vector if scheme.kind == sync.UPDATE
-                                                                              else 0)
+    mem.comm_buffers = (scheme.buffer_bytes(cfg.comm.options, replicas, n, layout)
+                        + (4 * vector if scheme.kind == sync.UPDATE else 0))
     if shard_size > 1:
         mem.comm_buffers += 3 * 4 * max(fsdp_units(mc))
     act = 2 if device == "cuda" and cfg.train.dtype == "bfloat16" else 4

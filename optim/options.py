@@ -51,7 +51,8 @@ def choice(problems: list[str], key: str, value: Any, allowed: Iterable) -> None
     one where a misspelling is likely)."""
     allowed = list(allowed)
     if value not in allowed:
-        close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+        close = (difflib.get_close_matches(value, [a for a in allowed if isinstance(a, str)], n=1)
+                 if isinstance(value, str) else [])   # a misspelt name, never a number near another
         problems.append(f"{key}: {value!r} is not one of {', '.join(map(str, allowed))}"
                         + (f"; did you mean {close[0]}?" if close else ""))
 

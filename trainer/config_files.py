@@ -18,10 +18,13 @@ def _read_yaml(path: Path, seen: tuple = ()) -> dict:
     if path in seen:
         raise ConfigError(f"config 'extends' cycle: {' -> '.join(map(str, seen + (path,)))}")
     if not path.is_file():
-        near = sorted(p.name for p in path.parent.glob("*.yaml")) if path.parent.is_dir() else []
+        if not path.parent.is_dir():
+            raise ConfigError(f"config file not found: {path} (its directory {path.parent} does not exist)")
+        near = sorted(p.name for p in path.parent.iterdir() if p.suffix in (".yaml", ".yml"))
         close = difflib.get_close_matches(path.name, near, n=1)
+        listed = ", ".join(near[:20]) + (f" and {len(near) - 20} more" if len(near) > 20 else "")
         raise ConfigError(f"config file not found: {path}" + (f"; did you mean {path.parent / close[0]}?" if close else
-                                                               f"; {path.parent} holds {', '.join(near)}" if near else ""))
+                                                               f"; {path.parent} holds {listed}" if near else ""))
     try:  # a key given twice (a second `train:` section) is an error naming both lines, never a silent loss
         raw = strict_yaml(path.read_text(), path) or {}
     except FileShapeError as e:

@@ -109,9 +109,12 @@ def _build(cls, data: dict, prefix: str, problems: list[str]):
         where = f"{prefix}{key}"
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
-            elsewhere = [f"{sec}.{key}" for sec, keys in _section_keys().items() if key in keys and f"{sec}." != prefix]
-            # the key itself in another section first (train.lr -> optim.lr), else a near spelling here
-            hint = (f"; did you mean {' or '.join(elsewhere)}?" if elsewhere and prefix else
+            # the key itself in another section first (train.lr -> optim.lr), for a top-level section's unknown key
+            # only (comm.diloco.lr is no optim.lr), else a near spelling here
+            top = prefix.count(".") == 1
+            elsewhere = [f"{sec}.{key}" for sec, keys in _section_keys().items()
+                         if top and key in keys and f"{sec}." != prefix]
+            hint = (f"; did you mean {' or '.join(elsewhere)}?" if elsewhere else
                     f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(names)}")
             problems.append(f"{where}: unknown key{hint}")
             continue

@@ -529,12 +529,14 @@ def _state_bytes(options: DiLoCoSchemeOptions, P: int, n: int) -> int:
     return own
 
 
-def _buffers(options: DiLoCoSchemeOptions, P: int, n: int) -> int:
-    """The largest fragment's average at once: its fp32 pseudo-gradient and fp32 result (8 bytes an element)
-    and the wire's sent and received bytes for it (the fragments are strided blocks: ceil(n / F) elements
-    stands for the largest). An average in flight past its send is state (`_state_bytes`), not counted here."""
+def _buffers(options: DiLoCoSchemeOptions, P: int, n: int, layout: Sequence[tuple[str, int]] | None = None) -> int:
+    """The largest fragment's average at once: its fp32 pseudo-gradient and fp32 result (8 bytes an element;
+    an upper bound: the fp32 wire averages in place) and the wire's sent and received bytes for it. The
+    largest fragment from the model's layout (fragment_numels: the embedding and head join one fragment),
+    else the whole vector for F > 1 (an upper bound: without the layout the largest is unknown). An average
+    in flight past its send is state (`_state_bytes`), not counted here."""
     o = options.diloco
-    nf = comm.ceil_div(n, o.fragments)
+    nf = max(fragment_numels(o, layout)) if layout and o.fragments > 1 else n
     return 8 * nf + sum(wire_bytes(o, P, nf))
 
 

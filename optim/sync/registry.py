@@ -158,11 +158,12 @@ class SyncScheme:
     changes, where it does not change after every step (a local-update scheme evaluates its global
     parameters: they move at outer steps and at the end); None = after every step. Read through
     `changes_at`: bench.time_to_loss reads such a curve at them."""
-    buffers: Callable[[SchemeOptions, int, int], int] | None = None
-    """buffers(options, P, n): the bytes one exchange of an n-element vector holds at once on a rank
-    where that is not its per-call bytes (a local-update scheme's bytes_per_call is an average over its
-    cycle, while its largest fragment's average holds that fragment's pseudo-gradient and wire buffers
-    whole); None = the sent and received bytes of one call. Read through `buffer_bytes` (model.memory)."""
+    buffers: Callable[..., int] | None = None
+    """buffers(options, P, n, layout): the bytes one exchange of an n-element vector holds at once on a
+    rank where that is not its per-call bytes (a local-update scheme's bytes_per_call is an average over
+    its cycle, while its largest fragment's average holds that fragment's pseudo-gradient and wire
+    buffers whole); `layout` the model's (layer, numel) pairs where known (None: n alone). None = the sent
+    and received bytes of one call. Read through `buffer_bytes` (model.memory)."""
 
     def __post_init__(self) -> None:
         if self.kind not in (GRADIENT, UPDATE):
@@ -259,13 +260,14 @@ class SyncScheme:
             return 0, 0
         return self.wire_bytes(options, P, n, rank, rows)
 
-    def buffer_bytes(self, options: SchemeOptions, P: int, n: int) -> int:
+    def buffer_bytes(self, options: SchemeOptions, P: int, n: int,
+                     layout: Sequence[tuple[str, int]] | None = None) -> int:
         """Bytes of one exchange's buffers held at once on a rank (`buffers`, else sent + received of one call;
-        0 at P = 1)."""
+        0 at P = 1); `layout`: the model's (layer, numel) pairs (layer "block.<i>" or ""), where known."""
         if P <= 1:
             return 0
         if self.buffers is not None:
-            return self.buffers(options, P, n)
+            return self.buffers(options, P, n, layout)
         return sum(self.bytes_per_call(options, P, n))
 
 

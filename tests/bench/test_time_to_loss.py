@@ -269,7 +269,8 @@ def test_command_end_to_end_on_synthetic_runs(tmp_path, capsys):
     lr = resolved("adamw_fp32")["optim"]["lr"]   # the lr each curve trained at is said
     assert f"- adamw_fp32 (1 run, model debug, data builtin, 128 tokens/step, lr {lr:g}):" in md and "differ" not in md
     # nothing trained or measured here: the header does not claim a setting shaped the runs
-    assert "No run trained or measured by this command (its --setting is unused)" in md and "Setting `" not in md
+    assert "No run trained or measured by this command (its --setting and overrides are unused)" in md
+    assert "Setting `" not in md
     # a curve of another global batch is flagged (equal steps are not equal tokens)
     make_run(runs / "lioncub_1bit", resolved("lioncub_1bit"), {10: 3.6, 20: 2.9}, tokens=256)
     assert ttl.main(["--variants", "adamw_fp32", "lioncub_1bit", "--runs", str(runs), "--breakdown",
@@ -730,14 +731,21 @@ def test_train_reuses_a_curve_run_only_when_it_is_the_run_it_would_train(tmp_pat
 
 
 def test_train_keeps_each_variant_s_lr_unless_told():
-    """--train asks which method reaches a loss first, each at its own lr: the setting gives the model, corpus and
-    batch, not its shared lr and warmup (a practitioner review: every optimizer trained at 1e-3 unsaid); --lr
-    setting restores the shared one."""
+    """--train asks which method reaches a loss first, each at its own lr: the setting gives the model, corpus,
+    batch and warmup, not its shared lr (a practitioner review: every optimizer trained at 1e-3 unsaid); --lr
+    setting restores the shared one. The up-front config check runs at the run's length: inner_steps=400 is
+    valid at study-prose-1200's 1,200 steps (the review of the change: it was checked at 300)."""
     ns = ttl.parse_args(["--variants", "adamw_fp32", "--link", "1gbit", "--setting", "tiny-builtin"])
     keys = {o.partition("=")[0] for o in ns.setting_overrides}
-    assert "model.preset" in keys and "data.batch_size" in keys and not keys & set(ttl.LR_KEYS)
+    assert "model.preset" in keys and "data.batch_size" in keys and "optim.lr" not in keys
+    assert "optim.warmup_steps=20" in ns.setting_overrides   # the setting's warmup for every variant
     ns = ttl.parse_args(["--variants", "adamw_fp32", "--link", "1gbit", "--setting", "tiny-builtin", "--lr", "setting"])
     assert "optim.lr=1e-3" in ns.setting_overrides and "optim.warmup_steps=20" in ns.setting_overrides
+    steps = ttl.setting_overrides("study-prose-1200")[1]
+    from trainer.config import load_config
+    over = [*ttl.setting_overrides("study-prose-1200")[0], "comm.diloco.inner_steps=400",
+            *ttl._curve_settings(steps, 6, ttl.ROOT / "x")]
+    assert load_config([ttl.ROOT / "configs/variants/diloco_h10.yaml"], over).comm.options.diloco.inner_steps == 400
 
 
 def test_a_misspelt_override_and_a_foreign_out_are_refused_before_anything(tmp_path, capsys):

@@ -63,6 +63,16 @@ def test_a_key_in_the_wrong_section_a_near_mode_and_a_missing_file_name_the_fix(
         load_config([ROOT / "configs/default.yaml", ROOT / "configs/variants/lioncub_2bit.yaml"])
     with pytest.raises(ConfigError, match=r"zzzz.yaml; .*/configs/variants holds adamw_fp32.yaml, "):
         load_config([ROOT / "configs/variants/zzzz.yaml"])
+    # ... and says nothing misleading: a nested key is not another section's (comm.diloco.lr is no optim.lr),
+    # a number is never "near" another, a missing directory is named as such
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["comm.mode=diloco", "comm.diloco.lr=1", "train.max_steps=600"])
+    assert "comm.diloco.lr: unknown key" in str(e.value) and "optim.lr" not in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["comm.mode=pbit", "comm.bits=32"])
+    assert "comm.bits: 32 is not one of" in str(e.value) and "did you mean" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"nope/x.yaml \(its directory .*nope does not exist\)"):
+        load_config([ROOT / "nope" / "x.yaml"])
 
 
 def test_bad_combinations():
